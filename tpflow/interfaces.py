@@ -1,0 +1,140 @@
+"""The five component interfaces of tpflow (DESIGN.md §2), plus the prompt dataset.
+
+Protocols only: signatures and docstrings, no behaviour. A concrete class names the Protocol it implements in its
+docstring and inherits nothing; code shared between implementations is a plain function. Shapes use the letters of
+``tpflow.types``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from tpflow.types import Conditioning, Credit, PromptItem, RewardOutput, Rollout, StepOutput
+
+
+@runtime_checkable
+class Backbone(Protocol):
+    """A text-to-image flow model plus its trainable adapter (LoRA)."""
+
+    def encode(self, prompts: Sequence[str]) -> Conditioning:
+        """Encode N prompts (and whatever the unconditional branch needs) once per batch."""
+        ...
+
+    def initial_noise(self, n: int, generator: torch.Generator | None = None) -> Tensor:
+        """z_0 ~ N(0, I): [n, ...] in the model's latent dtype and device."""
+        ...
+
+    def sigmas(self, num_steps: int) -> Tensor:
+        """The inference schedule σ_0 = 1 > ... > σ_K = 0: [K + 1] float32, the model's own shift included."""
+        ...
+
+    def velocity(self, z: Tensor, sigma: Tensor, cond: Conditioning, guidance: float) -> Tensor:
+        """v_θ(z, σ, c) with guidance applied (CFG batched in one call, or FLUX's guidance embedding).
+
+        Args:
+            z: [N, ...] latents, all at noise level ``sigma``.
+            sigma: [N] float32 noise levels.
+            cond: conditioning of the same N rows.
+            guidance: CFG scale (or distilled guidance); 1 means the conditional prediction alone.
+        Returns:
+            [N, ...] velocity in the latent dtype.
+        """
+        ...
+
+    def decode(self, z: Tensor) -> Tensor:
+        """Latents [N, ...] to images [N, 3, H, W] float32 in [0, 1]."""
+        ...
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The adapter parameters the optimizer updates; everything else is frozen."""
+        ...
+
+    def reference(self) -> AbstractContextManager[None]:
+        """Context in which ``velocity`` is the frozen base model (adapter disabled): the KL reference."""
+        ...
+
+    def save_adapter(self, directory: Path) -> None:
+        """Write the adapter in a format diffusers' ``load_lora_weights`` reads (safetensors)."""
+        ...
+
+    def load_adapter(self, directory: Path) -> None:
+        """Load an adapter written by ``save_adapter``."""
+        ...
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """One step rule of the reverse process, written like a diffusers scheduler step (float32 inside).
+
+    ``noise_level`` α = 0 must reproduce the Euler ODE step exactly.
+    """
+
+    def step(
+        self,
+        z: Tensor,
+        v: Tensor,
+        sigma: Tensor,
+        sigma_next: Tensor,
+        noise_level: float,
+        generator: torch.Generator | None = None,
+        noise: Tensor | None = None,
+    ) -> StepOutput:
+        """Advance z from ``sigma`` to ``sigma_next`` ([] or [N] each); ``noise`` replaces the generator's draw ξ."""
+        ...
+
+    def log_prob(
+        self, z_next: Tensor, z: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, noise_level: float
+    ) -> StepOutput:
+        """Score a stored transition z -> z_next under velocity v; ``prev`` of the result is ``z_next``."""
+        ...
+
+
+@runtime_checkable
+class RewardModel(Protocol):
+    """Scores images; safe to call from a worker thread; heavy models load lazily on the first call."""
+
+    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:
+        """Score images [N, 3, H, W] in [0, 1] for their prompts and metadata; ``scores`` [N], higher is better."""
+        ...
+
+
+@runtime_checkable
+class CreditAssigner(Protocol):
+    """Turns a reward trace into one reward per trained window step."""
+
+    needs_completions: bool
+    """Whether the rollout must produce R_0..R_{W-1} (ODE completions); only R_W is needed when false."""
+
+    def __call__(self, trace: Tensor) -> Credit:
+        """trace [N, W+1] (column j = reward after j SDE steps completed by ODE) -> Credit with [N, W] fields.
+
+        One call covers one rollout batch: assigners that balance turning points do so across this batch.
+        """
+        ...
+
+
+@runtime_checkable
+class Optimizer(Protocol):
+    """The policy update from stored transitions and their advantages."""
+
+    def update(self, backbone: Backbone, sampler: Sampler, batch: Rollout, advantages: Tensor) -> dict[str, float]:
+        """One pass over ``batch`` (advantages [N, W]); returns scalar metrics (loss, ratio, clip fraction, KL...)."""
+        ...
+
+
+@runtime_checkable
+class PromptDataset(Protocol):
+    """Prompts with their task metadata (GenEval-style tags, OCR targets...), in named splits."""
+
+    splits: tuple[str, ...]
+    """The split names this dataset has, e.g. ("train", "test")."""
+
+    def split(self, name: str) -> Sequence[PromptItem]:
+        """The items of one split, in a fixed order (the trainer draws from it with its own seeded RNG)."""
+        ...

@@ -1,0 +1,258 @@
+"""Name registries for the components, with plugin discovery by entry point.
+
+Every component is registered under a short name with a pydantic options model::
+
+    class CpsOptions(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+    @register("sampler", "cps", options=CpsOptions)
+    class CpsSampler:
+        def __init__(self, options: CpsOptions): ...
+
+``tpflow.build("sampler", "cps", **options)`` validates the options against that model and calls the factory with
+the validated model instance. Third-party packages add components through the entry-point group ``tpflow.<kind>``
+(``tpflow.rewards`` is accepted as an alias of ``tpflow.reward``): the entry point's name is the component name and
+its value the object, e.g. ``my-reward = "my_pkg.reward:MyReward"``. The object may register itself with
+``@register`` when its module is imported; otherwise it is registered under the entry point's name with its
+``Options`` attribute as options model (no options when absent). Plugins are discovered lazily, on the first lookup.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from tpflow.errors import DuplicateComponentError, UnknownComponentError, UserError
+
+KINDS: tuple[str, ...] = ("backbone", "sampler", "reward", "credit", "optimizer", "dataset")
+
+# Modules whose import registers the built-in components of each kind.
+_BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
+    "backbone": (),
+    "sampler": ("tpflow.samplers",),
+    "reward": (),
+    "credit": ("tpflow.credit",),
+    "optimizer": ("tpflow.optim",),
+    "dataset": ("tpflow.data",),
+}
+
+_KIND_WORDS = {
+    "backbone": "backbone",
+    "sampler": "sampler",
+    "reward": "reward model",
+    "credit": "credit assigner",
+    "optimizer": "optimizer",
+    "dataset": "prompt dataset",
+}
+
+
+class NoOptions(BaseModel):
+    """Options model of a component that takes none."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registered component."""
+
+    kind: str
+    name: str
+    factory: Callable[[BaseModel], Any]  # called with the validated options model
+    options: type[BaseModel]
+    origin: str  # "file.py:line" of the definition
+    source: str  # "tpflow" for built-ins, "plugin <distribution> <version>" for entry points
+    qualname: str  # module:qualname, to recognise a re-registration of the same object
+
+
+T = TypeVar("T")
+
+_lock = threading.RLock()
+_entries: dict[str, dict[str, Entry]] = {kind: {} for kind in KINDS}
+_builtins_loaded: set[str] = set()
+_plugins_loaded: set[str] = set()
+_plugin_errors: dict[str, list[str]] = {kind: [] for kind in KINDS}
+_current_source: str = "tpflow"
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise UserError(f"Unknown component kind {kind!r}. Kinds are: {', '.join(KINDS)}.")
+
+
+def _origin(obj: Any) -> str:
+    try:
+        file = inspect.getsourcefile(obj) or "?"
+        line = inspect.getsourcelines(obj)[1]
+        return f"{file}:{line}"
+    except (OSError, TypeError):
+        return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def _qualname(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def _add(kind: str, name: str, obj: Any, options: type[BaseModel] | None) -> None:
+    qualname = _qualname(obj)
+    if options is not None and options.model_config.get("extra") != "forbid":
+        raise TypeError(
+            f"Options model {options.__name__} of {kind} {name!r} must set model_config = ConfigDict(extra='forbid') "
+            "so that misspelt options fail."
+        )
+    entry = Entry(kind, name, obj, options or NoOptions, _origin(obj), _current_source, qualname)
+    with _lock:
+        first = _entries[kind].get(name)
+        if first is not None and first.qualname != qualname:
+            raise DuplicateComponentError(
+                f"The {_KIND_WORDS[kind]} name {name!r} is registered twice: first by {first.qualname} "
+                f"({first.origin}, {first.source}), again by {qualname} ({entry.origin}, {entry.source}). "
+                "Rename one of them."
+            )
+        _entries[kind][name] = entry  # a re-import of the same definition replaces it
+
+
+def register(kind: str, name: str, options: type[BaseModel] | None = None) -> Callable[[T], T]:
+    """Class or function decorator that registers a component factory under ``(kind, name)``.
+
+    Args:
+        kind: one of ``KINDS``.
+        name: the short name recipes use, e.g. ``"cps"``.
+        options: pydantic model of the component's options (``extra="forbid"``); the factory receives an instance.
+    """
+    _check_kind(kind)
+
+    def decorator(obj: T) -> T:
+        _add(kind, name, obj, options)
+        return obj
+
+    return decorator
+
+
+def _load_builtins(kind: str) -> None:
+    if kind in _builtins_loaded:
+        return
+    with _lock:
+        _builtins_loaded.add(kind)
+        for module in _BUILTIN_MODULES[kind]:
+            importlib.import_module(module)
+
+
+def _entry_points(kind: str) -> list[metadata.EntryPoint]:
+    return [ep for group in (f"tpflow.{kind}", f"tpflow.{kind}s") for ep in metadata.entry_points(group=group)]
+
+
+def _load_plugins(kind: str) -> None:
+    global _current_source
+    if kind in _plugins_loaded:
+        return
+    with _lock:
+        _plugins_loaded.add(kind)
+        for ep in _entry_points(kind):
+            dist = getattr(ep, "dist", None)
+            source = f"plugin {dist.name} {dist.version}" if dist is not None else f"plugin {ep.value}"
+            previous, _current_source = _current_source, source
+            try:
+                obj = ep.load()  # a module that uses @register has registered its components by now
+                existing = _entries[kind].get(ep.name)
+                if existing is None or existing.qualname != _qualname(obj):
+                    _add(kind, ep.name, obj, getattr(obj, "Options", None))
+            except DuplicateComponentError:
+                _plugins_loaded.discard(kind)  # keep failing on every lookup until the clash is resolved
+                raise
+            except Exception as exc:  # a broken plugin must not take the built-ins down with it
+                _plugin_errors[kind].append(f"{ep.name} = {ep.value!r} ({source}): {type(exc).__name__}: {exc}")
+            finally:
+                _current_source = previous
+
+
+def _ensure(kind: str) -> None:
+    _check_kind(kind)
+    _load_builtins(kind)
+    _load_plugins(kind)
+
+
+def refresh_plugins() -> None:
+    """Forget discovered plugins and look for entry points again (after installing a package at run time)."""
+    with _lock:
+        for kind in KINDS:
+            for name in [n for n, e in _entries[kind].items() if e.source != "tpflow"]:
+                del _entries[kind][name]
+            _plugin_errors[kind].clear()
+        _plugins_loaded.clear()
+
+
+def entries(kind: str) -> list[Entry]:
+    """All registered components of a kind, sorted by name (built-ins and plugins)."""
+    _ensure(kind)
+    return [_entries[kind][n] for n in sorted(_entries[kind])]
+
+
+def names(kind: str) -> list[str]:
+    """Sorted names of the registered components of a kind."""
+    return [e.name for e in entries(kind)]
+
+
+def plugin_errors(kind: str) -> list[str]:
+    """Entry points of this kind that failed to load, with the reason."""
+    _ensure(kind)
+    return list(_plugin_errors[kind])
+
+
+def get(kind: str, name: str) -> Entry:
+    """The entry for ``(kind, name)``; raises UnknownComponentError listing the available names."""
+    _ensure(kind)
+    entry = _entries[kind].get(name)
+    if entry is not None:
+        return entry
+    available = sorted(_entries[kind])
+    close = difflib.get_close_matches(name, available, n=1, cutoff=0.5)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    broken = f" Plugins that failed to load: {'; '.join(_plugin_errors[kind])}." if _plugin_errors[kind] else ""
+    raise UnknownComponentError(
+        f"{name!r} is not a registered {_KIND_WORDS[kind]}.{hint} Available: {', '.join(available) or '(none)'}."
+        f"{broken}"
+    )
+
+
+def validate_options(kind: str, name: str, options: dict[str, Any]) -> BaseModel:
+    """Validate options against the component's model; pydantic's ValidationError propagates."""
+    return get(kind, name).options.model_validate(options)
+
+
+def build(kind: str, name: str, /, **options: Any) -> Any:
+    """Build a component by kind and name: ``tpflow.build("credit", "turning_point", balanced=False)``.
+
+    Raises:
+        UnknownComponentError: no such name (the message lists the available ones).
+        UserError: the options do not validate (the message names each bad field and the allowed ones).
+    """
+    entry = get(kind, name)
+    try:
+        validated = entry.options.model_validate(options)
+    except ValidationError as exc:
+        raise UserError(describe_validation_error(exc, f"{_KIND_WORDS[kind]} {name!r}", entry.options)) from None
+    return entry.factory(validated)
+
+
+def describe_validation_error(exc: ValidationError, where: str, model: type[BaseModel]) -> str:
+    """One paragraph for a pydantic error: every bad field, why, and the fields the model allows."""
+    allowed = ", ".join(model.model_fields) or "(none)"
+    problems = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(options)"
+        if err["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(str(err["loc"][-1]), list(model.model_fields), n=1, cutoff=0.5)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"unknown option {field!r}{hint}")
+        else:
+            problems.append(f"option {field!r}: {err['msg']} (got {err.get('input')!r})")
+    return f"{where}: {'; '.join(problems)}. Allowed options: {allowed}."
