@@ -1,0 +1,241 @@
+"""Samplers (ALGORITHM.md §1.3–1.5): invariants, the reference's std tables, dtypes and input checks.
+
+The SD3 K=10 and FLUX K=6 schedules are typed in from ALGORITHM.md §1.2 (tests/test_schedules.py checks them against
+diffusers), so these tests do not import diffusers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tpflow
+from tpflow.interfaces import Sampler
+from tpflow.samplers import CpsSampler, FlowSdeSampler, euler_step
+
+SD3_K10 = torch.tensor([1.0, 0.96013, 0.91335, 0.85769, 0.79037, 0.70728, 0.60215, 0.46488, 0.27805, 0.00893, 0.0])
+FLUX_K6 = torch.tensor([1.0, 0.90374, 0.78970, 0.65249, 0.48422, 0.27300, 0.0])
+SAMPLERS = [FlowSdeSampler, CpsSampler]
+SIGMA_PAIRS = [(1.0, 0.96013), (0.79037, 0.70728), (0.27805, 0.00893), (0.00893, 0.0)]
+
+
+def _latents(n: int = 3, shape: tuple[int, ...] = (4, 5, 6), seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, *shape, generator=g), torch.randn(n, *shape, generator=g)
+
+
+def _table(sampler, sigmas: torch.Tensor, alpha: float, field: str) -> torch.Tensor:
+    """One field ([1] per step) of a sampler run over every step of a schedule, as a [K] tensor."""
+    z, v = _latents(n=1, shape=(2,))
+    outs = [sampler.step(z, v, sigmas[k], sigmas[k + 1], alpha) for k in range(len(sigmas) - 1)]
+    return torch.cat([getattr(o, field) for o in outs])
+
+
+@pytest.mark.parametrize("cls", SAMPLERS)
+@pytest.mark.parametrize("sigma,sigma_next", SIGMA_PAIRS)
+def test_noise_level_zero_is_the_euler_step(cls, sigma, sigma_next):
+    z, v = _latents()
+    expected = z + (sigma_next - sigma) * v
+    out = cls().step(z, v, sigma, sigma_next, 0.0)
+    torch.testing.assert_close(out.prev, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.prev, euler_step(z, v, sigma, sigma_next), atol=0, rtol=0)  # bit for bit
+    torch.testing.assert_close(out.mean, out.prev)
+    assert torch.equal(out.std, torch.zeros(3)) and torch.equal(out.std_dev_t, torch.zeros(3))
+    assert torch.isfinite(out.log_prob).all()
+
+
+@pytest.mark.parametrize("cls", SAMPLERS)
+def test_noise_level_zero_with_per_row_sigmas(cls):
+    z, v = _latents(n=4)
+    sigma, sigma_next = SD3_K10[[0, 3, 7, 9]], SD3_K10[[1, 4, 8, 10]]  # [N] each, one step per row
+    expected = z + (sigma_next - sigma).view(-1, 1, 1, 1) * v
+    out = cls().step(z, v, sigma, sigma_next, 0.0)
+    torch.testing.assert_close(out.prev, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.prev, euler_step(z, v, sigma, sigma_next), atol=0, rtol=0)
+
+
+def test_euler_step_keeps_dtype_and_accepts_tensor_sigmas():
+    z, v = _latents()
+    out = euler_step(z.half(), v.half(), torch.tensor(0.5), torch.tensor([0.25, 0.25, 0.25]))
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), (z.half().float() - 0.25 * v.half().float()).half().float())
+
+
+def test_cps_last_step_is_deterministic():
+    z, v = _latents()
+    sampler = CpsSampler()
+    a = sampler.step(z, v, 0.27805, 0.0, 0.7, noise=torch.randn(z.shape))
+    b = sampler.step(z, v, 0.27805, 0.0, 0.7, noise=torch.randn(z.shape))
+    assert torch.equal(a.prev, b.prev)
+    torch.testing.assert_close(a.prev, z - 0.27805 * v, atol=1e-6, rtol=0)
+    assert torch.equal(a.std, torch.zeros(3))
+
+
+@pytest.mark.parametrize("cls", SAMPLERS)
+@pytest.mark.parametrize("alpha", [0.3, 0.7, 1.0])
+def test_log_prob_of_own_sample_matches_step(cls, alpha):
+    z, v = _latents()
+    sampler = cls()
+    sigma, sigma_next = torch.tensor([1.0, 0.60215, 0.27805]), torch.tensor([0.96013, 0.46488, 0.00893])
+    out = sampler.step(z, v, sigma, sigma_next, alpha, generator=torch.Generator().manual_seed(1))
+    again = sampler.log_prob(out.prev, z, v, sigma, sigma_next, alpha)
+    assert again.prev is out.prev
+    torch.testing.assert_close(again.log_prob, out.log_prob, rtol=1e-6, atol=0)
+    torch.testing.assert_close(again.mean, out.mean, rtol=0, atol=0)
+    torch.testing.assert_close(again.std, out.std, rtol=0, atol=0)
+    torch.testing.assert_close(again.std_dev_t, out.std_dev_t, rtol=0, atol=0)
+    # A different sample scores lower under the same step (the surrogate and the density both peak at the mean).
+    other = sampler.log_prob(out.prev + 0.5, z, v, sigma, sigma_next, alpha)
+    assert (other.log_prob < out.log_prob).all()
+
+
+@pytest.mark.parametrize("cls", SAMPLERS)
+def test_explicit_noise_gives_mean_plus_std_xi(cls):
+    z, v = _latents()
+    xi = torch.randn(z.shape, generator=torch.Generator().manual_seed(2))
+    out = cls().step(z, v, 0.85769, 0.79037, 0.7, noise=xi)
+    torch.testing.assert_close(out.prev, out.mean + out.std.view(-1, 1, 1, 1) * xi, rtol=0, atol=0)
+    assert out.std.shape == out.std_dev_t.shape == out.log_prob.shape == (3,)
+    assert (out.std > 0).all()
+
+
+@pytest.mark.parametrize("cls", SAMPLERS)
+def test_generator_makes_draws_reproducible(cls):
+    z, v = _latents()
+    a = cls().step(z, v, 0.5, 0.4, 0.7, generator=torch.Generator().manual_seed(3))
+    b = cls().step(z, v, 0.5, 0.4, 0.7, generator=torch.Generator().manual_seed(3))
+    c = cls().step(z, v, 0.5, 0.4, 0.7, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(a.prev, b.prev) and not torch.equal(a.prev, c.prev)
+
+
+def test_flow_sde_std_tables_sd3():
+    sampler = FlowSdeSampler()
+    eps = [3.5057, 3.4351, 2.2726, 1.7185, 1.3592, 1.0881, 0.8612, 0.6524, 0.4344, 0.0664]
+    transition = [0.700, 0.743, 0.536, 0.446, 0.392, 0.353, 0.319, 0.282, 0.225, 0.006]
+    torch.testing.assert_close(_table(sampler, SD3_K10, 0.7, "std_dev_t"), torch.tensor(eps), atol=1e-4, rtol=0)
+    torch.testing.assert_close(_table(sampler, SD3_K10, 0.7, "std"), torch.tensor(transition), atol=1e-3, rtol=0)
+
+
+def test_cps_std_tables():
+    sampler = CpsSampler()
+    sd3 = [0.8555, 0.8138, 0.7642, 0.7042, 0.6302, 0.5365, 0.4142, 0.2477, 0.00796, 0.0]
+    flux_08 = [0.8595, 0.7510, 0.6206, 0.4605, 0.2596, 0.0]
+    flux_07 = [0.8052, 0.7036, 0.5814, 0.4314, 0.2432, 0.0]
+    for sigmas, alpha, expected in [(SD3_K10, 0.7, sd3), (FLUX_K6, 0.8, flux_08), (FLUX_K6, 0.7, flux_07)]:
+        rho = _table(sampler, sigmas, alpha, "std")
+        torch.testing.assert_close(rho, torch.tensor(expected), atol=1e-4, rtol=0)
+        torch.testing.assert_close(_table(sampler, sigmas, alpha, "std_dev_t"), rho, atol=0, rtol=0)
+
+
+def test_flow_sde_log_prob_is_a_gaussian_density():
+    sampler = FlowSdeSampler()
+    z, v = torch.tensor([[0.3]]), torch.tensor([[-1.2]])  # a 1-element latent
+    sigma, sigma_next = 0.79037, 0.70728
+    ref = sampler.step(z, v, sigma, sigma_next, 0.7, noise=torch.zeros(1, 1))
+    normal = torch.distributions.Normal(ref.mean[0, 0].double(), ref.std[0].double())
+    grid = torch.linspace(-8, 8, 20001, dtype=torch.float64) * ref.std[0].double() + ref.mean[0, 0].double()
+    lp = sampler.log_prob(
+        grid[:, None].float(), z.expand(len(grid), 1), v.expand(len(grid), 1), sigma, sigma_next, 0.7
+    )
+    torch.testing.assert_close(lp.log_prob.double(), normal.log_prob(grid), atol=1e-4, rtol=1e-5)
+    integral = torch.trapezoid(lp.log_prob.double().exp(), grid)
+    assert abs(integral.item() - 1.0) < 1e-3
+    # Monte Carlo: samples of the step have the mean and std the step reports.
+    n = 200_000
+    draws = sampler.step(
+        z.expand(n, 1), v.expand(n, 1), sigma, sigma_next, 0.7, generator=torch.Generator().manual_seed(5)
+    )
+    assert abs(draws.prev.mean().item() - ref.mean.item()) < 4 * ref.std.item() / math.sqrt(n)
+    assert abs(draws.prev.std().item() / ref.std.item() - 1) < 0.01
+
+
+def test_flow_sde_log_prob_averages_over_latent_elements():
+    z, v = _latents(n=2, shape=(3, 4))
+    out = FlowSdeSampler().step(z, v, 0.5, 0.4, 0.9, generator=torch.Generator().manual_seed(6))
+    normal = torch.distributions.Normal(out.mean, out.std.view(-1, 1, 1))
+    torch.testing.assert_close(out.log_prob, normal.log_prob(out.prev).mean(dim=(1, 2)), rtol=1e-5, atol=1e-5)
+
+
+def test_cps_log_prob_is_the_variance_free_surrogate():
+    z, v = _latents(n=2)
+    out = CpsSampler().step(z, v, 0.5, 0.4, 0.7, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(out.log_prob, -((out.prev - out.mean) ** 2).mean(dim=(1, 2, 3)), rtol=1e-6, atol=0)
+    rho = out.std.view(-1, 1, 1, 1)
+    mean_ref = (1 - 0.4) * (z - 0.5 * v) + torch.sqrt(rho.new_tensor(0.4) ** 2 - rho**2) * (z + 0.5 * v)
+    torch.testing.assert_close(out.mean, mean_ref, rtol=0, atol=1e-6)  # the reference's grouping of the mean
+
+
+@pytest.mark.parametrize("cls", SAMPLERS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_latents(cls, dtype):
+    z, v = _latents()
+    out = cls().step(z.to(dtype), v.to(dtype), 0.7, 0.6, 0.7, generator=torch.Generator().manual_seed(8))
+    assert out.prev.dtype == dtype
+    for t in (out.mean, out.std, out.log_prob, out.std_dev_t):
+        assert t.dtype == torch.float32
+    assert torch.isfinite(out.log_prob).all()
+    again = cls().log_prob(out.prev, z.to(dtype), v.to(dtype), 0.7, 0.6, 0.7)
+    assert again.prev.dtype == dtype and again.log_prob.dtype == torch.float32
+
+
+@pytest.mark.parametrize("cls", SAMPLERS)
+def test_log_prob_has_a_gradient_through_v(cls):
+    z, v = _latents()
+    out = cls().step(z, v, 0.7, 0.6, 0.7, generator=torch.Generator().manual_seed(9))
+    v_train = v.clone().requires_grad_(True)
+    lp = cls().log_prob(out.prev, z, v_train, 0.7, 0.6, 0.7).log_prob
+    lp.sum().backward()
+    assert v_train.grad is not None and torch.isfinite(v_train.grad).all() and v_train.grad.abs().sum() > 0
+
+
+def test_flow_sde_ode_rows_have_finite_zero_log_prob_and_gradient():
+    z, v = _latents(n=2)
+    v_train = v.clone().requires_grad_(True)
+    out = FlowSdeSampler().step(z, v_train, torch.tensor([0.5, 0.3]), torch.tensor([0.4, 0.3]), 0.7)
+    assert out.log_prob[1] == 0 and out.std[1] == 0 and out.log_prob[0] != 0
+    out.log_prob.sum().backward()
+    assert torch.isfinite(v_train.grad).all() and v_train.grad[1].abs().sum() == 0
+
+
+@pytest.mark.parametrize("name,cls", [("cps", CpsSampler), ("flow-sde", FlowSdeSampler)])
+def test_build_by_name(name, cls):
+    sampler = tpflow.build("sampler", name)
+    assert isinstance(sampler, cls) and isinstance(sampler, Sampler)
+    z, v = _latents()
+    out = sampler.step(z, v, 0.5, 0.4, 0.7, generator=torch.Generator().manual_seed(10))
+    assert out.prev.shape == z.shape and torch.isfinite(out.prev).all()
+    with pytest.raises(tpflow.errors.UserError, match="unknown option"):
+        tpflow.build("sampler", name, noise_level=0.7)
+
+
+@pytest.mark.parametrize("cls", SAMPLERS)
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"v": torch.zeros(3, 4, 5)}, "velocity v has shape"),
+        ({"sigma": 0.4, "sigma_next": 0.5}, "must not exceed sigma"),
+        ({"sigma": 1.5}, r"in \[0, 1\]"),
+        ({"sigma": torch.ones(2) * 0.5}, "sigma must be a float"),
+        ({"noise_level": -0.1}, "noise_level"),
+        ({"noise": torch.zeros(3, 4)}, "noise has shape"),
+    ],
+)
+def test_bad_inputs_raise(cls, change, match):
+    z, v = _latents()
+    kwargs = {"z": z, "v": v, "sigma": 0.5, "sigma_next": 0.4, "noise_level": 0.7} | change
+    with pytest.raises(ValueError, match=match):
+        cls().step(**kwargs)
+
+
+def test_cps_rejects_noise_level_above_one_and_flow_sde_a_step_stuck_at_one():
+    z, v = _latents()
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        CpsSampler().step(z, v, 0.5, 0.4, 1.5)
+    with pytest.raises(ValueError, match="must end below 1"):
+        FlowSdeSampler().step(z, v, 1.0, 1.0, 0.7)
+    with pytest.raises(ValueError, match="z_next has shape"):
+        CpsSampler().log_prob(z[:2], z, v, 0.5, 0.4, 0.7)
+    with pytest.raises(ValueError, match="batched"):
+        euler_step(z[0, 0, 0], v[0, 0, 0], 0.5, 0.4)

@@ -1,0 +1,8 @@
+"""Samplers (one step rule per file) and the sigma schedules. Importing this package registers them."""
+
+from tpflow.samplers.cps import CpsSampler
+from tpflow.samplers.euler import euler_step
+from tpflow.samplers.flow_sde import FlowSdeSampler
+from tpflow.samplers.schedules import flux_sigmas, sd3_sigmas
+
+__all__ = ["CpsSampler", "FlowSdeSampler", "euler_step", "flux_sigmas", "sd3_sigmas"]

@@ -1,0 +1,77 @@
+"""Argument handling shared by the sampler steps: plain functions, no base class (STYLE.md rule 1).
+
+Every sampler works in float32 on the latent's device. Sigmas arrive as python floats, 0-d tensors or [N] tensors
+and leave these helpers as [N] float32 vectors; ``per_row`` views such a vector as [N, 1, ..., 1] to broadcast it
+against a latent [N, ...].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def check_latents(z: Tensor, v: Tensor, z_next: Tensor | None = None) -> None:
+    """Raise ValueError unless z, v (and z_next) are batched latents [N, ...] of one shape."""
+    if z.ndim < 2:
+        raise ValueError(
+            f"Latents must be batched with at least one latent dim, [N, ...]; got shape {tuple(z.shape)}. "
+            "Add a trailing dim for a scalar latent (z[:, None])."
+        )
+    if v.shape != z.shape:
+        raise ValueError(
+            f"The velocity v has shape {tuple(v.shape)} but the latent z has shape {tuple(z.shape)}; "
+            "they must match (chunk a CFG-doubled prediction before the step)."
+        )
+    if z_next is not None and z_next.shape != z.shape:
+        raise ValueError(f"z_next has shape {tuple(z_next.shape)} but z has shape {tuple(z.shape)}; they must match.")
+
+
+def sigma_vector(sigma: Tensor | float, z: Tensor, name: str) -> Tensor:
+    """A noise level as an [N] float32 vector on z's device (a scalar is repeated over the batch)."""
+    n = z.shape[0]
+    s = torch.as_tensor(sigma).to(device=z.device, dtype=torch.float32)
+    if s.ndim == 0 or s.shape == (1,):
+        return s.reshape(1).expand(n)
+    if s.shape != (n,):
+        raise ValueError(f"{name} must be a float, a 0-d tensor or a [N] = [{n}] tensor; got shape {tuple(s.shape)}.")
+    return s
+
+
+def check_sigmas(sigma: Tensor, sigma_next: Tensor) -> None:
+    """Raise ValueError unless 0 <= sigma_next <= sigma <= 1 elementwise ([N] float32 each)."""
+    if bool(((sigma < 0) | (sigma > 1) | (sigma_next < 0)).any()):
+        raise ValueError(
+            f"Noise levels must lie in [0, 1]; got sigma={sigma.tolist()}, sigma_next={sigma_next.tolist()}."
+        )
+    if bool((sigma_next > sigma).any()):
+        raise ValueError(
+            f"sigma_next must not exceed sigma (the reverse process goes from noise, σ=1, to data, σ=0); got "
+            f"sigma={sigma.tolist()}, sigma_next={sigma_next.tolist()}. Pass the pair in generation order."
+        )
+
+
+def per_row(x: Tensor, z: Tensor) -> Tensor:
+    """View an [N] vector as [N, 1, ..., 1] to broadcast against z [N, ...]."""
+    return x.view(-1, *([1] * (z.ndim - 1)))
+
+
+def mean_over_latent(x: Tensor) -> Tensor:
+    """[N, ...] -> [N], the mean over every non-batch dim (the reference averages, it does not sum)."""
+    return x.mean(dim=tuple(range(1, x.ndim)))
+
+
+def draw_noise(z: Tensor, generator: torch.Generator | None, noise: Tensor | None) -> Tensor:
+    """ξ ~ N(0, I) of z's shape, float32: ``noise`` when given, else a draw from ``generator`` (global RNG if None)."""
+    if noise is not None:
+        if noise.shape != z.shape:
+            raise ValueError(
+                f"noise has shape {tuple(noise.shape)} but z has shape {tuple(z.shape)}; they must match."
+            )
+        return noise.to(device=z.device, dtype=torch.float32)
+    if generator is not None and generator.device.type != z.device.type:
+        raise ValueError(
+            f"The generator lives on {generator.device} but the latent on {z.device}; "
+            f"create it with torch.Generator(device={str(z.device)!r})."
+        )
+    return torch.randn(z.shape, generator=generator, device=z.device, dtype=torch.float32)

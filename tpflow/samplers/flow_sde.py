@@ -1,0 +1,142 @@
+"""Flow-GRPO's marginal-preserving SDE step with its Gaussian log-density (ALGORITHM.md §1.4)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor
+
+from tpflow.registry import register
+from tpflow.samplers._common import (
+    check_latents,
+    check_sigmas,
+    draw_noise,
+    mean_over_latent,
+    per_row,
+    sigma_vector,
+)
+from tpflow.types import StepOutput
+
+_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+
+
+class FlowSdeOptions(BaseModel):
+    """Options of the ``flow-sde`` sampler: none.
+
+    The step is the SDE of Flow-GRPO (Liu et al., 2025, arXiv 2505.05470), the TP-GRPO paper's Eq. 2; its only knob,
+    the noise level α, is passed per step because rollouts switch it between window (α) and ODE (0) steps.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@register("sampler", "flow-sde", options=FlowSdeOptions)
+class FlowSdeSampler:
+    """Euler–Maruyama step of Flow-GRPO's SDE, which keeps the marginals of the flow ODE. Implements ``Sampler``.
+
+    Options: none (``FlowSdeOptions``). With σ = ``sigma``, σ⁺ = ``sigma_next``, the step length h = σ − σ⁺ and
+    α = ``noise_level``:
+
+    * diffusion coefficient ``ε = α·sqrt(σ / (1 − σ̄))`` with σ̄ = σ, except σ̄ = σ⁺ when σ = 1 (the reference's guard
+      against dividing by zero, which uses the *second* schedule sigma σ_1: for a schedule starting at σ_0 = 1 that
+      is exactly ``sigma_next`` of step 0, so a step from σ = 1 must end below 1);
+    * mean ``μ = z·(1 − ε²h/(2σ)) − v·(1 + ε²(1 − σ)/(2σ))·h`` (Euler–Maruyama on
+      ``dz = [v + ε²/(2σ)·(z + (1 − σ)v)] dσ + ε dW`` with σ decreasing);
+    * sample ``z' = μ + ε·sqrt(h)·ξ``, ξ ~ N(0, I), so ``std = ε·sqrt(h)`` and ``std_dev_t = ε`` (no √h: the
+      reference's KL divides by it, ALGORITHM.md §6.2);
+    * ``log_prob`` = the Gaussian log-density ``−(z' − μ)²/(2ε²h) − log(ε√h) − ½log(2π)`` of every latent element,
+      averaged (not summed) over the non-batch dims, giving [N].
+
+    At α = 0 the mean is exactly the Euler step ``z − h·v`` (bit for bit ``euler_step``) and ``std = 0``. The density
+    is then degenerate: rows with ``std = 0`` get ``log_prob = 0``, a placeholder that is meaningless (the reference
+    yields −inf/NaN there) and harmless because ODE steps are never trained.
+
+    Everything is computed in float32; ``prev`` is cast back to the latent dtype, the other fields stay float32.
+    """
+
+    def __init__(self, options: FlowSdeOptions | None = None) -> None:
+        self.options = options or FlowSdeOptions()
+
+    def step(
+        self,
+        z: Tensor,
+        v: Tensor,
+        sigma: Tensor | float,
+        sigma_next: Tensor | float,
+        noise_level: float,
+        generator: torch.Generator | None = None,
+        noise: Tensor | None = None,
+    ) -> StepOutput:
+        """Sample z_{k+1} from z_k.
+
+        Args:
+            z: [N, ...] latent at ``sigma``.
+            v: [N, ...] velocity prediction at (z, sigma).
+            sigma: current noise level, float, 0-d or [N].
+            sigma_next: next noise level (<= sigma), float, 0-d or [N].
+            noise_level: α >= 0.
+            generator: RNG for ξ (on z's device); the global RNG when None. ξ is drawn even when α = 0, as the
+                reference does (ALGORITHM.md §1.6), so the RNG stream does not depend on the window.
+            noise: explicit standard-normal ξ [N, ...] replacing the draw.
+
+        Returns:
+            StepOutput whose ``log_prob`` scores the float32 sample before its cast to ``z.dtype``.
+        """
+        check_latents(z, v)
+        mean, std, eps = self._transition(z, v, sigma, sigma_next, noise_level)
+        xi = draw_noise(z, generator, noise)  # [N, ...] float32
+        prev = mean + per_row(std, z) * xi  # [N, ...] float32
+        return StepOutput(prev.to(z.dtype), mean, std, _log_prob(prev, mean, std), eps)
+
+    def log_prob(
+        self,
+        z_next: Tensor,
+        z: Tensor,
+        v: Tensor,
+        sigma: Tensor | float,
+        sigma_next: Tensor | float,
+        noise_level: float,
+    ) -> StepOutput:
+        """Score a stored transition z -> z_next; the gradient flows through ``v`` (z_next is detached).
+
+        Returns:
+            StepOutput with ``prev = z_next`` as given and mean, std, log_prob [N], std_dev_t recomputed.
+        """
+        check_latents(z, v, z_next)
+        mean, std, eps = self._transition(z, v, sigma, sigma_next, noise_level)
+        return StepOutput(z_next, mean, std, _log_prob(z_next.detach().float(), mean, std), eps)
+
+    def _transition(
+        self, z: Tensor, v: Tensor, sigma: Tensor | float, sigma_next: Tensor | float, noise_level: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(mean [N, ...], std [N], ε [N]), all float32."""
+        alpha = float(noise_level)
+        if not alpha >= 0:
+            raise ValueError(f"noise_level (α) of flow-sde must be >= 0; got {noise_level!r}.")
+        s = sigma_vector(sigma, z, "sigma")  # [N]
+        s_next = sigma_vector(sigma_next, z, "sigma_next")  # [N]
+        check_sigmas(s, s_next)
+        s_bar = torch.where(s == 1, s_next, s)  # σ = 1 guard: σ̄ = σ_1 = sigma_next
+        if bool((s_bar == 1).any()):
+            raise ValueError(
+                "flow-sde: a step starting at sigma = 1 must end below 1, because the σ = 1 guard of "
+                "ALGORITHM.md §1.4 takes σ̄ from sigma_next to avoid dividing by 1 − σ = 0."
+            )
+        h = s - s_next  # [N] step length, >= 0
+        eps = alpha * torch.sqrt(s / (1 - s_bar))  # [N]
+        s_safe = torch.where(s > 0, s, torch.ones_like(s))  # σ = 0 forces ε = 0 and h = 0: avoid 0/0
+        drift = eps**2 / (2 * s_safe)  # [N] ε²/(2σ)
+        z32, v32 = z.float(), v.float()
+        mean = z32 * per_row(1 - drift * h, z) - v32 * per_row((1 + drift * (1 - s)) * h, z)
+        return mean, eps * torch.sqrt(h), eps
+
+
+def _log_prob(prev: Tensor, mean: Tensor, std: Tensor) -> Tensor:
+    """Mean Gaussian log-density of prev [N, ...] under N(mean, std²) -> [N]; 0 where std [N] is 0."""
+    positive = std > 0
+    safe = torch.where(positive, std, torch.ones_like(std))  # keeps gradients finite on the masked rows
+    sd = per_row(safe, prev)
+    elementwise = -((prev - mean) ** 2) / (2 * sd**2) - torch.log(sd) - _HALF_LOG_2PI
+    return torch.where(positive, mean_over_latent(elementwise), torch.zeros_like(std))
