@@ -1,0 +1,138 @@
+"""Group-normalised advantages per prompt and per window step, and the all-zero-trajectory filter.
+
+ALGORITHM.md §5 is the specification; DESIGN.md §4 item 6 the decision. Each column i of the step rewards [N, W] is
+normalised on its own (the reference keeps one ``PerPromptStatTracker`` per window position):
+
+    A[n, i] = clamp((r[n, i] − mean_{p(n), i}) / (std_{p(n), i} + eps), −clip, +clip)
+
+where p(n) is the prompt of trajectory n, the mean is over that prompt's samples and the std is their population
+std (ddof = 0), or, with ``global_std``, the population std of column i over all N samples. Everything is float64.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+
+def group_advantages(
+    step_rewards: Tensor,
+    groups: Sequence[Hashable],
+    global_std: bool = False,
+    eps: float = 1e-4,
+    clip: float = 5.0,
+) -> Tensor:
+    """Per-prompt, per-step z-scores of the step rewards (ALGORITHM.md §5 items 2-4 and 7).
+
+    Special cases:
+
+    * **Every group a singleton** (one image per prompt): per-prompt statistics are meaningless (each sample would be
+      its own mean, so every advantage would be 0). As in the reference (``num_image_per_prompt == 1`` turns the
+      per-prompt tracker off), the fallback is a global z-score per column, ``(r − mean_i) / (std_i + eps)``, with
+      mean and population std over all N samples. Batches that mix singletons and larger groups are normalised
+      per prompt; their singletons get advantage 0.
+    * **Constant groups** (every sample of the prompt has the same reward at step i, std 0): the advantage is
+      **exactly** 0. The reference gets 0 only up to rounding (its mean can differ from the values by an ulp, and
+      the ulp is divided by ``eps``); tpflow zeroes the numerator so the all-zero-trajectory filter
+      (:func:`informative_trajectories`) sees them. This also keeps ``eps = 0`` free of 0/0.
+
+    Args:
+        step_rewards: [N, W] per-step rewards (any real dtype; cast to float64).
+        groups: N prompt keys (anything hashable, e.g. the prompt strings); equal keys form a group. The order of
+            the rows does not matter: groups need not be contiguous.
+        global_std: divide by the std of the whole column instead of the prompt's std; the mean stays per prompt.
+        eps: added to the std (the reference's 1e-4); must be ≥ 0.
+        clip: advantages are clamped to ±clip (the reference's ``adv_clip_max`` = 5); must be > 0.
+
+    Returns:
+        [N, W] float64 advantages on the device of ``step_rewards``.
+
+    Raises:
+        ValueError: ``step_rewards`` is not 2-D or holds NaN/inf, ``groups`` has the wrong length, or ``eps`` /
+            ``clip`` are out of range.
+    """
+    if step_rewards.dim() != 2:
+        raise ValueError(
+            f"step_rewards must be 2-D [N, W] (trajectories × window steps), got shape {tuple(step_rewards.shape)}; "
+            "for a single step pass rewards[:, None]."
+        )
+    if isinstance(groups, Tensor):  # a tensor's elements hash by identity, which would make every group a singleton
+        groups = groups.tolist()
+    n = step_rewards.shape[0]
+    if len(groups) != n:
+        raise ValueError(f"groups must hold one prompt key per trajectory: got {len(groups)} keys for N = {n} rows.")
+    eps, clip = float(eps), float(clip)
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be a finite number ≥ 0 (the reference uses 1e-4), got {eps!r}.")
+    if not clip > 0:
+        raise ValueError(f"clip must be > 0 (the reference uses 5.0; use math.inf to disable clipping), got {clip!r}.")
+
+    rewards = step_rewards.detach().to(torch.float64)
+    if not torch.isfinite(rewards).all():
+        bad = (~torch.isfinite(rewards)).nonzero()[0].tolist()
+        raise ValueError(
+            f"step_rewards must be finite; found {rewards[bad[0], bad[1]].item()} at row {bad[0]}, step {bad[1]}. "
+            "Check the reward model's scores and the credit assigner."
+        )
+    if n == 0:
+        return rewards.clone()
+
+    ids = _group_ids(groups, rewards.device)
+    num_groups = int(ids.max().item()) + 1
+    if num_groups == n:  # every prompt once: per-prompt statistics are meaningless, use one global group
+        ids = torch.zeros_like(ids)
+        num_groups = 1
+
+    centred = rewards - _group_mean(rewards, ids, num_groups)[ids]
+    # Exactly zero where the group is constant at that step, whatever the rounding of the mean.
+    width = rewards.shape[1]
+    index = ids[:, None].expand(n, width)
+    high = rewards.new_full((num_groups, width), -math.inf).scatter_reduce(0, index, rewards, "amax")
+    low = rewards.new_full((num_groups, width), math.inf).scatter_reduce(0, index, rewards, "amin")
+    centred = torch.where((high == low)[ids], torch.zeros_like(centred), centred)
+
+    if global_std:
+        std = rewards.std(dim=0, correction=0)[None, :]  # [1, W]
+    else:
+        std = _group_mean(centred.square(), ids, num_groups).sqrt()[ids]  # [N, W], population std of the prompt
+    denominator = std + eps
+    safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+    advantages = torch.where(denominator > 0, centred / safe, torch.zeros_like(centred))
+    return advantages.clamp(-clip, clip)
+
+
+def informative_trajectories(advantages: Tensor) -> Tensor:
+    """Which trajectories carry a training signal: True where any advantage is non-zero (ALGORITHM.md §5 item 6).
+
+    A trajectory whose advantage is 0 at every window step contributes nothing to the clipped surrogate but still
+    costs its forward and backward passes, so the update skips it (``GRPOOptions.filter_zero_advantage``,
+    DESIGN.md §4 item 6). The reference then re-adds randomly chosen dropped trajectories until the count divides
+    ``num_batches_per_epoch`` (its micro-batches must have equal sizes). tpflow does not: its micro-batches may be
+    ragged, so the kept set is exactly the informative one.
+
+    Args:
+        advantages: [N, W] advantages.
+
+    Returns:
+        [N] bool mask of the trajectories to train on.
+    """
+    if advantages.dim() != 2:
+        raise ValueError(f"advantages must be 2-D [N, W], got shape {tuple(advantages.shape)}.")
+    return (advantages != 0).any(dim=1)
+
+
+def _group_ids(groups: Sequence[Hashable], device: torch.device) -> Tensor:
+    """[N] int64 ids, one per distinct key in order of first appearance."""
+    table: dict[Hashable, int] = {}
+    ids = [table.setdefault(key, len(table)) for key in groups]
+    return torch.tensor(ids, dtype=torch.int64, device=device)
+
+
+def _group_mean(values: Tensor, ids: Tensor, num_groups: int) -> Tensor:
+    """[num_groups, W] mean of the rows of ``values`` [N, W] in each group."""
+    sums = values.new_zeros((num_groups, values.shape[1])).index_add_(0, ids, values)
+    counts = torch.bincount(ids, minlength=num_groups).to(values.dtype)
+    return sums / counts[:, None]

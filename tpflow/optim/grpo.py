@@ -1,0 +1,209 @@
+"""The GRPO policy loss: PPO-clipped likelihood ratio per window step, plus a KL to the adapter-disabled model.
+
+ALGORITHM.md §6 is the specification. For one micro-batch of trajectories at window position i the loss is
+
+    L = mean_b max(−Â_b·κ_b, −Â_b·clip(κ_b, 1 − ε, 1 + ε))  +  β · mean_b KL_b,    κ_b = exp(ℓ_θ,b − ℓ_old,b)
+
+(:func:`clipped_surrogate` and :func:`kl_to_reference`). The registered optimizer ``grpo`` holds the options
+(:class:`GRPOOptions`, the SD3.5-M paper settings of ALGORITHM.md §6.3); its ``update`` lands with the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor
+
+from tpflow.interfaces import Backbone, Sampler
+from tpflow.registry import register
+from tpflow.types import Rollout
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """The clipped surrogate of one (micro-batch, window position) and its diagnostics."""
+
+    loss: Tensor  # [] differentiable policy loss
+    ratio: Tensor  # [N] detached κ = exp(ℓ_θ − ℓ_old)
+    approx_kl: Tensor  # [] detached ½·mean((ℓ_θ − ℓ_old)²)
+    clip_fraction: Tensor  # [] detached fraction with |κ − 1| > ε
+    clip_fraction_high: Tensor  # [] detached fraction with κ > 1 + ε
+    clip_fraction_low: Tensor  # [] detached fraction with κ < 1 − ε
+
+
+def clipped_surrogate(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, clip_range: float) -> PolicyLoss:
+    """PPO-clip loss of one window step (ALGORITHM.md §6.2).
+
+    ``loss = mean_b max(−A_b·κ_b, −A_b·clip(κ_b, 1 − ε, 1 + ε))`` with ``κ = exp(log_prob − old_log_prob)``. On
+    policy (κ = 1) its gradient is that of ``−mean(A·log_prob)``. Off policy, a sample whose ratio left the trust
+    region in the direction its advantage pushes (κ > 1 + ε with A > 0, κ < 1 − ε with A < 0) gets no gradient.
+
+    Args:
+        log_prob: [N] ℓ_θ, recomputed with grad (float32).
+        old_log_prob: [N] ℓ_old stored at rollout time; treated as a constant (detached).
+        advantages: [N] advantages of this window step; cast to the dtype of ``log_prob``.
+        clip_range: ε > 0 (``GRPOOptions.clip_range``, 1e-5 in the published runs).
+
+    Returns:
+        PolicyLoss with the differentiable loss and detached diagnostics.
+    """
+    if log_prob.dim() != 1:
+        raise ValueError(f"log_prob must be 1-D [N] (one per trajectory), got shape {tuple(log_prob.shape)}.")
+    for name, value in (("old_log_prob", old_log_prob), ("advantages", advantages)):
+        if value.shape != log_prob.shape:
+            raise ValueError(
+                f"{name} must have the shape of log_prob {tuple(log_prob.shape)}, got {tuple(value.shape)}; "
+                "pass one window position's column, e.g. advantages[:, i]."
+            )
+    if not clip_range > 0:
+        raise ValueError(f"clip_range must be > 0 (the published runs use 1e-5), got {clip_range!r}.")
+
+    advantages = advantages.detach().to(log_prob.dtype)
+    log_ratio = log_prob - old_log_prob.detach()
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    loss = torch.maximum(unclipped, clipped).mean()
+
+    with torch.no_grad():
+        ratio_d = ratio.detach()
+        high = (ratio_d > 1.0 + clip_range).to(log_prob.dtype)
+        low = (ratio_d < 1.0 - clip_range).to(log_prob.dtype)
+        return PolicyLoss(
+            loss=loss,
+            ratio=ratio_d,
+            approx_kl=0.5 * log_ratio.detach().square().mean(),
+            clip_fraction=((ratio_d - 1.0).abs() > clip_range).to(log_prob.dtype).mean(),
+            clip_fraction_high=high.mean(),
+            clip_fraction_low=low.mean(),
+        )
+
+
+def kl_to_reference(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
+    """Per-trajectory KL between the Gaussian transitions of the policy and of the reference (ALGORITHM.md §6.2).
+
+    ``KL_b = mean_elems((μ_θ − μ_ref)²) / (2·std_b²)``, the reference code's form: ``std`` is the sampler's
+    ``StepOutput.std_dev_t`` (ρ_k for cps; ε_k without the √h for flow-sde). The gradient flows through ``mean``
+    only; ``ref_mean`` (the adapter-disabled model, computed without grad) and ``std`` are constants.
+
+    Where ``std`` is 0 (an ODE step, e.g. cps at σ_{k+1} = 0, ALGORITHM.md §8 item 8) the KL is 0 with no
+    gradient instead of the reference's x/0 (NaN or inf): such a step is deterministic, has no likelihood ratio
+    and is never trained (DESIGN.md §4 item 7).
+
+    Args:
+        mean: [N, ...] transition mean μ_θ of the policy, with grad.
+        ref_mean: [N, ...] transition mean μ_ref of the reference model.
+        std: [N] noise coefficient of each trajectory's step.
+
+    Returns:
+        [N] KL per trajectory, float32 or wider; average it over the micro-batch and weight it by β.
+    """
+    if mean.dim() < 1 or ref_mean.shape != mean.shape:
+        raise ValueError(
+            f"mean and ref_mean must have the same shape [N, ...], got {tuple(mean.shape)} and "
+            f"{tuple(ref_mean.shape)}."
+        )
+    if std.shape != mean.shape[:1]:
+        raise ValueError(
+            f"std must be [N] = {tuple(mean.shape[:1])} (StepOutput.std_dev_t), got shape {tuple(std.shape)}."
+        )
+    dtype = torch.promote_types(mean.dtype, torch.float32)
+    diff = mean.to(dtype) - ref_mean.detach().to(dtype)
+    mean_sq = diff.square().reshape(diff.shape[0], -1).mean(dim=1)
+    std = std.detach().to(dtype)
+    nonzero = std != 0
+    safe_std = torch.where(nonzero, std, torch.ones_like(std))  # keeps the masked branch (and its gradient) finite
+    return torch.where(nonzero, mean_sq / (2.0 * safe_std.square()), torch.zeros_like(mean_sq))
+
+
+class GRPOOptions(BaseModel):
+    """Options of the ``grpo`` optimizer; defaults are the SD3.5-M paper settings (ALGORITHM.md §6.3)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    learning_rate: float = Field(
+        3e-4, gt=0, description="AdamW learning rate, constant, no warm-up (ALGORITHM.md §6.3, SD3.5-M and FLUX)."
+    )
+    adam_betas: tuple[float, float] = Field(
+        (0.9, 0.999), description="AdamW (β1, β2), each in [0, 1) (ALGORITHM.md §6.3)."
+    )
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW decoupled weight decay (ALGORITHM.md §6.3).")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon (ALGORITHM.md §6.3).")
+    clip_range: float = Field(
+        1e-5,
+        gt=0,
+        lt=1,
+        description="PPO ratio clip ε: the ratio is clipped to [1 − ε, 1 + ε]. 1e-5 in every published TP-GRPO "
+        "config; upstream Flow-GRPO uses 1e-4 (ALGORITHM.md §6.2, §8 item 12).",
+    )
+    adv_clip_max: float = Field(
+        5.0,
+        gt=0,
+        description="Advantages are clamped to ±adv_clip_max; never binds with G = 24 and per-prompt std "
+        "(|A| ≤ √(G−1) ≈ 4.8) (ALGORITHM.md §5 item 7).",
+    )
+    beta: float = Field(
+        1e-4,
+        ge=0,
+        description="KL weight β toward the adapter-disabled model. The reference config files say 0, its launch "
+        "scripts set 1e-4 (used here); the paper's Fig. 4 uses 0 (ALGORITHM.md §6.3, §8 item 7).",
+    )
+    max_grad_norm: float = Field(
+        1.0, gt=0, description="Gradient-norm clip applied at each optimizer step (ALGORITHM.md §6.2)."
+    )
+    global_std: bool = Field(
+        False,
+        description="Normalise advantages by the std of the whole column instead of the prompt's std; the mean "
+        "stays per prompt. False in TP-GRPO, True in upstream Flow-GRPO (ALGORITHM.md §5 item 2).",
+    )
+    filter_zero_advantage: bool = Field(
+        True,
+        description="Skip trajectories whose advantages are 0 at every window step, as the reference does "
+        "(ALGORITHM.md §5 item 6, DESIGN.md §4 item 6).",
+    )
+    gradient_accumulation_steps: int = Field(
+        2,
+        ge=1,
+        description="Micro-batches per optimizer step; each micro-batch contributes one backward per window step, "
+        "so a step averages gradients over this × W losses (the reference's Accelerate accumulation is this × W). "
+        "SD3.5-M: 2, giving 2 optimizer steps per epoch (ALGORITHM.md §6.1, §6.3).",
+    )
+    micro_batch_size: int = Field(
+        9,
+        ge=1,
+        description="Trajectories per micro-batch: the reference trains on its per-device sampling batch "
+        "(B = 9 for SD3.5-M, 3 for FLUX.1-dev) (ALGORITHM.md §6.3).",
+    )
+    num_inner_epochs: int = Field(
+        1, ge=1, description="Passes over each epoch's rollouts (ALGORITHM.md §6.1; 1 in every published config)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> GRPOOptions:
+        beta1, beta2 = self.adam_betas
+        if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+            raise ValueError(
+                f"adam_betas must both lie in [0, 1), got {self.adam_betas}; the paper uses (0.9, 0.999)."
+            )
+        return self
+
+
+@register("optimizer", "grpo", options=GRPOOptions)
+class GRPO:
+    """GRPO update (implements ``tpflow.interfaces.Optimizer``); every option is a field of :class:`GRPOOptions`.
+
+    Options: learning_rate, adam_betas, weight_decay, adam_eps, clip_range, adv_clip_max, beta, max_grad_norm,
+    global_std, filter_zero_advantage, gradient_accumulation_steps, micro_batch_size, num_inner_epochs.
+    """
+
+    def __init__(self, options: GRPOOptions | None = None) -> None:
+        self.options = options if options is not None else GRPOOptions()
+
+    def update(self, backbone: Backbone, sampler: Sampler, batch: Rollout, advantages: Tensor) -> dict[str, float]:
+        """One pass over ``batch`` (advantages [N, W]); not implemented yet: ``Rollout`` lacks the conditioning."""
+        raise NotImplementedError(
+            "the GRPO update lands with the trainer (issue 4); the loss is tpflow.optim.grpo.clipped_surrogate + "
+            "beta * kl_to_reference"
+        )
