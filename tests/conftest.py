@@ -1,0 +1,78 @@
+"""Shared fixtures: a third-party plugin package, installed into a temporary sys.path entry through its metadata."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tpflow import registry
+
+PLUGIN_MODULE = textwrap.dedent(
+    '''
+    """A third-party tpflow plugin, as a user would write it."""
+    import torch
+    from pydantic import BaseModel, ConfigDict, Field
+
+    from tpflow.types import RewardOutput
+
+
+    class BrightnessReward:
+        """RewardModel: mean brightness of the image, times a scale."""
+
+        class Options(BaseModel):
+            model_config = ConfigDict(extra="forbid")
+            scale: float = Field(1.0, description="Multiplies the score.")
+
+        def __init__(self, options):
+            self.scale = options.scale
+
+        def __call__(self, images, prompts, metadata):
+            return RewardOutput(scores=images.float().mean(dim=(1, 2, 3)) * self.scale)
+
+
+    class PluginBackboneOptions(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        resolution: int = Field(32, ge=8, description="Image side in pixels.")
+
+
+    class PluginBackbone:
+        """Registered only so that recipes can be validated before tpflow ships a backbone; never built."""
+
+        Options = PluginBackboneOptions
+
+        def __init__(self, options):
+            self.options = options
+    '''
+)
+
+
+def write_plugin(root: Path, dist: str = "tpflow_brightness", version: str = "0.3.1") -> Path:
+    """Write a module plus a ``.dist-info`` with entry points into ``root``; return ``root`` (a sys.path entry)."""
+    root.mkdir(parents=True, exist_ok=True)
+    module = f"{dist}_mod"
+    (root / f"{module}.py").write_text(PLUGIN_MODULE)
+    info = root / f"{dist}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(
+        f"[tpflow.rewards]\nbrightness = {module}:BrightnessReward\n\n"
+        f"[tpflow.backbone]\nplugin-backbone = {module}:PluginBackbone\n"
+    )
+    return root
+
+
+@pytest.fixture
+def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The plugin on sys.path for this test (in process), and PYTHONPATH for subprocesses."""
+    root = write_plugin(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    registry.refresh_plugins()
+    yield root
+    sys.modules.pop("tpflow_brightness_mod", None)
+    monkeypatch.undo()
+    registry.refresh_plugins()

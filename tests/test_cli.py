@@ -1,0 +1,89 @@
+"""The command line, run as a user runs it: a subprocess, exit codes, no traceback on user errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.test_recipe import BASE
+
+
+def tpflow(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "tpflow.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=120
+    )
+
+
+def test_help_and_version():
+    out = tpflow("--help")
+    assert out.returncode == 0
+    for command in ("components", "validate", "credit"):
+        assert command in out.stdout
+    assert tpflow("--version").stdout.startswith("tpflow ")
+
+
+def test_components_credit_lists_the_four_assigners():
+    out = tpflow("components", "credit")
+    assert out.returncode == 0, out.stderr
+    for name in ("outcome", "incremental", "turning_point", "consistent"):
+        assert name in out.stdout
+    assert "balanced: bool = True" in out.stdout and "first_step: bool = True" in out.stdout
+    assert "cps" not in out.stdout  # only the kind asked for
+
+
+def test_components_shows_plugins_and_where_they_come_from(plugin):
+    out = tpflow("components")
+    assert out.returncode == 0, out.stderr
+    assert "brightness" in out.stdout and "plugin tpflow_brightness 0.3.1" in out.stdout
+    assert "built-in tpflow/credit/turning_point.py" in out.stdout
+
+
+def test_components_unknown_kind_exits_2():
+    out = tpflow("components", "rewards")
+    assert out.returncode == 2 and "Kinds are" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_validate_ok(plugin, tmp_path):
+    (tmp_path / "r.toml").write_text(BASE)
+    out = tpflow("validate", str(tmp_path / "r.toml"), "--set", "optimizer.learning_rate=2e-4")
+    assert out.returncode == 0, out.stderr
+    assert "valid" in out.stdout and "learning_rate = 0.0002" in out.stdout
+
+
+def test_validate_misspelt_option_exits_2_with_one_paragraph(plugin, tmp_path):
+    (tmp_path / "r.toml").write_text(BASE.replace("balanced = false", "balanse = false"))
+    out = tpflow("validate", str(tmp_path / "r.toml"))
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr + out.stdout
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    assert "[credit] (turning_point)" in lines[0] and "'balanse'" in lines[0]
+    assert "Allowed options: balanced, first_step" in lines[0]
+
+
+def test_validate_unknown_component_exits_2_listing_names(plugin, tmp_path):
+    (tmp_path / "r.toml").write_text(BASE.replace('name = "grpo"', 'name = "ppo"'))
+    out = tpflow("validate", str(tmp_path / "r.toml"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "[optimizer]" in out.stderr and "'ppo' is not a registered optimizer" in out.stderr
+    assert "Available: grpo" in out.stderr
+
+
+def test_validate_bad_override_and_missing_file(tmp_path):
+    out = tpflow("validate", str(tmp_path / "missing.toml"))
+    assert out.returncode == 2 and "Recipe file not found" in out.stderr and "Traceback" not in out.stderr
+    (tmp_path / "r.toml").write_text(BASE)
+    out = tpflow("validate", str(tmp_path / "r.toml"), "--set", "nodot=1")
+    assert out.returncode == 2 and "section.key=value" in out.stderr
+
+
+def test_credit_command_shows_worked_example_1():
+    out = tpflow("credit", "50,46,40,47,52,55", "-a", "consistent", "-a", "outcome")
+    assert out.returncode == 0, out.stderr
+    assert "-4 -6 15* 5 3" in out.stdout  # ALGORITHM.md §9 Example 1, published row
+    assert "55 55 55 55 55" in out.stdout
+    bad = tpflow("credit", "1,2,x")
+    assert bad.returncode == 2 and "comma-separated" in bad.stderr

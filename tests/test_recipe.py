@@ -1,0 +1,148 @@
+"""Recipes: TOML to validated components, overrides, and the errors a user sees."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tpflow.errors import RecipeError
+from tpflow.recipe import apply_overrides, load_recipe, parse_value
+from tpflow.settings import RolloutSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+BASE = """
+[backbone]
+name = "plugin-backbone"
+resolution = 64
+
+[reward]
+name = "brightness"
+
+[dataset]
+name = "text-file"
+path = "prompts.txt"
+
+[credit]
+name = "turning_point"
+balanced = false
+
+[optimizer]
+name = "grpo"
+learning_rate = 1e-4
+
+[rollout]
+num_steps = 10
+window_size = 9
+window_range = [0, 9]
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "recipe.toml"
+    path.write_text(text)
+    return path
+
+
+def test_valid_recipe_with_defaults(plugin, tmp_path):
+    recipe = load_recipe(write(tmp_path, BASE))
+    assert recipe.backbone.name == "plugin-backbone" and recipe.backbone.options.resolution == 64
+    assert recipe.credit.options.balanced is False and recipe.credit.options.first_step is True
+    assert recipe.sampler.name == "cps"  # omitted section: the published default
+    assert recipe.optimizer.options.learning_rate == 1e-4
+    assert recipe.rollout.window_range == (0, 9) and recipe.train.group_size == 24
+    assigner = recipe.build("credit")
+    assert assigner.needs_completions
+
+
+def test_misspelt_option_names_section_field_and_allowed(plugin, tmp_path):
+    path = write(tmp_path, BASE.replace("balanced = false", "balancd = false"))
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    message = str(info.value)
+    assert "[credit] (turning_point)" in message
+    assert "unknown option 'balancd'" in message and "did you mean 'balanced'" in message
+    assert "Allowed options: balanced, first_step." in message
+    assert "\n" not in message
+
+
+def test_wrong_type_names_the_field(plugin, tmp_path):
+    path = write(tmp_path, BASE.replace("learning_rate = 1e-4", 'learning_rate = "fast"'))
+    with pytest.raises(RecipeError, match=r"\[optimizer\] \(grpo\): option 'learning_rate'.*'fast'"):
+        load_recipe(path)
+
+
+def test_unknown_component_lists_names(plugin, tmp_path):
+    path = write(tmp_path, BASE.replace('name = "turning_point"', 'name = "turningpoint"'))
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    message = str(info.value)
+    assert "[credit]" in message and "Did you mean 'turning_point'?" in message
+    assert "Available: consistent, incremental, outcome, turning_point." in message
+
+
+def test_missing_required_section_and_unknown_section(plugin, tmp_path):
+    with pytest.raises(RecipeError, match=r"missing section \[reward\].*brightness"):
+        load_recipe(write(tmp_path, BASE.replace('[reward]\nname = "brightness"', "")))
+    with pytest.raises(RecipeError, match=r"unknown section \[rolout\]. Did you mean \[rollout\]"):
+        load_recipe(write(tmp_path, BASE.replace("[rollout]", "[rolout]")))
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(RecipeError, match="Recipe file not found"):
+        load_recipe(tmp_path / "nope.toml")
+    with pytest.raises(RecipeError, match="not valid TOML"):
+        load_recipe(write(tmp_path, "[credit\nname = 1"))
+
+
+def test_overrides(plugin, tmp_path):
+    path = write(tmp_path, BASE)
+    recipe = load_recipe(
+        path,
+        [
+            "optimizer.learning_rate=3e-4",
+            "credit.name=consistent",
+            "credit.balanced=true",
+            "rollout.window_range=[1, 6]",
+            "rollout.window_size=5",
+            "train.run_dir=runs/x y",
+        ],
+    )
+    assert recipe.optimizer.options.learning_rate == 3e-4
+    assert recipe.credit.name == "consistent" and recipe.credit.options.balanced is True
+    assert recipe.rollout.window_range == (1, 6)
+    assert recipe.train.run_dir == "runs/x y"
+    with pytest.raises(RecipeError, match="expected section.key=value"):
+        load_recipe(path, ["learning_rate=1"])
+    with pytest.raises(RecipeError, match="unknown section 'optimiser'. Did you mean \\[optimizer\\]"):
+        load_recipe(path, ["optimiser.learning_rate=1"])
+    with pytest.raises(RecipeError, match="unknown option 'lr'"):
+        load_recipe(path, ["optimizer.lr=1"])
+
+
+def test_parse_value():
+    assert parse_value("3e-4") == 3e-4 and parse_value("true") is True and parse_value("[0, 9]") == [0, 9]
+    assert parse_value('"a b"') == "a b" and parse_value("shapes-dit") == "shapes-dit"
+
+
+def test_apply_overrides_nested():
+    data: dict = {"reward": {"name": "weighted"}}
+    apply_overrides(data, ["reward.weights.ocr=0.5"])
+    assert data["reward"]["weights"] == {"ocr": 0.5}
+
+
+def test_window_check_says_how_to_fix():
+    with pytest.raises(ValueError, match=r"window_range = \[0, 9\]"):
+        RolloutSettings(num_steps=10, window_size=9, window_range=(2, 9))
+    with pytest.raises(ValueError, match="exceeds num_steps"):
+        RolloutSettings(num_steps=6, window_size=7, window_range=(0, 7))
+    assert RolloutSettings(num_steps=10, window_size=2, window_range=(0, 10)).window_size == 2
+
+
+SHIPPED = sorted((ROOT / "recipes").rglob("*.toml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_every_shipped_recipe_validates(path):
+    load_recipe(path)

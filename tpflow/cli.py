@@ -1,0 +1,207 @@
+"""The ``tpflow`` command line.
+
+    tpflow components [KIND]                 # what is registered: names, options, where they come from
+    tpflow validate RECIPE [--set k=v ...]   # check every section of a recipe without loading weights
+    tpflow credit 50,46,40,47,52,55 ...      # per-step rewards of each credit assigner for reward traces
+
+Commands are thin wrappers over library functions. A user error (bad recipe, unknown name, missing file) prints
+one paragraph on stderr and exits with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from tpflow import __version__, registry
+from tpflow.errors import UserError
+
+app = typer.Typer(
+    name="tpflow",
+    help="TurningPoint-GRPO and its baselines for flow-matching text-to-image models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _console(stderr: bool = False) -> Console:
+    # Wide enough for the tables when output is not a terminal (pipes, CI logs, tests).
+    console = Console(stderr=stderr)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(stderr=stderr, width=160)
+    return console
+
+
+def user_errors(func: F) -> F:
+    """Turn UserError into one clear paragraph on stderr and exit status 2."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except UserError as exc:
+            message = escape(str(exc))  # recipe sections look like rich markup: [credit]
+            _console(stderr=True).print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"tpflow {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """TurningPoint-GRPO and its baselines for flow-matching text-to-image models."""
+
+
+def _describe_options(model: type[Any]) -> str:
+    parts = []
+    for name, info in model.model_fields.items():
+        annotation = getattr(info.annotation, "__name__", None) or str(info.annotation).replace("typing.", "")
+        default = "required" if info.is_required() else repr(info.get_default(call_default_factory=True))
+        parts.append(f"{name}: {annotation} = {default}")
+    return "\n".join(parts) or "-"
+
+
+def _where(entry: registry.Entry) -> str:
+    if entry.source != "tpflow":
+        return entry.source
+    origin = entry.origin
+    package_root = str(Path(__file__).resolve().parent.parent) + os.sep
+    return "built-in " + origin.removeprefix(package_root)
+
+
+@app.command()
+@user_errors
+def components(
+    kind: Annotated[str | None, typer.Argument(help=f"One of: {', '.join(registry.KINDS)}. All when omitted.")] = None,
+) -> None:
+    """List the registered components (built-ins and plugins) with their options."""
+    kinds = registry.KINDS if kind is None else (kind,)
+    table = Table(title="tpflow components", show_lines=True)
+    table.add_column("kind", no_wrap=True)
+    table.add_column("name", no_wrap=True, style="bold cyan")
+    table.add_column("options")
+    table.add_column("from", overflow="fold")
+    broken = []
+    for k in kinds:
+        for entry in registry.entries(k):
+            table.add_row(k, entry.name, _describe_options(entry.options), _where(entry))
+        broken += [f"{k}: {e}" for e in registry.plugin_errors(k)]
+    console = _console()
+    console.print(table)
+    for line in broken:
+        console.print(f"[yellow]plugin failed to load[/] {escape(line)}", soft_wrap=True, highlight=False)
+
+
+@app.command()
+@user_errors
+def validate(
+    recipe: Annotated[Path, typer.Argument(help="Recipe TOML file.")],
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override an option: section.key=value (repeatable).", show_default=False),
+    ] = None,
+) -> None:
+    """Check every section of a recipe against its component, without loading any weights."""
+    from tpflow.recipe import load_recipe
+
+    loaded = load_recipe(recipe, set_ or [])
+    table = Table(title=f"{recipe}: valid", show_lines=True)
+    table.add_column("section", no_wrap=True)
+    table.add_column("name", no_wrap=True, style="bold cyan")
+    table.add_column("options")
+    for kind, spec in loaded.components.items():
+        table.add_row(kind, spec.name, _format_values(spec.options))
+    for section, settings in loaded.settings.items():
+        table.add_row(section, "", _format_values(settings))
+    _console().print(table)
+
+
+@app.command()
+@user_errors
+def credit(
+    traces: Annotated[
+        list[str],
+        typer.Argument(help="One trajectory per argument: rewards R_0,...,R_W (comma-separated), all of one length."),
+    ],
+    assigner: Annotated[
+        list[str] | None,
+        typer.Option("--assigner", "-a", help="Credit assigner (repeatable). Default: all registered."),
+    ] = None,
+    balanced: Annotated[bool, typer.Option(help="Balance good and bad turning points across the batch.")] = True,
+) -> None:
+    """Show the per-step rewards each credit assigner gives a batch of reward traces.
+
+    Example (ALGORITHM.md §9, Example 3): tpflow credit 40,37,45,48,49,50 60,62,61,63,64,64 70,72,74,71,68,66
+    """
+    import torch
+
+    rows = []
+    for text in traces:
+        try:
+            rows.append([float(x) for x in text.split(",")])
+        except ValueError:
+            raise UserError(
+                f"Trace {text!r} is not a comma-separated list of numbers, e.g. 50,46,40,47,52,55."
+            ) from None
+    if len({len(r) for r in rows}) != 1 or len(rows[0]) < 2:
+        raise UserError("Every trace needs the same number of rewards R_0..R_W, at least two.")
+    trace = torch.tensor(rows, dtype=torch.float64)  # [N, W+1]
+    table = Table(title="per-step rewards (* = turning point: reward replaced by R_W - R_i)", show_lines=True)
+    table.add_column("traj", no_wrap=True)
+    table.add_column("R_0..R_W", no_wrap=True)
+    names = assigner or registry.names("credit")
+    results = {}
+    for name in names:
+        entry = registry.get("credit", name)
+        opts = {"balanced": balanced} if "balanced" in entry.options.model_fields else {}
+        results[name] = registry.build("credit", name, **opts)(trace)
+        table.add_column(name, no_wrap=True)
+    for b in range(trace.shape[0]):
+        cells = []
+        for name in names:
+            out = results[name]
+            steps = (
+                f"{_num(r)}{'*' if tp else ''}"
+                for r, tp in zip(out.step_rewards[b].tolist(), out.turning_points[b].tolist(), strict=True)
+            )
+            cells.append(" ".join(steps))
+        table.add_row(str(b), " ".join(_num(x) for x in rows[b]), *cells)
+    _console().print(table)
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def _format_values(model: Any) -> str:
+    return "\n".join(f"{k} = {v!r}" for k, v in model.model_dump().items()) or "-"
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

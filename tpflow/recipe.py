@@ -1,0 +1,171 @@
+"""Recipes: TOML files that name every component and its options, validated before anything loads.
+
+A recipe has one section per component kind, ``name = "..."`` plus that component's options, and the
+settings sections ``[rollout]``, ``[train]`` and ``[eval]``::
+
+    [backbone]
+    name = "sd3.5-medium"
+    [credit]
+    name = "consistent"
+    balanced = true
+    [rollout]
+    num_steps = 10
+
+Each component section is validated by the component's own options model (``extra="forbid"``), so a misspelt
+option fails at load time with the section, the field and the allowed fields. Command-line overrides
+``--set section.key=value`` are applied before validation; the value is read as a TOML value when it parses as
+one (``3e-4``, ``true``, ``[0, 9]``, ``"text"``) and as a bare string otherwise.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from tpflow import registry
+from tpflow.errors import RecipeError, UnknownComponentError
+from tpflow.settings import SETTINGS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+# Component sections a recipe may omit, and the component used then.
+DEFAULT_COMPONENTS: dict[str, str] = {"sampler": "cps", "credit": "consistent", "optimizer": "grpo"}
+SECTIONS: tuple[str, ...] = (*registry.KINDS, *SETTINGS)
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """A validated component section: the registered name and its validated options."""
+
+    kind: str
+    name: str
+    options: BaseModel
+
+    def build(self) -> Any:
+        """Build the component (this is where weights would load)."""
+        return registry.get(self.kind, self.name).factory(self.options)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A validated recipe. ``data`` is the merged TOML (overrides applied), what checkpoints store."""
+
+    components: dict[str, ComponentSpec]
+    settings: dict[str, BaseModel]
+    data: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+    def __getattr__(self, section: str) -> Any:
+        if section in SETTINGS:
+            return self.settings[section]
+        if section in registry.KINDS:
+            return self.components[section]
+        raise AttributeError(section)
+
+    def build(self, kind: str) -> Any:
+        """Build the component of one section: ``recipe.build("credit")``."""
+        return self.components[kind].build()
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
+    """Read, override and validate a recipe file; raises RecipeError with one clear paragraph."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"Recipe file not found: {path}. Shipped recipes are in recipes/ (e.g. recipes/*.toml).")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeError(f"{path} is not valid TOML: {exc}.") from None
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{path} is not a UTF-8 text file: {exc}.") from None
+    apply_overrides(data, overrides)
+    return validate_recipe(data, where=str(path), path=path)
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value: TOML when it parses (numbers, booleans, arrays, quoted strings), else the raw text."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> None:
+    """Apply ``section.key=value`` (or ``section.key.sub=value``) overrides to the TOML data in place."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        parts = [p.strip() for p in key.strip().split(".")]
+        if not sep or len(parts) < 2 or not all(parts):
+            raise RecipeError(
+                f"Bad override {item!r}: expected section.key=value, e.g. --set optimizer.learning_rate=1e-4."
+            )
+        if parts[0] not in SECTIONS:
+            raise RecipeError(f"Bad override {item!r}: unknown section {parts[0]!r}. {_sections_hint(parts[0])}")
+        table = data
+        for part in parts[:-1]:
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise RecipeError(f"Bad override {item!r}: {part!r} is a value, not a section.")
+        table[parts[-1]] = parse_value(value.strip())
+
+
+def _sections_hint(name: str) -> str:
+    close = difflib.get_close_matches(name, SECTIONS, n=1, cutoff=0.5)
+    hint = f"Did you mean [{close[0]}]? " if close else ""
+    return f"{hint}Recipe sections are: {', '.join(SECTIONS)}."
+
+
+def validate_recipe(data: dict[str, Any], where: str = "recipe", path: Path | None = None) -> Recipe:
+    """Validate TOML data section by section against the registered components; no weights are loaded."""
+    unknown = [s for s in data if s not in SECTIONS]
+    if unknown:
+        raise RecipeError(f"{where}: unknown section [{unknown[0]}]. {_sections_hint(unknown[0])}")
+    components = {kind: _component(data, kind, where) for kind in registry.KINDS}
+    settings = {}
+    for section, model in SETTINGS.items():
+        table = data.get(section, {})
+        if not isinstance(table, dict):
+            raise RecipeError(f"{where}: [{section}] must be a table of options, got {table!r}.")
+        try:
+            settings[section] = model.model_validate(table)
+        except ValidationError as exc:
+            raise RecipeError(registry.describe_validation_error(exc, f"{where} [{section}]", model)) from None
+    return Recipe(components=components, settings=settings, data=data, path=path)
+
+
+def _component(data: dict[str, Any], kind: str, where: str) -> ComponentSpec:
+    table = data.get(kind)
+    if table is None:
+        if kind not in DEFAULT_COMPONENTS:
+            raise RecipeError(
+                f"{where}: missing section [{kind}]. Add it with name = one of: {', '.join(registry.names(kind))}."
+            )
+        table = {"name": DEFAULT_COMPONENTS[kind]}
+    if not isinstance(table, dict):
+        raise RecipeError(f'{where}: [{kind}] must be a table with name = "...", got {table!r}.')
+    options = dict(table)
+    name = options.pop("name", None)
+    if not isinstance(name, str):
+        raise RecipeError(
+            f'{where}: section [{kind}] needs name = "..." (a string), one of: {", ".join(registry.names(kind))}.'
+        )
+    try:
+        entry = registry.get(kind, name)
+    except UnknownComponentError as exc:
+        raise RecipeError(f"{where} [{kind}]: {exc}") from None
+    try:
+        validated = entry.options.model_validate(options)
+    except ValidationError as exc:
+        raise RecipeError(
+            registry.describe_validation_error(exc, f"{where} [{kind}] ({name})", entry.options)
+        ) from None
+    return ComponentSpec(kind=kind, name=name, options=validated)

@@ -1,0 +1,96 @@
+"""Options of the recipe sections that are not components: ``[rollout]``, ``[train]`` and ``[eval]``.
+
+Defaults are the SD3.5-Medium paper setting (ALGORITHM.md §2, §6.3) unless a field says otherwise; shipped recipes
+override them per model.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class RolloutSettings(BaseModel):
+    """How trajectories are sampled during training (ALGORITHM.md §2-§3, DESIGN.md §5)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_steps: int = Field(10, ge=1, description="K, sampling steps per rollout (paper: 10 for SD3.5-M, 6 for FLUX).")
+    window_size: int = Field(9, ge=1, description="W, SDE window steps, all of them trained (paper: 9 for SD3.5-M).")
+    window_range: tuple[int, int] = Field(
+        (0, 9),
+        description="(lo, hi): the window start s is drawn uniformly from lo..hi-W per rollout batch "
+        "(ALGORITHM.md §2); (0, W) fixes s = 0 as in the published runs.",
+    )
+    noise_level: float = Field(0.7, ge=0.0, description="α inside the window (paper default 0.7); 0 gives the ODE.")
+    guidance: float = Field(4.5, ge=0.0, description="CFG scale (SD3.5-M: 4.5) or distilled guidance (FLUX: 3.5).")
+    completions: Literal["ode", "x0"] = Field(
+        "ode",
+        description="How R_j is measured: 'ode' completes by Euler ODE (exact, the paper); 'x0' uses the one-step "
+        "estimate z - σ·v (no extra NFE; experimental).",
+    )
+    baseline_noise: Literal["shared", "independent"] = Field(
+        "shared",
+        description="R_0 from the same z_0 as the trajectory ('shared', the paper) or from fresh noise "
+        "('independent', the reference code; ALGORITHM.md §3.2).",
+    )
+    same_noise: bool = Field(False, description="All G copies of a prompt start from the same z_0.")
+    max_batch: int | None = Field(
+        None, ge=1, description="Largest number of rows in one velocity call (None: no limit); lower it on OOM."
+    )
+
+    @model_validator(mode="after")
+    def _window_fits(self) -> RolloutSettings:
+        lo, hi = self.window_range
+        if self.window_size > self.num_steps:
+            raise ValueError(
+                f"window_size={self.window_size} exceeds "
+                f"num_steps={self.num_steps}: the window is a part of the K steps."
+            )
+        if not (0 <= lo <= hi - self.window_size and hi <= self.num_steps):
+            raise ValueError(
+                f"window_range={list(self.window_range)} cannot hold a window of {self.window_size} steps within "
+                f"{self.num_steps} steps: need 0 <= lo <= hi - window_size and hi <= num_steps, "
+                f"e.g. window_range = [0, {self.window_size}]."
+            )
+        return self
+
+
+class TrainSettings(BaseModel):
+    """The epoch structure, run directory and bookkeeping (ALGORITHM.md §6.1)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int = Field(42, description="Seed of prompts, noise and window draws.")
+    epochs: int = Field(100, ge=1, description="Number of epochs to run (each: sample, score, credit, update).")
+    prompts_per_epoch: int = Field(48, ge=1, description="Distinct prompts drawn per epoch (paper: 48 on 32 GPUs).")
+    group_size: int = Field(24, ge=1, description="G, images per prompt (paper: 24).")
+    rollout_batch: int = Field(
+        9,
+        ge=1,
+        description="Trajectories per rollout batch; turning-point balancing works within one (paper: 9 for SD3).",
+    )
+    run_dir: str = Field("runs/{recipe}", description="Output directory; {recipe} is the recipe file's stem.")
+    save_every: int = Field(20, ge=0, description="Write a checkpoint every this many epochs (0: only at the end).")
+    ema: bool = Field(True, description="Keep an EMA of the adapter for evaluation and export (paper: on).")
+    ema_decay: float = Field(0.9, gt=0.0, lt=1.0, description="EMA decay cap (paper: 0.9).")
+    ema_every: int = Field(8, ge=1, description="EMA update interval in optimizer steps (paper: 8).")
+    mixed_precision: Literal["no", "fp16", "bf16"] = Field(
+        "no", description="Accelerate mixed precision (paper: fp16 for SD3.5-M, bf16 for FLUX)."
+    )
+
+
+class EvalSettings(BaseModel):
+    """Periodic evaluation by ODE sampling on held-out prompts (ALGORITHM.md §6.3)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    every: int = Field(20, ge=0, description="Evaluate every this many epochs, epoch 0 included (0: never).")
+    num_steps: int = Field(40, ge=1, description="ODE steps at evaluation (paper: 40 for SD3.5-M, 28 for FLUX).")
+    guidance: float = Field(4.5, ge=0.0, description="Guidance at evaluation (paper: as in training).")
+    num_prompts: int | None = Field(None, ge=1, description="Test prompts to use (None: the whole test split).")
+    batch_size: int = Field(16, ge=1, description="Images per evaluation batch (paper: 16, 14 for GenEval).")
+
+
+SETTINGS: dict[str, type[BaseModel]] = {"rollout": RolloutSettings, "train": TrainSettings, "eval": EvalSettings}
