@@ -1,0 +1,5 @@
+"""Backbones. Importing this package registers them."""
+
+from tpflow.backbones.shapes import ShapesBackbone
+
+__all__ = ["ShapesBackbone"]

@@ -1,0 +1,212 @@
+"""Backbone ``shapes-dit``: the embedded shapes world's tiny pixel-space DiT with a peft LoRA adapter.
+
+    [backbone]
+    name = "shapes-dit"
+    weights = "runs/shapes-pretrain/shapes_dit.safetensors"   # omit for the weights shipped in the package
+    lora_rank = 8
+
+The model (``tpflow.shapes.model.ShapesDiT``) predicts the rectified-flow velocity of 32×32 RGB images scaled to
+[-1, 1]; its "latents" are those pixels, so ``decode`` only rescales. CFG runs the unconditional branch on the
+learned null text, batched with the conditional one in a single call (ALGORITHM.md §1.1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from tpflow.errors import UserError
+from tpflow.registry import register
+from tpflow.samplers.schedules import sd3_sigmas
+from tpflow.shapes import vocab
+from tpflow.shapes.model import LORA_TARGETS, ShapesDiT, load_checkpoint
+from tpflow.types import Conditioning
+
+WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "shapes" / "weights"
+WEIGHTS_FILE = "shapes_dit.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+class ShapesDitOptions(BaseModel):
+    """Options of the ``shapes-dit`` backbone."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    weights: str | None = Field(
+        None,
+        description="Pretrained weights: a .safetensors written by `tpflow shapes pretrain` (its .json config beside "
+        "it) or the folder holding shapes_dit.safetensors. None: the weights shipped in tpflow/shapes/weights/.",
+    )
+    lora_rank: int = Field(8, ge=1, description="Rank r of the LoRA adapter.")
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: the update is (alpha / r)·B·A.")
+    lora_targets: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS),
+        description="Module names (suffixes) peft adapts; the default is the joint blocks' attention projections.",
+    )
+    lora_init: Literal["default", "gaussian"] = Field(
+        "default",
+        description="peft's init of A: 'default' Kaiming-uniform, 'gaussian' N(0, 1/r); B = 0 in both, so the "
+        "adapted model starts equal to the base model.",
+    )
+    device: str = Field("cpu", description="Torch device of the model and its latents.")
+    shift: float = Field(
+        3.0, gt=0, description="Static time shift of the SD3 sigma schedule (dropping it costs accuracy)."
+    )
+
+
+def resolve_weights(weights: str | None) -> Path:
+    """The .safetensors path named by the ``weights`` option; UserError saying how to create it when missing."""
+    path = WEIGHTS_DIR / WEIGHTS_FILE if weights is None else Path(weights).expanduser()
+    if path.is_dir():
+        path = path / WEIGHTS_FILE
+    if not path.is_file():
+        where = (
+            "The shipped shapes-dit weights are" if weights is None else f"The shapes-dit weights {str(path)!r} are"
+        )
+        raise UserError(
+            f"{where} missing ({path}). Create them with `tpflow shapes pretrain --out DIR` (about 45 minutes on 2 "
+            "CPU cores) and pass weights = 'DIR/shapes_dit.safetensors' in the [backbone] section."
+        )
+    return path
+
+
+@register("backbone", "shapes-dit", options=ShapesDitOptions)
+class ShapesBackbone:
+    """Backbone (tpflow.interfaces) of the embedded shapes world: ShapesDiT plus a peft LoRA adapter.
+
+    Options (``ShapesDitOptions``): ``weights``, ``lora_rank``, ``lora_alpha``, ``lora_targets``, ``lora_init``,
+    ``device``, ``shift``. Latents are pixels [N, 3, 32, 32] in [-1, 1] (float32). The base weights are frozen;
+    ``trainable_parameters`` are the LoRA matrices only.
+    """
+
+    def __init__(self, options: ShapesDitOptions | None = None) -> None:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        self.options = options = options or ShapesDitOptions()
+        self.device = torch.device(options.device)
+        self.weights_path = resolve_weights(options.weights)
+        model = load_checkpoint(self.weights_path, self.device)
+        model.requires_grad_(False)
+        self.lora_config = LoraConfig(
+            r=options.lora_rank,
+            lora_alpha=options.lora_alpha,
+            target_modules=list(options.lora_targets),
+            init_lora_weights=True if options.lora_init == "default" else "gaussian",
+        )
+        try:
+            self.model: ShapesDiT = inject_adapter_in_model(self.lora_config, model)
+        except ValueError as exc:  # peft: no module matched the targets
+            raise UserError(f"shapes-dit: LoRA targets {options.lora_targets} do not fit the model: {exc}") from None
+        for name, param in self.model.named_parameters():
+            param.requires_grad_("lora_" in name)
+        self.model.eval()  # no dropout or batch statistics: train and eval modes compute the same function
+        self.config = model.config
+
+    # ---- Backbone protocol -------------------------------------------------------------------------------------
+
+    def encode(self, prompts: Sequence[str]) -> Conditioning:
+        """Word ids and their mask, [N, max_tokens] each (the text encoder runs inside ``velocity``)."""
+        tokens, mask = vocab.tokenize(list(prompts), self.config.max_tokens)
+        return Conditioning(tensors={"tokens": tokens.to(self.device), "mask": mask.to(self.device)})
+
+    def initial_noise(self, n: int, generator: torch.Generator | None = None) -> Tensor:
+        """z_0 ~ N(0, I): [n, 3, 32, 32] float32, drawn on the generator's device (the model's without one)."""
+        cfg = self.config
+        shape = (n, cfg.channels, cfg.image_size, cfg.image_size)
+        device = generator.device if generator is not None else self.device
+        return torch.randn(shape, generator=generator, device=device, dtype=torch.float32).to(self.device)
+
+    def sigmas(self, num_steps: int) -> Tensor:
+        """SD3's shifted schedule ``sd3_sigmas(num_steps, shift)``: [K + 1] float32, the final 0 included."""
+        return sd3_sigmas(num_steps, self.options.shift)
+
+    def velocity(self, z: Tensor, sigma: Tensor, cond: Conditioning, guidance: float) -> Tensor:
+        """v = v_u + w·(v_c − v_u), both branches in ONE forward on [z; z] (w = 1: the conditional call alone)."""
+        n = z.shape[0]
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=z.device).reshape(-1).expand(n)
+        tokens, mask = cond.tensors["tokens"], cond.tensors["mask"]
+        if len(cond) != n:
+            raise ValueError(f"Conditioning has {len(cond)} rows but z has {n}; index or repeat it to match.")
+        z = z.float()
+        if guidance == 1:
+            return self.model(z, sigma, tokens, mask)
+        null = torch.arange(2 * n, device=z.device) < n  # [uncond; cond]
+        v = self.model(torch.cat([z, z]), sigma.repeat(2), tokens.repeat(2, 1), mask.repeat(2, 1), null)
+        v_uncond, v_cond = v.chunk(2)
+        return v_uncond + guidance * (v_cond - v_uncond)
+
+    def decode(self, z: Tensor) -> Tensor:
+        """Pixels in [-1, 1] to images [N, 3, H, W] float32 in [0, 1] (clamped)."""
+        return (z.float().clamp(-1, 1) + 1) / 2
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The LoRA matrices (lora_A, lora_B of every targeted layer)."""
+        return [p for name, p in self.model.named_parameters() if "lora_" in name]
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """The frozen base model: adapters disabled on every peft layer, re-enabled on exit."""
+        layers = self._lora_layers()
+        for layer in layers:
+            layer.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.enable_adapters(True)
+
+    def save_adapter(self, directory: Path) -> None:
+        """Write ``adapter_model.safetensors`` and ``adapter_config.json`` (peft's format, adapter name dropped)."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = get_peft_model_state_dict(self.model)
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(directory / ADAPTER_FILE))
+        self.lora_config.save_pretrained(str(directory))
+
+    def load_adapter(self, directory: Path) -> None:
+        """Load an adapter written by ``save_adapter`` (safetensors only); its rank and targets must match."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        path = directory / ADAPTER_FILE
+        if not path.is_file():
+            raise UserError(f"No LoRA adapter at {path}: save_adapter writes {ADAPTER_FILE} into the folder.")
+        config_path = directory / "adapter_config.json"
+        if config_path.is_file():
+            saved = json.loads(config_path.read_text())
+            mine = {"r": self.lora_config.r, "target_modules": sorted(self.lora_config.target_modules)}
+            theirs = {"r": saved.get("r"), "target_modules": sorted(saved.get("target_modules") or [])}
+            if mine != theirs:
+                raise UserError(
+                    f"The adapter in {directory} has {theirs} but this shapes-dit has {mine}; set lora_rank and "
+                    "lora_targets in [backbone] to the saved values."
+                )
+        result = set_peft_model_state_dict(self.model, load_file(str(path), device=str(self.device)))
+        if result.unexpected_keys:
+            raise UserError(f"The adapter in {directory} has keys this model lacks: {result.unexpected_keys[:4]}...")
+
+    # ---- helpers -----------------------------------------------------------------------------------------------
+
+    def _lora_layers(self) -> list[torch.nn.Module]:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        return [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+
+    def eval(self) -> ShapesBackbone:
+        """Nothing to switch (no dropout or batch statistics); kept for trainers that call it."""
+        return self
+
+    def train(self, mode: bool = True) -> ShapesBackbone:
+        """Nothing to switch (no dropout or batch statistics); kept for trainers that call it."""
+        return self

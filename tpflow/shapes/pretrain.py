@@ -1,0 +1,196 @@
+"""Rectified-flow pretraining of ShapesDiT on shapes rendered on the fly, within a time budget.
+
+    tpflow shapes pretrain --minutes 45 --out runs/shapes-pretrain
+
+Each step draws ``batch_size`` train prompts (``prompts.random_item``), renders one ground-truth image per prompt
+(``render.render_batch``, scaled to [-1, 1]), samples σ from a logit-normal (SD3's choice: most steps at mid noise),
+forms z = (1 − σ)·x + σ·ε and regresses the velocity ε − x. 10% of the rows see the learned null text, which CFG
+needs. AdamW with linear warm-up, gradient clipping at 1, and an EMA of the weights, which is what gets saved.
+Rendering costs ~6% of a step on 2 cores, so it runs inline.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tpflow.shapes import vocab
+from tpflow.shapes.model import ShapesDiT, ShapesDiTConfig, save_checkpoint
+
+WEIGHTS_FILE = "shapes_dit.safetensors"
+NULL_TEXT_P = 0.1  # fraction of rows trained on the null text: the unconditional branch of CFG
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def training_batch(
+    batch_size: int, prompt_rng: random.Random, image_rng: np.random.Generator, max_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Images [B, 3, 32, 32] in [-1, 1], word ids [B, L] and mask [B, L] for random train prompts."""
+    from tpflow.shapes.prompts import random_item
+    from tpflow.shapes.render import render_batch
+
+    items = [random_item(prompt_rng, "train") for _ in range(batch_size)]
+    images = render_batch([item.metadata for item in items], image_rng) * 2 - 1
+    tokens, mask = vocab.tokenize([item.prompt for item in items], max_tokens)
+    return images, tokens, mask
+
+
+def flow_loss(model: ShapesDiT, x: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, gen: torch.Generator):
+    """Rectified-flow loss mean‖v_θ(z(σ), σ) − (ε − x)‖² with logit-normal σ and 10% null-text rows."""
+    n = x.shape[0]
+    sigma = torch.sigmoid(torch.randn(n, generator=gen))  # logit-normal(0, 1)
+    noise = torch.randn(x.shape, generator=gen)
+    null = torch.rand(n, generator=gen) < NULL_TEXT_P
+    s = sigma[:, None, None, None]
+    z = (1 - s) * x + s * noise
+    return F.mse_loss(model(z, sigma, tokens, mask, null), noise - x)
+
+
+@torch.no_grad()
+def _ema_update(ema: list[torch.Tensor], params: list[torch.Tensor], decay: float) -> None:
+    torch._foreach_lerp_(ema, params, 1 - decay)
+
+
+def pretrain(
+    minutes: float = 45.0,
+    out: Path = Path("runs/shapes-pretrain"),
+    seed: int = 0,
+    batch_size: int = 64,
+    lr: float = 1e-3,
+    warmup: int = 200,
+    ema: float = 0.999,
+    log_every: int = 100,
+    config: ShapesDiTConfig | None = None,
+    progress: bool = True,
+    max_steps: int | None = None,
+    weight_decay: float = 0.01,
+) -> Path:
+    """Train a ShapesDiT from scratch for ``minutes`` (or ``max_steps``) and save its EMA weights.
+
+    Args:
+        minutes: wall-clock budget of the training loop; training stops at the first step past it.
+        out: output folder: ``shapes_dit.safetensors`` (EMA weights) and ``shapes_dit.json`` (config + stats).
+        seed: seeds the model init, the prompts, the renderings and the noise.
+        batch_size: images per step (64: 3.5 it/s with bf16 units, ~2.3 it/s in float32 on 2 AVX2 cores).
+        lr: AdamW peak learning rate, reached after ``warmup`` steps and then held.
+        warmup: linear warm-up steps.
+        ema: EMA decay of the saved weights (ramped as min(ema, (1 + step) / (10 + step)) for short runs).
+        log_every: steps between log lines (and loss-history points).
+        config: the architecture; None for the default ``ShapesDiTConfig()``.
+        progress: show a rich progress bar (time-based) with loss and it/s; otherwise print log lines.
+        max_steps: stop after this many steps even within the time budget (tests).
+        weight_decay: AdamW weight decay.
+
+    Returns:
+        The path of the written ``shapes_dit.safetensors``.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    torch.set_num_threads(_cores())
+    torch.manual_seed(seed)
+    config = config or ShapesDiTConfig()
+    model = ShapesDiT(config).train()
+    ema_model = copy.deepcopy(model).eval().requires_grad_(False)
+    params = list(model.parameters())
+    ema_params = list(ema_model.parameters())
+    decay_params = [p for p in params if p.ndim >= 2]
+    other_params = [p for p in params if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay_params, "weight_decay": weight_decay}, {"params": other_params, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.99),
+        fused=True,  # one kernel for all parameters: ~2% of a step instead of ~10% on CPU
+    )
+    prompt_rng, image_rng = random.Random(seed), np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    console = Console(stderr=True)
+    budget_s = minutes * 60.0
+    n_params = sum(p.numel() for p in params)
+    console.print(f"shapes pretrain: {n_params / 1e6:.2f} M parameters, batch {batch_size}, {minutes:g} min budget")
+
+    step, smooth_loss, render_s, history = 0, float("nan"), 0.0, []
+    start = time.perf_counter()
+    bar = Progress(
+        TextColumn("[bold]pretrain"),
+        BarColumn(),
+        TimeElapsedColumn(),
+        TextColumn("/"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=console,
+        disable=not progress,
+    )
+    task = bar.add_task("pretrain", total=budget_s, info="")
+    with bar:
+        try:
+            while time.perf_counter() - start < budget_s and (max_steps is None or step < max_steps):
+                t0 = time.perf_counter()
+                x, tokens, mask = training_batch(batch_size, prompt_rng, image_rng, config.max_tokens)
+                render_s += time.perf_counter() - t0
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * min(1.0, (step + 1) / max(warmup, 1))
+                loss = flow_loss(model, x, tokens, mask, gen)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                _ema_update(ema_params, params, min(ema, (1 + step) / (10 + step)))
+                step += 1
+                value = loss.item()
+                if not math.isfinite(value):
+                    raise FloatingPointError(f"Pretraining loss became {value} at step {step}; lower --lr.")
+                smooth_loss = value if step == 1 else 0.98 * smooth_loss + 0.02 * value
+                elapsed = time.perf_counter() - start
+                bar.update(
+                    task,
+                    completed=min(elapsed, budget_s),
+                    info=f"step {step} loss {smooth_loss:.4f} {step / elapsed:.2f} it/s",
+                )
+                if step % log_every == 0:
+                    history.append({"step": step, "minutes": round(elapsed / 60, 2), "loss": round(smooth_loss, 5)})
+                    if not progress:
+                        console.print(
+                            f"step {step} {elapsed / 60:.1f} min loss {smooth_loss:.4f} {step / elapsed:.2f} it/s"
+                        )
+        except KeyboardInterrupt:
+            console.print(f"interrupted at step {step}: saving the EMA weights so far")
+    elapsed = time.perf_counter() - start
+    stats: dict[str, Any] = {
+        "iterations": step,
+        "minutes": round(elapsed / 60, 3),
+        "final_loss": smooth_loss,
+        "seed": seed,
+        "batch_size": batch_size,
+        "lr": lr,
+        "warmup": warmup,
+        "ema": ema,
+        "weight_decay": weight_decay,
+        "it_per_s": round(step / max(elapsed, 1e-9), 3),
+        "render_share": round(render_s / max(elapsed, 1e-9), 3),
+        "threads": torch.get_num_threads(),
+        "parameters": n_params,
+        "loss_history": history,
+    }
+    path = save_checkpoint(ema_model, Path(out) / WEIGHTS_FILE, stats)
+    console.print(
+        f"saved {path} ({step} steps, {elapsed / 60:.1f} min, loss {smooth_loss:.4f}, "
+        f"rendering {100 * stats['render_share']:.0f}% of the time); config {asdict(config)}"
+    )
+    return path
