@@ -76,3 +76,18 @@ def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     sys.modules.pop("tpflow_brightness_mod", None)
     monkeypatch.undo()
     registry.refresh_plugins()
+
+
+@pytest.fixture(scope="session")
+def tiny_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random shapes-dit (width 32, one block) on disk, its zero-initialised layers perturbed."""
+    import torch
+
+    from tpflow.shapes.model import ShapesDiT, ShapesDiTConfig, save_checkpoint
+
+    torch.manual_seed(1)
+    model = ShapesDiT(ShapesDiTConfig(width=32, depth=1, heads=2, text_width=32, text_layers=1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return save_checkpoint(model, tmp_path_factory.mktemp("tiny-shapes") / "shapes_dit.safetensors")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 
@@ -63,12 +64,17 @@ class Conditioning:
         """The conditioning of a subset (or repetition) of the batch rows."""
         return Conditioning({k: v[idx] for k, v in self.tensors.items()}, dict(self.extras))
 
+    @staticmethod
+    def cat(conds: list[Conditioning]) -> Conditioning:
+        """Stack the rows of several conditionings of one backbone (their extras must agree)."""
+        return Conditioning({k: torch.cat([c.tensors[k] for c in conds]) for k in conds[0].tensors}, conds[0].extras)
+
 
 @dataclass(frozen=True)
 class RolloutCost:
     """What one rollout cost: network evaluations and where the time went (seconds)."""
 
-    nfe: int  # velocity evaluations per trajectory (a CFG-doubled call counts once)
+    nfe: float  # velocity evaluations per trajectory (a CFG-doubled row counts once)
     model_s: float = 0.0
     decode_s: float = 0.0
     reward_s: float = 0.0
@@ -82,11 +88,61 @@ class Rollout:
     latents: Tensor  # [N, W, ...] z_{s+i}, the latent entering window step i
     next_latents: Tensor  # [N, W, ...] z_{s+i+1}, the sampled latent after window step i
     log_probs: Tensor  # [N, W] float32 old log-probabilities ℓ_old(z_{s+i+1} | z_{s+i})
-    sigmas: Tensor  # [W + 1] float32 σ_{s}..σ_{s+W}; step i goes from sigmas[i] to sigmas[i + 1]
+    sigmas: Tensor  # [N, W + 1] float32 σ_s..σ_{s+W} of each trajectory; step i goes from [:, i] to [:, i + 1]
     noise_level: float  # α used inside the window
+    guidance: float  # the guidance the velocities were computed with (training recomputes them the same way)
+    cond: Conditioning  # conditioning of the N trajectories
     final: Tensor  # [N, ...] final latent z_K (its image scores R_W)
-    completions: Tensor | None  # [N, W, ...] completed latents after j = 0..W-1 SDE steps, or None
+    completions: Tensor | None  # [N, W, ...] latents completed after j = 0..W-1 SDE steps (j = 0: R_0), or None
     cost: RolloutCost
+
+    def __len__(self) -> int:
+        return self.latents.shape[0]
+
+    def index(self, rows: Tensor) -> Rollout:
+        """The rollout of a subset of trajectories (rows: [M] long indices)."""
+        return Rollout(
+            latents=self.latents[rows],
+            next_latents=self.next_latents[rows],
+            log_probs=self.log_probs[rows],
+            sigmas=self.sigmas[rows],
+            noise_level=self.noise_level,
+            guidance=self.guidance,
+            cond=self.cond.index(rows),
+            final=self.final[rows],
+            completions=None if self.completions is None else self.completions[rows],
+            cost=self.cost,
+        )
+
+    @staticmethod
+    def cat(rollouts: list[Rollout]) -> Rollout:
+        """Concatenate rollout batches of one epoch (same W, α and guidance; windows may start differently)."""
+        first = rollouts[0]
+        if any(
+            (r.noise_level, r.guidance, r.latents.shape[1:])
+            != (first.noise_level, first.guidance, first.latents.shape[1:])
+            for r in rollouts
+        ):
+            raise ValueError("Rollouts to concatenate need the same window size, noise level and guidance.")
+        completions = None if first.completions is None else torch.cat([r.completions for r in rollouts])
+        return Rollout(
+            latents=torch.cat([r.latents for r in rollouts]),
+            next_latents=torch.cat([r.next_latents for r in rollouts]),
+            log_probs=torch.cat([r.log_probs for r in rollouts]),
+            sigmas=torch.cat([r.sigmas for r in rollouts]),
+            noise_level=first.noise_level,
+            guidance=first.guidance,
+            cond=Conditioning.cat([r.cond for r in rollouts]),
+            final=torch.cat([r.final for r in rollouts]),
+            completions=completions,
+            cost=RolloutCost(
+                nfe=sum(r.cost.nfe * len(r) for r in rollouts) / sum(len(r) for r in rollouts),
+                model_s=sum(r.cost.model_s for r in rollouts),
+                decode_s=sum(r.cost.decode_s for r in rollouts),
+                reward_s=sum(r.cost.reward_s for r in rollouts),
+                other_s=sum(r.cost.other_s for r in rollouts),
+            ),
+        )
 
 
 class PromptItem(NamedTuple):

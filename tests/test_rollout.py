@@ -1,0 +1,170 @@
+"""The batched rollout engine against a plain sequential re-implementation of ALGORITHM.md Appendix A."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import tpflow
+from tpflow.rollout import Window, draw_window, rollout
+from tpflow.samplers import euler_step
+
+PROMPTS = ["a photo of a red circle", "a photo of two squares"]
+
+
+@pytest.fixture(scope="module")
+def backbone(tiny_weights):
+    return tpflow.build("backbone", "shapes-dit", weights=str(tiny_weights))
+
+
+def _setup(backbone, n_copies=2, seed=0):
+    prompts = [p for p in PROMPTS for _ in range(n_copies)]
+    cond = backbone.encode(prompts)
+    z0 = backbone.initial_noise(len(prompts), torch.Generator().manual_seed(seed))
+    return cond, z0
+
+
+def _ode(backbone, z, cond, sigmas, start, guidance):
+    for k in range(start, sigmas.shape[0] - 1):
+        n = z.shape[0]
+        v = backbone.velocity(z, sigmas[k].expand(n), cond, guidance)
+        z = euler_step(z, v, sigmas[k], sigmas[k + 1])
+    return z
+
+
+@pytest.mark.parametrize("start,reuse", [(0, True), (2, True), (0, False)])
+def test_matches_sequential_reference(backbone, start, reuse):
+    """Main trajectory, baseline and every completion equal the reference's one-branch-at-a-time computation."""
+    sampler = tpflow.build("sampler", "cps")
+    sigmas = backbone.sigmas(8)
+    cond, z0 = _setup(backbone)
+    window = Window(start, 5)
+    gen = torch.Generator().manual_seed(3)
+    out = rollout(backbone, sampler, cond, z0, sigmas, window, 0.7, 2.0, generator=gen, reuse_main_velocity=reuse)
+    n, width = z0.shape[0], window.size
+    assert out.latents.shape == (n, width, 3, 32, 32) and out.log_probs.shape == (n, width)
+    assert out.completions.shape == (n, width, 3, 32, 32)
+    assert torch.equal(out.sigmas, sigmas[start : start + width + 1].expand(n, -1))
+    # The stored transitions chain into each other and into the final latent.
+    assert torch.equal(out.latents[:, 1:], out.next_latents[:, :-1])
+    # Before the window the main trajectory is the ODE.
+    z_s = _ode(backbone, z0, cond, sigmas[: start + 1], 0, 2.0) if start else z0
+    assert torch.allclose(out.latents[:, 0], z_s, atol=1e-5)
+    # Completion j = ODE from the latent after j SDE steps; j = 0 is the baseline from the same noise.
+    for j in range(width):
+        expected = _ode(backbone, out.latents[:, j], cond, sigmas, start + j, 2.0)
+        assert torch.allclose(out.completions[:, j], expected, atol=1e-4), j
+    assert torch.allclose(out.final, _ode(backbone, out.next_latents[:, -1], cond, sigmas, start + width, 2.0))
+    # NFE per trajectory: main K, baseline K - s, branches K - s - j (ALGORITHM.md §3.5), or W fewer when every
+    # branch's first step reuses the main trajectory's velocity.
+    k = 8
+    reference_nfe = 2 * k + (width - 1) * (k - start) - width * (width - 1) // 2 - (k - (k - start))
+    if start == 0:
+        assert reference_nfe == (width + 1) * k - width * (width - 1) // 2
+    assert out.cost.nfe == (reference_nfe - width if reuse else reference_nfe) and out.cost.model_s > 0
+
+
+def test_old_log_probs_are_on_policy(backbone):
+    """Re-scoring the stored transitions with the same weights gives the stored log-probs: ratio 1."""
+    sampler = tpflow.build("sampler", "cps")
+    sigmas = backbone.sigmas(6)
+    cond, z0 = _setup(backbone)
+    out = rollout(backbone, sampler, cond, z0, sigmas, Window(0, 5), 0.7, 2.0, completions=None)
+    assert out.completions is None and out.cost.nfe == 6
+    for i in range(5):
+        n = z0.shape[0]
+        v = backbone.velocity(out.latents[:, i], out.sigmas[:, i], cond, 2.0)
+        assert out.sigmas[:, i].shape == (n,)
+        again = sampler.log_prob(
+            out.next_latents[:, i], out.latents[:, i], v, out.sigmas[:, i], out.sigmas[:, i + 1], 0.7
+        )
+        assert torch.allclose(again.log_prob, out.log_probs[:, i], rtol=1e-5, atol=1e-7)
+
+
+def test_noise_level_zero_makes_every_completion_the_ode_image(backbone):
+    sigmas = backbone.sigmas(6)
+    cond, z0 = _setup(backbone)
+    out = rollout(backbone, tpflow.build("sampler", "flow-sde"), cond, z0, sigmas, Window(0, 4), 0.0, 1.0)
+    for j in range(4):
+        assert torch.allclose(out.completions[:, j], out.final, atol=1e-5)
+
+
+def test_same_noise_dedupes_prefix_and_baseline(backbone):
+    """Copies that share z_0 give the same result as repeating z_0, with fewer evaluations."""
+    sampler = tpflow.build("sampler", "cps")
+    sigmas = backbone.sigmas(6)
+    cond, _ = _setup(backbone, n_copies=3)
+    z_unique = backbone.initial_noise(2, torch.Generator().manual_seed(5))
+    source = torch.tensor([0, 0, 0, 1, 1, 1])
+    window = Window(2, 3)
+    deduped = rollout(
+        backbone,
+        sampler,
+        cond,
+        z_unique,
+        sigmas,
+        window,
+        0.7,
+        2.0,
+        source=source,
+        generator=torch.Generator().manual_seed(9),
+    )
+    repeated = rollout(
+        backbone,
+        sampler,
+        cond,
+        z_unique[source],
+        sigmas,
+        window,
+        0.7,
+        2.0,
+        generator=torch.Generator().manual_seed(9),
+    )
+    assert torch.allclose(deduped.final, repeated.final, atol=1e-5)
+    assert torch.allclose(deduped.completions, repeated.completions, atol=1e-5)
+    assert torch.allclose(deduped.log_probs, repeated.log_probs, atol=1e-6)
+    assert deduped.cost.nfe < repeated.cost.nfe
+
+
+def test_x0_completions_and_max_batch(backbone):
+    sampler = tpflow.build("sampler", "cps")
+    sigmas = backbone.sigmas(6)
+    cond, z0 = _setup(backbone)
+    out = rollout(backbone, sampler, cond, z0, sigmas, Window(0, 4), 0.7, 2.0, completions="x0", max_batch=3)
+    assert out.cost.nfe == 6  # the estimates reuse the main trajectory's velocities
+    n = z0.shape[0]
+    for j in range(4):
+        v = backbone.velocity(out.latents[:, j], sigmas[j].expand(n), cond, 2.0)
+        assert torch.allclose(out.completions[:, j], out.latents[:, j] - sigmas[j] * v, atol=1e-5)
+
+
+def test_independent_baseline_uses_fresh_noise(backbone):
+    sigmas = backbone.sigmas(6)
+    cond, z0 = _setup(backbone)
+    gen = torch.Generator().manual_seed(4)
+    out = rollout(
+        backbone,
+        tpflow.build("sampler", "cps"),
+        cond,
+        z0,
+        sigmas,
+        Window(0, 3),
+        0.0,
+        1.0,
+        baseline_noise="independent",
+        generator=gen,
+    )
+    fresh = backbone.initial_noise(z0.shape[0], torch.Generator().manual_seed(4))
+    assert torch.allclose(out.completions[:, 0], _ode(backbone, fresh, cond, sigmas, 0, 1.0), atol=1e-5)
+    assert not torch.allclose(out.completions[:, 0], out.final, atol=1e-3)
+
+
+def test_draw_window():
+    rng = random.Random(0)
+    starts = {draw_window(10, 2, (0, 10), rng).start for _ in range(200)}
+    assert starts == set(range(9))
+    assert draw_window(10, 9, (0, 9), rng) == Window(0, 9)
+    with pytest.raises(ValueError):
+        draw_window(10, 9, (0, 8), rng)

@@ -1,0 +1,212 @@
+"""The rollout engine: the main trajectory, the ODE baseline and the ODE completions, batched per step.
+
+TP-GRPO needs, for every trajectory, the reward R_j of the image obtained after j SDE window steps with the rest
+completed by ODE, j = 0..W (ALGORITHM.md §3). The reference runs the main trajectory, then each completion branch,
+then the baseline, one after another. Here every live latent is at the same noise level σ_k at step k — the main
+trajectory, the baseline and every branch started so far — so all of them go through **one** velocity call per step
+(split only by ``max_batch``).
+
+NFE per trajectory with s = 0 is the reference's (W + 1)·K − W(W − 1)/2 = 64 for K = 10, W = 9 (Flow-GRPO: K).
+With ``reuse_main_velocity`` (the default) it is W fewer, 55: a branch j starts at window step k = s + j from the
+main latent z_{s+j}, which the main trajectory evaluates at that very step anyway, so the branch's first Euler step
+reuses that velocity instead of recomputing it. The result is the same.
+
+Trajectories that start from the same noise (``source`` maps several of them to one row of ``z0``, the
+``same_noise`` option) share their pre-window prefix and their shared-noise baseline: both run once per noise row.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from tpflow.interfaces import Backbone, Sampler
+from tpflow.samplers.euler import euler_step
+from tpflow.types import Conditioning, Rollout, RolloutCost
+
+
+@dataclass(frozen=True)
+class Window:
+    """The SDE window: generation steps start .. start + size - 1 are stochastic and trained."""
+
+    start: int
+    size: int
+
+
+def draw_window(num_steps: int, size: int, window_range: tuple[int, int], rng: random.Random) -> Window:
+    """s uniform in lo..hi-size, both ends included (ALGORITHM.md §2), one draw per rollout batch."""
+    lo, hi = window_range
+    if not (0 <= lo <= hi - size and hi <= num_steps):
+        raise ValueError(f"window_range {window_range} cannot hold {size} steps within {num_steps}.")
+    return Window(rng.randint(lo, hi - size), size)
+
+
+class _Branch:
+    """Latents of one group of rows that advance together by ODE: the prefix, the baseline or a completion."""
+
+    def __init__(self, z: Tensor, rows: Tensor):
+        self.z = z  # [n, ...]
+        self.rows = rows  # [n] long, the trajectory whose conditioning each row uses
+
+
+@torch.no_grad()
+def rollout(
+    backbone: Backbone,
+    sampler: Sampler,
+    cond: Conditioning,
+    z0: Tensor,
+    sigmas: Tensor,
+    window: Window,
+    noise_level: float,
+    guidance: float,
+    completions: Literal["ode", "x0"] | None = "ode",
+    baseline_noise: Literal["shared", "independent"] = "shared",
+    source: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    max_batch: int | None = None,
+    reuse_main_velocity: bool = True,
+) -> Rollout:
+    """Sample N trajectories and, when asked, the latents whose rewards form the trace R_0..R_{W-1}.
+
+    Args:
+        backbone: gives ``velocity`` (guidance applied inside) and ``initial_noise``.
+        sampler: the SDE step used inside the window; outside it the Euler ODE step is used.
+        cond: conditioning of the N trajectories.
+        z0: [P, ...] initial noise; row ``source[n]`` starts trajectory n.
+        sigmas: [K + 1] schedule, σ_0 = 1 .. σ_K = 0.
+        window: the SDE window (start s, size W), s + W <= K.
+        noise_level: α inside the window.
+        guidance: passed to ``backbone.velocity``.
+        completions: "ode" completes every j = 0..W-1 by Euler ODE (exact); "x0" takes the one-step estimate
+            z_{s+j} − σ_{s+j}·v from the velocity already computed (no extra NFE); None computes neither (outcome
+            credit needs only R_W).
+        baseline_noise: R_0 from the trajectory's own z_0 ("shared", the paper) or from fresh noise drawn with
+            ``generator`` ("independent", the reference code; always completed by ODE).
+        source: [N] long index into z0 (default: z0 has N rows, one per trajectory).
+        generator: RNG of the SDE noise (and of the independent baseline's noise).
+        max_batch: the largest number of rows in one velocity call.
+        reuse_main_velocity: start each ODE branch with the main trajectory's velocity at the same latent (exact,
+            one evaluation less per branch); False evaluates it again, as the reference does.
+
+    Returns:
+        Rollout with the W stored transitions, the final latents and (unless ``completions`` is None) the completed
+        latents [N, W, ...] for j = 0..W-1 (j = W is ``final``).
+    """
+    n = len(cond)
+    num_steps = sigmas.shape[0] - 1
+    s, width = window.start, window.size
+    if not (width >= 1 and 0 <= s and s + width <= num_steps):
+        raise ValueError(f"Window {window} does not fit in {num_steps} steps.")
+    source = torch.arange(n, device=z0.device) if source is None else source.to(z0.device)
+    if source.shape != (n,) or int(source.max()) >= z0.shape[0]:
+        raise ValueError(f"source must be [N] = [{n}] indices into z0's {z0.shape[0]} rows.")
+    first = torch.stack([(source == p).nonzero()[0, 0] for p in range(z0.shape[0])])  # [P] a trajectory per noise row
+    model_s = 0.0
+    rows_evaluated = 0
+
+    def velocity(branches: list[_Branch], k: int) -> list[Tensor]:
+        nonlocal model_s, rows_evaluated
+        z = torch.cat([b.z for b in branches])
+        rows = torch.cat([b.rows for b in branches])
+        chunk = max_batch or z.shape[0]
+        start = time.perf_counter()
+        out = []
+        for lo in range(0, z.shape[0], chunk):
+            part = slice(lo, lo + chunk)
+            sigma = sigmas[k].expand(z[part].shape[0]).to(z.device, torch.float32)
+            out.append(backbone.velocity(z[part], sigma, cond.index(rows[part]), guidance))
+        model_s += time.perf_counter() - start
+        rows_evaluated += z.shape[0]
+        return list(torch.cat(out).split([b.z.shape[0] for b in branches]))
+
+    prefix = _Branch(z0.clone(), first)  # shared by the trajectories of one noise row until the window starts
+    main: _Branch | None = None
+    branches: list[_Branch] = []  # ODE branches: the baseline (j = 0) first, then completions j = 1..W-1
+    independent = None
+    if completions is not None and baseline_noise == "independent":
+        fresh = backbone.initial_noise(n, generator).to(z0.device, z0.dtype)
+        independent = _Branch(fresh, torch.arange(n, device=z0.device))
+    estimates: list[Tensor] = []  # x0 mode: [n, ...] per j
+    latents, next_latents, log_probs = [], [], []
+    for k in range(num_steps):
+        if k == s:
+            main = _Branch(prefix.z[source], torch.arange(n, device=z0.device))
+        live = [main if main is not None else prefix, *branches]
+        if independent is not None:
+            live.append(independent)
+        vs = velocity(live, k)
+        sigma, sigma_next = sigmas[k], sigmas[k + 1]
+        for branch, v in zip(live[1:], vs[1:], strict=True):
+            branch.z = euler_step(branch.z, v, sigma, sigma_next)
+        if main is None:
+            prefix.z = euler_step(prefix.z, vs[0], sigma, sigma_next)
+            continue
+        v_main = vs[0]
+        if s <= k < s + width:
+            j = k - s
+            if completions == "x0":
+                pick = first if j == 0 and baseline_noise == "shared" else slice(None)
+                estimates.append((main.z[pick].float() - sigma * v_main[pick].float()).to(main.z.dtype))
+            elif completions == "ode" and (j > 0 or baseline_noise == "shared"):
+                pick = first if j == 0 else torch.arange(n, device=z0.device)
+                branch = _Branch(main.z[pick], pick)
+                v_branch = v_main[pick] if reuse_main_velocity else velocity([branch], k)[0]
+                branch.z = euler_step(branch.z, v_branch, sigma, sigma_next)
+                branches.append(branch)
+            out = sampler.step(main.z, v_main, sigma, sigma_next, noise_level, generator=generator)
+            latents.append(main.z)
+            next_latents.append(out.prev)
+            log_probs.append(out.log_prob)
+            main.z = out.prev
+        else:
+            main.z = euler_step(main.z, v_main, sigma, sigma_next)
+
+    assert main is not None
+    completed = None
+    if completions is not None:
+        ends = estimates if completions == "x0" else [b.z for b in branches]
+        if independent is not None:
+            ends = [independent.z, *ends] if completions == "ode" else [independent.z, *ends[1:]]
+        elif baseline_noise == "shared":
+            ends = [ends[0][source], *ends[1:]]  # the baseline ran once per noise row
+        completed = torch.stack(ends, dim=1)  # [N, W, ...]
+    return Rollout(
+        latents=torch.stack(latents, dim=1),
+        next_latents=torch.stack(next_latents, dim=1),
+        log_probs=torch.stack(log_probs, dim=1),
+        sigmas=sigmas[s : s + width + 1].float().to(z0.device).expand(n, width + 1).clone(),
+        noise_level=float(noise_level),
+        guidance=float(guidance),
+        cond=cond,
+        final=main.z,
+        completions=completed,
+        cost=RolloutCost(nfe=round(rows_evaluated / n, 2), model_s=model_s),
+    )
+
+
+@torch.no_grad()
+def sample_ode(
+    backbone: Backbone,
+    cond: Conditioning,
+    z0: Tensor,
+    sigmas: Tensor,
+    guidance: float,
+    max_batch: int | None = None,
+) -> Tensor:
+    """Deterministic Euler sampling of z0 [N, ...] along ``sigmas`` (evaluation, ALGORITHM.md §6.3): final latents."""
+    n = z0.shape[0]
+    chunk = max_batch or n
+    finals = []
+    for lo in range(0, n, chunk):
+        rows = torch.arange(lo, min(lo + chunk, n), device=z0.device)
+        z, part = z0[rows], cond.index(rows)
+        for k in range(sigmas.shape[0] - 1):
+            v = backbone.velocity(z, sigmas[k].expand(z.shape[0]).to(z.device, torch.float32), part, guidance)
+            z = euler_step(z, v, sigmas[k], sigmas[k + 1])
+        finals.append(z)
+    return torch.cat(finals)
