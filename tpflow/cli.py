@@ -3,6 +3,8 @@
     tpflow components [KIND]                 # what is registered: names, options, where they come from
     tpflow validate RECIPE [--set k=v ...]   # check every section of a recipe without loading weights
     tpflow credit 50,46,40,47,52,55 ...      # per-step rewards of each credit assigner for reward traces
+    tpflow train RECIPE [--resume [PATH]]    # the training loop (TP-GRPO, Flow-GRPO, ...)
+    tpflow shapes pretrain                   # rebuild the embedded shapes model
 
 Commands are thin wrappers over library functions. A user error (bad recipe, unknown name, missing file) prints
 one paragraph on stderr and exits with status 2, without a traceback.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -56,6 +59,15 @@ def user_errors(func: F) -> F:
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _shapes_app() -> typer.Typer:
+    from tpflow.shapes.cli import shapes_app
+
+    return shapes_app
+
+
+app.add_typer(_shapes_app(), name="shapes", help="The embedded shapes world: pretrain its model.")
 
 
 def _version(value: bool) -> None:
@@ -194,13 +206,71 @@ def _num(x: float) -> str:
     return f"{x:g}"
 
 
+@app.command()
+@user_errors
+def train(
+    recipe: Annotated[Path, typer.Argument(help="Recipe TOML file, e.g. recipes/shapes_tp.toml.")],
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override an option: section.key=value (repeatable).", show_default=False),
+    ] = None,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            "--resume",
+            help="Continue from the newest valid checkpoint of the run dir (bare --resume), or of PATH "
+            "(a run dir or a checkpoint dir).",
+            show_default=False,
+        ),
+    ] = None,
+    run_dir: Annotated[Path | None, typer.Option(help="Output directory (default: train.run_dir).")] = None,
+    epochs: Annotated[int | None, typer.Option(help="Override train.epochs.", show_default=False)] = None,
+) -> None:
+    """Train with TP-GRPO (or the recipe's credit assigner): sample, score, assign credit, update, evaluate."""
+    from tpflow.recipe import load_recipe
+    from tpflow.train.trainer import Trainer
+
+    overrides = [*(set_ or []), *([f"train.epochs={epochs}"] if epochs is not None else [])]
+    loaded = load_recipe(recipe, overrides)
+    resume_from: bool | Path = False if resume is None else (True if resume == _LATEST else Path(resume))
+    console = _console()
+    trainer = Trainer(loaded, run_dir=run_dir, resume=resume_from, console=console)
+    try:
+        metrics = trainer.fit()
+    except KeyboardInterrupt:
+        console.print(f"Resume with: tpflow train {recipe} --resume --run-dir {trainer.run_dir}")
+        raise typer.Exit(130) from None
+    first = _first_eval(trainer.run_dir / "metrics.jsonl")
+    console.print(f"[bold green]done.[/] run: {trainer.run_dir}")
+    console.print(f"  metrics: {trainer.run_dir / 'metrics.jsonl'} (per-trajectory traces: traces.jsonl)")
+    console.print(f"  samples: {trainer.run_dir / 'samples'}")
+    console.print(f"  checkpoints: {trainer.run_dir / 'checkpoints'}")
+    if "eval_reward" in metrics and first is not None:
+        console.print(f"  eval reward: {first:.4f} (first) -> {metrics['eval_reward']:.4f} (last)")
+
+
+_LATEST = "@latest"
+
+
+def _first_eval(path: Path) -> float | None:
+    from tpflow.train.run_logger import read_jsonl
+
+    values = [line["eval_reward"] for line in read_jsonl(path) if line.get("eval_reward") is not None]
+    return values[0] if values else None
+
+
 def _format_values(model: Any) -> str:
     return "\n".join(f"{k} = {v!r}" for k, v in model.model_dump().items()) or "-"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
-    app()
+    args = list(sys.argv[1:] if argv is None else argv)
+    for i, arg in enumerate(args):  # a bare `--resume` (no value) means the run dir's newest checkpoint
+        if arg == "--resume" and (i + 1 == len(args) or args[i + 1].startswith("-")):
+            args.insert(i + 1, _LATEST)
+            break
+    app(args=args, prog_name="tpflow")
 
 
 if __name__ == "__main__":

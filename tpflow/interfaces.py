@@ -123,8 +123,23 @@ class CreditAssigner(Protocol):
 class Optimizer(Protocol):
     """The policy update from stored transitions and their advantages."""
 
+    global_step: int
+    """Optimizer steps taken so far (drives EMA and checkpoint names)."""
+
+    def bind(self, backbone: Backbone, accelerator: Any = None) -> None:
+        """Create the parameter optimizer over ``backbone.trainable_parameters()``; called once before training."""
+        ...
+
     def update(self, backbone: Backbone, sampler: Sampler, batch: Rollout, advantages: Tensor) -> dict[str, float]:
         """One pass over ``batch`` (advantages [N, W]); returns scalar metrics (loss, ratio, clip fraction, KL...)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly (optimizer moments, step count)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` (after ``bind``)."""
         ...
 
 

@@ -36,12 +36,12 @@ KINDS: tuple[str, ...] = ("backbone", "sampler", "reward", "credit", "optimizer"
 
 # Modules whose import registers the built-in components of each kind.
 _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
-    "backbone": (),
+    "backbone": ("tpflow.backbones",),
     "sampler": ("tpflow.samplers",),
-    "reward": (),
+    "reward": ("tpflow.rewards",),
     "credit": ("tpflow.credit",),
     "optimizer": ("tpflow.optim",),
-    "dataset": ("tpflow.data",),
+    "dataset": ("tpflow.data", "tpflow.shapes.prompts"),
 }
 
 _KIND_WORDS = {

@@ -5,7 +5,7 @@ ALGORITHM.md §6 is the specification. For one micro-batch of trajectories at wi
     L = mean_b max(−Â_b·κ_b, −Â_b·clip(κ_b, 1 − ε, 1 + ε))  +  β · mean_b KL_b,    κ_b = exp(ℓ_θ,b − ℓ_old,b)
 
 (:func:`clipped_surrogate` and :func:`kl_to_reference`). The registered optimizer ``grpo`` holds the options
-(:class:`GRPOOptions`, the SD3.5-M paper settings of ALGORITHM.md §6.3); its ``update`` lands with the trainer.
+(:class:`GRPOOptions`, the SD3.5-M paper settings of ALGORITHM.md §6.3).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
 from tpflow.interfaces import Backbone, Sampler
+from tpflow.optim.advantages import informative_trajectories
 from tpflow.registry import register
 from tpflow.types import Rollout
 
@@ -196,14 +197,140 @@ class GRPO:
 
     Options: learning_rate, adam_betas, weight_decay, adam_eps, clip_range, adv_clip_max, beta, max_grad_norm,
     global_std, filter_zero_advantage, gradient_accumulation_steps, micro_batch_size, num_inner_epochs.
+
+    One ``update`` walks the epoch's trajectories in micro-batches of ``micro_batch_size`` (in order, as the
+    reference), and for each micro-batch the W window steps in order: recompute the velocity with grad, re-score the
+    stored transition (``Sampler.log_prob``), take the clipped surrogate and, when β > 0, the KL to the
+    adapter-disabled model (``Backbone.reference``). Gradients are averaged over the losses of
+    ``gradient_accumulation_steps`` micro-batches × their trained steps, then norm-clipped, before each AdamW
+    step. Window steps whose transition std is 0 (cps at σ⁺ = 0) carry no likelihood ratio and are never trained.
     """
 
     def __init__(self, options: GRPOOptions | None = None) -> None:
         self.options = options if options is not None else GRPOOptions()
+        self.global_step = 0  # optimizer steps taken
+        self._params: list[torch.nn.Parameter] = []
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._accelerator = None
+
+    def bind(self, backbone: Backbone, accelerator=None) -> None:
+        """Create AdamW over the backbone's trainable parameters (through ``accelerator.prepare`` when given)."""
+        o = self.options
+        self._params = list(backbone.trainable_parameters())
+        if not self._params:
+            raise ValueError("The backbone has no trainable parameters: attach an adapter before training.")
+        optimizer = torch.optim.AdamW(
+            self._params, lr=o.learning_rate, betas=o.adam_betas, weight_decay=o.weight_decay, eps=o.adam_eps
+        )
+        self._accelerator = accelerator
+        self._optimizer = accelerator.prepare(optimizer) if accelerator is not None else optimizer
+
+    def state_dict(self) -> dict:
+        """Optimizer state and step count, for checkpoints."""
+        return {"optimizer": self._optimizer.state_dict() if self._optimizer else {}, "global_step": self.global_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned (``bind`` first)."""
+        if self._optimizer is None:
+            raise RuntimeError("Call bind(backbone) before load_state_dict.")
+        self._optimizer.load_state_dict(state["optimizer"])
+        self.global_step = int(state["global_step"])
 
     def update(self, backbone: Backbone, sampler: Sampler, batch: Rollout, advantages: Tensor) -> dict[str, float]:
-        """One pass over ``batch`` (advantages [N, W]); not implemented yet: ``Rollout`` lacks the conditioning."""
-        raise NotImplementedError(
-            "the GRPO update lands with the trainer (issue 4); the loss is tpflow.optim.grpo.clipped_surrogate + "
-            "beta * kl_to_reference"
-        )
+        """One pass (``num_inner_epochs`` passes) over ``batch`` with advantages [N, W]; returns mean metrics."""
+        if self._optimizer is None:
+            self.bind(backbone)
+        o = self.options
+        n, width = batch.log_probs.shape
+        if advantages.shape != (n, width):
+            raise ValueError(f"advantages must be [N, W] = [{n}, {width}], got {tuple(advantages.shape)}.")
+        adv = advantages.clamp(-o.adv_clip_max, o.adv_clip_max).to(torch.float32)
+        keep = informative_trajectories(adv) if o.filter_zero_advantage else torch.ones(n, dtype=torch.bool)
+        rows = keep.nonzero().squeeze(1)
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+
+        def add(name: str, value: float) -> None:
+            sums[name] = sums.get(name, 0.0) + value
+            counts[name] = counts.get(name, 0) + 1
+
+        first_ratio_dev = 0.0  # the largest |ratio - 1| before the first optimizer step: on-policy, exactly 0
+        steps_before = self.global_step
+        losses_since_step = 0
+        micro_batches = list(rows.split(o.micro_batch_size)) if rows.numel() else []
+        for _ in range(o.num_inner_epochs):
+            for index, mb in enumerate(micro_batches):
+                part = batch.index(mb)
+                for i in range(width):
+                    step = self._step_loss(backbone, sampler, part, adv[mb, i], i)
+                    if step is None:  # zero-std step: no likelihood ratio, nothing to train
+                        continue
+                    loss, info = step
+                    if not torch.isfinite(loss):
+                        add("nonfinite_losses", 1.0)
+                        continue
+                    if self._accelerator is not None:
+                        self._accelerator.backward(loss)
+                    else:
+                        loss.backward()
+                    losses_since_step += 1
+                    for name, value in info.items():
+                        add(name, value)
+                    if self.global_step == steps_before:
+                        first_ratio_dev = max(first_ratio_dev, info["ratio_max_deviation"])
+                boundary = (index + 1) % o.gradient_accumulation_steps == 0 or index == len(micro_batches) - 1
+                if boundary and losses_since_step:
+                    add("grad_norm", self._optimizer_step(losses_since_step))
+                    losses_since_step = 0
+        result = {name: sums[name] / counts[name] for name in sums if name != "nonfinite_losses"}
+        result["nonfinite_losses"] = sums.get("nonfinite_losses", 0.0)
+        result["trajectories_trained"] = float(rows.numel())
+        result["first_ratio_max_deviation"] = first_ratio_dev
+        result["optimizer_steps"] = float(self.global_step - steps_before)
+        return result
+
+    def _step_loss(
+        self, backbone: Backbone, sampler: Sampler, part: Rollout, adv: Tensor, i: int
+    ) -> tuple[Tensor, dict[str, float]] | None:
+        """Loss of window step i for one micro-batch and its diagnostics; None when the step has zero std."""
+        o = self.options
+        sigma, sigma_next = part.sigmas[:, i], part.sigmas[:, i + 1]
+        z, z_next = part.latents[:, i], part.next_latents[:, i]
+        v = backbone.velocity(z, sigma, part.cond, part.guidance)
+        out = sampler.log_prob(z_next, z, v, sigma, sigma_next, part.noise_level)
+        if bool((out.std == 0).all()):
+            return None
+        policy = clipped_surrogate(out.log_prob, part.log_probs[:, i], adv, o.clip_range)
+        loss = policy.loss
+        kl = torch.zeros(())
+        if o.beta > 0:
+            with torch.no_grad(), backbone.reference():
+                v_ref = backbone.velocity(z, sigma, part.cond, part.guidance)
+                ref = sampler.log_prob(z_next, z, v_ref, sigma, sigma_next, part.noise_level)
+            kl = kl_to_reference(out.mean, ref.mean, out.std_dev_t).mean()
+            loss = loss + o.beta * kl
+        info = {
+            "loss": float(loss.detach()),
+            "policy_loss": float(policy.loss.detach()),
+            "kl": float(kl.detach()),
+            "approx_kl": float(policy.approx_kl),
+            "clip_fraction": float(policy.clip_fraction),
+            "ratio_mean": float(policy.ratio.mean()),
+            "ratio_max_deviation": float((policy.ratio - 1).abs().max()),
+        }
+        return loss, info
+
+    def _optimizer_step(self, num_losses: int) -> float:
+        """Average the accumulated gradients over the losses, clip, step, zero; returns the pre-clip norm."""
+        o = self.options
+        for p in self._params:
+            if p.grad is not None:
+                p.grad.div_(num_losses)
+        if self._accelerator is not None:
+            norm = self._accelerator.clip_grad_norm_(self._params, o.max_grad_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self._params, o.max_grad_norm)
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        return float(norm)

@@ -1,0 +1,86 @@
+"""EMA: the reference rule by hand, the `every` gating, exact swap and restore, state round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tpflow.errors import UserError
+from tpflow.train.ema import EMA
+
+
+def _params() -> list[nn.Parameter]:
+    return [nn.Parameter(torch.tensor([1.0, 2.0])), nn.Parameter(torch.zeros(2, 2, dtype=torch.bfloat16))]
+
+
+def test_decay_warm_up_then_cap():
+    ema = EMA(_params())
+    assert ema.decay(0) == pytest.approx(0.1)
+    assert ema.decay(7) == pytest.approx(8 / 17)
+    assert ema.decay(80) == pytest.approx(81 / 90)
+    assert ema.decay(81) == 0.9 and ema.decay(10_000) == 0.9
+
+
+def test_rule_by_hand_and_every_gating():
+    p = nn.Parameter(torch.tensor([0.0, 4.0]))
+    ema = EMA([p], decay_cap=0.9, every=8)
+    with torch.no_grad():
+        p.copy_(torch.tensor([10.0, 0.0]))
+    assert [ema.step(n) for n in range(7)] == [False] * 7
+    assert torch.equal(ema.shadow[0], torch.tensor([0.0, 4.0]))
+    assert ema.step(7)  # d_7 = 8/17: shadow += (9/17)(θ − shadow)
+    torch.testing.assert_close(ema.shadow[0], torch.tensor([90 / 17, 4 - 36 / 17]))
+    assert ema.step(7)  # same n again (called after every micro-batch): applies again
+    torch.testing.assert_close(
+        ema.shadow[0], torch.tensor([90 / 17 + 9 / 17 * (10 - 90 / 17), (4 - 36 / 17) * 8 / 17])
+    )
+    before = ema.shadow[0].clone()
+    assert not ema.step(8) and torch.equal(ema.shadow[0], before)
+    assert ema.step(95)  # d = 0.9 cap
+    torch.testing.assert_close(ema.shadow[0], before + 0.1 * (torch.tensor([10.0, 0.0]) - before))
+    assert EMA([p], every=1).step(0)
+
+
+def test_shadow_is_float32_and_swapped_restores_exactly():
+    params = _params()
+    ema = EMA(params, every=1)
+    assert all(s.dtype == torch.float32 for s in ema.shadow)
+    with torch.no_grad():
+        for p in params:
+            p.add_(0.37)
+    live = [p.detach().clone() for p in params]
+    ema.step(0)
+    expected = [s.to(p.dtype) for s, p in zip(ema.shadow, params, strict=True)]
+    with ema.swapped():
+        assert all(torch.equal(p, e) for p, e in zip(params, expected, strict=True))
+    assert all(torch.equal(p, v) for p, v in zip(params, live, strict=True))
+    with pytest.raises(RuntimeError, match="boom"), ema.swapped():
+        raise RuntimeError("boom")
+    assert all(torch.equal(p, v) for p, v in zip(params, live, strict=True))
+    assert all(p.requires_grad for p in params)
+
+
+def test_state_round_trip_and_mismatch():
+    params = _params()
+    ema = EMA(params, every=1)
+    with torch.no_grad():
+        params[0].mul_(3)
+    ema.step(5)
+    state = ema.state_dict()
+    assert list(state) == ["0", "1"] and all(
+        t.device.type == "cpu" and t.dtype == torch.float32 for t in state.values()
+    )
+    other = EMA(_params())
+    other.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(other.shadow, ema.shadow, strict=True))
+    state["0"].zero_()  # state_dict returns copies
+    assert not torch.equal(ema.shadow[0], state["0"])
+    with pytest.raises(UserError, match=r"'1' has shape \[3\] in the checkpoint but \[2, 2\] here"):
+        other.load_state_dict({"0": torch.zeros(2), "1": torch.zeros(3)})
+    with pytest.raises(UserError, match="missing keys"):
+        other.load_state_dict({"0": torch.zeros(2)})
+    named = EMA(_params(), names=["a.lora_A", "a.lora_B"])
+    assert list(named.state_dict()) == ["a.lora_A", "a.lora_B"]
+    with pytest.raises(UserError, match="unexpected keys"):
+        named.load_state_dict(state)

@@ -1,0 +1,53 @@
+"""The GRPO update on a real (tiny) shapes-dit rollout: on-policy ratio exactly 1, LoRA trained, base frozen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tpflow
+from tpflow.optim.advantages import group_advantages
+from tpflow.rollout import Window, rollout
+
+
+@pytest.fixture
+def backbone(tiny_weights):
+    return tpflow.build("backbone", "shapes-dit", weights=str(tiny_weights), lora_init="gaussian")
+
+
+@pytest.mark.parametrize("sampler_name,beta", [("cps", 0.0), ("flow-sde", 1e-2)])
+def test_update_trains_lora_only_and_starts_on_policy(backbone, sampler_name, beta):
+    sampler = tpflow.build("sampler", sampler_name)
+    prompts = ["a photo of a red circle"] * 3 + ["a photo of two squares"] * 3
+    cond = backbone.encode(prompts)
+    z0 = backbone.initial_noise(6, torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(1)
+    batch = rollout(backbone, sampler, cond, z0, backbone.sigmas(5), Window(0, 5), 0.7, 2.0, None, generator=gen)
+    rewards = torch.randn(6, 5, generator=torch.Generator().manual_seed(2))
+    advantages = group_advantages(rewards, prompts)
+    optimizer = tpflow.build(
+        "optimizer", "grpo", learning_rate=1e-2, beta=beta, micro_batch_size=2, gradient_accumulation_steps=2
+    )
+    optimizer.bind(backbone)
+    lora = {n: p.detach().clone() for n, p in backbone.model.named_parameters() if "lora_" in n}
+    frozen = {n: p.detach().clone() for n, p in backbone.model.named_parameters() if "lora_" not in n}
+    metrics = optimizer.update(backbone, sampler, batch, advantages)
+    assert metrics["first_ratio_max_deviation"] == 0.0  # exactly on policy before the first step
+    assert metrics["optimizer_steps"] == 2 and optimizer.global_step == 2  # 3 micro-batches, accumulation 2
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    # cps at σ⁺ = 0 (the last step) has zero std and is never trained: 4 trained steps per micro-batch.
+    assert (metrics["kl"] > 0) == (beta > 0)
+    for name, before in lora.items():
+        assert not torch.equal(before, dict(backbone.model.named_parameters())[name]), name
+    for name, before in frozen.items():
+        assert torch.equal(before, dict(backbone.model.named_parameters())[name]), name
+
+
+def test_all_zero_advantages_train_nothing(backbone):
+    sampler = tpflow.build("sampler", "cps")
+    cond = backbone.encode(["a photo of a circle"] * 4)
+    z0 = backbone.initial_noise(4, torch.Generator().manual_seed(0))
+    batch = rollout(backbone, sampler, cond, z0, backbone.sigmas(4), Window(0, 3), 0.7, 1.0, None)
+    optimizer = tpflow.build("optimizer", "grpo")
+    metrics = optimizer.update(backbone, sampler, batch, torch.zeros(4, 3, dtype=torch.float64))
+    assert metrics["trajectories_trained"] == 0 and metrics["optimizer_steps"] == 0

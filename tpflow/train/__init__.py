@@ -1,0 +1,1 @@
+"""The trainer and its support modules: checkpoints, EMA weights and run logs."""

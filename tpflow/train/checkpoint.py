@@ -1,0 +1,336 @@
+"""Atomic, verifiable checkpoints: ``run_dir/checkpoints/<step:08d>/``.
+
+A checkpoint is written into ``checkpoints/.tmp-<step>-<pid>/`` (adapter, optimizer, EMA, RNG states, train state,
+recipe), every file is fsynced, ``manifest.json`` (size and sha256 of every file) is written last, and only then is
+the directory renamed to its final name. A crash or a full disk therefore never leaves a half-written ``<step>``
+directory, and a checkpoint damaged later (truncated copy, flipped bytes) fails its manifest check: ``find_checkpoint``
+reports it and falls back to the previous one. Everything is read back with ``torch.load(weights_only=True)``,
+safetensors or JSON; no arbitrary object is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+from safetensors import SafetensorError
+from torch import Tensor
+
+from tpflow.errors import UserError
+
+MANIFEST = "manifest.json"
+REQUIRED = ("optimizer.pt", "rng.pt", "state.json", "recipe.json")
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be written, or one that is missing, truncated or corrupted."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A verified checkpoint, loaded onto the CPU."""
+
+    path: Path
+    step: int
+    adapter_dir: Path  # pass to Backbone.load_adapter
+    optimizer_state: dict
+    ema_state: dict[str, Tensor] | None
+    rng_state: dict
+    train_state: dict  # epoch, global_step, ...
+    recipe: dict
+
+
+def capture_rng_state() -> dict:
+    """The global RNG states (Python, NumPy, torch CPU, CUDA when present), in a form ``save_checkpoint`` stores."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Inverse of ``capture_rng_state``, for a state read back by ``load_checkpoint``."""
+    random.setstate(state["python"])
+    kind, key, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(key, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    backbone: Any,
+    optimizer_state: dict,
+    ema_state: dict[str, Tensor] | None,
+    rng_state: dict,
+    train_state: dict,
+    recipe: dict,
+    keep_last: int = 3,
+) -> Path:
+    """Write ``run_dir/checkpoints/<step:08d>/`` atomically, then keep only the newest ``keep_last`` valid ones.
+
+    ``rng_state`` may nest dicts, lists and tuples of None, bool, int, float, str, tensors and NumPy arrays or
+    scalars (converted to tensors / Python scalars so that ``weights_only`` loading accepts them; tuples stay tuples).
+    An existing checkpoint of the same step is replaced (old moved aside, new renamed in, old deleted). Checkpoints
+    of later steps (from an abandoned run) are never pruned, nor is the one just written.
+
+    Raises:
+        CheckpointError: on an I/O error (disk full, permissions); the temp dir is removed, older checkpoints intact.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}.")
+    root = Path(run_dir) / "checkpoints"
+    final = root / f"{step:08d}"
+    tmp = root / f".tmp-{step}-{os.getpid()}"
+    # Serialize the small parts before touching the disk: a bad value raises here and leaves nothing behind.
+    small = {
+        "rng.pt": _torch_bytes(_plain(rng_state)),
+        "state.json": json.dumps(train_state, indent=2, sort_keys=True).encode(),
+        "recipe.json": json.dumps(recipe, indent=2, sort_keys=True).encode(),
+    }
+    if ema_state is not None:
+        small["ema.safetensors"] = safetensors.torch.save(
+            {k: v.detach().cpu().contiguous() for k, v in ema_state.items()}
+        )
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _tidy(root)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        backbone.save_adapter(tmp / "adapter")
+        with open(tmp / "optimizer.pt", "wb") as f:
+            torch.save(optimizer_state, f)
+            _sync(f)
+        for name, data in small.items():
+            _write(tmp / name, data)
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        for p in files:  # files written by save_adapter; ours are synced already (cheap to repeat)
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        digests = {p.relative_to(tmp).as_posix(): _digest(p) for p in files}
+        manifest = {"step": step, "created": time.time(), "files": digests}
+        _write(tmp / MANIFEST, json.dumps(manifest, indent=2).encode())
+        for d in [*sorted({p.parent for p in files}), tmp]:
+            _fsync_dir(d)
+        _install(tmp, final)
+    except (OSError, SafetensorError) as err:  # safetensors reports I/O errors (a full disk) as its own type
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous, _ = find_checkpoint(Path(run_dir))
+        kept = f"the previous checkpoint {previous.name} is intact" if previous else "there is no previous checkpoint"
+        raise CheckpointError(
+            f"Could not save checkpoint {final.name} in run dir {run_dir}: {err}. Nothing partial was left behind and "
+            f"{kept}; free some disk space (or fix the permissions) and resume with `tpflow train RECIPE --resume`."
+        ) from err
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _prune(root, step, keep_last)
+    return final
+
+
+def find_checkpoint(path: Path) -> tuple[Path | None, list[str]]:
+    """The newest valid checkpoint under a run dir (or the given checkpoint dir itself), and what was skipped.
+
+    Returns:
+        ``(checkpoint dir or None, warnings)``: one human-readable warning per newer checkpoint that was skipped.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return None, [f"no checkpoint: {path} is not a directory"]
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if root.name != "checkpoints":  # a checkpoint dir itself, or a run dir that has none yet
+        if not ((path / MANIFEST).exists() or path.name.isdigit()):
+            return None, []
+        reason = _verify(path)
+        return (None, [f"checkpoint {path.name} {reason}"]) if reason else (path, [])
+    _tidy(root)
+    skipped = []
+    for _, candidate in reversed(_numbered(root)):
+        reason = _verify(candidate)
+        if reason is None:
+            return candidate, [f"checkpoint {name} {why}; using {candidate.name}" for name, why in skipped]
+        skipped.append((candidate.name, reason))
+    return None, [f"checkpoint {name} {why}; no older valid checkpoint" for name, why in skipped]
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Verify and load a checkpoint directory (tensors on the CPU).
+
+    Raises:
+        CheckpointError: if the directory is not a checkpoint, or is incomplete, truncated or corrupted.
+    """
+    path = Path(path)
+    reason = _verify(path)
+    if reason:
+        raise CheckpointError(
+            f"Cannot load checkpoint {path}: it {reason}. Pass a run dir to resume from its newest "
+            "valid checkpoint instead."
+        )
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        ema = path / "ema.safetensors"
+        return Checkpoint(
+            path=path,
+            step=int(manifest["step"]),
+            adapter_dir=path / "adapter",
+            optimizer_state=torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True),
+            ema_state=safetensors.torch.load_file(ema) if ema.exists() else None,
+            rng_state=torch.load(path / "rng.pt", map_location="cpu", weights_only=True),
+            train_state=json.loads((path / "state.json").read_text()),
+            recipe=json.loads((path / "recipe.json").read_text()),
+        )
+    except Exception as err:  # a file that passed its checksum but does not parse: written by something else
+        raise CheckpointError(f"Cannot load checkpoint {path}: {type(err).__name__}: {err}") from err
+
+
+def _plain(obj: Any) -> Any:
+    """``obj`` with NumPy arrays/scalars turned into tensors/Python scalars; TypeError for anything else unusual."""
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain(v) for v in obj)
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.copy())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if obj is None or isinstance(obj, (bool, int, float, str, Tensor)):
+        return obj
+    raise TypeError(f"RNG state entry of type {type(obj).__name__} cannot be stored safely; pass tensors or lists.")
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _sync(f: Any) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        _sync(f)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _digest(path: Path) -> dict:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return {"size": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def _verify(path: Path) -> str | None:
+    """None if ``path`` is a complete, intact checkpoint, else why not (``"is truncated (...)"``)."""
+    if not (path / MANIFEST).is_file():
+        return "has no manifest (an interrupted or foreign save)"
+    try:
+        files = {
+            name: (int(e["size"]), str(e["sha256"]))
+            for name, e in json.loads((path / MANIFEST).read_text())["files"].items()
+        }
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"has an unreadable manifest ({type(err).__name__}: {err})"
+    missing = [n for n in REQUIRED if n not in files] + (
+        [] if any(n.startswith("adapter/") for n in files) else ["adapter/"]
+    )
+    if missing:
+        return f"is incomplete (manifest lacks {', '.join(missing)})"
+    for name, (expected_size, sha256) in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"is incomplete ({name} is missing)"
+        size = file.stat().st_size
+        if size != expected_size:
+            kind = "truncated" if size < expected_size else "corrupted"
+            return f"is {kind} ({name}: size {size} != {expected_size})"
+        if _digest(file)["sha256"] != sha256:
+            return f"is corrupted ({name}: sha256 mismatch)"
+    return None
+
+
+def _numbered(root: Path) -> list[tuple[int, Path]]:
+    """Checkpoint directories under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((int(p.name), p) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def _install(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``; an existing ``final`` is moved aside first and deleted only once replaced."""
+    if not final.exists():
+        os.rename(tmp, final)
+        return
+    old = final.with_name(f".old-{final.name}-{os.getpid()}")
+    os.rename(final, old)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        os.rename(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether another process with this id runs (our own leftovers are stale: one save at a time per process)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        pass
+    return pid != os.getpid()
+
+
+def _tidy(root: Path) -> None:
+    """Remove temp dirs of dead writers; put back a checkpoint moved aside by a replace that did not finish."""
+    if not root.is_dir():
+        return
+    for p in root.iterdir():
+        kind, _, rest = p.name.partition("-")
+        name, _, pid = rest.rpartition("-")
+        if kind not in (".tmp", ".old") or not pid.isdigit() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            if kind == ".old" and not (root / name).exists():
+                os.rename(p, root / name)
+            else:
+                shutil.rmtree(p)
+
+
+def _prune(root: Path, step: int, keep_last: int) -> None:
+    """Keep checkpoint ``step`` and the newest ``keep_last - 1`` valid ones before it; delete older or invalid ones."""
+    kept = 1
+    for s, p in reversed(_numbered(root)):
+        if s >= step:
+            continue
+        if kept < keep_last and _verify(p) is None:
+            kept += 1
+        else:
+            shutil.rmtree(p, ignore_errors=True)

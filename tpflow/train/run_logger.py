@@ -1,0 +1,161 @@
+"""Run logs: ``metrics.jsonl`` and ``traces.jsonl`` in the run dir, TensorBoard scalars, a one-line epoch summary.
+
+Each JSONL file is opened in append mode for every write and flushed line by line, so a killed run keeps what it
+logged, and ``truncate_after`` (used on resume) may replace the files at any time without a stale handle. Non-finite
+floats are written as ``null`` so that every line stays valid JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+RESERVED = ("epoch", "step", "time")
+_FILES = ("metrics.jsonl", "traces.jsonl")
+
+
+class RunLogger:
+    """Appends metrics and trajectory traces to the run dir; writes TensorBoard scalars when it can.
+
+    Args:
+        run_dir: the run directory (created if missing).
+        tensorboard: write scalars to ``run_dir/tensorboard`` if ``torch.utils.tensorboard`` imports (it needs the
+            optional ``tensorboard`` package); otherwise skip silently. ``tensorboard_enabled`` says which.
+    """
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.traces_path = self.run_dir / "traces.jsonl"
+        self._writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except Exception:  # ImportError without the package; some versions fail differently
+                pass
+            else:
+                self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        self.tensorboard_enabled = self._writer is not None
+
+    def log(self, metrics: dict[str, float], step: int, epoch: int) -> None:
+        """Append ``{"epoch", "step", "time", **metrics}`` to metrics.jsonl; add the scalars to TensorBoard."""
+        clash = [k for k in metrics if k in RESERVED]
+        if clash:
+            raise ValueError(f"Metric names {clash} are reserved for the record's own fields {list(RESERVED)}.")
+        record = {"epoch": epoch, "step": step, "time": time.time(), **metrics}
+        _append(self.metrics_path, [record])
+        if self._writer is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) or hasattr(value, "item"):
+                    self._writer.add_scalar(key, float(value), global_step=step)
+            self._writer.flush()
+
+    def log_traces(self, epoch: int, records: list[dict]) -> None:
+        """Append one line per trajectory record (prompt, tag, trace, step_rewards, turning_points, delta, ...)."""
+        _append(self.traces_path, [{"epoch": epoch, **r} for r in records])
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer (the JSONL files are never left open)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every record of a JSONL file, skipping blank lines and lines cut short by a killed writer.
+
+    A cut line is expected only at the end of a file; one elsewhere (a killed run that was resumed without
+    ``truncate_after``) is skipped with a warning.
+    """
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i != len(lines) - 1:
+                warnings.warn(f"{path}, line {i + 1}: skipped, not valid JSON ({err}).", stacklevel=2)
+    return records
+
+
+def truncate_after(run_dir: Path, epoch: int) -> None:
+    """Drop the lines of metrics.jsonl and traces.jsonl whose epoch is greater than ``epoch``, atomically.
+
+    Used on resume: a run killed after logging epoch 5 but checkpointed at epoch 4 restarts from epoch 5 without
+    duplicated lines. Each file is rewritten to a temp file, fsynced, then ``os.replace``d.
+    """
+    for name in _FILES:
+        path = Path(run_dir) / name
+        if not path.exists():
+            continue
+        kept = [r for r in read_jsonl(path) if r.get("epoch", -1) <= epoch]
+        tmp = path.with_name(f".{name}.tmp-{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(_dumps(r) + "\n" for r in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+def epoch_line(epoch: int, metrics: dict[str, Any]) -> str:
+    """A compact summary: ``epoch   3 | reward 0.412 | eval 0.450 | tp/traj 0.31 | clip 0.02 | kl 1.2e-05 | 12.3 s``.
+
+    Uses ``reward_mean``, ``eval_reward``, ``turning_points_per_traj``, ``clip_fraction``, ``kl`` and ``epoch_s``;
+    missing (or None) ones are left out.
+    """
+    fields = [
+        ("reward_mean", "reward {:.3f}"),
+        ("eval_reward", "eval {:.3f}"),
+        ("turning_points_per_traj", "tp/traj {:.2f}"),
+        ("clip_fraction", "clip {:.2f}"),
+        ("kl", "kl {:.1e}"),
+        ("epoch_s", "{:.1f} s"),
+    ]
+    parts = [f"epoch {epoch:3d}"]
+    parts += [fmt.format(float(metrics[key])) for key, fmt in fields if metrics.get(key) is not None]
+    return " | ".join(parts)
+
+
+def _append(path: Path, records: list[dict]) -> None:
+    with open(path, "a+b") as f:  # end a line cut short by a killed writer, so that the new lines stay separate
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+    with open(path, "a", encoding="utf-8") as f:
+        for record in records:
+            f.write(_dumps(record) + "\n")
+            f.flush()
+
+
+def _dumps(record: dict) -> str:
+    return json.dumps(_jsonable(record), allow_nan=False)
+
+
+def _jsonable(value: Any) -> Any:
+    """Tensors and NumPy values to lists / Python scalars, non-finite floats to None, tuples to lists."""
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):  # tensors, arrays, NumPy scalars
+        value = value.tolist()
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Path):
+        return str(value)
+    return value

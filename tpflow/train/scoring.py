@@ -1,0 +1,119 @@
+"""Decoding and scoring in a background worker, so the reward of batch b runs while batch b+1 is sampled.
+
+One job turns a rollout batch's final latents [n, ...] and completion latents [n, W, ...] into its reward trace
+[n, W+1]: decode in chunks, call the reward model, retry once if it raises or returns non-finite scores, then give
+up with a clear message (the trainer stops; the last checkpoint stays intact).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tpflow.errors import UserError
+from tpflow.interfaces import RewardModel
+
+
+class RewardError(UserError):
+    """The reward model failed twice on the same images."""
+
+
+@dataclass
+class ScoredBatch:
+    """What one scoring job returns."""
+
+    trace: Tensor  # [n, W+1] float32; columns 0..W-1 are NaN when no completions were scored
+    final_images: Tensor  # [n, 3, H, W] in [0, 1]
+    details: dict[str, Tensor] = field(default_factory=dict)  # name -> [n] of the final images
+    decode_s: float = 0.0
+    reward_s: float = 0.0
+
+
+class ScoringWorker:
+    """A single background thread that decodes and scores rollout batches in submission order."""
+
+    def __init__(self, decode: Callable[[Tensor], Tensor], reward: RewardModel, chunk: int = 256, name: str = ""):
+        self.decode = decode
+        self.reward = reward
+        self.chunk = chunk
+        self.name = name or type(reward).__name__
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpflow-scoring")
+
+    def submit(
+        self,
+        final: Tensor,
+        completions: Tensor | None,
+        prompts: Sequence[str],
+        metadata: Sequence[dict[str, Any]],
+        window: int,
+    ) -> Future[ScoredBatch]:
+        """Queue one rollout batch: final [n, ...], completions [n, W, ...] or None, W = ``window``."""
+        return self._pool.submit(self._score, final, completions, list(prompts), list(metadata), window)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _score(
+        self,
+        final: Tensor,
+        completions: Tensor | None,
+        prompts: list[str],
+        metadata: list[dict[str, Any]],
+        window: int,
+    ) -> ScoredBatch:
+        n = final.shape[0]
+        latents = final if completions is None else torch.cat([completions.flatten(0, 1), final])  # [n·W + n, ...]
+        width = 0 if completions is None else completions.shape[1]
+        # Completion rows are trajectory-major (b·W + j); the final images come last.
+        rows_prompts = [p for p in prompts for _ in range(width)] + prompts
+        rows_meta = [m for m in metadata for _ in range(width)] + metadata
+        start = time.perf_counter()
+        with torch.no_grad():
+            images = torch.cat([self.decode(part) for part in latents.split(self.chunk)])
+        decode_s = time.perf_counter() - start
+        start = time.perf_counter()
+        scores, details = self._reward(images, rows_prompts, rows_meta)
+        reward_s = time.perf_counter() - start
+        trace = torch.full((n, window + 1), float("nan"))
+        if width:
+            trace[:, :width] = scores[: n * width].view(n, width)
+        trace[:, window] = scores[n * width :]
+        final_details = {k: v[n * width :] for k, v in details.items()}
+        return ScoredBatch(trace, images[n * width :], final_details, decode_s, reward_s)
+
+    def _reward(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> tuple[Tensor, dict[str, Tensor]]:
+        problem = ""
+        for _attempt in range(2):
+            try:
+                parts = [
+                    self.reward(
+                        images[lo : lo + self.chunk], prompts[lo : lo + self.chunk], metadata[lo : lo + self.chunk]
+                    )
+                    for lo in range(0, images.shape[0], self.chunk)
+                ]
+            except UserError:
+                raise
+            except Exception as exc:  # a flaky reward server or model: retry once
+                problem = f"it raised {type(exc).__name__}: {exc}"
+                continue
+            scores = torch.cat([p.scores.detach().float().cpu() for p in parts])
+            if scores.shape != (images.shape[0],):
+                raise RewardError(
+                    f"Reward {self.name!r} returned {tuple(scores.shape)} scores for {images.shape[0]} images."
+                )
+            if torch.isfinite(scores).all():
+                details = {
+                    k: torch.cat([p.details[k].detach().float().cpu() for p in parts]) for k in parts[0].details
+                }
+                return scores, details
+            problem = f"it returned {int((~torch.isfinite(scores)).sum())} non-finite scores"
+        raise RewardError(
+            f"Reward {self.name!r} failed twice on the same {images.shape[0]} images ({problem}). The run stops here; "
+            "the last checkpoint is intact: fix the reward and resume with --resume."
+        )
