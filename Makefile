@@ -22,12 +22,11 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
-# The training demo (tpflow train recipes/shapes_tp.toml) lands with the shapes world and the trainer;
-# until then the demo shows the credit assigners on ALGORITHM.md's worked examples.
+# TP-GRPO on the embedded shapes world, on the CPU, in a few minutes; runs/demo is the demo's own directory and is
+# started afresh each time.
 demo: $(STAMP)
-	$(BIN)/tpflow components
-	$(BIN)/tpflow credit 50,46,40,47,52,55 30,50,40,48,34,36
-	$(BIN)/tpflow credit 40,37,45,48,49,50 60,62,61,63,64,64 70,72,74,71,68,66
+	rm -rf runs/demo
+	$(BIN)/tpflow train recipes/shapes_tp.toml --run-dir runs/demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check tpflow tests

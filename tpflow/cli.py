@@ -36,6 +36,10 @@ app = typer.Typer(
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
+Overrides = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override an option: section.key=value (repeatable).", show_default=False),
+]
 
 
 def _console(stderr: bool = False) -> Console:
@@ -129,10 +133,7 @@ def components(
 @user_errors
 def validate(
     recipe: Annotated[Path, typer.Argument(help="Recipe TOML file.")],
-    set_: Annotated[
-        list[str] | None,
-        typer.Option("--set", help="Override an option: section.key=value (repeatable).", show_default=False),
-    ] = None,
+    set_: Overrides = None,
 ) -> None:
     """Check every section of a recipe against its component, without loading any weights."""
     from tpflow.recipe import load_recipe
@@ -210,10 +211,7 @@ def _num(x: float) -> str:
 @user_errors
 def train(
     recipe: Annotated[Path, typer.Argument(help="Recipe TOML file, e.g. recipes/shapes_tp.toml.")],
-    set_: Annotated[
-        list[str] | None,
-        typer.Option("--set", help="Override an option: section.key=value (repeatable).", show_default=False),
-    ] = None,
+    set_: Overrides = None,
     resume: Annotated[
         str | None,
         typer.Option(
@@ -257,6 +255,70 @@ def _first_eval(path: Path) -> float | None:
 
     values = [line["eval_reward"] for line in read_jsonl(path) if line.get("eval_reward") is not None]
     return values[0] if values else None
+
+
+@app.command("inspect-trajectory")
+@user_errors
+def inspect_trajectory(
+    recipe: Annotated[
+        Path | None, typer.Argument(help="Recipe TOML file to sample with (or use --run instead).", show_default=False)
+    ] = None,
+    prompt: Annotated[str | None, typer.Option(help="Prompt to sample (with RECIPE).", show_default=False)] = None,
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="Load the adapter of this run dir or checkpoint dir.", show_default=False)
+    ] = None,
+    n: Annotated[int, typer.Option("--n", help="Trajectories to sample (with --run: to plot).")] = 8,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed of window, noise and SDE noise (default: train.seed).", show_default=False)
+    ] = None,
+    credit_: Annotated[
+        list[str] | None,
+        typer.Option("--credit", help="Credit assigner to compare (repeatable). Default: the recipe's + built-ins."),
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Output directory.")] = Path("runs/inspect"),
+    set_: Overrides = None,
+    run: Annotated[
+        Path | None, typer.Option(help="Plot the traces a training run logged, not RECIPE.", show_default=False)
+    ] = None,
+    epoch: Annotated[int | None, typer.Option(help="With --run: the epoch (default: the last).")] = None,
+) -> None:
+    """Reward of the ODE completion along denoising, turning points and each assigner's credit, as plots.
+
+    Example: tpflow inspect-trajectory recipes/shapes_tp.toml --prompt "a photo of a red circle" --n 8
+    """
+    from tpflow.inspect import inspect_run, inspect_sampled, summary_rows
+
+    if (recipe is None) == (run is None):
+        raise UserError("Give exactly one of RECIPE (sample new trajectories, with --prompt) or --run RUN_DIR.")
+    console = _console()
+    if run is not None:
+        result = inspect_run(run, epoch, n, credit_, out)
+    else:
+        from tpflow.recipe import load_recipe
+
+        if not prompt:
+            raise UserError('RECIPE needs --prompt TEXT, e.g. --prompt "a photo of a red circle".')
+        loaded = load_recipe(recipe, set_ or [])
+
+        def warn(text: str) -> None:
+            _console(stderr=True).print(f"[yellow]warning:[/] {escape(text)}", soft_wrap=True, highlight=False)
+
+        result = inspect_sampled(loaded, prompt, n, seed, checkpoint, credit_, out, warn)
+    table = Table(title=f"{escape(result.trajectories.prompt)}: turning points of {result.marked}")
+    for column in ("traj", "R_0", "R_W", "Δ", "turning points", "step rewards"):
+        table.add_column(column, no_wrap=column != "step rewards")
+    for row in summary_rows(result.trajectories, result.marked):
+        table.add_row(
+            str(row["traj"]),
+            f"{row['R_0']:.4g}",
+            f"{row['R_W']:.4g}",
+            f"{row['delta']:+.4g}",
+            row["turning_points"],
+            " ".join(f"{x:.3g}" for x in row["step_rewards"]),
+        )
+    console.print(table)
+    for path in result.files:
+        console.print(f"wrote {path}")
 
 
 def _format_values(model: Any) -> str:

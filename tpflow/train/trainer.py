@@ -24,6 +24,15 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from tpflow.errors import UserError
 from tpflow.optim.advantages import group_advantages
@@ -79,6 +88,8 @@ class Trainer:
         params = self.backbone.trainable_parameters()
         self.ema = EMA(params, t.ema_decay, t.ema_every) if t.ema else None
         self.epoch = 0  # the next epoch to run
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
         self.nonfinite_epochs = 0
         self._resume(resume)
         self.logger = RunLogger(self.run_dir)
@@ -94,7 +105,20 @@ class Trainer:
         )
         metrics: dict[str, Any] = {}
         last_eval: dict[str, float] = {}
+        progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=True,
+            disable=not self.console.is_terminal,
+        )
+        self._task = progress.add_task("starting", total=None)
+        self._progress = progress
         try:
+            progress.start()
             for epoch in range(self.epoch, t.epochs):
                 if e.every and epoch % e.every == 0:
                     last_eval = self.evaluate(epoch)
@@ -114,6 +138,7 @@ class Trainer:
             self.save()
             raise
         finally:
+            progress.stop()
             self.logger.close()
         return metrics
 
@@ -130,6 +155,7 @@ class Trainer:
         completions = r.completions if self.credit.needs_completions else None
         worker = ScoringWorker(self.backbone.decode, self.reward, chunk=r.max_batch or 256)
         batches, jobs = [], []
+        self._phase(f"epoch {epoch}: sampling", -(-len(order) // t.rollout_batch))
         try:
             for lo in range(0, len(order), t.rollout_batch):
                 idx = order[lo : lo + t.rollout_batch]
@@ -161,7 +187,12 @@ class Trainer:
                 prompts, metadata = [i.prompt for i in items], [i.metadata for i in items]
                 jobs.append(worker.submit(out.final, out.completions, prompts, metadata, r.window_size))
                 batches.append((out, idx))
-            scored = [job.result() for job in jobs]
+                self._advance()
+            self._phase(f"epoch {epoch}: scoring", len(jobs))
+            scored = []
+            for job in jobs:
+                scored.append(job.result())
+                self._advance()
         finally:
             worker.close()
         sample_s = time.perf_counter() - start
@@ -174,6 +205,7 @@ class Trainer:
         advantages = group_advantages(step_rewards, groups, global_std=global_std)
         batch = Rollout.cat([out for out, _ in batches])
         update_start = time.perf_counter()
+        self._phase(f"epoch {epoch}: updating", None)
         steps_before = self.optimizer.global_step
         with self.accelerator.autocast():
             update = self.optimizer.update(self.backbone, self.sampler, batch, advantages)
@@ -222,6 +254,7 @@ class Trainer:
         """ODE samples of the held-out prompts (EMA weights when enabled): mean reward and per-tag accuracy."""
         e = self.recipe.eval
         items = self.test_items
+        self._phase(f"eval at epoch {epoch}: sampling {len(items)} images", None)
         generator = torch.Generator().manual_seed(self.settings.seed + 12_345)  # the same noise at every eval
         z0 = self.backbone.initial_noise(len(items), generator)
         cond = self.backbone.encode([it.prompt for it in items])
@@ -259,6 +292,14 @@ class Trainer:
         return path
 
     # ---- private -----------------------------------------------------------------------------------------------
+
+    def _phase(self, description: str, total: int | None) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, description=description, total=total, completed=0)
+
+    def _advance(self) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task)
 
     def _resume(self, resume: bool | Path) -> None:
         existing, _ = find_checkpoint(self.run_dir) if self.run_dir.exists() else (None, [])
