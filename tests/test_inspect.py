@@ -1,0 +1,104 @@
+"""``tpflow inspect-trajectory`` on the tiny shapes world: the files, their numbers, the run mode, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+import tpflow
+from tests.test_cli import tpflow as run_cli
+from tests.test_train import tiny_recipe
+from tpflow.inspect import inspect_run, inspect_sampled
+from tpflow.recipe import load_recipe
+from tpflow.train.trainer import Trainer
+
+ASSIGNERS = ("consistent", "outcome", "incremental", "turning_point")
+
+
+def _prompt() -> str:
+    return tpflow.build("dataset", "shapes").split("test")[0].prompt
+
+
+def _check_png(path: Path) -> None:
+    with Image.open(path) as image:
+        image.verify()
+    with Image.open(path) as image:
+        width, height = image.size
+    assert 400 <= width <= 4000 and 200 <= height <= 4000, (path.name, image.size)
+
+
+def test_cli_writes_the_plots_and_the_numbers_behind_them(tmp_path, tiny_weights, plugin):
+    recipe = tiny_recipe(tmp_path, tiny_weights)  # K = 4, W = 3, window start drawn from 0..1
+    out = tmp_path / "inspect"
+    done = run_cli(
+        "inspect-trajectory", str(recipe), "--prompt", _prompt(), "--n", "3", "--seed", "5", "--out", str(out)
+    )
+    assert done.returncode == 0, done.stderr
+    assert "turning points of" in done.stdout and "R_0" in done.stdout and "Traceback" not in done.stderr
+    for name in ("trajectories.png", "completions.png", "credit.png"):
+        _check_png(out / name)
+    data = json.loads((out / "trace.json").read_text())
+    trace = torch.tensor(data["trace"], dtype=torch.float64)
+    assert trace.shape == (3, 4) and data["window_size"] == 3 and data["window_start"] in (0, 1)
+    assert data["paper_t_of_j"] == [4 - data["window_start"] - j for j in range(4)]
+    assert len(data["sigmas"]) == 5 and data["metadata"]  # the prompt's metadata was found in the dataset
+    assert list(data["credit"]) == list(ASSIGNERS)  # the recipe's assigner first, then the other built-ins
+    for name, credit in data["credit"].items():
+        expected = tpflow.build("credit", name)(trace)
+        assert torch.allclose(torch.tensor(credit["step_rewards"], dtype=torch.float64), expected.step_rewards)
+        assert credit["turning_points"] == expected.turning_points.int().tolist()
+    d = trace[:, 1:] - trace[:, :-1]
+    assert torch.allclose(torch.tensor(data["d"], dtype=torch.float64), d)
+    assert data["delta"] == pytest.approx((trace[:, -1] - trace[:, 0]).tolist())
+
+
+def test_library_names_the_assigners_and_warns_about_unknown_prompts(tmp_path, tiny_weights, plugin):
+    recipe = load_recipe(tiny_recipe(tmp_path, tiny_weights, credit="turning_point"), ["credit.balanced=false"])
+    warnings: list[str] = []
+    result = inspect_sampled(
+        recipe, "a photo of a unicorn", n=2, seed=0, credit=["turning_point", "outcome"], out=tmp_path / "o",
+        warn=warnings.append,
+    )  # fmt: skip
+    assert warnings and "not in the recipe's dataset" in warnings[0]
+    assert set(result.trajectories.credits) == {"turning_point", "outcome"}
+    expected = tpflow.build("credit", "turning_point", balanced=False)(result.trajectories.trace)  # recipe's options
+    assert torch.equal(result.trajectories.credits["turning_point"].step_rewards, expected.step_rewards)
+    assert result.trajectories.images.shape[:2] == (2, 4)
+    assert torch.allclose(
+        result.trajectories.images[:, -1].mean(dim=(1, 2, 3)).double(), result.trajectories.trace[:, -1]
+    )
+
+
+def test_run_mode_plots_a_training_run(tmp_path, tiny_weights, plugin):
+    Trainer(load_recipe(tiny_recipe(tmp_path, tiny_weights), ["eval.every=0"])).fit()  # 2 epochs
+    out = tmp_path / "inspect"
+    result = inspect_run(tmp_path / "run", n=4, out=out)
+    names = sorted(p.name for p in result.files)
+    assert names == ["credit.png", "trace.json", "trajectories.png", "turning_points.png"]
+    for name in ("trajectories.png", "credit.png", "turning_points.png"):
+        _check_png(out / name)
+    data = json.loads((out / "trace.json").read_text())
+    assert data["turning_points_over_training"]["epoch"] == [0, 1]
+    assert "consistent (as trained)" in data["credit"] and len(data["trace"]) == 4
+    done = run_cli("inspect-trajectory", "--run", str(tmp_path / "run"), "--epoch", "0", "--out", str(tmp_path / "o2"))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "o2" / "turning_points.png").is_file()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((), "exactly one of RECIPE"),
+        (("recipes/shapes_tp.toml", "--run", "runs/x"), "exactly one of RECIPE"),
+        (("recipes/shapes_tp.toml", "--prompt", "a photo of a circle", "--credit", "nope"), "consistent"),
+        (("--run", "no/such/run"), "Run dir not found"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(args, message):
+    done = run_cli("inspect-trajectory", *args, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr + done.stdout

@@ -1,0 +1,144 @@
+"""See the reward evolve along denoising, with turning points marked: ``tpflow inspect-trajectory``.
+
+    tpflow inspect-trajectory recipes/shapes_tp.toml --prompt "a photo of a red circle" --n 8 --out runs/inspect
+    tpflow inspect-trajectory --run runs/shapes_tp [--epoch E] --out runs/inspect
+
+The first form samples n trajectories of one prompt with ODE completions after every SDE window step and writes
+trajectories.png, completions.png, credit.png and trace.json; the second reads a training run's traces.jsonl and
+writes trajectories.png, credit.png, turning_points.png and trace.json. See docs/inspect.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tpflow.inspect.traces import (
+    BUILTIN_CREDIT,
+    Trajectories,
+    apply_credit,
+    assigners,
+    find_prompt,
+    load_run,
+    run_trajectories,
+    sample_trajectories,
+    summary_rows,
+    to_json,
+    turning_point_stats,
+)
+from tpflow.recipe import Recipe
+
+__all__ = ["Inspection", "inspect_run", "inspect_sampled", "summary_rows"]
+
+
+@dataclass
+class Inspection:
+    """What an inspection wrote, and the trajectories behind it."""
+
+    trajectories: Trajectories
+    marked: str  # the assigner whose turning points the plots mark
+    files: list[Path]
+
+
+def inspect_sampled(
+    recipe: Recipe,
+    prompt: str,
+    n: int = 8,
+    seed: int | None = None,
+    checkpoint: Path | None = None,
+    credit: Sequence[str] | None = None,
+    out: Path = Path("runs/inspect"),
+    warn: Callable[[str], None] = print,
+) -> Inspection:
+    """Sample n trajectories of ``prompt`` under ``recipe`` and write the four files into ``out``.
+
+    Args:
+        recipe: the loaded recipe (backbone, sampler, reward, credit, rollout settings).
+        prompt: looked up in the recipe's dataset for its metadata ({} with a warning when absent).
+        n: trajectories to sample.
+        seed: seeds window, noise and SDE noise (default: the recipe's train.seed).
+        checkpoint: run dir or checkpoint dir whose adapter is loaded.
+        credit: assigner names to compare (default: the recipe's, then the other built-ins).
+        out: output directory.
+        warn: called with each warning line.
+    """
+    from tpflow.inspect import plots
+
+    built = assigners(recipe, credit)  # unknown names fail here, before any weights load
+    metadata, examples = find_prompt(recipe, prompt)
+    if metadata is None:
+        warn(
+            f"{prompt!r} is not in the recipe's dataset: scoring with empty metadata (rewards that need it, like "
+            f"shapes-geneval, then give 0). Dataset prompts look like: {'; '.join(repr(e) for e in examples[:4])}."
+        )
+    t = sample_trajectories(recipe, prompt, n, recipe.train.seed if seed is None else seed, checkpoint, metadata)
+    apply_credit(t, built)
+    marked = _marked(t)
+    out = Path(out)
+    files = [
+        plots.plot_trajectories(t, marked, out / "trajectories.png"),
+        plots.plot_completions(t, marked, out / "completions.png"),
+        plots.plot_credit(t, out / "credit.png"),
+        _write_json({**to_json(t), "turning_points_marked": marked}, out / "trace.json"),
+    ]
+    return Inspection(t, marked, files)
+
+
+def inspect_run(
+    run_dir: Path,
+    epoch: int | None = None,
+    n: int = 8,
+    credit: Sequence[str] | None = None,
+    out: Path = Path("runs/inspect"),
+) -> Inspection:
+    """Plot the first n trajectories a training run logged at ``epoch`` (default: the last) and its turning points.
+
+    credit.png shows the step rewards the run trained with, then the other assigners (``credit``, default the other
+    built-ins) recomputed on these n traces (their balancing spans these n only, not the run's rollout batch).
+    """
+    from tpflow.inspect import plots
+
+    run = load_run(Path(run_dir))
+    names = list(credit) if credit else [c for c in BUILTIN_CREDIT if c != run.credit_name]
+    built = assigners(run.recipe, names)
+    t = run_trajectories(run, epoch, n)
+    trained = next(iter(t.credits))
+    has_nan = bool(t.trace.isnan().any())  # a run without completions (outcome credit) logs only R_W
+    apply_credit(t, {f"{k} (recomputed)": a for k, a in built.items() if not (has_nan and a.needs_completions)})
+    stats = turning_point_stats(run)
+    out = Path(out)
+    files = [
+        plots.plot_trajectories(t, trained, out / "trajectories.png"),
+        plots.plot_credit(t, out / "credit.png"),
+        plots.plot_turning_points(stats, run.credit_name, out / "turning_points.png"),
+        _write_json(
+            {**to_json(t), "run_dir": str(run_dir), "turning_points_over_training": stats}, out / "trace.json"
+        ),
+    ]
+    return Inspection(t, trained, files)
+
+
+def _marked(t: Trajectories) -> str:
+    """The first assigner (in the order given) that marks a turning point, else the first."""
+    return next((k for k, c in t.credits.items() if bool(c.turning_points.any())), next(iter(t.credits)))
+
+
+def _write_json(data: dict[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(data), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    return path
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities to None, recursively, so that the JSON stays standard."""
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
