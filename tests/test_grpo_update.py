@@ -51,3 +51,29 @@ def test_all_zero_advantages_train_nothing(backbone):
     optimizer = tpflow.build("optimizer", "grpo")
     metrics = optimizer.update(backbone, sampler, batch, torch.zeros(4, 3, dtype=torch.float64))
     assert metrics["trajectories_trained"] == 0 and metrics["optimizer_steps"] == 0
+
+
+def test_non_finite_losses_are_skipped_and_counted(backbone):
+    sampler = tpflow.build("sampler", "cps")
+
+    class NanOnFirstStep:
+        """The cps sampler, except that re-scoring the first window step yields NaN."""
+
+        def step(self, *args, **kwargs):
+            return sampler.step(*args, **kwargs)
+
+        def log_prob(self, z_next, z, v, sigma, sigma_next, noise_level):
+            out = sampler.log_prob(z_next, z, v, sigma, sigma_next, noise_level)
+            if bool((sigma == 1).all()):
+                return type(out)(out.prev, out.mean, out.std, out.log_prob * float("nan"), out.std_dev_t)
+            return out
+
+    prompts = ["a photo of a red circle"] * 2 + ["a photo of two squares"] * 2
+    cond = backbone.encode(prompts)
+    z0 = backbone.initial_noise(4, torch.Generator().manual_seed(0))
+    batch = rollout(backbone, sampler, cond, z0, backbone.sigmas(4), Window(0, 3), 0.7, 2.0, None)
+    advantages = group_advantages(torch.randn(4, 3, generator=torch.Generator().manual_seed(3)), prompts)
+    optimizer = tpflow.build("optimizer", "grpo", micro_batch_size=4, learning_rate=1e-2)
+    metrics = optimizer.update(backbone, NanOnFirstStep(), batch, advantages)
+    assert metrics["nonfinite_losses"] == 1 and metrics["optimizer_steps"] == 1
+    assert all(torch.isfinite(p).all() for p in backbone.trainable_parameters())
