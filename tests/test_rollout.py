@@ -168,3 +168,18 @@ def test_draw_window():
     assert draw_window(10, 9, (0, 9), rng) == Window(0, 9)
     with pytest.raises(ValueError):
         draw_window(10, 9, (0, 8), rng)
+
+
+def test_rollout_from_settings_shares_noise_within_a_group(backbone):
+    from tpflow.rollout import rollout_from_settings
+    from tpflow.settings import RolloutSettings
+
+    settings = RolloutSettings(num_steps=5, window_size=3, window_range=(0, 3), same_noise=True, guidance=2.0)
+    cond, _ = _setup(backbone, n_copies=3)
+    groups = [0, 0, 0, 1, 1, 1]
+    sampler = tpflow.build("sampler", "cps")
+    out = rollout_from_settings(backbone, sampler, cond, groups, Window(0, 3), settings, "ode", torch.Generator())
+    baseline = out.completions[:, 0]  # ODE from z_0: equal within a group, different across groups
+    assert torch.equal(baseline[0], baseline[2]) and torch.equal(baseline[3], baseline[5])
+    assert not torch.allclose(baseline[0], baseline[3])
+    assert not torch.allclose(out.final[0], out.final[1])  # the SDE noise still separates the copies

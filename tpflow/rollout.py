@@ -27,6 +27,7 @@ from torch import Tensor
 
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.samplers.euler import euler_step
+from tpflow.settings import RolloutSettings
 from tpflow.types import Conditioning, Rollout, RolloutCost
 
 
@@ -210,3 +211,38 @@ def sample_ode(
             z = euler_step(z, v, sigmas[k], sigmas[k + 1])
         finals.append(z)
     return torch.cat(finals)
+
+
+def rollout_from_settings(
+    backbone: Backbone,
+    sampler: Sampler,
+    cond: Conditioning,
+    groups: list[int],
+    window: Window,
+    settings: RolloutSettings,
+    completions: Literal["ode", "x0"] | None,
+    generator: torch.Generator,
+) -> Rollout:
+    """``rollout`` as a recipe's ``[rollout]`` section asks: draws z_0 (one per group with ``same_noise``, else one
+    per trajectory; ``groups`` [N] names each trajectory's prompt group) and passes the section's options on."""
+    if settings.same_noise:
+        unique = sorted(set(groups))
+        z0 = backbone.initial_noise(len(unique), generator)
+        source = torch.tensor([unique.index(g) for g in groups])
+    else:
+        z0, source = backbone.initial_noise(len(groups), generator), None
+    return rollout(
+        backbone,
+        sampler,
+        cond,
+        z0,
+        backbone.sigmas(settings.num_steps),
+        window,
+        settings.noise_level,
+        settings.guidance,
+        completions,
+        settings.baseline_noise,
+        source,
+        generator,
+        settings.max_batch,
+    )

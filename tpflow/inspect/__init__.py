@@ -11,7 +11,6 @@ writes trajectories.png, credit.png, turning_points.png and trace.json. See docs
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from tpflow.inspect.traces import (
     turning_point_stats,
 )
 from tpflow.recipe import Recipe
+from tpflow.train.run_logger import jsonable
 
 __all__ = ["Inspection", "inspect_run", "inspect_sampled", "summary_rows"]
 
@@ -129,16 +129,5 @@ def _marked(t: Trajectories) -> str:
 
 def _write_json(data: dict[str, Any], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_finite(data), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(jsonable(data), indent=1, allow_nan=False) + "\n", encoding="utf-8")
     return path
-
-
-def _finite(value: Any) -> Any:
-    """NaN and infinities to None, recursively, so that the JSON stays standard."""
-    if isinstance(value, dict):
-        return {str(k): _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value

@@ -26,7 +26,7 @@ from torch import Tensor
 from tpflow import registry
 from tpflow.errors import UserError
 from tpflow.recipe import Recipe, validate_recipe
-from tpflow.rollout import draw_window, rollout
+from tpflow.rollout import draw_window, rollout_from_settings
 from tpflow.types import Credit
 
 BUILTIN_CREDIT = ("outcome", "incremental", "turning_point", "consistent")
@@ -124,25 +124,7 @@ def sample_trajectories(
     generator = torch.Generator().manual_seed(seed)
     sigmas = backbone.sigmas(r.num_steps)
     cond = backbone.encode([prompt] * n)
-    if r.same_noise:
-        z0, source = backbone.initial_noise(1, generator), torch.zeros(n, dtype=torch.long)
-    else:
-        z0, source = backbone.initial_noise(n, generator), None
-    out = rollout(
-        backbone,
-        sampler,
-        cond,
-        z0,
-        sigmas,
-        window,
-        r.noise_level,
-        r.guidance,
-        completions="ode",
-        baseline_noise=r.baseline_noise,
-        source=source,
-        generator=generator,
-        max_batch=r.max_batch,
-    )
+    out = rollout_from_settings(backbone, sampler, cond, [0] * n, window, r, "ode", generator)
     assert out.completions is not None
     latents = torch.cat([out.completions, out.final[:, None]], dim=1)  # [n, W+1, ...]
     meta = dict(metadata or {})

@@ -143,17 +143,18 @@ def _append(path: Path, records: list[dict]) -> None:
 
 
 def _dumps(record: dict) -> str:
-    return json.dumps(_jsonable(record), allow_nan=False)
+    return json.dumps(jsonable(record), allow_nan=False)
 
 
-def _jsonable(value: Any) -> Any:
-    """Tensors and NumPy values to lists / Python scalars, non-finite floats to None, tuples to lists."""
+def jsonable(value: Any) -> Any:
+    """Any record to strict JSON values: tensors and NumPy values to lists or Python scalars, non-finite floats
+    to None, tuples to lists, paths to strings."""
     if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):  # tensors, arrays, NumPy scalars
         value = value.tolist()
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, Path):

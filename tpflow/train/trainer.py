@@ -37,7 +37,7 @@ from rich.progress import (
 from tpflow.errors import UserError
 from tpflow.optim.advantages import group_advantages
 from tpflow.recipe import Recipe
-from tpflow.rollout import draw_window, rollout, sample_ode
+from tpflow.rollout import draw_window, rollout_from_settings, sample_ode
 from tpflow.train.checkpoint import (
     capture_rng_state,
     find_checkpoint,
@@ -151,7 +151,6 @@ class Trainer:
         chosen = _draw(self.train_items, t.prompts_per_epoch, rng)
         order = [p for p in range(len(chosen)) for _ in range(t.group_size)]
         rng.shuffle(order)
-        sigmas = self.backbone.sigmas(r.num_steps)
         completions = r.completions if self.credit.needs_completions else None
         worker = ScoringWorker(self.backbone.decode, self.reward, chunk=r.max_batch or 256)
         batches, jobs = [], []
@@ -162,27 +161,9 @@ class Trainer:
                 items = [chosen[p] for p in idx]
                 window = draw_window(r.num_steps, r.window_size, r.window_range, rng)
                 cond = self.backbone.encode([it.prompt for it in items])
-                if r.same_noise:
-                    unique = sorted(set(idx))
-                    z0 = self.backbone.initial_noise(len(unique), generator)
-                    source = torch.tensor([unique.index(p) for p in idx])
-                else:
-                    z0, source = self.backbone.initial_noise(len(idx), generator), None
                 with self.accelerator.autocast():
-                    out = rollout(
-                        self.backbone,
-                        self.sampler,
-                        cond,
-                        z0,
-                        sigmas,
-                        window,
-                        r.noise_level,
-                        r.guidance,
-                        completions,
-                        r.baseline_noise,
-                        source,
-                        generator,
-                        r.max_batch,
+                    out = rollout_from_settings(
+                        self.backbone, self.sampler, cond, idx, window, r, completions, generator
                     )
                 prompts, metadata = [i.prompt for i in items], [i.metadata for i in items]
                 jobs.append(worker.submit(out.final, out.completions, prompts, metadata, r.window_size))
