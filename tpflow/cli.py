@@ -5,6 +5,7 @@
     tpflow credit 50,46,40,47,52,55 ...      # per-step rewards of each credit assigner for reward traces
     tpflow train RECIPE [--resume [PATH]]    # the training loop (TP-GRPO, Flow-GRPO, ...)
     tpflow shapes pretrain                   # rebuild the embedded shapes model
+    tpflow serve-reward --reward NAME        # serve a reward over HTTP for the `remote` reward
 
 Commands are thin wrappers over library functions. A user error (bad recipe, unknown name, missing file) prints
 one paragraph on stderr and exits with status 2, without a traceback.
@@ -319,6 +320,56 @@ def inspect_trajectory(
     console.print(table)
     for path in result.files:
         console.print(f"wrote {path}")
+
+
+@app.command("serve-reward")
+@user_errors
+def serve_reward(
+    reward: Annotated[str, typer.Option(help="Registered reward to serve (see: tpflow components reward).")],
+    port: Annotated[int, typer.Option(help="TCP port (0: any free port; the URL is printed).")] = 18085,
+    host: Annotated[str, typer.Option(help="Interface to listen on; 0.0.0.0 for every interface.")] = "127.0.0.1",
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="A reward option: key=value (repeatable), e.g. score=strict.", show_default=False),
+    ] = None,
+) -> None:
+    """Serve a reward over HTTP for recipes whose reward is name = "remote" with url = the printed URL.
+
+    Example: tpflow serve-reward --reward shapes-geneval --port 18085 --set score=strict
+    """
+    from tpflow.rewards.serve import parse_options, serve
+
+    console = _console()
+
+    def announce(url: str) -> None:
+        console.print(f"Serving reward {reward!r} at {url} (GET /health, POST /score). Ctrl-C stops.", highlight=False)
+        console.print(f'Recipe: [reward] name = "remote", url = "{url}"', highlight=False, markup=False)
+        console.file.flush()
+
+    serve(reward, parse_options(set_ or []), host=host, port=port, announce=announce)
+    console.print("stopped.")
+
+
+@app.command()
+@user_errors
+def export(
+    source: Annotated[Path, typer.Argument(help="A run dir (its newest valid checkpoint) or a checkpoint dir.")],
+    out: Annotated[Path, typer.Option(help="Output folder.")],
+    merge: Annotated[bool, typer.Option(help="Write the transformer with the adapter merged in.")] = False,
+    ema: Annotated[bool, typer.Option(help="Use the EMA weights when the checkpoint has them (the paper's).")] = True,
+) -> None:
+    """Export a trained adapter for inference: pipe.load_lora_weights(OUT), or --merge for a merged transformer."""
+    from tpflow.export import export as run_export
+
+    summary = run_export(source, out, merge=merge, ema=ema)
+    console = _console()
+    what = "merged transformer" if merge else "LoRA adapter"
+    console.print(
+        f"wrote the {what} of {summary['checkpoint']} (step {summary['step']}, "
+        f"{'EMA' if summary['ema'] else 'live'} weights) to {summary['written']}",
+        highlight=False,
+        markup=False,
+    )
 
 
 def _format_values(model: Any) -> str:

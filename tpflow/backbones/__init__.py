@@ -1,5 +1,6 @@
-"""Backbones. Importing this package registers them."""
+"""Backbones. Importing this package registers them (real models load their weights only when built)."""
 
+from tpflow.backbones import flux, sd3, tiny
 from tpflow.backbones.shapes import ShapesBackbone
 
-__all__ = ["ShapesBackbone"]
+__all__ = ["ShapesBackbone", "flux", "sd3", "tiny"]

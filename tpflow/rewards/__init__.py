@@ -1,5 +1,17 @@
-"""Reward models. Importing this package registers them."""
+"""Reward models. Importing this package registers them (heavy models load lazily, on the first call)."""
 
+from tpflow.rewards import aesthetic, clipscore, image_stat, ocr, pickscore, remote, weighted
+from tpflow.rewards.geneval import reward as geneval_reward
 from tpflow.rewards.shapes_geneval import ShapesGenevalReward
 
-__all__ = ["ShapesGenevalReward"]
+__all__ = [
+    "ShapesGenevalReward",
+    "aesthetic",
+    "clipscore",
+    "geneval_reward",
+    "image_stat",
+    "ocr",
+    "pickscore",
+    "remote",
+    "weighted",
+]

@@ -1,0 +1,203 @@
+"""tiny-sd3 and tiny-flux behave exactly like diffusers pipelines: rollouts, schedules, LoRA export, load errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tpflow.backbones.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
+from tpflow.errors import UserError
+from tpflow.registry import build
+from tpflow.rollout import Window, rollout, sample_ode
+from tpflow.samplers.cps import CpsSampler
+
+PROMPTS = ["a photo of a red cat", 'a sign that says "OPEN"']
+K = 4
+
+
+@pytest.fixture(scope="module")
+def sd3():
+    return build("backbone", "tiny-sd3", seed=0, resolution=16)
+
+
+@pytest.fixture(scope="module")
+def flux():
+    return build("backbone", "tiny-flux", seed=0, resolution=16)
+
+
+def _pipeline_latents(pipe, z0: torch.Tensor, guidance: float, **kwargs) -> torch.Tensor:
+    out = pipe(
+        prompt=PROMPTS,
+        num_inference_steps=K,
+        guidance_scale=guidance,
+        latents=z0.clone(),
+        output_type="latent",
+        height=16,
+        width=16,
+        max_sequence_length=32,
+        **kwargs,
+    )
+    return out.images
+
+
+def test_tiny_sd3_has_the_sd35_flags(sd3):
+    cfg = sd3.transformer.config
+    assert tuple(cfg.dual_attention_layers) == (0,)
+    assert cfg.qk_norm == "rms_norm"
+    assert any(name.endswith("attn2.to_q") for name, _ in sd3.transformer.named_modules())
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.5])
+def test_sd3_rollout_at_noise_0_equals_the_diffusers_pipeline(sd3, guidance):
+    pipe = tiny_sd3_pipeline(seed=0)  # an independent copy: the backbone's LoRA (B = 0) must not change anything
+    z0 = sd3.initial_noise(2, torch.Generator().manual_seed(3))
+    expected = _pipeline_latents(pipe, z0, guidance)
+    cond = sd3.encode(PROMPTS)
+    sigmas = sd3.sigmas(K)
+    torch.testing.assert_close(sigmas, pipe.scheduler.sigmas.float(), rtol=0, atol=1e-6)  # the pipe's last run
+    with torch.no_grad():
+        ode = sample_ode(sd3, cond, z0, sigmas, guidance)
+        sde = rollout(sd3, CpsSampler(), cond, z0, sigmas, Window(0, K - 1), 0.0, guidance, completions=None)
+    torch.testing.assert_close(ode, expected, rtol=0, atol=1e-4)
+    torch.testing.assert_close(sde.final, expected, rtol=0, atol=1e-4)
+    assert (expected - z0).abs().max() > 0.1  # the comparison is not vacuous
+
+
+def test_flux_rollout_at_noise_0_equals_the_diffusers_pipeline(flux):
+    pipe = tiny_flux_pipeline(seed=0)
+    z0 = flux.initial_noise(2, torch.Generator().manual_seed(5))  # packed [2, 64, 4]
+    assert z0.shape == (2, 64, 4)
+    expected = _pipeline_latents(pipe, z0, 3.5)
+    cond = flux.encode(PROMPTS)
+    sigmas = flux.sigmas(K)
+    torch.testing.assert_close(sigmas, pipe.scheduler.sigmas.float(), rtol=0, atol=1e-6)
+    with torch.no_grad():
+        ode = sample_ode(flux, cond, z0, sigmas, 3.5)
+        sde = rollout(flux, CpsSampler(), cond, z0, sigmas, Window(1, 2), 0.0, 3.5, completions=None)
+    torch.testing.assert_close(ode, expected, rtol=0, atol=1e-4)
+    torch.testing.assert_close(sde.final, expected, rtol=0, atol=1e-4)
+    with torch.no_grad():  # the distilled guidance really enters the model
+        other = sample_ode(flux, cond, z0, sigmas, 1.0)
+    assert (other - expected).abs().max() > 1e-4
+
+
+def test_flux_pack_unpack_roundtrip(flux):
+    z = torch.randn(3, flux.channels, flux.latent_side, flux.latent_side)
+    packed = flux.pack(z)
+    assert packed.shape == (3, (flux.latent_side // 2) ** 2, 4 * flux.channels)
+    torch.testing.assert_close(flux.unpack(packed), z, rtol=0, atol=0)
+    from diffusers import FluxPipeline  # the pipeline's own packing agrees
+
+    torch.testing.assert_close(packed, FluxPipeline._pack_latents(z, 3, flux.channels, 16, 16), rtol=0, atol=0)
+
+
+def test_decode_matches_the_pipeline_image(sd3):
+    pipe = tiny_sd3_pipeline(seed=0)
+    z0 = sd3.initial_noise(2, torch.Generator().manual_seed(7))
+    image = pipe(
+        prompt=PROMPTS, num_inference_steps=K, guidance_scale=4.5, latents=z0.clone(), output_type="pt",
+        height=16, width=16, max_sequence_length=32,
+    ).images  # fmt: skip
+    latents = _pipeline_latents(pipe, z0, 4.5)
+    mine = sd3.decode(latents)
+    assert mine.shape == (2, 3, 16, 16) and mine.dtype == torch.float32
+    torch.testing.assert_close(mine, image.float(), rtol=0, atol=1e-5)
+
+
+def test_prompt_cache_gives_the_same_conditioning():
+    cached = build("backbone", "tiny-sd3", seed=0, prompt_cache=2, text_encoders_device="cpu")
+    plain = build("backbone", "tiny-sd3", seed=0)
+    for prompts in (PROMPTS, PROMPTS[::-1] + ["a dog"], ["a dog", PROMPTS[0]]):
+        a, b = cached.encode(prompts), plain.encode(prompts)
+        for key in ("prompt_embeds", "pooled"):
+            torch.testing.assert_close(a.tensors[key], b.tensors[key], rtol=0, atol=1e-6)
+    assert len(cached.cache._rows) == 2  # bounded
+
+
+def test_lora_starts_at_the_base_model_and_reference_disables_it(sd3):
+    z = sd3.initial_noise(2, torch.Generator().manual_seed(1))
+    cond = sd3.encode(PROMPTS)
+    sigma = torch.full((2,), 0.6)
+    params = sd3.trainable_parameters()
+    assert params and all("lora_" in n for n, p in sd3.transformer.named_parameters() if p.requires_grad)
+    with torch.no_grad():
+        base = sd3.velocity(z, sigma, cond, 4.5)
+        saved = [p.clone() for p in params]
+        for p in params:
+            p.add_(0.05 * torch.randn_like(p))
+        adapted = sd3.velocity(z, sigma, cond, 4.5)
+        with sd3.reference():
+            reference = sd3.velocity(z, sigma, cond, 4.5)
+        for p, s in zip(params, saved, strict=True):
+            p.copy_(s)
+    assert (adapted - base).abs().max() > 1e-4
+    torch.testing.assert_close(reference, base, rtol=0, atol=0)
+
+
+def test_missing_local_weights_name_what_is_missing(tmp_path):
+    with pytest.raises(UserError, match="model_index.json"):
+        build("backbone", "sd3.5-medium", pretrained=str(tmp_path))
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "X", "transformer": ["diffusers", "M"]}))
+    with pytest.raises(UserError, match="lacks transformer"):
+        build("backbone", "flux.1-dev", pretrained=str(tmp_path))
+
+
+def test_missing_hub_weights_offline_say_how_to_get_them(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(UserError, match="huggingface-cli download stabilityai/stable-diffusion-3.5-medium"):
+        build("backbone", "sd3.5-medium")
+
+
+def test_merged_export_reproduces_the_adapted_velocity(tmp_path):
+    from diffusers import SD3Transformer2DModel
+
+    backbone = build("backbone", "tiny-sd3", seed=1)
+    with torch.no_grad():
+        for p in backbone.trainable_parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    backbone.save_merged(tmp_path / "transformer")
+    merged = SD3Transformer2DModel.from_pretrained(tmp_path / "transformer").eval()
+    z = backbone.initial_noise(2, torch.Generator().manual_seed(2))
+    cond = backbone.encode(PROMPTS)
+    t = torch.full((2,), 600.0)
+    with torch.no_grad():
+        expected = backbone.transformer(z, cond.tensors["prompt_embeds"], cond.tensors["pooled"], t)[0]
+        got = merged(z, cond.tensors["prompt_embeds"], cond.tensors["pooled"], t)[0]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_adapter_load_checks_rank(tmp_path):
+    backbone = build("backbone", "tiny-sd3", seed=0)
+    backbone.save_adapter(tmp_path)
+    other = build("backbone", "tiny-sd3", seed=0, lora_rank=2)
+    with pytest.raises(UserError, match="lora_rank"):
+        other.load_adapter(tmp_path)
+    with pytest.raises(UserError, match="No LoRA adapter"):
+        other.load_adapter(tmp_path / "nothing")
+
+
+def test_sigmas_follow_the_scheduler_config():
+    sd3 = build("backbone", "tiny-sd3", seed=0)
+    from tpflow.samplers.schedules import sd3_sigmas
+
+    torch.testing.assert_close(sd3.sigmas(10), sd3_sigmas(10, 3.0), rtol=0, atol=1e-6)
+    assert Path(__file__).exists()
+
+
+@pytest.mark.parametrize("name", ["ocr_tp", "pickscore_tp"])
+def test_paper_recipe_without_weights_exits_2_naming_them(monkeypatch, tmp_path, capsys, name):
+    from tpflow.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / f"{name}.toml"
+    with pytest.raises(SystemExit) as exc:
+        main(["train", str(recipe), "--run-dir", str(tmp_path / "run")])
+    assert exc.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "stabilityai/stable-diffusion-3.5-medium" in err and "huggingface-cli download" in err
+    assert "Traceback" not in err

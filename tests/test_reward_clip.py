@@ -1,0 +1,310 @@
+"""The CLIP-based rewards (pickscore, clipscore, aesthetic) on tiny random models built here, offline."""
+
+from __future__ import annotations
+
+import gzip
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from tpflow import registry
+from tpflow.errors import UserError
+from tpflow.rewards._images import clip_preprocess, to_uint8
+
+PROMPTS = ["a red cube", "two blue spheres on a table", "a cat " * 60, "a green frog"]  # [2] is > 77 tokens
+
+
+def uint8_images(n: int, h: int, w: int, seed: int = 0) -> torch.Tensor:
+    """[n, 3, h, w] float images exactly on the uint8 grid, so quantisation is lossless."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 3, h, w), generator=g).float() / 255
+
+
+def assert_batch_independent(reward, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    """Scores of the batch equal the scores of each image alone; returns the batch scores."""
+    out = reward(images, prompts, [{}] * len(prompts))
+    assert out.scores.shape == (len(prompts),) and out.scores.dtype == torch.float32
+    assert torch.isfinite(out.scores).all()
+    alone = torch.cat([reward(images[i : i + 1], prompts[i : i + 1], [{}]).scores for i in range(len(prompts))])
+    torch.testing.assert_close(out.scores, alone, rtol=0, atol=1e-5)
+    return out.scores
+
+
+# ------------------------------------------------------------------------------------------------ shared helpers
+
+
+def test_to_uint8_rounds_and_clips():
+    x = torch.tensor([-0.5, 0.0, 0.6 / 255, 0.4 / 255, 254.4 / 255, 1.0, 1.7])
+    assert to_uint8(x).tolist() == [0, 0, 1, 0, 254, 255, 255]  # round(x·255) clipped, not truncated
+    assert to_uint8(x).dtype == torch.uint8
+
+
+def test_clip_preprocess_resizes_shortest_side_then_centre_crops():
+    images = uint8_images(2, 20, 40)
+    out = clip_preprocess(images, resize=10, crop=(10, 10), mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+    assert out.shape == (2, 3, 10, 10)
+    # At the target size already, the preprocessing is a centre crop plus normalisation, exactly.
+    images = uint8_images(1, 12, 16)
+    out = clip_preprocess(images, resize=12, crop=(12, 12), mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.5))
+    expected = (images[..., :, 2:14] - torch.tensor([0.5, 0.4, 0.3])[:, None, None]) / torch.tensor([0.2, 0.25, 0.5])[
+        :, None, None
+    ]
+    torch.testing.assert_close(out, expected)
+
+
+# ------------------------------------------------------------------------------------------------ pickscore
+
+
+def tiny_clip_tokenizer():
+    """A real CLIP BPE with the first 486 merges of CLIP's merges file: 1,000 ids (DESIGN.md §7)."""
+    import open_clip
+    from open_clip.tokenizer import bytes_to_unicode
+    from transformers import CLIPTokenizer
+
+    path = os.path.join(os.path.dirname(open_clip.__file__), "bpe_simple_vocab_16e6.txt.gz")
+    merges = [tuple(line.split()) for line in gzip.open(path).read().decode().split("\n")[1:487]]
+    byte = list(bytes_to_unicode().values())
+    vocab = [*byte, *(b + "</w>" for b in byte), *("".join(m) for m in merges), "<|startoftext|>", "<|endoftext|>"]
+    tokenizer = CLIPTokenizer(vocab={v: i for i, v in enumerate(vocab)}, merges=merges)
+    assert len(tokenizer) == 1000  # transformers 5 silently ignores vocab_file= / merges_file=
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def pick_dirs(tmp_path_factory: pytest.TempPathFactory):
+    """(model folder, processor folder, the model itself) of a tiny random PickScore-like CLIPModel."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    root = tmp_path_factory.mktemp("pickscore")
+    tokenizer = tiny_clip_tokenizer()
+    processor = CLIPProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+        tokenizer=tokenizer,
+    )
+    processor.save_pretrained(root / "processor")
+    torch.manual_seed(0)
+    text = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2, vocab_size=1000)
+    text.update(max_position_embeddings=77, bos_token_id=998, eos_token_id=999, pad_token_id=999)
+    vision = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2, image_size=32)
+    vision.update(patch_size=8)
+    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).eval()
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(40.0))  # not the init value, so the formula test sees exp(logit_scale)
+    model.save_pretrained(root / "model")
+    return root / "model", root / "processor", model, processor
+
+
+def build_pickscore(pick_dirs):
+    model_dir, processor_dir, _, _ = pick_dirs
+    return registry.build("reward", "pickscore", model=str(model_dir), processor=str(processor_dir), device="cpu")
+
+
+def test_pickscore_shapes_and_batch_independence(pick_dirs):
+    assert_batch_independent(build_pickscore(pick_dirs), uint8_images(4, 40, 48), PROMPTS)
+
+
+def test_pickscore_equals_the_formula_on_the_model_embeddings(pick_dirs):
+    """exp(logit_scale) · cos / 26, with each prompt tokenised alone and unpadded (so padding changes nothing)."""
+    _, _, model, processor = pick_dirs
+    reward = build_pickscore(pick_dirs)
+    images = uint8_images(3, 32, 32, seed=1)  # at the model size: preprocessing is exactly (x - mean) / std
+    images[2] = images[0]
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[0]]
+    scores = reward(images, prompts, [{}] * 3).scores
+
+    ip = processor.image_processor
+    pixels = (images - torch.tensor(ip.image_mean)[:, None, None]) / torch.tensor(ip.image_std)[:, None, None]
+    with torch.no_grad():
+        image_emb = model.get_image_features(pixel_values=pixels).pooler_output  # [3, 16]
+        text_emb = torch.cat(
+            [
+                model.get_text_features(
+                    **processor.tokenizer([p], truncation=True, max_length=77, return_tensors="pt")
+                ).pooler_output
+                for p in prompts
+            ]
+        )  # [3, 16]
+    cos = torch.nn.functional.cosine_similarity(image_emb, text_emb, dim=-1)
+    torch.testing.assert_close(scores, 40.0 * cos / 26, rtol=0, atol=1e-5)
+    torch.testing.assert_close(scores[0], scores[2], rtol=0, atol=1e-6)  # identical image and prompt
+    assert not torch.isclose(scores[0], scores[1])
+
+
+SIZES = [(40, 48), (17, 23), (100, 64), (20, 30), (32, 32)]  # down, up (odd margin), down, up, same
+
+
+def pil_arrays(images: torch.Tensor) -> list:
+    import numpy as np
+
+    return [(x.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8) for x in images]
+
+
+@pytest.mark.parametrize(("h", "w"), SIZES)
+def test_torch_preprocessing_matches_the_pil_clip_processor(pick_dirs, h: int, w: int):
+    """Resize (shortest side, PIL bicubic) + centre crop + normalise, as transformers' PIL CLIP processor does."""
+    from transformers.models.clip import image_processing_pil_clip
+
+    ip = pick_dirs[3].image_processor
+    pil_processor = image_processing_pil_clip.CLIPImageProcessorPil(**ip.to_dict())
+    images = uint8_images(2, h, w, seed=h)  # noise: the worst case for the cubic's overshoot
+    expected = pil_processor(images=pil_arrays(images), return_tensors="pt")["pixel_values"]  # [2, 3, 32, 32]
+    got = clip_preprocess(images, resize=32, crop=(32, 32), mean=ip.image_mean, std=ip.image_std)
+    assert got.shape == expected.shape
+    # They differ only by PIL's rounding of each resampling pass to uint8: about one grey level.
+    assert (got - expected).abs().max() < 1.5 / 255 / min(ip.image_std)
+
+
+def test_pickscore_missing_weights_is_a_user_error(pick_dirs, tmp_path: Path):
+    missing = tmp_path / "no-such-model"
+    reward = registry.build("reward", "pickscore", model=str(missing), processor=str(pick_dirs[1]), device="cpu")
+    with pytest.raises(UserError, match="no-such-model"):
+        reward(uint8_images(1, 32, 32), ["x"], [{}])
+    reward = registry.build("reward", "pickscore", model="tpflow-test/not-cached", processor=str(pick_dirs[1]))
+    with pytest.raises(UserError, match="huggingface-cli download tpflow-test/not-cached"):
+        reward.load()
+
+
+# ------------------------------------------------------------------------------------------------ open_clip rewards
+
+TINY_ARCH = "tpflow-test-tiny-clip"
+
+
+@pytest.fixture(scope="module")
+def open_clip_ckpt(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny open_clip architecture registered for this module, its random model and checkpoint file."""
+    import open_clip
+    from safetensors.torch import save_file
+
+    open_clip.factory._MODEL_CONFIGS[TINY_ARCH] = {
+        "embed_dim": 16,
+        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "patch_size": 8, "head_width": 16},
+        "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+    }
+    torch.manual_seed(0)
+    model = open_clip.create_model(TINY_ARCH).eval()
+    path = tmp_path_factory.mktemp("open_clip") / "tiny.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    yield model, path
+    open_clip.factory._MODEL_CONFIGS.pop(TINY_ARCH, None)
+
+
+def hand_embeddings(model, images: torch.Tensor, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """L2-normalised image and text embeddings of 32x32 uint8-grid images, computed without the reward's code."""
+    import open_clip
+
+    mean = torch.tensor(open_clip.OPENAI_DATASET_MEAN)[:, None, None]
+    std = torch.tensor(open_clip.OPENAI_DATASET_STD)[:, None, None]
+    with torch.no_grad():
+        image = model.encode_image((images - mean) / std)
+        text = model.encode_text(open_clip.get_tokenizer(TINY_ARCH)(prompts))
+    return image / image.norm(dim=-1, keepdim=True), text / text.norm(dim=-1, keepdim=True)
+
+
+def test_clipscore_batch_independent_and_equals_clipscore_formula(open_clip_ckpt):
+    model, path = open_clip_ckpt
+    reward = registry.build("reward", "clipscore", model=TINY_ARCH, pretrained=str(path), device="cpu")
+    assert_batch_independent(reward, uint8_images(4, 40, 48), PROMPTS)
+
+    images = uint8_images(4, 32, 32, seed=2)
+    images[3] = images[1]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[1]]
+    out = reward(images, prompts, [{}] * 4)
+    image, text = hand_embeddings(model, images, prompts)
+    cosine = (image * text).sum(-1)
+    torch.testing.assert_close(out.details["cosine"], cosine, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.scores, 2.5 * cosine.clamp(min=0), rtol=0, atol=1e-5)
+    assert out.scores[1] == out.scores[3]
+
+
+@pytest.mark.parametrize(("h", "w"), SIZES)
+def test_open_clip_preprocessing_matches_open_clips_transform(open_clip_ckpt, h: int, w: int):
+    import open_clip
+    from PIL import Image
+
+    from tpflow.rewards._images import load_open_clip
+
+    clip = load_open_clip(TINY_ARCH, str(open_clip_ckpt[1]), torch.device("cpu"), "test")
+    transform = open_clip.image_transform(32, is_train=False)  # Resize(bicubic) + CenterCrop + Normalize, on PIL
+    images = uint8_images(2, h, w, seed=w)
+    expected = torch.stack([transform(Image.fromarray(a)) for a in pil_arrays(images)])
+    got = clip.preprocess(images)
+    assert got.shape == expected.shape == (2, 3, 32, 32)
+    assert (got - expected).abs().max() < 1.5 / 255 / min(open_clip.OPENAI_DATASET_STD)
+
+
+def test_clipscore_first_calls_from_two_threads_share_one_model(open_clip_ckpt):
+    reward = registry.build("reward", "clipscore", model=TINY_ARCH, pretrained=str(open_clip_ckpt[1]), device="cpu")
+    images = uint8_images(2, 32, 32, seed=3)
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda _: reward(images, PROMPTS[:2], [{}, {}]).scores, range(2)))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    assert reward.load() is reward.load()
+
+
+def test_clipscore_missing_weights_are_user_errors(open_clip_ckpt, tmp_path: Path, monkeypatch):
+    import huggingface_hub.constants
+
+    missing = tmp_path / "weights" / "missing.safetensors"
+    reward = registry.build("reward", "clipscore", model=TINY_ARCH, pretrained=str(missing))
+    with pytest.raises(UserError, match=str(missing)):
+        reward.load()
+    with pytest.raises(UserError, match="not a pretrained tag|neither"):
+        registry.build("reward", "clipscore", model="ViT-B-32", pretrained="no-such-tag").load()
+    with pytest.raises(UserError, match="not an open_clip architecture"):
+        registry.build("reward", "clipscore", model="ViT-Q-99", pretrained="openai").load()
+    # A real tag whose weights are not cached: an empty cache and home, so nothing is found, nothing downloaded.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(UserError, match="huggingface-cli download timm/vit_base_patch32_clip_224.openai"):
+        registry.build("reward", "clipscore", model="ViT-B-32", pretrained="openai").load()
+
+
+def random_head(path: Path, width: int = 16) -> torch.nn.Module:
+    """A random aesthetic head with the published layer names, saved at ``path``."""
+    from safetensors.torch import save_file
+
+    from tpflow.rewards.aesthetic import AestheticHead
+
+    torch.manual_seed(4)
+    head = AestheticHead([width, 1024, 128, 64, 16, 1]).eval()
+    state = head.state_dict()
+    assert sorted({k.rsplit(".", 1)[0] for k in state}) == [f"layers.{i}" for i in (0, 2, 4, 6, 7)]
+    if path.suffix == ".safetensors":
+        save_file(state, str(path))
+    else:
+        torch.save(state, path)
+    return head
+
+
+def test_aesthetic_is_the_head_on_normalised_embeddings(open_clip_ckpt, tmp_path: Path):
+    model, path = open_clip_ckpt
+    head = random_head(tmp_path / "head.safetensors")
+    random_head(tmp_path / "head.pth")  # same seed: the same head as a torch pickle
+    options = dict(clip_model=TINY_ARCH, clip_pretrained=str(path), device="cpu")
+    reward = registry.build("reward", "aesthetic", head=str(tmp_path / "head.safetensors"), **options)
+    assert_batch_independent(reward, uint8_images(4, 48, 40), PROMPTS)
+
+    images = uint8_images(3, 32, 32, seed=5)
+    scores = reward(images, PROMPTS[:3], [{}] * 3).scores
+    image, _ = hand_embeddings(model, images, PROMPTS[:3])
+    with torch.no_grad():
+        expected = head(image)[:, 0]
+    torch.testing.assert_close(scores, expected, rtol=0, atol=1e-5)
+    from_pth = registry.build("reward", "aesthetic", head=str(tmp_path / "head.pth"), **options)
+    torch.testing.assert_close(from_pth(images, PROMPTS[:3], [{}] * 3).scores, scores, rtol=0, atol=0)
+
+
+def test_aesthetic_missing_or_wrong_head_is_a_user_error(open_clip_ckpt, tmp_path: Path):
+    options = dict(clip_model=TINY_ARCH, clip_pretrained=str(open_clip_ckpt[1]), device="cpu")
+    with pytest.raises(UserError, match="set option head"):
+        registry.build("reward", "aesthetic", **options).load()
+    missing = tmp_path / "sac+logos+ava1-l14-linearMSE.pth"
+    with pytest.raises(UserError, match="sac\\+logos\\+ava1-l14-linearMSE.pth does not exist"):
+        registry.build("reward", "aesthetic", head=str(missing), **options).load()
+    random_head(tmp_path / "wide.safetensors", width=768)  # the published ViT-L-14 width on a 16-d tiny CLIP
+    with pytest.raises(UserError, match="768-d"):
+        registry.build("reward", "aesthetic", head=str(tmp_path / "wide.safetensors"), **options).load()

@@ -1,0 +1,326 @@
+"""The ``remote`` reward against a real ``tpflow serve-reward`` subprocess, and against stub servers for failures.
+
+The subprocess serves ``shapes-geneval`` (strict score, so the --set option is exercised) on a free port and is
+started once for the module; the last test stops it with Ctrl-C (SIGINT), so keep that test last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import tpflow
+from tpflow.errors import UserError
+from tpflow.rewards.remote import decode_images, encode_images
+from tpflow.rewards.serve import make_server
+from tpflow.rewards.shapes_geneval import ShapesGenevalOptions, ShapesGenevalReward
+from tpflow.shapes.prompts import prompts as shape_prompts
+from tpflow.shapes.render import render_batch
+from tpflow.train.scoring import RewardError
+from tpflow.types import RewardOutput
+
+
+@dataclass
+class Served:
+    process: subprocess.Popen[str]
+    url: str
+    lines: queue.Queue[str]
+    reader: threading.Thread
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Served]:
+    command = [sys.executable, "-m", "tpflow.cli", "serve-reward", "--reward", "shapes-geneval", "--port", "0"]
+    process = subprocess.Popen(
+        [*command, "--set", "score=strict"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True)
+    reader.start()
+    url, seen, deadline = "", [], time.monotonic() + 90
+    while not url and time.monotonic() < deadline and process.poll() is None:
+        try:
+            seen.append(lines.get(timeout=0.5))
+        except queue.Empty:
+            continue
+        url = next((word for word in seen[-1].split() if word.startswith("http://")), "")
+    if not url:
+        process.kill()
+        pytest.fail(f"serve-reward did not print its URL: {''.join(seen)}")
+    yield Served(process, url, lines, reader)
+    if process.poll() is None:
+        process.kill()
+        process.wait(timeout=10)
+
+
+def _batch(n: int = 12) -> tuple[torch.Tensor, list[str], list[dict[str, Any]]]:
+    """Rendered shapes images [n, 3, 32, 32] on the 8-bit grid; the second half is paired with wrong metadata."""
+    items = shape_prompts("test", n, seed=3)
+    images = render_batch([item.metadata for item in items], np.random.default_rng(0))
+    images = (images * 255).round() / 255  # what PNG carries exactly
+    order = list(range(n // 2)) + [n // 2 + (k + 1) % (n - n // 2) for k in range(n - n // 2)]
+    return images, [items[k].prompt for k in order], [items[k].metadata for k in order]
+
+
+def test_remote_scores_equal_in_process_scores(server):
+    with urllib.request.urlopen(server.url + "/health", timeout=10) as response:
+        health = json.loads(response.read())
+    assert health == {
+        "tpflow": tpflow.__version__,
+        "protocol": 1,
+        "reward": "shapes-geneval",
+        "options": {"score": "strict"},
+    }
+    images, prompts, metadata = _batch()
+    local = ShapesGenevalReward(ShapesGenevalOptions(score="strict"))(images, prompts, metadata)
+    # The batch must tell the options apart and hold both verdicts, or equality would prove little.
+    assert set(local.scores.tolist()) == {0.0, 1.0}
+    assert not torch.equal(local.details["partial"], local.details["strict"])
+    remote = tpflow.build("reward", "remote", url=server.url + "/", timeout_s=30)
+    out = remote(images, prompts, metadata)
+    assert out.scores.dtype == torch.float32 and torch.equal(out.scores, local.scores)
+    assert out.details.keys() == local.details.keys()
+    assert all(torch.equal(out.details[k], local.details[k]) for k in local.details)
+    # Off-grid pixels are quantised with round(x·255) on the way, exactly as in-process rewards quantise.
+    noisy = (images + 0.001 * torch.randn_like(images)).clamp(0, 1)
+    assert torch.equal(decode_images(encode_images(noisy)), (noisy * 255).round() / 255)
+
+
+def test_concurrent_calls_are_each_answered_with_their_own_scores(server):
+    images, prompts, metadata = _batch()
+    local = ShapesGenevalReward(ShapesGenevalOptions(score="strict"))(images, prompts, metadata)
+    remote = tpflow.build("reward", "remote", url=server.url)
+    parts = [slice(0, 3), slice(3, 7), slice(7, 12), slice(2, 10)]
+    results: dict[int, torch.Tensor] = {}
+
+    def call(k: int) -> None:
+        s = parts[k]
+        results[k] = remote(images[s], prompts[s], metadata[s]).scores
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(len(parts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(torch.equal(results[k], local.scores[s]) for k, s in enumerate(parts))
+
+
+class _Overlap:
+    """A reward that records how many calls run at once (and returns each image's mean)."""
+
+    def __init__(self) -> None:
+        self.running = self.most = 0
+        self.guard = threading.Lock()
+
+    def __call__(self, images, prompts, metadata):
+        with self.guard:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        time.sleep(0.05)
+        with self.guard:
+            self.running -= 1
+        return RewardOutput(scores=images.mean(dim=(1, 2, 3)))
+
+
+def test_server_scores_one_request_at_a_time():
+    httpd = make_server("shapes-geneval", {}, "127.0.0.1", 0)
+    httpd.reward = overlap = _Overlap()  # the server's own model, replaced by a probe
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        remote = tpflow.build("reward", "remote", url=httpd.url)
+        images = torch.arange(6, dtype=torch.float32).div(255).view(6, 1, 1, 1).expand(6, 3, 4, 4)
+        results: dict[int, torch.Tensor] = {}
+        threads = [
+            threading.Thread(target=lambda k=k: results.__setitem__(k, remote(images[k : k + 1], [""], [{}]).scores))
+            for k in range(6)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert overlap.most == 1
+    assert torch.equal(torch.cat([results[k] for k in range(6)]), torch.arange(6, dtype=torch.float32) / 255)
+
+
+def _post(url: str, payload: Any) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(url + "/score", data=json.dumps(payload).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_server_answers_bad_requests_with_a_json_error(server):
+    images, prompts, metadata = _batch(2)
+    status, body = _post(server.url, {"protocol": 7, "images": encode_images(images), "prompts": prompts})
+    assert status == 400 and "protocol 7" in body["error"] and "protocol 1" in body["error"]
+    status, body = _post(server.url, {"protocol": 1, "images": ["not png"], "prompts": ["a"], "metadata": [{}]})
+    assert status == 400 and "images[0]" in body["error"]
+    status, body = _post(server.url, {"protocol": 1, "images": encode_images(images), "prompts": prompts[:1]})
+    assert status == 400 and "2 images, 1 prompts" in body["error"]
+    # The reward itself fails on this metadata: a 500 whose message the client can show.
+    bad = {"protocol": 1, "images": encode_images(images), "prompts": prompts, "metadata": [{"include": "x"}] * 2}
+    status, body = _post(server.url, bad)
+    assert status == 500 and "'shapes-geneval' raised TypeError" in body["error"]
+
+
+def test_serve_reward_user_errors(server, capsys):
+    from tpflow.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve-reward", "--reward", "shapes-genevall"])
+    assert exit_info.value.code == 2 and "Did you mean 'shapes-geneval'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve-reward", "--reward", "shapes-geneval", "--set", "scor=strict"])
+    assert exit_info.value.code == 2 and "'scor'" in capsys.readouterr().err
+    port = int(server.url.rsplit(":", 1)[1])
+    with pytest.raises(UserError, match=f"Cannot listen on 127.0.0.1:{port}"):
+        make_server("shapes-geneval", {}, "127.0.0.1", port)
+    with pytest.raises(UserError, match="url"):
+        tpflow.build("reward", "remote")
+    with pytest.raises(UserError, match="http://"):
+        tpflow.build("reward", "remote", url="ftp://example.org")
+
+
+@dataclass
+class Stub:
+    """What a stub server answers: /health payload, /score status and body, or a /score that never answers."""
+
+    health: dict[str, Any] = field(default_factory=lambda: {"tpflow": "0.1.0", "protocol": 1, "reward": "stub"})
+    status: int = 200
+    body: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+    hang: bool = False
+    scored: int = 0  # /score requests received
+    release: threading.Event = field(default_factory=threading.Event)
+
+
+@pytest.fixture
+def stub() -> Iterator[tuple[Stub, str]]:
+    state = Stub()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self._send(200, state.health)
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            state.scored += 1
+            if state.hang:
+                state.release.wait(10)
+                return
+            self._send(state.status, state.body)
+
+        def _send(self, status: int, payload: dict[str, Any]) -> None:
+            body = json.dumps(payload).encode()
+            self.send_response(status)
+            for key, value in {**state.headers, "Content-Length": str(len(body))}.items():
+                self.send_header(key, value)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    yield state, f"http://127.0.0.1:{httpd.server_address[1]}"
+    state.release.set()
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _one_image() -> tuple[torch.Tensor, list[str], list[dict[str, Any]]]:
+    return torch.zeros(1, 3, 8, 8), ["a photo of a red circle"], [{}]
+
+
+def test_protocol_mismatch_is_refused_naming_both_versions(stub):
+    state, url = stub
+    state.health = {"tpflow": "9.0.0", "protocol": 2, "reward": "stub"}
+    remote = tpflow.build("reward", "remote", url=url, retries=0)
+    with pytest.raises(RewardError, match="protocol 2") as info:
+        remote(*_one_image())
+    assert url in str(info.value) and "protocol 1" in str(info.value) and "9.0.0" in str(info.value)
+    assert state.scored == 0  # refused before any image was sent
+    state.health = {"status": "ok"}
+    with pytest.raises(RewardError, match="tpflow serve-reward"):
+        tpflow.build("reward", "remote", url=url)(*_one_image())
+
+
+def test_server_errors_are_retried_then_reported_with_url_and_attempts(stub):
+    state, url = stub
+    state.status, state.body = 500, {"error": "reward 'x' raised RuntimeError: CUDA out of memory"}
+    remote = tpflow.build("reward", "remote", url=url, retries=2, backoff_s=0.01)
+    with pytest.raises(RewardError, match="CUDA out of memory") as info:
+        remote(*_one_image())
+    assert f"{url}/score" in str(info.value) and "3 attempts" in str(info.value) and state.scored == 3
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "headers", "expected"),
+    [
+        (422, {"error": "weights not found: pass weights=PATH"}, {}, "weights not found"),
+        (302, {}, {"Location": "http://example.org/score"}, "redirect to http://example.org/score; redirects are"),
+    ],
+)
+def test_client_errors_and_redirects_are_not_retried(stub, status, body, headers, expected):
+    state, url = stub
+    state.status, state.body, state.headers = status, body, headers
+    with pytest.raises(RewardError, match=expected) as info:
+        tpflow.build("reward", "remote", url=url, retries=3, backoff_s=0.01)(*_one_image())
+    assert url in str(info.value) and f"HTTP {status}" in str(info.value) and state.scored == 1
+
+
+def test_a_server_that_never_answers_times_out(stub):
+    state, url = stub
+    state.hang = True
+    remote = tpflow.build("reward", "remote", url=url, timeout_s=0.3, retries=1, backoff_s=0.05)
+    start = time.monotonic()
+    with pytest.raises(RewardError, match="2 attempts") as info:
+        remote(*_one_image())
+    assert time.monotonic() - start < 5 and "timed out" in str(info.value) and state.scored == 2
+
+
+def test_ctrl_c_stops_the_server_and_the_client_fails_fast(server):
+    """Keep last: stops the module's server."""
+    checked = tpflow.build("reward", "remote", url=server.url, timeout_s=2, retries=2, backoff_s=0.1)
+    images, prompts, metadata = _batch(2)
+    checked(images, prompts, metadata)  # health checked while the server runs
+    server.process.send_signal(signal.SIGINT)
+    assert server.process.wait(timeout=20) == 0
+    server.reader.join(timeout=5)
+    output = ""
+    while not server.lines.empty():
+        output += server.lines.get()
+    assert output.rstrip().endswith("stopped.") and "KeyboardInterrupt" not in output
+    for remote in (checked, tpflow.build("reward", "remote", url=server.url, timeout_s=2, retries=2, backoff_s=0.1)):
+        start = time.monotonic()
+        with pytest.raises(RewardError) as info:
+            remote(images, prompts, metadata)
+        assert time.monotonic() - start < 10
+        assert server.url in str(info.value) and "3 attempts" in str(info.value)

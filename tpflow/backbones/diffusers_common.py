@@ -1,0 +1,157 @@
+"""What the SD3 and FLUX backbones share: options, loading a pipeline with clear errors, schedules, prompt cache.
+
+Plain functions and one options base model; the backbones themselves are separate classes (one model per file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from tpflow.errors import UserError
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class DiffusersBackboneOptions(BaseModel):
+    """Options every diffusers backbone takes (the model-specific defaults are set by the subclasses)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dtype: Literal["fp32", "fp16", "bf16"] = Field(
+        "fp16", description="Transformer and text-encoder dtype (the VAE always decodes in fp32)."
+    )
+    device: str | None = Field(None, description="Torch device; default: cuda when available, else cpu.")
+    resolution: int = Field(512, ge=16, description="Image height and width in pixels.")
+    max_sequence_length: int = Field(256, ge=8, description="T5 tokens per prompt.")
+    lora_rank: int = Field(32, ge=1, description="LoRA rank r.")
+    lora_alpha: float = Field(64.0, gt=0, description="LoRA alpha: the update is (alpha / r)·B·A.")
+    lora_targets: list[str] = Field(default_factory=list, description="Module names (suffixes) peft adapts.")
+    lora_init: Literal["gaussian", "default"] = Field(
+        "gaussian",
+        description="peft's init of A ('gaussian' as in the paper's code); B = 0, so training starts at "
+        "the base model.",
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute transformer activations in the backward.")
+    prompt_cache: int = Field(
+        0, ge=0, description="Prompt embeddings kept (on the CPU, least recently used dropped); 0 turns it off."
+    )
+    text_encoders_device: Literal["model", "cpu"] = Field(
+        "model",
+        description="Where the frozen text encoders live: with the transformer, or on the CPU (with prompt_cache "
+        "this keeps them off the GPU at the cost of slower encoding of new prompts).",
+    )
+
+
+def resolve_device(device: str | None) -> torch.device:
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def load_pipeline(pipeline_cls: Any, pretrained: str, dtype: torch.dtype, model_name: str, **kwargs: Any) -> Any:
+    """``pipeline_cls.from_pretrained`` with a UserError that says which weights are missing and how to get them.
+
+    A local folder is checked before anything loads (model_index.json and each component's subfolder). A hub id is
+    looked up in the Hugging Face cache first; with HF_HUB_OFFLINE=1 (set by `make`) nothing is downloaded.
+    """
+    how = (
+        f"Download them with `huggingface-cli download {pretrained}` (accept the model's licence on the Hub and log "
+        "in with `huggingface-cli login` first), or set pretrained = '/path/to/folder' in [backbone] to a folder "
+        "holding the diffusers layout (model_index.json, transformer/, vae/, text_encoder*/, tokenizer*/, scheduler/)."
+    )
+    local = Path(pretrained).expanduser()
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    if local.exists() or pretrained.startswith((".", "/", "~")):
+        index = local / "model_index.json"
+        if not index.is_file():
+            raise UserError(f"The {model_name} weights folder {local} has no model_index.json. {how}")
+        components = [k for k, v in json.loads(index.read_text()).items() if isinstance(v, list) and v[0]]
+        missing = [c for c in components if not (local / c).is_dir()]
+        if missing:
+            raise UserError(f"The {model_name} weights folder {local} lacks {', '.join(missing)}. {how}")
+        source = str(local)
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(pretrained, "model_index.json")
+        if not isinstance(cached, str) and offline:
+            raise UserError(
+                f"The {model_name} weights '{pretrained}' are not in the Hugging Face cache "
+                f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}) and HF_HUB_OFFLINE=1 forbids downloading. "
+                + how
+            )
+        source = pretrained
+    try:
+        return pipeline_cls.from_pretrained(source, torch_dtype=dtype, local_files_only=offline, **kwargs)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"Could not load the {model_name} weights from '{pretrained}': {first}. {how}") from None
+
+
+def scheduler_sigmas(scheduler: Any, num_steps: int, image_seq_len: int, flux_style: bool) -> torch.Tensor:
+    """The pipeline's sigma table σ_0..σ_K (final 0 included), [K + 1] float32, from a copy of its scheduler.
+
+    SD3 calls ``set_timesteps(K)`` (static shift); FLUX passes ``linspace(1, 1/K, K)`` and the resolution-dependent
+    ``mu`` (dynamic shifting). Both mirror diffusers' pipelines so rollouts match them step for step.
+    """
+    import numpy as np
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    sched = type(scheduler).from_config(scheduler.config)
+    cfg = sched.config
+    kwargs: dict[str, Any] = {}
+    if cfg.get("use_dynamic_shifting", False):
+        kwargs["mu"] = calculate_shift(
+            image_seq_len,
+            cfg.get("base_image_seq_len", 256),
+            cfg.get("max_image_seq_len", 4096),
+            cfg.get("base_shift", 0.5),
+            cfg.get("max_shift", 1.15 if flux_style else 1.16),
+        )
+    if flux_style:
+        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), device="cpu", **kwargs)
+    else:
+        sched.set_timesteps(num_steps, device="cpu", **kwargs)
+    return sched.sigmas.to(torch.float32).clone()
+
+
+class PromptCache:
+    """Prompt -> embedding rows, least recently used dropped beyond ``size`` entries (stored on the CPU)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._rows: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
+
+    def encode(
+        self, prompts: Sequence[str], encode: Callable[[list[str]], dict[str, torch.Tensor]], device: torch.device
+    ) -> dict[str, torch.Tensor]:
+        """Rows of ``encode(prompts)`` [N, ...] on ``device``; only prompts not cached are encoded."""
+        if self.size == 0:
+            return {k: v.to(device) for k, v in encode(list(prompts)).items()}
+        todo = list(dict.fromkeys(p for p in prompts if p not in self._rows))
+        if todo:
+            fresh = encode(todo)
+            for i, prompt in enumerate(todo):
+                self._rows[prompt] = {k: v[i : i + 1].cpu() for k, v in fresh.items()}
+        rows = []
+        for prompt in prompts:
+            self._rows.move_to_end(prompt)
+            rows.append(self._rows[prompt])
+        out = {k: torch.cat([r[k] for r in rows]).to(device) for k in rows[0]}
+        while len(self._rows) > self.size:
+            self._rows.popitem(last=False)
+        return out
+
+
+def place(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Move a module to ``device`` and cast it to ``dtype`` only when it is not already in it."""
+    module.to(device)
+    if any(p.dtype != dtype for p in module.parameters() if p.is_floating_point()):
+        module.to(dtype=dtype)
+    return module

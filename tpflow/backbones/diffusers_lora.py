@@ -1,0 +1,128 @@
+"""LoRA on a diffusers transformer through peft, saved in the format ``pipe.load_lora_weights(dir)`` reads.
+
+Shared by the SD3 and FLUX backbones (plain functions, no base class). The adapter is injected with the
+transformer's own ``add_adapter`` (diffusers' PeftAdapterMixin, i.e. peft's ``inject_adapter_in_model``) under
+the adapter name ``default``. It is saved with the pipeline class's ``save_lora_weights``: one
+``pytorch_lora_weights.safetensors`` whose keys start with ``transformer.`` and whose header carries the
+LoraConfig (so ``load_lora_weights`` applies alpha / r, not 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tpflow.errors import UserError
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+PREFIX = "transformer."
+
+
+def add_lora(transformer: torch.nn.Module, rank: int, alpha: float, targets: Sequence[str], init: str) -> Any:
+    """Inject a LoRA adapter into ``transformer`` and freeze everything but its matrices; returns the LoraConfig."""
+    from peft import LoraConfig
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=list(targets),
+        init_lora_weights=True if init == "default" else init,
+    )
+    transformer.requires_grad_(False)
+    try:
+        transformer.add_adapter(config)
+    except ValueError as exc:  # peft: no module matched the targets
+        raise UserError(f"LoRA targets {list(targets)} do not fit the transformer: {exc}") from None
+    for name, param in transformer.named_parameters():
+        param.requires_grad_("lora_" in name)
+    return config
+
+
+def lora_parameters(transformer: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The LoRA matrices (lora_A, lora_B of every adapted layer), in module order."""
+    return [p for name, p in transformer.named_parameters() if "lora_" in name]
+
+
+@contextlib.contextmanager
+def adapter_disabled(transformer: torch.nn.Module) -> Iterator[None]:
+    """The frozen base transformer: adapters off inside the block, back on at exit (even on error)."""
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
+
+
+def save_lora(pipeline_cls: Any, transformer: torch.nn.Module, config: Any, directory: Path) -> None:
+    """Write ``pytorch_lora_weights.safetensors`` (diffusers' LoRA format, the LoraConfig in its header)."""
+    from peft import get_peft_model_state_dict
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(transformer).items()}
+    metadata = json.loads(json.dumps(config.to_dict(), default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
+    pipeline_cls.save_lora_weights(
+        str(directory), transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata
+    )
+
+
+def load_lora(transformer: torch.nn.Module, config: Any, directory: Path) -> None:
+    """Load an adapter written by ``save_lora`` into the injected adapter (rank and targets must match)."""
+    from peft import set_peft_model_state_dict
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = Path(directory) / LORA_FILE
+    if not path.is_file():
+        raise UserError(f"No LoRA adapter at {path}: save_adapter writes {LORA_FILE} into the folder.")
+    with safe_open(str(path), framework="pt") as handle:
+        header = handle.metadata() or {}
+    packed = json.loads(header.get("lora_adapter_metadata", "{}"))  # {"transformer.r": 32, ...}
+    saved = {k.removeprefix(PREFIX): v for k, v in packed.items() if k.startswith(PREFIX)}
+    if saved:
+        mine = {"r": config.r, "lora_alpha": config.lora_alpha, "target_modules": sorted(config.target_modules)}
+        theirs = {k: saved.get(k) for k in mine}
+        theirs["target_modules"] = sorted(theirs["target_modules"] or [])
+        if mine != theirs:
+            raise UserError(
+                f"The adapter in {directory} has {theirs} but this backbone has {mine}; set lora_rank, lora_alpha "
+                "and lora_targets in [backbone] to the saved values."
+            )
+    state = {k.removeprefix(PREFIX): v for k, v in load_file(str(path)).items() if k.startswith(PREFIX)}
+    device = next(transformer.parameters()).device
+    result = set_peft_model_state_dict(transformer, {k: v.to(device) for k, v in state.items()})
+    if result.unexpected_keys:
+        raise UserError(f"The adapter in {directory} has keys this model lacks: {result.unexpected_keys[:4]}...")
+
+
+def merged_copy_state(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The transformer's weights with the adapter merged in (W + alpha/r·B·A), adapter keys dropped; no side effect."""
+    from peft.tuners.lora import LoraLayer
+
+    state: dict[str, torch.Tensor] = {}
+    layers = {name: m for name, m in transformer.named_modules() if isinstance(m, LoraLayer)}
+    for name, tensor in transformer.state_dict().items():
+        if "lora_" in name:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        layer_name = owner.removesuffix(".base_layer")
+        if owner.endswith(".base_layer") and layer_name in layers and leaf == "weight":
+            layer = layers[layer_name]
+            tensor = tensor + layer.get_delta_weight("default").to(tensor.dtype)
+        state[name.replace(".base_layer.", ".")] = tensor.detach().contiguous().cpu()
+    return state
+
+
+def save_merged(transformer: torch.nn.Module, directory: Path) -> None:
+    """The transformer with the adapter merged in, as a diffusers model folder (``from_pretrained`` reads it)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    transformer.save_config(str(directory))
+    save_file(merged_copy_state(transformer), str(directory / "diffusion_pytorch_model.safetensors"))

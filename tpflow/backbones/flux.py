@@ -1,0 +1,211 @@
+"""Backbone ``flux.1-dev``: FLUX.1-dev through diffusers, with a peft LoRA adapter.
+
+    [backbone]
+    name = "flux.1-dev"
+    pretrained = "black-forest-labs/FLUX.1-dev"   # or a local folder in diffusers layout
+    dtype = "bf16"
+
+FLUX is guidance-distilled: the guidance scale enters as an embedding (3.5 in the paper's runs) and there is no
+CFG branch. Latents are packed 2×2 patches, [N, (H/16)·(W/16), 4·C] (C = 16), with image position ids shared by
+the batch; the schedule is ``linspace(1, 1/K, K)`` with the resolution-dependent dynamic shift, all as in
+``FluxPipeline.__call__``. Text: CLIP-L pooled + T5-XXL sequence through the pipeline's ``encode_prompt``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+from torch import Tensor
+
+from tpflow.backbones import diffusers_lora as lora
+from tpflow.backbones.diffusers_common import (
+    DTYPES,
+    DiffusersBackboneOptions,
+    PromptCache,
+    load_pipeline,
+    place,
+    resolve_device,
+    scheduler_sigmas,
+)
+from tpflow.registry import register
+from tpflow.types import Conditioning
+
+FLUX_LORA_TARGETS = (  # ALGORITHM.md §6.3: attention projections plus both feed-forward networks
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+)
+
+
+class FluxOptions(DiffusersBackboneOptions):
+    """Options of ``flux.1-dev`` (paper defaults: bf16, 512 px, LoRA r=64, alpha=128)."""
+
+    pretrained: str = Field(
+        "black-forest-labs/FLUX.1-dev",
+        description="Hub id (read from the local HF cache) or a local folder in diffusers layout.",
+    )
+    dtype: Literal["fp32", "fp16", "bf16"] = Field("bf16", description="Transformer and text-encoder dtype.")
+    max_sequence_length: int = Field(512, ge=8, description="T5 tokens per prompt.")
+    lora_rank: int = Field(64, ge=1, description="LoRA rank r.")
+    lora_alpha: float = Field(128.0, gt=0, description="LoRA alpha.")
+    lora_targets: list[str] = Field(default_factory=lambda: list(FLUX_LORA_TARGETS))
+
+
+class FluxBackbone:
+    """Backbone (tpflow.interfaces) around a ``FluxPipeline``'s components.
+
+    Latents: packed [N, S, 4·C] float32 with S = (H/2f)·(W/2f). ``cond.tensors``: ``prompt_embeds`` [N, L, D] and
+    ``pooled`` [N, P]; ``extras`` holds ``txt_ids`` [L, 3] and ``img_ids`` [S, 3], shared by every row.
+    ``velocity``'s ``guidance`` is the distilled guidance scale (ignored by models without a guidance embedding).
+    """
+
+    def __init__(self, pipe: Any, options: DiffusersBackboneOptions) -> None:
+        self.options = options
+        self.pipe = pipe
+        self.device = resolve_device(options.device)
+        self.dtype = DTYPES[options.dtype]
+        self.text_device = self.device if options.text_encoders_device == "model" else torch.device("cpu")
+        self.transformer = place(pipe.transformer, self.device, self.dtype)
+        self.vae = place(pipe.vae, self.device, torch.float32).requires_grad_(False).eval()
+        for name in ("text_encoder", "text_encoder_2"):
+            encoder = getattr(pipe, name, None)
+            if encoder is not None:
+                place(encoder, self.text_device, self.dtype).requires_grad_(False).eval()
+        self.lora_config = lora.add_lora(
+            self.transformer, options.lora_rank, options.lora_alpha, options.lora_targets, options.lora_init
+        )
+        self.transformer.eval()
+        if options.gradient_checkpointing:
+            self.transformer.enable_gradient_checkpointing()
+        self.scale = pipe.vae_scale_factor
+        self.cache = PromptCache(options.prompt_cache)
+        side = 2 * (options.resolution // (self.scale * 2))  # unpacked latent side, as the pipeline rounds it
+        self.latent_side = side
+        self.channels = self.transformer.config.in_channels // 4
+        self.img_ids = pipe._prepare_latent_image_ids(1, side // 2, side // 2, self.device, self.dtype)  # [S, 3]
+        self._txt_ids: Tensor | None = None
+
+    # ---- text ----------------------------------------------------------------------------------------------
+
+    def _encode_text(self, prompts: list[str]) -> dict[str, Tensor]:
+        with torch.no_grad():
+            embeds, pooled, txt_ids = self.pipe.encode_prompt(
+                prompt=prompts,
+                prompt_2=None,
+                device=self.text_device,
+                num_images_per_prompt=1,
+                max_sequence_length=self.options.max_sequence_length,
+            )
+        self._txt_ids = txt_ids.to(self.device, self.dtype)
+        return {"prompt_embeds": embeds.to(self.dtype), "pooled": pooled.to(self.dtype)}
+
+    def encode(self, prompts: Sequence[str]) -> Conditioning:
+        """Prompt embeddings [N, L, D], pooled CLIP embeddings [N, P]; text and image ids in ``extras``."""
+        tensors = self.cache.encode(prompts, self._encode_text, self.device)
+        if self._txt_ids is None:  # every prompt came from the cache: ids are zeros of the sequence length
+            self._txt_ids = torch.zeros(tensors["prompt_embeds"].shape[1], 3, device=self.device, dtype=self.dtype)
+        return Conditioning(tensors=tensors, extras={"txt_ids": self._txt_ids, "img_ids": self.img_ids})
+
+    # ---- sampling ------------------------------------------------------------------------------------------
+
+    def pack(self, z: Tensor) -> Tensor:
+        """[N, C, h, w] -> [N, (h/2)·(w/2), 4·C] (the pipeline's 2×2 patch packing)."""
+        n, c, h, w = z.shape
+        return z.view(n, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(n, (h // 2) * (w // 2), c * 4)
+
+    def unpack(self, z: Tensor) -> Tensor:
+        """Inverse of ``pack``: [N, S, 4·C] -> [N, C, h, w]."""
+        n, _, packed = z.shape
+        h = w = self.latent_side
+        return z.view(n, h // 2, w // 2, packed // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(n, packed // 4, h, w)
+
+    def initial_noise(self, n: int, generator: torch.Generator | None = None) -> Tensor:
+        """z_0 ~ N(0, I) drawn unpacked [n, C, h, w] as the pipeline draws it, returned packed [n, S, 4·C] float32."""
+        device = generator.device if generator is not None else self.device
+        shape = (n, self.channels, self.latent_side, self.latent_side)
+        z = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+        return self.pack(z).to(self.device)
+
+    def sigmas(self, num_steps: int) -> Tensor:
+        """linspace(1, 1/K, K) shifted by mu(image tokens), plus the final 0: [K + 1] float32."""
+        return scheduler_sigmas(self.pipe.scheduler, num_steps, self.img_ids.shape[0], flux_style=True)
+
+    def velocity(self, z: Tensor, sigma: Tensor, cond: Conditioning, guidance: float) -> Tensor:
+        """The transformer's velocity with the distilled guidance embedding (one call, no CFG branch)."""
+        n = z.shape[0]
+        if len(cond) != n:
+            raise ValueError(f"Conditioning has {len(cond)} rows but z has {n}; index or repeat it to match.")
+        t = torch.as_tensor(sigma, dtype=torch.float32, device=z.device).reshape(-1).expand(n)
+        g = None
+        if self.transformer.config.guidance_embeds:
+            g = torch.full((n,), float(guidance), device=z.device, dtype=torch.float32)
+        v = self.transformer(
+            hidden_states=z.to(self.dtype),
+            timestep=t.to(self.dtype),
+            guidance=g,
+            pooled_projections=cond.tensors["pooled"],
+            encoder_hidden_states=cond.tensors["prompt_embeds"],
+            txt_ids=cond.extras["txt_ids"],
+            img_ids=cond.extras["img_ids"],
+            return_dict=False,
+        )[0]
+        return v.float()
+
+    def decode(self, z: Tensor) -> Tensor:
+        """Packed latents to images [N, 3, H, W] float32 in [0, 1] through the fp32 VAE."""
+        cfg = self.vae.config
+        latents = self.unpack(z.float()) / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+        with torch.no_grad():
+            image = self.vae.decode(latents.to(self.device), return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
+
+    # ---- adapter -------------------------------------------------------------------------------------------
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The LoRA matrices."""
+        return lora.lora_parameters(self.transformer)
+
+    def reference(self) -> AbstractContextManager[None]:
+        """The frozen base transformer (adapter disabled): the KL reference."""
+        return lora.adapter_disabled(self.transformer)
+
+    def save_adapter(self, directory: Path) -> None:
+        """``pytorch_lora_weights.safetensors`` that ``FluxPipeline.load_lora_weights(dir)`` reads."""
+        lora.save_lora(type(self.pipe), self.transformer, self.lora_config, directory)
+
+    def load_adapter(self, directory: Path) -> None:
+        """Load an adapter written by ``save_adapter`` (rank, alpha and targets must match)."""
+        lora.load_lora(self.transformer, self.lora_config, directory)
+
+    def save_merged(self, directory: Path) -> None:
+        """The transformer with the adapter merged in, as a diffusers model folder."""
+        lora.save_merged(self.transformer, directory)
+
+    def eval(self) -> FluxBackbone:
+        return self
+
+    def train(self, mode: bool = True) -> FluxBackbone:
+        return self
+
+
+@register("backbone", "flux.1-dev", options=FluxOptions)
+def flux_1_dev(options: FluxOptions) -> FluxBackbone:
+    """FLUX.1-dev from a hub id (local HF cache) or a local folder; fails fast, naming what is missing."""
+    from diffusers import FluxPipeline
+
+    pipe = load_pipeline(FluxPipeline, options.pretrained, DTYPES[options.dtype], "FLUX.1-dev")
+    return FluxBackbone(pipe, options)

@@ -1,0 +1,198 @@
+"""Backbone ``sd3.5-medium``: Stable Diffusion 3.5 Medium through diffusers, with a peft LoRA adapter.
+
+    [backbone]
+    name = "sd3.5-medium"
+    pretrained = "stabilityai/stable-diffusion-3.5-medium"   # or a local folder in diffusers layout
+    dtype = "fp16"                                           # the paper's; "bf16" also works
+
+Everything but the adapter is frozen: transformer base weights, VAE (fp32, decode only) and the three text
+encoders (CLIP-L, CLIP-G, T5-XXL). Text goes through the pipeline's own ``encode_prompt`` and the velocity through
+the same transformer call as ``StableDiffusion3Pipeline.__call__`` (timestep = 1000·σ, CFG with the empty-prompt
+embedding batched as [uncond; cond] in one call), so a rollout with noise level 0 is the pipeline's sampling loop.
+Latents stay float32 between steps (the sampler's log-prob needs it); the transformer sees its own dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field
+from torch import Tensor
+
+from tpflow.backbones import diffusers_lora as lora
+from tpflow.backbones.diffusers_common import (
+    DTYPES,
+    DiffusersBackboneOptions,
+    PromptCache,
+    load_pipeline,
+    place,
+    resolve_device,
+    scheduler_sigmas,
+)
+from tpflow.registry import register
+from tpflow.types import Conditioning
+
+SD3_LORA_TARGETS = (  # ALGORITHM.md §6.3: the joint attention projections of every block
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+
+
+class SD3Options(DiffusersBackboneOptions):
+    """Options of ``sd3.5-medium`` (paper defaults: fp16, 512 px, LoRA r=32, alpha=64, Gaussian init)."""
+
+    pretrained: str = Field(
+        "stabilityai/stable-diffusion-3.5-medium",
+        description="Hub id (read from the local HF cache) or a local folder in diffusers layout.",
+    )
+    lora_targets: list[str] = Field(default_factory=lambda: list(SD3_LORA_TARGETS))
+    negative_prompt: str = Field("", description="Prompt of the unconditional CFG branch.")
+
+
+class SD3Backbone:
+    """Backbone (tpflow.interfaces) around a ``StableDiffusion3Pipeline``'s components.
+
+    Latents: [N, 16, H/8, W/8] float32 for SD3.5 (C, H/f, W/f in general). ``cond.tensors``: ``prompt_embeds``
+    [N, L, D] and ``pooled`` [N, P] in the transformer dtype; the unconditional row is kept once in ``extras``.
+    """
+
+    pipeline_class_name = "StableDiffusion3Pipeline"
+
+    def __init__(self, pipe: Any, options: DiffusersBackboneOptions) -> None:
+        self.options = options
+        self.pipe = pipe
+        self.device = resolve_device(options.device)
+        self.dtype = DTYPES[options.dtype]
+        self.text_device = self.device if options.text_encoders_device == "model" else torch.device("cpu")
+        self.transformer = place(pipe.transformer, self.device, self.dtype)
+        self.vae = place(pipe.vae, self.device, torch.float32).requires_grad_(False).eval()
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+            encoder = getattr(pipe, name, None)
+            if encoder is not None:
+                place(encoder, self.text_device, self.dtype).requires_grad_(False).eval()
+        self.lora_config = lora.add_lora(
+            self.transformer, options.lora_rank, options.lora_alpha, options.lora_targets, options.lora_init
+        )
+        self.transformer.eval()  # no dropout: rollout and training compute the same function
+        if options.gradient_checkpointing:
+            self.transformer.enable_gradient_checkpointing()
+        self.scale = pipe.vae_scale_factor
+        self.cache = PromptCache(options.prompt_cache)
+        self._negative: dict[str, Tensor] | None = None
+
+    # ---- text ----------------------------------------------------------------------------------------------
+
+    def _encode_text(self, prompts: list[str]) -> dict[str, Tensor]:
+        with torch.no_grad():
+            embeds, _, pooled, _ = self.pipe.encode_prompt(
+                prompt=prompts,
+                prompt_2=None,
+                prompt_3=None,
+                device=self.text_device,
+                num_images_per_prompt=1,
+                do_classifier_free_guidance=False,
+                max_sequence_length=self.options.max_sequence_length,
+            )
+        return {"prompt_embeds": embeds.to(self.dtype), "pooled": pooled.to(self.dtype)}
+
+    def encode(self, prompts: Sequence[str]) -> Conditioning:
+        """Prompt embeddings [N, L, D] and pooled embeddings [N, P] (cached per prompt when ``prompt_cache``)."""
+        if self._negative is None:
+            neg = self._encode_text([getattr(self.options, "negative_prompt", "")])
+            self._negative = {k: v.to(self.device) for k, v in neg.items()}
+        tensors = self.cache.encode(prompts, self._encode_text, self.device)
+        return Conditioning(tensors=tensors, extras={"negative": self._negative})
+
+    # ---- sampling ------------------------------------------------------------------------------------------
+
+    def latent_shape(self) -> tuple[int, ...]:
+        size = self.options.resolution // self.scale
+        return (self.transformer.config.in_channels, size, size)
+
+    def initial_noise(self, n: int, generator: torch.Generator | None = None) -> Tensor:
+        """z_0 ~ N(0, I): [n, C, H/f, W/f] float32, drawn on the generator's device as the pipeline draws it."""
+        device = generator.device if generator is not None else self.device
+        z = torch.randn((n, *self.latent_shape()), generator=generator, device=device, dtype=torch.float32)
+        return z.to(self.device)
+
+    def sigmas(self, num_steps: int) -> Tensor:
+        """σ_0..σ_K from the model's scheduler config (SD3.5: static shift 3), [K + 1] float32."""
+        _, h, w = self.latent_shape()
+        patch = self.transformer.config.patch_size
+        return scheduler_sigmas(self.pipe.scheduler, num_steps, (h // patch) * (w // patch), flux_style=False)
+
+    def velocity(self, z: Tensor, sigma: Tensor, cond: Conditioning, guidance: float) -> Tensor:
+        """v = v_u + w·(v_c − v_u) from ONE transformer call on [z; z] (w = 1: the conditional call alone)."""
+        n = z.shape[0]
+        if len(cond) != n:
+            raise ValueError(f"Conditioning has {len(cond)} rows but z has {n}; index or repeat it to match.")
+        t = torch.as_tensor(sigma, dtype=torch.float32, device=z.device).reshape(-1).expand(n) * 1000
+        embeds, pooled = cond.tensors["prompt_embeds"], cond.tensors["pooled"]
+        x = z.to(self.dtype)
+        if guidance != 1:
+            neg = cond.extras["negative"]
+            embeds = torch.cat([neg["prompt_embeds"].expand(n, -1, -1), embeds])
+            pooled = torch.cat([neg["pooled"].expand(n, -1), pooled])
+            x, t = torch.cat([x, x]), t.repeat(2)
+        v = self.transformer(
+            hidden_states=x, timestep=t, encoder_hidden_states=embeds, pooled_projections=pooled, return_dict=False
+        )[0].float()
+        if guidance == 1:
+            return v
+        v_uncond, v_cond = v.chunk(2)
+        return v_uncond + guidance * (v_cond - v_uncond)
+
+    def decode(self, z: Tensor) -> Tensor:
+        """Latents to images [N, 3, H, W] float32 in [0, 1] through the fp32 VAE (the pipeline's scaling)."""
+        cfg = self.vae.config
+        latents = z.float() / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+        with torch.no_grad():
+            image = self.vae.decode(latents.to(self.device), return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
+
+    # ---- adapter -------------------------------------------------------------------------------------------
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The LoRA matrices."""
+        return lora.lora_parameters(self.transformer)
+
+    def reference(self) -> AbstractContextManager[None]:
+        """The frozen base transformer (adapter disabled): the KL reference."""
+        return lora.adapter_disabled(self.transformer)
+
+    def save_adapter(self, directory: Path) -> None:
+        """``pytorch_lora_weights.safetensors`` that ``StableDiffusion3Pipeline.load_lora_weights(dir)`` reads."""
+        lora.save_lora(type(self.pipe), self.transformer, self.lora_config, directory)
+
+    def load_adapter(self, directory: Path) -> None:
+        """Load an adapter written by ``save_adapter`` (rank, alpha and targets must match)."""
+        lora.load_lora(self.transformer, self.lora_config, directory)
+
+    def save_merged(self, directory: Path) -> None:
+        """The transformer with the adapter merged in, as a diffusers model folder (``from_pretrained`` reads it)."""
+        lora.save_merged(self.transformer, directory)
+
+    def eval(self) -> SD3Backbone:
+        return self
+
+    def train(self, mode: bool = True) -> SD3Backbone:
+        return self
+
+
+@register("backbone", "sd3.5-medium", options=SD3Options)
+def sd35_medium(options: SD3Options) -> SD3Backbone:
+    """SD3.5-Medium from a hub id (local HF cache) or a local folder; fails fast, naming what is missing."""
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = load_pipeline(StableDiffusion3Pipeline, options.pretrained, DTYPES[options.dtype], "SD3.5-Medium")
+    return SD3Backbone(pipe, options)

@@ -1,0 +1,1 @@
+"""Dataset geneval (issue 6): being written."""

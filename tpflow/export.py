@@ -1,0 +1,72 @@
+"""``tpflow export``: a trained adapter (or the merged transformer) in the form inference code loads.
+
+The checkpoint holds the recipe it was trained with, so the backbone is rebuilt from it (its base weights must be
+reachable as they were for training), the adapter loaded, and, by default, the EMA weights swapped in: the paper
+evaluates and ships the EMA. Output:
+
+* default: the adapter as ``save_adapter`` writes it; for SD3 / FLUX that is ``pytorch_lora_weights.safetensors``,
+  read by ``pipe.load_lora_weights(DIR)``;
+* ``--merge``: ``DIR/transformer/`` with the adapter merged into the weights, read by
+  ``SD3Transformer2DModel.from_pretrained(DIR / "transformer")`` (or the FLUX class) and passed to the pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tpflow.errors import UserError
+
+
+def export(source: Path, out: Path, merge: bool = False, ema: bool = True) -> dict[str, Any]:
+    """Export the newest valid checkpoint under ``source`` (a run dir or a checkpoint dir) into ``out``.
+
+    Returns a summary (checkpoint path, step, whether EMA weights were used, what was written).
+    """
+    from tpflow.recipe import validate_recipe
+    from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
+
+    path, notes = find_checkpoint(Path(source))
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
+    if path is None:
+        raise UserError(f"No valid checkpoint in {source}: pass a run dir or a checkpoints/<step> dir.")
+    ckpt = load_checkpoint(path)
+    recipe = validate_recipe(ckpt.recipe, where=f"the recipe stored in {path}")
+    backbone = recipe.build("backbone")
+    if merge and not hasattr(backbone, "save_merged"):
+        raise UserError(
+            f"The backbone {recipe.backbone.name!r} cannot write a merged model; export its adapter (without --merge)."
+        )
+    backbone.load_adapter(ckpt.adapter_dir)
+    used_ema = False
+    if ema and ckpt.ema_state is not None:
+        params = backbone.trainable_parameters()
+        if len(params) != len(ckpt.ema_state):
+            raise UserError(f"The EMA in {path} has {len(ckpt.ema_state)} tensors for {len(params)} parameters.")
+        with torch.no_grad():
+            for i, param in enumerate(params):
+                param.copy_(ckpt.ema_state[str(i)].to(param.device, param.dtype))
+        used_ema = True
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if merge:
+        backbone.save_merged(out / "transformer")
+        written = out / "transformer"
+    else:
+        backbone.save_adapter(out)
+        written = out
+    summary = {
+        "checkpoint": str(path),
+        "step": ckpt.step,
+        "ema": used_ema,
+        "merged": merge,
+        "backbone": recipe.backbone.name,
+        "written": str(written),
+    }
+    (out / "tpflow_export.json").write_text(json.dumps(summary, indent=2))
+    return summary

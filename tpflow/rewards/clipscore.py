@@ -1,0 +1,76 @@
+"""Reward ``clipscore``: CLIPScore (Hessel et al., 2021), image-text agreement of an open_clip model.
+
+    [reward]
+    name = "clipscore"
+    model = "ViT-L-14"          # open_clip architecture
+    pretrained = "openai"       # a tag whose weights are already cached, or a checkpoint file
+
+Score = scale · max(cos(image_emb, text_emb), 0) with scale 2.5, the published CLIPScore (its w = 2.5 stretches
+the usual cosines, about 0.2-0.4, towards [0, 1]). ``details["cosine"]`` holds the raw cosine. Weights are never
+downloaded: fetch them once (``huggingface-cli download timm/vit_large_patch14_clip_224.openai``) or give a file.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from tpflow.registry import register
+from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip, resolve_device
+from tpflow.types import RewardOutput
+
+
+class ClipScoreOptions(BaseModel):
+    """Options of the CLIPScore reward."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field("ViT-L-14", description="open_clip architecture name (see open_clip.list_models()).")
+    pretrained: str = Field(
+        "openai",
+        description="open_clip weights: a local checkpoint file, or a pretrained tag of the architecture whose "
+        "weights are already in the Hugging Face cache (tpflow never downloads).",
+    )
+    scale: float = Field(2.5, gt=0, description="w of CLIPScore = w · max(cos, 0); 2.5 in Hessel et al. (2021).")
+    device: str = Field("auto", description='Torch device of the model; "auto" picks CUDA when available.')
+
+
+@register("reward", "clipscore", options=ClipScoreOptions)
+class ClipScoreReward:
+    """RewardModel: CLIPScore of each image for its prompt.
+
+    Options: ``model``, ``pretrained``, ``scale``, ``device``. The model loads on the first call (or ``load()``)
+    under a lock; preprocessing is per image in torch (``tpflow.rewards._images``), so scores do not depend on the
+    batch. ``scores`` [N] float32 on the CPU; ``details["cosine"]`` [N] the raw cosine similarity.
+    """
+
+    def __init__(self, options: ClipScoreOptions | None = None):
+        self.options = options or ClipScoreOptions()
+        self._lock = threading.Lock()
+        self._clip: OpenClip | None = None
+
+    def load(self) -> OpenClip:
+        """Load the open_clip model now (the first call does it otherwise)."""
+        with self._lock:
+            if self._clip is None:
+                where = "reward 'clipscore' (options model, pretrained)"
+                o = self.options
+                self._clip = load_open_clip(o.model, o.pretrained, resolve_device(o.device), where)
+            return self._clip
+
+    @torch.no_grad()
+    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:
+        """Score images [N, 3, H, W] in [0, 1] for their prompts; ``scores`` [N] float32."""
+        if len(images) != len(prompts):
+            raise ValueError(f"Got {len(images)} images for {len(prompts)} prompts.")
+        clip = self.load()
+        pixels = clip.preprocess(images)  # [N, 3, h, w]
+        tokens = clip.tokenizer(list(prompts)).to(pixels.device)  # [N, L], truncated to the context length
+        cosine = (l2_normalize(clip.model.encode_image(pixels)) * l2_normalize(clip.model.encode_text(tokens))).sum(-1)
+        cosine = cosine.cpu()  # [N]
+        return RewardOutput(scores=self.options.scale * cosine.clamp(min=0), details={"cosine": cosine})

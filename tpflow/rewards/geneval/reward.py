@@ -1,0 +1,1 @@
+"""Reward geneval (issue 6): being written."""

@@ -1,0 +1,260 @@
+"""Reward ``ocr``: how well an image spells the text quoted in its prompt (Flow-GRPO's OCR reward).
+
+    [reward]
+    name = "ocr"
+    backend = "rapidocr"      # PP-OCR models shipped in the rapidocr_onnxruntime wheel (offline); or "paddleocr"
+    min_confidence = 0.0      # keep recognised lines whose confidence is above this
+    denominator = "normalized"  # Flow-GRPO; "raw" reproduces the TP-GRPO reference's published numbers
+
+Target: ``metadata["target"]`` when the dataset provides it (the ``ocr`` dataset does, equal to the quoted text),
+otherwise the text between the first pair of double quotes of the prompt, or the whole prompt when it has none.
+Recognised text: the concatenation of the recognised lines, top to bottom. Both are normalised by removing spaces
+and lower-casing, then
+
+    dist   = 0 if the target is empty or a substring of the recognised text, else min(Levenshtein(rec, tgt), len(tgt))
+    reward = 1 - dist / len(tgt)      (1.0 for an empty target)
+
+(DESIGN.md §4 item 8; ALGORITHM.md §7). An image whose OCR raises scores 0, as in the reference, with one warning
+per reward instance; a backend that cannot be loaded at all raises UserError.
+
+Backends. ``rapidocr`` runs PP-OCRv4 detection + recognition on onnxruntime, on the CPU, with models that ship
+inside its wheel: nothing to download. ``paddleocr`` is what the reference uses (PaddleOCR 3.x, ``lang="en"``,
+``use_textline_orientation=False``); install it with ``pip install "tpflow[paddleocr]"``. It downloads its models
+on first use unless ``det_model_dir`` / ``rec_model_dir`` point to local copies. Both take BGR uint8 arrays (the
+OpenCV convention), so images are converted from RGB; the reference hands PaddleOCR the RGB array unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from tpflow.errors import UserError
+from tpflow.registry import register
+from tpflow.types import RewardOutput
+
+logger = logging.getLogger(__name__)
+
+
+class OcrOptions(BaseModel):
+    """Options of the OCR reward."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["rapidocr", "paddleocr"] = Field(
+        "rapidocr",
+        description="OCR engine: 'rapidocr' (PP-OCRv4 on onnxruntime, models in the wheel, offline) or 'paddleocr' "
+        '(PaddleOCR 3.x, the reference\'s engine; `pip install "tpflow[paddleocr]"`).',
+    )
+    min_confidence: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Recognised lines count only when their confidence is above this (the reference keeps every "
+        "line with confidence > 0).",
+    )
+    denominator: Literal["normalized", "raw"] = Field(
+        "normalized",
+        description="Length the capped distance is divided by: the normalised target (Flow-GRPO, DESIGN.md §4 "
+        "item 8) or the raw target with spaces (the TP-GRPO reference code, ALGORITHM.md §7), which is "
+        "slightly higher for targets with spaces.",
+    )
+    use_angle_cls: bool = Field(
+        False,
+        description="Run the text-line orientation classifier (the reference sets use_textline_orientation=False).",
+    )
+    num_threads: int = Field(
+        0, ge=0, description="rapidocr: onnxruntime threads per model (0: onnxruntime's default, all cores)."
+    )
+    det_model_dir: str | None = Field(
+        None, description="paddleocr: local text-detection model directory (default: PaddleOCR downloads it)."
+    )
+    rec_model_dir: str | None = Field(
+        None, description="paddleocr: local text-recognition model directory (default: PaddleOCR downloads it)."
+    )
+    device: str | None = Field(None, description="paddleocr: device, e.g. 'cpu' or 'gpu:0' (default: its own).")
+
+
+def target_text(prompt: str) -> str:
+    """The text between the first pair of double quotes; the whole prompt when it has no double quote.
+
+    As in the reference, a lone double quote yields the rest of the prompt after it.
+    """
+    parts = prompt.split('"')
+    return parts[1] if len(parts) >= 2 else prompt
+
+
+def _target(prompt: str, metadata: dict[str, Any]) -> str:
+    target = metadata.get("target")
+    return target if isinstance(target, str) else target_text(prompt)
+
+
+def normalize(text: str) -> str:
+    """What the reward compares: spaces removed (only U+0020, as the reference), lower-cased."""
+    return text.replace(" ", "").lower()
+
+
+def levenshtein(a: str, b: str) -> int:
+    """Edit distance (insertions, deletions, substitutions, each cost 1); O(len(a)·len(b)) time, O(len(b)) memory."""
+    if len(a) < len(b):
+        a, b = b, a
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i]
+        for j, cb in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
+        previous = current
+    return previous[-1]
+
+
+def ocr_distance(recognized: str, target: str) -> int:
+    """The capped distance of the reward: 0 when the normalised target is empty or found in the recognised text."""
+    rec, tgt = normalize(recognized), normalize(target)
+    if not tgt or tgt in rec:
+        return 0
+    return min(levenshtein(rec, tgt), len(tgt))
+
+
+def ocr_reward(recognized: str, target: str, denominator: str = "normalized") -> float:
+    """1 - capped distance / target length (normalised, or raw with spaces); 1.0 for an empty target."""
+    length = len(normalize(target)) if denominator == "normalized" else len(target)
+    return 1.0 - ocr_distance(recognized, target) / max(length, 1)
+
+
+def to_bgr_uint8(images: Tensor) -> np.ndarray:
+    """[N, 3, H, W] float RGB in [0, 1] -> [N, H, W, 3] uint8 BGR (what OpenCV-based OCR engines expect)."""
+    array = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    return np.ascontiguousarray(array[..., ::-1])  # [N, H, W, 3], RGB -> BGR
+
+
+def paddle_lines(results: Any) -> list[tuple[str, float]]:
+    """(text, confidence) of every line in PaddleOCR 3.x ``predict`` results (dict-like, rec_texts/rec_scores)."""
+    lines: list[tuple[str, float]] = []
+    for page in results or []:
+        texts, scores = page["rec_texts"], page["rec_scores"]
+        lines += [(str(text), float(score)) for text, score in zip(texts, scores, strict=True)]
+    return lines
+
+
+@register("reward", "ocr", options=OcrOptions)
+class OcrReward:
+    """RewardModel: OCR edit-distance reward (module docstring).
+
+    Options: ``backend``, ``min_confidence``, ``denominator``, ``use_angle_cls``, ``num_threads`` (rapidocr),
+    ``det_model_dir`` / ``rec_model_dir`` / ``device`` (paddleocr). ``details``: ``ocr_distance`` (the capped
+    distance) and ``ocr_recognized_len`` (normalised length of the recognised text). One engine per instance, built
+    on the first call; a lock serialises its use, so the reward is safe to call from several threads.
+    """
+
+    def __init__(self, options: OcrOptions | None = None):
+        self.options = options or OcrOptions()
+        self._engine: Any = None
+        self._lock = threading.Lock()
+        self._warned = False
+
+    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:
+        """Score images [N, 3, H, W] in [0, 1] against their target texts; ``scores`` [N] float32."""
+        if not len(images) == len(prompts) == len(metadata):
+            raise ValueError(f"Got {len(images)} images, {len(prompts)} prompts and {len(metadata)} metadata entries.")
+        targets = [_target(p, m) for p, m in zip(prompts, metadata, strict=True)]
+        recognized = self.recognize(images)
+        scores, distances, lengths = [], [], []
+        for rec, target in zip(recognized, targets, strict=True):
+            if rec is None:  # the OCR raised on this image: score 0, as the reference
+                scores.append(0.0)
+                distances.append(len(normalize(target)))
+                lengths.append(0)
+                continue
+            scores.append(ocr_reward(rec, target, self.options.denominator))
+            distances.append(ocr_distance(rec, target))
+            lengths.append(len(normalize(rec)))
+        return RewardOutput(
+            scores=torch.tensor(scores, dtype=torch.float32),  # [N]
+            details={
+                "ocr_distance": torch.tensor(distances, dtype=torch.float32),  # [N]
+                "ocr_recognized_len": torch.tensor(lengths, dtype=torch.float32),  # [N]
+            },
+        )
+
+    def recognize(self, images: Tensor) -> list[str | None]:
+        """The recognised text of each image [N, 3, H, W] in [0, 1]; None where the OCR engine raised."""
+        arrays = to_bgr_uint8(images)  # [N, H, W, 3]
+        with self._lock:
+            if self._engine is None:
+                self._engine = self._load()
+            out: list[str | None] = []
+            for array in arrays:
+                try:
+                    lines = self._read(array)
+                except Exception as exc:  # one bad image must not stop training (reference behaviour)
+                    if not self._warned:
+                        logger.warning("OCR failed on an image (scored 0; further failures not logged): %r", exc)
+                        self._warned = True
+                    out.append(None)
+                    continue
+                out.append("".join(text for text, conf in lines if conf > self.options.min_confidence))
+        return out
+
+    def _read(self, image: np.ndarray) -> list[tuple[str, float]]:
+        """(text, confidence) lines of one [H, W, 3] uint8 BGR image, top to bottom."""
+        if self.options.backend == "rapidocr":
+            result, _ = self._engine(image)  # result: [[box, text, score], ...] or None when nothing is found
+            return [(str(text), float(score)) for _, text, score in result or []]
+        return paddle_lines(self._engine.predict(image))
+
+    def _load(self) -> Any:
+        return _load_rapidocr(self.options) if self.options.backend == "rapidocr" else _load_paddleocr(self.options)
+
+
+def _load_rapidocr(options: OcrOptions) -> Any:
+    try:
+        from rapidocr_onnxruntime import RapidOCR
+    except ImportError as exc:
+        raise UserError(
+            f"The ocr reward's rapidocr backend needs rapidocr_onnxruntime ({exc}). Install it with "
+            '`pip install "rapidocr_onnxruntime>=1.3"` (a tpflow dependency), or set [reward] backend = "paddleocr".'
+        ) from None
+    kwargs: dict[str, Any] = {"text_score": 0.0, "use_cls": options.use_angle_cls}  # filter lines here, not there
+    if options.num_threads:
+        kwargs["intra_op_num_threads"] = options.num_threads
+    try:
+        return RapidOCR(**kwargs)
+    except (OSError, ValueError) as exc:  # a model file missing from a broken install
+        raise UserError(
+            f"Could not load the rapidocr models ({exc}). Reinstall the package: "
+            '`pip install --force-reinstall "rapidocr_onnxruntime>=1.3"`.'
+        ) from None
+
+
+def _load_paddleocr(options: OcrOptions) -> Any:
+    try:
+        from paddleocr import PaddleOCR
+    except ImportError as exc:
+        raise UserError(
+            f"The ocr reward's paddleocr backend needs PaddleOCR 3.x ({exc}). Install it with `pip install \"tpflow"
+            '[paddleocr]"` (plus paddlepaddle or paddlepaddle-gpu for your platform), or use backend = "rapidocr", '
+            "which needs nothing else."
+        ) from None
+    kwargs: dict[str, Any] = {"use_textline_orientation": options.use_angle_cls}
+    if options.det_model_dir:
+        kwargs["text_detection_model_dir"] = options.det_model_dir
+    if options.rec_model_dir:
+        kwargs["text_recognition_model_dir"] = options.rec_model_dir
+    if not (options.det_model_dir or options.rec_model_dir):
+        kwargs["lang"] = "en"  # PaddleOCR ignores lang when model directories are given
+    if options.device:
+        kwargs["device"] = options.device
+    try:
+        return PaddleOCR(**kwargs)
+    except Exception as exc:  # PaddleOCR fetches its models on first use; offline this is where it fails
+        raise UserError(
+            f"Could not load PaddleOCR ({type(exc).__name__}: {exc}). Without network access, download the PP-OCR "
+            "detection and recognition models elsewhere and set [reward] det_model_dir and rec_model_dir."
+        ) from None

@@ -1,0 +1,107 @@
+"""Reward ``weighted``: a weighted sum of other registered rewards (the reference's ``multi_score``).
+
+    [reward]
+    name = "weighted"
+    rewards = [
+        { name = "pickscore", weight = 1.0 },
+        { name = "clipscore", weight = 0.5, options = { model = "ViT-L-14", pretrained = "openai" } },
+    ]
+
+scores = Σ_k weight_k · score_k: a weighted *sum*, not a mean, as the reference computes it (ALGORITHM.md §7).
+``details`` holds each part's scores under its label (the reward name unless ``label`` is given) and the part's
+own details as ``"label/key"``. Every part's name and options are checked when the recipe is validated, so a typo
+fails before any weight loads. A ``weighted`` part may itself be ``weighted``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from torch import Tensor
+
+from tpflow import registry
+from tpflow.errors import UnknownComponentError, UserError
+from tpflow.registry import register
+from tpflow.types import RewardOutput
+
+
+class WeightedPart(BaseModel):
+    """One reward of the sum."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., description="Registered reward name, e.g. 'pickscore'.")
+    weight: float = Field(1.0, description="Multiplies this reward's scores in the sum.")
+    options: dict[str, Any] = Field(default_factory=dict, description="The reward's own options.")
+    label: str | None = Field(
+        None, description="Key of this part in details (default: its name); needed when a reward appears twice."
+    )
+
+    @property
+    def key(self) -> str:
+        return self.label or self.name
+
+
+class WeightedOptions(BaseModel):
+    """Options of the weighted-sum reward."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rewards: list[WeightedPart] = Field(
+        ..., min_length=1, description="The rewards to add: a list of {name, weight, options, label}."
+    )
+
+    @field_validator("rewards")
+    @classmethod
+    def _check_parts(cls, parts: list[WeightedPart]) -> list[WeightedPart]:
+        """Unique labels, and each part's name and options valid for its reward (raises UserError otherwise)."""
+        keys = [p.key for p in parts]
+        duplicates = sorted({k for k in keys if keys.count(k) > 1})
+        if duplicates:
+            raise ValueError(f"labels must be unique, {', '.join(duplicates)} repeats: give those parts a label")
+        for i, part in enumerate(parts):
+            where = f"reward 'weighted', rewards[{i}] ({part.name!r})"
+            try:
+                entry = registry.get("reward", part.name)
+            except UnknownComponentError as exc:
+                raise UnknownComponentError(f"{where}: {exc}") from None
+            try:
+                entry.options.model_validate(part.options)
+            except ValidationError as exc:
+                raise UserError(registry.describe_validation_error(exc, where, entry.options)) from None
+            except UserError as exc:  # from a nested weighted reward: say where it sits
+                raise type(exc)(f"{where}: {exc}") from None
+        return parts
+
+
+@register("reward", "weighted", options=WeightedOptions)
+class WeightedReward:
+    """RewardModel: Σ weight_k · reward_k over named rewards built through the registry.
+
+    Options: ``rewards``, each {``name``, ``weight``, ``options``, ``label``}. The parts are built (not loaded:
+    each loads lazily) when this reward is built, and called one after another; the sum is thread-safe when every
+    part is. ``scores`` [N] float32 on the CPU; ``details`` the parts' scores and their details.
+    """
+
+    def __init__(self, options: WeightedOptions):
+        self.options = options
+        self.parts = [(p.key, p.weight, registry.build("reward", p.name, **p.options)) for p in options.rewards]
+
+    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:
+        """Score images [N, 3, H, W] in [0, 1] with every part; ``scores`` [N] float32, the weighted sum."""
+        total = torch.zeros(len(images), dtype=torch.float32)  # [N]
+        details: dict[str, Tensor] = {}
+        for key, weight, reward in self.parts:
+            out = reward(images, prompts, metadata)
+            scores = out.scores.detach().float().cpu()  # [N]
+            if scores.shape != total.shape:
+                raise ValueError(
+                    f"Reward {key!r} returned scores of shape {tuple(scores.shape)}, not [{len(images)}]."
+                )
+            total += weight * scores
+            details[key] = scores
+            details.update({f"{key}/{k}": v.detach().cpu() for k, v in out.details.items()})
+        return RewardOutput(scores=total, details=details)
