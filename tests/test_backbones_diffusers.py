@@ -202,3 +202,16 @@ def test_paper_recipe_without_weights_exits_2_naming_them(monkeypatch, tmp_path,
     model = "black-forest-labs/FLUX.1-dev" if name.startswith("flux") else "stabilityai/stable-diffusion-3.5-medium"
     assert f"huggingface-cli download {model}" in err
     assert "Traceback" not in err
+
+
+def test_half_precision_base_trains_an_fp32_adapter():
+    backbone = build("backbone", "tiny-sd3", seed=0, dtype="bf16")
+    assert next(backbone.transformer.parameters()).dtype == torch.bfloat16
+    params = backbone.trainable_parameters()
+    assert params and all(p.dtype == torch.float32 for p in params)
+    z = backbone.initial_noise(2, torch.Generator().manual_seed(0))
+    v = backbone.velocity(z, torch.full((2,), 0.5), backbone.encode(PROMPTS), 4.5)
+    assert v.dtype == torch.float32 and torch.isfinite(v).all()
+    v.square().mean().backward()
+    grads = [p.grad for p in params if p.grad is not None]
+    assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)

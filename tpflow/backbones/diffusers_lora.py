@@ -24,7 +24,11 @@ PREFIX = "transformer."
 
 
 def add_lora(transformer: torch.nn.Module, rank: int, alpha: float, targets: Sequence[str], init: str) -> Any:
-    """Inject a LoRA adapter into ``transformer`` and freeze everything but its matrices; returns the LoraConfig."""
+    """Inject a LoRA adapter into ``transformer`` and freeze everything but its matrices; returns the LoraConfig.
+
+    The adapter's matrices are float32 whatever the base dtype (peft casts the layer input to them and the sum back
+    to the base dtype), as the reference does with ``cast_training_params``.
+    """
     from peft import LoraConfig
 
     config = LoraConfig(
@@ -40,6 +44,8 @@ def add_lora(transformer: torch.nn.Module, rank: int, alpha: float, targets: Seq
         raise UserError(f"LoRA targets {list(targets)} do not fit the transformer: {exc}") from None
     for name, param in transformer.named_parameters():
         param.requires_grad_("lora_" in name)
+        if "lora_" in name:  # train the adapter in fp32 under an fp16/bf16 base: Adam's steps would underflow
+            param.data = param.data.float()
     return config
 
 
