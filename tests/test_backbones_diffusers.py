@@ -152,24 +152,6 @@ def test_missing_hub_weights_offline_say_how_to_get_them(monkeypatch, tmp_path):
         build("backbone", "sd3.5-medium")
 
 
-def test_merged_export_reproduces_the_adapted_velocity(tmp_path):
-    from diffusers import SD3Transformer2DModel
-
-    backbone = build("backbone", "tiny-sd3", seed=1)
-    with torch.no_grad():
-        for p in backbone.trainable_parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    backbone.save_merged(tmp_path / "transformer")
-    merged = SD3Transformer2DModel.from_pretrained(tmp_path / "transformer").eval()
-    z = backbone.initial_noise(2, torch.Generator().manual_seed(2))
-    cond = backbone.encode(PROMPTS)
-    t = torch.full((2,), 600.0)
-    with torch.no_grad():
-        expected = backbone.transformer(z, cond.tensors["prompt_embeds"], cond.tensors["pooled"], t)[0]
-        got = merged(z, cond.tensors["prompt_embeds"], cond.tensors["pooled"], t)[0]
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
-
-
 def test_adapter_load_checks_rank(tmp_path):
     backbone = build("backbone", "tiny-sd3", seed=0)
     backbone.save_adapter(tmp_path)

@@ -155,3 +155,41 @@ def place(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> 
     if any(p.dtype != dtype for p in module.parameters() if p.is_floating_point()):
         module.to(dtype=dtype)
     return module
+
+
+def setup_pipeline(backbone: Any, pipe: Any, options: DiffusersBackboneOptions, encoders: Sequence[str]) -> None:
+    """Place a pipeline's parts and add the LoRA, setting the attributes both diffusers backbones share.
+
+    Sets ``options``, ``pipe``, ``device``, ``dtype``, ``text_device``, ``transformer`` (in ``dtype``, LoRA added,
+    eval mode), ``vae`` (fp32, frozen), ``lora_config``, ``scale`` (the VAE factor) and ``cache`` on ``backbone``.
+    The text encoders named in ``encoders`` are frozen on ``text_device``.
+    """
+    from tpflow.backbones import diffusers_lora as lora
+
+    backbone.options, backbone.pipe = options, pipe
+    backbone.device = resolve_device(options.device)
+    backbone.dtype = DTYPES[options.dtype]
+    backbone.text_device = backbone.device if options.text_encoders_device == "model" else torch.device("cpu")
+    backbone.transformer = place(pipe.transformer, backbone.device, backbone.dtype)
+    backbone.vae = place(pipe.vae, backbone.device, torch.float32).requires_grad_(False).eval()
+    for name in encoders:
+        encoder = getattr(pipe, name, None)
+        if encoder is not None:
+            place(encoder, backbone.text_device, backbone.dtype).requires_grad_(False).eval()
+    backbone.lora_config = lora.add_lora(
+        backbone.transformer, options.lora_rank, options.lora_alpha, options.lora_targets, options.lora_init
+    )
+    backbone.transformer.eval()  # no dropout: rollout and training compute the same function
+    if options.gradient_checkpointing:
+        backbone.transformer.enable_gradient_checkpointing()
+    backbone.scale = pipe.vae_scale_factor
+    backbone.cache = PromptCache(options.prompt_cache)
+
+
+def decode_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """VAE latents (model space, unscaled) [N, C, h, w] to images [N, 3, H, W] float32 in [0, 1], in fp32."""
+    cfg = vae.config
+    x = latents.float() / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+    with torch.no_grad():
+        image = vae.decode(x.to(next(vae.parameters()).device), return_dict=False)[0]
+    return (image.float() / 2 + 0.5).clamp(0, 1)

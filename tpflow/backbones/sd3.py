@@ -27,11 +27,10 @@ from tpflow.backbones import diffusers_lora as lora
 from tpflow.backbones.diffusers_common import (
     DTYPES,
     DiffusersBackboneOptions,
-    PromptCache,
+    decode_latents,
     load_pipeline,
-    place,
-    resolve_device,
     scheduler_sigmas,
+    setup_pipeline,
 )
 from tpflow.registry import register
 from tpflow.types import Conditioning
@@ -69,25 +68,7 @@ class SD3Backbone:
     pipeline_class_name = "StableDiffusion3Pipeline"
 
     def __init__(self, pipe: Any, options: DiffusersBackboneOptions) -> None:
-        self.options = options
-        self.pipe = pipe
-        self.device = resolve_device(options.device)
-        self.dtype = DTYPES[options.dtype]
-        self.text_device = self.device if options.text_encoders_device == "model" else torch.device("cpu")
-        self.transformer = place(pipe.transformer, self.device, self.dtype)
-        self.vae = place(pipe.vae, self.device, torch.float32).requires_grad_(False).eval()
-        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
-            encoder = getattr(pipe, name, None)
-            if encoder is not None:
-                place(encoder, self.text_device, self.dtype).requires_grad_(False).eval()
-        self.lora_config = lora.add_lora(
-            self.transformer, options.lora_rank, options.lora_alpha, options.lora_targets, options.lora_init
-        )
-        self.transformer.eval()  # no dropout: rollout and training compute the same function
-        if options.gradient_checkpointing:
-            self.transformer.enable_gradient_checkpointing()
-        self.scale = pipe.vae_scale_factor
-        self.cache = PromptCache(options.prompt_cache)
+        setup_pipeline(self, pipe, options, ("text_encoder", "text_encoder_2", "text_encoder_3"))
         self._negative: dict[str, Tensor] | None = None
 
     # ---- text ----------------------------------------------------------------------------------------------
@@ -154,11 +135,7 @@ class SD3Backbone:
 
     def decode(self, z: Tensor) -> Tensor:
         """Latents to images [N, 3, H, W] float32 in [0, 1] through the fp32 VAE (the pipeline's scaling)."""
-        cfg = self.vae.config
-        latents = z.float() / cfg.scaling_factor + (cfg.shift_factor or 0.0)
-        with torch.no_grad():
-            image = self.vae.decode(latents.to(self.device), return_dict=False)[0]
-        return (image.float() / 2 + 0.5).clamp(0, 1)
+        return decode_latents(self.vae, z.float())
 
     # ---- adapter -------------------------------------------------------------------------------------------
 
