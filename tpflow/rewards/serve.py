@@ -129,22 +129,20 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def parse_options(items: Sequence[str]) -> dict[str, Any]:
-    """``key=value`` (or ``key.sub=value``) command-line items -> reward options; values parse as TOML if they can."""
-    from tpflow.recipe import parse_value
+    """``key=value`` (or ``key.sub=value``) command-line items -> reward options; values parse as TOML if they can.
 
-    options: dict[str, Any] = {}
+    The same parsing as ``tpflow train --set``, applied under the ``[reward]`` section.
+    """
+    from tpflow.errors import RecipeError
+    from tpflow.recipe import apply_overrides
+
+    data: dict[str, Any] = {}
     for item in items:
-        key, sep, value = item.partition("=")
-        parts = [p.strip() for p in key.split(".")]
-        if not sep or not all(parts):
-            raise UserError(f"Bad reward option {item!r}: expected key=value, e.g. --set score=strict.")
-        table = options
-        for part in parts[:-1]:
-            table = table.setdefault(part, {})
-            if not isinstance(table, dict):
-                raise UserError(f"Bad reward option {item!r}: {part!r} is a value, not a table.")
-        table[parts[-1]] = parse_value(value.strip())
-    return options
+        try:
+            apply_overrides(data, [f"reward.{item.strip()}"])
+        except RecipeError:
+            raise UserError(f"Bad reward option {item!r}: expected key=value, e.g. --set score=strict.") from None
+    return data.get("reward", {})
 
 
 def make_server(reward_name: str, options: dict[str, Any], host: str = "127.0.0.1", port: int = 18085) -> RewardServer:
