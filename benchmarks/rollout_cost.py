@@ -18,6 +18,10 @@ kind in a fresh process after a warm-up call. Prints a markdown table and the ac
 TP-GRPO ≤ 1.1 × NFE ratio × Flow-GRPO's time, and no slower than the reference's order), and writes both, with the
 machine and the command, to docs/results/rollout_cost_<backbone>.md. Not run in CI (tests/test_benchmarks_smoke.py
 runs it at the smallest sizes).
+
+``--tune-malloc`` measures with glibc's malloc told to keep freed memory (mallopt). By default glibc serves blocks
+over 32 MiB by mmap and unmaps them on free, so on CPU every large activation of a big batched call page-faults
+afresh; with shapes-dit that made the batched engine's time per NFE about 1.7× the sequential order's.
 """
 
 from __future__ import annotations
@@ -124,6 +128,7 @@ def _ode(b: Bench, z: Tensor, start: int) -> Tensor:
     return z
 
 
+@torch.no_grad()
 def sequential_reference(b: Bench, z0: Tensor, source: Tensor | None, gen: torch.Generator):
     """ALGORITHM.md Appendix A in the reference's order, each part its own loop over all N trajectories: the main
     trajectory (ODE before the window, SDE inside, ODE after), then branch j = 1..W-1 from z_{s+j}, then the
@@ -165,7 +170,9 @@ def build_backbone(name: str, args: argparse.Namespace, device: torch.device) ->
     try:
         from gpu_smoke import random_sd35_backbone
     except ImportError as exc:
-        raise SystemExit(f"sd3.5-medium-random needs random_sd35_backbone from benchmarks/gpu_smoke.py: {exc}")
+        raise SystemExit(
+            f"sd3.5-medium-random needs random_sd35_backbone from benchmarks/gpu_smoke.py: {exc}"
+        ) from None
     return random_sd35_backbone(resolution=args.resolution or 512, device=str(device))
 
 
@@ -210,6 +217,7 @@ def inputs(b: Bench, same_noise: bool, seed: int) -> tuple[Tensor, Tensor | None
     return b.backbone.initial_noise(len(unique), gen), source, gen
 
 
+@torch.no_grad()
 def score(b: Bench, final: Tensor, completions: Tensor | None) -> None:
     """Decode (in chunks) and reward the final images and the completions, as the trainer scores a rollout."""
     latents, prompts, metadata = [final], list(b.prompts), list(b.metadata)
@@ -410,7 +418,10 @@ def bench_one(name: str, args: argparse.Namespace, argv: list[str]) -> dict:
     if b.device.type == "cuda":
         note = "CUDA max_memory_allocated during the rollout minus the memory allocated before it (max of rounds)"
     elif args.memory == "auto" and sys.platform == "linux":
-        note = "peak resident set (VmHWM) during one rollout minus the RSS before it, each kind in a fresh process"
+        note = (
+            "peak resident set (VmHWM) during one rollout minus the RSS before it, each kind in a fresh process "
+            "after one warm-up rollout, freed heap returned first (malloc_trim)"
+        )
         for key, peak in cpu_peaks(args, name, VARIANTS).items():
             summary[key]["peak_mib"] = peak
     else:

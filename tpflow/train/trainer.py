@@ -38,6 +38,7 @@ from tpflow.errors import UserError
 from tpflow.optim.advantages import group_advantages
 from tpflow.recipe import Recipe
 from tpflow.rollout import draw_window, rollout_from_settings, sample_ode
+from tpflow.train.allocator import keep_freed_memory
 from tpflow.train.checkpoint import (
     capture_rng_state,
     find_checkpoint,
@@ -72,6 +73,8 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir else Path(t.run_dir.format(recipe=stem))
         self.console = console or Console()
         cpu = not torch.cuda.is_available()
+        if cpu:
+            keep_freed_memory()  # batched rollouts on CPU: avoid a page fault per 4 KiB of every big tensor
         self.accelerator = Accelerator(cpu=cpu, mixed_precision="no" if cpu else t.mixed_precision)
         torch.manual_seed(t.seed)
         random.seed(t.seed)

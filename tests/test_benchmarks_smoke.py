@@ -1,0 +1,67 @@
+"""benchmarks/rollout_cost.py at its smallest sizes, so that the script cannot rot, and the invariants it relies on."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+SMALL = ["--prompts", "2", "--copies", "2", "--steps", "4", "--window", "2", "--window-start", "1"]
+
+
+@pytest.fixture(scope="module")
+def rollout_cost():
+    spec = importlib.util.spec_from_file_location("rollout_cost_bench", BENCHMARKS / "rollout_cost.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+    sys.modules.pop("_timing", None)
+
+
+def test_every_kind_on_tiny_sd3(rollout_cost, tmp_path):
+    """One round of every kind: NFE as ALGORITHM.md §3.5 counts it, the meter agrees with the engine, a report."""
+    argv = ["--backbone", "tiny-sd3", *SMALL, "--repeats", "1", "--warmup", "0", "--memory", "none"]
+    result = rollout_cost.main([*argv, "--out", str(tmp_path)])["tiny-sd3"]
+    s = result["summary"]
+    k, w, start, n = 4, 2, 1, 4
+    reference = k + w * (k - start) - w * (w - 1) // 2  # main + baseline from z_s + branches j = 1..W-1
+    assert s["flow"]["nfe"] == s["tp-x0"]["nfe"] == k
+    assert s["tp-seq"]["nfe"] == s["tp-noreuse"]["nfe"] == reference
+    assert s["tp"]["nfe"] == reference - w  # each branch's first step reuses the main velocity
+    # same_noise: the prefix (s steps) and the baseline (after its reused first step) run once per prompt, not per copy
+    assert s["tp-same-noise"]["nfe"] == pytest.approx(s["tp"]["nfe"] - (k - 1) * (n - 2) / n)
+    for key, row in s.items():  # velocity calls counted by the wrapper = the engine's own count
+        assert row["counted_nfe"] == pytest.approx(row["nfe"]), key
+        assert 0 <= row["outside"] < 1 and row["rollout_s"] > 0 and row["score_s"] > 0
+    assert s["tp"]["calls"] == s["flow"]["calls"] == k and s["tp-seq"]["calls"] == reference  # one call per step
+    text = result["path"].read_text()
+    assert result["path"] == tmp_path / "rollout_cost_tiny-sd3.md"
+    assert "| TP-GRPO, sequential (reference order) |" in text and text.count("**PASS**") + text.count("**FAIL**") == 2
+
+
+def test_sequential_reference_matches_the_engine(rollout_cost):
+    """The reference-order variant computes what the batched engine computes, for a window starting at s > 0."""
+    args = rollout_cost.parse(["--backbone", "shapes-dit", *SMALL])
+    b = rollout_cost.build_bench("shapes-dit", args)
+    z0, source, _ = rollout_cost.inputs(b, False, seed=0)
+    runs = {v.key: v.run for v in rollout_cost.VARIANTS}
+    final, completions, _ = runs["tp-seq"](b, z0, source, torch.Generator().manual_seed(5))
+    final_e, completions_e, _ = runs["tp"](b, z0, source, torch.Generator().manual_seed(5))
+    assert completions.shape == completions_e.shape == (4, 2, 3, 32, 32)
+    assert torch.allclose(final, final_e, atol=1e-4) and torch.allclose(completions, completions_e, atol=1e-4)
+
+
+def test_memory_probe_sees_an_allocation(rollout_cost, capsys):
+    """The RSS high-water method counts memory touched inside the call, and the probe entry point prints it."""
+    timing = sys.modules["_timing"]
+    peak = timing.rss_peak_increase_mib(lambda: torch.ones(64, 2**20 // 4).sum())  # 64 MiB float32, touched
+    assert 60 < peak < 200
+    rollout_cost.main(["--backbone", "shapes-dit", *SMALL, "--memory-probe", "tp-x0"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["peak_mib"] >= 0
