@@ -6,6 +6,7 @@
     tpflow train RECIPE [--resume [PATH]]    # the training loop (TP-GRPO, Flow-GRPO, ...)
     tpflow shapes pretrain                   # rebuild the embedded shapes model
     tpflow serve-reward --reward NAME        # serve a reward over HTTP for the `remote` reward
+    tpflow export RUN --out DIR [--merge]    # the trained LoRA (or merged transformer) for diffusers
 
 Commands are thin wrappers over library functions. A user error (bad recipe, unknown name, missing file) prints
 one paragraph on stderr and exits with status 2, without a traceback.
