@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -48,10 +49,6 @@ class DiffusersBackboneOptions(BaseModel):
         description="Where the frozen text encoders live: with the transformer, or on the CPU (with prompt_cache "
         "this keeps them off the GPU at the cost of slower encoding of new prompts).",
     )
-
-
-def resolve_device(device: str | None) -> torch.device:
-    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def load_pipeline(pipeline_cls: Any, pretrained: str, dtype: torch.dtype, model_name: str, **kwargs: Any) -> Any:

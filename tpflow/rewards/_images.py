@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -27,15 +28,16 @@ from tpflow.errors import UserError
 
 
 def to_uint8(images: Tensor) -> Tensor:
-    """[N, 3, H, W] float in [0, 1] -> uint8 as round(x · 255) clipped, the reference's conversion."""
-    return (images.float() * 255).round().clamp(0, 255).to(torch.uint8)
+    """[N, 3, H, W] float in [0, 1] -> uint8 as round(x · 255) clipped, the reference's conversion (NaN -> 0).
+
+    The one quantisation every reward, the reward server and the sample grids use.
+    """
+    return (torch.nan_to_num(images.detach().float(), nan=0.0) * 255).round().clamp(0, 255).to(torch.uint8)
 
 
-def resolve_device(device: str) -> torch.device:
-    """``"auto"`` is the first CUDA device when there is one, else the CPU; anything else is passed to torch."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+def to_uint8_hwc(images: Tensor) -> np.ndarray:
+    """[N, 3, H, W] float in [0, 1] -> [N, H, W, 3] uint8 numpy (PIL / OpenCV layout), quantised by ``to_uint8``."""
+    return to_uint8(images.cpu()).permute(0, 2, 3, 1).numpy()
 
 
 def clip_preprocess(

@@ -23,9 +23,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
+from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.registry import register
-from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip, resolve_device
+from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip
 from tpflow.types import RewardOutput
 
 HEAD_SOURCE = "https://github.com/christophschuhmann/improved-aesthetic-predictor (sac+logos+ava1-l14-linearMSE.pth)"

@@ -20,8 +20,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from tpflow.devices import resolve_device
 from tpflow.registry import register
-from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip, resolve_device
+from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip
 from tpflow.types import RewardOutput
 
 

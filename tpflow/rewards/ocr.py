@@ -38,6 +38,7 @@ from torch import Tensor
 
 from tpflow.errors import UserError
 from tpflow.registry import register
+from tpflow.rewards._images import to_uint8_hwc
 from tpflow.types import RewardOutput
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,7 @@ def ocr_reward(recognized: str, target: str, denominator: str = "normalized") ->
 
 def to_bgr_uint8(images: Tensor) -> np.ndarray:
     """[N, 3, H, W] float RGB in [0, 1] -> [N, H, W, 3] uint8 BGR (what OpenCV-based OCR engines expect)."""
-    array = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-    return np.ascontiguousarray(array[..., ::-1])  # [N, H, W, 3], RGB -> BGR
+    return np.ascontiguousarray(to_uint8_hwc(images)[..., ::-1])  # [N, H, W, 3], RGB -> BGR
 
 
 def paddle_lines(results: Any) -> list[tuple[str, float]]:

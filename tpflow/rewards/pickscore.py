@@ -22,9 +22,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.registry import register
-from tpflow.rewards._images import clip_preprocess, l2_normalize, resolve_device
+from tpflow.rewards._images import clip_preprocess, l2_normalize
 from tpflow.types import RewardOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -41,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor
 
 from tpflow.registry import register
+from tpflow.rewards._images import to_uint8_hwc
 from tpflow.train.scoring import RewardError
 from tpflow.types import RewardOutput
 
@@ -208,18 +209,12 @@ def _column(values: Any, n: int, what: str, url: str) -> Tensor:
         raise RewardError(f"Reward server {url} sent non-numeric {what}.") from None
 
 
-def to_uint8(images: Tensor) -> np.ndarray:
-    """Images [N, 3, H, W] in [0, 1] -> uint8 [N, H, W, 3] with round(x·255), clipped (NaN -> 0)."""
-    x = torch.nan_to_num(images.detach().float().cpu(), nan=0.0).clamp(0, 1)
-    return (x * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-
-
 def encode_images(images: Tensor) -> list[str]:
     """Images [N, 3, H, W] in [0, 1] -> base64 PNG strings (8 bit RGB, lossless)."""
     from PIL import Image
 
     out = []
-    for array in to_uint8(images):
+    for array in to_uint8_hwc(images):
         buffer = io.BytesIO()
         Image.fromarray(array, mode="RGB").save(buffer, format="PNG", compress_level=1)  # speed over size
         out.append(base64.b64encode(buffer.getvalue()).decode("ascii"))

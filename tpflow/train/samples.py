@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from tpflow.rewards._images import to_uint8_hwc
+
 
 def save_grid(images: torch.Tensor, path: Path, cols: int = 8, scale: int = 4, pad: int = 2) -> Path:
     """Tile images [N, 3, H, W] in [0, 1] into one PNG, each upscaled ``scale``× (nearest), white gaps."""
@@ -16,7 +18,7 @@ def save_grid(images: torch.Tensor, path: Path, cols: int = 8, scale: int = 4, p
     rows = math.ceil(n / cols)
     cell_h, cell_w = h * scale + pad, w * scale + pad
     canvas = np.full((rows * cell_h + pad, cols * cell_w + pad, 3), 255, dtype=np.uint8)
-    pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    pixels = to_uint8_hwc(images)  # [N, H, W, 3], the rewards' quantisation
     for i, image in enumerate(pixels):
         r, c = divmod(i, cols)
         big = image.repeat(scale, axis=0).repeat(scale, axis=1)
