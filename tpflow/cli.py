@@ -225,21 +225,55 @@ def train(
     ] = None,
     run_dir: Annotated[Path | None, typer.Option(help="Output directory (default: train.run_dir).")] = None,
     epochs: Annotated[int | None, typer.Option(help="Override train.epochs.", show_default=False)] = None,
+    num_processes: Annotated[
+        int,
+        typer.Option(
+            "--num-processes", min=1, help="Training processes on this machine, one per GPU (docs/distributed.md)."
+        ),
+    ] = 1,
+    num_machines: Annotated[int, typer.Option("--num-machines", min=1, help="Machines taking part.")] = 1,
+    machine_rank: Annotated[int, typer.Option("--machine-rank", min=0, help="This machine's rank, 0..M-1.")] = 0,
+    main_process_ip: Annotated[
+        str | None, typer.Option("--main-process-ip", help="Address of machine 0 (with --num-machines > 1).")
+    ] = None,
+    main_process_port: Annotated[int, typer.Option("--main-process-port", help="Port on machine 0.")] = 29500,
 ) -> None:
-    """Train with TP-GRPO (or the recipe's credit assigner): sample, score, assign credit, update, evaluate."""
+    """Train with TP-GRPO (or the recipe's credit assigner): sample, score, assign credit, update, evaluate.
+
+    With --num-processes N (and --num-machines M) it starts N processes here (torchrun) that train one model with
+    gradients averaged over all N x M processes; `accelerate launch -m tpflow.cli train ...` works as well."""
+    from tpflow.launch import launch, launched, torchrun_args
     from tpflow.recipe import load_recipe
-    from tpflow.train.trainer import Trainer
+    from tpflow.train.prompt_sampler import check_layout
 
     overrides = [*(set_ or []), *([f"train.epochs={epochs}"] if epochs is not None else [])]
     loaded = load_recipe(recipe, overrides)
+    world = num_processes * num_machines
+    if world > 1 and not launched():
+        if num_machines > 1 and not main_process_ip:
+            raise UserError("--num-machines > 1 needs --main-process-ip, the address of machine 0.")
+        if machine_rank >= num_machines:
+            raise UserError(f"--machine-rank must be below --num-machines ({num_machines}), got {machine_rank}.")
+        check_layout(loaded.train, world)  # a clear error here, not one per process
+        child = ["train", str(recipe), *[a for o in (set_ or []) for a in ("--set", o)]]
+        child += ["--resume", resume] if resume is not None else []
+        child += ["--run-dir", str(run_dir)] if run_dir is not None else []
+        child += ["--epochs", str(epochs)] if epochs is not None else []
+        args = torchrun_args(child, num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
+        raise typer.Exit(launch(args))
+    from tpflow.train.trainer import Trainer
+
     resume_from: bool | Path = False if resume is None else (True if resume == _LATEST else Path(resume))
     console = _console()
     trainer = Trainer(loaded, run_dir=run_dir, resume=resume_from, console=console)
     try:
         metrics = trainer.fit()
     except KeyboardInterrupt:
-        console.print(f"Resume with: tpflow train {recipe} --resume --run-dir {trainer.run_dir}")
+        if trainer.dist.is_main:
+            console.print(f"Resume with: tpflow train {recipe} --resume --run-dir {trainer.run_dir}")
         raise typer.Exit(130) from None
+    if not trainer.dist.is_main:
+        return
     first = _first_eval(trainer.run_dir / "metrics.jsonl")
     console.print(f"[bold green]done.[/] run: {trainer.run_dir}")
     console.print(f"  metrics: {trainer.run_dir / 'metrics.jsonl'} (per-trajectory traces: traces.jsonl)")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -222,12 +223,20 @@ def rollout_from_settings(
     settings: RolloutSettings,
     completions: Literal["ode", "x0"] | None,
     generator: torch.Generator,
+    group_seeds: Mapping[int, int] | None = None,
 ) -> Rollout:
     """``rollout`` as a recipe's ``[rollout]`` section asks: draws z_0 (one per group with ``same_noise``, else one
-    per trajectory; ``groups`` [N] names each trajectory's prompt group) and passes the section's options on."""
+    per trajectory; ``groups`` [N] names each trajectory's prompt group) and passes the section's options on.
+
+    With ``same_noise``, ``group_seeds`` (group -> seed) makes a group's z_0 independent of the batch it is in, so
+    copies of one prompt in different rollout batches (or processes) still share it; without it, z_0 is drawn from
+    ``generator`` per distinct group of this batch."""
     if settings.same_noise:
         unique = sorted(set(groups))
-        z0 = backbone.initial_noise(len(unique), generator)
+        if group_seeds is not None:
+            z0 = torch.cat([backbone.initial_noise(1, torch.Generator().manual_seed(group_seeds[g])) for g in unique])
+        else:
+            z0 = backbone.initial_noise(len(unique), generator)
         source = torch.tensor([unique.index(g) for g in groups])
     else:
         z0, source = backbone.initial_noise(len(groups), generator), None

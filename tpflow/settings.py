@@ -66,6 +66,13 @@ class TrainSettings(BaseModel):
     epochs: int = Field(100, ge=1, description="Number of epochs to run (each: sample, score, credit, update).")
     prompts_per_epoch: int = Field(48, ge=1, description="Distinct prompts drawn per epoch (paper: 48 on 32 GPUs).")
     group_size: int = Field(24, ge=1, description="G, images per prompt (paper: 24).")
+    prompts_per_round: int | None = Field(
+        None,
+        ge=1,
+        description="Prompts drawn per sampling round; their G copies are shuffled and cut into the round's rollout "
+        "batches, which are dealt to the processes (the reference's DistributedKRepeatSampler: 12 = 32 GPUs x 9 / "
+        "24). None: one round per epoch. Must divide prompts_per_epoch (docs/distributed.md).",
+    )
     rollout_batch: int = Field(
         9,
         ge=1,
@@ -79,6 +86,22 @@ class TrainSettings(BaseModel):
     mixed_precision: Literal["no", "fp16", "bf16"] = Field(
         "no", description="Accelerate mixed precision (paper: fp16 for SD3.5-M, bf16 for FLUX)."
     )
+
+    @model_validator(mode="after")
+    def _rounds_fit(self) -> TrainSettings:
+        m = self.prompts_per_round
+        if m is not None and self.prompts_per_epoch % m:
+            raise ValueError(
+                f"prompts_per_round={m} must divide prompts_per_epoch={self.prompts_per_epoch}: an epoch is a whole "
+                "number of sampling rounds."
+            )
+        if m is not None and m < self.prompts_per_epoch and (m * self.group_size) % self.rollout_batch:
+            raise ValueError(
+                f"a sampling round of prompts_per_round x group_size = {m} x {self.group_size} trajectories must "
+                f"split into whole rollout batches of rollout_batch={self.rollout_batch}; pick sizes where "
+                "rollout_batch divides prompts_per_round x group_size."
+            )
+        return self
 
 
 class EvalSettings(BaseModel):

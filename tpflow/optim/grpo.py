@@ -16,6 +16,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
+from tpflow.distributed import Distributed
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.optim.advantages import informative_trajectories
 from tpflow.registry import register
@@ -204,6 +205,10 @@ class GRPO:
     adapter-disabled model (``Backbone.reference``). Gradients are averaged over the losses of
     ``gradient_accumulation_steps`` micro-batches × their trained steps, then norm-clipped, before each AdamW
     step. Window steps whose transition std is 0 (cps at σ⁺ = 0) carry no likelihood ratio and are never trained.
+
+    On several processes (``bind`` with a distributed accelerator) each walks its own trajectories, all take the
+    same number of optimizer steps, and each step's gradient is the mean over every process's losses
+    (``Distributed.sync_gradients``), so the copies of the adapter stay identical.
     """
 
     def __init__(self, options: GRPOOptions | None = None) -> None:
@@ -212,6 +217,7 @@ class GRPO:
         self._params: list[torch.nn.Parameter] = []
         self._optimizer: torch.optim.Optimizer | None = None
         self._accelerator = None
+        self._dist = Distributed()
 
     def bind(self, backbone: Backbone, accelerator=None) -> None:
         """Create AdamW over the backbone's trainable parameters (through ``accelerator.prepare`` when given)."""
@@ -223,6 +229,7 @@ class GRPO:
             self._params, lr=o.learning_rate, betas=o.adam_betas, weight_decay=o.weight_decay, eps=o.adam_eps
         )
         self._accelerator = accelerator
+        self._dist = Distributed(accelerator)
         self._optimizer = accelerator.prepare(optimizer) if accelerator is not None else optimizer
 
     def state_dict(self) -> dict:
@@ -256,32 +263,36 @@ class GRPO:
 
         first_ratio_dev = 0.0  # the largest |ratio - 1| before the first optimizer step: on-policy, exactly 0
         steps_before = self.global_step
-        losses_since_step = 0
         micro_batches = list(rows.split(o.micro_batch_size)) if rows.numel() else []
+        accumulation = o.gradient_accumulation_steps
+        # Every process takes the same number of optimizer steps (the gradients are all-reduced at each); one whose
+        # filtered share is smaller contributes no loss to the last steps.
+        num_steps = int(self._dist.max(-(-len(micro_batches) // accumulation)))
         for _ in range(o.num_inner_epochs):
-            for index, mb in enumerate(micro_batches):
-                part = batch.index(mb)
-                for i in range(width):
-                    step = self._step_loss(backbone, sampler, part, adv[mb, i], i)
-                    if step is None:  # zero-std step: no likelihood ratio, nothing to train
-                        continue
-                    loss, info = step
-                    if not torch.isfinite(loss):
-                        add("nonfinite_losses", 1.0)
-                        continue
-                    if self._accelerator is not None:
-                        self._accelerator.backward(loss)
-                    else:
-                        loss.backward()
-                    losses_since_step += 1
-                    for name, value in info.items():
-                        add(name, value)
-                    if self.global_step == steps_before:
-                        first_ratio_dev = max(first_ratio_dev, info["ratio_max_deviation"])
-                boundary = (index + 1) % o.gradient_accumulation_steps == 0 or index == len(micro_batches) - 1
-                if boundary and losses_since_step:
-                    add("grad_norm", self._optimizer_step(losses_since_step))
-                    losses_since_step = 0
+            for step in range(num_steps):
+                losses = 0
+                for mb in micro_batches[step * accumulation : (step + 1) * accumulation]:
+                    part = batch.index(mb)
+                    for i in range(width):
+                        out = self._step_loss(backbone, sampler, part, adv[mb, i], i)
+                        if out is None:  # zero-std step: no likelihood ratio, nothing to train
+                            continue
+                        loss, info = out
+                        if not torch.isfinite(loss):
+                            add("nonfinite_losses", 1.0)
+                            continue
+                        if self._accelerator is not None:
+                            self._accelerator.backward(loss)
+                        else:
+                            loss.backward()
+                        losses += 1
+                        for name, value in info.items():
+                            add(name, value)
+                        if self.global_step == steps_before:
+                            first_ratio_dev = max(first_ratio_dev, info["ratio_max_deviation"])
+                norm = self._optimizer_step(losses)
+                if norm is not None:
+                    add("grad_norm", norm)
         result = {name: sums[name] / counts[name] for name in sums if name != "nonfinite_losses"}
         result["nonfinite_losses"] = sums.get("nonfinite_losses", 0.0)
         result["trajectories_trained"] = float(rows.numel())
@@ -320,12 +331,13 @@ class GRPO:
         }
         return loss, info
 
-    def _optimizer_step(self, num_losses: int) -> float:
-        """Average the accumulated gradients over the losses, clip, step, zero; returns the pre-clip norm."""
+    def _optimizer_step(self, num_losses: int) -> float | None:
+        """Average the accumulated gradients over every process's losses, clip, step, zero; returns the pre-clip
+        norm, or None (and no step) when no process had a loss."""
         o = self.options
-        for p in self._params:
-            if p.grad is not None:
-                p.grad.div_(num_losses)
+        if self._dist.sync_gradients(self._params, num_losses) == 0:
+            self._optimizer.zero_grad(set_to_none=True)
+            return None
         if self._accelerator is not None:
             norm = self._accelerator.clip_grad_norm_(self._params, o.max_grad_norm)
         else:

@@ -73,6 +73,21 @@ class RunLogger:
         self.close()
 
 
+class NullLogger:
+    """What processes other than the main one log to: nothing (the main process writes the gathered figures)."""
+
+    tensorboard_enabled = False
+
+    def log(self, metrics: dict[str, float], step: int, epoch: int) -> None:
+        pass
+
+    def log_traces(self, epoch: int, records: list[dict]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """Every record of a JSONL file, skipping blank lines and lines cut short by a killed writer.
 

@@ -2,20 +2,25 @@
 
 One epoch (DESIGN.md §1, ALGORITHM.md §6.1):
 
-1. draw ``prompts_per_epoch`` training prompts, G copies each, shuffled into rollout batches;
-2. per rollout batch: draw the SDE window, roll out (main trajectory, ODE baseline and completions, batched per
+1. plan the epoch's rollout batches: ``prompts_per_epoch`` training prompts, G copies each, shuffled into batches
+   that are dealt to the processes (``prompt_sampler``; one process runs them all);
+2. per local rollout batch: draw the SDE window, roll out (main trajectory, ODE baseline and completions, batched per
    step), and hand the latents to the background scoring worker (decode + reward) while the next batch samples;
 3. per rollout batch: the credit assigner turns the reward trace [n, W+1] into step rewards [n, W];
-4. advantages per prompt and per window step over the whole epoch; the GRPO update; the EMA.
+4. gather every process's step rewards and prompt keys; advantages per prompt and per window step over the whole
+   epoch, sliced back to each process; the GRPO update (gradients averaged over the processes); the EMA.
 
 Every ``eval.every`` epochs (epoch 0 included) the EMA weights (when enabled) sample the held-out prompts by ODE.
-Checkpoints are written every ``train.save_every`` epochs, at the end and on Ctrl-C. Randomness is derived from
-(seed, epoch), so a resumed run continues exactly as an uninterrupted one.
+Checkpoints are written every ``train.save_every`` epochs, at the end and on Ctrl-C, by the main process only (as are
+the logs). Randomness is derived from (seed, epoch, rollout batch), so a resumed run continues exactly as an
+uninterrupted one, and the trajectories an epoch samples do not depend on the number of processes
+(docs/distributed.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from collections import defaultdict
@@ -34,6 +39,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from tpflow.distributed import Distributed
 from tpflow.errors import UserError
 from tpflow.optim.advantages import group_advantages
 from tpflow.recipe import Recipe
@@ -47,7 +53,8 @@ from tpflow.train.checkpoint import (
     save_checkpoint,
 )
 from tpflow.train.ema import EMA
-from tpflow.train.run_logger import RunLogger, epoch_line, truncate_after
+from tpflow.train.prompt_sampler import check_layout, noise_seed, plan_epoch
+from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, truncate_after
 from tpflow.train.samples import save_grid
 from tpflow.train.scoring import ScoringWorker
 from tpflow.types import PromptItem, Rollout
@@ -76,7 +83,11 @@ class Trainer:
         if cpu:
             keep_freed_memory()  # batched rollouts on CPU: avoid a page fault per 4 KiB of every big tensor
         self.accelerator = Accelerator(cpu=cpu, mixed_precision="no" if cpu else t.mixed_precision)
-        torch.manual_seed(t.seed)
+        self.dist = Distributed(self.accelerator)
+        if not self.dist.is_main:
+            self.console = Console(quiet=True)  # one process reports; every process raises its own errors
+        check_layout(t, self.dist.world_size)
+        torch.manual_seed(t.seed)  # the same on every process: the adapters start equal
         random.seed(t.seed)
         self.backbone = recipe.build("backbone")
         self.sampler = recipe.build("sampler")
@@ -95,7 +106,8 @@ class Trainer:
         self._task: TaskID | None = None
         self.nonfinite_epochs = 0
         self._resume(resume)
-        self.logger = RunLogger(self.run_dir)
+        self.dist.check_in_sync(self._named_trainable())
+        self.logger = RunLogger(self.run_dir) if self.dist.is_main else NullLogger()
 
     # ---- public ------------------------------------------------------------------------------------------------
 
@@ -106,6 +118,8 @@ class Trainer:
             f"[bold]tpflow train[/] {self.recipe.path or ''} -> {self.run_dir} | epochs {self.epoch}..{t.epochs - 1}"
             f" | credit {self.recipe.credit.name} | {len(self.backbone.trainable_parameters())} trainable tensors"
         )
+        if self.dist.enabled:
+            self.console.print(self._layout_line())
         metrics: dict[str, Any] = {}
         last_eval: dict[str, float] = {}
         progress = Progress(
@@ -116,7 +130,7 @@ class Trainer:
             TimeElapsedColumn(),
             console=self.console,
             transient=True,
-            disable=not self.console.is_terminal,
+            disable=not (self.console.is_terminal and self.dist.is_main),
         )
         self._task = progress.add_task("starting", total=None)
         self._progress = progress
@@ -138,7 +152,8 @@ class Trainer:
             self.save()
         except KeyboardInterrupt:
             self.console.print(f"[yellow]Interrupted: saving epoch {self.epoch} so that --resume continues here.[/]")
-            self.save()
+            if self.dist.is_main:
+                self.save(collective=False)  # the other processes may be stopped anywhere: no collective here
             raise
         finally:
             progress.stop()
@@ -146,31 +161,29 @@ class Trainer:
         return metrics
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
-        """Sample, score, assign credit, update: one epoch. Returns its metrics."""
+        """Sample, score, assign credit, update: one epoch. Returns its metrics (over every process)."""
         t, r = self.settings, self.recipe.rollout
         start = time.perf_counter()
-        rng = random.Random(f"{t.seed}/{epoch}")
-        generator = torch.Generator().manual_seed(t.seed * 100_003 + epoch)
-        chosen = _draw(self.train_items, t.prompts_per_epoch, rng)
-        order = [p for p in range(len(chosen)) for _ in range(t.group_size)]
-        rng.shuffle(order)
+        plan = plan_epoch(len(self.train_items), t, epoch)
+        local = plan.local(self.dist.rank, self.dist.world_size)
+        z0_seeds = {i: noise_seed(t, epoch, i) for b in local for i in b.items} if r.same_noise else None
         completions = r.completions if self.credit.needs_completions else None
         worker = ScoringWorker(self.backbone.decode, self.reward, chunk=r.max_batch or 256)
-        batches, jobs = [], []
-        self._phase(f"epoch {epoch}: sampling", -(-len(order) // t.rollout_batch))
+        outs, jobs = [], []
+        self._phase(f"epoch {epoch}: sampling", len(local))
         try:
-            for lo in range(0, len(order), t.rollout_batch):
-                idx = order[lo : lo + t.rollout_batch]
-                items = [chosen[p] for p in idx]
-                window = draw_window(r.num_steps, r.window_size, r.window_range, rng)
+            for b in local:
+                items = [self.train_items[i] for i in b.items]
+                window = draw_window(r.num_steps, r.window_size, r.window_range, random.Random(b.seed))
+                generator = torch.Generator().manual_seed(b.seed)
                 cond = self.backbone.encode([it.prompt for it in items])
                 with self.accelerator.autocast():
                     out = rollout_from_settings(
-                        self.backbone, self.sampler, cond, idx, window, r, completions, generator
+                        self.backbone, self.sampler, cond, list(b.items), window, r, completions, generator, z0_seeds
                     )
                 prompts, metadata = [i.prompt for i in items], [i.metadata for i in items]
                 jobs.append(worker.submit(out.final, out.completions, prompts, metadata, r.window_size))
-                batches.append((out, idx))
+                outs.append(out)
                 self._advance()
             self._phase(f"epoch {epoch}: scoring", len(jobs))
             scored = []
@@ -180,38 +193,59 @@ class Trainer:
         finally:
             worker.close()
         sample_s = time.perf_counter() - start
-        credits = [self.credit(s.trace) for s in scored]
-        step_rewards = torch.cat([c.step_rewards for c in credits])  # [N, W]
-        turning = torch.cat([c.turning_points for c in credits])  # [N, W]
-        trace = torch.cat([s.trace for s in scored])  # [N, W+1]
-        groups = [p for _, idx in batches for p in idx]
+        credits = [self.credit(s.trace) for s in scored]  # per local rollout batch: balancing stays within one
+        n = sum(len(b.items) for b in local)
+        # One gather of everything the advantages and the logs need, in process order: [N, 3W + 4] float64.
+        packed = self.dist.gather(
+            torch.cat(
+                [
+                    torch.cat([s.trace for s in scored]).double(),  # [n, W+1]
+                    torch.cat([c.step_rewards for c in credits]).double(),  # [n, W]
+                    torch.cat([c.turning_points for c in credits]).double(),  # [n, W]
+                    torch.tensor([[i, b.index, k] for b in local for k, i in enumerate(b.items)]).double(),  # [n, 3]
+                ],
+                dim=1,
+            )
+        )
+        width = r.window_size
+        trace = packed[:, : width + 1].float()  # [N, W+1]
+        step_rewards = packed[:, width + 1 : 2 * width + 1]  # [N, W]
+        turning = packed[:, 2 * width + 1 : 3 * width + 1].bool()  # [N, W]
+        keys = packed[:, 3 * width + 1 :].long()  # [N, 3]: dataset item (the prompt group), batch, row
+        groups = keys[:, 0].tolist()
         global_std = getattr(self.optimizer.options, "global_std", False)
-        advantages = group_advantages(step_rewards, groups, global_std=global_std)
-        batch = Rollout.cat([out for out, _ in batches])
+        advantages = group_advantages(step_rewards, groups, global_std=global_std)  # [N, W], the same everywhere
+        mine = advantages[self.dist.rank * n : (self.dist.rank + 1) * n]
+        batch = Rollout.cat(outs)
         update_start = time.perf_counter()
         self._phase(f"epoch {epoch}: updating", None)
         steps_before = self.optimizer.global_step
         with self.accelerator.autocast():
-            update = self.optimizer.update(self.backbone, self.sampler, batch, advantages)
+            update = self.optimizer.update(self.backbone, self.sampler, batch, mine)
+        update = _combine(self.dist.gather_objects([update]))
         if self.ema is not None:
             for step in range(steps_before, self.optimizer.global_step):
                 self.ema.step(step)
         self._check_finite(update)
         delta = trace[:, -1] - trace[:, 0]
         good = turning & (delta > 0)[:, None]
-        records = [
-            {
-                "prompt": chosen[p].prompt,
-                "tag": chosen[p].metadata.get("tag"),
-                "group": p,
-                "trace": trace[n].tolist(),
-                "step_rewards": step_rewards[n].tolist(),
-                "turning_points": turning[n].int().tolist(),
-                "good_turning_points": good[n].int().tolist(),
-            }
-            for n, p in enumerate(groups)
-        ]
-        self.logger.log_traces(epoch, records)
+        if self.dist.is_main:
+            records = [
+                {
+                    "prompt": self.train_items[item].prompt,
+                    "tag": self.train_items[item].metadata.get("tag"),
+                    "group": item,
+                    "batch": index,
+                    "row": row,
+                    "trace": trace[k].tolist(),
+                    "step_rewards": step_rewards[k].tolist(),
+                    "advantages": advantages[k].tolist(),
+                    "turning_points": turning[k].int().tolist(),
+                    "good_turning_points": good[k].int().tolist(),
+                }
+                for k, (item, index, row) in enumerate(keys.tolist())
+            ]
+            self.logger.log_traces(epoch, records)
         metrics = {
             "reward_mean": float(trace[:, -1].mean()),
             "reward_std": float(trace[:, -1].std()),
@@ -229,50 +263,76 @@ class Trainer:
         if completions is not None:
             metrics["baseline_reward_mean"] = float(trace[:, 0].mean())
         for name in scored[0].details:
-            metrics[f"reward_{name}"] = float(torch.cat([s.details[name] for s in scored]).mean())
+            values = self.dist.gather(torch.cat([s.details[name] for s in scored]).double())
+            metrics[f"reward_{name}"] = float(values.mean())
         metrics["epoch_s"] = time.perf_counter() - start
         return metrics
 
     @torch.no_grad()
     def evaluate(self, epoch: int) -> dict[str, float]:
-        """ODE samples of the held-out prompts (EMA weights when enabled): mean reward and per-tag accuracy."""
+        """ODE samples of the held-out prompts (EMA weights when enabled): mean reward and per-tag accuracy.
+
+        The prompts are dealt to the processes (prompt k to process k mod P) and the scores gathered; prompt k starts
+        from the same noise whatever P, so the figures do not depend on the number of processes."""
         e = self.recipe.eval
-        items = self.test_items
-        self._phase(f"eval at epoch {epoch}: sampling {len(items)} images", None)
+        everything = self.test_items
+        mine = list(range(self.dist.rank, len(everything), self.dist.world_size))
+        items = [everything[k] for k in mine]
+        self._phase(f"eval at epoch {epoch}: sampling {len(everything)} images", None)
         generator = torch.Generator().manual_seed(self.settings.seed + 12_345)  # the same noise at every eval
-        z0 = self.backbone.initial_noise(len(items), generator)
-        cond = self.backbone.encode([it.prompt for it in items])
-        swap = self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
-        with swap, self.accelerator.autocast():
-            latents = sample_ode(self.backbone, cond, z0, self.backbone.sigmas(e.num_steps), e.guidance, e.batch_size)
-        images = torch.cat([self.backbone.decode(part) for part in latents.split(e.batch_size)])
-        out = self.reward(images, [it.prompt for it in items], [it.metadata for it in items])
-        metrics = {"eval_reward": float(out.scores.float().mean())}
-        for name, values in out.details.items():
-            metrics[f"eval_{name}"] = float(values.float().mean())
-        tags = [it.metadata.get("tag") for it in items]
-        if "strict" in out.details and all(tags):
+        rows: list[tuple[int, float, dict[str, float]]] = []
+        if items:
+            z0 = self.backbone.initial_noise(len(everything), generator)[mine]
+            cond = self.backbone.encode([it.prompt for it in items])
+            swap = self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
+            with swap, self.accelerator.autocast():
+                latents = sample_ode(
+                    self.backbone, cond, z0, self.backbone.sigmas(e.num_steps), e.guidance, e.batch_size
+                )
+            images = torch.cat([self.backbone.decode(part) for part in latents.split(e.batch_size)])
+            out = self.reward(images, [it.prompt for it in items], [it.metadata for it in items])
+            details = {name: values.float().tolist() for name, values in out.details.items()}
+            rows = [
+                (k, score, {name: values[j] for name, values in details.items()})
+                for j, (k, score) in enumerate(zip(mine, out.scores.float().tolist(), strict=True))
+            ]
+            if self.dist.is_main:  # the main process's share (every image when it runs alone)
+                save_grid(images[:64], self.run_dir / "samples" / f"eval_{epoch:04d}.png")
+        rows = sorted(self.dist.gather_objects(rows))
+        metrics = {"eval_reward": sum(score for _, score, _ in rows) / len(rows)}
+        for name in rows[0][2]:
+            metrics[f"eval_{name}"] = sum(d[name] for _, _, d in rows) / len(rows)
+        tags = [everything[k].metadata.get("tag") for k, _, _ in rows]
+        if "strict" in rows[0][2] and all(tags):
             per_tag: dict[str, list[float]] = defaultdict(list)
-            for tag, ok in zip(tags, out.details["strict"].tolist(), strict=True):
-                per_tag[tag].append(ok)
+            for tag, (_, _, d) in zip(tags, rows, strict=True):
+                per_tag[tag].append(d["strict"])
             for tag, oks in sorted(per_tag.items()):
                 metrics[f"eval_acc_{tag}"] = sum(oks) / len(oks)
-        save_grid(images[:64], self.run_dir / "samples" / f"eval_{epoch:04d}.png")
         return metrics
 
-    def save(self) -> Path:
-        """Write a checkpoint of the current state (atomic); returns its directory."""
-        path = save_checkpoint(
-            self.run_dir,
-            self.optimizer.global_step,
-            backbone=self.backbone,
-            optimizer_state=self.optimizer.state_dict(),
-            ema_state=self.ema.state_dict() if self.ema is not None else None,
-            rng_state=capture_rng_state(),
-            train_state={"epoch": self.epoch, "global_step": self.optimizer.global_step},
-            recipe=self.recipe.data,
-        )
-        self.console.print(f"checkpoint: {path}")
+    def save(self, collective: bool = True) -> Path | None:
+        """Write a checkpoint of the current state (atomic, main process only); returns its directory there.
+
+        With ``collective`` (every process calls it) the processes first check that their adapters are equal and
+        wait for the write to finish."""
+        if collective:
+            self.dist.check_in_sync(self._named_trainable())
+        path = None
+        if self.dist.is_main:
+            path = save_checkpoint(
+                self.run_dir,
+                self.optimizer.global_step,
+                backbone=self.backbone,
+                optimizer_state=self.optimizer.state_dict(),
+                ema_state=self.ema.state_dict() if self.ema is not None else None,
+                rng_state=capture_rng_state(),
+                train_state={"epoch": self.epoch, "global_step": self.optimizer.global_step},
+                recipe=self.recipe.data,
+            )
+            self.console.print(f"checkpoint: {path}")
+        if collective:
+            self.dist.barrier()
         return path
 
     # ---- private -----------------------------------------------------------------------------------------------
@@ -307,8 +367,33 @@ class Trainer:
             self.ema.load_state_dict(ckpt.ema_state)
         restore_rng_state(ckpt.rng_state)
         self.epoch = int(ckpt.train_state["epoch"])
-        truncate_after(self.run_dir, self.epoch - 1)
+        if self.dist.is_main:
+            truncate_after(self.run_dir, self.epoch - 1)
+        self.dist.barrier()
         self.console.print(f"resumed from {path} (epoch {self.epoch}, step {self.optimizer.global_step})")
+
+    def _named_trainable(self) -> list[tuple[str, torch.Tensor]]:
+        return [(str(k), p) for k, p in enumerate(self.backbone.trainable_parameters())]
+
+    def _layout_line(self) -> str:
+        """How the epoch is shared: batches, trajectories and optimizer steps per process."""
+        t, o = self.settings, self.optimizer.options
+        p = self.dist.world_size
+        plan = plan_epoch(len(self.train_items), t, self.epoch)
+        mine = plan.local(0, p)
+        n = sum(len(b.items) for b in mine)
+        line = (
+            f"{p} processes: each samples {len(mine)} of the epoch's {len(plan.batches)} rollout batches "
+            f"({n} of {plan.num_trajectories} trajectories)"
+        )
+        micro, accumulation = getattr(o, "micro_batch_size", None), getattr(o, "gradient_accumulation_steps", None)
+        if micro and accumulation:
+            steps = math.ceil(math.ceil(n / micro) / accumulation)
+            line += (
+                f"; up to {steps} optimizer steps per epoch, each averaging {micro * accumulation * p} trajectories "
+                f"({micro} x {accumulation} accumulation x {p} processes)"
+            )
+        return line
 
     def _check_finite(self, update: dict[str, float]) -> None:
         if update.get("nonfinite_losses", 0) > 0:
@@ -323,6 +408,20 @@ class Trainer:
             self.nonfinite_epochs = 0
 
 
-def _draw(items: list[PromptItem], k: int, rng: random.Random) -> list[PromptItem]:
-    """k distinct items when the split has that many, else k draws with repetition."""
-    return rng.sample(items, k) if k <= len(items) else rng.choices(items, k=k)
+SUMMED = ("nonfinite_losses", "trajectories_trained")  # update metrics added over the processes
+MAXED = ("first_ratio_max_deviation", "optimizer_steps")  # the largest over the processes; the rest are means
+
+
+def _combine(per_process: list[dict[str, float]]) -> dict[str, float]:
+    """The update metrics of every process as one dict: sums, maxima, or means over the processes that have them."""
+    names = sorted({name for metrics in per_process for name in metrics})
+    combined = {}
+    for name in names:
+        values = [m[name] for m in per_process if name in m]
+        if name in SUMMED:
+            combined[name] = float(sum(values))
+        elif name in MAXED:
+            combined[name] = float(max(values))
+        else:
+            combined[name] = float(sum(values) / len(values))
+    return combined

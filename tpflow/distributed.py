@@ -1,0 +1,141 @@
+"""Collectives over the training processes, through accelerate: gather rows, reduce numbers and gradients.
+
+Every function takes a ``Distributed`` view of an ``accelerate.Accelerator`` (or of nothing: one process, where every
+collective is the identity and costs nothing). Why tpflow does not wrap the transformer in DDP (docs/distributed.md):
+
+* a GRPO step runs micro-batches × W forward/backward passes, and after the all-zero-advantage filter each process
+  may hold a different number of trajectories; DDP needs the same number of synchronised backward passes everywhere;
+* some LoRA tensors get no gradient by construction (SD3's last, context-pre-only block), which DDP rejects unless
+  ``find_unused_parameters`` scans the graph on every pass;
+* only the adapter is trained, so its gradients are small: one flat all-reduce per optimizer step is what DDP does
+  at a synchronising step, minus the hooks.
+
+``sync_gradients`` sums the accumulated gradients and the number of losses over the processes and divides, so each
+step's gradient is the mean over every loss of every process, whatever their split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tpflow.errors import UserError
+
+
+class Distributed:
+    """Rank, world size and collectives of the current run (one process when ``accelerator`` is None)."""
+
+    def __init__(self, accelerator: Any = None) -> None:
+        self.accelerator = accelerator
+        self.world_size = accelerator.num_processes if accelerator is not None else 1
+        self.rank = accelerator.process_index if accelerator is not None else 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def gather(self, tensor: Tensor) -> Tensor:
+        """[n_r, ...] on each process -> [Σ n_r, ...] in process order (rank 0's rows first), on every process.
+
+        The row counts may differ between processes (they are exchanged first and the rows padded for the
+        transfer); the trailing shape and dtype must agree."""
+        if not self.enabled:
+            return tensor
+        from accelerate.utils import gather
+
+        device = self.accelerator.device
+        local = tensor.to(device)
+        counts = gather(torch.tensor([local.shape[0]], device=device)).tolist()
+        padded = local.new_zeros((max(counts), *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        rows = gather(padded.contiguous()).reshape(self.world_size, max(counts), *local.shape[1:])
+        return torch.cat([rows[r, : counts[r]] for r in range(self.world_size)]).to(tensor.device)
+
+    def gather_objects(self, objects: Sequence[Any]) -> list[Any]:
+        """A list on each process -> their concatenation in process order, on every process (picklable items)."""
+        if not self.enabled:
+            return list(objects)
+        from accelerate.utils import gather_object
+
+        return list(gather_object(list(objects)))
+
+    def sum(self, value: float) -> float:
+        """The sum of a number over the processes."""
+        return self._reduce(value, "sum")
+
+    def max(self, value: float) -> float:
+        """The largest value of a number over the processes."""
+        return self._reduce(value, "max")
+
+    def barrier(self) -> None:
+        if self.enabled:
+            self.accelerator.wait_for_everyone()
+
+    def sync_gradients(self, params: Sequence[torch.nn.Parameter], num_losses: int) -> int:
+        """Turn each process's summed gradients into the mean over all processes' losses; returns that total count.
+
+        ``num_losses`` is how many losses this process back-propagated since the last step (0 is fine: its
+        gradients count as zero). Afterwards every process holds the same gradient, bit for bit."""
+        if not self.enabled:
+            if num_losses:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.div_(num_losses)
+            return num_losses
+        from accelerate.utils import reduce
+
+        device = self.accelerator.device
+        has_grad = [float(p.grad is not None) for p in params]
+        flat = torch.cat([_grad_or_zeros(p).reshape(-1).to(device, torch.float32) for p in params])
+        flat = reduce(torch.cat([flat, torch.tensor([*has_grad, float(num_losses)], device=device)]), "sum")
+        total = int(round(float(flat[-1])))
+        used = flat[-1 - len(params) : -1].tolist()  # how many processes had a gradient for each parameter
+        grads = flat[: -1 - len(params)] / max(total, 1)
+        offset = 0
+        for p, count in zip(params, used, strict=True):
+            n = p.numel()
+            # None where no process had a gradient, as on one process (AdamW then skips the parameter)
+            p.grad = grads[offset : offset + n].view_as(p).to(p.device, p.dtype) if count else None
+            offset += n
+        return total
+
+    def check_in_sync(self, named: Iterable[tuple[str, Tensor]]) -> None:
+        """Raise if the processes' copies of these tensors differ (a run that silently trains P different models)."""
+        if not self.enabled:
+            return
+        digest = hashlib.sha256()
+        for name, value in named:
+            digest.update(name.encode())
+            digest.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        digests = self.gather_objects([digest.hexdigest()])
+        if len(set(digests)) > 1:
+            differing = [r for r, d in enumerate(digests) if d != digests[0]]
+            raise UserError(
+                f"The trained weights differ between processes (ranks {differing} disagree with rank 0): gradients "
+                "were not synchronised, so the run would train different models. This is a bug; please report it "
+                "with the recipe and the launch command."
+            )
+
+    def _reduce(self, value: float, op: str) -> float:
+        if not self.enabled:
+            return float(value)
+        device = self.accelerator.device
+        tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
+        if op == "max":
+            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+            return float(tensor)
+        from accelerate.utils import reduce
+
+        return float(reduce(tensor, "sum"))
+
+
+def _grad_or_zeros(p: torch.nn.Parameter) -> Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)

@@ -1,0 +1,65 @@
+"""``tpflow train --num-processes N``: start N training processes on this machine (and join other machines).
+
+This is ``torchrun`` called in-process (``torch.distributed.run``'s own argument parser and elastic launcher), so the
+processes get the usual ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR`` environment, which
+``accelerate.Accelerator`` reads: NCCL on GPUs (process ``LOCAL_RANK`` on GPU ``LOCAL_RANK``), gloo on CPUs. Users of
+``accelerate launch`` get the same thing from their accelerate config (docs/distributed.md).
+
+A process that fails with a clear error (exit status 2) makes the launcher stop the others and exit with that same
+status, instead of torchrun's traceback summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from collections.abc import Sequence
+
+RUNNING_UNDER_LAUNCHER = ("LOCAL_RANK", "RANK")  # set by torchrun, accelerate launch, deepspeed, SLURM wrappers
+
+
+def launched() -> bool:
+    """True inside a process started by a distributed launcher (so it must not launch again)."""
+    return any(name in os.environ for name in RUNNING_UNDER_LAUNCHER)
+
+
+def torchrun_args(
+    module_args: Sequence[str],
+    num_processes: int,
+    num_machines: int = 1,
+    machine_rank: int = 0,
+    main_process_ip: str | None = None,
+    main_process_port: int = 29500,
+) -> list[str]:
+    """The torchrun command line that runs ``python -m tpflow.cli *module_args`` in every process."""
+    if num_machines == 1:
+        # torchrun's --standalone: a rendezvous on a free local port, so runs on one machine never clash
+        where = ["--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={uuid.uuid4()}"]
+    else:
+        where = [
+            f"--nnodes={num_machines}",
+            f"--node-rank={machine_rank}",
+            f"--master-addr={main_process_ip}",
+            f"--master-port={main_process_port}",
+        ]
+    return [*where, f"--nproc-per-node={num_processes}", "-m", "tpflow.cli", *module_args]
+
+
+def launch(args: list[str]) -> int:
+    """Run torchrun with ``args`` (from :func:`torchrun_args`); returns the exit status to leave with."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)  # the agent's INFO/WARNING chatter
+    config, command, command_args = config_from_args(parse_args(args))
+    try:
+        elastic_launch(config, command)(*command_args)
+    except ChildFailedError as exc:
+        codes = [failure.exitcode for failure in exc.failures.values()]
+        code = next((c for c in codes if c > 0), 1)  # negative: killed by a signal
+        print(f"tpflow: a training process exited with status {codes[0]}; the others were stopped.", file=sys.stderr)
+        return code
+    return 0

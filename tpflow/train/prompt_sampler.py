@@ -1,0 +1,102 @@
+"""The distributed prompt sampler: which prompts an epoch samples, in which rollout batches, on which process.
+
+ALGORITHM.md §6.3 (the reference's ``DistributedKRepeatSampler``): a sampling round draws m prompts, repeats each G
+times, shuffles the copies and cuts them into rollout batches of B; the copies of one prompt may land in different
+batches and on different processes, and advantages are computed only after every process's rewards are gathered
+(``tpflow.distributed``), so groups stay whole.
+
+tpflow plans the epoch as a list of *global* rollout batches that does not depend on the number of processes P:
+
+* round r of epoch e draws ``prompts_per_round`` prompts (distinct when the split has enough) from a generator seeded
+  by (seed, e, r); every process computes the same plan, nothing is communicated;
+* global batch j goes to process ``j mod P`` (so a round of P·B trajectories is one batch per process, exactly the
+  reference's split when ``prompts_per_round · G = P · B``);
+* batch j carries its own seed for its window draw and its noise.
+
+So a run on 1 process and a run on 8 sample the very same trajectories from the same weights, and a checkpoint
+resumes on any P that divides the number of batches. ``prompts_per_round = None`` makes the whole epoch one round
+(``prompts_per_epoch`` distinct prompts, all copies shuffled together).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from tpflow.errors import UserError
+from tpflow.settings import TrainSettings
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """One global rollout batch of an epoch."""
+
+    index: int  # j, position in the epoch (0-based, over all processes)
+    items: tuple[int, ...]  # [B] dataset item index of each trajectory; equal items form a group
+    seed: int  # seeds this batch's window draw and noise (independent of the process that runs it)
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """All rollout batches of one epoch, in global order."""
+
+    epoch: int
+    batches: tuple[RolloutBatch, ...]
+
+    def local(self, rank: int, world_size: int) -> tuple[RolloutBatch, ...]:
+        """The batches process ``rank`` of ``world_size`` samples: j ≡ rank (mod world_size)."""
+        return self.batches[rank::world_size]
+
+    @property
+    def num_trajectories(self) -> int:
+        return sum(len(b.items) for b in self.batches)
+
+
+def plan_epoch(num_items: int, train: TrainSettings, epoch: int) -> EpochPlan:
+    """The epoch's rollout batches for a training split of ``num_items`` prompts (see the module docstring)."""
+    if num_items < 1:
+        raise UserError("The training split is empty: the dataset has no prompts to sample.")
+    per_round = train.prompts_per_round or train.prompts_per_epoch
+    batches: list[RolloutBatch] = []
+    for r in range(train.prompts_per_epoch // per_round):
+        rng = random.Random(f"{train.seed}/{epoch}/round/{r}")
+        drawn = _draw(num_items, per_round, rng)
+        copies = [item for item in drawn for _ in range(train.group_size)]
+        rng.shuffle(copies)
+        for lo in range(0, len(copies), train.rollout_batch):
+            j = len(batches)
+            seed = random.Random(f"{train.seed}/{epoch}/batch/{j}").getrandbits(63)
+            batches.append(RolloutBatch(j, tuple(copies[lo : lo + train.rollout_batch]), seed))
+    return EpochPlan(epoch, tuple(batches))
+
+
+def check_layout(train: TrainSettings, world_size: int) -> None:
+    """Raise a UserError unless ``world_size`` processes can share every epoch equally (full, equal batches)."""
+    if world_size == 1:
+        return
+    per_round = train.prompts_per_round or train.prompts_per_epoch
+    trajectories = per_round * train.group_size
+    full = trajectories % train.rollout_batch == 0
+    batches = train.prompts_per_epoch * train.group_size // train.rollout_batch
+    if not full or batches % world_size:
+        divisors = [p for p in range(1, batches + 1) if batches % p == 0] if full else []
+        raise UserError(
+            f"{world_size} processes cannot share the epoch equally: an epoch has "
+            f"{train.prompts_per_epoch} prompts x {train.group_size} copies = "
+            f"{train.prompts_per_epoch * train.group_size} trajectories in rollout batches of "
+            f"{train.rollout_batch}, so every round must split into whole batches and the number of batches "
+            f"({batches if full else 'not whole'}) must be a multiple of the process count. "
+            + (f"Process counts that work: {divisors}. " if divisors else "")
+            + "Change train.prompts_per_epoch, train.prompts_per_round or train.rollout_batch "
+            "(docs/distributed.md, 'How the batch sizes map to GPUs')."
+        )
+
+
+def noise_seed(train: TrainSettings, epoch: int, item: int) -> int:
+    """Seed of the initial noise shared by every copy of ``item`` in ``epoch`` (``rollout.same_noise``)."""
+    return random.Random(f"{train.seed}/{epoch}/z0/{item}").getrandbits(63)
+
+
+def _draw(num_items: int, k: int, rng: random.Random) -> list[int]:
+    """k distinct item indices when the split has that many, else k draws with repetition."""
+    return rng.sample(range(num_items), k) if k <= num_items else rng.choices(range(num_items), k=k)
