@@ -183,3 +183,23 @@ def test_rollout_from_settings_shares_noise_within_a_group(backbone):
     assert torch.equal(baseline[0], baseline[2]) and torch.equal(baseline[3], baseline[5])
     assert not torch.allclose(baseline[0], baseline[3])
     assert not torch.allclose(out.final[0], out.final[1])  # the SDE noise still separates the copies
+
+
+def test_group_seeds_give_a_group_the_same_noise_in_every_batch(backbone):
+    from tpflow.rollout import rollout_from_settings
+    from tpflow.settings import RolloutSettings
+
+    settings = RolloutSettings(num_steps=5, window_size=3, window_range=(0, 3), same_noise=True, guidance=2.0)
+    sampler = tpflow.build("sampler", "cps")
+    seeds = {0: 11, 1: 12}  # group g is the prompt PROMPTS[g]
+
+    def baseline(groups: list[int], generator_seed: int) -> torch.Tensor:
+        cond = backbone.encode([PROMPTS[g] for g in groups])
+        gen = torch.Generator().manual_seed(generator_seed)
+        out = rollout_from_settings(backbone, sampler, cond, groups, Window(0, 3), settings, "ode", gen, seeds)
+        return out.completions[:, 0]  # the ODE image from z_0
+
+    # group 1 in a batch of its own copies, and beside group 0 in another batch sampled with another generator
+    alone, mixed = baseline([1, 1, 1], 0), baseline([0, 0, 1, 1], 1)
+    assert torch.equal(alone[0], mixed[3]), "a group's z_0 depends on its seed only, not on its batch"
+    assert not torch.allclose(mixed[0], mixed[3])

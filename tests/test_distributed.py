@@ -1,0 +1,44 @@
+"""Collectives on a real 2-process gloo group: gathers, reductions, gradient all-reduce, and group statistics that do
+not depend on where a prompt's copies sit (ALGORITHM.md §5 item 1, §6.3)."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.distributed_workers import collectives_worker, group_stats_worker, spawn
+from tpflow.optim.advantages import group_advantages
+
+
+def test_a_prompts_copies_split_across_ranks_get_the_same_group_statistics(tmp_path):
+    g, width = 4, 3
+    torch.manual_seed(0)
+    rewards = torch.randn(3 * g, width, dtype=torch.float64)  # 3 prompts x G = 4 copies; prompt of row t = t // 4
+    layouts = {
+        "whole": [[0, 1, 2, 3, 8, 9], [4, 5, 6, 7, 10, 11]],  # prompts 0, 1 each on one rank (prompt 2 split)
+        "split": [[0, 5, 10, 3, 6, 9], [4, 1, 2, 11, 8, 7]],  # every prompt's copies on both ranks
+        "uneven": [[11], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]],  # ragged shares
+    }
+    ranks = spawn(group_stats_worker, tmp_path, layouts, rewards)
+    reference = group_advantages(rewards, [t // g for t in range(3 * g)])  # everything on one process
+    assert reference.abs().sum() > 0
+    for name in layouts:
+        seen = torch.zeros(3 * g, dtype=torch.bool)
+        for result in ranks:
+            ids, advantages = result[name]["ids"], result[name]["advantages"]
+            torch.testing.assert_close(advantages, reference[ids], rtol=0, atol=1e-12, msg=name)
+            seen[ids] = True
+        assert seen.all(), f"{name}: every trajectory gets its advantage back on its own rank"
+
+
+def test_collectives_on_two_processes(tmp_path):
+    zero, one = spawn(collectives_worker, tmp_path)
+    for result in (zero, one):
+        assert torch.equal(result["rows"], torch.tensor([[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]))  # process order
+        assert result["objects"] == ["r0", "r1", "r1"]
+        assert (result["sum"], result["max"], result["losses"]) == (3.0, 10.0, 3)
+        # mean over the 3 losses of both processes: (1·1 + 2·2) / 3 per element; b only had rank 1's 6 / 3
+        torch.testing.assert_close(result["grad_a"], torch.full((3,), 5.0 / 3.0))
+        torch.testing.assert_close(result["grad_b"], torch.full((2,), 2.0))
+        assert result["grad_c_is_none"], "a parameter no process trained keeps grad None, as on one process"
+        assert result["diverged"] is not None and "ranks [1] disagree" in result["diverged"]
+    assert torch.equal(zero["grad_a"], one["grad_a"]), "every process holds the same gradient, bit for bit"

@@ -1,0 +1,168 @@
+"""Training on 2 CPU processes (gloo): one model, the same trajectories and advantages as one process, exact resume.
+
+The 2-process run is started once per module (``two_process_run``, through ``torch.multiprocessing.spawn`` so that
+each rank can hand back its own adapter); the resume is run through ``tpflow train --num-processes 2``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from tests.distributed_workers import spawn, train_worker
+from tpflow.optim.advantages import group_advantages
+from tpflow.recipe import load_recipe
+from tpflow.train.checkpoint import find_checkpoint
+from tpflow.train.run_logger import read_jsonl
+from tpflow.train.trainer import Trainer
+
+TIMING = ("_s", "time")  # metric names that measure wall time: never compared
+
+
+def recipe(tmp_path: Path, weights: Path) -> Path:
+    """2 prompts x 4 copies in rollout batches of 2: 4 batches per epoch, 2 per process."""
+    path = tmp_path / "dist.toml"
+    path.write_text(
+        f"""
+[backbone]
+name = "shapes-dit"
+weights = "{weights}"
+lora_init = "gaussian"
+[reward]
+name = "image-stat"
+[dataset]
+name = "shapes"
+test_size = 5
+[credit]
+name = "consistent"
+balanced = true
+[optimizer]
+name = "grpo"
+learning_rate = 1e-2
+beta = 1e-3
+micro_batch_size = 2
+gradient_accumulation_steps = 1
+[rollout]
+num_steps = 4
+window_size = 3
+window_range = [0, 4]
+guidance = 2.0
+[train]
+epochs = 2
+prompts_per_epoch = 2
+group_size = 4
+rollout_batch = 2
+save_every = 1
+ema = true
+ema_every = 1
+run_dir = "{tmp_path / "run"}"
+[eval]
+every = 1
+num_steps = 3
+guidance = 2.0
+batch_size = 6
+"""
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory, tiny_weights) -> tuple[Path, list[dict]]:
+    """The recipe trained for 2 epochs by 2 processes: (its directory, what each rank returned)."""
+    root = tmp_path_factory.mktemp("two-process")
+    ranks = spawn(train_worker, root, str(recipe(root, tiny_weights)), [])
+    return root, ranks
+
+
+def _epoch_traces(run: Path, epoch: int) -> list[dict]:
+    rows = [r for r in read_jsonl(run / "traces.jsonl") if r["epoch"] == epoch]
+    return sorted(rows, key=lambda r: (r["batch"], r["row"]))
+
+
+def _comparable_metrics(run: Path) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.endswith(TIMING)} for row in read_jsonl(run / "metrics.jsonl")]
+
+
+def _final_adapter(run: Path) -> dict[str, torch.Tensor]:
+    path, _ = find_checkpoint(run)
+    return safetensors.torch.load_file(next((path / "adapter").glob("*.safetensors")))
+
+
+def test_two_processes_train_one_model(two_process_run):
+    root, (zero, one) = two_process_run
+    assert zero["world_size"] == one["world_size"] == 2
+    for a, b in zip(zero["end"], one["end"], strict=True):
+        assert torch.equal(a, b), "both ranks must end with bitwise identical adapter weights"
+    moved = [not torch.equal(a, b) for a, b in zip(zero["start"], zero["end"], strict=True)]
+    assert sum(moved) >= len(moved) - 1, "the adapter is trained"
+    # The main process alone logs, and it logs every process's trajectories once.
+    metrics = read_jsonl(root / "run" / "metrics.jsonl")
+    assert [m["epoch"] for m in metrics] == [0, 1, 2]  # two epochs and the final evaluation
+    for epoch in (0, 1):
+        traces = _epoch_traces(root / "run", epoch)
+        assert sorted((r["batch"], r["row"]) for r in traces) == [(b, k) for b in range(4) for k in range(2)]
+    assert metrics[0]["trajectories_trained"] <= 8 and metrics[0]["optimizer_steps"] >= 1
+
+
+def test_gathered_advantages_equal_a_single_process_computation(two_process_run, tiny_weights, tmp_path):
+    root, _ = two_process_run
+    single = Trainer(load_recipe(recipe(tmp_path, tiny_weights), ["train.epochs=1"]))
+    single.fit()
+    two, one = _epoch_traces(root / "run", 0), _epoch_traces(single.run_dir, 0)
+    assert len(two) == len(one) == 8
+    for a, b in zip(two, one, strict=True):
+        # the same trajectories (same batches, seeds and weights), whatever the process that sampled them
+        assert (a["group"], a["batch"], a["row"]) == (b["group"], b["batch"], b["row"])
+        assert a["trace"] == b["trace"]
+    step_rewards = torch.tensor([r["step_rewards"] for r in one], dtype=torch.float64)
+    expected = group_advantages(step_rewards, [r["group"] for r in one])
+    gathered = torch.tensor([r["advantages"] for r in two], dtype=torch.float64)
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(gathered, expected, rtol=0, atol=1e-12)
+    assert len({r["group"] for r in two[:4]} | {r["group"] for r in two[4:]}) == 2
+
+
+def test_two_process_run_resumes_identically(two_process_run, tmp_path):
+    root, _ = two_process_run
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)
+    last, _ = find_checkpoint(run)
+    shutil.rmtree(last)  # as if killed after epoch 0's checkpoint
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    command = [sys.executable, "-m", "tpflow.cli", "train", str(root / "dist.toml"), "--run-dir", str(run)]
+    out = subprocess.run([*command, "--num-processes", "2", "--resume"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from" in out.stdout and "2 processes" in out.stdout
+    straight = _final_adapter(root / "run")
+    resumed = _final_adapter(run)
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight), "resumed run must continue identically"
+    assert _comparable_metrics(run) == _comparable_metrics(root / "run")
+
+
+def test_a_two_process_checkpoint_resumes_on_one_process(two_process_run, tiny_weights, tmp_path):
+    root, _ = two_process_run
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)
+    shutil.rmtree(find_checkpoint(run)[0])
+    trainer = Trainer(load_recipe(recipe(tmp_path, tiny_weights)), resume=True)
+    assert trainer.epoch == 1
+    trainer.fit()
+    for a, b in zip(_epoch_traces(run, 1), _epoch_traces(root / "run", 1), strict=True):
+        assert a["trace"] == b["trace"], "epoch 1 samples the same trajectories from the same weights on 1 process"
+
+
+def test_a_process_count_that_cannot_share_the_epoch_is_refused(two_process_run):
+    root, _ = two_process_run
+    command = [sys.executable, "-m", "tpflow.cli", "train", str(root / "dist.toml"), "--num-processes", "3"]
+    out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 2
+    assert "3 processes cannot share the epoch" in out.stderr and "[1, 2, 4]" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,136 @@
+"""benchmarks/memory_estimate.py: the live-bytes tracker, fake versus real tensors, and the formulas it relies on."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "memory_estimate.py"
+
+
+@pytest.fixture(scope="module")
+def me():
+    spec = importlib.util.spec_from_file_location("memory_estimate", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["memory_estimate"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_sd3(me):
+    """The fake-tensor and the real-tensor measurement of the same tiny SD3 setup (both run the same code)."""
+    setup = me.tiny_setup("sd3")
+    return setup, me.measure(setup, fake=True), me.measure(setup, fake=False)
+
+
+def test_tracker_counts_weights_and_their_release(me):
+    from diffusers import SD3Transformer2DModel
+
+    with FakeTensorMode(allow_non_fake_inputs=True), me.LiveBytes() as tracker, me.fake_module_to():
+        model = SD3Transformer2DModel(**me.TINY_SD3).to(torch.float16)
+        expected = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        assert tracker.live == expected  # fp32 originals were freed by the cast, the fp16 copies remain
+        del model
+        gc.collect()
+        assert tracker.live == 0
+
+
+def test_fake_estimate_equals_real_cpu_measurement(tiny_sd3):
+    _, fake, real = tiny_sd3
+    keys = ("rollout_act", "decode_act", "train_act_ckpt_False", "train_act_ckpt_True")
+    assert all(real[k] > 0 for k in keys)
+    assert {k: fake[k] for k in keys} == {k: real[k] for k in keys}  # byte for byte
+    # everything alive after building (a few scalar scheduler tensors differ by some bytes)
+    assert fake["weights_tracked"] == pytest.approx(real["weights_tracked"], rel=1e-4)
+    assert any("flash_attention" in op for op in fake["attention_ops"])  # no L x L math attention
+
+
+def test_gradient_checkpointing_lowers_the_training_peak(tiny_sd3):
+    _, fake, _ = tiny_sd3
+    assert fake["train_act_ckpt_True"] < fake["train_act_ckpt_False"]
+
+
+def test_activations_grow_with_rows(me):
+    setup = me.tiny_setup("flux")
+    peaks = []
+    with FakeTensorMode(allow_non_fake_inputs=True), me.LiveBytes() as tracker:
+        backbone = me.build_backbone(setup.kind, setup.transformer_cfg, setup.vae_cfg, setup.backbone)
+        for rows in (2, 4, 8):
+            cond, z = me.conditioning(backbone, setup.kind, rows, setup.text_len), me.latents(backbone, rows)
+            with torch.no_grad():
+                before = tracker.reset_peak()
+                backbone.velocity(z, torch.full((rows,), 0.5), cond, 3.5)
+            peaks.append(tracker.peak - before)
+    assert 0 < peaks[0] < peaks[1] < peaks[2]
+
+
+class _CountingBackbone:
+    """Just enough of a Backbone for tpflow.rollout.rollout: zero velocity, and the rows of every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def velocity(self, z, sigma, cond, guidance):
+        self.calls.append(z.shape[0])
+        return torch.zeros_like(z)
+
+    def initial_noise(self, n, generator=None):
+        return torch.randn(n, 2, generator=generator)
+
+
+@pytest.mark.parametrize(
+    ("steps", "width", "start", "baseline"),
+    [(10, 9, 0, "shared"), (6, 5, 0, "shared"), (8, 3, 2, "shared"), (8, 3, 2, "independent"), (5, 5, 0, "shared")],
+)
+def test_rollout_rows_match_the_rollout_engine(me, steps, width, start, baseline):
+    from tpflow.registry import build
+    from tpflow.rollout import Window, rollout
+    from tpflow.types import Conditioning
+
+    n = 3
+    backbone = _CountingBackbone()
+    sigmas = torch.linspace(1, 0, steps + 1)
+    cond = Conditioning({"x": torch.zeros(n, 1)})
+    generator = torch.Generator().manual_seed(0)
+    rollout(backbone, build("sampler", "cps"), cond, torch.randn(n, 2), sigmas, Window(start, width), 0.7, 1.0,
+            "ode", baseline, generator=generator)  # fmt: skip
+    assert backbone.calls == me.rollout_rows(steps, width, start, n, baseline_noise=baseline)
+
+
+def test_epoch_buffer_formula_matches_a_real_rollout(me, tiny_sd3):
+    from tpflow.registry import build
+    from tpflow.rollout import Window, rollout
+
+    setup, fake, _ = tiny_sd3
+    r, n = setup.rollout, 2
+    backbone = me.build_backbone(setup.kind, setup.transformer_cfg, setup.vae_cfg, setup.backbone)
+    cond = me.conditioning(backbone, setup.kind, n, setup.text_len)
+    out = rollout(backbone, build("sampler", "cps"), cond, me.latents(backbone, n), backbone.sigmas(r.num_steps),
+                  Window(0, r.window_size), r.noise_level, r.guidance, "ode")  # fmt: skip
+    kept = [
+        out.latents,
+        out.next_latents,
+        out.log_probs,
+        out.sigmas,
+        out.final,
+        out.completions,
+        *cond.tensors.values(),
+    ]
+    images = backbone.decode(torch.cat([out.completions.flatten(0, 1), out.final]))
+    buffers = me.epoch_buffers(setup, fake, n)
+    assert buffers["rollout"] == sum(t.numel() * t.element_size() for t in kept)
+    assert buffers["images"] == images.numel() * images.element_size()
+
+
+def test_report_has_the_table_the_totals_and_the_caveat(me, tiny_sd3):
+    setup, fake, _ = tiny_sd3
+    text = me.report(setup, fake, unit=2**10)
+    assert "| component | KiB | note |" in text and "**peak, one process**" in text
+    assert "estimated, not measured on a gpu" in me.CAVEATS.lower()
