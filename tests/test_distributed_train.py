@@ -17,6 +17,7 @@ import safetensors.torch
 import torch
 
 from tests.distributed_workers import spawn, train_worker
+from tests.test_train import tiny_recipe
 from tpflow.optim.advantages import group_advantages
 from tpflow.recipe import load_recipe
 from tpflow.train.checkpoint import find_checkpoint
@@ -26,58 +27,20 @@ from tpflow.train.trainer import Trainer
 TIMING = ("_s", "time")  # metric names that measure wall time: never compared
 
 
+SMALL_BATCHES = ["train.rollout_batch=2", "optimizer.micro_batch_size=2"]  # 4 batches per epoch, 2 per process
+
+
 def recipe(tmp_path: Path, weights: Path) -> Path:
-    """2 prompts x 4 copies in rollout batches of 2: 4 batches per epoch, 2 per process."""
-    path = tmp_path / "dist.toml"
-    path.write_text(
-        f"""
-[backbone]
-name = "shapes-dit"
-weights = "{weights}"
-lora_init = "gaussian"
-[reward]
-name = "image-stat"
-[dataset]
-name = "shapes"
-test_size = 5
-[credit]
-name = "consistent"
-balanced = true
-[optimizer]
-name = "grpo"
-learning_rate = 1e-2
-beta = 1e-3
-micro_batch_size = 2
-gradient_accumulation_steps = 1
-[rollout]
-num_steps = 4
-window_size = 3
-window_range = [0, 4]
-guidance = 2.0
-[train]
-epochs = 2
-prompts_per_epoch = 2
-group_size = 4
-rollout_batch = 2
-save_every = 1
-ema = true
-ema_every = 1
-run_dir = "{tmp_path / "run"}"
-[eval]
-every = 1
-num_steps = 3
-guidance = 2.0
-batch_size = 6
-"""
-    )
-    return path
+    """The trainer tests' tiny recipe (2 prompts x 4 copies) with a built-in reward, so that spawned processes
+    need no test plugin; with ``SMALL_BATCHES``."""
+    return tiny_recipe(tmp_path, weights, reward="image-stat")
 
 
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory, tiny_weights) -> tuple[Path, list[dict]]:
     """The recipe trained for 2 epochs by 2 processes: (its directory, what each rank returned)."""
     root = tmp_path_factory.mktemp("two-process")
-    ranks = spawn(train_worker, root, str(recipe(root, tiny_weights)), [])
+    ranks = spawn(train_worker, root, str(recipe(root, tiny_weights)), SMALL_BATCHES)
     return root, ranks
 
 
@@ -113,7 +76,7 @@ def test_two_processes_train_one_model(two_process_run):
 
 def test_gathered_advantages_equal_a_single_process_computation(two_process_run, tiny_weights, tmp_path):
     root, _ = two_process_run
-    single = Trainer(load_recipe(recipe(tmp_path, tiny_weights), ["train.epochs=1"]))
+    single = Trainer(load_recipe(recipe(tmp_path, tiny_weights), [*SMALL_BATCHES, "train.epochs=1"]))
     single.fit()
     two, one = _epoch_traces(root / "run", 0), _epoch_traces(single.run_dir, 0)
     assert len(two) == len(one) == 8
@@ -136,7 +99,8 @@ def test_two_process_run_resumes_identically(two_process_run, tmp_path):
     last, _ = find_checkpoint(run)
     shutil.rmtree(last)  # as if killed after epoch 0's checkpoint
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
-    command = [sys.executable, "-m", "tpflow.cli", "train", str(root / "dist.toml"), "--run-dir", str(run)]
+    command = [sys.executable, "-m", "tpflow.cli", "train", str(root / "tiny.toml"), "--run-dir", str(run)]
+    command += [a for o in SMALL_BATCHES for a in ("--set", o)]
     out = subprocess.run([*command, "--num-processes", "2", "--resume"], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from" in out.stdout and "2 processes" in out.stdout
@@ -152,7 +116,7 @@ def test_a_two_process_checkpoint_resumes_on_one_process(two_process_run, tiny_w
     run = tmp_path / "run"
     shutil.copytree(root / "run", run)
     shutil.rmtree(find_checkpoint(run)[0])
-    trainer = Trainer(load_recipe(recipe(tmp_path, tiny_weights)), resume=True)
+    trainer = Trainer(load_recipe(recipe(tmp_path, tiny_weights), SMALL_BATCHES), resume=True)
     assert trainer.epoch == 1
     trainer.fit()
     for a, b in zip(_epoch_traces(run, 1), _epoch_traces(root / "run", 1), strict=True):
@@ -161,7 +125,8 @@ def test_a_two_process_checkpoint_resumes_on_one_process(two_process_run, tiny_w
 
 def test_a_process_count_that_cannot_share_the_epoch_is_refused(two_process_run):
     root, _ = two_process_run
-    command = [sys.executable, "-m", "tpflow.cli", "train", str(root / "dist.toml"), "--num-processes", "3"]
+    command = [sys.executable, "-m", "tpflow.cli", "train", str(root / "tiny.toml"), "--num-processes", "3"]
+    command += [a for o in SMALL_BATCHES for a in ("--set", o)]
     out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 2
     assert "3 processes cannot share the epoch" in out.stderr and "[1, 2, 4]" in out.stderr
