@@ -122,15 +122,13 @@ Caveats.
   evaluation sampling (`eval.batch_size` rows, ODE, no completions: smaller than the rollout call), and the
   prompt-encoding forward of the text encoders (short, before the rollout).
 
-What the tables show about the code as it is (tpflow/train/trainer.py, tpflow/train/scoring.py):
-- With `[rollout] max_batch` unset the scoring worker decodes a whole rollout batch, n·(W+1) latents, in one fp32
-  VAE call (its chunk is `max_batch or 256`); at 512 px that is the largest activation of every recipe. Activations
-  scale about linearly with rows, so `max_batch = 16` cuts that figure by n·(W+1)/16 (it also splits the rollout
-  call).
-- `ScoredBatch.final_images` is a view of the whole decoded chunk, so every decoded image of the epoch (completions
-  included) stays on the GPU until the epoch's update ends; a `.clone()` of the final rows (or `.cpu()`) would
-  keep 1/(W+1) of it.
-- The update holds the per-batch rollouts and their `Rollout.cat` copy at once: the epoch's rollout tensors twice.
+What the code does about it (tpflow/train/trainer.py, tpflow/train/scoring.py), after the first version of this
+estimate showed three problems:
+- The scoring worker decodes and scores `train.score_batch` latents per call (default 16; it used to decode a
+  whole rollout batch, n·(W+1) latents, in one fp32 VAE call, the largest activation of every recipe at 512 px).
+- The decoded images are dropped once scored (they used to stay referenced until the update ended).
+- The rollouts keep no completion latents once scored, and the per-batch list is released right after
+  `Rollout.cat`: the update holds one copy of the epoch's rollout tensors (two only during the concatenation).
 - Epoch buffers scale with the trajectories a process holds, so they shrink with more processes; weights and the
   activations do not.
 """
@@ -470,9 +468,9 @@ def measure(setup: Setup, fake: bool = True) -> dict[str, Any]:
         out["train_rows"] = b * (2 if setup.kind == "sd3" and r.guidance != 1 else 1)
         part = None
 
-        # (c) one decode chunk of the scoring worker (n·W completions + n finals per rollout batch), fp32 VAE, in the
-        # worker's thread, where the trainer's autocast (thread-local) is off
-        chunk = min(r.max_batch or 256, n * (r.window_size + 1))
+        # (c) one decode chunk of the scoring worker (train.score_batch of the n·W completions + n finals of a rollout
+        # batch), fp32 VAE, in the worker's thread, where the trainer's autocast (thread-local) is off
+        chunk = min(setup.train.score_batch, n * (r.window_size + 1))
         zc = latents(backbone, chunk)
         with torch.no_grad():
             out["decode_act"] = peak_of(lambda: backbone.decode(zc), autocast=None)
@@ -487,34 +485,30 @@ def measure(setup: Setup, fake: bool = True) -> dict[str, Any]:
 def epoch_buffers(setup: Setup, m: dict[str, Any], trajectories: int) -> dict[str, int]:
     """Bytes the trainer keeps on the GPU across an epoch (tpflow/train/trainer.py ``train_epoch``, types.Rollout).
 
-    Per trajectory (``rollout``): latents and next_latents [W, *latent] fp32, ODE completions [W, *latent] fp32,
-    final [*latent] fp32, prompt embeddings [L, D] + pooled [P] in the model dtype. The update concatenates the
-    batches (``Rollout.cat``, ``rollout_copy``) while the list of batches is still referenced. The scoring worker's
-    ``ScoredBatch.final_images`` is a view of the whole decoded chunk, so the n·(W+1) decoded images of every batch
-    (fp32 [3, H, W]) stay referenced by ``scored`` until the epoch ends (``images``).
+    Per trajectory (``rollout``): latents and next_latents [W, *latent] fp32, final [*latent] fp32 (the completions
+    are dropped once scored), prompt embeddings [L, D] + pooled [P] in the model dtype, sigmas and log-probs. The
+    update concatenates the batches (``Rollout.cat``) and then releases them: two copies only at that moment
+    (``rollout_copy``). Decoded images are not kept.
     """
     wbytes = {"fp16": 2, "bf16": 2, "fp32": 4}[setup.backbone.dtype]
-    w, res, cfg = setup.rollout.window_size, setup.backbone.resolution, setup.transformer_cfg
+    w, cfg = setup.rollout.window_size, setup.transformer_cfg
     latent = m["latent_numel"] * 4  # fp32; SD3.5 / FLUX: 16 channels at 1/8 of the resolution (FLUX packed)
     embeds = (setup.text_len * cfg["joint_attention_dim"] + cfg["pooled_projection_dim"]) * wbytes
-    per_traj = (3 * w + 1) * latent + embeds + (w + 1) * 4 + w * 4  # + sigmas [W+1], log_probs [W] fp32
-    return {
-        "rollout": trajectories * per_traj,
-        "rollout_copy": trajectories * per_traj,
-        "images": trajectories * (w + 1) * 3 * res * res * 4,
-    }
+    per_traj = (2 * w + 1) * latent + embeds + (w + 1) * 4 + w * 4  # + sigmas [W+1], log_probs [W] fp32
+    return {"rollout": trajectories * per_traj, "rollout_copy": trajectories * per_traj}
 
 
 def peaks(setup: Setup, m: dict[str, Any], static: int, trajectories: int) -> tuple[int, int]:
     """(sampling phase, update phase) peaks: static + what the epoch keeps + the phase's largest activation.
 
-    Sampling: one copy of the rollout tensors and the kept images, a rollout call and a decode running at once (the
-    scoring thread decodes batch b while batch b+1 is sampled). Update: both rollout copies, the images and the
+    Sampling: the rollout tensors, a rollout call and a decode running at once (the scoring thread decodes batch b
+    while batch b+1 is sampled). Update: the larger of the concatenation (two rollout copies) and one copy plus the
     training step with the recipe's ``gradient_checkpointing``.
     """
     buf = epoch_buffers(setup, m, trajectories)
-    sampling = static + buf["rollout"] + buf["images"] + m["rollout_act"] + m["decode_act"]
-    update = static + sum(buf.values()) + m[f"train_act_ckpt_{setup.backbone.gradient_checkpointing}"]
+    sampling = static + buf["rollout"] + m["rollout_act"] + m["decode_act"]
+    train = m[f"train_act_ckpt_{setup.backbone.gradient_checkpointing}"]
+    update = static + buf["rollout"] + max(buf["rollout_copy"], train)
     return sampling, update
 
 
@@ -568,8 +562,7 @@ def report(setup: Setup, m: dict[str, Any], world_sizes: tuple[int, ...] = (1, 8
     buf = epoch_buffers(setup, m, total)
     kept = [
         ("rollout tensors of the epoch", buf["rollout"], f"{total} trajectories"),
-        ("`Rollout.cat` copy during the update", buf["rollout_copy"], "update phase only"),
-        ("decoded images kept by `ScoredBatch.final_images`", buf["images"], f"{total}·(W+1) images, fp32"),
+        ("`Rollout.cat` copy during the update", buf["rollout_copy"], "while concatenating only"),
     ]
     model = "SD3.5-Medium" if setup.kind == "sd3" else "FLUX.1-dev"
     lines = [f"## {setup.name} ({model}, {b.dtype}, {b.resolution} px, mixed_precision = {t.mixed_precision})", ""]

@@ -49,6 +49,7 @@ def torchrun_args(
 
 def launch(args: list[str]) -> int:
     """Run torchrun with ``args`` (from :func:`torchrun_args`); returns the exit status to leave with."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
@@ -57,6 +58,9 @@ def launch(args: list[str]) -> int:
     config, command, command_args = config_from_args(parse_args(args))
     try:
         elastic_launch(config, command)(*command_args)
+    except (KeyboardInterrupt, SignalException):  # Ctrl-C or a kill: the processes saved and stopped
+        print("tpflow: interrupted; resume with the same command and --resume.", file=sys.stderr)
+        return 130
     except ChildFailedError as exc:
         codes = [failure.exitcode for failure in exc.failures.values()]
         code = next((c for c in codes if c > 0), 1)  # negative: killed by a signal

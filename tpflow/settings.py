@@ -78,6 +78,13 @@ class TrainSettings(BaseModel):
         ge=1,
         description="Trajectories per rollout batch; turning-point balancing works within one (paper: 9 for SD3).",
     )
+    score_batch: int = Field(
+        16,
+        ge=1,
+        description="Images decoded and scored per VAE / reward call: a rollout batch's n·(W+1) final and completion "
+        "latents are split into chunks of this. The VAE decode at 512 px takes about 0.75 GiB per image in fp32 "
+        "(docs/results/memory_estimate.md); lower it on OOM, raise it for speed.",
+    )
     run_dir: str = Field("runs/{recipe}", description="Output directory; {recipe} is the recipe file's stem.")
     save_every: int = Field(20, ge=0, description="Write a checkpoint every this many epochs (0: only at the end).")
     ema: bool = Field(True, description="Keep an EMA of the adapter for evaluation and export (paper: on).")

@@ -128,7 +128,7 @@ def sample_trajectories(
     assert out.completions is not None
     latents = torch.cat([out.completions, out.final[:, None]], dim=1)  # [n, W+1, ...]
     meta = dict(metadata or {})
-    chunk = r.max_batch or 256
+    chunk = recipe.train.score_batch  # images per VAE decode / reward call, as in training
     image_parts, score_parts = [], []
     with torch.no_grad():
         for part in latents.flatten(0, 1).split(chunk):  # trajectory-major rows b·(W+1) + j

@@ -29,7 +29,6 @@ class ScoredBatch:
     """What one scoring job returns."""
 
     trace: Tensor  # [n, W+1] float32; columns 0..W-1 are NaN when no completions were scored
-    final_images: Tensor  # [n, 3, H, W] in [0, 1]
     details: dict[str, Tensor] = field(default_factory=dict)  # name -> [n] of the final images
     decode_s: float = 0.0
     reward_s: float = 0.0
@@ -85,7 +84,7 @@ class ScoringWorker:
             trace[:, :width] = scores[: n * width].view(n, width)
         trace[:, window] = scores[n * width :]
         final_details = {k: v[n * width :] for k, v in details.items()}
-        return ScoredBatch(trace, images[n * width :], final_details, decode_s, reward_s)
+        return ScoredBatch(trace, final_details, decode_s, reward_s)  # the images are dropped: [n·(W+1), 3, H, W]
 
     def _reward(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> tuple[Tensor, dict[str, Tensor]]:
         problem = ""

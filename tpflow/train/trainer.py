@@ -20,6 +20,7 @@ uninterrupted one, and the trajectories an epoch samples do not depend on the nu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 import time
@@ -43,6 +44,7 @@ from tpflow.distributed import Distributed
 from tpflow.errors import UserError
 from tpflow.optim.advantages import group_advantages
 from tpflow.recipe import Recipe
+from tpflow.rewards._images import to_uint8
 from tpflow.rollout import draw_window, rollout_from_settings, sample_ode
 from tpflow.train.allocator import keep_freed_memory
 from tpflow.train.checkpoint import (
@@ -59,6 +61,7 @@ from tpflow.train.samples import save_grid
 from tpflow.train.scoring import ScoringWorker
 from tpflow.types import PromptItem, Rollout
 
+GRID_IMAGES = 64  # evaluation images in each sample grid
 MAX_NONFINITE_EPOCHS = 3  # consecutive epochs with non-finite losses before the run stops
 
 
@@ -168,7 +171,7 @@ class Trainer:
         local = plan.local(self.dist.rank, self.dist.world_size)
         z0_seeds = {i: noise_seed(t, epoch, i) for b in local for i in b.items} if r.same_noise else None
         completions = r.completions if self.credit.needs_completions else None
-        worker = ScoringWorker(self.backbone.decode, self.reward, chunk=r.max_batch or 256)
+        worker = ScoringWorker(self.backbone.decode, self.reward, chunk=t.score_batch)
         outs, jobs = [], []
         self._phase(f"epoch {epoch}: sampling", len(local))
         try:
@@ -183,7 +186,7 @@ class Trainer:
                     )
                 prompts, metadata = [i.prompt for i in items], [i.metadata for i in items]
                 jobs.append(worker.submit(out.final, out.completions, prompts, metadata, r.window_size))
-                outs.append(out)
+                outs.append(dataclasses.replace(out, completions=None))  # scored already; the update needs none
                 self._advance()
             self._phase(f"epoch {epoch}: scoring", len(jobs))
             scored = []
@@ -216,7 +219,9 @@ class Trainer:
         global_std = getattr(self.optimizer.options, "global_std", False)
         advantages = group_advantages(step_rewards, groups, global_std=global_std)  # [N, W], the same everywhere
         mine = advantages[self.dist.rank * n : (self.dist.rank + 1) * n]
+        details = {name: torch.cat([s.details[name] for s in scored]).double() for name in scored[0].details}
         batch = Rollout.cat(outs)
+        outs.clear()  # the update holds the concatenated copy only
         update_start = time.perf_counter()
         self._phase(f"epoch {epoch}: updating", None)
         steps_before = self.optimizer.global_step
@@ -262,9 +267,8 @@ class Trainer:
         }
         if completions is not None:
             metrics["baseline_reward_mean"] = float(trace[:, 0].mean())
-        for name in scored[0].details:
-            values = self.dist.gather(torch.cat([s.details[name] for s in scored]).double())
-            metrics[f"reward_{name}"] = float(values.mean())
+        for name, values in details.items():
+            metrics[f"reward_{name}"] = float(self.dist.gather(values).mean())
         metrics["epoch_s"] = time.perf_counter() - start
         return metrics
 
@@ -281,6 +285,7 @@ class Trainer:
         self._phase(f"eval at epoch {epoch}: sampling {len(everything)} images", None)
         generator = torch.Generator().manual_seed(self.settings.seed + 12_345)  # the same noise at every eval
         rows: list[tuple[int, float, dict[str, float]]] = []
+        shown: list[tuple[int, torch.Tensor]] = []  # (prompt index, [1, 3, H, W] uint8) for the sample grid
         if items:
             z0 = self.backbone.initial_noise(len(everything), generator)[mine]
             cond = self.backbone.encode([it.prompt for it in items])
@@ -296,9 +301,12 @@ class Trainer:
                 (k, score, {name: values[j] for name, values in details.items()})
                 for j, (k, score) in enumerate(zip(mine, out.scores.float().tolist(), strict=True))
             ]
-            if self.dist.is_main:  # the main process's share (every image when it runs alone)
-                save_grid(images[:64], self.run_dir / "samples" / f"eval_{epoch:04d}.png")
+            shown = [(k, to_uint8(images[j : j + 1].cpu())) for j, k in enumerate(mine) if k < GRID_IMAGES]
         rows = sorted(self.dist.gather_objects(rows))
+        shown = sorted(self.dist.gather_objects(shown), key=lambda pair: pair[0])  # the first prompts, any P
+        if self.dist.is_main:
+            grid = torch.cat([pixels for _, pixels in shown]).float() / 255
+            save_grid(grid, self.run_dir / "samples" / f"eval_{epoch:04d}.png")
         metrics = {"eval_reward": sum(score for _, score, _ in rows) / len(rows)}
         for name in rows[0][2]:
             metrics[f"eval_{name}"] = sum(d[name] for _, _, d in rows) / len(rows)
