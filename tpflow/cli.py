@@ -261,6 +261,11 @@ def train(
         child += ["--epochs", str(epochs)] if epochs is not None else []
         args = torchrun_args(child, num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
         raise typer.Exit(launch(args))
+    if world > 1 and int(os.environ.get("WORLD_SIZE", "1")) != world:
+        _console(stderr=True).print(
+            f"[yellow]warning:[/] already started by a launcher with WORLD_SIZE={os.environ.get('WORLD_SIZE')}: "
+            f"--num-processes/--num-machines ({world} processes) are ignored."
+        )
     from tpflow.train.trainer import Trainer
 
     resume_from: bool | Path = False if resume is None else (True if resume == _LATEST else Path(resume))
