@@ -116,6 +116,39 @@ def test_resume_continues_exactly(tmp_path, tiny_weights, plugin):
     assert comparable(straight.run_dir) == comparable(second.run_dir)
 
 
+@pytest.mark.parametrize("during", ["sampling", "update"])
+def test_ctrl_c_saves_only_a_state_that_resumes_exactly(tmp_path, tiny_weights, plugin, during):
+    trainer = Trainer(load_recipe(tiny_recipe(tmp_path, tiny_weights), ["eval.every=0", "train.epochs=3"]))
+    real_encode, real_update = trainer.backbone.encode, trainer.optimizer.update
+
+    def encode(prompts):
+        if trainer.epoch == 1 and during == "sampling":
+            raise KeyboardInterrupt
+        return real_encode(prompts)
+
+    def update(*args):
+        metrics = real_update(*args)  # the weights have moved, the epoch is not counted yet
+        if trainer.epoch == 1 and during == "update":
+            raise KeyboardInterrupt
+        return metrics
+
+    trainer.backbone.encode, trainer.optimizer.update = encode, update
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    steps_after_epoch_0 = read_state(next((trainer.run_dir / "checkpoints").iterdir()))["global_step"]
+    # Sampling: the Ctrl-C checkpoint is the state after epoch 0 again (same step, rewritten). Update: the weights
+    # have moved past it, and no checkpoint of that half-counted state is written.
+    assert trainer.optimizer.global_step > steps_after_epoch_0 if during == "update" else True
+    states = [read_state(path) for path in (trainer.run_dir / "checkpoints").iterdir()]
+    assert states == [{"epoch": 1, "global_step": steps_after_epoch_0}]
+
+
+def read_state(checkpoint: Path) -> dict:
+    import json
+
+    return json.loads((checkpoint / "state.json").read_text())
+
+
 def test_failing_reward_stops_with_a_clear_message(tmp_path, tiny_weights, plugin):
     trainer = Trainer(load_recipe(tiny_recipe(tmp_path, tiny_weights), ["eval.every=0"]))
     calls = []

@@ -108,6 +108,7 @@ class Trainer:
         self._progress: Progress | None = None
         self._task: TaskID | None = None
         self.nonfinite_epochs = 0
+        self._weights_ahead = False  # True from an epoch's update until self.epoch counts it
         self._resume(resume)
         self.dist.check_in_sync(self._named_trainable())
         self.logger = RunLogger(self.run_dir) if self.dist.is_main else NullLogger()
@@ -143,9 +144,9 @@ class Trainer:
                 if e.every and epoch % e.every == 0:
                     last_eval = self.evaluate(epoch)
                 metrics = {**self.train_epoch(epoch), **last_eval}
+                self.epoch, self._weights_ahead = epoch + 1, False
                 self.logger.log(metrics, step=self.optimizer.global_step, epoch=epoch)
                 self.console.print(epoch_line(epoch, metrics))
-                self.epoch = epoch + 1
                 if t.save_every and self.epoch % t.save_every == 0 and self.epoch < t.epochs:
                     self.save()
             if e.every:
@@ -154,9 +155,15 @@ class Trainer:
                 metrics.update(last_eval)
             self.save()
         except KeyboardInterrupt:
-            self.console.print(f"[yellow]Interrupted: saving epoch {self.epoch} so that --resume continues here.[/]")
-            if self.dist.is_main:
-                self.save(collective=False)  # the other processes may be stopped anywhere: no collective here
+            if self._weights_ahead:  # updated (part-way, or wholly but not yet counted): not a state to resume from
+                self.console.print(
+                    f"[yellow]Interrupted during epoch {self.epoch}'s update: no checkpoint is written (it would "
+                    "mix two weight states); --resume continues from the newest one.[/]"
+                )
+            else:
+                self.console.print(f"[yellow]Interrupted: saving epoch {self.epoch}; --resume continues here.[/]")
+                if self.dist.is_main:
+                    self.save(collective=False)  # the other processes may be stopped anywhere: no collective here
             raise
         finally:
             progress.stop()
@@ -225,12 +232,13 @@ class Trainer:
         update_start = time.perf_counter()
         self._phase(f"epoch {epoch}: updating", None)
         steps_before = self.optimizer.global_step
+        self._weights_ahead = True  # until fit() counts the epoch as done
         with self.accelerator.autocast():
             update = self.optimizer.update(self.backbone, self.sampler, batch, mine)
-        update = _combine(self.dist.gather_objects([update]))
         if self.ema is not None:
             for step in range(steps_before, self.optimizer.global_step):
                 self.ema.step(step)
+        update = _combine(self.dist.gather_objects([update]))
         self._check_finite(update)
         delta = trace[:, -1] - trace[:, 0]
         good = turning & (delta > 0)[:, None]
