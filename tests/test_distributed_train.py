@@ -131,3 +131,15 @@ def test_a_process_count_that_cannot_share_the_epoch_is_refused(two_process_run)
     assert out.returncode == 2
     assert "3 processes cannot share the epoch" in out.stderr and "[1, 2, 4]" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_an_error_in_the_processes_exits_2_with_its_message(two_process_run, tmp_path):
+    root, _ = two_process_run
+    command = [sys.executable, "-m", "tpflow.cli", "train", str(root / "tiny.toml"), "--num-processes", "2"]
+    command += ["--run-dir", str(tmp_path / "run"), "--set", f"backbone.weights={tmp_path / 'missing.safetensors'}"]
+    command += [a for o in SMALL_BATCHES for a in ("--set", o)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    out = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert out.returncode == 2
+    assert "missing.safetensors" in out.stderr and "a training process exited with status 2" in out.stderr
+    assert "Traceback" not in out.stderr

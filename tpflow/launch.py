@@ -54,7 +54,9 @@ def launch(args: list[str]) -> int:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)  # the agent's INFO/WARNING chatter
+    # The agent's own log lines (INFO/WARNING chatter, and an ERROR per failed process that repeats what the process
+    # printed): tpflow prints one summary line instead.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     config, command, command_args = config_from_args(parse_args(args))
     try:
         elastic_launch(config, command)(*command_args)

@@ -226,7 +226,9 @@ class Trainer:
         global_std = getattr(self.optimizer.options, "global_std", False)
         advantages = group_advantages(step_rewards, groups, global_std=global_std)  # [N, W], the same everywhere
         mine = advantages[self.dist.rank * n : (self.dist.rank + 1) * n]
+        # (sum, count) of each reward detail over this process's final images, merged over the processes below
         details = {name: torch.cat([s.details[name] for s in scored]).double() for name in scored[0].details}
+        details = {name: (float(values.sum()), values.numel()) for name, values in details.items()}
         batch = Rollout.cat(outs)
         outs.clear()  # the update holds the concatenated copy only
         update_start = time.perf_counter()
@@ -275,8 +277,10 @@ class Trainer:
         }
         if completions is not None:
             metrics["baseline_reward_mean"] = float(trace[:, 0].mean())
-        for name, values in details.items():
-            metrics[f"reward_{name}"] = float(self.dist.gather(values).mean())
+        merged = self.dist.gather_objects([details])  # one collective, whatever details each process has
+        for name in sorted({name for part in merged for name in part}):
+            total, count = (sum(x) for x in zip(*(part[name] for part in merged if name in part), strict=True))
+            metrics[f"reward_{name}"] = total / count
         metrics["epoch_s"] = time.perf_counter() - start
         return metrics
 
