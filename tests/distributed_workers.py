@@ -19,7 +19,7 @@ import torch.multiprocessing
 def spawn(worker: Callable, out: Path, *args, world_size: int = 2) -> list[dict]:
     """Run ``worker(rank, out, *args)`` in ``world_size`` fresh processes joined in one gloo group; return the
     dicts they saved, in rank order."""
-    port = _free_port()
+    port = free_port()
     torch.multiprocessing.spawn(_enter, args=(world_size, port, worker, out, args), nprocs=world_size, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
 
@@ -44,7 +44,7 @@ def _enter(rank: int, world_size: int, port: int, worker: Callable, out: Path, a
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:

@@ -143,3 +143,27 @@ def test_an_error_in_the_processes_exits_2_with_its_message(two_process_run, tmp
     assert out.returncode == 2
     assert "missing.safetensors" in out.stderr and "a training process exited with status 2" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_two_machines_of_one_process_each_train_the_same_model(two_process_run, tmp_path):
+    """The multi-machine launch (static rendezvous at --main-process-ip), with both "machines" on localhost."""
+    from tests.distributed_workers import free_port
+
+    root, _ = two_process_run
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    command = [sys.executable, "-m", "tpflow.cli", "train", str(root / "tiny.toml"), "--epochs", "1"]
+    command += ["--run-dir", str(tmp_path / "run"), "--num-processes", "1", "--num-machines", "2"]
+    command += ["--main-process-ip", "127.0.0.1", "--main-process-port", str(port)]
+    command += [a for o in SMALL_BATCHES for a in ("--set", o)]
+    machines = [
+        subprocess.Popen([*command, "--machine-rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        for r in range(2)
+    ]
+    outs = [m.communicate(timeout=300) for m in machines]
+    assert [m.returncode for m in machines] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert b"2 processes" in outs[0][0] and outs[1][0] == b"", "machine 0's process alone reports"
+    after_epoch_0 = sorted((root / "run" / "checkpoints").iterdir())[0]  # the 2-process run's epoch-0 checkpoint
+    expected = safetensors.torch.load_file(next((after_epoch_0 / "adapter").glob("*.safetensors")))
+    got = _final_adapter(tmp_path / "run")
+    assert all(torch.equal(expected[k], got[k]) for k in expected), "the same model as the 2-process run"
