@@ -24,7 +24,6 @@ import dataclasses
 import math
 import random
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +43,7 @@ from tpflow.distributed import Distributed
 from tpflow.errors import UserError
 from tpflow.optim.advantages import group_advantages
 from tpflow.recipe import Recipe
-from tpflow.rewards._images import to_uint8
-from tpflow.rollout import draw_window, rollout_from_settings, sample_ode
+from tpflow.rollout import draw_window, rollout_from_settings
 from tpflow.train.allocator import keep_freed_memory
 from tpflow.train.checkpoint import (
     capture_rng_state,
@@ -55,13 +53,12 @@ from tpflow.train.checkpoint import (
     save_checkpoint,
 )
 from tpflow.train.ema import EMA
+from tpflow.train.evaluation import evaluate
 from tpflow.train.prompt_sampler import check_layout, noise_seed, plan_epoch
 from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, truncate_after
-from tpflow.train.samples import save_grid
 from tpflow.train.scoring import ScoringWorker
 from tpflow.types import PromptItem, Rollout
 
-GRID_IMAGES = 64  # evaluation images in each sample grid
 MAX_NONFINITE_EPOCHS = 3  # consecutive epochs with non-finite losses before the run stops
 
 
@@ -284,52 +281,22 @@ class Trainer:
         metrics["epoch_s"] = time.perf_counter() - start
         return metrics
 
-    @torch.no_grad()
     def evaluate(self, epoch: int) -> dict[str, float]:
-        """ODE samples of the held-out prompts (EMA weights when enabled): mean reward and per-tag accuracy.
-
-        The prompts are dealt to the processes (prompt k to process k mod P) and the scores gathered; prompt k starts
-        from the same noise whatever P, so the figures do not depend on the number of processes."""
-        e = self.recipe.eval
-        everything = self.test_items
-        mine = list(range(self.dist.rank, len(everything), self.dist.world_size))
-        items = [everything[k] for k in mine]
-        self._phase(f"eval at epoch {epoch}: sampling {len(everything)} images", None)
-        generator = torch.Generator().manual_seed(self.settings.seed + 12_345)  # the same noise at every eval
-        rows: list[tuple[int, float, dict[str, float]]] = []
-        shown: list[tuple[int, torch.Tensor]] = []  # (prompt index, [1, 3, H, W] uint8) for the sample grid
-        if items:
-            z0 = self.backbone.initial_noise(len(everything), generator)[mine]
-            cond = self.backbone.encode([it.prompt for it in items])
-            swap = self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
-            with swap, self.accelerator.autocast():
-                latents = sample_ode(
-                    self.backbone, cond, z0, self.backbone.sigmas(e.num_steps), e.guidance, e.batch_size
-                )
-            images = torch.cat([self.backbone.decode(part) for part in latents.split(e.batch_size)])
-            out = self.reward(images, [it.prompt for it in items], [it.metadata for it in items])
-            details = {name: values.float().tolist() for name, values in out.details.items()}
-            rows = [
-                (k, score, {name: values[j] for name, values in details.items()})
-                for j, (k, score) in enumerate(zip(mine, out.scores.float().tolist(), strict=True))
-            ]
-            shown = [(k, to_uint8(images[j : j + 1].cpu())) for j, k in enumerate(mine) if k < GRID_IMAGES]
-        rows = sorted(self.dist.gather_objects(rows))
-        shown = sorted(self.dist.gather_objects(shown), key=lambda pair: pair[0])  # the first prompts, any P
-        if self.dist.is_main:
-            grid = torch.cat([pixels for _, pixels in shown]).float() / 255
-            save_grid(grid, self.run_dir / "samples" / f"eval_{epoch:04d}.png")
-        metrics = {"eval_reward": sum(score for _, score, _ in rows) / len(rows)}
-        for name in rows[0][2]:
-            metrics[f"eval_{name}"] = sum(d[name] for _, _, d in rows) / len(rows)
-        tags = [everything[k].metadata.get("tag") for k, _, _ in rows]
-        if "strict" in rows[0][2] and all(tags):
-            per_tag: dict[str, list[float]] = defaultdict(list)
-            for tag, (_, _, d) in zip(tags, rows, strict=True):
-                per_tag[tag].append(d["strict"])
-            for tag, oks in sorted(per_tag.items()):
-                metrics[f"eval_acc_{tag}"] = sum(oks) / len(oks)
-        return metrics
+        """ODE samples of the held-out prompts (EMA weights when enabled): mean reward and per-tag accuracy
+        (``tpflow.train.evaluation``)."""
+        self._phase(f"eval at epoch {epoch}: sampling {len(self.test_items)} images", None)
+        swap = self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
+        with swap:
+            return evaluate(
+                self.backbone,
+                self.reward,
+                self.test_items,
+                self.recipe.eval,
+                seed=self.settings.seed + 12_345,  # the same noise at every eval
+                dist=self.dist,
+                autocast=self.accelerator.autocast,
+                grid=self.run_dir / "samples" / f"eval_{epoch:04d}.png",
+            )
 
     def save(self, collective: bool = True) -> Path | None:
         """Write a checkpoint of the current state (atomic, main process only); returns its directory there.
