@@ -132,3 +132,41 @@ def save_merged(transformer: torch.nn.Module, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     transformer.save_config(str(directory))
     save_file(merged_copy_state(transformer), str(directory / "diffusion_pytorch_model.safetensors"))
+
+
+class LoraAdapterMethods:
+    """The adapter half of the Backbone protocol for a diffusers pipeline with a peft LoRA on its transformer.
+
+    A backbone that mixes this in has ``pipe`` (the pipeline), ``transformer`` and ``lora_config`` (its options, as
+    ``add_lora`` took them); SD3 and FLUX differ only in the pipeline class that ``load_lora_weights`` is called on.
+    """
+
+    pipe: Any
+    transformer: torch.nn.Module
+    lora_config: Any
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The LoRA matrices."""
+        return lora_parameters(self.transformer)
+
+    def reference(self) -> contextlib.AbstractContextManager[None]:
+        """The frozen base transformer (adapter disabled): the KL reference."""
+        return adapter_disabled(self.transformer)
+
+    def save_adapter(self, directory: Path) -> None:
+        """``pytorch_lora_weights.safetensors`` that the pipeline class's ``load_lora_weights(dir)`` reads."""
+        save_lora(type(self.pipe), self.transformer, self.lora_config, directory)
+
+    def load_adapter(self, directory: Path) -> None:
+        """Load an adapter written by ``save_adapter`` (rank, alpha and targets must match)."""
+        load_lora(self.transformer, self.lora_config, directory)
+
+    def save_merged(self, directory: Path) -> None:
+        """The transformer with the adapter merged in, as a diffusers model folder (``from_pretrained`` reads it)."""
+        save_merged(self.transformer, directory)
+
+    def eval(self):  # noqa: ANN201 - the backbone itself: sampling and training share one module state
+        return self
+
+    def train(self, mode: bool = True):  # noqa: ANN201
+        return self

@@ -14,8 +14,6 @@ the batch; the schedule is ``linspace(1, 1/K, K)`` with the resolution-dependent
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -64,7 +62,7 @@ class FluxOptions(DiffusersBackboneOptions):
     lora_targets: list[str] = Field(default_factory=lambda: list(FLUX_LORA_TARGETS))
 
 
-class FluxBackbone:
+class FluxBackbone(lora.LoraAdapterMethods):
     """Backbone (tpflow.interfaces) around a ``FluxPipeline``'s components.
 
     Latents: packed [N, S, 4·C] float32 with S = (H/2f)·(W/2f). ``cond.tensors``: ``prompt_embeds`` [N, L, D] and
@@ -149,34 +147,6 @@ class FluxBackbone:
     def decode(self, z: Tensor) -> Tensor:
         """Packed latents to images [N, 3, H, W] float32 in [0, 1] through the fp32 VAE."""
         return decode_latents(self.vae, self.unpack(z.float()))
-
-    # ---- adapter -------------------------------------------------------------------------------------------
-
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        """The LoRA matrices."""
-        return lora.lora_parameters(self.transformer)
-
-    def reference(self) -> AbstractContextManager[None]:
-        """The frozen base transformer (adapter disabled): the KL reference."""
-        return lora.adapter_disabled(self.transformer)
-
-    def save_adapter(self, directory: Path) -> None:
-        """``pytorch_lora_weights.safetensors`` that ``FluxPipeline.load_lora_weights(dir)`` reads."""
-        lora.save_lora(type(self.pipe), self.transformer, self.lora_config, directory)
-
-    def load_adapter(self, directory: Path) -> None:
-        """Load an adapter written by ``save_adapter`` (rank, alpha and targets must match)."""
-        lora.load_lora(self.transformer, self.lora_config, directory)
-
-    def save_merged(self, directory: Path) -> None:
-        """The transformer with the adapter merged in, as a diffusers model folder."""
-        lora.save_merged(self.transformer, directory)
-
-    def eval(self) -> FluxBackbone:
-        return self
-
-    def train(self, mode: bool = True) -> FluxBackbone:
-        return self
 
 
 @register("backbone", "flux.1-dev", options=FluxOptions)

@@ -15,8 +15,6 @@ Latents stay float32 between steps (the sampler's log-prob needs it); the transf
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,7 +56,7 @@ class SD3Options(DiffusersBackboneOptions):
     negative_prompt: str = Field("", description="Prompt of the unconditional CFG branch.")
 
 
-class SD3Backbone:
+class SD3Backbone(lora.LoraAdapterMethods):
     """Backbone (tpflow.interfaces) around a ``StableDiffusion3Pipeline``'s components.
 
     Latents: [N, 16, H/8, W/8] float32 for SD3.5 (C, H/f, W/f in general). ``cond.tensors``: ``prompt_embeds``
@@ -136,34 +134,6 @@ class SD3Backbone:
     def decode(self, z: Tensor) -> Tensor:
         """Latents to images [N, 3, H, W] float32 in [0, 1] through the fp32 VAE (the pipeline's scaling)."""
         return decode_latents(self.vae, z.float())
-
-    # ---- adapter -------------------------------------------------------------------------------------------
-
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        """The LoRA matrices."""
-        return lora.lora_parameters(self.transformer)
-
-    def reference(self) -> AbstractContextManager[None]:
-        """The frozen base transformer (adapter disabled): the KL reference."""
-        return lora.adapter_disabled(self.transformer)
-
-    def save_adapter(self, directory: Path) -> None:
-        """``pytorch_lora_weights.safetensors`` that ``StableDiffusion3Pipeline.load_lora_weights(dir)`` reads."""
-        lora.save_lora(type(self.pipe), self.transformer, self.lora_config, directory)
-
-    def load_adapter(self, directory: Path) -> None:
-        """Load an adapter written by ``save_adapter`` (rank, alpha and targets must match)."""
-        lora.load_lora(self.transformer, self.lora_config, directory)
-
-    def save_merged(self, directory: Path) -> None:
-        """The transformer with the adapter merged in, as a diffusers model folder (``from_pretrained`` reads it)."""
-        lora.save_merged(self.transformer, directory)
-
-    def eval(self) -> SD3Backbone:
-        return self
-
-    def train(self, mode: bool = True) -> SD3Backbone:
-        return self
 
 
 @register("backbone", "sd3.5-medium", options=SD3Options)
