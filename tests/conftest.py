@@ -1,4 +1,12 @@
-"""Shared fixtures: a third-party plugin package, installed into a temporary sys.path entry through its metadata."""
+"""Shared fixtures: the ``device`` fixture of the GPU suite, and a third-party plugin package installed into a
+temporary sys.path entry through its metadata.
+
+GPU suite (docs/testing.md): a test marked ``gpu`` needs CUDA and is skipped without it, but it is always collected,
+so ``make test`` proves it still imports. A test that takes the ``device`` fixture runs twice, on ``"cpu"`` and, marked
+``gpu``, on ``"cuda"``: the GPU suite (``pytest -m gpu``) runs what the CPU suite proves. ``TPFLOW_GPU_TESTS_ON_CPU=1``
+runs the ``gpu`` tests on the CPU instead (``device`` is then ``"cpu"``): it checks the suite's own code on a machine
+without a GPU; it proves nothing about CUDA.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +16,43 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from tpflow import registry
+
+GPU_ON_CPU = os.environ.get("TPFLOW_GPU_TESTS_ON_CPU") == "1"  # dry-run the GPU suite on the CPU
+
+
+def cuda_or_skip() -> str:
+    """The device a ``gpu`` test runs on: "cuda", or "cpu" under TPFLOW_GPU_TESTS_ON_CPU=1; skips otherwise."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if GPU_ON_CPU:
+        return "cpu"
+    pytest.skip("needs CUDA (TPFLOW_GPU_TESTS_ON_CPU=1 dry-runs the GPU suite on the CPU)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip every test marked ``gpu`` where there is no CUDA (unless the GPU suite is dry-run on the CPU)."""
+    if torch.cuda.is_available() or GPU_ON_CPU:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (TPFLOW_GPU_TESTS_ON_CPU=1 dry-runs the GPU suite on the CPU)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request: pytest.FixtureRequest) -> str:
+    """Run the test on the CPU and, in the GPU suite, on CUDA."""
+    return cuda_or_skip() if request.param == "cuda" else "cpu"
+
+
+@pytest.fixture
+def cuda() -> str:
+    """For tests marked ``gpu`` that only make sense on CUDA (CPU vs CUDA equality, fp16/bf16 autocast)."""
+    return cuda_or_skip()
+
 
 PLUGIN_MODULE = textwrap.dedent(
     '''

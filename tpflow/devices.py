@@ -1,12 +1,71 @@
-"""Device selection shared by backbones and rewards."""
+"""Where tensors live and where random numbers are drawn (docs/architecture.md, "Devices").
+
+Two rules, written once here and followed by every module on the training, evaluation and inspection paths:
+
+1. **Random draws happen on a CPU generator and are moved.** z_0, the SDE noise ξ and the independent baseline's
+   noise are drawn by ``randn`` from a ``torch.Generator`` on the CPU (seeded from the run seed, the epoch and the
+   rollout batch), in float32, then copied to the device that uses them, as diffusers' ``randn_tensor`` does for a
+   CPU generator. A seed therefore gives the same z_0 and ξ, bit for bit, on the CPU and on any GPU, and a resumed
+   run does not depend on the CUDA RNG. A generator a caller made on the GPU is honoured (the draw happens there).
+2. **The model's tensors live on the backbone's device; the bookkeeping lives on the CPU.** Rollout storage
+   (latents, old log-probs, σ, conditioning), the update's forward/backward, the KL reference pass and the EMA
+   shadow stay on the backbone's device. Reward traces, credit, advantages and logged values are small host tensors
+   (float64 advantages): the scoring worker returns them on the CPU, and the optimizer moves the advantages to the
+   rollout's device once per update (``Rollout.device``). Checkpoints are written from CPU copies and restored with
+   ``copy_`` / ``load_state_dict``, which move them back.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from torch import Tensor
+
+from tpflow.errors import UserError
 
 
 def resolve_device(device: str | None) -> torch.device:
-    """``None`` or ``"auto"``: the first CUDA device when there is one, else the CPU; anything else goes to torch."""
+    """``None`` or ``"auto"``: the first CUDA device when there is one, else the CPU; anything else goes to torch.
+
+    Raises:
+        UserError: for a name torch does not know ("gpu0") or a CUDA device this machine does not have.
+    """
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UserError(f"Unknown device {device!r} ({exc}). Use 'auto', 'cpu', 'cuda' or 'cuda:<index>'.") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(
+                f"Device {device!r} asked for, but this machine has no CUDA GPU that torch can use "
+                f"(torch {torch.__version__}, CUDA build {torch.version.cuda}). Use device = 'cpu' or 'auto'."
+            )
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise UserError(
+                f"Device {device!r} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s): "
+                f"use cuda:0 .. cuda:{torch.cuda.device_count() - 1}."
+            )
+    return resolved
+
+
+def cpu_generator(seed: int) -> torch.Generator:
+    """A CPU generator seeded with ``seed``: the only kind the training path creates (rule 1)."""
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def randn(
+    shape: Sequence[int],
+    generator: torch.Generator | None,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """N(0, I) of ``shape``, drawn in float32 on the generator's device and returned on ``device`` in ``dtype``.
+
+    With ``generator=None`` the CPU's global RNG draws, so the rule holds there too.
+    """
+    source = generator.device if generator is not None else torch.device("cpu")
+    draw = torch.randn(tuple(shape), generator=generator, device=source, dtype=torch.float32)
+    return draw.to(device=device, dtype=dtype)

@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from tpflow.devices import cpu_generator
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.samplers.euler import euler_step
 from tpflow.settings import RolloutSettings
@@ -234,10 +235,10 @@ def rollout_from_settings(
     if settings.same_noise:
         unique = sorted(set(groups))
         if group_seeds is not None:
-            z0 = torch.cat([backbone.initial_noise(1, torch.Generator().manual_seed(group_seeds[g])) for g in unique])
+            z0 = torch.cat([backbone.initial_noise(1, cpu_generator(group_seeds[g])) for g in unique])
         else:
             z0 = backbone.initial_noise(len(unique), generator)
-        source = torch.tensor([unique.index(g) for g in groups])
+        source = torch.tensor([unique.index(g) for g in groups], device=z0.device)
     else:
         z0, source = backbone.initial_noise(len(groups), generator), None
     return rollout(

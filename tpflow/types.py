@@ -99,6 +99,11 @@ class Rollout:
     def __len__(self) -> int:
         return self.latents.shape[0]
 
+    @property
+    def device(self) -> torch.device:
+        """Where the stored transitions live: the backbone's device (tpflow.devices, rule 2)."""
+        return self.log_probs.device
+
     def index(self, rows: Tensor) -> Rollout:
         """The rollout of a subset of trajectories (rows: [M] long indices)."""
         return Rollout(

@@ -29,6 +29,7 @@ from tpflow.backbones.diffusers_common import (
     scheduler_sigmas,
     setup_pipeline,
 )
+from tpflow.devices import randn
 from tpflow.registry import register
 from tpflow.types import Conditioning
 
@@ -114,10 +115,8 @@ class FluxBackbone(lora.LoraAdapterMethods):
 
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> Tensor:
         """z_0 ~ N(0, I) drawn unpacked [n, C, h, w] as the pipeline draws it, returned packed [n, S, 4·C] float32."""
-        device = generator.device if generator is not None else self.device
         shape = (n, self.channels, self.latent_side, self.latent_side)
-        z = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
-        return self.pack(z).to(self.device)
+        return self.pack(randn(shape, generator, self.device))  # drawn on the generator's device (tpflow.devices)
 
     def sigmas(self, num_steps: int) -> Tensor:
         """linspace(1, 1/K, K) shifted by mu(image tokens), plus the final 0: [K + 1] float32."""

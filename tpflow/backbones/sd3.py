@@ -30,6 +30,7 @@ from tpflow.backbones.diffusers_common import (
     scheduler_sigmas,
     setup_pipeline,
 )
+from tpflow.devices import randn
 from tpflow.registry import register
 from tpflow.types import Conditioning
 
@@ -99,10 +100,9 @@ class SD3Backbone(lora.LoraAdapterMethods):
         return (self.transformer.config.in_channels, size, size)
 
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> Tensor:
-        """z_0 ~ N(0, I): [n, C, H/f, W/f] float32, drawn on the generator's device as the pipeline draws it."""
-        device = generator.device if generator is not None else self.device
-        z = torch.randn((n, *self.latent_shape()), generator=generator, device=device, dtype=torch.float32)
-        return z.to(self.device)
+        """z_0 ~ N(0, I): [n, C, H/f, W/f] float32 on the model's device, drawn on the generator's device (the CPU
+        by tpflow's rule, ``tpflow.devices``) as the pipeline draws it."""
+        return randn((n, *self.latent_shape()), generator, self.device)
 
     def sigmas(self, num_steps: int) -> Tensor:
         """σ_0..σ_K from the model's scheduler config (SD3.5: static shift 3), [K + 1] float32."""

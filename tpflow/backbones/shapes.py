@@ -22,6 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from tpflow.devices import randn, resolve_device
 from tpflow.errors import UserError
 from tpflow.registry import register
 from tpflow.samplers.schedules import sd3_sigmas
@@ -90,7 +91,7 @@ class ShapesBackbone:
         from peft import LoraConfig, inject_adapter_in_model
 
         self.options = options = options or ShapesDitOptions()
-        self.device = torch.device(options.device)
+        self.device = resolve_device(options.device)
         self.weights_path = resolve_weights(options.weights)
         model = load_checkpoint(self.weights_path, self.device)
         model.requires_grad_(False)
@@ -117,11 +118,10 @@ class ShapesBackbone:
         return Conditioning(tensors={"tokens": tokens.to(self.device), "mask": mask.to(self.device)})
 
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> Tensor:
-        """z_0 ~ N(0, I): [n, 3, 32, 32] float32, drawn on the generator's device (the model's without one)."""
+        """z_0 ~ N(0, I): [n, 3, 32, 32] float32 on the model's device, drawn on the generator's device (the CPU by
+        tpflow's rule, ``tpflow.devices``)."""
         cfg = self.config
-        shape = (n, cfg.channels, cfg.image_size, cfg.image_size)
-        device = generator.device if generator is not None else self.device
-        return torch.randn(shape, generator=generator, device=device, dtype=torch.float32).to(self.device)
+        return randn((n, cfg.channels, cfg.image_size, cfg.image_size), generator, self.device)
 
     def sigmas(self, num_steps: int) -> Tensor:
         """SD3's shifted schedule ``sd3_sigmas(num_steps, shift)``: [K + 1] float32, the final 0 included."""

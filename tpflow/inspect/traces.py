@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from tpflow import registry
+from tpflow.devices import cpu_generator
 from tpflow.errors import UserError
 from tpflow.recipe import Recipe, validate_recipe
 from tpflow.rollout import draw_window, rollout_from_settings
@@ -121,7 +122,7 @@ def sample_trajectories(
         backbone.load_adapter(load_checkpoint(path).adapter_dir)
     sampler, reward = recipe.build("sampler"), recipe.build("reward")
     window = draw_window(r.num_steps, r.window_size, r.window_range, random.Random(seed))
-    generator = torch.Generator().manual_seed(seed)
+    generator = cpu_generator(seed)  # the same trajectories on the CPU and on a GPU (tpflow.devices)
     sigmas = backbone.sigmas(r.num_steps)
     cond = backbone.encode([prompt] * n)
     out = rollout_from_settings(backbone, sampler, cond, [0] * n, window, r, "ode", generator)

@@ -244,16 +244,22 @@ class GRPO:
         self.global_step = int(state["global_step"])
 
     def update(self, backbone: Backbone, sampler: Sampler, batch: Rollout, advantages: Tensor) -> dict[str, float]:
-        """One pass (``num_inner_epochs`` passes) over ``batch`` with advantages [N, W]; returns mean metrics."""
+        """One pass (``num_inner_epochs`` passes) over ``batch`` with advantages [N, W] (any device: they are moved to
+        the batch's); returns mean metrics."""
         if self._optimizer is None:
             self.bind(backbone)
         o = self.options
         n, width = batch.log_probs.shape
         if advantages.shape != (n, width):
             raise ValueError(f"advantages must be [N, W] = [{n}, {width}], got {tuple(advantages.shape)}.")
-        adv = advantages.clamp(-o.adv_clip_max, o.adv_clip_max).to(torch.float32)
-        keep = informative_trajectories(adv) if o.filter_zero_advantage else torch.ones(n, dtype=torch.bool)
-        rows = keep.nonzero().squeeze(1)
+        # Advantages are host bookkeeping (float64, CPU); they join the stored transitions on the rollout's device
+        # here, once (tpflow.devices, rule 2), so every index and loss below stays on one device.
+        adv = advantages.to(device=batch.device, dtype=torch.float32).clamp(-o.adv_clip_max, o.adv_clip_max)
+        if o.filter_zero_advantage:
+            keep = informative_trajectories(adv)
+        else:
+            keep = torch.ones(n, dtype=torch.bool, device=batch.device)
+        rows = keep.nonzero().squeeze(1)  # [M] on the rollout's device
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
 
@@ -313,7 +319,7 @@ class GRPO:
             return None
         policy = clipped_surrogate(out.log_prob, part.log_probs[:, i], adv, o.clip_range)
         loss = policy.loss
-        kl = torch.zeros(())
+        kl = loss.new_zeros(())
         if o.beta > 0:
             with torch.no_grad(), backbone.reference():
                 v_ref = backbone.velocity(z, sigma, part.cond, part.guidance)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tpflow.devices import randn
+
 
 def check_latents(z: Tensor, v: Tensor, z_next: Tensor | None = None) -> None:
     """Raise ValueError unless z, v (and z_next) are batched latents [N, ...] of one shape."""
@@ -62,16 +64,13 @@ def mean_over_latent(x: Tensor) -> Tensor:
 
 
 def draw_noise(z: Tensor, generator: torch.Generator | None, noise: Tensor | None) -> Tensor:
-    """ξ ~ N(0, I) of z's shape, float32: ``noise`` when given, else a draw from ``generator`` (global RNG if None)."""
+    """ξ ~ N(0, I) of z's shape, float32 on z's device: ``noise`` when given, else a draw from ``generator`` on the
+    generator's own device, moved to z's (``tpflow.devices.randn``: a CPU generator gives the same ξ on every
+    device; the CPU's global RNG when None)."""
     if noise is not None:
         if noise.shape != z.shape:
             raise ValueError(
                 f"noise has shape {tuple(noise.shape)} but z has shape {tuple(z.shape)}; they must match."
             )
         return noise.to(device=z.device, dtype=torch.float32)
-    if generator is not None and generator.device.type != z.device.type:
-        raise ValueError(
-            f"The generator lives on {generator.device} but the latent on {z.device}; "
-            f"create it with torch.Generator(device={str(z.device)!r})."
-        )
-    return torch.randn(z.shape, generator=generator, device=z.device, dtype=torch.float32)
+    return randn(z.shape, generator, z.device)

@@ -48,8 +48,8 @@ def tokenize(prompts: list[str], max_tokens: int = MAX_TOKENS) -> tuple[torch.Te
 
     Words outside the vocabulary map to UNK; prompts longer than ``max_tokens`` words are truncated.
     """
-    ids = torch.full((len(prompts), max_tokens), PAD, dtype=torch.long)
+    ids = torch.full((len(prompts), max_tokens), PAD, dtype=torch.long, device="cpu")  # the backbone moves them
     for row, prompt in enumerate(prompts):
         tokens = [WORD_IDS.get(w, UNK) for w in words(prompt)][:max_tokens]
-        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long, device="cpu")
     return ids, ids != PAD

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from tpflow.devices import cpu_generator
 from tpflow.distributed import Distributed
 from tpflow.interfaces import Backbone, RewardModel
 from tpflow.rewards._images import to_uint8
@@ -44,7 +45,7 @@ def evaluate(
     rows: list[tuple[int, float, dict[str, float]]] = []  # (prompt index, score, details)
     shown: list[tuple[int, torch.Tensor]] = []  # (prompt index, [1, 3, H, W] uint8) for the sample grid
     if items:
-        z0 = backbone.initial_noise(len(everything), torch.Generator().manual_seed(seed))[mine]
+        z0 = backbone.initial_noise(len(everything), cpu_generator(seed))[mine]  # same z_0 on every device
         cond = backbone.encode([it.prompt for it in items])
         with autocast():
             latents = sample_ode(backbone, cond, z0, backbone.sigmas(settings.num_steps), settings.guidance,

@@ -79,7 +79,7 @@ class ScoringWorker:
         start = time.perf_counter()
         scores, details = self._reward(images, rows_prompts, rows_meta)
         reward_s = time.perf_counter() - start
-        trace = torch.full((n, window + 1), float("nan"))
+        trace = torch.full((n, window + 1), float("nan"), device="cpu")  # host bookkeeping (tpflow.devices)
         if width:
             trace[:, :width] = scores[: n * width].view(n, width)
         trace[:, window] = scores[n * width :]

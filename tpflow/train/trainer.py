@@ -39,6 +39,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from tpflow.devices import cpu_generator
 from tpflow.distributed import Distributed
 from tpflow.errors import UserError
 from tpflow.optim.advantages import group_advantages
@@ -182,7 +183,7 @@ class Trainer:
             for b in local:
                 items = [self.train_items[i] for i in b.items]
                 window = draw_window(r.num_steps, r.window_size, r.window_range, random.Random(b.seed))
-                generator = torch.Generator().manual_seed(b.seed)
+                generator = cpu_generator(b.seed)  # noise drawn on the CPU, moved to the model (tpflow.devices)
                 cond = self.backbone.encode([it.prompt for it in items])
                 with self.accelerator.autocast():
                     out = rollout_from_settings(
@@ -209,7 +210,11 @@ class Trainer:
                     torch.cat([s.trace for s in scored]).double(),  # [n, W+1]
                     torch.cat([c.step_rewards for c in credits]).double(),  # [n, W]
                     torch.cat([c.turning_points for c in credits]).double(),  # [n, W]
-                    torch.tensor([[i, b.index, k] for b in local for k, i in enumerate(b.items)]).double(),  # [n, 3]
+                    torch.tensor(  # [n, 3]
+                        [[i, b.index, k] for b in local for k, i in enumerate(b.items)],
+                        dtype=torch.float64,
+                        device="cpu",
+                    ),
                 ],
                 dim=1,
             )

@@ -1,0 +1,147 @@
+"""The device rules of tpflow/devices.py, checked on the CPU, where CI runs: a GPU-only crash class caught without one.
+
+A tensor made without ``device=`` lands on the CPU; on a CPU-only machine that is always right, so such a line passes
+every CPU test and crashes the first GPU user (it happened: a CPU generator against CUDA latents, CPU advantages
+against CUDA log-probs). ``FactoryWatch`` records every tensor factory call made from tpflow's own code without a
+device while the whole training path runs (rollout of every completion kind, scoring, credit, advantages, GRPO with
+the KL pass, EMA, evaluation, checkpoint, resume, inspect-trajectory, export). Host bookkeeping that is meant to be on
+the CPU says ``device="cpu"``, so the rule is checkable.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import tpflow
+from tpflow.devices import cpu_generator, randn, resolve_device
+from tpflow.errors import UserError
+from tpflow.recipe import load_recipe
+from tpflow.train.trainer import Trainer
+
+from .test_train import tiny_recipe
+
+PACKAGE = Path(tpflow.__file__).resolve().parent
+FACTORIES = {
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.empty,
+    torch.tensor,
+    torch.arange,
+    torch.linspace,
+    torch.eye,
+    torch.randn,
+    torch.rand,
+    torch.randint,
+    torch.randperm,
+    torch.as_tensor,
+}
+
+
+class FactoryWatch(TorchFunctionMode):
+    """Records ``file:line`` of each tensor factory call from tpflow's code that states no device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FACTORIES and "device" not in kwargs:
+            if not (func is torch.as_tensor and args and isinstance(args[0], torch.Tensor)):  # keeps its device
+                frame = sys._getframe(1)
+                while frame is not None and "/torch/" in frame.f_code.co_filename:
+                    frame = frame.f_back
+                if frame is not None and _in_tpflow(frame) and not _building_a_module(frame):
+                    where = Path(frame.f_code.co_filename).resolve().relative_to(PACKAGE.parent)
+                    self.calls.append(f"{where}:{frame.f_lineno} torch.{func.__name__}")
+        return func(*args, **kwargs)
+
+
+def _in_tpflow(frame) -> bool:
+    return Path(frame.f_code.co_filename).resolve().is_relative_to(PACKAGE)
+
+
+def _building_a_module(frame) -> bool:
+    """Inside some ``nn.Module.__init__``: modules are built on the CPU and moved whole (``model.to(device)``)."""
+    while frame is not None:
+        if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"), torch.nn.Module):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_factory_watch_catches_a_tensor_without_device():
+    """The check can fail: a factory call compiled as if in a tpflow module is recorded, one with a device is not."""
+    code = compile("torch.zeros(3)\ntorch.ones(2, device='cpu')\n", str(PACKAGE / "optim" / "example.py"), "exec")
+    with FactoryWatch() as watch:
+        exec(code, {"torch": torch})
+    assert watch.calls == ["tpflow/optim/example.py:1 torch.zeros"]
+
+
+def test_training_path_states_every_device(tmp_path, tiny_weights, plugin):
+    """Train (ODE completions, KL, EMA, eval, checkpoints), resume, inspect and export: no tensor without a device."""
+    from tpflow.export import export
+    from tpflow.inspect.traces import sample_trajectories
+
+    recipe = tiny_recipe(tmp_path, tiny_weights)
+    with FactoryWatch() as watch:
+        Trainer(load_recipe(recipe, ["train.epochs=1"])).fit()
+        Trainer(load_recipe(recipe, ["train.epochs=2", "rollout.same_noise=true"]), resume=True).fit()
+        for completions in ("x0", "ode"):
+            loaded = load_recipe(recipe, [f"rollout.completions={completions}", "rollout.baseline_noise=independent"])
+            sample_trajectories(loaded, "a red circle", n=2, seed=0, checkpoint=tmp_path / "run")
+        export(tmp_path / "run", tmp_path / "export")
+    assert not watch.calls, "tensors made without device= (say device=... or use new_*/..._like):\n" + "\n".join(
+        sorted(set(watch.calls))
+    )
+
+
+def test_only_cpu_generators_on_the_training_path():
+    """Rule 1: generators are made by ``cpu_generator`` only (shapes pretraining is CPU-only and keeps its own)."""
+    allowed = {PACKAGE / "devices.py", PACKAGE / "shapes" / "pretrain.py"}
+    offenders = [
+        f"{path.relative_to(PACKAGE.parent)}:{n}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path not in allowed
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"torch\.Generator\(", line)
+    ]
+    assert not offenders, f"make generators with tpflow.devices.cpu_generator: {offenders}"
+
+
+def test_randn_is_the_generators_draw_moved():
+    """A CPU generator's draw does not depend on the target device or dtype (bitwise, before the cast)."""
+    a = randn((2, 3), cpu_generator(7), "cpu")
+    b = torch.randn((2, 3), generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a, b)
+    assert randn((2, 3), cpu_generator(7), "cpu", torch.float64).dtype == torch.float64
+    assert randn((2, 3), cpu_generator(7), "meta").device.type == "meta"
+
+
+def test_sampler_noise_comes_from_the_generator_whatever_the_latent_device():
+    """The SDE step draws ξ on the generator's device: on 'meta' latents (a stand-in for CUDA) it no longer raises."""
+    from tpflow.samplers._common import draw_noise
+
+    z = torch.zeros(2, 4, device="meta")
+    assert draw_noise(z, cpu_generator(0), None).device.type == "meta"
+    cpu = draw_noise(torch.zeros(2, 4), cpu_generator(0), None)
+    assert torch.equal(cpu, torch.randn(2, 4, generator=torch.Generator().manual_seed(0)))
+
+
+@pytest.mark.parametrize("name", ["gpu0", "cuda:abc", "tpu"])
+def test_bad_device_names_are_user_errors(name):
+    with pytest.raises(UserError, match="device"):
+        resolve_device(name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_a_gpu_is_a_user_error():
+    with pytest.raises(UserError, match="no CUDA GPU"):
+        resolve_device("cuda")
