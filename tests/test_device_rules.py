@@ -142,6 +142,12 @@ def test_bad_device_names_are_user_errors(name):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
-def test_cuda_without_a_gpu_is_a_user_error():
+def test_cuda_without_a_gpu_is_a_user_error_before_anything_loads(tmp_path, tiny_weights, plugin, monkeypatch):
     with pytest.raises(UserError, match="no CUDA GPU"):
         resolve_device("cuda")
+    assert resolve_device("auto") == resolve_device(None) == torch.device("cpu")
+    built = []
+    monkeypatch.setattr("tpflow.recipe.Recipe.build", lambda self, kind: built.append(kind))
+    with pytest.raises(UserError, match="no CUDA GPU"):
+        Trainer(load_recipe(tiny_recipe(tmp_path, tiny_weights), ["backbone.device=cuda"]))
+    assert built == []

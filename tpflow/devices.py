@@ -26,13 +26,17 @@ from tpflow.errors import UserError
 
 
 def resolve_device(device: str | None) -> torch.device:
-    """``None`` or ``"auto"``: the first CUDA device when there is one, else the CPU; anything else goes to torch.
+    """``None`` or ``"auto"``: the current CUDA device when there is one, else the CPU; anything else goes to torch.
+
+    "auto" and "cuda" resolve to the *indexed* current device (``cuda:<LOCAL_RANK>`` once accelerate has set it in a
+    training process), so a model built later in another thread (a reward loaded lazily by the scoring worker) or
+    compared with ``==`` names the same GPU.
 
     Raises:
         UserError: for a name torch does not know ("gpu0") or a CUDA device this machine does not have.
     """
     if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as exc:
@@ -48,7 +52,15 @@ def resolve_device(device: str | None) -> torch.device:
                 f"Device {device!r} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s): "
                 f"use cuda:0 .. cuda:{torch.cuda.device_count() - 1}."
             )
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
+
+
+def current_cuda_device() -> int | None:
+    """The calling thread's current CUDA device index (None without CUDA): worker threads start on device 0, so a
+    thread that builds or runs models sets it from its creator's (``torch.cuda.set_device``)."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
 def cpu_generator(seed: int) -> torch.Generator:

@@ -36,8 +36,12 @@ def to_uint8(images: Tensor) -> Tensor:
 
 
 def to_uint8_hwc(images: Tensor) -> np.ndarray:
-    """[N, 3, H, W] float in [0, 1] -> [N, H, W, 3] uint8 numpy (PIL / OpenCV layout), quantised by ``to_uint8``."""
-    return to_uint8(images.cpu()).permute(0, 2, 3, 1).numpy()
+    """[N, 3, H, W] float in [0, 1] (any device) -> [N, H, W, 3] uint8 numpy (PIL / OpenCV layout), by ``to_uint8``.
+
+    Quantised where the images are, then copied: a quarter of the bytes of float32 cross to the host, and the values
+    are the same on every device (one correctly rounded product, then round half to even).
+    """
+    return to_uint8(images).cpu().permute(0, 2, 3, 1).numpy()
 
 
 def clip_preprocess(
@@ -98,8 +102,9 @@ def _resample_matrix(size_in: int, size_out: int, mode: str, device: torch.devic
         return torch.eye(size_out, device=device)
     scale = size_in / size_out
     stretch = max(scale, 1.0)
-    center = (torch.arange(size_out, dtype=torch.float64) + 0.5) * scale  # [out] source coordinate of each output
-    t = ((torch.arange(size_in, dtype=torch.float64) + 0.5)[None, :] - center[:, None]).abs() / stretch  # [out, in]
+    # Built in float64 on the CPU, then moved: the weights are the same whatever the images' device.
+    center = (torch.arange(size_out, dtype=torch.float64, device="cpu") + 0.5) * scale  # [out] source coordinates
+    t = ((torch.arange(size_in, dtype=torch.float64, device="cpu") + 0.5)[None, :] - center[:, None]).abs() / stretch
     if mode == "bilinear":
         weights = (1 - t).clamp(min=0)
     else:  # Keys' cubic convolution with a = -0.5

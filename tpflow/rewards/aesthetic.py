@@ -23,9 +23,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
-from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.registry import register
+from tpflow.rewards._device import reward_device
 from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip
 from tpflow.types import RewardOutput
 
@@ -119,6 +119,7 @@ class AestheticReward:
 
     def __init__(self, options: AestheticOptions | None = None):
         self.options = options or AestheticOptions()
+        self.device = reward_device(self.options.device)  # resolved here, not in the worker thread that loads
         self._lock = threading.Lock()
         self._models: tuple[OpenClip, AestheticHead] | None = None
 
@@ -129,7 +130,7 @@ class AestheticReward:
                 o = self.options
                 head = load_head(o.head)  # the cheap check first
                 where = "reward 'aesthetic' (options clip_model, clip_pretrained)"
-                clip = load_open_clip(o.clip_model, o.clip_pretrained, resolve_device(o.device), where)
+                clip = load_open_clip(o.clip_model, o.clip_pretrained, self.device, where)
                 width = clip.model.encode_image(torch.zeros(1, 3, *clip.crop, device=_device(clip))).shape[-1]
                 if head.layers[0].in_features != width:
                     raise UserError(

@@ -20,8 +20,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
-from tpflow.devices import resolve_device
 from tpflow.registry import register
+from tpflow.rewards._device import reward_device
 from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip
 from tpflow.types import RewardOutput
 
@@ -52,6 +52,7 @@ class ClipScoreReward:
 
     def __init__(self, options: ClipScoreOptions | None = None):
         self.options = options or ClipScoreOptions()
+        self.device = reward_device(self.options.device)  # resolved here, not in the worker thread that loads
         self._lock = threading.Lock()
         self._clip: OpenClip | None = None
 
@@ -61,7 +62,7 @@ class ClipScoreReward:
             if self._clip is None:
                 where = "reward 'clipscore' (options model, pretrained)"
                 o = self.options
-                self._clip = load_open_clip(o.model, o.pretrained, resolve_device(o.device), where)
+                self._clip = load_open_clip(o.model, o.pretrained, self.device, where)
             return self._clip
 
     @torch.no_grad()

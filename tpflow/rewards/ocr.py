@@ -176,10 +176,10 @@ class OcrReward:
             distances.append(ocr_distance(rec, target))
             lengths.append(len(normalize(rec)))
         return RewardOutput(
-            scores=torch.tensor(scores, dtype=torch.float32),  # [N]
+            scores=torch.tensor(scores, dtype=torch.float32, device="cpu"),  # [N]
             details={
-                "ocr_distance": torch.tensor(distances, dtype=torch.float32),  # [N]
-                "ocr_recognized_len": torch.tensor(lengths, dtype=torch.float32),  # [N]
+                "ocr_distance": torch.tensor(distances, dtype=torch.float32, device="cpu"),  # [N]
+                "ocr_recognized_len": torch.tensor(lengths, dtype=torch.float32, device="cpu"),  # [N]
             },
         )
 

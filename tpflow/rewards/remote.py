@@ -204,7 +204,7 @@ def _column(values: Any, n: int, what: str, url: str) -> Tensor:
         got = len(values) if isinstance(values, list) else type(values).__name__
         raise RewardError(f"Reward server {url} sent {what} for {got} images, expected {n}.")
     try:
-        return torch.tensor(values, dtype=torch.float32)
+        return torch.tensor(values, dtype=torch.float32, device="cpu")
     except (TypeError, ValueError):
         raise RewardError(f"Reward server {url} sent non-numeric {what}.") from None
 
@@ -235,5 +235,5 @@ def decode_images(encoded: Sequence[str]) -> Tensor:
     if len({a.shape for a in arrays}) > 1:
         raise ValueError(f"images differ in size: {sorted({a.shape[:2] for a in arrays})}; send one size per request.")
     if not arrays:
-        return torch.empty(0, 3, 0, 0)
+        return torch.empty(0, 3, 0, 0, device="cpu")
     return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255  # [N, 3, H, W]

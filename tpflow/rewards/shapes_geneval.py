@@ -53,8 +53,8 @@ class ShapesGenevalReward:
             raise ValueError(f"Got {len(images)} images for {len(metadata)} metadata entries.")
         size = (images.shape[-2], images.shape[-1])
         results = [score(found, meta, size) for found, meta in zip(detect_batch(images), metadata, strict=True)]
-        partial = torch.tensor([r.score for r in results], dtype=torch.float32)  # [N]
-        strict = torch.tensor([float(r.strict_correct) for r in results], dtype=torch.float32)  # [N]
-        correct = torch.tensor([float(r.correct) for r in results], dtype=torch.float32)  # [N]
+        partial = torch.tensor([r.score for r in results], dtype=torch.float32, device="cpu")  # [N]
+        strict = torch.tensor([float(r.strict_correct) for r in results], dtype=torch.float32, device="cpu")  # [N]
+        correct = torch.tensor([float(r.correct) for r in results], dtype=torch.float32, device="cpu")  # [N]
         scores = partial if self.options.score == "partial" else strict
         return RewardOutput(scores=scores, details={"strict": strict, "correct": correct, "partial": partial})

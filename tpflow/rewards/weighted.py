@@ -92,7 +92,7 @@ class WeightedReward:
 
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:
         """Score images [N, 3, H, W] in [0, 1] with every part; ``scores`` [N] float32, the weighted sum."""
-        total = torch.zeros(len(images), dtype=torch.float32)  # [N]
+        total = torch.zeros(len(images), dtype=torch.float32, device="cpu")  # [N], on the CPU whatever the images
         details: dict[str, Tensor] = {}
         for key, weight, reward in self.parts:
             out = reward(images, prompts, metadata)

@@ -67,7 +67,10 @@ def restore_rng_state(state: dict) -> None:
     np.random.set_state((kind, np.asarray(key, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # Per GPU; a run resumed on fewer or more GPUs restores those present (tpflow draws its noise on the CPU, so
+        # the trajectories do not depend on these states: tpflow/devices.py).
+        for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, index)
 
 
 def save_checkpoint(

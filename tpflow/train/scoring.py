@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tpflow.devices import current_cuda_device
 from tpflow.errors import UserError
 from tpflow.interfaces import RewardModel
 
@@ -34,6 +35,11 @@ class ScoredBatch:
     reward_s: float = 0.0
 
 
+def _use_cuda_device(index: int | None) -> None:
+    if index is not None:
+        torch.cuda.set_device(index)
+
+
 class ScoringWorker:
     """A single background thread that decodes and scores rollout batches in submission order."""
 
@@ -42,7 +48,14 @@ class ScoringWorker:
         self.reward = reward
         self.chunk = chunk
         self.name = name or type(reward).__name__
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpflow-scoring")
+        # A new thread's current CUDA device is 0: on process r of a multi-GPU run the worker would load a lazily
+        # built reward model (device "auto") onto GPU 0. It inherits its creator's device instead.
+        self._pool = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="tpflow-scoring",
+            initializer=_use_cuda_device,
+            initargs=(current_cuda_device(),),
+        )
 
     def submit(
         self,

@@ -39,7 +39,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from tpflow.devices import cpu_generator
+from tpflow.devices import cpu_generator, resolve_device
 from tpflow.distributed import Distributed
 from tpflow.errors import UserError
 from tpflow.optim.advantages import group_advantages
@@ -80,7 +80,9 @@ class Trainer:
         stem = recipe.path.stem if recipe.path else "run"
         self.run_dir = Path(run_dir) if run_dir else Path(t.run_dir.format(recipe=stem))
         self.console = console or Console()
-        cpu = not torch.cuda.is_available()
+        # The accelerator follows the backbone's device (a CPU backbone on a GPU machine gets no CUDA autocast);
+        # a device this machine lacks is a UserError here, before anything loads.
+        cpu = resolve_device(getattr(recipe.backbone.options, "device", None)).type != "cuda"
         if cpu:
             keep_freed_memory()  # batched rollouts on CPU: avoid a page fault per 4 KiB of every big tensor
         self.accelerator = Accelerator(cpu=cpu, mixed_precision="no" if cpu else t.mixed_precision)

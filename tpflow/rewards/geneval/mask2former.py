@@ -4,7 +4,8 @@ GenEval (Ghosh et al., 2023) detects objects with mmdet's Mask2Former Swin-S COC
 (``mask2former_swin-s-p4-w7-224_lsj_8x2_50e_coco``) and classifies colours with CLIP. tpflow runs the same
 architecture from transformers (default ``facebook/mask2former-swin-small-coco-instance``), no mmdet, no mmcv:
 
-1. Images are quantised (round(x·255)) and go through the checkpoint's image processor (resize, normalise, pad).
+1. Images are quantised (round(x·255)) and go through the checkpoint's image processor (resize, normalise, pad)
+   on the CPU, so that the model's input does not depend on its device.
 2. Instances are read as mmdet's Mask2Former head reads them: class probabilities (softmax, no-object column
    dropped) of every (query, class) pair, the top Q pairs (Q = number of queries, mmdet's ``max_per_image`` = 100);
    each pair's mask logits are upsampled (bilinear) to the padded input, cut to the image's region, resized to the
@@ -33,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tpflow.devices import resolve_device
 from tpflow.errors import UserError
+from tpflow.rewards._device import reward_device
 from tpflow.rewards._images import to_uint8
 from tpflow.rewards.geneval.colors import ColorClassifier, grey_crop
 from tpflow.rewards.geneval.detectors import Detection, geneval_class_name
@@ -77,7 +78,7 @@ class Mask2FormerDetector:
         device: str = "auto",
     ):
         self.detector_model, self.clip_model, self.clip_pretrained = detector_model, clip_model, clip_pretrained
-        self.device = device
+        self.device = reward_device(device)  # resolved here, not in the worker thread that loads
         self._lock = threading.Lock()
         self._model: Any = None
         self._processor: Any = None
@@ -89,7 +90,7 @@ class Mask2FormerDetector:
         with self._lock:
             if self._model is not None:
                 return
-            device = resolve_device(self.device)
+            device = self.device
             processor, model = _load_mask2former(self.detector_model)
             where = "reward 'geneval' (options clip_model, clip_pretrained)"
             self._colors = ColorClassifier.load(self.clip_model, self.clip_pretrained, device, where)
@@ -118,7 +119,10 @@ class Mask2FormerDetector:
     def _instances(self, pixels: Tensor, thresholds: list[float]) -> list[list[tuple[Detection, Tensor]]]:
         """(detection without colour, its mask [H, W] bool) of each image [3, H, W] uint8, class prob > threshold."""
         h, w = pixels.shape[-2:]
-        inputs = self._processor(images=list(pixels), return_tensors="pt", device=pixels.device)
+        # The processor runs on the CPU, whatever the model's device: torchvision resizes uint8 images with a native
+        # uint8 kernel on the CPU but through float32 and rounding on CUDA, which moves a fifth of the pixels by one
+        # grey level, and the detections (hence the scores) would depend on the device.
+        inputs = self._processor(images=list(pixels.cpu()), return_tensors="pt")
         outputs = self._model(pixel_values=inputs["pixel_values"].to(pixels.device))
         probs = outputs.class_queries_logits.float().softmax(-1)[..., :-1]  # [n, Q, C] without "no object"
         mask_logits = outputs.masks_queries_logits.float()  # [n, Q, h/4, w/4] of the padded input

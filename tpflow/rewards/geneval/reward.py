@@ -102,8 +102,8 @@ class GenevalReward:
         size = (images.shape[-2], images.shape[-1])
         detections = self.detector(images, metadata)
         results = [score(found, meta, size) for found, meta in zip(detections, metadata, strict=True)]
-        partial = torch.tensor([r.score for r in results], dtype=torch.float32)  # [N]
-        strict = torch.tensor([float(r.strict_correct) for r in results], dtype=torch.float32)  # [N]
-        correct = torch.tensor([float(r.correct) for r in results], dtype=torch.float32)  # [N]
+        partial = torch.tensor([r.score for r in results], dtype=torch.float32, device="cpu")  # [N]
+        strict = torch.tensor([float(r.strict_correct) for r in results], dtype=torch.float32, device="cpu")  # [N]
+        correct = torch.tensor([float(r.correct) for r in results], dtype=torch.float32, device="cpu")  # [N]
         scores = partial if self.options.score == "partial" else strict
         return RewardOutput(scores=scores, details={"strict": strict, "correct": correct, "partial": partial})
