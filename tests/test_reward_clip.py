@@ -1,4 +1,8 @@
-"""The CLIP-based rewards (pickscore, clipscore, aesthetic) on tiny random models built here, offline."""
+"""The CLIP-based rewards (pickscore, clipscore, aesthetic) on tiny random models built here, offline.
+
+Tests that take ``device`` run on the CPU and, in the GPU suite, with the reward's model and the images on CUDA,
+where their expected values (computed by the same tiny models on the CPU) make them CPU-vs-CUDA comparisons.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from tpflow import registry
 from tpflow.errors import UserError
 from tpflow.rewards._images import clip_preprocess, to_uint8
 
+from .test_device_rules import FactoryWatch
+
 PROMPTS = ["a red cube", "two blue spheres on a table", "a cat " * 60, "a green frog"]  # [2] is > 77 tokens
 
 
@@ -28,10 +34,26 @@ def assert_batch_independent(reward, images: torch.Tensor, prompts: list[str]) -
     """Scores of the batch equal the scores of each image alone; returns the batch scores."""
     out = reward(images, prompts, [{}] * len(prompts))
     assert out.scores.shape == (len(prompts),) and out.scores.dtype == torch.float32
+    assert out.scores.device.type == "cpu" and all(v.device.type == "cpu" for v in out.details.values())
     assert torch.isfinite(out.scores).all()
     alone = torch.cat([reward(images[i : i + 1], prompts[i : i + 1], [{}]).scores for i in range(len(prompts))])
     torch.testing.assert_close(out.scores, alone, rtol=0, atol=1e-5)
     return out.scores
+
+
+# Tolerance of a CPU-vs-CUDA comparison of scores: both sides run in float32 (TF32 off, ``no_tf32``) and differ only
+# by the order of their sums, about 1e-7 relative per layer for these widths (at most 1024, the aesthetic head); the
+# scores are at most a few units, so 1e-5 leaves a margin of ten or more. Same-device comparisons use it too.
+ATOL = 1e-5
+
+
+def model_device(reward) -> str:
+    """The device type of the reward's model (loading it)."""
+    loaded = reward.load()
+    if loaded is None:  # pickscore
+        return reward._model.logit_scale.device.type
+    clip = loaded[0] if isinstance(loaded, tuple) else loaded  # aesthetic: (clip, head); clipscore: clip
+    return next(clip.model.parameters()).device.type
 
 
 # ------------------------------------------------------------------------------------------------ shared helpers
@@ -98,23 +120,28 @@ def pick_dirs(tmp_path_factory: pytest.TempPathFactory):
     return root / "model", root / "processor", model, processor
 
 
-def build_pickscore(pick_dirs):
+def build_pickscore(pick_dirs, device: str = "cpu"):
     model_dir, processor_dir, _, _ = pick_dirs
-    return registry.build("reward", "pickscore", model=str(model_dir), processor=str(processor_dir), device="cpu")
+    return registry.build("reward", "pickscore", model=str(model_dir), processor=str(processor_dir), device=device)
 
 
-def test_pickscore_shapes_and_batch_independence(pick_dirs):
-    assert_batch_independent(build_pickscore(pick_dirs), uint8_images(4, 40, 48), PROMPTS)
+def test_pickscore_shapes_and_batch_independence(pick_dirs, device, no_tf32):
+    reward = build_pickscore(pick_dirs, device)
+    assert_batch_independent(reward, uint8_images(4, 40, 48).to(device), PROMPTS)
+    assert model_device(reward) == torch.device(device).type
 
 
-def test_pickscore_equals_the_formula_on_the_model_embeddings(pick_dirs):
-    """exp(logit_scale) · cos / 26, with each prompt tokenised alone and unpadded (so padding changes nothing)."""
+def test_pickscore_equals_the_formula_on_the_model_embeddings(pick_dirs, device, no_tf32):
+    """exp(logit_scale) · cos / 26, with each prompt tokenised alone and unpadded (so padding changes nothing).
+
+    The expected scores come from the model on the CPU, so on CUDA this compares the two devices."""
     _, _, model, processor = pick_dirs
-    reward = build_pickscore(pick_dirs)
+    reward = build_pickscore(pick_dirs, device)
     images = uint8_images(3, 32, 32, seed=1)  # at the model size: preprocessing is exactly (x - mean) / std
     images[2] = images[0]
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[0]]
-    scores = reward(images, prompts, [{}] * 3).scores
+    scores = reward(images.to(device), prompts, [{}] * 3).scores
+    assert scores.device.type == "cpu" and scores.dtype == torch.float32
 
     ip = processor.image_processor
     pixels = (images - torch.tensor(ip.image_mean)[:, None, None]) / torch.tensor(ip.image_std)[:, None, None]
@@ -129,7 +156,7 @@ def test_pickscore_equals_the_formula_on_the_model_embeddings(pick_dirs):
             ]
         )  # [3, 16]
     cos = torch.nn.functional.cosine_similarity(image_emb, text_emb, dim=-1)
-    torch.testing.assert_close(scores, 40.0 * cos / 26, rtol=0, atol=1e-5)
+    torch.testing.assert_close(scores, 40.0 * cos / 26, rtol=0, atol=ATOL)
     torch.testing.assert_close(scores[0], scores[2], rtol=0, atol=1e-6)  # identical image and prompt
     assert not torch.isclose(scores[0], scores[1])
 
@@ -204,19 +231,21 @@ def hand_embeddings(model, images: torch.Tensor, prompts: list[str]) -> tuple[to
     return image / image.norm(dim=-1, keepdim=True), text / text.norm(dim=-1, keepdim=True)
 
 
-def test_clipscore_batch_independent_and_equals_clipscore_formula(open_clip_ckpt):
+def test_clipscore_batch_independent_and_equals_clipscore_formula(open_clip_ckpt, device, no_tf32):
+    """The expected cosines come from the model on the CPU, so on CUDA this compares the two devices."""
     model, path = open_clip_ckpt
-    reward = registry.build("reward", "clipscore", model=TINY_ARCH, pretrained=str(path), device="cpu")
-    assert_batch_independent(reward, uint8_images(4, 40, 48), PROMPTS)
+    reward = registry.build("reward", "clipscore", model=TINY_ARCH, pretrained=str(path), device=device)
+    assert_batch_independent(reward, uint8_images(4, 40, 48).to(device), PROMPTS)
+    assert model_device(reward) == torch.device(device).type
 
     images = uint8_images(4, 32, 32, seed=2)
     images[3] = images[1]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[1]]
-    out = reward(images, prompts, [{}] * 4)
+    out = reward(images.to(device), prompts, [{}] * 4)
     image, text = hand_embeddings(model, images, prompts)
     cosine = (image * text).sum(-1)
-    torch.testing.assert_close(out.details["cosine"], cosine, rtol=0, atol=1e-5)
-    torch.testing.assert_close(out.scores, 2.5 * cosine.clamp(min=0), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.details["cosine"], cosine, rtol=0, atol=ATOL)
+    torch.testing.assert_close(out.scores, 2.5 * cosine.clamp(min=0), rtol=0, atol=ATOL)
     assert out.scores[1] == out.scores[3]
 
 
@@ -236,13 +265,15 @@ def test_open_clip_preprocessing_matches_open_clips_transform(open_clip_ckpt, h:
     assert (got - expected).abs().max() < 1.5 / 255 / min(open_clip.OPENAI_DATASET_STD)
 
 
-def test_clipscore_first_calls_from_two_threads_share_one_model(open_clip_ckpt):
-    reward = registry.build("reward", "clipscore", model=TINY_ARCH, pretrained=str(open_clip_ckpt[1]), device="cpu")
-    images = uint8_images(2, 32, 32, seed=3)
+def test_clipscore_first_calls_from_two_threads_share_one_model(open_clip_ckpt, device):
+    """As the scoring worker calls it: the first call, which loads the model, comes from another thread."""
+    reward = registry.build("reward", "clipscore", model=TINY_ARCH, pretrained=str(open_clip_ckpt[1]), device=device)
+    images = uint8_images(2, 32, 32, seed=3).to(device)
     with ThreadPoolExecutor(2) as pool:
         outs = list(pool.map(lambda _: reward(images, PROMPTS[:2], [{}, {}]).scores, range(2)))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     assert reward.load() is reward.load()
+    assert model_device(reward) == torch.device(device).type and outs[0].device.type == "cpu"
 
 
 def test_clipscore_missing_weights_are_user_errors(open_clip_ckpt, tmp_path: Path, monkeypatch):
@@ -280,22 +311,25 @@ def random_head(path: Path, width: int = 16) -> torch.nn.Module:
     return head
 
 
-def test_aesthetic_is_the_head_on_normalised_embeddings(open_clip_ckpt, tmp_path: Path):
+def test_aesthetic_is_the_head_on_normalised_embeddings(open_clip_ckpt, tmp_path: Path, device, no_tf32):
+    """The expected scores come from the models on the CPU, so on CUDA this compares the two devices."""
     model, path = open_clip_ckpt
     head = random_head(tmp_path / "head.safetensors")
     random_head(tmp_path / "head.pth")  # same seed: the same head as a torch pickle
-    options = dict(clip_model=TINY_ARCH, clip_pretrained=str(path), device="cpu")
+    options = dict(clip_model=TINY_ARCH, clip_pretrained=str(path), device=device)
     reward = registry.build("reward", "aesthetic", head=str(tmp_path / "head.safetensors"), **options)
-    assert_batch_independent(reward, uint8_images(4, 48, 40), PROMPTS)
+    assert_batch_independent(reward, uint8_images(4, 48, 40).to(device), PROMPTS)
+    assert model_device(reward) == torch.device(device).type
+    assert reward.load()[1].layers[0].weight.device.type == torch.device(device).type
 
     images = uint8_images(3, 32, 32, seed=5)
-    scores = reward(images, PROMPTS[:3], [{}] * 3).scores
+    scores = reward(images.to(device), PROMPTS[:3], [{}] * 3).scores
     image, _ = hand_embeddings(model, images, PROMPTS[:3])
     with torch.no_grad():
         expected = head(image)[:, 0]
-    torch.testing.assert_close(scores, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(scores, expected, rtol=0, atol=ATOL)
     from_pth = registry.build("reward", "aesthetic", head=str(tmp_path / "head.pth"), **options)
-    torch.testing.assert_close(from_pth(images, PROMPTS[:3], [{}] * 3).scores, scores, rtol=0, atol=0)
+    torch.testing.assert_close(from_pth(images.to(device), PROMPTS[:3], [{}] * 3).scores, scores, rtol=0, atol=0)
 
 
 def test_aesthetic_missing_or_wrong_head_is_a_user_error(open_clip_ckpt, tmp_path: Path):
@@ -308,3 +342,48 @@ def test_aesthetic_missing_or_wrong_head_is_a_user_error(open_clip_ckpt, tmp_pat
     random_head(tmp_path / "wide.safetensors", width=768)  # the published ViT-L-14 width on a 16-d tiny CLIP
     with pytest.raises(UserError, match="768-d"):
         registry.build("reward", "aesthetic", head=str(tmp_path / "wide.safetensors"), **options).load()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_clip_rewards_take_half_precision_images(pick_dirs, open_clip_ckpt, tmp_path: Path, device, dtype):
+    """Decoded images may come in float16 / bfloat16: each CLIP reward scores them as the float32 images of the same
+    values (quantised to the same uint8 pixels, so the model's inputs are identical and so are the scores). PickScore
+    with a half-precision model (its ``dtype`` option) takes them too."""
+    random_head(tmp_path / "head.safetensors")
+    path = str(open_clip_ckpt[1])
+    aesthetic = dict(head=str(tmp_path / "head.safetensors"), clip_model=TINY_ARCH, clip_pretrained=path)
+    rewards = {
+        "pickscore": build_pickscore(pick_dirs, device),
+        "clipscore": registry.build("reward", "clipscore", model=TINY_ARCH, pretrained=path, device=device),
+        "aesthetic": registry.build("reward", "aesthetic", **aesthetic, device=device),
+    }
+    half = uint8_images(3, 40, 48, seed=6).to(device=device, dtype=dtype)
+    for name, reward in rewards.items():
+        out = reward(half, PROMPTS[:3], [{}] * 3)
+        assert out.scores.dtype == torch.float32 and out.scores.shape == (3,) and out.scores.device.type == "cpu", name
+        assert torch.isfinite(out.scores).all(), name
+        expected = reward(half.float(), PROMPTS[:3], [{}] * 3).scores
+        torch.testing.assert_close(out.scores, expected, rtol=0, atol=0, msg=name)
+    options = dict(model=str(pick_dirs[0]), processor=str(pick_dirs[1]), device=device)
+    half_model = registry.build("reward", "pickscore", **options, dtype=str(dtype).removeprefix("torch."))
+    out = half_model(half, PROMPTS[:3], [{}] * 3)
+    assert out.scores.dtype == torch.float32 and out.scores.device.type == "cpu"
+    # Rounding to 11 (float16) or 8 (bfloat16) significant bits through the tiny model moves scores of magnitude
+    # <= 40/26 by 1e-3 (float16) and 6e-3 (bfloat16) on the CPU; 3e-2 leaves a margin of five.
+    full = rewards["pickscore"](half, PROMPTS[:3], [{}] * 3).scores
+    torch.testing.assert_close(out.scores, full, rtol=0, atol=3e-2)
+
+
+def test_clip_rewards_state_every_device(pick_dirs, open_clip_ckpt, tmp_path: Path):
+    """Loading and scoring make no tensor without a device (tpflow.devices): none falls back to the default one."""
+    random_head(tmp_path / "head.safetensors")
+    path = str(open_clip_ckpt[1])
+    aesthetic = dict(head=str(tmp_path / "head.safetensors"), clip_model=TINY_ARCH, clip_pretrained=path)
+    with FactoryWatch() as watch:
+        for reward in (
+            build_pickscore(pick_dirs),
+            registry.build("reward", "clipscore", model=TINY_ARCH, pretrained=path, device="cpu"),
+            registry.build("reward", "aesthetic", **aesthetic, device="cpu"),
+        ):
+            reward(uint8_images(2, 40, 48), PROMPTS[:2], [{}, {}])
+    assert not watch.calls, "\n".join(sorted(set(watch.calls)))

@@ -1,5 +1,5 @@
 """The ``geneval`` reward: the scorer on every tag, the detector interface, and Mask2Former + CLIP colours end to end
-on tiny random models built here (offline, CPU)."""
+on tiny random models built here (offline; on the CPU and, in the GPU suite, on CUDA)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,13 @@ import tpflow
 from tpflow.data import geneval as templates
 from tpflow.errors import UserError
 from tpflow.interfaces import RewardModel
+from tpflow.rewards._images import to_uint8
 from tpflow.rewards.geneval import score
 from tpflow.rewards.geneval.colors import COLORS, GREY, grey_crop
 from tpflow.rewards.geneval.detectors import COCO_CLASSES, Detector, geneval_class_name
 from tpflow.rewards.geneval.mask2former import masks_to_boxes
+
+from .test_device_rules import FactoryWatch
 
 SIZE = (64, 64)  # (H, W) of the hand-built scenes
 
@@ -274,10 +277,22 @@ def _metadata() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def m2f_reward(tiny):
-    reward = tpflow.build("reward", "geneval", **tiny)
-    reward.load()
-    return reward
+def m2f_rewards(tiny):
+    """The reward on the tiny models on a given device, built and loaded once per device."""
+    built: dict[str, RewardModel] = {}
+
+    def on(device: str):
+        if device not in built:
+            built[device] = tpflow.build("reward", "geneval", **{**tiny, "device": device})
+            built[device].load()
+        return built[device]
+
+    return on
+
+
+@pytest.fixture(scope="module")
+def m2f_reward(m2f_rewards):
+    return m2f_rewards("cpu")
 
 
 def test_mask2former_detections_are_well_formed(m2f_reward):
@@ -303,11 +318,13 @@ def test_mask2former_detections_are_well_formed(m2f_reward):
     assert any(d.box != (0.0, 0.0, 48.0, 40.0) for dets in found for d in dets)  # masks are not the whole image
 
 
-def test_mask2former_reward_batch_independent_and_valid(m2f_reward):
-    images, metadata = _scenes(3, seed=1), _metadata()[:3]
+def test_mask2former_reward_batch_independent_and_valid(m2f_rewards, device, no_tf32):
+    m2f_reward = m2f_rewards(device)
+    images, metadata = _scenes(3, seed=1).to(device), _metadata()[:3]
     prompts = [m["prompt"] for m in metadata]
     out = m2f_reward(images, prompts, metadata)
     assert out.scores.shape == (3,) and out.scores.dtype == torch.float32 and torch.isfinite(out.scores).all()
+    assert out.scores.device.type == "cpu" and all(v.device.type == "cpu" for v in out.details.values())
     strict, correct, partial = out.details["strict"], out.details["correct"], out.details["partial"]
     assert set(strict.tolist()) <= {0.0, 1.0} and set(correct.tolist()) <= {0.0, 1.0}
     assert (partial <= 1).all() and (strict <= correct).all() and (partial[strict == 1] == 1).all()
@@ -321,6 +338,64 @@ def test_mask2former_reward_batch_independent_and_valid(m2f_reward):
     with ThreadPoolExecutor(2) as pool:  # concurrent calls from worker threads agree with the serial one
         again = list(pool.map(lambda _: m2f_reward(images, prompts, metadata), range(2)))
     assert all(torch.equal(a.scores, out.scores) for a in again)
+
+
+@pytest.mark.gpu
+def test_mask2former_on_the_device_equals_the_cpu(m2f_rewards, cuda, no_tf32):
+    """Both models of the detector on CUDA, images given there: the model's outputs equal the CPU's up to float32
+    rounding, and the detections and the scores are the CPU's.
+
+    Tolerances: the model is compared with rtol = atol = 1e-4 (float32 on both devices, TF32 off, differing only by
+    the order of sums: about 1e-6 relative for these widths). Detections and scores are decisions (thresholds, a mask
+    binarised at 0, the argmax of the colours, box relations): on these scenes they were checked not to move when
+    every model output is perturbed by 1e-4 relative noise (boxes, colours) or 1e-3 (scores), far more than the
+    devices differ; the detection confidences are compared with atol 1e-4."""
+    cpu, gpu = m2f_rewards("cpu"), m2f_rewards(cuda)
+    assert next(gpu.detector._model.parameters()).device.type == torch.device(cuda).type
+    assert next(gpu.detector._colors.clip.model.parameters()).device.type == torch.device(cuda).type
+    images, metadata = _scenes(4, seed=1), _metadata()
+    prompts = [m["prompt"] for m in metadata]
+
+    inputs = cpu.detector._processor(images=list(to_uint8(images)), return_tensors="pt")
+    with torch.no_grad():
+        want = cpu.detector._model(pixel_values=inputs["pixel_values"])
+        got = gpu.detector._model(pixel_values=inputs["pixel_values"].to(cuda))
+    for key in ("class_queries_logits", "masks_queries_logits"):
+        torch.testing.assert_close(getattr(got, key).cpu(), getattr(want, key), rtol=1e-4, atol=1e-4, msg=key)
+
+    found, expected = gpu.detector(images.to(cuda), metadata), cpu.detector(images, metadata)
+    assert [[(d.cls, d.color, d.box) for d in dets] for dets in found] == [
+        [(d.cls, d.color, d.box) for d in dets] for dets in expected
+    ]
+    scores = [d.score for dets in found for d in dets]
+    assert scores == pytest.approx([d.score for dets in expected for d in dets], rel=0, abs=1e-4)
+
+    out, want_out = gpu(images.to(cuda), prompts, metadata), cpu(images, prompts, metadata)
+    assert out.scores.shape == (4,) and out.scores.dtype == torch.float32 and out.scores.device.type == "cpu"
+    assert len(set(want_out.scores.tolist())) >= 3  # the scenes tell scores apart, or equality would prove little
+    assert torch.equal(out.scores, want_out.scores) and out.details.keys() == want_out.details.keys()
+    assert all(v.device.type == "cpu" and torch.equal(v, want_out.details[k]) for k, v in out.details.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_mask2former_takes_half_precision_images(m2f_rewards, device, dtype):
+    """Decoded images may come in float16 / bfloat16: they are scored as the float32 images of the same values
+    (quantised to the same uint8 pixels, the detector sees the same input)."""
+    reward = m2f_rewards(device)
+    images, metadata = _scenes(4, seed=1).to(device=device, dtype=dtype), _metadata()
+    prompts = [m["prompt"] for m in metadata]
+    out, full = reward(images, prompts, metadata), reward(images.float(), prompts, metadata)
+    assert out.scores.dtype == torch.float32 and out.scores.device.type == "cpu"
+    assert torch.equal(out.scores, full.scores)
+    assert all(torch.equal(v, full.details[k]) for k, v in out.details.items())
+
+
+def test_mask2former_states_every_device(tiny):
+    """Loading and scoring make no tensor without a device (tpflow.devices): none falls back to the default one."""
+    metadata = _metadata()
+    with FactoryWatch() as watch:
+        tpflow.build("reward", "geneval", **tiny)(_scenes(4), [m["prompt"] for m in metadata], metadata)
+    assert not watch.calls, "\n".join(sorted(set(watch.calls)))
 
 
 def test_mask2former_matches_transformers_postprocessing(tiny, tmp_path):

@@ -78,6 +78,20 @@ def test_rendered_text_scores_follow_the_formula(reward):
     assert elapsed < 15, f"12 OCR reads took {elapsed:.1f} s"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_images_on_the_gpu_are_read_as_on_the_cpu(reward, cuda, dtype):
+    """The OCR engine runs on the CPU (onnxruntime): images decoded on the GPU, in float32 or bfloat16, are copied
+    to it and read exactly as the same values given on the CPU in float32."""
+    images = torch.stack([render("HELLO WORLD"), render("")]).to(dtype)  # [2, 3, 512, 512]
+    prompts, metadata = ['A storefront sign that says "Hello World"'] * 2, [{}, {}]
+    out = reward(images.to(cuda), prompts, metadata)
+    want = reward(images.float(), prompts, metadata)
+    assert out.scores.dtype == torch.float32 and out.scores.device.type == "cpu"
+    assert out.scores.tolist() == want.scores.tolist() == [1.0, 0.0]
+    assert all(v.device.type == "cpu" and torch.equal(v, want.details[k]) for k, v in out.details.items())
+
+
 def test_length_mismatch_raises(reward):
     with pytest.raises(ValueError, match="2 images, 1 prompts"):
         reward(torch.zeros(2, 3, 8, 8), ["a"], [{}, {}])
@@ -149,8 +163,8 @@ def test_denominators():
     assert ocr_reward("helo world", "Hello World") == pytest.approx(1 - 1 / 10)
 
 
-def test_images_become_bgr_uint8():
-    images = torch.zeros(2, 3, 4, 5)
+def test_images_become_bgr_uint8(device):
+    images = torch.zeros(2, 3, 4, 5, device=device)
     images[0, 0] = 1.0  # pure red
     images[1, 1] = 0.2  # 51 in green
     images[1, 2] = 1.5  # out of range: clipped to 255 in blue

@@ -58,17 +58,19 @@ def batch(n: int = 3):
     return images, prompts, [{}] * n
 
 
-def test_weighted_sum_and_details():
+def test_weighted_sum_and_details(device):
+    """On CUDA the Brightness stub returns its scores and details on the images' device: the sum is on the CPU."""
     images, prompts, metadata = batch()
     reward = registry.build(
         "reward",
         "weighted",
         rewards=[{"name": BRIGHT, "weight": 0.5, "options": {"gain": 3.0}}, {"name": LENGTH, "weight": -2.0}],
     )
-    out = reward(images, prompts, metadata)
+    out = reward(images.to(device), prompts, metadata)
     bright = 3.0 * images.mean(dim=(1, 2, 3))
     length = torch.tensor([1.0, 9.0, 18.0])
     assert out.scores.dtype == torch.float32 and out.scores.shape == (3,)
+    assert out.scores.device.type == "cpu" and all(v.device.type == "cpu" for v in out.details.values())
     torch.testing.assert_close(out.scores, 0.5 * bright - 2.0 * length)  # a sum, not a mean
     assert set(out.details) == {BRIGHT, f"{BRIGHT}/red", LENGTH}
     torch.testing.assert_close(out.details[BRIGHT], bright)
@@ -90,8 +92,8 @@ def test_nested_weighted_and_labels():
     assert set(out.details) == {"inner", f"inner/{BRIGHT}", f"inner/{BRIGHT}/red", "bright2", "bright2/red"}
 
 
-def test_weighted_of_a_real_reward():
-    """Twice shapes-geneval equals shapes-geneval doubled, on rendered scenes of the shapes world."""
+def test_weighted_of_a_real_reward(device):
+    """Twice shapes-geneval equals shapes-geneval doubled, on rendered scenes of the shapes world (on the device)."""
     from tpflow.shapes.prompts import prompts
     from tpflow.shapes.render import render
 
@@ -101,8 +103,9 @@ def test_weighted_of_a_real_reward():
     texts, metadata = [i.prompt for i in items], [i.metadata for i in items]
     single = registry.build("reward", "shapes-geneval")(images, texts, metadata)
     out = registry.build("reward", "weighted", rewards=[{"name": "shapes-geneval", "weight": 2.0}])(
-        images, texts, metadata
+        images.to(device), texts, metadata
     )
+    assert out.scores.device.type == "cpu" and all(v.device.type == "cpu" for v in out.details.values())
     torch.testing.assert_close(out.scores, 2.0 * single.scores)
     torch.testing.assert_close(out.details["shapes-geneval/strict"], single.details["strict"])
 

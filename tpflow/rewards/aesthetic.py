@@ -23,9 +23,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
+from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.registry import register
-from tpflow.rewards._device import reward_device
 from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip
 from tpflow.types import RewardOutput
 
@@ -119,7 +119,7 @@ class AestheticReward:
 
     def __init__(self, options: AestheticOptions | None = None):
         self.options = options or AestheticOptions()
-        self.device = reward_device(self.options.device)  # resolved here, not in the worker thread that loads
+        self.device = resolve_device(self.options.device)  # in the building thread, on its current GPU
         self._lock = threading.Lock()
         self._models: tuple[OpenClip, AestheticHead] | None = None
 

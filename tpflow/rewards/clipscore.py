@@ -20,8 +20,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from tpflow.devices import resolve_device
 from tpflow.registry import register
-from tpflow.rewards._device import reward_device
 from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip
 from tpflow.types import RewardOutput
 
@@ -52,7 +52,7 @@ class ClipScoreReward:
 
     def __init__(self, options: ClipScoreOptions | None = None):
         self.options = options or ClipScoreOptions()
-        self.device = reward_device(self.options.device)  # resolved here, not in the worker thread that loads
+        self.device = resolve_device(self.options.device)  # in the building thread, on its current GPU
         self._lock = threading.Lock()
         self._clip: OpenClip | None = None
 

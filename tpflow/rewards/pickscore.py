@@ -22,9 +22,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.registry import register
-from tpflow.rewards._device import reward_device
 from tpflow.rewards._images import clip_preprocess, l2_normalize
 from tpflow.types import RewardOutput
 
@@ -64,7 +64,7 @@ class PickScoreReward:
 
     def __init__(self, options: PickScoreOptions | None = None):
         self.options = options or PickScoreOptions()
-        self.device = reward_device(self.options.device)  # resolved here, not in the worker thread that loads
+        self.device = resolve_device(self.options.device)  # in the building thread, on its current GPU
         self._lock = threading.Lock()
         self._model: Any = None
         self._tokenizer: Any = None

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tpflow.devices import resolve_device
 from tpflow.errors import UserError
-from tpflow.rewards._device import reward_device
 from tpflow.rewards._images import to_uint8
 from tpflow.rewards.geneval.colors import ColorClassifier, grey_crop
 from tpflow.rewards.geneval.detectors import Detection, geneval_class_name
@@ -78,7 +78,7 @@ class Mask2FormerDetector:
         device: str = "auto",
     ):
         self.detector_model, self.clip_model, self.clip_pretrained = detector_model, clip_model, clip_pretrained
-        self.device = reward_device(device)  # resolved here, not in the worker thread that loads
+        self.device = resolve_device(device)  # in the building thread, on its current GPU
         self._lock = threading.Lock()
         self._model: Any = None
         self._processor: Any = None
