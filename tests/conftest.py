@@ -10,9 +10,11 @@ without a GPU; it proves nothing about CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def device(request: pytest.FixtureRequest) -> str:
     """Run the test on the CPU and, in the GPU suite, on CUDA."""
     return cuda_or_skip() if request.param == "cuda" else "cpu"
+
+
+@contextlib.contextmanager
+def exact_fp32() -> Iterator[None]:
+    """IEEE float32 matmuls and cuDNN convolutions (no TF32) inside the block; the previous settings after.
+
+    Uses ``set_float32_matmul_precision`` and the cuDNN ``allow_tf32`` flag only: torch >= 2.9 raises on reading the
+    legacy cuDNN flag once its new ``fp32_precision`` API has set conv and rnn, and ``cudnn.flags()`` reads it.
+    """
+    matmul, conv = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = conv
+
+
+@pytest.fixture
+def no_tf32() -> Iterator[None]:
+    """IEEE float32 on CUDA for the test (``exact_fp32``): PyTorch lets cuDNN convolutions use TF32 by default, whose
+    10-bit mantissa alone moves a CPU-vs-CUDA comparison by about 1e-3."""
+    with exact_fp32():
+        yield
 
 
 @pytest.fixture

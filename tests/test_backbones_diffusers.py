@@ -1,4 +1,10 @@
-"""tiny-sd3 and tiny-flux behave exactly like diffusers pipelines: rollouts, schedules, LoRA export, load errors."""
+"""tiny-sd3 and tiny-flux behave exactly like diffusers pipelines: rollouts, schedules, LoRA export, load errors.
+
+The tests that take the ``device`` fixture also run in the GPU suite with the backbone AND the diffusers pipeline on
+CUDA (tests/conftest.py). There TF32 is off (``exact_fp32``, tests/conftest.py) and the two sides run
+the same kernels on the same shapes, so the CPU tolerance of 1e-4 is kept: a float32 rollout of these models drifts
+from a float64 one by ~2e-6, while a real mismatch (another schedule, a missing LoRA scale) is 0.1 or more.
+"""
 
 from __future__ import annotations
 
@@ -14,18 +20,39 @@ from tpflow.registry import build
 from tpflow.rollout import Window, rollout, sample_ode
 from tpflow.samplers.cps import CpsSampler
 
+from .conftest import exact_fp32
+
 PROMPTS = ["a photo of a red cat", 'a sign that says "OPEN"']
 K = 4
 
 
-@pytest.fixture(scope="module")
-def sd3():
-    return build("backbone", "tiny-sd3", seed=0, resolution=16)
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    with exact_fp32():
+        yield
 
 
 @pytest.fixture(scope="module")
-def flux():
-    return build("backbone", "tiny-flux", seed=0, resolution=16)
+def backbones():
+    """``get(name, device)``: one tiny backbone per name and device for the module (built on first use)."""
+    built = {}
+
+    def get(name: str, device: str = "cpu"):
+        if (name, device) not in built:
+            built[name, device] = build("backbone", name, seed=0, resolution=16, device=device)
+        return built[name, device]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def sd3(backbones):
+    return backbones("tiny-sd3")
+
+
+@pytest.fixture(scope="module")
+def flux(backbones):
+    return backbones("tiny-flux")
 
 
 def _pipeline_latents(pipe, z0: torch.Tensor, guidance: float, **kwargs) -> torch.Tensor:
@@ -51,13 +78,16 @@ def test_tiny_sd3_has_the_sd35_flags(sd3):
 
 
 @pytest.mark.parametrize("guidance", [1.0, 4.5])
-def test_sd3_rollout_at_noise_0_equals_the_diffusers_pipeline(sd3, guidance):
-    pipe = tiny_sd3_pipeline(seed=0)  # an independent copy: the backbone's LoRA (B = 0) must not change anything
+def test_sd3_rollout_at_noise_0_equals_the_diffusers_pipeline(backbones, device, guidance):
+    sd3 = backbones("tiny-sd3", device)
+    pipe = tiny_sd3_pipeline(seed=0).to(device)  # an independent copy: the backbone's LoRA (B = 0) changes nothing
     z0 = sd3.initial_noise(2, torch.Generator().manual_seed(3))
+    assert z0.device.type == torch.device(device).type
     expected = _pipeline_latents(pipe, z0, guidance)
+    assert expected.device == z0.device
     cond = sd3.encode(PROMPTS)
     sigmas = sd3.sigmas(K)
-    torch.testing.assert_close(sigmas, pipe.scheduler.sigmas.float(), rtol=0, atol=1e-6)  # the pipe's last run
+    torch.testing.assert_close(sigmas, pipe.scheduler.sigmas.float().cpu(), rtol=0, atol=1e-6)  # the pipe's last run
     with torch.no_grad():
         ode = sample_ode(sd3, cond, z0, sigmas, guidance)
         sde = rollout(sd3, CpsSampler(), cond, z0, sigmas, Window(0, K - 1), 0.0, guidance, completions=None)
@@ -66,14 +96,16 @@ def test_sd3_rollout_at_noise_0_equals_the_diffusers_pipeline(sd3, guidance):
     assert (expected - z0).abs().max() > 0.1  # the comparison is not vacuous
 
 
-def test_flux_rollout_at_noise_0_equals_the_diffusers_pipeline(flux):
-    pipe = tiny_flux_pipeline(seed=0)
+def test_flux_rollout_at_noise_0_equals_the_diffusers_pipeline(backbones, device):
+    flux = backbones("tiny-flux", device)
+    pipe = tiny_flux_pipeline(seed=0).to(device)
     z0 = flux.initial_noise(2, torch.Generator().manual_seed(5))  # packed [2, 64, 4]
-    assert z0.shape == (2, 64, 4)
+    assert z0.shape == (2, 64, 4) and z0.device.type == torch.device(device).type
     expected = _pipeline_latents(pipe, z0, 3.5)
+    assert expected.device == z0.device
     cond = flux.encode(PROMPTS)
     sigmas = flux.sigmas(K)
-    torch.testing.assert_close(sigmas, pipe.scheduler.sigmas.float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(sigmas, pipe.scheduler.sigmas.float().cpu(), rtol=0, atol=1e-6)
     with torch.no_grad():
         ode = sample_ode(flux, cond, z0, sigmas, 3.5)
         sde = rollout(flux, CpsSampler(), cond, z0, sigmas, Window(1, 2), 0.0, 3.5, completions=None)
@@ -94,8 +126,9 @@ def test_flux_pack_unpack_roundtrip(flux):
     torch.testing.assert_close(packed, FluxPipeline._pack_latents(z, 3, flux.channels, 16, 16), rtol=0, atol=0)
 
 
-def test_decode_matches_the_pipeline_image(sd3):
-    pipe = tiny_sd3_pipeline(seed=0)
+def test_decode_matches_the_pipeline_image(backbones, device):
+    sd3 = backbones("tiny-sd3", device)
+    pipe = tiny_sd3_pipeline(seed=0).to(device)
     z0 = sd3.initial_noise(2, torch.Generator().manual_seed(7))
     image = pipe(
         prompt=PROMPTS, num_inference_steps=K, guidance_scale=4.5, latents=z0.clone(), output_type="pt",
@@ -103,7 +136,7 @@ def test_decode_matches_the_pipeline_image(sd3):
     ).images  # fmt: skip
     latents = _pipeline_latents(pipe, z0, 4.5)
     mine = sd3.decode(latents)
-    assert mine.shape == (2, 3, 16, 16) and mine.dtype == torch.float32
+    assert mine.shape == (2, 3, 16, 16) and mine.dtype == torch.float32 and mine.device == z0.device
     torch.testing.assert_close(mine, image.float(), rtol=0, atol=1e-5)
 
 
@@ -117,7 +150,8 @@ def test_prompt_cache_gives_the_same_conditioning():
     assert len(cached.cache._rows) == 2  # bounded
 
 
-def test_lora_starts_at_the_base_model_and_reference_disables_it(sd3):
+def test_lora_starts_at_the_base_model_and_reference_disables_it(backbones, device):
+    sd3 = backbones("tiny-sd3", device)
     z = sd3.initial_noise(2, torch.Generator().manual_seed(1))
     cond = sd3.encode(PROMPTS)
     sigma = torch.full((2,), 0.6)
@@ -160,6 +194,40 @@ def test_adapter_load_checks_rank(tmp_path):
         other.load_adapter(tmp_path)
     with pytest.raises(UserError, match="No LoRA adapter"):
         other.load_adapter(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-flux"])
+def test_exported_adapter_and_merged_model_load_into_diffusers(tmp_path, device, name):
+    """What ``tpflow export`` writes (``save_adapter``, and ``save_merged`` with --merge), read by diffusers on the
+    device: ``pipe.load_lora_weights(dir)`` and ``from_pretrained`` of the merged transformer sample what the
+    backbone samples, alpha / r included."""
+    sd3 = name == "tiny-sd3"
+    backbone = build("backbone", name, seed=0, resolution=16, device=device)  # its own: its LoRA is changed
+    with torch.no_grad():  # a trained-looking adapter (B != 0), drawn on the CPU so both devices get the same
+        gen = torch.Generator().manual_seed(0)
+        for p in backbone.trainable_parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen).to(p.device))
+    backbone.save_adapter(tmp_path / "lora")
+    backbone.save_merged(tmp_path / "merged")
+    make_pipe = tiny_sd3_pipeline if sd3 else tiny_flux_pipeline
+    pipe = make_pipe(seed=0).to(device)
+    pipe.load_lora_weights(tmp_path / "lora")
+    theirs, mine = [p for n, p in pipe.transformer.named_parameters() if "lora_" in n], backbone.trainable_parameters()
+    assert len(theirs) == len(mine) and all(p.device == mine[0].device for p in theirs)  # peft moved them there
+    transformer_cls = type(backbone.transformer)
+    merged = transformer_cls.from_pretrained(tmp_path / "merged").to(device).eval()
+    merged_pipe = type(pipe)(**{**make_pipe(seed=0).components, "transformer": merged}).to(device)
+
+    guidance = 4.5 if sd3 else 3.5
+    z0 = backbone.initial_noise(2, torch.Generator().manual_seed(11))
+    cond = backbone.encode(PROMPTS)
+    with torch.no_grad():
+        ours = sample_ode(backbone, cond, z0, backbone.sigmas(K), guidance)
+        with backbone.reference():
+            base = sample_ode(backbone, cond, z0, backbone.sigmas(K), guidance)
+    torch.testing.assert_close(_pipeline_latents(pipe, z0, guidance), ours, rtol=0, atol=1e-4)
+    torch.testing.assert_close(_pipeline_latents(merged_pipe, z0, guidance), ours, rtol=0, atol=1e-4)
+    assert (ours - base).abs().max() > 1e-2  # the adapter changes the samples: the comparisons have teeth
 
 
 def test_sigmas_follow_the_scheduler_config():

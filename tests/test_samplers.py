@@ -1,7 +1,8 @@
 """Samplers (ALGORITHM.md §1.3–1.5): invariants, the reference's std tables, dtypes and input checks.
 
 The SD3 K=10 and FLUX K=6 schedules are typed in from ALGORITHM.md §1.2 (tests/test_schedules.py checks them against
-diffusers), so these tests do not import diffusers.
+diffusers), so these tests do not import diffusers. The tests that take the ``device`` fixture also run on CUDA in the
+GPU suite (tests/conftest.py); the samplers are elementwise float32 arithmetic, exact up to ~1 ulp on any device.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import pytest
 import torch
 
 import tpflow
+from tpflow.devices import cpu_generator
 from tpflow.interfaces import Sampler
 from tpflow.samplers import CpsSampler, FlowSdeSampler, euler_step
+from tpflow.samplers._common import draw_noise
 
 SD3_K10 = torch.tensor([1.0, 0.96013, 0.91335, 0.85769, 0.79037, 0.70728, 0.60215, 0.46488, 0.27805, 0.00893, 0.0])
 FLUX_K6 = torch.tensor([1.0, 0.90374, 0.78970, 0.65249, 0.48422, 0.27300, 0.0])
@@ -21,9 +24,11 @@ SAMPLERS = [FlowSdeSampler, CpsSampler]
 SIGMA_PAIRS = [(1.0, 0.96013), (0.79037, 0.70728), (0.27805, 0.00893), (0.00893, 0.0)]
 
 
-def _latents(n: int = 3, shape: tuple[int, ...] = (4, 5, 6), seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _latents(
+    n: int = 3, shape: tuple[int, ...] = (4, 5, 6), seed: int = 0, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, *shape, generator=g), torch.randn(n, *shape, generator=g)
+    return torch.randn(n, *shape, generator=g).to(device), torch.randn(n, *shape, generator=g).to(device)
 
 
 def _table(sampler, sigmas: torch.Tensor, alpha: float, field: str) -> torch.Tensor:
@@ -35,14 +40,15 @@ def _table(sampler, sigmas: torch.Tensor, alpha: float, field: str) -> torch.Ten
 
 @pytest.mark.parametrize("cls", SAMPLERS)
 @pytest.mark.parametrize("sigma,sigma_next", SIGMA_PAIRS)
-def test_noise_level_zero_is_the_euler_step(cls, sigma, sigma_next):
-    z, v = _latents()
+def test_noise_level_zero_is_the_euler_step(cls, sigma, sigma_next, device):
+    z, v = _latents(device=device)
     expected = z + (sigma_next - sigma) * v
     out = cls().step(z, v, sigma, sigma_next, 0.0)
+    assert out.prev.device == z.device
     torch.testing.assert_close(out.prev, expected, atol=1e-6, rtol=0)
     torch.testing.assert_close(out.prev, euler_step(z, v, sigma, sigma_next), atol=0, rtol=0)  # bit for bit
     torch.testing.assert_close(out.mean, out.prev)
-    assert torch.equal(out.std, torch.zeros(3)) and torch.equal(out.std_dev_t, torch.zeros(3))
+    assert torch.equal(out.std.cpu(), torch.zeros(3)) and torch.equal(out.std_dev_t.cpu(), torch.zeros(3))
     assert torch.isfinite(out.log_prob).all()
 
 
@@ -75,11 +81,12 @@ def test_cps_last_step_is_deterministic():
 
 @pytest.mark.parametrize("cls", SAMPLERS)
 @pytest.mark.parametrize("alpha", [0.3, 0.7, 1.0])
-def test_log_prob_of_own_sample_matches_step(cls, alpha):
-    z, v = _latents()
+def test_log_prob_of_own_sample_matches_step(cls, alpha, device):
+    z, v = _latents(device=device)
     sampler = cls()
     sigma, sigma_next = torch.tensor([1.0, 0.60215, 0.27805]), torch.tensor([0.96013, 0.46488, 0.00893])
     out = sampler.step(z, v, sigma, sigma_next, alpha, generator=torch.Generator().manual_seed(1))
+    assert out.prev.device == out.log_prob.device == z.device
     again = sampler.log_prob(out.prev, z, v, sigma, sigma_next, alpha)
     assert again.prev is out.prev
     torch.testing.assert_close(again.log_prob, out.log_prob, rtol=1e-6, atol=0)
@@ -99,6 +106,28 @@ def test_explicit_noise_gives_mean_plus_std_xi(cls):
     torch.testing.assert_close(out.prev, out.mean + out.std.view(-1, 1, 1, 1) * xi, rtol=0, atol=0)
     assert out.std.shape == out.std_dev_t.shape == out.log_prob.shape == (3,)
     assert (out.std > 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", SAMPLERS)
+def test_a_cpu_generator_draws_the_same_xi_on_cuda_latents(cls, cuda):
+    """tpflow.devices rule 1: ξ comes from the CPU generator whatever the latent's device, so a step on CUDA latents
+    draws, bit for bit, what the same seed draws on the CPU, and leaves the generator in the same state."""
+    z, v = _latents()
+    # a step whose std is far from 0 (0.70 for cps, 0.45 for flow-sde), so (prev - mean) / std recovers ξ closely
+    sigma, sigma_next = torch.tensor([0.85769, 0.79037, 0.60215]), torch.tensor([0.79037, 0.70728, 0.46488])
+    xi = torch.randn(z.shape, generator=cpu_generator(11))
+    assert torch.equal(draw_noise(z.to(cuda), cpu_generator(11), None).cpu(), xi)
+    g_cpu, g_gpu = cpu_generator(11), cpu_generator(11)
+    a = cls().step(z, v, sigma, sigma_next, 0.7, generator=g_cpu)
+    b = cls().step(z.to(cuda), v.to(cuda), sigma.to(cuda), sigma_next.to(cuda), 0.7, generator=g_gpu)
+    assert b.prev.device.type == torch.device(cuda).type
+    assert torch.equal(torch.randn(4, generator=g_cpu), torch.randn(4, generator=g_gpu))  # as much was drawn
+    recovered = ((b.prev - b.mean) / b.std.view(-1, 1, 1, 1)).cpu()
+    torch.testing.assert_close(recovered, xi, rtol=0, atol=1e-5)  # float32 rounding of prev, divided by std
+    # The same inputs give the same step: elementwise float32 ops, ~1 ulp apart between CPU and CUDA.
+    for field in ("prev", "mean", "std", "std_dev_t", "log_prob"):
+        torch.testing.assert_close(getattr(b, field).cpu(), getattr(a, field), rtol=1e-6, atol=1e-6, msg=field)
 
 
 @pytest.mark.parametrize("cls", SAMPLERS)
@@ -169,8 +198,8 @@ def test_cps_log_prob_is_the_variance_free_surrogate():
 
 @pytest.mark.parametrize("cls", SAMPLERS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_latents(cls, dtype):
-    z, v = _latents()
+def test_low_precision_latents(cls, dtype, device):
+    z, v = _latents(device=device)
     out = cls().step(z.to(dtype), v.to(dtype), 0.7, 0.6, 0.7, generator=torch.Generator().manual_seed(8))
     assert out.prev.dtype == dtype
     for t in (out.mean, out.std, out.log_prob, out.std_dev_t):
@@ -181,8 +210,8 @@ def test_low_precision_latents(cls, dtype):
 
 
 @pytest.mark.parametrize("cls", SAMPLERS)
-def test_log_prob_has_a_gradient_through_v(cls):
-    z, v = _latents()
+def test_log_prob_has_a_gradient_through_v(cls, device):
+    z, v = _latents(device=device)
     out = cls().step(z, v, 0.7, 0.6, 0.7, generator=torch.Generator().manual_seed(9))
     v_train = v.clone().requires_grad_(True)
     lp = cls().log_prob(out.prev, z, v_train, 0.7, 0.6, 0.7).log_prob
