@@ -151,3 +151,13 @@ def test_cuda_without_a_gpu_is_a_user_error_before_anything_loads(tmp_path, tiny
     with pytest.raises(UserError, match="no CUDA GPU"):
         Trainer(load_recipe(tiny_recipe(tmp_path, tiny_weights), ["backbone.device=cuda"]))
     assert built == []
+
+
+def test_a_second_trainer_in_one_process_gets_the_accelerator_it_asks_for():
+    """accelerate's process-wide state would keep the first trainer's precision (or raise); outside a launcher the
+    trainer resets a state that disagrees."""
+    from tpflow.train.trainer import _accelerator
+
+    assert _accelerator(cpu=True, mixed_precision="no").mixed_precision == "no"
+    assert _accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"
+    assert _accelerator(cpu=True, mixed_precision="no").mixed_precision == "no"

@@ -73,8 +73,6 @@ class Trainer:
         resume: bool | Path = False,
         console: Console | None = None,
     ) -> None:
-        from accelerate import Accelerator
-
         self.recipe = recipe
         self.settings = t = recipe.train
         stem = recipe.path.stem if recipe.path else "run"
@@ -85,7 +83,7 @@ class Trainer:
         cpu = resolve_device(getattr(recipe.backbone.options, "device", None)).type != "cuda"
         if cpu:
             keep_freed_memory()  # batched rollouts on CPU: avoid a page fault per 4 KiB of every big tensor
-        self.accelerator = Accelerator(cpu=cpu, mixed_precision="no" if cpu else t.mixed_precision)
+        self.accelerator = _accelerator(cpu=cpu, mixed_precision="no" if cpu else t.mixed_precision)
         self.dist = Distributed(self.accelerator)
         if not self.dist.is_main:
             self.console = Console(quiet=True)  # one process reports; every process raises its own errors
@@ -400,6 +398,27 @@ class Trainer:
                 )
         else:
             self.nonfinite_epochs = 0
+
+
+def _accelerator(cpu: bool, mixed_precision: str):
+    """An ``accelerate.Accelerator`` on the CPU or the process's GPU with ``mixed_precision``.
+
+    accelerate keeps one state per process, fixed by the first Accelerator: a later one with another device or
+    precision either raises ("AcceleratorState has already been initialized") or silently keeps the first device. A
+    process that no launcher started (a notebook, the test suite) may build several trainers, so there a state that
+    disagrees is reset first; under a launcher the state belongs to the launch and is left alone."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from tpflow.launch import launched
+
+    state = AcceleratorState._shared_state
+    if state and not launched():
+        same_device = state.get("_cpu") == cpu or (not cpu and getattr(state.get("device"), "type", None) == "cuda")
+        if not same_device or state.get("_mixed_precision") != mixed_precision:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+    return Accelerator(cpu=cpu, mixed_precision=mixed_precision)
 
 
 SUMMED = ("nonfinite_losses", "trajectories_trained")  # update metrics added over the processes
