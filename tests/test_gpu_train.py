@@ -29,6 +29,8 @@ from tpflow.recipe import load_recipe
 from tpflow.train.run_logger import read_jsonl
 from tpflow.train.trainer import Trainer
 
+from .test_train import tiny_recipe
+
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,49 +44,11 @@ def backbone_section(name: str, device: str, weights: Path | None = None, dtype:
     return f'name = "{name}"\nseed = 0\nresolution = 16\ndtype = "{dtype}"\ndevice = "{device}"\n'
 
 
-def gpu_recipe(tmp_path: Path, backbone: str, *, mixed_precision: str = "no", run: str = "run") -> Path:
-    """tests/test_train.py's tiny recipe with the backbone on ``device`` and a built-in, continuous reward."""
-    text = f"""
-[backbone]
-{backbone}
-[reward]
-name = "image-stat"
-statistic = "brightness"
-[dataset]
-name = "shapes"
-test_size = 6
-[credit]
-name = "consistent"
-[optimizer]
-name = "grpo"
-learning_rate = 1e-2
-beta = 1e-3
-micro_batch_size = 4
-gradient_accumulation_steps = 1
-[rollout]
-num_steps = 4
-window_size = 3
-window_range = [0, 4]
-guidance = 2.0
-[train]
-epochs = 2
-prompts_per_epoch = 2
-group_size = 4
-rollout_batch = 4
-save_every = 1
-ema = true
-ema_every = 1
-mixed_precision = "{mixed_precision}"
-run_dir = "{tmp_path / run}"
-[eval]
-every = 1
-num_steps = 3
-guidance = 2.0
-batch_size = 6
-"""
-    path = tmp_path / f"{run}.toml"
-    path.write_text(text)
-    return path
+def gpu_recipe(tmp_path: Path, backbone: str, run: str = "run") -> Path:
+    """tests/test_train.py's tiny recipe with ``backbone`` and the built-in brightness reward, in ``tmp_path / run``
+    (its run dir is ``tmp_path / run / "run"``)."""
+    (tmp_path / run).mkdir(exist_ok=True)
+    return tiny_recipe(tmp_path / run, None, reward="image-stat", backbone=backbone)
 
 
 def _adapter(trainer: Trainer) -> list[torch.Tensor]:
@@ -142,7 +106,7 @@ def test_mixed_precision_trains_on_cuda(tmp_path, cuda, precision):
     step whose scaled gradients overflow and halves its scale (65536 at first), so the first steps may be skipped."""
     name = "tiny-sd3" if precision == "fp16" else "tiny-flux"
     section = backbone_section(name, cuda, dtype=precision)
-    trainer = Trainer(load_recipe(gpu_recipe(tmp_path, section, mixed_precision=precision)))
+    trainer = Trainer(load_recipe(gpu_recipe(tmp_path, section), [f"train.mixed_precision={precision}"]))
     params = trainer.backbone.trainable_parameters()
     assert all(p.dtype == torch.float32 for p in params), "LoRA adapters train in fp32 under half-precision bases"
     before = _adapter(trainer)
@@ -210,5 +174,5 @@ def test_num_processes_1_over_nccl(tmp_path, tiny_weights, cuda):
     run = [sys.executable, "-m", "tpflow.cli", "train", str(recipe), "--epochs", "1", "--num-processes", "1"]
     done = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert (tmp_path / "run" / "checkpoints").is_dir()
-    assert [row["epoch"] for row in read_jsonl(tmp_path / "run" / "metrics.jsonl")][:1] == [0]
+    assert (tmp_path / "run" / "run" / "checkpoints").is_dir()
+    assert [row["epoch"] for row in read_jsonl(tmp_path / "run" / "run" / "metrics.jsonl")][:1] == [0]

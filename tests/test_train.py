@@ -20,15 +20,20 @@ TIMING = ("_s", "time")  # metric names that measure wall time: never compared
 
 
 def tiny_recipe(
-    tmp_path: Path, weights: Path, credit: str = "consistent", reward: str = "brightness", extra: str = ""
+    tmp_path: Path,
+    weights: Path | None,
+    credit: str = "consistent",
+    reward: str = "brightness",
+    extra: str = "",
+    backbone: str | None = None,
 ) -> Path:
     """A recipe small enough for the tests; the default reward is the test plugin's image brightness, which a
-    random tiny model already spreads (the shapes reward would be 0 for all its samples: nothing to learn)."""
+    random tiny model already spreads (the shapes reward would be 0 for all its samples: nothing to learn).
+    ``backbone`` replaces the [backbone] section's body (default: shapes-dit from ``weights``)."""
+    backbone = backbone or f'name = "shapes-dit"\nweights = "{weights}"\nlora_init = "gaussian"'
     text = f"""
 [backbone]
-name = "shapes-dit"
-weights = "{weights}"
-lora_init = "gaussian"
+{backbone}
 [reward]
 name = "{reward}"
 [dataset]
