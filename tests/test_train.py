@@ -184,3 +184,28 @@ def test_cli_train_and_resume(tmp_path, tiny_weights):
     assert "resumed from" in resumed.stdout
     lines = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert "eval_acc_counting" in lines[0]  # per-tag accuracy of GenEval-style rewards
+
+
+def test_items_with_the_same_text_form_one_prompt_group(tmp_path, tiny_weights, plugin):
+    """ALGORITHM.md §5: advantages are normalised over every sample of the same prompt TEXT in the gathered batch.
+    Two dataset items that share a text (the shapes train split repeats its texts) must be one group of 2G, not
+    two groups of G: grouping on the dataset item gives different advantages."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of a circle\na photo of a  Circle\n")  # case and spacing folded, as the reference
+    extra = f'[dataset]\nname = "text-file"\npath = "{prompts}"\n'
+    text = tiny_recipe(tmp_path, tiny_weights).read_text().replace('[dataset]\nname = "shapes"\ntest_size = 6\n', "")
+    path = tmp_path / "dup.toml"
+    path.write_text(text + extra)
+    trainer = Trainer(load_recipe(path, ["train.epochs=1", "train.rollout_batch=8", "eval.every=0"]))
+    trainer.fit()
+    traces = [r for r in read_jsonl(trainer.run_dir / "traces.jsonl") if r["epoch"] == 0]
+    assert len(traces) == 8 and {r["item"] for r in traces} == {0, 1}  # both items drawn, G = 4 copies each
+    assert {r["group"] for r in traces} == {0}
+    step_rewards = torch.tensor([r["step_rewards"] for r in traces], dtype=torch.float64)
+    from tpflow.optim.advantages import group_advantages
+
+    by_text = group_advantages(step_rewards, [0] * 8)
+    by_item = group_advantages(step_rewards, [r["item"] for r in traces])
+    logged = torch.tensor([r["advantages"] for r in traces], dtype=torch.float64)
+    assert not torch.allclose(by_text, by_item)  # the test can tell the two groupings apart
+    torch.testing.assert_close(logged, by_text, rtol=0, atol=1e-12)

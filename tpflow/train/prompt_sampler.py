@@ -32,7 +32,7 @@ class RolloutBatch:
     """One global rollout batch of an epoch."""
 
     index: int  # j, position in the epoch (0-based, over all processes)
-    items: tuple[int, ...]  # [B] dataset item index of each trajectory; equal items form a group
+    items: tuple[int, ...]  # [B] dataset item index of each trajectory (groups are formed by prompt text)
     seed: int  # seeds this batch's window draw and noise (independent of the process that runs it)
 
 

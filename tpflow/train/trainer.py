@@ -63,6 +63,13 @@ from tpflow.types import PromptItem, Rollout
 MAX_NONFINITE_EPOCHS = 3  # consecutive epochs with non-finite losses before the run stops
 
 
+def prompt_groups(prompts: list[str]) -> list[int]:
+    """Group ids of N prompts, in order of first appearance: equal texts (up to case and runs of whitespace, which
+    the reference's CLIP-tokenizer round trip also folds) share an id."""
+    table: dict[str, int] = {}
+    return [table.setdefault(" ".join(p.lower().split()), len(table)) for p in prompts]
+
+
 class Trainer:
     """Builds every component of a recipe and runs its epochs; see the module docstring."""
 
@@ -223,8 +230,10 @@ class Trainer:
         trace = packed[:, : width + 1].float()  # [N, W+1]
         step_rewards = packed[:, width + 1 : 2 * width + 1]  # [N, W]
         turning = packed[:, 2 * width + 1 : 3 * width + 1].bool()  # [N, W]
-        keys = packed[:, 3 * width + 1 :].long()  # [N, 3]: dataset item (the prompt group), batch, row
-        groups = keys[:, 0].tolist()
+        keys = packed[:, 3 * width + 1 :].long()  # [N, 3]: dataset item, batch, row
+        # The prompt group is the prompt's text, as in the reference (ALGORITHM.md §5): two dataset items with the
+        # same text (the shapes train split repeats its 93 texts) are one group, on every process alike.
+        groups = prompt_groups([self.train_items[i].prompt for i in keys[:, 0].tolist()])  # [N] ints
         global_std = getattr(self.optimizer.options, "global_std", False)
         advantages = group_advantages(step_rewards, groups, global_std=global_std)  # [N, W], the same everywhere
         mine = advantages[self.dist.rank * n : (self.dist.rank + 1) * n]
@@ -251,7 +260,8 @@ class Trainer:
                 {
                     "prompt": self.train_items[item].prompt,
                     "tag": self.train_items[item].metadata.get("tag"),
-                    "group": item,
+                    "group": groups[k],
+                    "item": item,
                     "batch": index,
                     "row": row,
                     "trace": trace[k].tolist(),
