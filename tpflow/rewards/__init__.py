@@ -2,9 +2,11 @@
 
 from tpflow.rewards import aesthetic, clipscore, image_stat, ocr, pickscore, remote, weighted
 from tpflow.rewards.geneval import reward as geneval_reward
+from tpflow.rewards.shapes_clip import ShapesClipReward
 from tpflow.rewards.shapes_geneval import ShapesGenevalReward
 
 __all__ = [
+    "ShapesClipReward",
     "ShapesGenevalReward",
     "aesthetic",
     "clipscore",

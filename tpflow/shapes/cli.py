@@ -1,9 +1,11 @@
 """``tpflow shapes``: commands of the embedded shapes world.
 
     tpflow shapes pretrain --minutes 45 --out runs/shapes-pretrain    # writes shapes_dit.safetensors + .json
+    tpflow shapes clip-pretrain --minutes 11 --out runs/shapes-clip --threads 1   # shapes_clip.safetensors + .json
 
 Use the result with ``weights = "runs/shapes-pretrain/shapes_dit.safetensors"`` in a recipe's [backbone] section
-(``name = "shapes-dit"``), or copy both files into ``tpflow/shapes/weights/`` to replace the shipped model.
+(``name = "shapes-dit"``), or copy both files into ``tpflow/shapes/weights/`` to replace the shipped model; the
+same for ``shapes_clip.safetensors`` with ``weights = ...`` in the [reward] section (``name = "shapes-clip"``).
 """
 
 from __future__ import annotations
@@ -44,4 +46,47 @@ def pretrain(
         typer.echo("error: --minutes and --lr must be positive and --batch-size at least 1.", err=True)
         raise typer.Exit(2)
     path = run_pretrain(minutes=minutes, out=out, seed=seed, batch_size=batch_size, lr=lr, progress=progress)
+    typer.echo(str(path))
+
+
+@shapes_app.command("clip-pretrain")
+def clip_pretrain(
+    minutes: Annotated[float, typer.Option(help="Wall-clock budget of the training loop, in minutes.")] = 11.0,
+    out: Annotated[
+        Path, typer.Option(help="Output folder for shapes_clip.safetensors and shapes_clip.json (config + stats).")
+    ] = Path("runs/shapes-clip"),
+    seed: Annotated[int, typer.Option(help="Seed of the initialisation, prompts, renderings and augmentation.")] = 0,
+    threads: Annotated[int, typer.Option(help="Torch CPU threads; 0 keeps torch's default.")] = 0,
+    batch_size: Annotated[int, typer.Option(help="Train prompts per step (each with its hard negatives).")] = 32,
+    lr: Annotated[float, typer.Option(help="AdamW peak learning rate (warm-up, then cosine decay).")] = 2e-3,
+    max_steps: Annotated[int, typer.Option(help="Stop after this many steps (0: only the time budget).")] = 0,
+    split: Annotated[
+        str, typer.Option(help="Prompts it learns: test (every prompt, the default) or train (no held-out pairs).")
+    ] = "test",
+    progress: Annotated[bool, typer.Option(help="Show a progress bar (otherwise print log lines).")] = True,
+) -> None:
+    """Train the shapes-clip reward model (a tiny CLIP with hard negatives) on shapes rendered on the fly."""
+    from tpflow.shapes.clip_pretrain import clip_pretrain as run_clip_pretrain
+
+    if split not in ("train", "test"):
+        typer.echo(f"error: --split must be train or test, got {split!r}.", err=True)
+        raise typer.Exit(2)
+    if minutes <= 0 or batch_size < 1 or lr <= 0 or threads < 0 or max_steps < 0:
+        typer.echo(
+            "error: --minutes and --lr must be positive, --batch-size at least 1, --threads and "
+            "--max-steps at least 0.",
+            err=True,
+        )
+        raise typer.Exit(2)
+    path = run_clip_pretrain(
+        minutes=minutes,
+        out=out,
+        seed=seed,
+        batch_size=batch_size,
+        lr=lr,
+        threads=threads or None,
+        max_steps=max_steps or None,
+        split=split,
+        progress=progress,
+    )
     typer.echo(str(path))
