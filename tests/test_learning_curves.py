@@ -98,3 +98,49 @@ def test_every_arm_of_the_protocol_is_a_valid_recipe_differing_only_as_stated(be
     for d in strip[1:-1]:
         assert d == strip[0]  # outcome, consistent, turning_point, incremental: only [credit] differs
     assert np.isclose(datas["outcome"]["optimizer"]["learning_rate"], 1e-3)
+
+
+@pytest.fixture(scope="module")
+def audit():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("credit_audit")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.mark.parametrize("kind", ["outcome", "incremental", "consistent", "turning_point"])
+@pytest.mark.parametrize("balanced", [True, False])
+def test_the_independent_audit_agrees_with_tpflow_credit(audit, kind, balanced):
+    """benchmarks/credit_audit.py re-derives ALGORITHM.md §4 in NumPy without tpflow's code; on random traces with
+    many ties and zeros (as a discrete reward gives) both must agree, or the sweep's audit would prove nothing."""
+    import torch
+
+    from tpflow import registry
+
+    options = {} if kind in ("outcome", "incremental") else {"balanced": balanced}
+    if kind in ("outcome", "incremental") and not balanced:
+        pytest.skip("no balancing option")
+    assigner = registry.build("credit", kind, **options)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        trace = rng.integers(0, 4, size=(16, 10)).astype(np.float64) / 3  # [B, W+1], coarse like GenEval's score
+        credit = assigner(torch.from_numpy(trace))
+        rewards, turning = audit.step_rewards(trace, kind, balanced)
+        np.testing.assert_allclose(credit.step_rewards.numpy(), rewards, rtol=0, atol=1e-12)
+        assert (credit.turning_points.numpy() == turning).all()
+    if kind == "consistent":  # the audit can tell the two turning-point definitions apart
+        differs = [
+            not np.array_equal(audit.step_rewards(t, "consistent")[0], audit.step_rewards(t, "turning_point")[0])
+            for t in (rng.integers(0, 4, size=(16, 10)) / 3 for _ in range(20))
+        ]
+        assert any(differs)
+
+
+def test_the_audit_advantages_group_by_text(audit):
+    from tpflow.optim.advantages import group_advantages
+
+    rewards = np.random.default_rng(1).normal(size=(8, 3))
+    texts = ["a", "b", "a", "a", "b", "b", "c", "c"]
+    expected = group_advantages(__import__("torch").from_numpy(rewards), texts).numpy()
+    np.testing.assert_allclose(audit.advantages(rewards, texts), expected, rtol=0, atol=1e-12)
