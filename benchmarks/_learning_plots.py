@@ -32,8 +32,9 @@ def plot_curves(results: dict, tasks: list[str], arms: list[str], path: Path, la
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(tasks), 2, figsize=(12, 4.2 * len(tasks)), squeeze=False)
+    fig, axes = plt.subplots(len(tasks), 3, figsize=(18, 4.2 * len(tasks)), squeeze=False)
     for row, task in enumerate(tasks):
+        base = {r["seed"]: np.array(r["eval_reward"]) for r in results[task].get("outcome", [])}
         for arm in arms:
             runs = results[task].get(arm, [])
             if not runs:
@@ -46,12 +47,20 @@ def plot_curves(results: dict, tasks: list[str], arms: list[str], path: Path, la
             for ax, x in ((axes[row, 0], epochs), (axes[row, 1], seconds)):
                 ax.plot(x, mean, color=color, marker="o", markersize=3, label=f"{arm} (n={len(runs)})")
                 ax.fill_between(x, low, high, color=color, alpha=0.15)
+            paired = np.array([np.array(r["eval_reward"]) - base[r["seed"]] for r in runs if r["seed"] in base])
+            if len(paired):  # [S, T] difference to the same seed's outcome run
+                mean, low, high = _band(paired)
+                axes[row, 2].plot(epochs, mean, color=color, marker="o", markersize=3, label=arm)
+                axes[row, 2].fill_between(epochs, low, high, color=color, alpha=0.12)
         axes[row, 0].set_xlabel("epochs")
         axes[row, 1].set_xlabel("training seconds (mean over seeds, eval excluded)")
+        axes[row, 2].set_xlabel("epochs")
         for ax in axes[row]:
             ax.set_ylabel("eval reward (held-out prompts)")
             ax.set_title(labels[task], fontsize=10)
             ax.grid(alpha=0.3)
+        axes[row, 2].set_ylabel("eval reward − same seed's outcome run")
+        axes[row, 2].axhline(0, color="black", linewidth=0.8)
         axes[row, 0].legend(fontsize=8)
     fig.suptitle("shapes world: eval reward, mean over seeds with 95% bootstrap band")
     fig.tight_layout()
