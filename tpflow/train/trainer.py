@@ -42,7 +42,6 @@ from rich.progress import (
 from tpflow.devices import cpu_generator, resolve_device
 from tpflow.distributed import Distributed
 from tpflow.errors import UserError
-from tpflow.optim.advantages import group_advantages
 from tpflow.recipe import Recipe
 from tpflow.rollout import draw_window, rollout_from_settings
 from tpflow.train.allocator import keep_freed_memory
@@ -234,8 +233,7 @@ class Trainer:
         # The prompt group is the prompt's text, as in the reference (ALGORITHM.md §5): two dataset items with the
         # same text (the shapes train split repeats its 93 texts) are one group, on every process alike.
         groups = prompt_groups([self.train_items[i].prompt for i in keys[:, 0].tolist()])  # [N] ints
-        global_std = getattr(self.optimizer.options, "global_std", False)
-        advantages = group_advantages(step_rewards, groups, global_std=global_std)  # [N, W], the same everywhere
+        advantages = self.optimizer.advantages(step_rewards, groups)  # [N, W] float64, the same everywhere
         mine = advantages[self.dist.rank * n : (self.dist.rank + 1) * n]
         # (sum, count) of each reward detail over this process's final images, merged over the processes below
         details = {name: torch.cat([s.details[name] for s in scored]).double() for name in scored[0].details}
