@@ -214,4 +214,3 @@ def test_advantage_options_have_one_owner_that_applies_them_once() -> None:
     local = GRPO().advantages(mixed, keys)
     pooled = tpflow.build("optimizer", "grpo", global_std=True).advantages(mixed, keys)
     assert local[1].item() == pytest.approx(1.0, abs=1e-3) and pooled[1].item() < local[1].item()
-
