@@ -87,3 +87,17 @@ def test_credit_command_shows_worked_example_1():
     assert "55 55 55 55 55" in out.stdout
     bad = tpflow("credit", "1,2,x")
     assert bad.returncode == 2 and "comma-separated" in bad.stderr
+
+
+def test_validate_checks_component_limits_across_sections(plugin, tmp_path):
+    """A limit one component puts on another section (cps: [rollout] noise_level in [0, 1]) fails validate, before
+    any weights load; it once failed only at the first sampling step."""
+    (tmp_path / "r.toml").write_text(BASE)
+    out = tpflow("validate", str(tmp_path / "r.toml"), "--set", "sampler.name=cps", "--set", "rollout.noise_level=1.5")
+    assert out.returncode == 2 and "Traceback" not in out.stderr + out.stdout
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "noise_level = 1.5" in lines[0] and "cps" in lines[0] and "[0, 1]" in lines[0]
+    ok = tpflow(
+        "validate", str(tmp_path / "r.toml"), "--set", "sampler.name=flow-sde", "--set", "rollout.noise_level=1.5"
+    )
+    assert ok.returncode == 0, ok.stderr

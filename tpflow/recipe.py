@@ -139,7 +139,21 @@ def validate_recipe(data: dict[str, Any], where: str = "recipe", path: Path | No
             settings[section] = model.model_validate(table)
         except ValidationError as exc:
             raise RecipeError(registry.describe_validation_error(exc, f"{where} [{section}]", model)) from None
+    problems = [
+        problem
+        for spec in components.values()
+        for problem in _limits(registry.get(spec.kind, spec.name).factory, spec.options, settings)
+    ]
+    if problems:
+        raise RecipeError(f"{where}: " + " ".join(problems))
     return Recipe(components=components, settings=settings, data=data, path=path)
+
+
+def _limits(factory: Any, options: BaseModel, settings: dict[str, BaseModel]) -> list[str]:
+    """What a component says about the rest of the recipe: its optional ``check_recipe(options, settings)`` returns
+    one sentence per limit the recipe breaks (e.g. cps's noise level in [0, 1]); checked before anything loads."""
+    check = getattr(factory, "check_recipe", None)
+    return list(check(options, settings)) if callable(check) else []
 
 
 def _component(data: dict[str, Any], kind: str, where: str) -> ComponentSpec:
