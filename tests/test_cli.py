@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.test_recipe import BASE
 
 
@@ -101,3 +103,35 @@ def test_validate_checks_component_limits_across_sections(plugin, tmp_path):
         "validate", str(tmp_path / "r.toml"), "--set", "sampler.name=flow-sde", "--set", "rollout.noise_level=1.5"
     )
     assert ok.returncode == 0, ok.stderr
+
+
+def test_every_train_option_reaches_the_launched_processes(plugin, tmp_path, monkeypatch):
+    """``tpflow train --num-processes N`` runs each process with the same command minus the launcher's options, built
+    from the command's own parameter list: an option added to ``train`` later needs no second edit to reach them."""
+    import typer.main
+
+    import tpflow.launch
+    from tpflow.cli import app, main
+
+    (tmp_path / "r.toml").write_text(BASE)
+    captured: list[list[str]] = []
+    monkeypatch.setattr(tpflow.launch, "launch", lambda args: captured.append(args) or 0)
+    command = typer.main.get_command(app).commands["train"]
+    values = {"set_": ["optimizer.learning_rate=2e-4", "train.seed=3"], "resume": "@latest", "run_dir": "RUN"}
+    argv = ["train", str(tmp_path / "r.toml"), "--num-processes", "2"]
+    forwarded = []
+    for param in command.params:
+        if param.name in tpflow.launch.LAUNCHER_OPTIONS or not param.opts[0].startswith("--"):
+            continue
+        value = values.get(param.name, "2")  # every other option is a number today; a new one shows up here
+        for v in value if isinstance(value, list) else [value]:
+            argv += [param.opts[0], v]
+            forwarded += [param.opts[0], v]
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 0 and len(captured) == 1
+    child = captured[0][captured[0].index("tpflow.cli") + 1 :]
+    assert child[:2] == ["train", str(tmp_path / "r.toml")]
+    assert "--num-processes" not in child and "--num-machines" not in child
+    pairs = list(zip(forwarded[::2], forwarded[1::2], strict=True))
+    assert pairs == list(zip(child[2::2], child[3::2], strict=True)), (forwarded, child)
