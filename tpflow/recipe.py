@@ -30,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 
 from tpflow import registry
 from tpflow.errors import RecipeError, UnknownComponentError
-from tpflow.settings import SETTINGS
+from tpflow.settings import SETTINGS, EvalSettings, RolloutSettings, TrainSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -64,12 +64,42 @@ class Recipe:
     data: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
 
-    def __getattr__(self, section: str) -> Any:
-        if section in SETTINGS:
-            return self.settings[section]
-        if section in registry.KINDS:
-            return self.components[section]
-        raise AttributeError(section)
+    # Typed sections: recipe.rollout.num_steps is checked by the type checker, recipe.credit.name names the assigner.
+    @property
+    def rollout(self) -> RolloutSettings:
+        return self.settings["rollout"]  # type: ignore[return-value]
+
+    @property
+    def train(self) -> TrainSettings:
+        return self.settings["train"]  # type: ignore[return-value]
+
+    @property
+    def eval(self) -> EvalSettings:
+        return self.settings["eval"]  # type: ignore[return-value]
+
+    @property
+    def backbone(self) -> ComponentSpec:
+        return self.components["backbone"]
+
+    @property
+    def sampler(self) -> ComponentSpec:
+        return self.components["sampler"]
+
+    @property
+    def reward(self) -> ComponentSpec:
+        return self.components["reward"]
+
+    @property
+    def credit(self) -> ComponentSpec:
+        return self.components["credit"]
+
+    @property
+    def optimizer(self) -> ComponentSpec:
+        return self.components["optimizer"]
+
+    @property
+    def dataset(self) -> ComponentSpec:
+        return self.components["dataset"]
 
     def build(self, kind: str) -> Any:
         """Build the component of one section: ``recipe.build("credit")``."""

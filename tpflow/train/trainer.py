@@ -94,22 +94,22 @@ class Trainer:
         console: Console | None = None,
     ) -> None:
         self.recipe = recipe
-        self.settings = t = recipe.train
+        self.settings = train = recipe.train
         stem = recipe.path.stem if recipe.path else "run"
-        self.run_dir = Path(run_dir) if run_dir else Path(t.run_dir.format(recipe=stem))
+        self.run_dir = Path(run_dir) if run_dir else Path(train.run_dir.format(recipe=stem))
         self.console = console or Console()
         # The accelerator follows the backbone's device (a CPU backbone on a GPU machine gets no CUDA autocast);
         # a device this machine lacks is a UserError here, before anything loads.
         cpu = resolve_device(getattr(recipe.backbone.options, "device", None)).type != "cuda"
         if cpu:
             keep_freed_memory()  # batched rollouts on CPU: avoid a page fault per 4 KiB of every big tensor
-        self.accelerator = _accelerator(cpu=cpu, mixed_precision="no" if cpu else t.mixed_precision)
+        self.accelerator = _accelerator(cpu=cpu, mixed_precision="no" if cpu else train.mixed_precision)
         self.dist = Distributed(self.accelerator)
         if not self.dist.is_main:
             self.console = Console(quiet=True)  # one process reports; every process raises its own errors
-        check_layout(t, self.dist.world_size)
-        torch.manual_seed(t.seed)  # the same on every process: the adapters start equal
-        random.seed(t.seed)
+        check_layout(train, self.dist.world_size)
+        torch.manual_seed(train.seed)  # the same on every process: the adapters start equal
+        random.seed(train.seed)
         self.backbone = recipe.build("backbone")
         self.sampler = recipe.build("sampler")
         self.reward = recipe.build("reward")
@@ -121,7 +121,7 @@ class Trainer:
         self.test_items = test[: recipe.eval.num_prompts] if recipe.eval.num_prompts else test
         self.optimizer.bind(self.backbone, self.accelerator)
         params = self.backbone.trainable_parameters()
-        self.ema = EMA(params, t.ema_decay, t.ema_every) if t.ema else None
+        self.ema = EMA(params, train.ema_decay, train.ema_every) if train.ema else None
         self.epoch = 0  # the next epoch to run
         self._progress: Progress | None = None
         self._task: TaskID | None = None
@@ -135,9 +135,10 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Run the remaining epochs; returns the last epoch's metrics (with the last eval's)."""
-        t, e = self.settings, self.recipe.eval
+        train, evaluation = self.settings, self.recipe.eval
         self.console.print(
-            f"[bold]tpflow train[/] {self.recipe.path or ''} -> {self.run_dir} | epochs {self.epoch}..{t.epochs - 1}"
+            f"[bold]tpflow train[/] {self.recipe.path or ''} -> {self.run_dir} | "
+            f"epochs {self.epoch}..{train.epochs - 1}"
             f" | credit {self.recipe.credit.name} | {len(self.backbone.trainable_parameters())} trainable tensors"
         )
         if self.dist.enabled:
@@ -158,18 +159,18 @@ class Trainer:
         self._progress = progress
         try:
             progress.start()
-            for epoch in range(self.epoch, t.epochs):
-                if e.every and epoch % e.every == 0:
+            for epoch in range(self.epoch, train.epochs):
+                if evaluation.every and epoch % evaluation.every == 0:
                     last_eval = self.evaluate(epoch)
                 metrics = {**self.train_epoch(epoch), **last_eval}
                 self.epoch, self._weights_ahead = epoch + 1, False
                 self.logger.log(metrics, step=self.optimizer.global_step, epoch=epoch)
                 self.console.print(epoch_line(epoch, metrics))
-                if t.save_every and self.epoch % t.save_every == 0 and self.epoch < t.epochs:
+                if train.save_every and self.epoch % train.save_every == 0 and self.epoch < train.epochs:
                     self.save()
-            if e.every:
-                last_eval = self.evaluate(t.epochs)
-                self.logger.log(last_eval, step=self.optimizer.global_step, epoch=t.epochs)
+            if evaluation.every:
+                last_eval = self.evaluate(train.epochs)
+                self.logger.log(last_eval, step=self.optimizer.global_step, epoch=train.epochs)
                 metrics.update(last_eval)
             self.save()
         except KeyboardInterrupt:
@@ -225,25 +226,35 @@ class Trainer:
 
     def _sample_and_score(self, epoch: int, batches: list) -> Sampled:
         """Roll out each local batch (window, noise from its seed) and score it in the background worker."""
-        t, r = self.settings, self.recipe.rollout
+        train, rollout = self.settings, self.recipe.rollout
         start = time.perf_counter()
-        z0_seeds = {i: noise_seed(t, epoch, i) for b in batches for i in b.items} if r.same_noise else None
-        completions = r.completions if self.credit.needs_completions else None
-        worker = ScoringWorker(self.backbone.decode, self.reward, chunk=t.score_batch)
+        z0_seeds = {i: noise_seed(train, epoch, i) for b in batches for i in b.items} if rollout.same_noise else None
+        completions = rollout.completions if self.credit.needs_completions else None
+        worker = ScoringWorker(self.backbone.decode, self.reward, chunk=train.score_batch)
         rollouts, jobs = [], []
         self._phase(f"epoch {epoch}: sampling", len(batches))
         try:
             for b in batches:
                 items = [self.train_items[i] for i in b.items]
-                window = draw_window(r.num_steps, r.window_size, r.window_range, random.Random(b.seed))
+                window = draw_window(
+                    rollout.num_steps, rollout.window_size, rollout.window_range, random.Random(b.seed)
+                )
                 generator = cpu_generator(b.seed)  # noise drawn on the CPU, moved to the model (tpflow.devices)
                 cond = self.backbone.encode([it.prompt for it in items])
                 with self.accelerator.autocast():
                     out = rollout_from_settings(
-                        self.backbone, self.sampler, cond, list(b.items), window, r, completions, generator, z0_seeds
+                        self.backbone,
+                        self.sampler,
+                        cond,
+                        list(b.items),
+                        window,
+                        rollout,
+                        completions,
+                        generator,
+                        z0_seeds,
                     )
                 prompts, metadata = [i.prompt for i in items], [i.metadata for i in items]
-                jobs.append(worker.submit(out.final, out.completions, prompts, metadata, r.window_size))
+                jobs.append(worker.submit(out.final, out.completions, prompts, metadata, rollout.window_size))
                 rollouts.append(dataclasses.replace(out, completions=None))  # scored already; the update needs none
                 self._advance()
             self._phase(f"epoch {epoch}: scoring", len(jobs))
@@ -386,21 +397,24 @@ class Trainer:
 
     def _layout_line(self) -> str:
         """How the epoch is shared: batches, trajectories and optimizer steps per process."""
-        t, o = self.settings, self.optimizer.options
-        p = self.dist.world_size
-        plan = plan_epoch(len(self.train_items), t, self.epoch)
-        mine = plan.local(0, p)
+        options, processes = self.optimizer.options, self.dist.world_size
+        plan = plan_epoch(len(self.train_items), self.settings, self.epoch)
+        mine = plan.local(0, processes)
         n = sum(len(b.items) for b in mine)
         line = (
-            f"{p} processes: each samples {len(mine)} of the epoch's {len(plan.batches)} rollout batches "
+            f"{processes} processes: each samples {len(mine)} of the epoch's {len(plan.batches)} rollout batches "
             f"({n} of {plan.num_trajectories} trajectories)"
         )
-        micro, accumulation = getattr(o, "micro_batch_size", None), getattr(o, "gradient_accumulation_steps", None)
+        micro, accumulation = (
+            getattr(options, "micro_batch_size", None),
+            getattr(options, "gradient_accumulation_steps", None),
+        )
         if micro and accumulation:
             steps = math.ceil(math.ceil(n / micro) / accumulation)
             line += (
-                f"; up to {steps} optimizer steps per epoch, each averaging {micro * accumulation * p} trajectories "
-                f"({micro} x {accumulation} accumulation x {p} processes)"
+                f"; up to {steps} optimizer steps per epoch, each averaging {micro * accumulation * processes} "
+                "trajectories "
+                f"({micro} x {accumulation} accumulation x {processes} processes)"
             )
         return line
 
