@@ -126,7 +126,7 @@ def sample_trajectories(
     generator = cpu_generator(seed)  # the same trajectories on the CPU and on a GPU (tpflow.devices)
     sigmas = backbone.sigmas(r.num_steps)
     cond = backbone.encode([prompt] * n)
-    out = rollout_from_settings(backbone, sampler, cond, [0] * n, window, r, "ode", generator)
+    out = rollout_from_settings(backbone, sampler, cond, [0] * n, window, r, completions="ode", generator=generator)
     meta = dict(metadata or {})
     # The trainer's scoring path (chunks of score_batch rows, one retry, finite scores), images kept for the plots.
     scored = score_rollout(
