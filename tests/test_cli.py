@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.test_recipe import BASE
 
 
@@ -87,3 +89,62 @@ def test_credit_command_shows_worked_example_1():
     assert "55 55 55 55 55" in out.stdout
     bad = tpflow("credit", "1,2,x")
     assert bad.returncode == 2 and "comma-separated" in bad.stderr
+
+
+def test_validate_checks_component_limits_across_sections(plugin, tmp_path):
+    """A limit one component puts on another section (cps: [rollout] noise_level in [0, 1]) fails validate, before
+    any weights load; it once failed only at the first sampling step."""
+    (tmp_path / "r.toml").write_text(BASE)
+    out = tpflow("validate", str(tmp_path / "r.toml"), "--set", "sampler.name=cps", "--set", "rollout.noise_level=1.5")
+    assert out.returncode == 2 and "Traceback" not in out.stderr + out.stdout
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "noise_level = 1.5" in lines[0] and "cps" in lines[0] and "[0, 1]" in lines[0]
+    ok = tpflow(
+        "validate", str(tmp_path / "r.toml"), "--set", "sampler.name=flow-sde", "--set", "rollout.noise_level=1.5"
+    )
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_every_train_option_reaches_the_launched_processes(plugin, tmp_path, monkeypatch):
+    """``tpflow train --num-processes N`` runs each process with the same command minus the launcher's options, built
+    from the command's own parameter list: an option added to ``train`` later needs no second edit to reach them."""
+    import typer.main
+
+    import tpflow.launch
+    from tpflow.cli import app, main
+
+    (tmp_path / "r.toml").write_text(BASE)
+    captured: list[list[str]] = []
+    monkeypatch.setattr(tpflow.launch, "launch", lambda args: captured.append(args) or 0)
+    command = typer.main.get_command(app).commands["train"]
+    values = {"set_": ["optimizer.learning_rate=2e-4", "train.seed=3"], "resume": "@latest", "run_dir": "RUN"}
+    argv = ["train", str(tmp_path / "r.toml"), "--num-processes", "2"]
+    forwarded = []
+    for param in command.params:
+        if param.name in tpflow.launch.LAUNCHER_OPTIONS or not param.opts[0].startswith("--"):
+            continue
+        value = values.get(param.name, "2")  # every other option is a number today; a new one shows up here
+        for v in value if isinstance(value, list) else [value]:
+            argv += [param.opts[0], v]
+            forwarded += [param.opts[0], v]
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 0 and len(captured) == 1
+    child = captured[0][captured[0].index("tpflow.cli") + 1 :]
+    assert child[:2] == ["train", str(tmp_path / "r.toml")]
+    assert "--num-processes" not in child and "--num-machines" not in child
+    pairs = list(zip(forwarded[::2], forwarded[1::2], strict=True))
+    assert pairs == list(zip(child[2::2], child[3::2], strict=True)), (forwarded, child)
+
+
+def test_validate_checks_the_optimizer_step_against_the_epoch(plugin, tmp_path):
+    """An optimizer step larger than the epoch (micro-batch x accumulation > prompts x copies) fails validate."""
+    (tmp_path / "r.toml").write_text(BASE)
+    sizes = ["--set", "train.prompts_per_epoch=2", "--set", "train.group_size=4", "--set", "train.rollout_batch=4"]
+    too_big = ["--set", "optimizer.micro_batch_size=8", "--set", "optimizer.gradient_accumulation_steps=2"]
+    out = tpflow("validate", str(tmp_path / "r.toml"), *sizes, *too_big)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "8 x 2 = 16 trajectories per optimizer step" in out.stderr and "= 8" in out.stderr
+    assert (
+        tpflow("validate", str(tmp_path / "r.toml"), *sizes, "--set", "optimizer.micro_batch_size=4").returncode == 0
+    )

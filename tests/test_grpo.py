@@ -198,3 +198,19 @@ def test_build_through_the_registry() -> None:
     assert GRPO().options == GRPOOptions()
     with pytest.raises(UserError, match="learning_rate"):
         tpflow.build("optimizer", "grpo", learning_rat=1e-4)
+
+
+def test_advantage_options_have_one_owner_that_applies_them_once() -> None:
+    """adv_clip_max above 5 must let advantages above 5 through: the trainer once clipped at 5 on its own before the
+    optimizer clipped at adv_clip_max, so any larger value had no effect. global_std is applied by the same owner."""
+    rewards = torch.zeros(30, 2, dtype=torch.float64)
+    rewards[0] = 1.0  # one outlier among 30: z = √29 ≈ 5.39
+    groups = ["a photo of a circle"] * 30
+    wide = tpflow.build("optimizer", "grpo", adv_clip_max=10.0).advantages(rewards, groups)
+    assert wide.max().item() == pytest.approx(29**0.5, rel=1e-3)
+    assert GRPO().advantages(rewards, groups).max().item() == 5.0
+    mixed = torch.tensor([[0.0], [1.0], [0.0], [3.0]], dtype=torch.float64)
+    keys = ["a", "a", "b", "b"]
+    local = GRPO().advantages(mixed, keys)
+    pooled = tpflow.build("optimizer", "grpo", global_std=True).advantages(mixed, keys)
+    assert local[1].item() == pytest.approx(1.0, abs=1e-3) and pooled[1].item() < local[1].item()

@@ -77,3 +77,15 @@ def test_non_finite_losses_are_skipped_and_counted(backbone):
     metrics = optimizer.update(backbone, NanOnFirstStep(), batch, advantages)
     assert metrics["nonfinite_losses"] == 1 and metrics["optimizer_steps"] == 1
     assert all(torch.isfinite(p).all() for p in backbone.trainable_parameters())
+
+
+def test_the_update_takes_the_advantages_as_given(backbone):
+    """The optimizer's ``advantages`` clips once at adv_clip_max; the update must not clamp again (a second clamp at
+    5 once made adv_clip_max > 5 ineffective). On policy the ratio is 1, so the policy loss is −mean(A)."""
+    sampler = tpflow.build("sampler", "cps")
+    cond = backbone.encode(["a photo of a circle"] * 4)
+    z0 = backbone.initial_noise(4, torch.Generator().manual_seed(0))
+    batch = rollout(backbone, sampler, cond, z0, backbone.sigmas(4), Window(0, 3), 0.7, 1.0, None)
+    optimizer = tpflow.build("optimizer", "grpo", adv_clip_max=10.0, learning_rate=1e-12, micro_batch_size=4)
+    metrics = optimizer.update(backbone, sampler, batch, torch.full((4, 3), 12.0, dtype=torch.float64))
+    assert metrics["policy_loss"] == pytest.approx(-12.0, rel=1e-3)

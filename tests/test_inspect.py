@@ -102,3 +102,25 @@ def test_bad_input_exits_2_with_a_clear_message(args, message):
     done = run_cli("inspect-trajectory", *args, cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 2, done.stdout + done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr + done.stdout
+
+
+def test_inspect_scores_through_the_training_path(tmp_path, tiny_weights, plugin, monkeypatch):
+    """inspect-trajectory uses the trainer's scoring function: a reward that keeps returning NaN is an error with the
+    trainer's message (it was once plotted as a NaN trace), after the same single retry."""
+    from tpflow.errors import RewardError
+    from tpflow.inspect.traces import sample_trajectories
+    from tpflow.recipe import Recipe
+    from tpflow.types import RewardOutput
+
+    calls = []
+
+    def nan_reward(images, prompts, metadata):
+        calls.append(len(images))
+        return RewardOutput(scores=torch.full((len(images),), float("nan")))
+
+    real_build = Recipe.build
+    monkeypatch.setattr(Recipe, "build", lambda self, kind: nan_reward if kind == "reward" else real_build(self, kind))
+    recipe = load_recipe(tiny_recipe(tmp_path, tiny_weights))
+    with pytest.raises(RewardError, match="failed twice.*non-finite"):
+        sample_trajectories(recipe, _prompt(), n=2, seed=0)
+    assert len(calls) == 2 * -(-8 // recipe.train.score_batch)  # every chunk scored twice: one retry

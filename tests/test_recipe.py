@@ -146,3 +146,16 @@ SHIPPED = sorted((ROOT / "recipes").rglob("*.toml"))
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_every_shipped_recipe_validates(path):
     load_recipe(path)
+
+
+def test_every_section_is_a_typed_attribute_of_the_recipe():
+    """Recipe sections are properties with their types (no __getattr__ returning Any): a new component kind or
+    settings section must be added there too, or this fails."""
+    import inspect as _inspect
+
+    from tpflow.recipe import SECTIONS, Recipe
+
+    for section in SECTIONS:
+        prop = getattr(Recipe, section, None)
+        assert isinstance(prop, property), section
+        assert _inspect.signature(prop.fget).return_annotation not in (_inspect.Signature.empty, "Any"), section

@@ -26,13 +26,12 @@ import pytest
 import torch
 
 import tpflow
-from tpflow.errors import UserError
+from tpflow.errors import RewardError, UserError
 from tpflow.rewards.remote import decode_images, encode_images
 from tpflow.rewards.serve import make_server
 from tpflow.rewards.shapes_geneval import ShapesGenevalOptions, ShapesGenevalReward
 from tpflow.shapes.prompts import prompts as shape_prompts
 from tpflow.shapes.render import render_batch
-from tpflow.train.scoring import RewardError
 from tpflow.types import RewardOutput
 
 

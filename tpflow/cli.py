@@ -212,6 +212,7 @@ def _num(x: float) -> str:
 @app.command()
 @user_errors
 def train(
+    ctx: typer.Context,
     recipe: Annotated[Path, typer.Argument(help="Recipe TOML file, e.g. recipes/shapes_tp.toml.")],
     set_: Overrides = None,
     resume: Annotated[
@@ -242,7 +243,7 @@ def train(
 
     With --num-processes N (and --num-machines M) it starts N processes here (torchrun) that train one model with
     gradients averaged over all N x M processes; `accelerate launch -m tpflow.cli train ...` works as well."""
-    from tpflow.launch import launch, launched, torchrun_args
+    from tpflow.launch import child_command, launch, launched, torchrun_args
     from tpflow.recipe import load_recipe
     from tpflow.train.prompt_sampler import check_layout
 
@@ -255,10 +256,7 @@ def train(
         if machine_rank >= num_machines:
             raise UserError(f"--machine-rank must be below --num-machines ({num_machines}), got {machine_rank}.")
         check_layout(loaded.train, world)  # a clear error here, not one per process
-        child = ["train", str(recipe), *[a for o in (set_ or []) for a in ("--set", o)]]
-        child += ["--resume", resume] if resume is not None else []
-        child += ["--run-dir", str(run_dir)] if run_dir is not None else []
-        child += ["--epochs", str(epochs)] if epochs is not None else []
+        child = child_command(ctx)  # this command as parsed, minus the launcher options
         args = torchrun_args(child, num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
         raise typer.Exit(launch(args))
     if world > 1 and int(os.environ.get("WORLD_SIZE", "1")) != world:

@@ -24,3 +24,7 @@ class DuplicateComponentError(UserError):
 
 class RecipeError(UserError):
     """A recipe that cannot be read or does not validate."""
+
+
+class RewardError(UserError):
+    """The reward model failed twice on the same images, or returned the wrong number of scores."""

@@ -7,7 +7,7 @@ docstring and inherits nothing; code shared between implementations is a plain f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -130,8 +130,14 @@ class Optimizer(Protocol):
         """Create the parameter optimizer over ``backbone.trainable_parameters()``; called once before training."""
         ...
 
+    def advantages(self, step_rewards: Tensor, groups: Sequence[Hashable]) -> Tensor:
+        """Advantages [N, W] of the epoch's step rewards [N, W], one prompt key per row; the optimizer owns every
+        option of this normalisation (std scope, clipping) and applies it here, once."""
+        ...
+
     def update(self, backbone: Backbone, sampler: Sampler, batch: Rollout, advantages: Tensor) -> dict[str, float]:
-        """One pass over ``batch`` (advantages [N, W]); returns scalar metrics (loss, ratio, clip fraction, KL...)."""
+        """One pass over ``batch`` (advantages [N, W] from ``advantages``); returns scalar metrics (loss, ratio, clip
+        fraction, KL...)."""
         ...
 
     def state_dict(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import os
 import sys
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 RUNNING_UNDER_LAUNCHER = ("LOCAL_RANK", "RANK")  # set by torchrun, accelerate launch, deepspeed, SLURM wrappers
 
@@ -23,6 +24,31 @@ RUNNING_UNDER_LAUNCHER = ("LOCAL_RANK", "RANK")  # set by torchrun, accelerate l
 def launched() -> bool:
     """True inside a process started by a distributed launcher (so it must not launch again)."""
     return any(name in os.environ for name in RUNNING_UNDER_LAUNCHER)
+
+
+LAUNCHER_OPTIONS = frozenset({"num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port"})
+"""Options of ``tpflow train`` that the launcher consumes; every other argument and option goes to each process."""
+
+
+def child_command(ctx: Any) -> list[str]:
+    """The ``tpflow`` command line each launched process runs: the (typer) click context's command with its
+    arguments and options as parsed, minus ``LAUNCHER_OPTIONS``. Built from the command's own parameter list, so an
+    option added to ``train`` reaches the processes without being listed anywhere else."""
+    args = [ctx.info_name]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if param.name in LAUNCHER_OPTIONS or value is None or value == () or value == []:
+            continue
+        if param.param_type_name == "argument":
+            args.append(str(value))
+        elif getattr(param, "is_flag", False):
+            if value != param.default:
+                args.append(param.opts[0] if value else param.secondary_opts[0])
+        elif param.multiple:
+            args += [a for v in value for a in (param.opts[0], str(v))]
+        elif value != param.default:
+            args += [param.opts[0], str(value)]
+    return args
 
 
 def torchrun_args(

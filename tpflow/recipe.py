@@ -30,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 
 from tpflow import registry
 from tpflow.errors import RecipeError, UnknownComponentError
-from tpflow.settings import SETTINGS
+from tpflow.settings import SETTINGS, EvalSettings, RolloutSettings, TrainSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -64,12 +64,42 @@ class Recipe:
     data: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
 
-    def __getattr__(self, section: str) -> Any:
-        if section in SETTINGS:
-            return self.settings[section]
-        if section in registry.KINDS:
-            return self.components[section]
-        raise AttributeError(section)
+    # Typed sections: recipe.rollout.num_steps is checked by the type checker, recipe.credit.name names the assigner.
+    @property
+    def rollout(self) -> RolloutSettings:
+        return self.settings["rollout"]  # type: ignore[return-value]
+
+    @property
+    def train(self) -> TrainSettings:
+        return self.settings["train"]  # type: ignore[return-value]
+
+    @property
+    def eval(self) -> EvalSettings:
+        return self.settings["eval"]  # type: ignore[return-value]
+
+    @property
+    def backbone(self) -> ComponentSpec:
+        return self.components["backbone"]
+
+    @property
+    def sampler(self) -> ComponentSpec:
+        return self.components["sampler"]
+
+    @property
+    def reward(self) -> ComponentSpec:
+        return self.components["reward"]
+
+    @property
+    def credit(self) -> ComponentSpec:
+        return self.components["credit"]
+
+    @property
+    def optimizer(self) -> ComponentSpec:
+        return self.components["optimizer"]
+
+    @property
+    def dataset(self) -> ComponentSpec:
+        return self.components["dataset"]
 
     def build(self, kind: str) -> Any:
         """Build the component of one section: ``recipe.build("credit")``."""
@@ -139,7 +169,21 @@ def validate_recipe(data: dict[str, Any], where: str = "recipe", path: Path | No
             settings[section] = model.model_validate(table)
         except ValidationError as exc:
             raise RecipeError(registry.describe_validation_error(exc, f"{where} [{section}]", model)) from None
+    problems = [
+        problem
+        for spec in components.values()
+        for problem in _limits(registry.get(spec.kind, spec.name).factory, spec.options, settings)
+    ]
+    if problems:
+        raise RecipeError(f"{where}: " + " ".join(problems))
     return Recipe(components=components, settings=settings, data=data, path=path)
+
+
+def _limits(factory: Any, options: BaseModel, settings: dict[str, BaseModel]) -> list[str]:
+    """What a component says about the rest of the recipe: its optional ``check_recipe(options, settings)`` returns
+    one sentence per limit the recipe breaks (e.g. cps's noise level in [0, 1]); checked before anything loads."""
+    check = getattr(factory, "check_recipe", None)
+    return list(check(options, settings)) if callable(check) else []
 
 
 def _component(data: dict[str, Any], kind: str, where: str) -> ComponentSpec:

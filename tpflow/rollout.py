@@ -109,87 +109,116 @@ def rollout(
     if source.shape != (n,) or int(source.max()) >= z0.shape[0]:
         raise ValueError(f"source must be [N] = [{n}] indices into z0's {z0.shape[0]} rows.")
     first = torch.stack([(source == p).nonzero()[0, 0] for p in range(z0.shape[0])])  # [P] a trajectory per noise row
-    model_s = 0.0
-    rows_evaluated = 0
-
-    def velocity(branches: list[_Branch], k: int) -> list[Tensor]:
-        nonlocal model_s, rows_evaluated
-        z = torch.cat([b.z for b in branches])
-        rows = torch.cat([b.rows for b in branches])
-        chunk = max_batch or z.shape[0]
-        start = time.perf_counter()
-        out = []
-        for lo in range(0, z.shape[0], chunk):
-            part = slice(lo, lo + chunk)
-            sigma = sigmas[k].expand(z[part].shape[0]).to(z.device, torch.float32)
-            out.append(backbone.velocity(z[part], sigma, cond.index(rows[part]), guidance))
-        model_s += time.perf_counter() - start
-        rows_evaluated += z.shape[0]
-        return list(torch.cat(out).split([b.z.shape[0] for b in branches]))
-
-    prefix = _Branch(z0.clone(), first)  # shared by the trajectories of one noise row until the window starts
-    main: _Branch | None = None
-    branches: list[_Branch] = []  # ODE branches: the baseline (j = 0) first, then completions j = 1..W-1
-    independent = None
+    engine = _Velocity(backbone, cond, sigmas, guidance, max_batch)
+    independent = None  # the reference's baseline from fresh noise: ODE from step 0, alongside everything else
     if completions is not None and baseline_noise == "independent":
         fresh = backbone.initial_noise(n, generator).to(z0.device, z0.dtype)
         independent = _Branch(fresh, torch.arange(n, device=z0.device))
-    estimates: list[Tensor] = []  # x0 mode: [n, ...] per j
-    latents, next_latents, log_probs = [], [], []
-    for k in range(num_steps):
-        if k == s:
-            main = _Branch(prefix.z[source], torch.arange(n, device=z0.device))
-        live = [main if main is not None else prefix, *branches]
-        if independent is not None:
-            live.append(independent)
-        vs = velocity(live, k)
-        sigma, sigma_next = sigmas[k], sigmas[k + 1]
-        for branch, v in zip(live[1:], vs[1:], strict=True):
-            branch.z = euler_step(branch.z, v, sigma, sigma_next)
-        if main is None:
-            prefix.z = euler_step(prefix.z, vs[0], sigma, sigma_next)
-            continue
-        v_main = vs[0]
-        if s <= k < s + width:
-            j = k - s
-            if completions == "x0":
-                pick = first if j == 0 and baseline_noise == "shared" else slice(None)
-                estimates.append((main.z[pick].float() - sigma * v_main[pick].float()).to(main.z.dtype))
-            elif completions == "ode" and (j > 0 or baseline_noise == "shared"):
-                pick = first if j == 0 else torch.arange(n, device=z0.device)
-                branch = _Branch(main.z[pick], pick)
-                v_branch = v_main[pick] if reuse_main_velocity else velocity([branch], k)[0]
-                branch.z = euler_step(branch.z, v_branch, sigma, sigma_next)
-                branches.append(branch)
-            out = sampler.step(main.z, v_main, sigma, sigma_next, noise_level, generator=generator)
-            latents.append(main.z)
-            next_latents.append(out.prev)
-            log_probs.append(out.log_prob)
-            main.z = out.prev
-        else:
-            main.z = euler_step(main.z, v_main, sigma, sigma_next)
-
-    assert main is not None
-    completed = None
-    if completions is not None:
-        ends = estimates if completions == "x0" else [b.z for b in branches]
-        if independent is not None:
-            ends = [independent.z, *ends] if completions == "ode" else [independent.z, *ends[1:]]
-        elif baseline_noise == "shared":
-            ends = [ends[0][source], *ends[1:]]  # the baseline ran once per noise row
-        completed = torch.stack(ends, dim=1)  # [N, W, ...]
+    # The prefix: every noise row by Euler ODE up to the window (shared by the trajectories of one row).
+    prefix = _Branch(z0.clone(), first)
+    for k in range(s):
+        live = [prefix] + ([independent] if independent is not None else [])
+        for branch, v in zip(live, engine(live, k), strict=True):
+            branch.z = euler_step(branch.z, v, sigmas[k], sigmas[k + 1])
+    loop = _WindowLoop(engine, sampler, window, noise_level, completions, baseline_noise, first, reuse_main_velocity)
+    main = _Branch(prefix.z[source], torch.arange(n, device=z0.device))
+    for k in range(s, num_steps):  # the window's SDE steps, then the ODE tail; live branches ride along
+        loop.step(main, k, generator, independent)
+    completed = None if completions is None else loop.completed(source, independent)  # [N, W, ...]
     return Rollout(
-        latents=torch.stack(latents, dim=1),
-        next_latents=torch.stack(next_latents, dim=1),
-        log_probs=torch.stack(log_probs, dim=1),
+        latents=torch.stack(loop.latents, dim=1),
+        next_latents=torch.stack(loop.next_latents, dim=1),
+        log_probs=torch.stack(loop.log_probs, dim=1),
         sigmas=sigmas[s : s + width + 1].float().to(z0.device).expand(n, width + 1).clone(),
         noise_level=float(noise_level),
         guidance=float(guidance),
         cond=cond,
         final=main.z,
         completions=completed,
-        cost=RolloutCost(nfe=round(rows_evaluated / n, 2), model_s=model_s),
+        cost=RolloutCost(nfe=round(engine.rows_evaluated / n, 2), model_s=engine.model_s),
     )
+
+
+class _Velocity:
+    """One velocity call for every live branch at step k (split by ``max_batch``), with the NFE and time count."""
+
+    def __init__(self, backbone: Backbone, cond: Conditioning, sigmas: Tensor, guidance: float, max_batch):
+        self.backbone, self.cond, self.sigmas, self.guidance, self.max_batch = (
+            backbone,
+            cond,
+            sigmas,
+            guidance,
+            max_batch,
+        )
+        self.model_s = 0.0
+        self.rows_evaluated = 0
+
+    def __call__(self, branches: list[_Branch], k: int) -> list[Tensor]:
+        z = torch.cat([b.z for b in branches])
+        rows = torch.cat([b.rows for b in branches])
+        chunk = self.max_batch or z.shape[0]
+        start = time.perf_counter()
+        out = []
+        for lo in range(0, z.shape[0], chunk):
+            part = slice(lo, lo + chunk)
+            sigma = self.sigmas[k].expand(z[part].shape[0]).to(z.device, torch.float32)
+            out.append(self.backbone.velocity(z[part], sigma, self.cond.index(rows[part]), self.guidance))
+        self.model_s += time.perf_counter() - start
+        self.rows_evaluated += z.shape[0]
+        return list(torch.cat(out).split([b.z.shape[0] for b in branches]))
+
+
+class _WindowLoop:
+    """Steps k ≥ s of the main trajectory: SDE steps inside the window (stored for the update), a completion branch
+    started at each (or an x0 estimate), Euler after it; every live ODE branch advances in the same call."""
+
+    def __init__(self, engine, sampler, window, noise_level, completions, baseline_noise, first, reuse):
+        self.engine, self.sampler, self.window, self.noise_level = engine, sampler, window, noise_level
+        self.completions, self.baseline_noise, self.first, self.reuse = completions, baseline_noise, first, reuse
+        self.branches: list[_Branch] = []  # ODE branches: the baseline (j = 0) first, then completions j = 1..W-1
+        self.estimates: list[Tensor] = []  # x0 mode: [n, ...] per j
+        self.latents: list[Tensor] = []
+        self.next_latents: list[Tensor] = []
+        self.log_probs: list[Tensor] = []
+
+    def step(self, main: _Branch, k: int, generator, independent: _Branch | None) -> None:
+        live = [main, *self.branches] + ([independent] if independent is not None else [])
+        vs = self.engine(live, k)
+        sigma, sigma_next = self.engine.sigmas[k], self.engine.sigmas[k + 1]
+        for branch, v in zip(live[1:], vs[1:], strict=True):
+            branch.z = euler_step(branch.z, v, sigma, sigma_next)
+        v_main, s = vs[0], self.window.start
+        if not s <= k < s + self.window.size:
+            main.z = euler_step(main.z, v_main, sigma, sigma_next)
+            return
+        self._start_completion(main, v_main, k - s, k, sigma, sigma_next)
+        out = self.sampler.step(main.z, v_main, sigma, sigma_next, self.noise_level, generator=generator)
+        self.latents.append(main.z)
+        self.next_latents.append(out.prev)
+        self.log_probs.append(out.log_prob)
+        main.z = out.prev
+
+    def _start_completion(self, main: _Branch, v_main: Tensor, j: int, k: int, sigma, sigma_next) -> None:
+        """Completion j from the main latent z_{s+j}: an x0 estimate, or an ODE branch whose first step is taken."""
+        shared = self.baseline_noise == "shared"
+        if self.completions == "x0":
+            pick = self.first if j == 0 and shared else slice(None)
+            self.estimates.append((main.z[pick].float() - sigma * v_main[pick].float()).to(main.z.dtype))
+        elif self.completions == "ode" and (j > 0 or shared):
+            pick = self.first if j == 0 else torch.arange(main.z.shape[0], device=main.z.device)
+            branch = _Branch(main.z[pick], pick)
+            v_branch = v_main[pick] if self.reuse else self.engine([branch], k)[0]
+            branch.z = euler_step(branch.z, v_branch, sigma, sigma_next)
+            self.branches.append(branch)
+
+    def completed(self, source: Tensor, independent: _Branch | None) -> Tensor:
+        """The completed latents [N, W, ...], j = 0..W-1 (j = W is the final image)."""
+        ends = self.estimates if self.completions == "x0" else [b.z for b in self.branches]
+        if independent is not None:
+            ends = [independent.z, *ends] if self.completions == "ode" else [independent.z, *ends[1:]]
+        elif self.baseline_noise == "shared":
+            ends = [ends[0][source], *ends[1:]]  # the baseline ran once per noise row
+        return torch.stack(ends, dim=1)
 
 
 @torch.no_grad()
@@ -246,13 +275,13 @@ def rollout_from_settings(
         sampler,
         cond,
         z0,
-        backbone.sigmas(settings.num_steps),
-        window,
-        settings.noise_level,
-        settings.guidance,
-        completions,
-        settings.baseline_noise,
-        source,
-        generator,
-        settings.max_batch,
+        sigmas=backbone.sigmas(settings.num_steps),
+        window=window,
+        noise_level=settings.noise_level,
+        guidance=settings.guidance,
+        completions=completions,
+        baseline_noise=settings.baseline_noise,
+        source=source,
+        generator=generator,
+        max_batch=settings.max_batch,
     )

@@ -1,6 +1,7 @@
 """What the SD3 and FLUX backbones share: options, loading a pipeline with clear errors, schedules, prompt cache.
 
-Plain functions and one options base model; the backbones themselves are separate classes (one model per file).
+Plain functions, one options base model and the ``PipelineParts`` container; the backbones are separate classes
+(one model per file) that hold their parts and a ``diffusers_lora.LoraAdapter`` (composition, no base class).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import json
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -154,33 +156,40 @@ def place(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> 
     return module
 
 
-def setup_pipeline(backbone: Any, pipe: Any, options: DiffusersBackboneOptions, encoders: Sequence[str]) -> None:
-    """Place a pipeline's parts and add the LoRA, setting the attributes both diffusers backbones share.
+@dataclass
+class PipelineParts:
+    """A diffusers pipeline's parts, placed for training: what both diffusers backbones hold."""
 
-    Sets ``options``, ``pipe``, ``device``, ``dtype``, ``text_device``, ``transformer`` (in ``dtype``, LoRA added,
-    eval mode), ``vae`` (fp32, frozen), ``lora_config``, ``scale`` (the VAE factor) and ``cache`` on ``backbone``.
-    The text encoders named in ``encoders`` are frozen on ``text_device``.
-    """
+    device: torch.device  # of the transformer, the VAE and the latents
+    dtype: torch.dtype  # of the transformer
+    text_device: torch.device  # of the text encoders (the model's device or the CPU)
+    transformer: Any  # in ``dtype``, LoRA added, eval mode
+    vae: Any  # fp32, frozen
+    scale: int  # the VAE's spatial factor
+    cache: PromptCache
+    adapter: Any  # diffusers_lora.LoraAdapter on ``transformer``
+
+
+def setup_pipeline(pipe: Any, options: DiffusersBackboneOptions, encoders: Sequence[str]) -> PipelineParts:
+    """Place a pipeline's parts and add the LoRA. The text encoders named in ``encoders`` are frozen on the text
+    device."""
     from tpflow.backbones import diffusers_lora as lora
 
-    backbone.options, backbone.pipe = options, pipe
-    backbone.device = resolve_device(options.device)
-    backbone.dtype = DTYPES[options.dtype]
-    backbone.text_device = backbone.device if options.text_encoders_device == "model" else torch.device("cpu")
-    backbone.transformer = place(pipe.transformer, backbone.device, backbone.dtype)
-    backbone.vae = place(pipe.vae, backbone.device, torch.float32).requires_grad_(False).eval()
+    device, dtype = resolve_device(options.device), DTYPES[options.dtype]
+    text_device = device if options.text_encoders_device == "model" else torch.device("cpu")
+    transformer = place(pipe.transformer, device, dtype)
+    vae = place(pipe.vae, device, torch.float32).requires_grad_(False).eval()
     for name in encoders:
         encoder = getattr(pipe, name, None)
         if encoder is not None:
-            place(encoder, backbone.text_device, backbone.dtype).requires_grad_(False).eval()
-    backbone.lora_config = lora.add_lora(
-        backbone.transformer, options.lora_rank, options.lora_alpha, options.lora_targets, options.lora_init
-    )
-    backbone.transformer.eval()  # no dropout: rollout and training compute the same function
+            place(encoder, text_device, dtype).requires_grad_(False).eval()
+    config = lora.add_lora(transformer, options.lora_rank, options.lora_alpha, options.lora_targets, options.lora_init)
+    transformer.eval()  # no dropout: rollout and training compute the same function
     if options.gradient_checkpointing:
-        backbone.transformer.enable_gradient_checkpointing()
-    backbone.scale = pipe.vae_scale_factor
-    backbone.cache = PromptCache(options.prompt_cache)
+        transformer.enable_gradient_checkpointing()
+    adapter = lora.LoraAdapter(type(pipe), transformer, config)
+    cache = PromptCache(options.prompt_cache)
+    return PipelineParts(device, dtype, text_device, transformer, vae, pipe.vae_scale_factor, cache, adapter)
 
 
 def decode_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:

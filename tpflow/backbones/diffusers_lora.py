@@ -134,39 +134,34 @@ def save_merged(transformer: torch.nn.Module, directory: Path) -> None:
     save_file(merged_copy_state(transformer), str(directory / "diffusion_pytorch_model.safetensors"))
 
 
-class LoraAdapterMethods:
-    """The adapter half of the Backbone protocol for a diffusers pipeline with a peft LoRA on its transformer.
+class LoraAdapter:
+    """The peft LoRA on a diffusers pipeline's transformer, as a backbone holds it (composition, no base class).
 
-    A backbone that mixes this in has ``pipe`` (the pipeline), ``transformer`` and ``lora_config`` (its options, as
-    ``add_lora`` took them); SD3 and FLUX differ only in the pipeline class that ``load_lora_weights`` is called on.
+    SD3 and FLUX differ only in the pipeline class whose ``load_lora_weights`` reads the saved file; the backbone
+    forwards the adapter half of the Backbone protocol (trainable parameters, KL reference, save / load / merge) here.
     """
 
-    pipe: Any
-    transformer: torch.nn.Module
-    lora_config: Any
+    def __init__(self, pipeline_class: type, transformer: torch.nn.Module, config: Any) -> None:
+        self.pipeline_class = pipeline_class
+        self.transformer = transformer  # the LoRA-injected transformer
+        self.config = config  # the peft LoraConfig that ``add_lora`` returned
 
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+    def parameters(self) -> list[torch.nn.Parameter]:
         """The LoRA matrices."""
         return lora_parameters(self.transformer)
 
-    def reference(self) -> contextlib.AbstractContextManager[None]:
+    def disabled(self) -> contextlib.AbstractContextManager[None]:
         """The frozen base transformer (adapter disabled): the KL reference."""
         return adapter_disabled(self.transformer)
 
-    def save_adapter(self, directory: Path) -> None:
+    def save(self, directory: Path) -> None:
         """``pytorch_lora_weights.safetensors`` that the pipeline class's ``load_lora_weights(dir)`` reads."""
-        save_lora(type(self.pipe), self.transformer, self.lora_config, directory)
+        save_lora(self.pipeline_class, self.transformer, self.config, directory)
 
-    def load_adapter(self, directory: Path) -> None:
-        """Load an adapter written by ``save_adapter`` (rank, alpha and targets must match)."""
-        load_lora(self.transformer, self.lora_config, directory)
+    def load(self, directory: Path) -> None:
+        """Load an adapter written by ``save`` (rank, alpha and targets must match)."""
+        load_lora(self.transformer, self.config, directory)
 
     def save_merged(self, directory: Path) -> None:
         """The transformer with the adapter merged in, as a diffusers model folder (``from_pretrained`` reads it)."""
         save_merged(self.transformer, directory)
-
-    def eval(self):  # noqa: ANN201 - the backbone itself: sampling and training share one module state
-        return self
-
-    def train(self, mode: bool = True):  # noqa: ANN201
-        return self

@@ -14,13 +14,14 @@ the batch; the schedule is ``linspace(1, 1/K, K)`` with the resolution-dependent
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from pydantic import Field
 from torch import Tensor
 
-from tpflow.backbones import diffusers_lora as lora
 from tpflow.backbones.diffusers_common import (
     DTYPES,
     DiffusersBackboneOptions,
@@ -63,7 +64,7 @@ class FluxOptions(DiffusersBackboneOptions):
     lora_targets: list[str] = Field(default_factory=lambda: list(FLUX_LORA_TARGETS))
 
 
-class FluxBackbone(lora.LoraAdapterMethods):
+class FluxBackbone:
     """Backbone (tpflow.interfaces) around a ``FluxPipeline``'s components.
 
     Latents: packed [N, S, 4·C] float32 with S = (H/2f)·(W/2f). ``cond.tensors``: ``prompt_embeds`` [N, L, D] and
@@ -72,12 +73,38 @@ class FluxBackbone(lora.LoraAdapterMethods):
     """
 
     def __init__(self, pipe: Any, options: DiffusersBackboneOptions) -> None:
-        setup_pipeline(self, pipe, options, ("text_encoder", "text_encoder_2"))
+        parts = setup_pipeline(pipe, options, ("text_encoder", "text_encoder_2"))
+        self.options, self.pipe, self.adapter = options, pipe, parts.adapter
+        self.device, self.dtype, self.text_device = parts.device, parts.dtype, parts.text_device
+        self.transformer, self.vae, self.scale, self.cache = parts.transformer, parts.vae, parts.scale, parts.cache
         side = 2 * (options.resolution // (self.scale * 2))  # unpacked latent side, as the pipeline rounds it
         self.latent_side = side
         self.channels = self.transformer.config.in_channels // 4
         self.img_ids = pipe._prepare_latent_image_ids(1, side // 2, side // 2, self.device, self.dtype)  # [S, 3]
         self._txt_ids: Tensor | None = None
+
+    # ---- adapter: the protocol's adapter half, forwarded to self.adapter (diffusers_lora.LoraAdapter) -------
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return self.adapter.parameters()
+
+    def reference(self) -> AbstractContextManager[None]:
+        return self.adapter.disabled()
+
+    def save_adapter(self, directory: Path) -> None:
+        self.adapter.save(directory)
+
+    def load_adapter(self, directory: Path) -> None:
+        self.adapter.load(directory)
+
+    def save_merged(self, directory: Path) -> None:
+        self.adapter.save_merged(directory)
+
+    def eval(self):  # noqa: ANN201 - the backbone itself: sampling and training share one module state
+        return self
+
+    def train(self, mode: bool = True):  # noqa: ANN201
+        return self
 
     # ---- text ----------------------------------------------------------------------------------------------
 

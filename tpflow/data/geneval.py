@@ -49,7 +49,7 @@ from tpflow.data.files import _read_jsonl, _split
 from tpflow.errors import UserError
 from tpflow.registry import register
 from tpflow.rewards.geneval.colors import COLORS
-from tpflow.rewards.geneval.detectors import COCO_CLASSES
+from tpflow.rewards.geneval.detection import COCO_CLASSES
 from tpflow.types import PromptItem
 
 TAGS: tuple[str, ...] = ("single_object", "two_object", "counting", "colors", "position", "color_attr")

@@ -108,6 +108,7 @@ def sample_trajectories(
         metadata: the prompt's task metadata for the reward ({} when None).
     """
     from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
+    from tpflow.train.scoring import score_rollout
 
     if n < 1:
         raise UserError(f"--n must be at least 1, got {n}.")
@@ -125,27 +126,28 @@ def sample_trajectories(
     generator = cpu_generator(seed)  # the same trajectories on the CPU and on a GPU (tpflow.devices)
     sigmas = backbone.sigmas(r.num_steps)
     cond = backbone.encode([prompt] * n)
-    out = rollout_from_settings(backbone, sampler, cond, [0] * n, window, r, "ode", generator)
-    assert out.completions is not None
-    latents = torch.cat([out.completions, out.final[:, None]], dim=1)  # [n, W+1, ...]
+    out = rollout_from_settings(backbone, sampler, cond, [0] * n, window, r, completions="ode", generator=generator)
     meta = dict(metadata or {})
-    chunk = recipe.train.score_batch  # images per VAE decode / reward call, as in training
-    image_parts, score_parts = [], []
-    with torch.no_grad():
-        for part in latents.flatten(0, 1).split(chunk):  # trajectory-major rows b·(W+1) + j
-            decoded = backbone.decode(part)  # [m, 3, H, W] on the backbone's device, as the trainer scores them
-            score_parts.append(reward(decoded, [prompt] * len(part), [meta] * len(part)).scores.detach().float().cpu())
-            image_parts.append(decoded.float().cpu())
-    images, scores = torch.cat(image_parts), torch.cat(score_parts)  # [n·(W+1), 3, H, W], [n·(W+1)]
-    width = window.size
+    # The trainer's scoring path (chunks of score_batch rows, one retry, finite scores), images kept for the plots.
+    scored = score_rollout(
+        backbone.decode,
+        reward,
+        out.final,
+        out.completions,
+        [prompt] * n,
+        [meta] * n,
+        window.size,
+        chunk=recipe.train.score_batch,
+        keep_images=True,
+    )
     return Trajectories(
         prompt=prompt,
-        trace=scores.double().view(n, width + 1),
+        trace=scored.trace.double(),  # [n, W+1]
         num_steps=r.num_steps,
         window_start=window.start,
         metadata=meta,
         sigmas=[float(x) for x in sigmas.cpu()],
-        images=images.view(n, width + 1, *images.shape[1:]),
+        images=scored.images,  # [n, W+1, 3, H, W]
     )
 
 

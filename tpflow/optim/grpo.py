@@ -10,6 +10,7 @@ ALGORITHM.md §6 is the specification. For one micro-batch of trajectories at wi
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from tpflow.distributed import Distributed
 from tpflow.interfaces import Backbone, Sampler
-from tpflow.optim.advantages import informative_trajectories
+from tpflow.optim.advantages import group_advantages, informative_trajectories
 from tpflow.registry import register
 from tpflow.types import Rollout
 
@@ -232,6 +233,28 @@ class GRPO:
         self._dist = Distributed(accelerator)
         self._optimizer = accelerator.prepare(optimizer) if accelerator is not None else optimizer
 
+    @staticmethod
+    def check_recipe(options: GRPOOptions, settings: dict) -> list[str]:
+        """The recipe's limits for GRPO, checked by ``tpflow validate`` before anything loads: one optimizer step
+        must fit in an epoch's trajectories, or the configured batch is never reached."""
+        train = settings["train"]
+        per_epoch = train.prompts_per_epoch * train.group_size
+        per_step = options.micro_batch_size * options.gradient_accumulation_steps
+        if per_step <= per_epoch:
+            return []
+        return [
+            f"[optimizer] micro_batch_size x gradient_accumulation_steps = {options.micro_batch_size} x "
+            f"{options.gradient_accumulation_steps} = {per_step} trajectories per optimizer step, but an epoch has "
+            f"only [train] prompts_per_epoch x group_size = {per_epoch}: lower them or raise the epoch's size."
+        ]
+
+    def advantages(self, step_rewards: Tensor, groups: Sequence[Hashable]) -> Tensor:
+        """Group-normalised advantages [N, W] float64 of step rewards [N, W] (ALGORITHM.md §5), with this optimizer's
+        ``global_std`` and ``adv_clip_max``: the one place either option is applied. ``groups`` holds one prompt key
+        per row (equal keys form a group)."""
+        o = self.options
+        return group_advantages(step_rewards, groups, global_std=o.global_std, clip=o.adv_clip_max)
+
     def state_dict(self) -> dict:
         """Optimizer state and step count, for checkpoints."""
         return {"optimizer": self._optimizer.state_dict() if self._optimizer else {}, "global_step": self.global_step}
@@ -244,8 +267,8 @@ class GRPO:
         self.global_step = int(state["global_step"])
 
     def update(self, backbone: Backbone, sampler: Sampler, batch: Rollout, advantages: Tensor) -> dict[str, float]:
-        """One pass (``num_inner_epochs`` passes) over ``batch`` with advantages [N, W] (any device: they are moved to
-        the batch's); returns mean metrics."""
+        """One pass (``num_inner_epochs`` passes) over ``batch`` with advantages [N, W] as ``advantages`` returns them
+        (any device: they are moved to the batch's; not clipped again); returns mean metrics."""
         if self._optimizer is None:
             self.bind(backbone)
         o = self.options
@@ -254,7 +277,7 @@ class GRPO:
             raise ValueError(f"advantages must be [N, W] = [{n}, {width}], got {tuple(advantages.shape)}.")
         # Advantages are host bookkeeping (float64, CPU); they join the stored transitions on the rollout's device
         # here, once (tpflow.devices, rule 2), so every index and loss below stays on one device.
-        adv = advantages.to(device=batch.device, dtype=torch.float32).clamp(-o.adv_clip_max, o.adv_clip_max)
+        adv = advantages.to(device=batch.device, dtype=torch.float32)  # [N, W], clipped by self.advantages
         if o.filter_zero_advantage:
             keep = informative_trajectories(adv)
         else:

@@ -40,9 +40,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor
 
+from tpflow.errors import RewardError
 from tpflow.registry import register
 from tpflow.rewards._images import to_uint8_hwc
-from tpflow.train.scoring import RewardError
 from tpflow.types import RewardOutput
 
 PROTOCOL = 1  # bump when the wire format changes; client and server refuse each other's other numbers

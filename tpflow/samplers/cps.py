@@ -58,6 +58,17 @@ class CpsSampler:
     def __init__(self, options: CpsOptions | None = None) -> None:
         self.options = options or CpsOptions()
 
+    @staticmethod
+    def check_recipe(options: CpsOptions, settings: dict) -> list[str]:
+        """The recipe's limits for cps, checked by ``tpflow validate`` before anything loads."""
+        alpha = settings["rollout"].noise_level
+        if 0 <= alpha <= 1:
+            return []
+        return [
+            f"[rollout] noise_level = {alpha} is outside the cps sampler's range [0, 1] (ρ = σ⁺·sin(απ/2) peaks at "
+            "α = 1; the paper uses 0.7). Lower it, or use sampler flow-sde, whose α has no upper limit."
+        ]
+
     def step(
         self,
         z: Tensor,

@@ -14,10 +14,8 @@ with the config and training statistics, like ``tpflow.shapes.model``.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from tpflow.shapes import vocab
-from tpflow.shapes.model import TextLayer, _key_bias
+from tpflow.shapes.model import TextLayer, _key_bias, read_config, save_checkpoint
 
 MAX_LOGIT_SCALE = math.log(100.0)  # CLIP's clamp: temperature never below 1/100
 
@@ -153,39 +151,17 @@ class ShapesClip(nn.Module):
 
 
 def save_clip(model: ShapesClip, path: Path, stats: dict[str, Any] | None = None) -> Path:
-    """Write weights to ``path`` (.safetensors) and config + stats to the ``.json`` beside it, both atomically.
-
-    The config also goes into the safetensors metadata so that the file alone rebuilds the model.
-    """
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    config = asdict(model.config)
-    tensors = {k: v.detach().float().contiguous().cpu() for k, v in model.state_dict().items()}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"config": json.dumps(config)})
-    os.replace(tmp, path)
-    meta = path.with_suffix(".json")
-    tmp = meta.with_name(meta.name + ".tmp")
-    tmp.write_text(json.dumps({"config": config, "stats": stats or {}}, indent=2) + "\n")
-    os.replace(tmp, meta)
-    return path
+    """Write weights to ``path`` (.safetensors) and config + stats to the ``.json`` beside it, both atomically
+    (``model.save_checkpoint``, shared with ShapesDiT)."""
+    return save_checkpoint(model, path, stats)
 
 
 def load_clip(path: Path, device: str | torch.device = "cpu") -> ShapesClip:
     """Rebuild a ShapesClip from ``save_clip``'s files (config from the .json, else the file's metadata), in eval
     mode with gradients off."""
-    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    path = Path(path)
-    meta = path.with_suffix(".json")
-    if meta.is_file():
-        config = json.loads(meta.read_text())["config"]
-    else:
-        with safe_open(str(path), framework="pt") as f:
-            config = json.loads((f.metadata() or {})["config"])
+    config = read_config(path)
     model = ShapesClip(ShapesClipConfig.from_dict(config))
     model.load_state_dict(load_file(str(path)))
     return model.to(device).eval().requires_grad_(False)

@@ -253,11 +253,12 @@ def _key_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -1e4)[:, None, None]
 
 
-def save_checkpoint(model: ShapesDiT, path: Path, stats: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(model: nn.Module, path: Path, stats: dict[str, Any] | None = None) -> Path:
     """Write weights to ``path`` (.safetensors) and config + stats to the ``.json`` beside it, both atomically.
 
-    The state dict is taken as is (pass the EMA model to ship EMA weights); the config also goes into the
-    safetensors metadata so that the file alone is enough to rebuild the model.
+    Any shapes-world model with a dataclass ``config`` (ShapesDiT, ShapesClip). The state dict is taken as is (pass
+    the EMA model to ship EMA weights); the config also goes into the safetensors metadata so that the file alone is
+    enough to rebuild the model.
     """
     from safetensors.torch import save_file
 
@@ -275,18 +276,22 @@ def save_checkpoint(model: ShapesDiT, path: Path, stats: dict[str, Any] | None =
     return path
 
 
-def load_checkpoint(path: Path, device: str | torch.device = "cpu") -> ShapesDiT:
-    """Rebuild a ShapesDiT from ``save_checkpoint``'s files (config from the .json, else the file's metadata)."""
+def read_config(path: Path) -> dict[str, Any]:
+    """The config ``save_checkpoint`` stored: from the ``.json`` beside ``path``, else the file's metadata."""
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
     path = Path(path)
     meta = path.with_suffix(".json")
     if meta.is_file():
-        config = json.loads(meta.read_text())["config"]
-    else:
-        with safe_open(str(path), framework="pt") as f:
-            config = json.loads((f.metadata() or {})["config"])
-    model = ShapesDiT(ShapesDiTConfig.from_dict(config))
+        return json.loads(meta.read_text())["config"]
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads((f.metadata() or {})["config"])
+
+
+def load_checkpoint(path: Path, device: str | torch.device = "cpu") -> ShapesDiT:
+    """Rebuild a ShapesDiT from ``save_checkpoint``'s files (config from the .json, else the file's metadata)."""
+    from safetensors.torch import load_file
+
+    model = ShapesDiT(ShapesDiTConfig.from_dict(read_config(path)))
     model.load_state_dict(load_file(str(path)))
     return model.to(device).eval()

@@ -42,7 +42,6 @@ from rich.progress import (
 from tpflow.devices import cpu_generator, resolve_device
 from tpflow.distributed import Distributed
 from tpflow.errors import UserError
-from tpflow.optim.advantages import group_advantages
 from tpflow.recipe import Recipe
 from tpflow.rollout import draw_window, rollout_from_settings
 from tpflow.train.allocator import keep_freed_memory
@@ -54,6 +53,7 @@ from tpflow.train.checkpoint import (
     save_checkpoint,
 )
 from tpflow.train.ema import EMA
+from tpflow.train.epoch import EpochRows, Sampled
 from tpflow.train.evaluation import evaluate
 from tpflow.train.prompt_sampler import check_layout, noise_seed, plan_epoch
 from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, truncate_after
@@ -61,6 +61,19 @@ from tpflow.train.scoring import ScoringWorker
 from tpflow.types import PromptItem, Rollout
 
 MAX_NONFINITE_EPOCHS = 3  # consecutive epochs with non-finite losses before the run stops
+
+
+def _row_metrics(rows: EpochRows) -> dict[str, float]:
+    """Reward and turning-point statistics of the epoch's trajectories (every process)."""
+    delta = rows.trace[:, -1] - rows.trace[:, 0]
+    good = rows.turning & (delta > 0)[:, None]
+    return {
+        "reward_mean": float(rows.trace[:, -1].mean()),
+        "reward_std": float(rows.trace[:, -1].std()),
+        "turning_points_per_traj": float(rows.turning.sum(1).float().mean()),
+        "good_turning_points": float(good.sum()),
+        "bad_turning_points": float((rows.turning & ~good).sum()),
+    }
 
 
 def prompt_groups(prompts: list[str]) -> list[int]:
@@ -81,22 +94,22 @@ class Trainer:
         console: Console | None = None,
     ) -> None:
         self.recipe = recipe
-        self.settings = t = recipe.train
+        self.settings = train = recipe.train
         stem = recipe.path.stem if recipe.path else "run"
-        self.run_dir = Path(run_dir) if run_dir else Path(t.run_dir.format(recipe=stem))
+        self.run_dir = Path(run_dir) if run_dir else Path(train.run_dir.format(recipe=stem))
         self.console = console or Console()
         # The accelerator follows the backbone's device (a CPU backbone on a GPU machine gets no CUDA autocast);
         # a device this machine lacks is a UserError here, before anything loads.
         cpu = resolve_device(getattr(recipe.backbone.options, "device", None)).type != "cuda"
         if cpu:
             keep_freed_memory()  # batched rollouts on CPU: avoid a page fault per 4 KiB of every big tensor
-        self.accelerator = _accelerator(cpu=cpu, mixed_precision="no" if cpu else t.mixed_precision)
+        self.accelerator = _accelerator(cpu=cpu, mixed_precision="no" if cpu else train.mixed_precision)
         self.dist = Distributed(self.accelerator)
         if not self.dist.is_main:
             self.console = Console(quiet=True)  # one process reports; every process raises its own errors
-        check_layout(t, self.dist.world_size)
-        torch.manual_seed(t.seed)  # the same on every process: the adapters start equal
-        random.seed(t.seed)
+        check_layout(train, self.dist.world_size)
+        torch.manual_seed(train.seed)  # the same on every process: the adapters start equal
+        random.seed(train.seed)
         self.backbone = recipe.build("backbone")
         self.sampler = recipe.build("sampler")
         self.reward = recipe.build("reward")
@@ -108,7 +121,7 @@ class Trainer:
         self.test_items = test[: recipe.eval.num_prompts] if recipe.eval.num_prompts else test
         self.optimizer.bind(self.backbone, self.accelerator)
         params = self.backbone.trainable_parameters()
-        self.ema = EMA(params, t.ema_decay, t.ema_every) if t.ema else None
+        self.ema = EMA(params, train.ema_decay, train.ema_every) if train.ema else None
         self.epoch = 0  # the next epoch to run
         self._progress: Progress | None = None
         self._task: TaskID | None = None
@@ -122,9 +135,10 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Run the remaining epochs; returns the last epoch's metrics (with the last eval's)."""
-        t, e = self.settings, self.recipe.eval
+        train, evaluation = self.settings, self.recipe.eval
         self.console.print(
-            f"[bold]tpflow train[/] {self.recipe.path or ''} -> {self.run_dir} | epochs {self.epoch}..{t.epochs - 1}"
+            f"[bold]tpflow train[/] {self.recipe.path or ''} -> {self.run_dir} | "
+            f"epochs {self.epoch}..{train.epochs - 1}"
             f" | credit {self.recipe.credit.name} | {len(self.backbone.trainable_parameters())} trainable tensors"
         )
         if self.dist.enabled:
@@ -145,18 +159,18 @@ class Trainer:
         self._progress = progress
         try:
             progress.start()
-            for epoch in range(self.epoch, t.epochs):
-                if e.every and epoch % e.every == 0:
+            for epoch in range(self.epoch, train.epochs):
+                if evaluation.every and epoch % evaluation.every == 0:
                     last_eval = self.evaluate(epoch)
                 metrics = {**self.train_epoch(epoch), **last_eval}
                 self.epoch, self._weights_ahead = epoch + 1, False
                 self.logger.log(metrics, step=self.optimizer.global_step, epoch=epoch)
                 self.console.print(epoch_line(epoch, metrics))
-                if t.save_every and self.epoch % t.save_every == 0 and self.epoch < t.epochs:
+                if train.save_every and self.epoch % train.save_every == 0 and self.epoch < train.epochs:
                     self.save()
-            if e.every:
-                last_eval = self.evaluate(t.epochs)
-                self.logger.log(last_eval, step=self.optimizer.global_step, epoch=t.epochs)
+            if evaluation.every:
+                last_eval = self.evaluate(train.epochs)
+                self.logger.log(last_eval, step=self.optimizer.global_step, epoch=train.epochs)
                 metrics.update(last_eval)
             self.save()
         except KeyboardInterrupt:
@@ -176,29 +190,72 @@ class Trainer:
         return metrics
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
-        """Sample, score, assign credit, update: one epoch. Returns its metrics (over every process)."""
-        t, r = self.settings, self.recipe.rollout
+        """One epoch, stage by stage (docs/architecture.md, "An epoch"); returns its metrics over every process."""
         start = time.perf_counter()
-        plan = plan_epoch(len(self.train_items), t, epoch)
-        local = plan.local(self.dist.rank, self.dist.world_size)
-        z0_seeds = {i: noise_seed(t, epoch, i) for b in local for i in b.items} if r.same_noise else None
-        completions = r.completions if self.credit.needs_completions else None
-        worker = ScoringWorker(self.backbone.decode, self.reward, chunk=t.score_batch)
-        outs, jobs = [], []
-        self._phase(f"epoch {epoch}: sampling", len(local))
+        batches = plan_epoch(len(self.train_items), self.settings, epoch).local(self.dist.rank, self.dist.world_size)
+        sampled = self._sample_and_score(epoch, batches)  # rollouts and reward traces [n_b, W+1], batch by batch
+        credits = [self.credit(s.trace) for s in sampled.scored]  # per rollout batch: balancing stays within one
+        rows = EpochRows.local(sampled, credits).gather(self.dist)  # [N] trajectories of every process
+        # The prompt group is the prompt's text, as in the reference (ALGORITHM.md §5): two dataset items with the
+        # same text (the shapes train split repeats its 93 texts) are one group, on every process alike.
+        groups = prompt_groups([self.train_items[i].prompt for i in rows.items.tolist()])  # [N] ints
+        advantages = self.optimizer.advantages(rows.step_rewards, groups)  # [N, W] float64, the same everywhere
+        n, rank = sampled.num_rows, self.dist.rank
+        batch = Rollout.cat(sampled.rollouts)
+        sampled.rollouts.clear()  # the update holds the concatenated copy only
+        update_start = time.perf_counter()
+        update = self._update(epoch, batch, advantages[rank * n : (rank + 1) * n])
+        update_s = time.perf_counter() - update_start
+        if self.dist.is_main:
+            self.logger.log_traces(epoch, self._trace_records(rows, groups, advantages))
+        metrics = {
+            **_row_metrics(rows),
+            "nfe_per_traj": batch.cost.nfe,
+            "model_s": batch.cost.model_s,
+            "decode_s": sum(s.decode_s for s in sampled.scored),
+            "reward_s": sum(s.reward_s for s in sampled.scored),
+            "sample_s": sampled.seconds,
+            "update_s": update_s,
+            **update,
+        }
+        if self.credit.needs_completions:
+            metrics["baseline_reward_mean"] = float(rows.trace[:, 0].mean())
+        metrics.update(self._reward_details(sampled.scored))
+        metrics["epoch_s"] = time.perf_counter() - start
+        return metrics
+
+    def _sample_and_score(self, epoch: int, batches: list) -> Sampled:
+        """Roll out each local batch (window, noise from its seed) and score it in the background worker."""
+        train, rollout = self.settings, self.recipe.rollout
+        start = time.perf_counter()
+        z0_seeds = {i: noise_seed(train, epoch, i) for b in batches for i in b.items} if rollout.same_noise else None
+        completions = rollout.completions if self.credit.needs_completions else None
+        worker = ScoringWorker(self.backbone.decode, self.reward, chunk=train.score_batch)
+        rollouts, jobs = [], []
+        self._phase(f"epoch {epoch}: sampling", len(batches))
         try:
-            for b in local:
+            for b in batches:
                 items = [self.train_items[i] for i in b.items]
-                window = draw_window(r.num_steps, r.window_size, r.window_range, random.Random(b.seed))
+                window = draw_window(
+                    rollout.num_steps, rollout.window_size, rollout.window_range, random.Random(b.seed)
+                )
                 generator = cpu_generator(b.seed)  # noise drawn on the CPU, moved to the model (tpflow.devices)
                 cond = self.backbone.encode([it.prompt for it in items])
                 with self.accelerator.autocast():
                     out = rollout_from_settings(
-                        self.backbone, self.sampler, cond, list(b.items), window, r, completions, generator, z0_seeds
+                        self.backbone,
+                        self.sampler,
+                        cond,
+                        list(b.items),
+                        window,
+                        rollout,
+                        completions,
+                        generator,
+                        z0_seeds,
                     )
                 prompts, metadata = [i.prompt for i in items], [i.metadata for i in items]
-                jobs.append(worker.submit(out.final, out.completions, prompts, metadata, r.window_size))
-                outs.append(dataclasses.replace(out, completions=None))  # scored already; the update needs none
+                jobs.append(worker.submit(out.final, out.completions, prompts, metadata, rollout.window_size))
+                rollouts.append(dataclasses.replace(out, completions=None))  # scored already; the update needs none
                 self._advance()
             self._phase(f"epoch {epoch}: scoring", len(jobs))
             scored = []
@@ -207,94 +264,55 @@ class Trainer:
                 self._advance()
         finally:
             worker.close()
-        sample_s = time.perf_counter() - start
-        credits = [self.credit(s.trace) for s in scored]  # per local rollout batch: balancing stays within one
-        n = sum(len(b.items) for b in local)
-        # One gather of everything the advantages and the logs need, in process order: [N, 3W + 4] float64.
-        packed = self.dist.gather(
-            torch.cat(
-                [
-                    torch.cat([s.trace for s in scored]).double(),  # [n, W+1]
-                    torch.cat([c.step_rewards for c in credits]).double(),  # [n, W]
-                    torch.cat([c.turning_points for c in credits]).double(),  # [n, W]
-                    torch.tensor(  # [n, 3]
-                        [[i, b.index, k] for b in local for k, i in enumerate(b.items)],
-                        dtype=torch.float64,
-                        device="cpu",
-                    ),
-                ],
-                dim=1,
-            )
-        )
-        width = r.window_size
-        trace = packed[:, : width + 1].float()  # [N, W+1]
-        step_rewards = packed[:, width + 1 : 2 * width + 1]  # [N, W]
-        turning = packed[:, 2 * width + 1 : 3 * width + 1].bool()  # [N, W]
-        keys = packed[:, 3 * width + 1 :].long()  # [N, 3]: dataset item, batch, row
-        # The prompt group is the prompt's text, as in the reference (ALGORITHM.md §5): two dataset items with the
-        # same text (the shapes train split repeats its 93 texts) are one group, on every process alike.
-        groups = prompt_groups([self.train_items[i].prompt for i in keys[:, 0].tolist()])  # [N] ints
-        global_std = getattr(self.optimizer.options, "global_std", False)
-        advantages = group_advantages(step_rewards, groups, global_std=global_std)  # [N, W], the same everywhere
-        mine = advantages[self.dist.rank * n : (self.dist.rank + 1) * n]
-        # (sum, count) of each reward detail over this process's final images, merged over the processes below
-        details = {name: torch.cat([s.details[name] for s in scored]).double() for name in scored[0].details}
-        details = {name: (float(values.sum()), values.numel()) for name, values in details.items()}
-        batch = Rollout.cat(outs)
-        outs.clear()  # the update holds the concatenated copy only
-        update_start = time.perf_counter()
+        return Sampled(list(batches), rollouts, scored, time.perf_counter() - start)
+
+    def _update(self, epoch: int, batch: Rollout, advantages: torch.Tensor) -> dict[str, float]:
+        """The optimizer's pass over this process's trajectories, the EMA, and the finiteness check."""
         self._phase(f"epoch {epoch}: updating", None)
         steps_before = self.optimizer.global_step
         self._weights_ahead = True  # until fit() counts the epoch as done
         with self.accelerator.autocast():
-            update = self.optimizer.update(self.backbone, self.sampler, batch, mine)
+            update = self.optimizer.update(self.backbone, self.sampler, batch, advantages)
         if self.ema is not None:
             for step in range(steps_before, self.optimizer.global_step):
                 self.ema.step(step)
         update = _combine(self.dist.gather_objects([update]))
         self._check_finite(update)
-        delta = trace[:, -1] - trace[:, 0]
-        good = turning & (delta > 0)[:, None]
-        if self.dist.is_main:
-            records = [
-                {
-                    "prompt": self.train_items[item].prompt,
-                    "tag": self.train_items[item].metadata.get("tag"),
-                    "group": groups[k],
-                    "item": item,
-                    "batch": index,
-                    "row": row,
-                    "trace": trace[k].tolist(),
-                    "step_rewards": step_rewards[k].tolist(),
-                    "advantages": advantages[k].tolist(),
-                    "turning_points": turning[k].int().tolist(),
-                    "good_turning_points": good[k].int().tolist(),
-                }
-                for k, (item, index, row) in enumerate(keys.tolist())
-            ]
-            self.logger.log_traces(epoch, records)
-        metrics = {
-            "reward_mean": float(trace[:, -1].mean()),
-            "reward_std": float(trace[:, -1].std()),
-            "turning_points_per_traj": float(turning.sum(1).float().mean()),
-            "good_turning_points": float(good.sum()),
-            "bad_turning_points": float((turning & ~good).sum()),
-            "nfe_per_traj": batch.cost.nfe,
-            "model_s": batch.cost.model_s,
-            "decode_s": sum(s.decode_s for s in scored),
-            "reward_s": sum(s.reward_s for s in scored),
-            "sample_s": sample_s,
-            "update_s": time.perf_counter() - update_start,
-            **update,
-        }
-        if completions is not None:
-            metrics["baseline_reward_mean"] = float(trace[:, 0].mean())
-        merged = self.dist.gather_objects([details])  # one collective, whatever details each process has
+        return update
+
+    def _trace_records(self, rows: EpochRows, groups: list[int], advantages: torch.Tensor) -> list[dict]:
+        """One traces.jsonl record per trajectory (``inspect-trajectory --run`` reads them)."""
+        delta = rows.trace[:, -1] - rows.trace[:, 0]
+        good = rows.turning & (delta > 0)[:, None]
+        return [
+            {
+                "prompt": self.train_items[item].prompt,
+                "tag": self.train_items[item].metadata.get("tag"),
+                "group": groups[k],
+                "item": item,
+                "batch": index,
+                "row": row,
+                "trace": rows.trace[k].tolist(),
+                "step_rewards": rows.step_rewards[k].tolist(),
+                "advantages": advantages[k].tolist(),
+                "turning_points": rows.turning[k].int().tolist(),
+                "good_turning_points": good[k].int().tolist(),
+            }
+            for k, (item, index, row) in enumerate(
+                zip(rows.items.tolist(), rows.batches.tolist(), rows.rows.tolist(), strict=True)
+            )
+        ]
+
+    def _reward_details(self, scored: list) -> dict[str, float]:
+        """Mean of each reward detail over the final images of every process (one collective)."""
+        details = {name: torch.cat([s.details[name] for s in scored]).double() for name in scored[0].details}
+        local = {name: (float(values.sum()), values.numel()) for name, values in details.items()}
+        merged = self.dist.gather_objects([local])  # whatever details each process has
+        out = {}
         for name in sorted({name for part in merged for name in part}):
             total, count = (sum(x) for x in zip(*(part[name] for part in merged if name in part), strict=True))
-            metrics[f"reward_{name}"] = total / count
-        metrics["epoch_s"] = time.perf_counter() - start
-        return metrics
+            out[f"reward_{name}"] = total / count
+        return out
 
     def evaluate(self, epoch: int) -> dict[str, float]:
         """ODE samples of the held-out prompts (EMA weights when enabled): mean reward and per-tag accuracy
@@ -379,21 +397,24 @@ class Trainer:
 
     def _layout_line(self) -> str:
         """How the epoch is shared: batches, trajectories and optimizer steps per process."""
-        t, o = self.settings, self.optimizer.options
-        p = self.dist.world_size
-        plan = plan_epoch(len(self.train_items), t, self.epoch)
-        mine = plan.local(0, p)
+        options, processes = self.optimizer.options, self.dist.world_size
+        plan = plan_epoch(len(self.train_items), self.settings, self.epoch)
+        mine = plan.local(0, processes)
         n = sum(len(b.items) for b in mine)
         line = (
-            f"{p} processes: each samples {len(mine)} of the epoch's {len(plan.batches)} rollout batches "
+            f"{processes} processes: each samples {len(mine)} of the epoch's {len(plan.batches)} rollout batches "
             f"({n} of {plan.num_trajectories} trajectories)"
         )
-        micro, accumulation = getattr(o, "micro_batch_size", None), getattr(o, "gradient_accumulation_steps", None)
+        micro, accumulation = (
+            getattr(options, "micro_batch_size", None),
+            getattr(options, "gradient_accumulation_steps", None),
+        )
         if micro and accumulation:
             steps = math.ceil(math.ceil(n / micro) / accumulation)
             line += (
-                f"; up to {steps} optimizer steps per epoch, each averaging {micro * accumulation * p} trajectories "
-                f"({micro} x {accumulation} accumulation x {p} processes)"
+                f"; up to {steps} optimizer steps per epoch, each averaging {micro * accumulation * processes} "
+                "trajectories "
+                f"({micro} x {accumulation} accumulation x {processes} processes)"
             )
         return line
 

@@ -14,7 +14,7 @@ architecture from transformers (default ``facebook/mask2former-swin-small-coco-i
    threshold (0.3, 0.9 for counting) is dropped before its mask is upsampled: its score could only be lower, so the
    scorer would drop it anyway.
 3. The box of a detection is its mask's extent, (x_min, y_min, x_max + 1, y_max + 1), mmdet's ``mask2bbox``.
-4. Labels come from the model config's id2label, mapped to GenEval's class names (``detectors.COCO_CLASSES``).
+4. Labels come from the model config's id2label, mapped to GenEval's class names (``detection.COCO_CLASSES``).
 5. Detections that the scorer keeps (``scoring.kept_detections``) and whose class some include clause asks a colour
    for get one from ``colors.ColorClassifier`` (object on grey, cropped to its box); the others get None.
 
@@ -38,7 +38,7 @@ from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.rewards._images import to_uint8
 from tpflow.rewards.geneval.colors import ColorClassifier, grey_crop
-from tpflow.rewards.geneval.detectors import Detection, geneval_class_name
+from tpflow.rewards.geneval.detection import Detection, geneval_class_name
 from tpflow.rewards.geneval.scoring import COUNTING_THRESHOLD, THRESHOLD, kept_detections
 
 DEFAULT_MODEL = "facebook/mask2former-swin-small-coco-instance"
