@@ -135,16 +135,3 @@ def test_every_train_option_reaches_the_launched_processes(plugin, tmp_path, mon
     assert "--num-processes" not in child and "--num-machines" not in child
     pairs = list(zip(forwarded[::2], forwarded[1::2], strict=True))
     assert pairs == list(zip(child[2::2], child[3::2], strict=True)), (forwarded, child)
-
-
-def test_validate_checks_the_optimizer_step_against_the_epoch(plugin, tmp_path):
-    """An optimizer step larger than the epoch (micro-batch x accumulation > prompts x copies) fails validate."""
-    (tmp_path / "r.toml").write_text(BASE)
-    sizes = ["--set", "train.prompts_per_epoch=2", "--set", "train.group_size=4", "--set", "train.rollout_batch=4"]
-    too_big = ["--set", "optimizer.micro_batch_size=8", "--set", "optimizer.gradient_accumulation_steps=2"]
-    out = tpflow("validate", str(tmp_path / "r.toml"), *sizes, *too_big)
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "8 x 2 = 16 trajectories per optimizer step" in out.stderr and "= 8" in out.stderr
-    assert (
-        tpflow("validate", str(tmp_path / "r.toml"), *sizes, "--set", "optimizer.micro_batch_size=4").returncode == 0
-    )

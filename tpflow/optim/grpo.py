@@ -233,21 +233,6 @@ class GRPO:
         self._dist = Distributed(accelerator)
         self._optimizer = accelerator.prepare(optimizer) if accelerator is not None else optimizer
 
-    @staticmethod
-    def check_recipe(options: GRPOOptions, settings: dict) -> list[str]:
-        """The recipe's limits for GRPO, checked by ``tpflow validate`` before anything loads: one optimizer step
-        must fit in an epoch's trajectories, or the configured batch is never reached."""
-        train = settings["train"]
-        per_epoch = train.prompts_per_epoch * train.group_size
-        per_step = options.micro_batch_size * options.gradient_accumulation_steps
-        if per_step <= per_epoch:
-            return []
-        return [
-            f"[optimizer] micro_batch_size x gradient_accumulation_steps = {options.micro_batch_size} x "
-            f"{options.gradient_accumulation_steps} = {per_step} trajectories per optimizer step, but an epoch has "
-            f"only [train] prompts_per_epoch x group_size = {per_epoch}: lower them or raise the epoch's size."
-        ]
-
     def advantages(self, step_rewards: Tensor, groups: Sequence[Hashable]) -> Tensor:
         """Group-normalised advantages [N, W] float64 of step rewards [N, W] (ALGORITHM.md §5), with this optimizer's
         ``global_std`` and ``adv_clip_max``: the one place either option is applied. ``groups`` holds one prompt key
