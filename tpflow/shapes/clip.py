@@ -15,7 +15,7 @@ with the config and training statistics, like ``tpflow.shapes.model``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from tpflow.shapes import vocab
-from tpflow.shapes.model import TextLayer, _key_bias, read_config, save_checkpoint
+from tpflow.shapes.model import TextLayer, _key_bias, config_from_dict, read_config, save_checkpoint
 
 MAX_LOGIT_SCALE = math.log(100.0)  # CLIP's clamp: temperature never below 1/100
 
@@ -52,11 +52,7 @@ class ShapesClipConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShapesClipConfig:
         """The config from its ``asdict`` form; unknown keys raise."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"Unknown ShapesClipConfig fields {unknown}; known: {sorted(known)}.")
-        return cls(**data)
+        return config_from_dict(cls, data)
 
 
 class ImageEncoder(nn.Module):

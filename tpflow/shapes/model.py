@@ -58,11 +58,16 @@ class ShapesDiTConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShapesDiTConfig:
         """The config from its ``asdict`` form; unknown keys raise."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"Unknown ShapesDiTConfig fields {unknown}; known: {sorted(known)}.")
-        return cls(**data)
+        return config_from_dict(cls, data)
+
+
+def config_from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """A dataclass config from its ``asdict`` form (as stored next to the weights); unknown keys raise."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"Unknown {cls.__name__} fields {unknown}; known: {sorted(known)}.")
+    return cls(**data)
 
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:

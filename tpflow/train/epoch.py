@@ -18,7 +18,14 @@ from torch import Tensor
 from tpflow.distributed import Distributed
 from tpflow.train.prompt_sampler import RolloutBatch
 from tpflow.train.scoring import ScoredBatch
-from tpflow.types import Credit, Rollout
+from tpflow.types import Credit, PromptItem, Rollout
+
+
+def prompt_groups(prompts: list[str]) -> list[int]:
+    """Group ids of N prompts, in order of first appearance: equal texts (up to case and runs of whitespace, which
+    the reference's CLIP-tokenizer round trip also folds) share an id (ALGORITHM.md §5)."""
+    table: dict[str, int] = {}
+    return [table.setdefault(" ".join(p.lower().split()), len(table)) for p in prompts]
 
 
 @dataclass
@@ -45,6 +52,44 @@ class EpochRows:
     items: Tensor  # [N] int64 dataset item of each trajectory
     batches: Tensor  # [N] int64 rollout batch index within the epoch
     rows: Tensor  # [N] int64 row within its rollout batch
+
+    @property
+    def good_turning(self) -> Tensor:
+        """[N, W] bool turning points of trajectories whose reward rose over the window (Δ > 0)."""
+        return self.turning & (self.trace[:, -1] > self.trace[:, 0])[:, None]
+
+    def metrics(self) -> dict[str, float]:
+        """Reward and turning-point statistics of the epoch's trajectories (every process)."""
+        good = self.good_turning
+        return {
+            "reward_mean": float(self.trace[:, -1].mean()),
+            "reward_std": float(self.trace[:, -1].std()),
+            "turning_points_per_traj": float(self.turning.sum(1).float().mean()),
+            "good_turning_points": float(good.sum()),
+            "bad_turning_points": float((self.turning & ~good).sum()),
+        }
+
+    def records(self, items: list[PromptItem], groups: list[int], advantages: Tensor) -> list[dict]:
+        """One traces.jsonl record per trajectory (``inspect-trajectory --run`` reads them); ``items`` is the
+        training split the ``items`` column indexes."""
+        good = self.good_turning
+        keys = zip(self.items.tolist(), self.batches.tolist(), self.rows.tolist(), strict=True)
+        return [
+            {
+                "prompt": items[item].prompt,
+                "tag": items[item].metadata.get("tag"),
+                "group": groups[k],
+                "item": item,
+                "batch": index,
+                "row": row,
+                "trace": self.trace[k].tolist(),
+                "step_rewards": self.step_rewards[k].tolist(),
+                "advantages": advantages[k].tolist(),
+                "turning_points": self.turning[k].int().tolist(),
+                "good_turning_points": good[k].int().tolist(),
+            }
+            for k, (item, index, row) in enumerate(keys)
+        ]
 
     @classmethod
     def local(cls, sampled: Sampled, credits: list[Credit]) -> EpochRows:

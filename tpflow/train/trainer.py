@@ -53,7 +53,7 @@ from tpflow.train.checkpoint import (
     save_checkpoint,
 )
 from tpflow.train.ema import EMA
-from tpflow.train.epoch import EpochRows, Sampled
+from tpflow.train.epoch import EpochRows, Sampled, prompt_groups
 from tpflow.train.evaluation import evaluate
 from tpflow.train.prompt_sampler import check_layout, noise_seed, plan_epoch
 from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, truncate_after
@@ -61,26 +61,6 @@ from tpflow.train.scoring import ScoringWorker
 from tpflow.types import PromptItem, Rollout
 
 MAX_NONFINITE_EPOCHS = 3  # consecutive epochs with non-finite losses before the run stops
-
-
-def _row_metrics(rows: EpochRows) -> dict[str, float]:
-    """Reward and turning-point statistics of the epoch's trajectories (every process)."""
-    delta = rows.trace[:, -1] - rows.trace[:, 0]
-    good = rows.turning & (delta > 0)[:, None]
-    return {
-        "reward_mean": float(rows.trace[:, -1].mean()),
-        "reward_std": float(rows.trace[:, -1].std()),
-        "turning_points_per_traj": float(rows.turning.sum(1).float().mean()),
-        "good_turning_points": float(good.sum()),
-        "bad_turning_points": float((rows.turning & ~good).sum()),
-    }
-
-
-def prompt_groups(prompts: list[str]) -> list[int]:
-    """Group ids of N prompts, in order of first appearance: equal texts (up to case and runs of whitespace, which
-    the reference's CLIP-tokenizer round trip also folds) share an id."""
-    table: dict[str, int] = {}
-    return [table.setdefault(" ".join(p.lower().split()), len(table)) for p in prompts]
 
 
 class Trainer:
@@ -198,7 +178,7 @@ class Trainer:
         rows = EpochRows.local(sampled, credits).gather(self.dist)  # [N] trajectories of every process
         # The prompt group is the prompt's text, as in the reference (ALGORITHM.md §5): two dataset items with the
         # same text (the shapes train split repeats its 93 texts) are one group, on every process alike.
-        groups = prompt_groups([self.train_items[i].prompt for i in rows.items.tolist()])  # [N] ints
+        groups = prompt_groups([self.train_items[i].prompt for i in rows.items.tolist()])  # [N] ints, by text
         advantages = self.optimizer.advantages(rows.step_rewards, groups)  # [N, W] float64, the same everywhere
         n, rank = sampled.num_rows, self.dist.rank
         batch = Rollout.cat(sampled.rollouts)
@@ -207,9 +187,9 @@ class Trainer:
         update = self._update(epoch, batch, advantages[rank * n : (rank + 1) * n])
         update_s = time.perf_counter() - update_start
         if self.dist.is_main:
-            self.logger.log_traces(epoch, self._trace_records(rows, groups, advantages))
+            self.logger.log_traces(epoch, rows.records(self.train_items, groups, advantages))
         metrics = {
-            **_row_metrics(rows),
+            **rows.metrics(),
             "nfe_per_traj": batch.cost.nfe,
             "model_s": batch.cost.model_s,
             "decode_s": sum(s.decode_s for s in sampled.scored),
@@ -279,29 +259,6 @@ class Trainer:
         update = _combine(self.dist.gather_objects([update]))
         self._check_finite(update)
         return update
-
-    def _trace_records(self, rows: EpochRows, groups: list[int], advantages: torch.Tensor) -> list[dict]:
-        """One traces.jsonl record per trajectory (``inspect-trajectory --run`` reads them)."""
-        delta = rows.trace[:, -1] - rows.trace[:, 0]
-        good = rows.turning & (delta > 0)[:, None]
-        return [
-            {
-                "prompt": self.train_items[item].prompt,
-                "tag": self.train_items[item].metadata.get("tag"),
-                "group": groups[k],
-                "item": item,
-                "batch": index,
-                "row": row,
-                "trace": rows.trace[k].tolist(),
-                "step_rewards": rows.step_rewards[k].tolist(),
-                "advantages": advantages[k].tolist(),
-                "turning_points": rows.turning[k].int().tolist(),
-                "good_turning_points": good[k].int().tolist(),
-            }
-            for k, (item, index, row) in enumerate(
-                zip(rows.items.tolist(), rows.batches.tolist(), rows.rows.tolist(), strict=True)
-            )
-        ]
 
     def _reward_details(self, scored: list) -> dict[str, float]:
         """Mean of each reward detail over the final images of every process (one collective)."""
