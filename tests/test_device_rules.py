@@ -156,7 +156,7 @@ def test_cuda_without_a_gpu_is_a_user_error_before_anything_loads(tmp_path, tiny
 def test_a_second_trainer_in_one_process_gets_the_accelerator_it_asks_for():
     """accelerate's process-wide state would keep the first trainer's precision (or raise); outside a launcher the
     trainer resets a state that disagrees."""
-    from tpflow.train.trainer import _accelerator
+    from tpflow.distributed import make_accelerator as _accelerator
 
     assert _accelerator(cpu=True, mixed_precision="no").mixed_precision == "no"
     assert _accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"

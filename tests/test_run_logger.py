@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,7 @@ def _trace(prompt: str) -> dict:
 
 
 def test_metrics_lines_are_valid_json(tmp_path: Path):
-    with RunLogger(tmp_path / "run", tensorboard=False) as logger:
-        assert not logger.tensorboard_enabled
+    with RunLogger(tmp_path / "run") as logger:
         logger.log({"reward_mean": 0.5, "kl": float("nan"), "loss": float("inf"), "skipped": 2}, step=4, epoch=0)
         logger.log({"reward_mean": torch.tensor(0.25)}, step=8, epoch=1)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -35,44 +33,60 @@ def test_metrics_lines_are_valid_json(tmp_path: Path):
     assert isinstance(first["time"], float)
     assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[1]["reward_mean"] == 0.25
     with pytest.raises(ValueError, match="reserved"):
-        RunLogger(tmp_path / "run", tensorboard=False).log({"step": 1.0}, step=1, epoch=0)
+        RunLogger(tmp_path / "run").log({"step": 1.0}, step=1, epoch=0)
 
 
-def test_tensorboard_is_skipped_silently_when_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
-    logger = RunLogger(tmp_path, tensorboard=True)
-    logger.log({"reward_mean": 1.0}, step=0, epoch=0)
-    logger.close()
-    assert not logger.tensorboard_enabled and not (tmp_path / "tensorboard").exists()
-
-
-def test_tensorboard_scalars_when_available(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_trackers_get_the_scalars_and_images_unless_untracked(tmp_path: Path):
     calls = []
 
-    class FakeWriter:  # the real SummaryWriter needs the optional tensorboard package
-        def __init__(self, log_dir: str):
-            calls.append(("init", log_dir))
+    class FakeTrackers:  # what RunLogger hands on; tpflow.train.trackers talks to accelerate
+        def log(self, metrics: dict, step: int) -> None:
+            calls.append(("log", metrics, step))
 
-        def add_scalar(self, key: str, value: float, global_step: int):
-            calls.append((key, value, global_step))
+        def log_image(self, name: str, path: Path, step: int) -> None:
+            calls.append(("image", name, step))
 
-        def flush(self):
-            pass
-
-        def close(self):
+        def close(self) -> None:
             calls.append(("close",))
 
-    module = type(sys)("torch.utils.tensorboard")
-    module.SummaryWriter = FakeWriter
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
-    with RunLogger(tmp_path) as logger:
-        assert logger.tensorboard_enabled
-        logger.log({"reward_mean": 0.5, "note": "text"}, step=3, epoch=0)
-    assert calls == [("init", str(tmp_path / "tensorboard")), ("reward_mean", 0.5, 3), ("close",)]
+    with RunLogger(tmp_path, FakeTrackers()) as logger:
+        logger.track({"eval_reward": 0.25}, step=0)
+        logger.log_image("eval_samples", tmp_path / "grid.png", step=0)
+        logger.log({"reward_mean": 0.5, "eval_reward": 0.25}, step=3, epoch=0, untracked={"eval_reward"})
+    assert calls == [
+        ("log", {"eval_reward": 0.25}, 0),
+        ("image", "eval_samples", 0),
+        ("log", {"epoch": 0, "reward_mean": 0.5}, 3),
+        ("close",),
+    ]
+    assert read_jsonl(tmp_path / "metrics.jsonl")[0]["eval_reward"] == 0.25  # the JSONL line keeps everything
+
+
+def test_tracker_settings_refuse_a_tracker_that_is_not_installed(monkeypatch: pytest.MonkeyPatch):
+    import importlib.util
+
+    from pydantic import ValidationError
+
+    from tpflow.settings import LogSettings
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ValidationError, match=r"not installed .*tpflow\[wandb\]"):
+        LogSettings(trackers=["tensorboard", "wandb"])
+    assert LogSettings(trackers=["tensorboard"]).trackers == ["tensorboard"]
+    with pytest.raises(ValidationError, match="twice"):
+        LogSettings(trackers=["tensorboard", "tensorboard"])
+
+
+def test_flat_config_is_scalars_only():
+    from tpflow.train.trackers import flat_config
+
+    flat = flat_config({"rollout": {"window_range": [0, 9], "noise_level": 0.7}, "credit": {"name": "tp"}})
+    assert flat == {"rollout.window_range": "[0, 9]", "rollout.noise_level": 0.7, "credit.name": "tp"}
 
 
 def test_traces_one_line_per_record(tmp_path: Path):
-    logger = RunLogger(tmp_path, tensorboard=False)
+    logger = RunLogger(tmp_path)
     logger.log_traces(0, [_trace("a"), _trace("b")])
     logger.log_traces(1, [_trace("c")])
     records = read_jsonl(tmp_path / "traces.jsonl")
@@ -81,7 +95,7 @@ def test_traces_one_line_per_record(tmp_path: Path):
 
 
 def test_truncate_after_drops_later_epochs_and_cut_lines(tmp_path: Path):
-    logger = RunLogger(tmp_path, tensorboard=False)
+    logger = RunLogger(tmp_path)
     for epoch in range(6):
         logger.log({"reward_mean": epoch / 10}, step=2 * epoch, epoch=epoch)
         logger.log_traces(epoch, [_trace(f"p{epoch}")])
@@ -99,7 +113,7 @@ def test_truncate_after_drops_later_epochs_and_cut_lines(tmp_path: Path):
 
 def test_append_after_cut_line_starts_a_new_line(tmp_path: Path):
     (tmp_path / "metrics.jsonl").write_text('{"epoch": 0, "step": 0}\n{"epoch": 1, "st')
-    RunLogger(tmp_path, tensorboard=False).log({"reward_mean": 1.0}, step=2, epoch=1)
+    RunLogger(tmp_path).log({"reward_mean": 1.0}, step=2, epoch=1)
     with pytest.warns(UserWarning, match="line 2: skipped"):
         records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 2]

@@ -108,3 +108,26 @@ def test_export_cli_writes_adapter_and_merged_model(trained, tmp_path):
 
 def test_export_without_a_checkpoint_exits_2(tmp_path):
     assert cli("export", str(tmp_path), "--out", str(tmp_path / "out")) == 2
+
+
+def test_eval_of_the_exported_lora_equals_eval_of_its_run(trained, tmp_path):
+    """tiny-sd3: `tpflow eval` of the run, of the folder `tpflow export` wrote, and the run's own last eval agree."""
+    import json
+
+    from tpflow.train.run_logger import read_jsonl
+
+    _, _, _, run = trained
+    assert cli("export", str(run), "--out", str(tmp_path / "lora")) == 0
+    steps = str(load_recipe(RECIPE).eval.num_steps)
+    assert cli("eval", str(run), "--steps", steps, "--out", str(tmp_path / "run_eval")) == 0
+    assert cli("eval", str(tmp_path / "lora"), "--steps", steps, "--out", str(tmp_path / "lora_eval")) == 0
+    of_run = json.loads((tmp_path / "run_eval" / "eval.json").read_text())["target"]
+    of_lora = json.loads((tmp_path / "lora_eval" / "eval.json").read_text())["target"]
+    assert of_lora["kind"] == "export" and of_run["kind"] == "run"
+    assert [i["score"] for i in of_lora["images"]] == [i["score"] for i in of_run["images"]]
+    assert of_lora["metrics"] == of_run["metrics"]
+    logged = read_jsonl(run / "metrics.jsonl")[-1]
+    assert of_run["metrics"]["eval_reward"] == logged["eval_reward"]
+    base = tmp_path / "base_eval"  # the base model differs: the comparison has teeth
+    assert cli("eval", str(RECIPE), "--steps", steps, "--out", str(base)) == 0
+    assert json.loads((base / "eval.json").read_text())["target"]["metrics"] != of_run["metrics"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -139,3 +140,31 @@ class Distributed:
 
 def _grad_or_zeros(p: torch.nn.Parameter) -> Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def make_accelerator(
+    cpu: bool, mixed_precision: str, log_with: Sequence[str] = (), logging_dir: Path | None = None
+) -> Any:
+    """An ``accelerate.Accelerator`` on the CPU or the process's GPU with ``mixed_precision``, logging to the
+    trackers ``log_with`` (accelerate's names: "tensorboard", "wandb") under ``logging_dir``.
+
+    accelerate keeps one state per process, fixed by the first Accelerator: a later one with another device or
+    precision either raises ("AcceleratorState has already been initialized") or silently keeps the first device. A
+    process that no launcher started (a notebook, the test suite) may build several trainers, so there a state that
+    disagrees is reset first; under a launcher the state belongs to the launch and is left alone."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import ProjectConfiguration
+
+    from tpflow.launch import launched
+
+    state = AcceleratorState._shared_state
+    if state and not launched():
+        same_device = state.get("_cpu") == cpu or (not cpu and getattr(state.get("device"), "type", None) == "cuda")
+        if not same_device or state.get("_mixed_precision") != mixed_precision:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+    project = ProjectConfiguration(logging_dir=str(logging_dir)) if logging_dir is not None else None
+    return Accelerator(
+        cpu=cpu, mixed_precision=mixed_precision, log_with=list(log_with) or None, project_config=project
+    )

@@ -2,7 +2,8 @@
 
 The checkpoint holds the recipe it was trained with, so the backbone is rebuilt from it (its base weights must be
 reachable as they were for training), the adapter loaded, and, by default, the EMA weights swapped in: the paper
-evaluates and ships the EMA. Output:
+evaluates and ships the EMA. Output (beside ``tpflow_export.json`` and the run's ``recipe.json``, which ``tpflow eval``
+reads):
 
 * default: the adapter as ``save_adapter`` writes it; for SD3 / FLUX that is ``pytorch_lora_weights.safetensors``,
   read by ``pipe.load_lora_weights(DIR)``;
@@ -17,8 +18,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tpflow.errors import UserError
 
 
@@ -27,6 +26,7 @@ def export(source: Path, out: Path, merge: bool = False, ema: bool = True) -> di
 
     Returns a summary (checkpoint path, step, whether EMA weights were used, what was written).
     """
+    from tpflow.evaluation.targets import EXPORT_MANIFEST, EXPORT_RECIPE, apply_ema
     from tpflow.recipe import validate_recipe
     from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
 
@@ -45,12 +45,7 @@ def export(source: Path, out: Path, merge: bool = False, ema: bool = True) -> di
     backbone.load_adapter(ckpt.adapter_dir)
     used_ema = False
     if ema and ckpt.ema_state is not None:
-        params = backbone.trainable_parameters()
-        if len(params) != len(ckpt.ema_state):
-            raise UserError(f"The EMA in {path} has {len(ckpt.ema_state)} tensors for {len(params)} parameters.")
-        with torch.no_grad():
-            for i, param in enumerate(params):
-                param.copy_(ckpt.ema_state[str(i)].to(param.device, param.dtype))
+        apply_ema(backbone, ckpt.ema_state, path)
         used_ema = True
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -68,5 +63,7 @@ def export(source: Path, out: Path, merge: bool = False, ema: bool = True) -> di
         "backbone": recipe.backbone.name,
         "written": str(written),
     }
-    (out / "tpflow_export.json").write_text(json.dumps(summary, indent=2))
+    (out / EXPORT_MANIFEST).write_text(json.dumps(summary, indent=2))
+    # The recipe beside the adapter: `tpflow eval OUT` rebuilds the model it belongs to from it.
+    (out / EXPORT_RECIPE).write_text(json.dumps(ckpt.recipe, indent=2, sort_keys=True))
     return summary

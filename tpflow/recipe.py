@@ -1,7 +1,7 @@
 """Recipes: TOML files that name every component and its options, validated before anything loads.
 
 A recipe has one section per component kind, ``name = "..."`` plus that component's options, and the
-settings sections ``[rollout]``, ``[train]`` and ``[eval]``::
+settings sections ``[rollout]``, ``[train]``, ``[eval]`` and ``[log]``::
 
     [backbone]
     name = "sd3.5-medium"
@@ -30,7 +30,7 @@ from pydantic import BaseModel, ValidationError
 
 from tpflow import registry
 from tpflow.errors import RecipeError, UnknownComponentError
-from tpflow.settings import SETTINGS, EvalSettings, RolloutSettings, TrainSettings
+from tpflow.settings import SETTINGS, EvalSettings, LogSettings, RolloutSettings, TrainSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -76,6 +76,10 @@ class Recipe:
     @property
     def eval(self) -> EvalSettings:
         return self.settings["eval"]  # type: ignore[return-value]
+
+    @property
+    def log(self) -> LogSettings:
+        return self.settings["log"]  # type: ignore[return-value]
 
     @property
     def backbone(self) -> ComponentSpec:

@@ -1,4 +1,4 @@
-"""Options of the recipe sections that are not components: ``[rollout]``, ``[train]`` and ``[eval]``.
+"""Options of the recipe sections that are not components: ``[rollout]``, ``[train]``, ``[eval]`` and ``[log]``.
 
 Defaults are the SD3.5-Medium paper setting (ALGORITHM.md §2, §6.3) unless a field says otherwise; shipped recipes
 override them per model.
@@ -6,9 +6,10 @@ override them per model.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class RolloutSettings(BaseModel):
@@ -123,4 +124,43 @@ class EvalSettings(BaseModel):
     batch_size: int = Field(16, ge=1, description="Images per evaluation batch (paper: 16, 14 for GenEval).")
 
 
-SETTINGS: dict[str, type[BaseModel]] = {"rollout": RolloutSettings, "train": TrainSettings, "eval": EvalSettings}
+TRACKER_PACKAGES = {"tensorboard": "pip install tensorboard", "wandb": "pip install 'tpflow[wandb]'"}
+
+
+class LogSettings(BaseModel):
+    """Where a run's figures go besides ``metrics.jsonl`` / ``traces.jsonl``, which are always written.
+
+    Trackers go through accelerate's tracker API (``Accelerator(log_with=...)``): epoch scalars, the evaluation
+    sample grids, the turning-point statistics and the resolved recipe as the run's config. W&B runs without an
+    account with ``WANDB_MODE=offline`` (the run lands in ``run_dir/wandb``; ``wandb sync`` uploads it later)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trackers: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Experiment trackers: 'tensorboard' (run_dir/tensorboard) and/or 'wandb'; [] for JSONL only.",
+    )
+    project: str = Field("tpflow", min_length=1, description="Tracker project (W&B project, TensorBoard subfolder).")
+    run_name: str | None = Field(None, description="Tracker run name (default: the run dir's name).")
+    images: bool = Field(True, description="Send the evaluation sample grids to the trackers.")
+
+    @field_validator("trackers")
+    @classmethod
+    def _installed(cls, trackers: list[str]) -> list[str]:
+        if len(set(trackers)) != len(trackers):
+            raise ValueError(f"trackers {trackers} names a tracker twice.")
+        missing = [t for t in trackers if importlib.util.find_spec(t) is None]
+        if missing:
+            how = "; ".join(f"{t}: {TRACKER_PACKAGES[t]}" for t in missing)
+            raise ValueError(
+                f"tracker(s) {missing} are named but not installed ({how}), or drop them from [log] trackers."
+            )
+        return trackers
+
+
+SETTINGS: dict[str, type[BaseModel]] = {
+    "rollout": RolloutSettings,
+    "train": TrainSettings,
+    "eval": EvalSettings,
+    "log": LogSettings,
+}

@@ -1,7 +1,11 @@
 """Evaluation: ODE samples of the held-out prompts, their reward, per-tag accuracy and a sample grid.
 
-The prompts are dealt to the processes (prompt k to process k mod P) and the scores gathered; prompt k starts from
-the same noise whatever P (row k of one seeded draw), so the figures do not depend on the number of processes.
+Used by the trainer every ``eval.every`` epochs and by ``tpflow eval`` (tpflow/evaluation), through the same
+``score_prompts``, so that the command reproduces what training logged for the same weights, prompts, steps and seed.
+
+The images are dealt to the processes (image r to process r mod P) and the scores gathered; image r starts from the
+same noise whatever P (row r of one seeded draw), so the figures do not depend on the number of processes. With
+``images_per_prompt = n`` image r is the (r mod n)-th image of prompt r // n; n = 1 is the trainer's layout.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,10 +27,100 @@ from tpflow.settings import EvalSettings
 from tpflow.train.samples import save_grid
 from tpflow.types import PromptItem
 
-GRID_IMAGES = 64  # evaluation images in each sample grid: the first test prompts
+GRID_IMAGES = 64  # evaluation images in each sample grid: the first ones
+EVAL_SEED_OFFSET = 12_345  # the trainer evaluates with noise seeded train.seed + this, at every eval
+
+
+def eval_seed(train_seed: int) -> int:
+    """The noise seed of the trainer's evaluations (and ``tpflow eval``'s default), from ``train.seed``."""
+    return train_seed + EVAL_SEED_OFFSET
+
+
+@dataclass
+class Scored:
+    """Every process's evaluation images, gathered: one row per image, in image order."""
+
+    prompt_index: list[int]  # [R] index into the prompt list
+    scores: list[float]  # [R]
+    details: dict[str, list[float]]  # name -> [R]
+    grid: list[torch.Tensor] = field(default_factory=list)  # the first GRID_IMAGES images, [1, 3, H, W] uint8
 
 
 @torch.no_grad()
+def score_prompts(
+    backbone: Backbone,
+    reward: RewardModel,
+    everything: list[PromptItem],
+    settings: EvalSettings,
+    seed: int,
+    dist: Distributed,
+    autocast: Callable[[], AbstractContextManager],
+    images_per_prompt: int = 1,
+    progress: Callable[[int], None] | None = None,
+) -> Scored:
+    """ODE samples (``settings.num_steps`` steps, ``settings.guidance``) of ``images_per_prompt`` images per prompt,
+    decoded and scored in batches of ``settings.batch_size``; call it on every process (it gathers)."""
+    n = images_per_prompt
+    mine = list(range(dist.rank, len(everything) * n, dist.world_size))  # this process's image rows
+    items = [everything[r // n] for r in mine]
+    rows: list[tuple[int, float, dict[str, float]]] = []  # (image row, score, details)
+    shown: list[tuple[int, torch.Tensor]] = []  # (image row, [1, 3, H, W] uint8) for the sample grid
+    if items:
+        z0 = backbone.initial_noise(len(everything) * n, cpu_generator(seed))[mine]  # same z_0 on every device
+        scores: list[float] = []
+        details: dict[str, list[float]] = defaultdict(list)
+        for start in range(0, len(items), settings.batch_size):
+            part = items[start : start + settings.batch_size]
+            prompts = [it.prompt for it in part]
+            cond = backbone.encode(prompts)
+            with autocast():
+                latents = sample_ode(backbone, cond, z0[start : start + len(part)],
+                                     backbone.sigmas(settings.num_steps), settings.guidance,
+                                     settings.batch_size)  # fmt: skip
+            images = backbone.decode(latents)
+            out = reward(images, prompts, [it.metadata for it in part])
+            scores += out.scores.float().tolist()
+            for name, values in out.details.items():
+                details[name] += values.float().tolist()
+            shown += [
+                (mine[start + j], to_uint8(images[j : j + 1].cpu()))
+                for j in range(len(part))
+                if mine[start + j] < GRID_IMAGES
+            ]
+            if progress is not None:
+                progress(len(part))
+        rows = [
+            (r, score, {name: v[j] for name, v in details.items()})
+            for j, (r, score) in enumerate(zip(mine, scores, strict=True))
+        ]
+    rows = sorted(dist.gather_objects(rows))
+    shown = sorted(dist.gather_objects(shown), key=lambda pair: pair[0])
+    names = list(rows[0][2]) if rows else []
+    return Scored(
+        prompt_index=[r // n for r, _, _ in rows],
+        scores=[score for _, score, _ in rows],
+        details={name: [d[name] for _, _, d in rows] for name in names},
+        grid=[pixels for _, pixels in shown],
+    )
+
+
+def summarize(scored: Scored, everything: list[PromptItem]) -> dict[str, float]:
+    """``eval_reward`` (mean score), ``eval_<detail>`` (mean of each reward detail) and, for GenEval-style rewards
+    (a ``strict`` detail and a ``tag`` on every prompt), strict accuracy per tag ``eval_acc_<tag>``."""
+    count = len(scored.scores)
+    metrics = {"eval_reward": sum(scored.scores) / count}
+    for name, values in scored.details.items():
+        metrics[f"eval_{name}"] = sum(values) / count
+    tags = [everything[k].metadata.get("tag") for k in scored.prompt_index]
+    if "strict" in scored.details and all(tags):
+        per_tag: dict[str, list[float]] = defaultdict(list)
+        for tag, ok in zip(tags, scored.details["strict"], strict=True):
+            per_tag[tag].append(ok)
+        for tag, oks in sorted(per_tag.items()):
+            metrics[f"eval_acc_{tag}"] = sum(oks) / len(oks)
+    return metrics
+
+
 def evaluate(
     backbone: Backbone,
     reward: RewardModel,
@@ -36,40 +131,10 @@ def evaluate(
     autocast: Callable[[], AbstractContextManager],
     grid: Path,
 ) -> dict[str, float]:
-    """Mean reward (``eval_reward``), each reward detail (``eval_<name>``) and, for GenEval-style rewards, strict
-    accuracy per tag (``eval_acc_<tag>``) of ODE samples of ``everything``; process 0 writes ``grid``.
+    """The trainer's evaluation: ``summarize`` of one image per prompt of ``everything``; process 0 writes ``grid``.
 
     Call it on every process (it gathers), with the weights to evaluate already in place (e.g. the EMA swapped in)."""
-    mine = list(range(dist.rank, len(everything), dist.world_size))
-    items = [everything[k] for k in mine]
-    rows: list[tuple[int, float, dict[str, float]]] = []  # (prompt index, score, details)
-    shown: list[tuple[int, torch.Tensor]] = []  # (prompt index, [1, 3, H, W] uint8) for the sample grid
-    if items:
-        z0 = backbone.initial_noise(len(everything), cpu_generator(seed))[mine]  # same z_0 on every device
-        cond = backbone.encode([it.prompt for it in items])
-        with autocast():
-            latents = sample_ode(backbone, cond, z0, backbone.sigmas(settings.num_steps), settings.guidance,
-                                 settings.batch_size)  # fmt: skip
-        images = torch.cat([backbone.decode(part) for part in latents.split(settings.batch_size)])
-        out = reward(images, [it.prompt for it in items], [it.metadata for it in items])
-        details = {name: values.float().tolist() for name, values in out.details.items()}
-        rows = [
-            (k, score, {name: values[j] for name, values in details.items()})
-            for j, (k, score) in enumerate(zip(mine, out.scores.float().tolist(), strict=True))
-        ]
-        shown = [(k, to_uint8(images[j : j + 1].cpu())) for j, k in enumerate(mine) if k < GRID_IMAGES]
-    rows = sorted(dist.gather_objects(rows))
-    shown = sorted(dist.gather_objects(shown), key=lambda pair: pair[0])
+    scored = score_prompts(backbone, reward, everything, settings, seed, dist, autocast)
     if dist.is_main:
-        save_grid(torch.cat([pixels for _, pixels in shown]).float() / 255, grid)
-    metrics = {"eval_reward": sum(score for _, score, _ in rows) / len(rows)}
-    for name in rows[0][2]:
-        metrics[f"eval_{name}"] = sum(d[name] for _, _, d in rows) / len(rows)
-    tags = [everything[k].metadata.get("tag") for k, _, _ in rows]
-    if "strict" in rows[0][2] and all(tags):
-        per_tag: dict[str, list[float]] = defaultdict(list)
-        for tag, (_, _, d) in zip(tags, rows, strict=True):
-            per_tag[tag].append(d["strict"])
-        for tag, oks in sorted(per_tag.items()):
-            metrics[f"eval_acc_{tag}"] = sum(oks) / len(oks)
-    return metrics
+        save_grid(torch.cat(scored.grid).float() / 255, grid)
+    return summarize(scored, everything)

@@ -1,8 +1,9 @@
-"""Run logs: ``metrics.jsonl`` and ``traces.jsonl`` in the run dir, TensorBoard scalars, a one-line epoch summary.
+"""Run logs: ``metrics.jsonl`` and ``traces.jsonl`` in the run dir, the trackers, a one-line epoch summary.
 
 Each JSONL file is opened in append mode for every write and flushed line by line, so a killed run keeps what it
 logged, and ``truncate_after`` (used on resume) may replace the files at any time without a stale handle. Non-finite
-floats are written as ``null`` so that every line stays valid JSON.
+floats are written as ``null`` so that every line stays valid JSON. TensorBoard and W&B get the same scalars through
+``tpflow.train.trackers`` (accelerate's tracker API), when the recipe's ``[log] trackers`` names them.
 """
 
 from __future__ import annotations
@@ -12,59 +13,60 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tpflow.train.trackers import Trackers
 
 RESERVED = ("epoch", "step", "time")
 _FILES = ("metrics.jsonl", "traces.jsonl")
 
 
 class RunLogger:
-    """Appends metrics and trajectory traces to the run dir; writes TensorBoard scalars when it can.
+    """Appends metrics and trajectory traces to the run dir, and sends the scalars and images to the trackers.
 
     Args:
         run_dir: the run directory (created if missing).
-        tensorboard: write scalars to ``run_dir/tensorboard`` if ``torch.utils.tensorboard`` imports (it needs the
-            optional ``tensorboard`` package); otherwise skip silently. ``tensorboard_enabled`` says which.
+        trackers: the run's experiment trackers (``Trackers``), or None for the JSONL files alone.
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, trackers: Trackers | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.traces_path = self.run_dir / "traces.jsonl"
-        self._writer = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except Exception:  # ImportError without the package; some versions fail differently
-                pass
-            else:
-                self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
-        self.tensorboard_enabled = self._writer is not None
+        self.trackers = trackers
 
-    def log(self, metrics: dict[str, float], step: int, epoch: int) -> None:
-        """Append ``{"epoch", "step", "time", **metrics}`` to metrics.jsonl; add the scalars to TensorBoard."""
+    def log(self, metrics: dict[str, float], step: int, epoch: int, untracked: Collection[str] = ()) -> None:
+        """Append ``{"epoch", "step", "time", **metrics}`` to metrics.jsonl; send the scalars to the trackers, but
+        for the names in ``untracked`` (figures sent already, at the step they belong to: see ``track``)."""
         clash = [k for k in metrics if k in RESERVED]
         if clash:
             raise ValueError(f"Metric names {clash} are reserved for the record's own fields {list(RESERVED)}.")
         record = {"epoch": epoch, "step": step, "time": time.time(), **metrics}
         _append(self.metrics_path, [record])
-        if self._writer is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) or hasattr(value, "item"):
-                    self._writer.add_scalar(key, float(value), global_step=step)
-            self._writer.flush()
+        self.track({"epoch": epoch, **{k: v for k, v in metrics.items() if k not in untracked}}, step)
+
+    def track(self, metrics: dict[str, float], step: int) -> None:
+        """Scalars for the trackers alone (an evaluation, at the step of the weights it evaluated)."""
+        if self.trackers is not None:
+            self.trackers.log(metrics, step=step)
+
+    def log_image(self, name: str, path: Path, step: int) -> None:
+        """An image file already written (an evaluation grid) to the trackers that take images."""
+        if self.trackers is not None:
+            self.trackers.log_image(name, path, step)
 
     def log_traces(self, epoch: int, records: list[dict]) -> None:
         """Append one line per trajectory record (prompt, tag, trace, step_rewards, turning_points, delta, ...)."""
         _append(self.traces_path, [{"epoch": epoch, **r} for r in records])
 
     def close(self) -> None:
-        """Flush and close the TensorBoard writer (the JSONL files are never left open)."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Flush and close the trackers (the JSONL files are never left open)."""
+        if self.trackers is not None:
+            self.trackers.close()
 
     def __enter__(self) -> RunLogger:
         return self
@@ -76,9 +78,13 @@ class RunLogger:
 class NullLogger:
     """What processes other than the main one log to: nothing (the main process writes the gathered figures)."""
 
-    tensorboard_enabled = False
+    def log(self, metrics: dict[str, float], step: int, epoch: int, untracked: Collection[str] = ()) -> None:
+        pass
 
-    def log(self, metrics: dict[str, float], step: int, epoch: int) -> None:
+    def track(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def log_image(self, name: str, path: Path, step: int) -> None:
         pass
 
     def log_traces(self, epoch: int, records: list[dict]) -> None:

@@ -40,7 +40,7 @@ from rich.progress import (
 )
 
 from tpflow.devices import cpu_generator, resolve_device
-from tpflow.distributed import Distributed
+from tpflow.distributed import Distributed, make_accelerator
 from tpflow.errors import UserError
 from tpflow.recipe import Recipe
 from tpflow.rollout import draw_window, rollout_from_settings
@@ -54,10 +54,11 @@ from tpflow.train.checkpoint import (
 )
 from tpflow.train.ema import EMA
 from tpflow.train.epoch import EpochRows, Sampled, prompt_groups
-from tpflow.train.evaluation import evaluate
+from tpflow.train.evaluation import eval_seed, evaluate
 from tpflow.train.prompt_sampler import check_layout, noise_seed, plan_epoch
 from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, truncate_after
 from tpflow.train.scoring import ScoringWorker
+from tpflow.train.trackers import Trackers, tracker_dir
 from tpflow.types import PromptItem, Rollout
 
 MAX_NONFINITE_EPOCHS = 3  # consecutive epochs with non-finite losses before the run stops
@@ -83,7 +84,12 @@ class Trainer:
         cpu = resolve_device(getattr(recipe.backbone.options, "device", None)).type != "cuda"
         if cpu:
             keep_freed_memory()  # batched rollouts on CPU: avoid a page fault per 4 KiB of every big tensor
-        self.accelerator = _accelerator(cpu=cpu, mixed_precision="no" if cpu else train.mixed_precision)
+        self.accelerator = make_accelerator(
+            cpu=cpu,
+            mixed_precision="no" if cpu else train.mixed_precision,
+            log_with=recipe.log.trackers,
+            logging_dir=tracker_dir(self.run_dir),
+        )
         self.dist = Distributed(self.accelerator)
         if not self.dist.is_main:
             self.console = Console(quiet=True)  # one process reports; every process raises its own errors
@@ -109,7 +115,11 @@ class Trainer:
         self._weights_ahead = False  # True from an epoch's update until self.epoch counts it
         self._resume(resume)
         self.dist.check_in_sync(self._named_trainable())
-        self.logger = RunLogger(self.run_dir) if self.dist.is_main else NullLogger()
+        self.logger = (
+            RunLogger(self.run_dir, Trackers(self.accelerator, recipe.log, self.run_dir, recipe.data, bool(resume)))
+            if self.dist.is_main
+            else NullLogger()
+        )
 
     # ---- public ------------------------------------------------------------------------------------------------
 
@@ -144,13 +154,14 @@ class Trainer:
                     last_eval = self.evaluate(epoch)
                 metrics = {**self.train_epoch(epoch), **last_eval}
                 self.epoch, self._weights_ahead = epoch + 1, False
-                self.logger.log(metrics, step=self.optimizer.global_step, epoch=epoch)
+                # metrics.jsonl repeats the last eval on each epoch's line; the trackers got it at its own step
+                self.logger.log(metrics, step=self.optimizer.global_step, epoch=epoch, untracked=last_eval)
                 self.console.print(epoch_line(epoch, metrics))
                 if train.save_every and self.epoch % train.save_every == 0 and self.epoch < train.epochs:
                     self.save()
             if evaluation.every:
                 last_eval = self.evaluate(train.epochs)
-                self.logger.log(last_eval, step=self.optimizer.global_step, epoch=train.epochs)
+                self.logger.log(last_eval, step=self.optimizer.global_step, epoch=train.epochs, untracked=last_eval)
                 metrics.update(last_eval)
             self.save()
         except KeyboardInterrupt:
@@ -276,17 +287,21 @@ class Trainer:
         (``tpflow.train.evaluation``)."""
         self._phase(f"eval at epoch {epoch}: sampling {len(self.test_items)} images", None)
         swap = self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
+        grid = self.run_dir / "samples" / f"eval_{epoch:04d}.png"
         with swap:
-            return evaluate(
+            metrics = evaluate(
                 self.backbone,
                 self.reward,
                 self.test_items,
                 self.recipe.eval,
-                seed=self.settings.seed + 12_345,  # the same noise at every eval
+                seed=eval_seed(self.settings.seed),  # the same noise at every eval
                 dist=self.dist,
                 autocast=self.accelerator.autocast,
-                grid=self.run_dir / "samples" / f"eval_{epoch:04d}.png",
+                grid=grid,
             )
+        self.logger.track(metrics, step=self.optimizer.global_step)  # the step of the weights evaluated
+        self.logger.log_image("eval_samples", grid, step=self.optimizer.global_step)
+        return metrics
 
     def save(self, collective: bool = True) -> Path | None:
         """Write a checkpoint of the current state (atomic, main process only); returns its directory there.
@@ -386,27 +401,6 @@ class Trainer:
                 )
         else:
             self.nonfinite_epochs = 0
-
-
-def _accelerator(cpu: bool, mixed_precision: str):
-    """An ``accelerate.Accelerator`` on the CPU or the process's GPU with ``mixed_precision``.
-
-    accelerate keeps one state per process, fixed by the first Accelerator: a later one with another device or
-    precision either raises ("AcceleratorState has already been initialized") or silently keeps the first device. A
-    process that no launcher started (a notebook, the test suite) may build several trainers, so there a state that
-    disagrees is reset first; under a launcher the state belongs to the launch and is left alone."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-
-    from tpflow.launch import launched
-
-    state = AcceleratorState._shared_state
-    if state and not launched():
-        same_device = state.get("_cpu") == cpu or (not cpu and getattr(state.get("device"), "type", None) == "cuda")
-        if not same_device or state.get("_mixed_precision") != mixed_precision:
-            AcceleratorState._reset_state(reset_partial_state=True)
-            GradientState._reset_state()
-    return Accelerator(cpu=cpu, mixed_precision=mixed_precision)
 
 
 SUMMED = ("nonfinite_losses", "trajectories_trained")  # update metrics added over the processes

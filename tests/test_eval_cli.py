@@ -1,0 +1,224 @@
+"""``tpflow eval`` / ``tpflow sample`` on the shapes world, and the trackers (TensorBoard, offline W&B) of a run.
+
+One short run of the shipped shapes model (module fixture, ~20 s): 1 epoch, 12 test prompts, EMA on, both trackers.
+``tpflow eval`` must give exactly the eval figures training logged for the same weights, prompts, steps and seed:
+the base model (the recipe alone) equals the epoch-0 eval, the run's checkpoint (its EMA) equals the final eval.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.wandb_records import config as wandb_config
+from tests.wandb_records import history as wandb_history
+from tpflow.cli import main
+from tpflow.train.run_logger import read_jsonl
+
+RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "shapes_tp.toml"
+SMALL = [
+    "train.epochs=1", "train.prompts_per_epoch=2", "train.group_size=4", "train.rollout_batch=8",
+    "train.ema=true", "train.ema_every=1", "eval.every=1", "eval.num_prompts=12", "eval.batch_size=12",
+    "optimizer.micro_batch_size=8", 'log.trackers=["tensorboard", "wandb"]',
+]  # fmt: skip
+EVAL_STEPS = "10"  # the recipe's eval.num_steps: what training evaluated with
+
+
+def cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    """Run the tpflow CLI in-process: (exit status, stdout, stderr)."""
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return exc.value.code, out, err
+
+
+def _sets(items: list[str]) -> list[str]:
+    return [a for item in items for a in ("--set", item)]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped shapes model trained for one epoch, logging to TensorBoard and to an offline W&B run."""
+    root = tmp_path_factory.mktemp("eval")
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off"}.items():
+            mp.setenv(key, value)
+        with pytest.raises(SystemExit) as exc:
+            main(["train", str(RECIPE), "--run-dir", str(root / "run"), *_sets(SMALL)])
+    assert exc.value.code in (0, None)
+    return root / "run"
+
+
+def _eval_json(folder: Path) -> dict:
+    return json.loads((folder / "eval.json").read_text())
+
+
+def _eval_fields(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k.startswith("eval_")}
+
+
+def test_eval_of_a_run_reproduces_the_logged_final_eval(run, capsys, tmp_path):
+    code, out, _ = cli(capsys, "eval", str(run), "--steps", EVAL_STEPS, "--out", str(tmp_path / "e"))
+    assert code in (0, None)
+    logged = read_jsonl(run / "metrics.jsonl")[-1]  # the final eval, with the weights the checkpoint holds
+    result = _eval_json(tmp_path / "e")["target"]
+    assert result["ema"] is True and result["step"] == logged["step"]
+    assert result["metrics"] == _eval_fields(logged)  # exactly, every figure
+    assert len(result["images"]) == 12
+    categories = result["categories"]
+    tags = [c for c in categories if c != "overall"]
+    assert set(tags) <= {"single_object", "two_object", "counting", "colors", "position", "color_attr"}
+    # GenEval's overall score: the mean of the per-tag accuracies
+    assert categories["overall"]["strict"] == pytest.approx(sum(categories[t]["strict"] for t in tags) / len(tags))
+    for tag in tags:
+        assert categories[tag]["strict"] == logged[f"eval_acc_{tag}"]
+    assert "overall" in out and "strict" in out
+    assert Image.open(tmp_path / "e" / "grid.png").size[0] > 0
+
+
+def test_eval_of_the_shipped_model_reproduces_the_epoch_0_eval(run, capsys, tmp_path):
+    out_dir = tmp_path / "base"
+    code, _, _ = cli(capsys, "eval", str(RECIPE), "--steps", EVAL_STEPS, "--out", str(out_dir), *_sets(SMALL))
+    assert code in (0, None)
+    first = read_jsonl(run / "metrics.jsonl")[0]
+    assert first["epoch"] == 0
+    assert _eval_json(out_dir)["target"]["metrics"] == _eval_fields(first)
+    assert _eval_json(out_dir)["target"]["kind"] == "recipe"
+
+
+def test_baseline_prints_and_records_the_differences(run, capsys, tmp_path):
+    args = ["eval", str(run), "--steps", EVAL_STEPS, "--baseline", str(RECIPE), "--out", str(tmp_path / "vs")]
+    code, out, _ = cli(capsys, *args, *_sets(SMALL))
+    assert code in (0, None)
+    data = _eval_json(tmp_path / "vs")
+    mine, theirs = data["target"]["categories"], data["baseline"]["categories"]
+    for category, delta in data["difference"].items():
+        assert delta["reward"] == pytest.approx(mine[category]["reward"] - theirs[category]["reward"])
+    assert "baseline reward" in out and "Δ reward" in out
+    overall = data["difference"]["overall"]["reward"]
+    assert f"{overall:+.4f}" in out
+    assert (tmp_path / "vs" / "baseline_grid.png").is_file()
+
+
+def test_more_images_per_prompt_and_a_prompt_file(run, capsys, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a photo of a red circle\n\na photo of two blue squares\n")
+    args = ["eval", str(run), "--prompts", str(prompts), "--images-per-prompt", "3", "--steps", "4"]
+    code, out, _ = cli(capsys, *args, "--out", str(tmp_path / "f"))
+    assert code in (0, None)
+    data = _eval_json(tmp_path / "f")["target"]
+    red, blue = "a photo of a red circle", "a photo of two blue squares"
+    assert [i["prompt"] for i in data["images"]] == [red] * 3 + [blue] * 3
+    assert list(data["categories"]) == ["all", "overall"]  # plain prompts carry no tag
+    assert data["settings"]["steps"] == 4 and data["settings"]["images_per_prompt"] == 3
+    scores = [i["score"] for i in data["images"]]
+    assert data["categories"]["overall"]["reward"] == pytest.approx(sum(scores) / 6)
+
+
+def test_sample_writes_a_grid_with_one_tile_per_image(run, capsys, tmp_path):
+    out = tmp_path / "grid.png"
+    code, stdout, _ = cli(
+        capsys, "sample", str(run), "--prompt", "a photo of a red circle", "--prompt", "two blue squares",
+        "--n", "3", "--steps", "4", "--out", str(out),
+    )  # fmt: skip
+    assert code in (0, None)
+    image = Image.open(out)
+    image.verify()  # a valid PNG
+    layout = json.loads(out.with_suffix(".png.json").read_text())
+    assert len(layout["tiles"]) == 6 and [t["prompt"] for t in layout["tiles"]][2:4] == [
+        "a photo of a red circle",
+        "two blue squares",
+    ]
+    pixels = np.asarray(Image.open(out).convert("RGB"))
+    assert tuple(layout["size"]) == (pixels.shape[1], pixels.shape[0])
+    lefts = {t["box"][0] for t in layout["tiles"]}
+    tops = {t["box"][1] for t in layout["tiles"]}
+    assert len(lefts) == 3 and len(tops) == 2  # 3 columns, 2 rows
+    for tile in layout["tiles"]:
+        left, top, right, bottom = tile["box"]
+        assert pixels[top:bottom, left:right].std() > 1  # an image, not the white background
+        caption = pixels[bottom : bottom + 12, left:right]
+        assert (caption < 128).any()  # dark text under each tile
+    assert "6 images" in stdout
+
+
+def test_tensorboard_holds_the_logged_scalars_and_the_eval_grid(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = [p for p in (run / "tensorboard" / "tpflow").iterdir() if p.name.startswith("events.out")]
+    acc = EventAccumulator(str(events), size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    logged = read_jsonl(run / "metrics.jsonl")
+    assert [e.value for e in acc.Scalars("reward_mean")] == pytest.approx([logged[0]["reward_mean"]])
+    # each eval at the step of the weights it evaluated: before the first update, and at the end
+    assert [e.step for e in acc.Scalars("eval_reward")] == [0, logged[-1]["step"]]
+    assert [e.value for e in acc.Scalars("eval_reward")] == pytest.approx([r["eval_reward"] for r in logged])
+    assert "turning_points_per_traj" in acc.Tags()["scalars"]
+    assert len(acc.Images("eval_samples")) == 2  # epoch 0 and the end
+
+
+def test_offline_wandb_run_holds_the_scalars_images_and_recipe(run):
+    (run_file,) = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    rows = wandb_history(run_file)
+    logged = read_jsonl(run / "metrics.jsonl")
+    rewards = [row["reward_mean"] for row in rows if "reward_mean" in row]
+    assert rewards == pytest.approx([logged[0]["reward_mean"]])
+    evals = [row["eval_reward"] for row in rows if "eval_reward" in row]
+    assert evals == pytest.approx([r["eval_reward"] for r in logged])
+    images = [row for row in rows if any(k.startswith("eval_samples") for k in row)]
+    assert len(images) == 2
+    media = list((run_file.parent / "files" / "media" / "images").glob("eval_samples_*.png"))
+    assert len(media) == 2
+    recipe = wandb_config(run_file)
+    assert recipe["backbone.name"] == "shapes-dit" and recipe["credit.name"] == "consistent"
+    assert (run / "wandb_run_id").read_text().strip() in run_file.name
+
+
+# ---- bad input: exit 2, one paragraph, no traceback ----------------------------------------------------------------
+
+
+def _one_paragraph(err: str) -> str:
+    assert "Traceback" not in err and err.startswith("error:"), err
+    return " ".join(err.split())
+
+
+def test_unknown_target_exits_2(capsys, tmp_path):
+    code, _, err = cli(capsys, "eval", str(tmp_path / "no-such-run"))
+    assert code == 2 and "Unknown target" in _one_paragraph(err)
+    (tmp_path / "empty").mkdir()
+    code, _, err = cli(capsys, "eval", str(tmp_path / "empty"))
+    assert code == 2 and "neither a run dir" in _one_paragraph(err)
+    code, _, err = cli(capsys, "sample", str(tmp_path / "no-such-run"), "--prompt", "x")
+    assert code == 2 and "Unknown target" in _one_paragraph(err)
+
+
+def test_missing_prompt_file_exits_2(run, capsys, tmp_path):
+    code, _, err = cli(capsys, "eval", str(run), "--prompts", str(tmp_path / "missing.txt"))
+    assert code == 2 and "missing.txt" in _one_paragraph(err)
+
+
+def test_missing_checkpoint_name_exits_2(run, capsys):
+    code, _, err = cli(capsys, "eval", str(run), "--checkpoint", "999")
+    assert code == 2 and "No checkpoint '999'" in _one_paragraph(err)
+
+
+def test_an_adapter_of_another_backbone_exits_2(run, capsys, tmp_path):
+    """A shapes-dit adapter given a tiny-sd3 recipe: refused by the export's record, or by the shapes on loading."""
+    tiny = str(Path(__file__).resolve().parent.parent / "recipes" / "tiny_smoke.toml")
+    code, _, _ = cli(capsys, "export", str(run), "--out", str(tmp_path / "lora"))
+    assert code in (0, None)
+    code, _, err = cli(capsys, "eval", str(tmp_path / "lora"), "--recipe", tiny)
+    assert code == 2 and "exported from a 'shapes-dit' backbone" in _one_paragraph(err)
+    bare = tmp_path / "bare"  # the adapter files alone: no record of where they came from
+    shutil.copytree(tmp_path / "lora", bare)
+    (bare / "tpflow_export.json").unlink()
+    (bare / "recipe.json").unlink()
+    code, _, err = cli(capsys, "eval", str(bare))
+    assert code == 2 and "--recipe" in _one_paragraph(err)
+    code, _, err = cli(capsys, "eval", str(bare), "--recipe", tiny, "--steps", "2")
+    assert code == 2 and "Was it trained on another model?" in _one_paragraph(err) or "No LoRA adapter" in err

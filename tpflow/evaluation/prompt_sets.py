@@ -1,0 +1,59 @@
+"""The prompts ``tpflow eval`` samples: the recipe's own splits, a named benchmark set, or a file.
+
+test, train      the recipe's dataset splits (test: what training evaluates on)
+geneval          GenEval-style prompts with GenEval metadata, generated (tpflow.data.geneval's test split);
+                 for GenEval's official 553 prompts pass its evaluation_metadata.jsonl as a file
+ocr              the OCR test prompts (tpflow.data.ocr's test split: texts never seen in training)
+PATH.jsonl       {"prompt": ..., <metadata>} per line; GenEval metadata lines (tag, include) are read as such
+PATH (other)     one prompt per line
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tpflow import registry
+from tpflow.errors import UserError
+from tpflow.recipe import Recipe
+from tpflow.types import PromptItem
+
+NAMED = ("test", "train", "geneval", "ocr")
+
+
+def prompt_set(name: str, recipe: Recipe) -> list[PromptItem]:
+    """The items of the prompt set ``name`` (one of ``NAMED`` or a file path); see the module docstring."""
+    if name in ("test", "train"):
+        dataset = recipe.build("dataset")
+        if name not in dataset.splits:
+            if name == "test":  # as the trainer: a dataset without a test split evaluates on its train split
+                return list(dataset.split("train"))
+            raise UserError(f"The recipe's dataset {recipe.dataset.name!r} has no {name!r} split.")
+        return list(dataset.split(name))
+    if name == "geneval":
+        return list(registry.build("dataset", "geneval", train_size=1).split("test"))
+    if name == "ocr":
+        return list(registry.build("dataset", "ocr").split("test"))
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise UserError(
+            f"Prompt set {name!r} is neither one of {', '.join(NAMED)} nor an existing file (no such path: {path})."
+        )
+    if not path.is_file():
+        raise UserError(f"Prompt set {path} is not a regular file; give a .jsonl or a text file of prompts.")
+    if path.suffix == ".jsonl":
+        if _is_geneval_metadata(path):
+            return list(registry.build("dataset", "geneval", train_size=1, test_path=str(path)).split("test"))
+        return list(registry.build("dataset", "jsonl", path=str(path)).split("train"))
+    return list(registry.build("dataset", "text-file", path=str(path)).split("train"))
+
+
+def _is_geneval_metadata(path: Path) -> bool:
+    """True when the file's first record carries GenEval's ``tag`` and ``include`` fields."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+        record = json.loads(first) if first else None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return False  # the jsonl reader gives the one-paragraph error
+    return isinstance(record, dict) and "tag" in record and "include" in record

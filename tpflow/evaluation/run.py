@@ -1,0 +1,177 @@
+"""``tpflow eval``: sample a target on a prompt set by ODE, score it, and report per category (and vs a baseline).
+
+The sampling and scoring are the trainer's own (``tpflow.train.evaluation.score_prompts``): with the recipe's eval
+steps, guidance, batch size and prompts and the default seed, ``tpflow eval RUN`` gives exactly the ``eval_reward``
+training logged for the checkpoint's weights. Defaults follow the paper's protocol instead where it differs from a
+run's periodic eval: 40 ODE steps (train at T = 10, evaluate at T = 40; docs/evaluation.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tpflow.distributed import Distributed
+from tpflow.evaluation.prompt_sets import prompt_set
+from tpflow.evaluation.targets import Target, load_model
+from tpflow.train.evaluation import Scored, eval_seed, score_prompts, summarize
+from tpflow.train.samples import save_grid
+from tpflow.types import PromptItem
+
+PAPER_EVAL_STEPS = 40  # the paper evaluates SD3.5-M at T = 40 (trains at T = 10)
+OVERALL = "overall"
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """What ``tpflow eval`` varies; None means the target recipe's own value (its ``[eval]`` / ``[train]``)."""
+
+    prompts: str = "test"
+    num_prompts: int | None = None  # None: eval.num_prompts for "test" (as training), else every prompt
+    steps: int = PAPER_EVAL_STEPS
+    guidance: float | None = None  # None: eval.guidance
+    images_per_prompt: int = 1
+    seed: int | None = None  # None: the trainer's eval seed, train.seed + 12345
+    batch_size: int | None = None  # None: eval.batch_size
+    ema: bool = True
+
+
+@dataclass
+class EvalResult:
+    """One target's evaluation: its images' scores and the settings that made them."""
+
+    target: Target
+    items: list[PromptItem]
+    scored: Scored
+    settings: dict[str, Any]
+
+    def categories(self) -> dict[str, dict[str, float]]:
+        """Per prompt tag (or one "all" row): images, mean reward, mean of each detail; then ``overall``.
+
+        For GenEval-style rewards (a ``strict`` detail) ``overall.strict`` is GenEval's score: the mean of the
+        per-tag strict accuracies, not the mean over images."""
+        tags = [self.items[k].metadata.get("tag") or "all" for k in self.scored.prompt_index]
+        rows: dict[str, list[int]] = defaultdict(list)
+        for j, tag in enumerate(tags):
+            rows[tag].append(j)
+        table = {tag: self._mean(rows[tag]) for tag in sorted(rows)}
+        overall = self._mean(list(range(len(tags))))
+        if "strict" in self.scored.details and len(table) > 1:
+            overall["strict_images"] = overall["strict"]
+            overall["strict"] = sum(row["strict"] for row in table.values()) / len(table)
+        table[OVERALL] = overall
+        return table
+
+    def _mean(self, rows: list[int]) -> dict[str, float]:
+        out = {"images": float(len(rows)), "reward": sum(self.scored.scores[j] for j in rows) / len(rows)}
+        for name, values in self.scored.details.items():
+            out[name] = sum(values[j] for j in rows) / len(rows)
+        return out
+
+    def to_json(self, ema: bool) -> dict[str, Any]:
+        return {
+            **self.target.describe(ema),
+            "settings": self.settings,
+            "metrics": summarize(self.scored, self.items),  # the eval_* figures training logs
+            "categories": self.categories(),
+            "images": [
+                {
+                    "prompt": self.items[k].prompt,
+                    "tag": self.items[k].metadata.get("tag"),
+                    "score": self.scored.scores[j],
+                    **{name: values[j] for name, values in self.scored.details.items()},
+                }
+                for j, k in enumerate(self.scored.prompt_index)
+            ],
+        }
+
+
+def evaluate_target(
+    target: Target,
+    options: EvalOptions,
+    dist: Distributed,
+    autocast: Callable[[], AbstractContextManager],
+    progress: Callable[[int], None] | None = None,
+) -> EvalResult:
+    """Build the target's model, sample ``options.images_per_prompt`` images per prompt and score them."""
+    recipe = target.recipe
+    items = prompt_set(options.prompts, recipe)
+    limit = options.num_prompts
+    if limit is None and options.prompts == "test":
+        limit = recipe.eval.num_prompts
+    items = items[:limit] if limit else items
+    settings = recipe.eval.model_copy(
+        update={
+            "num_steps": options.steps,
+            "guidance": recipe.eval.guidance if options.guidance is None else options.guidance,
+            "batch_size": options.batch_size or recipe.eval.batch_size,
+        }
+    )
+    seed = eval_seed(recipe.train.seed) if options.seed is None else options.seed
+    torch.manual_seed(recipe.train.seed)  # as the trainer: a freshly made adapter starts from the same values
+    backbone = load_model(target, ema=options.ema)
+    reward = recipe.build("reward")
+    scored = score_prompts(
+        backbone, reward, items, settings, seed, dist, autocast, options.images_per_prompt, progress
+    )
+    described = {
+        "prompts": options.prompts,
+        "num_prompts": len(items),
+        "images_per_prompt": options.images_per_prompt,
+        "steps": settings.num_steps,
+        "guidance": settings.guidance,
+        "batch_size": settings.batch_size,
+        "seed": seed,
+        "reward": recipe.reward.name,
+        "resolution": getattr(recipe.backbone.options, "resolution", None),
+    }
+    del backbone, reward
+    return EvalResult(target, items, scored, described)
+
+
+def difference(result: EvalResult, baseline: EvalResult) -> dict[str, dict[str, float]]:
+    """Per category present in both: target minus baseline of every figure they share."""
+    mine, theirs = result.categories(), baseline.categories()
+    return {
+        category: {
+            key: mine[category][key] - theirs[category][key]
+            for key in mine[category]
+            if key != "images" and key in theirs[category]
+        }  # fmt: skip
+        for category in mine
+        if category in theirs
+    }
+
+
+def write_outputs(out: Path, result: EvalResult, baseline: EvalResult | None, ema: bool) -> list[Path]:
+    """``eval.json`` (atomically) and ``grid.png`` (``baseline_grid.png``) in ``out``; returns the paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    data = {"target": result.to_json(ema)}
+    written = [save_grid(torch.cat(result.scored.grid).float() / 255, out / "grid.png")]
+    if baseline is not None:
+        data["baseline"] = baseline.to_json(ema)
+        data["difference"] = difference(result, baseline)
+        written.append(save_grid(torch.cat(baseline.scored.grid).float() / 255, out / "baseline_grid.png"))
+    path = out / "eval.json"
+    tmp = path.with_name(f".eval.json.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2), encoding="utf-8")
+    os.replace(tmp, path)
+    return [path, *written]
+
+
+def default_out(target: Target, options: EvalOptions) -> Path:
+    """Where results go when ``--out`` is not given: beside the run or adapter, or runs/eval/ for a base model."""
+    tag = f"{options.prompts if '/' not in options.prompts else Path(options.prompts).stem}_T{options.steps}"
+    if target.kind in ("run", "checkpoint"):
+        return target.path / "eval" / f"step{target.step}_{tag}"
+    if target.kind == "export":
+        return target.path / f"eval_{tag}"
+    return Path("runs") / "eval" / f"{target.path.stem}_base_{tag}"
