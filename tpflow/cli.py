@@ -136,11 +136,14 @@ def components(
 def validate(
     recipe: Annotated[Path, typer.Argument(help="Recipe TOML file.")],
     set_: Overrides = None,
+    offline: Annotated[bool, typer.Option(help="Skip contacting services (the remote reward's server).")] = False,
 ) -> None:
     """Check every section of a recipe against its component, without loading any weights."""
     from tpflow.recipe import load_recipe
 
     loaded = load_recipe(recipe, set_ or [])
+    if not offline:
+        loaded.preflight()  # the remote reward's server: up, and serving the recipe's reward
     table = Table(title=f"{recipe}: valid", show_lines=True)
     table.add_column("section", no_wrap=True)
     table.add_column("name", no_wrap=True, style="bold cyan")
@@ -249,6 +252,7 @@ def train(
 
     overrides = [*(set_ or []), *([f"train.epochs={epochs}"] if epochs is not None else [])]
     loaded = load_recipe(recipe, overrides)
+    loaded.preflight()  # e.g. the remote reward's server is up: fail now, not after the model has loaded
     world = num_processes * num_machines
     if world > 1 and not launched():
         if num_machines > 1 and not main_process_ip:
