@@ -247,9 +247,10 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers["Content-Length"])
         try:
             raw = self.rfile.read(length)
-        except TimeoutError as exc:
+        except TimeoutError:
             self.close_connection = True
-            self._reply(HTTPStatus.REQUEST_TIMEOUT, {"error": f"{exc} (--timeout-s): connection closed."})
+            error = f"the request did not arrive whole within {self.server.limits.timeout_s:g} s (--timeout-s)."
+            self._reply(HTTPStatus.REQUEST_TIMEOUT, {"error": error})
             return
         try:
             request = json.loads(raw)
