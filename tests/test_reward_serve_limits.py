@@ -117,6 +117,9 @@ def test_oversize_content_length_is_refused_before_the_body_is_read():
             status, body = _send(httpd, b"", length=length)
             assert status == 413 and f"{length} bytes" in body["error"] and "at most 10000" in body["error"]
             assert time.monotonic() - start < 2
+        # curl's Expect: 100-continue: refused at once, without inviting the body first.
+        status, body = _send(httpd, b"", length=20_000, extra="Expect: 100-continue\r\n")
+        assert status == 413
 
 
 def test_decompression_bombs_are_refused_from_the_png_header():
@@ -256,18 +259,39 @@ def test_token_is_required_and_sent_by_the_remote_reward(monkeypatch):
         assert "options" not in health and "s3cret" not in json.dumps(health)
         status, body = _send(httpd, _payload([SMALL]), extra="Authorization: Bearer s3cret-tokeN\r\n")
         assert status == 401 and "token" in body["error"]
+    with pytest.raises(UserError, match="printable ASCII"):
+        make_server("image-stat", {}, "127.0.0.1", 0, token="two words")
 
 
-def test_remote_splits_a_call_to_fit_the_server_limits():
+@pytest.mark.parametrize(
+    ("limits", "parts"), [(Limits(max_images=3), [3, 3, 2]), (Limits(max_pixels=5 * 64), [5, 3]), (None, [8])]
+)
+def test_remote_splits_a_call_to_fit_the_server_limits(limits, parts):
     images = torch.rand(8, 3, 8, 8)
     expected = (images * 255).round().div(255).mean(dim=(1, 2, 3))
-    with serving(Limits(max_images=3)) as httpd:
+    with serving(limits) as httpd:
         calls = []
         scorer = httpd.reward
         httpd.reward = lambda x, p, m: calls.append(len(x)) or scorer(x, p, m)
         out = tpflow.build("reward", "remote", url=httpd.url)(images, [""] * 8, [{}] * 8)
-    assert calls == [3, 3, 2] and torch.allclose(out.scores, expected)
+    assert calls == parts and torch.allclose(out.scores, expected)
     assert torch.allclose(out.details["brightness"], expected)
+
+
+def test_remote_splits_by_bytes_and_refuses_what_no_request_can_carry():
+    images = torch.rand(8, 3, 16, 16)  # noise: about 1 kB of base64 each
+    size = len(encode_images(images[:1])[0])
+    with serving(Limits(max_request_bytes=1024 + 3 * size + 200)) as httpd:
+        calls = []
+        scorer = httpd.reward
+        httpd.reward = lambda x, p, m: calls.append(len(x)) or scorer(x, p, m)
+        out = tpflow.build("reward", "remote", url=httpd.url)(images, [""] * 8, [{}] * 8)
+        assert len(calls) >= 3 and sum(calls) == 8 and max(calls) <= 3 and out.scores.shape == (8,)
+        with pytest.raises(RewardError, match="--max-request-mb"):
+            tpflow.build("reward", "remote", url=httpd.url)(torch.rand(1, 3, 64, 64), [""], [{}])
+    with serving(Limits(max_side=8)) as httpd:
+        with pytest.raises(RewardError, match="at most 8 pixels per side.*16x16.*--max-side"):
+            tpflow.build("reward", "remote", url=httpd.url)(images, [""] * 8, [{}] * 8)
 
 
 def test_remote_refuses_a_server_that_serves_another_reward():

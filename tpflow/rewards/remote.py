@@ -115,7 +115,7 @@ class RemoteReward:
         self.url = options.url
         # No proxies from the environment and no redirects: only the recipe's URL is ever contacted.
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
-        self._token = os.environ.get(options.token_env) or None
+        self._token = os.environ.get(options.token_env, "").strip() or None
         self._limits: dict[str, int] = {}
         self.last_problem = ""  # why the last request failed after its retries ("" when it was answered)
         self._checked = False
@@ -182,11 +182,13 @@ class RemoteReward:
 
     def _split(self, sizes: list[int], hw: Sequence[int]) -> list[slice]:
         """Consecutive parts of the batch, each within the server's limits (images, pixels and bytes per request)."""
+        if not sizes:
+            return []
         limits = self._limits
-        per_image = int(hw[0]) * int(hw[1])
+        per_image = max(1, int(hw[0]) * int(hw[1]))
         most = min(limits.get("max_images", len(sizes)), limits.get("max_pixels", per_image * len(sizes)) // per_image)
         budget = limits.get("max_request_bytes", sum(sizes) + 1024) - 1024  # the JSON around the images
-        if per_image > limits.get("max_side", 1 << 30) ** 2 or most < 1:
+        if max(int(hw[0]), int(hw[1])) > limits.get("max_side", 1 << 30) or most < 1:
             raise RewardError(
                 f"Reward server {self.url} accepts images of at most {limits.get('max_side')} pixels per side and "
                 f"{limits.get('max_pixels')} pixels per request; these are {hw[1]}x{hw[0]}: start it with larger "
@@ -203,9 +205,7 @@ class RemoteReward:
                 parts.append(slice(start, k))
                 start, used = k, 0
             used += size
-        if sizes:
-            parts.append(slice(start, len(sizes)))
-        return parts
+        return [*parts, slice(start, len(sizes))]
 
     def _check_server(self) -> None:
         """Verify once that the URL serves tpflow's reward protocol (lazily: the server may start after the recipe)."""

@@ -275,6 +275,15 @@ class _Handler(BaseHTTPRequestHandler):
             error = f"reward {self.server.reward_name!r} raised {type(exc).__name__}: {exc}"
             self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": error})
 
+    def handle_expect_100(self) -> bool:
+        """``Expect: 100-continue`` (curl's habit for large bodies): refuse before the client sends the body."""
+        refused = self._refusal() if self.command == "POST" else None
+        if refused is None:
+            return super().handle_expect_100()
+        self.close_connection = True
+        self._reply(*refused)
+        return False
+
     def _refusal(self) -> tuple[HTTPStatus, dict[str, str]] | None:
         """Why this POST is refused from its request line and headers alone, or None."""
         if self.path.rstrip("/") != "/score":
@@ -358,6 +367,8 @@ def make_server(
     token: str | None = None,
 ) -> RewardServer:
     """Build the reward and bind the server (port 0: any free port; see ``server.url``)."""
+    if token and not (token.isascii() and token.isprintable() and " " not in token):
+        raise UserError("The token must be printable ASCII without spaces, e.g. the output of `openssl rand -hex 32`.")
     try:
         return RewardServer((host, port), reward_name, options, limits, token)
     except OSError as exc:
