@@ -53,7 +53,7 @@ MAX_JSON_DEPTH = 32  # metadata nests a few levels; deeper is an attack on some 
 class Limits:
     """What one client may ask of the server. The defaults fit one scoring batch of the trainer (256 images of
     512x512, or 64 of 1024x1024; the ``remote`` client splits larger calls to fit) and bound memory to about
-    ``max_connections`` x 3 x ``max_request_bytes`` for bodies plus 2 x 15 B x ``max_pixels`` for decoded images."""
+    ``max_connections`` x 3 x ``max_request_bytes`` for bodies plus 2 x 18 B x ``max_pixels`` for decoded images."""
 
     max_request_bytes: int = 64 << 20
     max_images: int = 256
