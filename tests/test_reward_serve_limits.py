@@ -117,6 +117,11 @@ def test_oversize_content_length_is_refused_before_the_body_is_read():
             status, body = _send(httpd, b"", length=length)
             assert status == 413 and f"{length} bytes" in body["error"] and "at most 10000" in body["error"]
             assert time.monotonic() - start < 2
+        for length in ("²", "9" * 5000, "-1", ""):  # not a length: 411, not a traceback and a dropped connection
+            head = f"POST /score HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+            with _connect(httpd) as sock:
+                sock.sendall(head.encode())
+                assert _response(sock)[0] == 411
         # curl's Expect: 100-continue: refused at once, without inviting the body first.
         status, body = _send(httpd, b"", length=20_000, extra="Expect: 100-continue\r\n")
         assert status == 413

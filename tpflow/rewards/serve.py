@@ -295,8 +295,8 @@ class _Handler(BaseHTTPRequestHandler):
             return HTTPStatus.UNSUPPORTED_MEDIA_TYPE, {"error": error}
         if "Transfer-Encoding" in self.headers:
             return HTTPStatus.LENGTH_REQUIRED, {"error": "send the body with a Content-Length, not chunked."}
-        text = self.headers.get("Content-Length", "")
-        if not text.strip().isdigit():
+        text = self.headers.get("Content-Length", "").strip()
+        if not (text.isascii() and text.isdigit() and len(text) <= 18):  # int() of "²" or of 5,000 digits raises
             return HTTPStatus.LENGTH_REQUIRED, {"error": f"a Content-Length is required, got {text!r}."}
         if int(text) > self.server.limits.max_request_bytes:
             error = (
