@@ -89,6 +89,8 @@ def test_remote_scores_equal_in_process_scores(server):
         "protocol": 1,
         "reward": "shapes-geneval",
         "options": {"score": "strict"},
+        "token": False,
+        "limits": {"max_request_bytes": 64 << 20, "max_images": 256, "max_side": 2048, "max_pixels": 64_000_000},
     }
     images, prompts, metadata = _batch()
     local = ShapesGenevalReward(ShapesGenevalOptions(score="strict"))(images, prompts, metadata)
@@ -165,7 +167,9 @@ def test_server_scores_one_request_at_a_time():
 
 
 def _post(url: str, payload: Any) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(url + "/score", data=json.dumps(payload).encode(), method="POST")
+    request = urllib.request.Request(
+        url + "/score", data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, json.loads(response.read())
@@ -181,10 +185,10 @@ def test_server_answers_bad_requests_with_a_json_error(server):
     assert status == 400 and "images[0]" in body["error"]
     status, body = _post(server.url, {"protocol": 1, "images": encode_images(images), "prompts": prompts[:1]})
     assert status == 400 and "2 images, 1 prompts" in body["error"]
-    # The reward itself fails on this metadata: a 500 whose message the client can show.
+    # The reward itself rejects this metadata (a TypeError inside it): 422, not retried, the message for the user.
     bad = {"protocol": 1, "images": encode_images(images), "prompts": prompts, "metadata": [{"include": "x"}] * 2}
     status, body = _post(server.url, bad)
-    assert status == 500 and "'shapes-geneval' raised TypeError" in body["error"]
+    assert status == 422 and "'shapes-geneval' cannot score this request (TypeError" in body["error"]
 
 
 def test_serve_reward_user_errors(server, capsys):

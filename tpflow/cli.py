@@ -182,11 +182,14 @@ def components(
 def validate(
     recipe: Annotated[Path, typer.Argument(help="Recipe TOML file.")],
     set_: Overrides = None,
+    offline: Annotated[bool, typer.Option(help="Skip contacting services (the remote reward's server).")] = False,
 ) -> None:
     """Check every section of a recipe against its component, without loading any weights."""
     from tpflow.recipe import load_recipe
 
     loaded = load_recipe(recipe, set_ or [])
+    if not offline:
+        loaded.preflight()  # the remote reward's server: up, and serving the recipe's reward
     table = Table(title=f"{recipe}: valid", show_lines=True)
     table.add_column("section", no_wrap=True)
     table.add_column("name", no_wrap=True, style="bold cyan")
@@ -287,6 +290,7 @@ def train(
 
     overrides = [*(set_ or []), *([f"train.epochs={epochs}"] if epochs is not None else [])]
     loaded = load_recipe(recipe, overrides)
+    loaded.preflight()  # e.g. the remote reward's server is up: fail now, not after the model has loaded
     world = num_processes * num_machines
     _launch_if_asked(
         ctx, num_processes, num_machines, machine_rank, main_process_ip, main_process_port,
@@ -398,21 +402,46 @@ def serve_reward(
         list[str] | None,
         typer.Option("--set", help="A reward option: key=value (repeatable), e.g. score=strict.", show_default=False),
     ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TPFLOW_REWARD_TOKEN",
+            help="Require this token from clients (Authorization: Bearer); prefer the environment variable, which "
+            "other users cannot read from the process list. Clients read it from TPFLOW_REWARD_TOKEN.",
+            show_default=False,
+        ),
+    ] = None,
+    max_request_mb: Annotated[float, typer.Option(min=0.001, help="Largest request body, MB (413 above).")] = 64,
+    max_images: Annotated[int, typer.Option(min=1, help="Most images in one request.")] = 256,
+    max_side: Annotated[int, typer.Option(min=1, help="Largest image side, read from its PNG header.")] = 2048,
+    max_megapixels: Annotated[float, typer.Option(min=0.001, help="Most pixels in one request, millions.")] = 64,
+    max_connections: Annotated[int, typer.Option(min=1, help="Connections served at once; more get 503.")] = 16,
+    timeout_s: Annotated[float, typer.Option(min=0.001, help="Seconds a request may take to arrive whole.")] = 30,
 ) -> None:
     """Serve a reward over HTTP for recipes whose reward is name = "remote" with url = the printed URL.
 
     Example: tpflow serve-reward --reward shapes-geneval --port 18085 --set score=strict
     """
-    from tpflow.rewards.serve import parse_options, serve
+    from tpflow.rewards.serve import Limits, parse_options, serve
 
     console = _console()
+    limits = Limits(
+        max_request_bytes=int(max_request_mb * 2**20),
+        max_images=max_images,
+        max_side=max_side,
+        max_pixels=int(max_megapixels * 1e6),
+        max_connections=max_connections,
+        timeout_s=timeout_s,
+    )
 
     def announce(url: str) -> None:
         console.print(f"Serving reward {reward!r} at {url} (GET /health, POST /score). Ctrl-C stops.", highlight=False)
         console.print(f'Recipe: [reward] name = "remote", url = "{url}"', highlight=False, markup=False)
+        if not token and host not in ("127.0.0.1", "localhost", "::1"):
+            console.print("[yellow]warning:[/] no --token: anyone who reaches this port can use the reward.")
         console.file.flush()
 
-    serve(reward, parse_options(set_ or []), host=host, port=port, announce=announce)
+    serve(reward, parse_options(set_ or []), host=host, port=port, announce=announce, limits=limits, token=token)
     console.print("stopped.")
 
 

@@ -109,6 +109,15 @@ class Recipe:
         """Build the component of one section: ``recipe.build("credit")``."""
         return self.components[kind].build()
 
+    def preflight(self) -> None:
+        """Check the outside services the components need (the remote reward's server), before any weights load.
+
+        Run by ``tpflow validate`` and ``tpflow train``; not part of validation, which also runs on the recipes
+        stored in checkpoints (``tpflow export`` must work with the reward server gone). Raises UserError.
+        """
+        for spec in self.components.values():
+            registry.preflight(spec.kind, spec.name, spec.options)
+
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Read, override and validate a recipe file; raises RecipeError with one clear paragraph."""

@@ -243,6 +243,15 @@ def build(kind: str, name: str, /, **options: Any) -> Any:
     return entry.factory(validated)
 
 
+def preflight(kind: str, name: str, options: BaseModel) -> None:
+    """Run the component's optional ``preflight(options)`` hook: a check of the outside services it needs (the
+    remote reward's server), raising UserError. Unlike ``check_recipe`` it may touch the network, so it runs only
+    when a run is about to start (``Recipe.preflight``), never when a recipe is merely parsed."""
+    check = getattr(get(kind, name).factory, "preflight", None)
+    if callable(check):
+        check(options)
+
+
 def describe_validation_error(exc: ValidationError, where: str, model: type[BaseModel]) -> str:
     """One paragraph for a pydantic error: every bad field, why, and the fields the model allows."""
     allowed = ", ".join(model.model_fields) or "(none)"

@@ -90,6 +90,12 @@ class WeightedReward:
         self.options = options
         self.parts = [(p.key, p.weight, registry.build("reward", p.name, **p.options)) for p in options.rewards]
 
+    @staticmethod
+    def preflight(options: WeightedOptions) -> None:
+        """Each part's preflight (a ``remote`` part checks its server), before a run starts."""
+        for part in options.rewards:
+            registry.preflight("reward", part.name, registry.validate_options("reward", part.name, part.options))
+
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:
         """Score images [N, 3, H, W] in [0, 1] with every part; ``scores`` [N] float32, the weighted sum."""
         total = torch.zeros(len(images), dtype=torch.float32, device="cpu")  # [N], on the CPU whatever the images
