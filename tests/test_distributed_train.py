@@ -167,3 +167,33 @@ def test_two_machines_of_one_process_each_train_the_same_model(two_process_run, 
     expected = safetensors.torch.load_file(next((after_epoch_0 / "adapter").glob("*.safetensors")))
     got = _final_adapter(tmp_path / "run")
     assert all(torch.equal(expected[k], got[k]) for k in expected), "the same model as the 2-process run"
+
+
+def test_eval_on_two_processes_equals_one_process(two_process_run, tmp_path):
+    """`tpflow eval --num-processes 2` deals the images to two processes and gathers: the same figures as one."""
+    import json
+
+    root, _ = two_process_run
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    command = [
+        sys.executable,
+        "-m",
+        "tpflow.cli",
+        "eval",
+        str(root / "run"),
+        "--steps",
+        "3",
+        "--images-per-prompt",
+        "2",
+    ]
+    for name, extra in (("one", []), ("two", ["--num-processes", "2"])):
+        out = subprocess.run(
+            [*command, "--out", str(tmp_path / name), *extra], capture_output=True, text=True, env=env
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.count("overall") == 1  # one process prints the table
+    one, two = (json.loads((tmp_path / n / "eval.json").read_text())["target"] for n in ("one", "two"))
+    assert len(one["images"]) == 12
+    assert [i["prompt"] for i in two["images"]] == [i["prompt"] for i in one["images"]]
+    assert [i["score"] for i in two["images"]] == pytest.approx([i["score"] for i in one["images"]], abs=1e-6)
+    assert two["metrics"]["eval_reward"] == pytest.approx(one["metrics"]["eval_reward"], abs=1e-6)

@@ -3,7 +3,7 @@
 ``metrics.jsonl`` and ``traces.jsonl`` are tpflow's own record and are always written (``RunLogger``); the trackers
 named in ``[log] trackers`` get the same epoch scalars, the evaluation sample grids and the resolved recipe as the
 run's config. accelerate owns the tracker objects (``Accelerator(log_with=...)``, ``init_trackers``, ``log``,
-``end_training``), so a tracker accelerate adds later needs no code here beyond its name in ``LogSettings``.
+each tracker's ``finish``), so a tracker accelerate adds later needs no code here beyond its name in ``LogSettings``.
 
 Resuming: TensorBoard appends to ``run_dir/tensorboard/<project>``; W&B continues the same run, whose id is kept in
 ``run_dir/wandb_run_id`` (``resume="allow"``), so a resumed run is one W&B run, not two.
@@ -88,9 +88,12 @@ class Trackers:
                 tracker.log_images({name: [pixels]}, step=step)
 
     def close(self) -> None:
-        """Flush and close every tracker (accelerate's ``end_training``)."""
+        """Flush and close every tracker. Not ``accelerator.end_training()``: that also destroys the process group,
+        which the other processes (and a trainer's caller) may still use."""
         if self.names:
-            self.accelerator.end_training()
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
+            self.accelerator.trackers = []
             self.names = []
 
 
