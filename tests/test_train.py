@@ -145,7 +145,7 @@ def test_ctrl_c_saves_only_a_state_that_resumes_exactly(tmp_path, tiny_weights, 
     # have moved past it, and no checkpoint of that half-counted state is written.
     assert trainer.optimizer.global_step > steps_after_epoch_0 if during == "update" else True
     states = [read_state(path) for path in (trainer.run_dir / "checkpoints").iterdir()]
-    assert states == [{"epoch": 1, "global_step": steps_after_epoch_0}]
+    assert states == [{"epoch": 1, "global_step": steps_after_epoch_0, "last_eval": {}}]
 
 
 def read_state(checkpoint: Path) -> dict:

@@ -226,3 +226,40 @@ def _component(data: dict[str, Any], kind: str, where: str) -> ComponentSpec:
             registry.describe_validation_error(exc, f"{where} [{kind}] ({name})", entry.options)
         ) from None
     return ComponentSpec(kind=kind, name=name, options=validated)
+
+
+# Recipe fields a resumed run cannot change: the adapter in the checkpoint belongs to this model and this LoRA shape.
+FIXED_ON_RESUME = (
+    "backbone.name", "backbone.weights", "backbone.pretrained", "backbone.seed",
+    "backbone.lora_rank", "backbone.lora_alpha", "backbone.lora_targets",
+)  # fmt: skip
+
+
+def recipe_changes(old: dict[str, Any], new: Recipe) -> list[tuple[str, Any, Any]]:
+    """``(section.key, old value, new value)`` for every option that differs between a recipe's data (e.g. the one a
+    checkpoint stored) and a validated recipe, defaults filled in on both sides, so an option written out with its
+    default value is no change. An old recipe that no longer validates is compared as written."""
+    try:
+        flat_old = _flatten(resolved(validate_recipe(old, where="the checkpoint's recipe")))
+        flat_new = _flatten(resolved(new))
+    except RecipeError:
+        flat_old, flat_new = _flatten(old), _flatten(new.data)
+    keys = list(dict.fromkeys([*flat_old, *flat_new]))
+    return [(k, flat_old.get(k), flat_new.get(k)) for k in keys if flat_old.get(k) != flat_new.get(k)]
+
+
+def resolved(recipe: Recipe) -> dict[str, dict[str, Any]]:
+    """Every section with every option, defaults included: ``{"credit": {"name": ..., ...}, "train": {...}}``."""
+    out = {kind: {"name": spec.name, **spec.options.model_dump()} for kind, spec in recipe.components.items()}
+    out.update({section: model.model_dump() for section, model in recipe.settings.items()})
+    return out
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return out

@@ -245,10 +245,17 @@ class GRPO:
         return {"optimizer": self._optimizer.state_dict() if self._optimizer else {}, "global_step": self.global_step}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what ``state_dict`` returned (``bind`` first)."""
+        """Restore what ``state_dict`` returned (``bind`` first): the AdamW moments and the step count.
+
+        The hyper-parameters stay this optimizer's own options (torch's ``load_state_dict`` would bring back the
+        checkpoint's learning rate, betas, weight decay and epsilon): a run resumed with
+        ``--set optimizer.learning_rate=...`` trains with the new value, which is also what its checkpoints record."""
         if self._optimizer is None:
             raise RuntimeError("Call bind(backbone) before load_state_dict.")
         self._optimizer.load_state_dict(state["optimizer"])
+        o = self.options
+        for group in self._optimizer.param_groups:
+            group.update(lr=o.learning_rate, betas=tuple(o.adam_betas), weight_decay=o.weight_decay, eps=o.adam_eps)
         self.global_step = int(state["global_step"])
 
     def update(self, backbone: Backbone, sampler: Sampler, batch: Rollout, advantages: Tensor) -> dict[str, float]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 import warnings
 from collections.abc import Collection
@@ -130,6 +131,20 @@ def truncate_after(run_dir: Path, epoch: int) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+
+
+def start_clean(run_dir: Path) -> bool:
+    """A fresh start in a run dir that holds logs but no checkpoint (an attempt killed before its first one): remove
+    its metrics, traces and TensorBoard events, so the new run's logs are its own. Returns whether there were any."""
+    run_dir = Path(run_dir)
+    stale = [run_dir / name for name in _FILES if (run_dir / name).exists()]
+    events = run_dir / "tensorboard"
+    for path in stale:
+        path.unlink()
+    if events.is_dir():
+        shutil.rmtree(events)
+        stale.append(events)
+    return bool(stale)
 
 
 def epoch_line(epoch: int, metrics: dict[str, Any]) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -42,10 +43,11 @@ from rich.progress import (
 from tpflow.devices import cpu_generator, resolve_device
 from tpflow.distributed import Distributed, make_accelerator
 from tpflow.errors import UserError
-from tpflow.recipe import Recipe
+from tpflow.recipe import FIXED_ON_RESUME, Recipe, recipe_changes
 from tpflow.rollout import draw_window, rollout_from_settings
 from tpflow.train.allocator import keep_freed_memory
 from tpflow.train.checkpoint import (
+    Checkpoint,
     capture_rng_state,
     find_checkpoint,
     load_checkpoint,
@@ -56,7 +58,7 @@ from tpflow.train.ema import EMA
 from tpflow.train.epoch import EpochRows, Sampled, prompt_groups
 from tpflow.train.evaluation import eval_seed, evaluate
 from tpflow.train.prompt_sampler import check_layout, noise_seed, plan_epoch
-from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, truncate_after
+from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, start_clean, truncate_after
 from tpflow.train.scoring import ScoringWorker
 from tpflow.train.trackers import Trackers, tracker_dir
 from tpflow.types import PromptItem, Rollout
@@ -109,6 +111,7 @@ class Trainer:
         params = self.backbone.trainable_parameters()
         self.ema = EMA(params, train.ema_decay, train.ema_every) if train.ema else None
         self.epoch = 0  # the next epoch to run
+        self.last_eval: dict[str, float] = {}  # the newest eval's figures, repeated on each epoch's metrics line
         self._progress: Progress | None = None
         self._task: TaskID | None = None
         self.nonfinite_epochs = 0
@@ -134,7 +137,6 @@ class Trainer:
         if self.dist.enabled:
             self.console.print(self._layout_line())
         metrics: dict[str, Any] = {}
-        last_eval: dict[str, float] = {}
         progress = Progress(
             SpinnerColumn(),
             TextColumn("{task.description}"),
@@ -151,18 +153,19 @@ class Trainer:
             progress.start()
             for epoch in range(self.epoch, train.epochs):
                 if evaluation.every and epoch % evaluation.every == 0:
-                    last_eval = self.evaluate(epoch)
-                metrics = {**self.train_epoch(epoch), **last_eval}
+                    self.last_eval = self.evaluate(epoch)
+                metrics = {**self.train_epoch(epoch), **self.last_eval}
                 self.epoch, self._weights_ahead = epoch + 1, False
                 # metrics.jsonl repeats the last eval on each epoch's line; the trackers got it at its own step
-                self.logger.log(metrics, step=self.optimizer.global_step, epoch=epoch, untracked=last_eval)
+                self.logger.log(metrics, step=self.optimizer.global_step, epoch=epoch, untracked=self.last_eval)
                 self.console.print(epoch_line(epoch, metrics))
                 if train.save_every and self.epoch % train.save_every == 0 and self.epoch < train.epochs:
                     self.save()
             if evaluation.every:
-                last_eval = self.evaluate(train.epochs)
-                self.logger.log(last_eval, step=self.optimizer.global_step, epoch=train.epochs, untracked=last_eval)
-                metrics.update(last_eval)
+                self.last_eval = self.evaluate(train.epochs)
+                final = self.last_eval
+                self.logger.log(final, step=self.optimizer.global_step, epoch=train.epochs, untracked=final)
+                metrics.update(final)
             self.save()
         except KeyboardInterrupt:
             if self._weights_ahead:  # updated (part-way, or wholly but not yet counted): not a state to resume from
@@ -319,7 +322,12 @@ class Trainer:
                 optimizer_state=self.optimizer.state_dict(),
                 ema_state=self.ema.state_dict() if self.ema is not None else None,
                 rng_state=capture_rng_state(),
-                train_state={"epoch": self.epoch, "global_step": self.optimizer.global_step},
+                # last_eval: a resumed run's metrics lines repeat it until its next eval, as the uninterrupted run's
+                train_state={
+                    "epoch": self.epoch,
+                    "global_step": self.optimizer.global_step,
+                    "last_eval": self.last_eval,
+                },
                 recipe=self.recipe.data,
             )
             self.console.print(f"checkpoint: {path}")
@@ -345,6 +353,11 @@ class Trainer:
                     f"Run dir {self.run_dir} already holds checkpoint {existing.name}. Continue it with --resume, "
                     "or pick another directory with --run-dir (or `--set train.run_dir=...`)."
                 )
+            if self.dist.is_main and start_clean(self.run_dir):
+                self.console.print(
+                    f"[yellow]note:[/] {self.run_dir} held the logs of an attempt that wrote no checkpoint; "
+                    "this run starts them afresh."
+                )
             return
         where = self.run_dir if resume is True else Path(resume)
         path, warnings = find_checkpoint(where)
@@ -353,16 +366,41 @@ class Trainer:
         if path is None:
             raise UserError(f"No valid checkpoint to resume from in {where}.")
         ckpt = load_checkpoint(path)
+        self._report_changes(ckpt)
         self.backbone.load_adapter(ckpt.adapter_dir)
         self.optimizer.load_state_dict(ckpt.optimizer_state)
         if self.ema is not None and ckpt.ema_state is not None:
             self.ema.load_state_dict(ckpt.ema_state)
         restore_rng_state(ckpt.rng_state)
         self.epoch = int(ckpt.train_state["epoch"])
+        self.last_eval = dict(ckpt.train_state.get("last_eval") or {})
         if self.dist.is_main:
             truncate_after(self.run_dir, self.epoch - 1)
         self.dist.barrier()
         self.console.print(f"resumed from {path} (epoch {self.epoch}, step {self.optimizer.global_step})")
+
+    def _report_changes(self, ckpt: Checkpoint) -> None:
+        """Resuming with a recipe that differs from the checkpoint's: refuse what the checkpoint's adapter cannot
+        follow (another model, another LoRA shape); say what else changed, which applies from here on (the learning
+        rate and AdamW settings go into the optimizer's parameter groups, see GRPO.load_state_dict)."""
+        changes, path = recipe_changes(ckpt.recipe, self.recipe), ckpt.path
+        fixed = [(k, a, b) for k, a, b in changes if k in FIXED_ON_RESUME]
+        if fixed:
+            listed = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, a, b in fixed)
+            raise UserError(
+                f"Cannot resume {path} with this recipe: {listed}. The checkpoint's adapter belongs to the model and "
+                "LoRA shape it was trained with; resume with the recipe's original values, or start a new run dir."
+            )
+        shown = [(k, a, b) for k, a, b in changes if k != "train.epochs"]  # more epochs is what resuming is for
+        if shown:
+            listed = "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in shown)
+            self.console.print(
+                f"[yellow]warning:[/] resuming with a recipe that differs from the checkpoint's: {escape(listed)}. "
+                f"The new values apply from epoch {ckpt.train_state.get('epoch')} on and are what later checkpoints "
+                "record.",
+                soft_wrap=True,
+                highlight=False,
+            )
 
     def _named_trainable(self) -> list[tuple[str, torch.Tensor]]:
         return [(str(k), p) for k, p in enumerate(self.backbone.trainable_parameters())]

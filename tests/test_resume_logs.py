@@ -1,0 +1,94 @@
+"""A resumed run's logs equal the uninterrupted run's; a restart without a checkpoint starts clean logs; a resume with
+a changed recipe says what changed, applies it (the learning rate reaches the optimizer) or refuses it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.test_train import TIMING, tiny_recipe
+from tpflow.errors import UserError
+from tpflow.recipe import load_recipe
+from tpflow.train.checkpoint import find_checkpoint
+from tpflow.train.run_logger import read_jsonl
+from tpflow.train.trainer import Trainer
+
+# eval every 3 epochs, a checkpoint every epoch (the newest 3 are kept: epochs 4, 5, 6): a resume at epoch 4 or 5
+# must repeat epoch 3's eval figures on its lines, as the uninterrupted run does
+EVERY_3 = ["train.epochs=6", "eval.every=3", "train.save_every=1", "log.trackers=[]"]
+
+
+def _logs(run: Path) -> tuple[list[dict], list[dict]]:
+    metrics = [{k: v for k, v in r.items() if not k.endswith(TIMING)} for r in read_jsonl(run / "metrics.jsonl")]
+    return metrics, read_jsonl(run / "traces.jsonl")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory, tiny_weights: Path) -> Path:
+    """The uninterrupted run of 6 epochs."""
+    root = tmp_path_factory.mktemp("straight")
+    Trainer(load_recipe(tiny_recipe(root, tiny_weights, reward="image-stat"), EVERY_3)).fit()
+    return root
+
+
+def _resumed_from(straight: Path, tmp_path: Path, keep_epoch: int, tiny_weights: Path) -> Path:
+    """A copy of the run killed after ``keep_epoch``'s checkpoint (later checkpoints gone, later log lines kept, as
+    a kill leaves them), resumed to the end."""
+    shutil.copytree(straight / "run", tmp_path / "run")
+    for path in sorted((tmp_path / "run" / "checkpoints").iterdir()):
+        if json.loads((path / "state.json").read_text())["epoch"] > keep_epoch:
+            shutil.rmtree(path)
+    recipe = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
+    resumed = Trainer(load_recipe(recipe, EVERY_3), resume=True)
+    assert resumed.epoch == keep_epoch
+    resumed.fit()
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("keep_epoch", [4, 5])  # epochs without an eval: their lines carry epoch 3's
+def test_resume_at_an_epoch_without_eval_logs_what_the_straight_run_logged(
+    straight, tmp_path, tiny_weights, keep_epoch
+):
+    run = _resumed_from(straight, tmp_path, keep_epoch, tiny_weights)
+    metrics, traces = _logs(run)
+    expected_metrics, expected_traces = _logs(straight / "run")
+    assert [m["epoch"] for m in metrics] == [0, 1, 2, 3, 4, 5, 6]
+    assert metrics[keep_epoch]["eval_reward"] == expected_metrics[3]["eval_reward"]  # restored from the checkpoint
+    assert metrics == expected_metrics
+    assert traces == expected_traces
+
+
+def test_restart_without_a_checkpoint_starts_clean_logs(straight, tmp_path, tiny_weights):
+    """An attempt killed before its first checkpoint left log lines; a fresh start must not keep them."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(straight / "run" / "metrics.jsonl", run)  # the dead attempt's lines
+    shutil.copy(straight / "run" / "traces.jsonl", run)
+    with open(run / "traces.jsonl", "a") as f:
+        f.write('{"epoch": 0, "prompt": "cut sho')
+    Trainer(load_recipe(tiny_recipe(tmp_path, tiny_weights, reward="image-stat"), EVERY_3)).fit()
+    assert _logs(run) == _logs(straight / "run")
+
+
+def test_resume_with_a_new_learning_rate_uses_and_records_it(straight, tmp_path, tiny_weights, capsys):
+    shutil.copytree(straight / "run", tmp_path / "run")
+    recipe = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
+    overrides = [*EVERY_3, "train.epochs=7", "optimizer.learning_rate=1e-5", "train.group_size=4"]
+    trainer = Trainer(load_recipe(recipe, overrides), resume=True)
+    out = capsys.readouterr().out
+    assert "optimizer.learning_rate 0.01 -> 1e-05" in " ".join(out.split())
+    assert "train.epochs" not in out and "group_size" not in out  # unchanged or expected: not reported
+    assert [g["lr"] for g in trainer.optimizer._optimizer.param_groups] == [1e-5]  # not the checkpoint's 0.01
+    trainer.fit()
+    path, _ = find_checkpoint(tmp_path / "run")
+    assert json.loads((path / "recipe.json").read_text())["optimizer"]["learning_rate"] == 1e-5
+
+
+def test_resume_with_another_lora_shape_is_refused(straight, tmp_path, tiny_weights):
+    shutil.copytree(straight / "run", tmp_path / "run")
+    recipe = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
+    with pytest.raises(UserError, match=r"backbone\.lora_rank: 8 in the checkpoint, 4 now"):
+        Trainer(load_recipe(recipe, [*EVERY_3, "backbone.lora_rank=4"]), resume=True)
