@@ -86,7 +86,14 @@ def test_factory_watch_catches_a_tensor_without_device():
 
 
 def test_training_path_states_every_device(tmp_path, tiny_weights, plugin):
-    """Train (ODE completions, KL, EMA, eval, checkpoints), resume, inspect and export: no tensor without a device."""
+    """Train (ODE completions, KL, EMA, eval, checkpoints), resume, inspect, export, `tpflow eval` and `tpflow sample`:
+    no tensor without a device."""
+    import contextlib
+
+    from tpflow.distributed import Distributed
+    from tpflow.evaluation.run import EvalOptions, evaluate_target
+    from tpflow.evaluation.sample import sample_images
+    from tpflow.evaluation.targets import resolve_target
     from tpflow.export import export
     from tpflow.inspect.traces import sample_trajectories
 
@@ -98,6 +105,9 @@ def test_training_path_states_every_device(tmp_path, tiny_weights, plugin):
             loaded = load_recipe(recipe, [f"rollout.completions={completions}", "rollout.baseline_noise=independent"])
             sample_trajectories(loaded, "a red circle", n=2, seed=0, checkpoint=tmp_path / "run")
         export(tmp_path / "run", tmp_path / "export")
+        target = resolve_target(tmp_path / "run")
+        evaluate_target(target, EvalOptions(steps=2, images_per_prompt=2), Distributed(None), contextlib.nullcontext)
+        sample_images(target, ["a red circle"], 2, steps=2, guidance=1.0, seed=0, autocast=contextlib.nullcontext)
     assert not watch.calls, "tensors made without device= (say device=... or use new_*/..._like):\n" + "\n".join(
         sorted(set(watch.calls))
     )

@@ -167,6 +167,29 @@ def test_export_of_a_cuda_run_loads_into_diffusers(tmp_path, cuda):
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
 
 
+def test_eval_and_sample_of_a_cuda_run(tmp_path, cuda, capsys):
+    """`tpflow eval` of a tiny-sd3 run trained on the GPU gives the eval it logged (same weights, prompts, steps and
+    seed; the EMA swapped in); `tpflow sample` writes its grid from the GPU."""
+    import json
+
+    from tpflow.cli import main
+
+    trainer = Trainer(load_recipe(gpu_recipe(tmp_path, backbone_section("tiny-sd3", cuda)), ["train.epochs=1"]))
+    trainer.fit()
+    steps = str(trainer.recipe.eval.num_steps)
+    for args in (
+        ["eval", str(trainer.run_dir), "--steps", steps, "--out", str(tmp_path / "e")],
+        ["sample", str(trainer.run_dir), "--prompt", "a red cat", "--n", "2", "--out", str(tmp_path / "s.png")],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(args)
+        assert exc.value.code in (0, None)
+    logged = read_jsonl(trainer.run_dir / "metrics.jsonl")[-1]
+    got = json.loads((tmp_path / "e" / "eval.json").read_text())["target"]["metrics"]
+    assert math.isclose(got["eval_reward"], logged["eval_reward"], rel_tol=0, abs_tol=1e-5)
+    assert len(json.loads((tmp_path / "s.png.json").read_text())["tiles"]) == 2
+
+
 def test_num_processes_1_over_nccl(tmp_path, tiny_weights, cuda):
     """``tpflow train --num-processes 1``: torchrun in-process, accelerate's process group (NCCL on a GPU)."""
     recipe = gpu_recipe(tmp_path, backbone_section("shapes-dit", "auto", tiny_weights))
