@@ -10,8 +10,8 @@ same noise whatever P (row r of one seeded draw), so the figures do not depend o
 
 from __future__ import annotations
 
+import logging
 import math
-import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -30,6 +30,7 @@ from tpflow.settings import EvalSettings
 from tpflow.train.samples import save_grid
 from tpflow.types import PromptItem
 
+logger = logging.getLogger(__name__)
 GRID_IMAGES = 64  # evaluation images in each sample grid: the first ones
 EVAL_SEED_OFFSET = 12_345  # the trainer evaluates with noise seeded train.seed + this, at every eval
 
@@ -103,11 +104,11 @@ def score_prompts(
     rows = sorted(dist.gather_objects(rows))
     bad = sum(not math.isfinite(score) for _, score, _ in rows)
     if bad and dist.is_main:
-        warnings.warn(
-            f"Evaluation: reward {reward_name(reward)} returned non-finite scores (NaN or inf) for {bad} of "
-            f"{len(rows)} images; kept as eval.nonfinite_rewards = 'warn' says (their means are null in the logs).",
-            stacklevel=2,
-        )
+        logger.warning(  # every time (a Python warning would show once per text): one line on stderr
+            "Evaluation: reward %s returned non-finite scores (NaN or inf) for %d of %d images; kept as "
+            "eval.nonfinite_rewards = 'warn' says (their means are null in the logs).",
+            reward_name(reward), bad, len(rows),
+        )  # fmt: skip
     shown = sorted(dist.gather_objects(shown), key=lambda pair: pair[0])
     names = list(rows[0][2]) if rows else []
     return Scored(
