@@ -27,4 +27,5 @@ class RecipeError(UserError):
 
 
 class RewardError(UserError):
-    """The reward model failed twice on the same images, or returned the wrong number of scores."""
+    """A reward that kept failing on the same images, returned something other than a RewardOutput of one score per
+    image, called ``sys.exit`` or exceeded its time limit (tpflow/rewards/call.py)."""

@@ -94,6 +94,19 @@ class TrainSettings(BaseModel):
     mixed_precision: Literal["no", "fp16", "bf16"] = Field(
         "no", description="Accelerate mixed precision (paper: fp16 for SD3.5-M, bf16 for FLUX)."
     )
+    reward_timeout_s: float = Field(
+        600.0,
+        ge=0.0,
+        description="Longest one reward call (score_batch images in training, eval.batch_size at evaluation) may run, "
+        "in seconds; a call still running then stops the run with an error instead of hanging it (0: no limit). "
+        'Generous by default: a first call may load the reward\'s model (docs/rewards.md, "When a reward fails").',
+    )
+    reward_retries: int = Field(
+        1,
+        ge=0,
+        description="Repeats of a reward call on the same images when it raises or returns non-finite scores, before "
+        "the run stops (training, evaluation, tpflow eval, inspect-trajectory alike).",
+    )
 
     @model_validator(mode="after")
     def _rounds_fit(self) -> TrainSettings:
@@ -122,6 +135,12 @@ class EvalSettings(BaseModel):
     guidance: float = Field(4.5, ge=0.0, description="Guidance at evaluation (paper: as in training).")
     num_prompts: int | None = Field(None, ge=1, description="Test prompts to use (None: the whole test split).")
     batch_size: int = Field(16, ge=1, description="Images per evaluation batch (paper: 16, 14 for GenEval).")
+    nonfinite_rewards: Literal["stop", "warn"] = Field(
+        "stop",
+        description="Non-finite (NaN, inf) evaluation scores: 'stop' retries the call (train.reward_retries) then "
+        "stops, as training always does; 'warn' keeps them, with one warning naming how many images (they are null "
+        "in metrics.jsonl and eval.json).",
+    )
 
 
 TRACKER_PACKAGES = {"tensorboard": "pip install tensorboard", "wandb": "pip install 'tpflow[wandb]'"}

@@ -22,6 +22,7 @@ import torch
 from tpflow.distributed import Distributed
 from tpflow.evaluation.prompt_sets import prompt_set
 from tpflow.evaluation.targets import Target, load_model
+from tpflow.rewards.call import recipe_policy
 from tpflow.train.evaluation import Scored, eval_seed, score_prompts, summarize
 from tpflow.train.samples import save_grid
 from tpflow.types import PromptItem
@@ -119,8 +120,9 @@ def evaluate_target(
     torch.manual_seed(recipe.train.seed)  # as the trainer: a freshly made adapter starts from the same values
     backbone = load_model(target, ema=options.ema)
     reward = recipe.build("reward")
+    policy = recipe_policy(recipe.train, settings)  # time limit, retries, non-finite scores: as in training
     scored = score_prompts(
-        backbone, reward, items, settings, seed, dist, autocast, options.images_per_prompt, progress
+        backbone, reward, items, settings, seed, dist, autocast, options.images_per_prompt, progress, policy
     )
     described = {
         "prompts": options.prompts,

@@ -107,6 +107,7 @@ def sample_trajectories(
         checkpoint: a run dir or a checkpoint dir whose adapter is loaded (its newest valid checkpoint).
         metadata: the prompt's task metadata for the reward ({} when None).
     """
+    from tpflow.rewards.call import recipe_policy
     from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
     from tpflow.train.scoring import score_rollout
 
@@ -139,6 +140,7 @@ def sample_trajectories(
         window.size,
         chunk=recipe.train.score_batch,
         keep_images=True,
+        policy=recipe_policy(recipe.train),
     )
     return Trajectories(
         prompt=prompt,

@@ -25,6 +25,7 @@ from torch import Tensor
 from tpflow import registry
 from tpflow.errors import UnknownComponentError, UserError
 from tpflow.registry import register
+from tpflow.rewards.call import check_output
 from tpflow.types import RewardOutput
 
 
@@ -101,13 +102,8 @@ class WeightedReward:
         total = torch.zeros(len(images), dtype=torch.float32, device="cpu")  # [N], on the CPU whatever the images
         details: dict[str, Tensor] = {}
         for key, weight, reward in self.parts:
-            out = reward(images, prompts, metadata)
-            scores = out.scores.detach().float().cpu()  # [N]
-            if scores.shape != total.shape:
-                raise ValueError(
-                    f"Reward {key!r} returned scores of shape {tuple(scores.shape)}, not [{len(images)}]."
-                )
+            scores, part = check_output(reward(images, prompts, metadata), len(images), key)  # [N] float32, CPU
             total += weight * scores
             details[key] = scores
-            details.update({f"{key}/{k}": v.detach().cpu() for k, v in out.details.items()})
+            details.update({f"{key}/{k}": v for k, v in part.items()})
         return RewardOutput(scores=total, details=details)

@@ -10,6 +10,8 @@ same noise whatever P (row r of one seeded draw), so the figures do not depend o
 
 from __future__ import annotations
 
+import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -22,11 +24,13 @@ from tpflow.devices import cpu_generator
 from tpflow.distributed import Distributed
 from tpflow.interfaces import Backbone, RewardModel
 from tpflow.rewards._images import to_uint8
+from tpflow.rewards.call import DEFAULT_POLICY, RewardPolicy, call_reward, reward_name
 from tpflow.rollout import sample_ode
 from tpflow.settings import EvalSettings
 from tpflow.train.samples import save_grid
 from tpflow.types import PromptItem
 
+logger = logging.getLogger(__name__)
 GRID_IMAGES = 64  # evaluation images in each sample grid: the first ones
 EVAL_SEED_OFFSET = 12_345  # the trainer evaluates with noise seeded train.seed + this, at every eval
 
@@ -57,9 +61,13 @@ def score_prompts(
     autocast: Callable[[], AbstractContextManager],
     images_per_prompt: int = 1,
     progress: Callable[[int], None] | None = None,
+    policy: RewardPolicy = DEFAULT_POLICY,
 ) -> Scored:
     """ODE samples (``settings.num_steps`` steps, ``settings.guidance``) of ``images_per_prompt`` images per prompt,
-    decoded and scored in batches of ``settings.batch_size``; call it on every process (it gathers)."""
+    decoded and scored in batches of ``settings.batch_size``; call it on every process (it gathers).
+
+    Each batch's reward call goes through ``call_reward`` under ``policy`` (time limit, retries, output checks, as
+    in training); non-finite scores kept by ``policy`` (``eval.nonfinite_rewards = "warn"``) get one warning."""
     n = images_per_prompt
     mine = list(range(dist.rank, len(everything) * n, dist.world_size))  # this process's image rows
     items = [everything[r // n] for r in mine]
@@ -78,10 +86,10 @@ def score_prompts(
                                      backbone.sigmas(settings.num_steps), settings.guidance,
                                      settings.batch_size)  # fmt: skip
             images = backbone.decode(latents)
-            out = reward(images, prompts, [it.metadata for it in part])
-            scores += out.scores.float().tolist()
+            out = call_reward(reward, images, prompts, [it.metadata for it in part], policy)
+            scores += out.scores.tolist()
             for name, values in out.details.items():
-                details[name] += values.float().tolist()
+                details[name] += values.tolist()
             shown += [
                 (mine[start + j], to_uint8(images[j : j + 1].cpu()))
                 for j in range(len(part))
@@ -94,6 +102,13 @@ def score_prompts(
             for j, (r, score) in enumerate(zip(mine, scores, strict=True))
         ]
     rows = sorted(dist.gather_objects(rows))
+    bad = sum(not math.isfinite(score) for _, score, _ in rows)
+    if bad and dist.is_main:
+        logger.warning(  # every time (a Python warning would show once per text): one line on stderr
+            "Evaluation: reward %s returned non-finite scores (NaN or inf) for %d of %d images; kept as "
+            "eval.nonfinite_rewards = 'warn' says (their means are null in the logs).",
+            reward_name(reward), bad, len(rows),
+        )  # fmt: skip
     shown = sorted(dist.gather_objects(shown), key=lambda pair: pair[0])
     names = list(rows[0][2]) if rows else []
     return Scored(
@@ -130,11 +145,12 @@ def evaluate(
     dist: Distributed,
     autocast: Callable[[], AbstractContextManager],
     grid: Path,
+    policy: RewardPolicy = DEFAULT_POLICY,
 ) -> dict[str, float]:
     """The trainer's evaluation: ``summarize`` of one image per prompt of ``everything``; process 0 writes ``grid``.
 
     Call it on every process (it gathers), with the weights to evaluate already in place (e.g. the EMA swapped in)."""
-    scored = score_prompts(backbone, reward, everything, settings, seed, dist, autocast)
+    scored = score_prompts(backbone, reward, everything, settings, seed, dist, autocast, policy=policy)
     if dist.is_main:
         save_grid(torch.cat(scored.grid).float() / 255, grid)
     return summarize(scored, everything)

@@ -1,8 +1,9 @@
 """Decoding and scoring in a background worker, so the reward of batch b runs while batch b+1 is sampled.
 
 One job turns a rollout batch's final latents [n, ...] and completion latents [n, W, ...] into its reward trace
-[n, W+1]: decode in chunks, call the reward model, retry once if it raises or returns non-finite scores, then give
-up with a clear message (the trainer stops; the last checkpoint stays intact).
+[n, W+1]: decode in chunks, call the reward model through ``tpflow.rewards.call.call_reward`` (output checked, a
+time limit, one retry if it raises or returns non-finite scores, then a clear message: the trainer stops; the last
+checkpoint stays intact).
 """
 
 from __future__ import annotations
@@ -10,15 +11,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from tpflow.devices import current_cuda_device
-from tpflow.errors import RewardError, UserError
 from tpflow.interfaces import RewardModel
+from tpflow.rewards.call import DEFAULT_POLICY, RewardPolicy, call_reward
 
 
 @dataclass
@@ -40,10 +41,17 @@ def _use_cuda_device(index: int | None) -> None:
 class ScoringWorker:
     """A single background thread that decodes and scores rollout batches in submission order."""
 
-    def __init__(self, decode: Callable[[Tensor], Tensor], reward: RewardModel, chunk: int = 256):
+    def __init__(
+        self,
+        decode: Callable[[Tensor], Tensor],
+        reward: RewardModel,
+        chunk: int = 256,
+        policy: RewardPolicy = DEFAULT_POLICY,
+    ):
         self.decode = decode
         self.reward = reward
         self.chunk = chunk
+        self.policy = policy
         # A new thread's current CUDA device is 0: on process r of a multi-GPU run the worker would load a lazily
         # built reward model (device "auto") onto GPU 0. It inherits its creator's device instead.
         self._pool = ThreadPoolExecutor(
@@ -68,7 +76,9 @@ class ScoringWorker:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _score(self, final, completions, prompts, metadata, window) -> ScoredBatch:
-        return score_rollout(self.decode, self.reward, final, completions, prompts, metadata, window, self.chunk)
+        return score_rollout(
+            self.decode, self.reward, final, completions, prompts, metadata, window, self.chunk, policy=self.policy
+        )
 
 
 def score_rollout(
@@ -81,12 +91,14 @@ def score_rollout(
     window: int,
     chunk: int = 256,
     keep_images: bool = False,
+    policy: RewardPolicy = DEFAULT_POLICY,
 ) -> ScoredBatch:
     """Decode and score one rollout batch: the reward trace [n, W+1] of final [n, ...] and completions [n, W, ...].
 
     The one scoring path of tpflow: training (through ``ScoringWorker``) and ``inspect-trajectory`` both call it,
-    so both decode in chunks of ``chunk`` rows, retry a failing reward once and refuse non-finite scores alike.
-    ``keep_images`` returns the decoded images too (``ScoredBatch.images``), which inspect plots.
+    so both decode in chunks of ``chunk`` rows and call the reward under the same ``policy`` (its time limit and
+    retries; non-finite scores always stop here: a NaN cannot be trained on). ``keep_images`` returns the decoded
+    images too (``ScoredBatch.images``), which inspect plots.
     """
     n = final.shape[0]
     latents = final if completions is None else torch.cat([completions.flatten(0, 1), final])  # [n·W + n, ...]
@@ -99,7 +111,7 @@ def score_rollout(
         images = torch.cat([decode(part) for part in latents.split(chunk)])  # [n·W + n, 3, H, W]
     decode_s = time.perf_counter() - start
     start = time.perf_counter()
-    scores, details = _reward(reward, images, rows_prompts, rows_meta, chunk)
+    scores, details = _reward(reward, images, rows_prompts, rows_meta, chunk, policy)
     reward_s = time.perf_counter() - start
     trace = torch.full((n, window + 1), float("nan"), device="cpu")  # host bookkeeping (tpflow.devices)
     if width:
@@ -114,30 +126,14 @@ def score_rollout(
 
 
 def _reward(
-    reward: RewardModel, images: Tensor, prompts: list[str], metadata: list[dict], chunk: int
+    reward: RewardModel, images: Tensor, prompts: list[str], metadata: list[dict], chunk: int, policy: RewardPolicy
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Scores [M] and details of M images, in chunks; one retry when the reward raises or returns non-finite."""
-    name = type(reward).__name__
-    problem = ""
-    for _attempt in range(2):
-        try:
-            parts = [
-                reward(images[lo : lo + chunk], prompts[lo : lo + chunk], metadata[lo : lo + chunk])
-                for lo in range(0, images.shape[0], chunk)
-            ]
-        except UserError:
-            raise
-        except Exception as exc:  # a flaky reward server or model: retry once
-            problem = f"it raised {type(exc).__name__}: {exc}"
-            continue
-        scores = torch.cat([p.scores.detach().float().cpu() for p in parts])
-        if scores.shape != (images.shape[0],):
-            raise RewardError(f"Reward {name!r} returned {tuple(scores.shape)} scores for {images.shape[0]} images.")
-        if torch.isfinite(scores).all():
-            details = {k: torch.cat([p.details[k].detach().float().cpu() for p in parts]) for k in parts[0].details}
-            return scores, details
-        problem = f"it returned {int((~torch.isfinite(scores)).sum())} non-finite scores"
-    raise RewardError(
-        f"Reward {name!r} failed twice on the same {images.shape[0]} images ({problem}). The run stops here; "
-        "the last checkpoint is intact: fix the reward and resume with --resume."
-    )
+    """Scores [M] and details of M images, in chunks, each checked and retried by ``call_reward``."""
+    policy = replace(policy, nonfinite="stop")  # the trace feeds the advantages: a NaN would poison the update
+    parts = [
+        call_reward(reward, images[lo : lo + chunk], prompts[lo : lo + chunk], metadata[lo : lo + chunk], policy)
+        for lo in range(0, images.shape[0], chunk)
+    ]
+    scores = torch.cat([p.scores for p in parts]) if parts else torch.zeros(0, device="cpu")  # [M] float32, host
+    details = {k: torch.cat([p.details[k] for p in parts]) for k in parts[0].details} if parts else {}
+    return scores, details

@@ -44,6 +44,7 @@ from tpflow.devices import cpu_generator, resolve_device
 from tpflow.distributed import Distributed, make_accelerator
 from tpflow.errors import UserError
 from tpflow.recipe import FIXED_ON_RESUME, Recipe, recipe_changes
+from tpflow.rewards.call import recipe_policy
 from tpflow.rollout import draw_window, rollout_from_settings
 from tpflow.train.allocator import keep_freed_memory
 from tpflow.train.checkpoint import (
@@ -224,7 +225,7 @@ class Trainer:
         start = time.perf_counter()
         z0_seeds = {i: noise_seed(train, epoch, i) for b in batches for i in b.items} if rollout.same_noise else None
         completions = rollout.completions if self.credit.needs_completions else None
-        worker = ScoringWorker(self.backbone.decode, self.reward, chunk=train.score_batch)
+        worker = ScoringWorker(self.backbone.decode, self.reward, chunk=train.score_batch, policy=recipe_policy(train))
         rollouts, jobs = [], []
         self._phase(f"epoch {epoch}: sampling", len(batches))
         try:
@@ -301,6 +302,7 @@ class Trainer:
                 dist=self.dist,
                 autocast=self.accelerator.autocast,
                 grid=grid,
+                policy=recipe_policy(self.settings, self.recipe.eval),
             )
         self.logger.track(metrics, step=self.optimizer.global_step)  # the step of the weights evaluated
         self.logger.log_image("eval_samples", grid, step=self.optimizer.global_step)
