@@ -561,6 +561,9 @@ def eval_(
     overrides = _target_overrides(set_, resolution)
     resolved = resolve_target(target, recipe, checkpoint, overrides)
     other = resolve_target(baseline, None, None, overrides) if baseline is not None else None
+    for which in (resolved, other):
+        if which is not None:
+            which.recipe.preflight()  # the remote reward's server: up, before any weights load
     options = EvalOptions(
         prompts=prompts, num_prompts=num_prompts, steps=steps, guidance=guidance,
         images_per_prompt=images_per_prompt, seed=seed, batch_size=batch_size, ema=ema,
