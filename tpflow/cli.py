@@ -136,11 +136,22 @@ def components(
 def validate(
     recipe: Annotated[Path, typer.Argument(help="Recipe TOML file.")],
     set_: Overrides = None,
+    machine: Annotated[
+        bool,
+        typer.Option(
+            help="Also check this machine: devices, the files the recipe names, its prompts, the run dir "
+            "(--no-machine: the values only, for a recipe meant for another machine)."
+        ),
+    ] = True,
 ) -> None:
     """Check every section of a recipe against its component, without loading any weights."""
+    from tpflow.preflight import check_machine, default_run_dir
     from tpflow.recipe import load_recipe
 
     loaded = load_recipe(recipe, set_ or [])
+    _warn_broken_plugins()
+    if machine:
+        check_machine(loaded, default_run_dir(loaded))
     table = Table(title=f"{recipe}: valid", show_lines=True)
     table.add_column("section", no_wrap=True)
     table.add_column("name", no_wrap=True, style="bold cyan")
@@ -205,6 +216,15 @@ def credit(
     _console().print(table)
 
 
+def _warn_broken_plugins() -> None:
+    """One warning line per installed plugin that failed to import (it stays unregistered; the rest works)."""
+    for kind in registry.KINDS:
+        for line in registry.plugin_errors(kind):
+            _console(stderr=True).print(
+                f"[yellow]warning: plugin failed to load[/] {escape(line)}", soft_wrap=True, highlight=False
+            )
+
+
 def _num(x: float) -> str:
     return f"{x:g}"
 
@@ -249,8 +269,12 @@ def train(
 
     overrides = [*(set_ or []), *([f"train.epochs={epochs}"] if epochs is not None else [])]
     loaded = load_recipe(recipe, overrides)
+    _warn_broken_plugins()
     world = num_processes * num_machines
     if world > 1 and not launched():
+        from tpflow.preflight import check_machine, default_run_dir
+
+        check_machine(loaded, run_dir or default_run_dir(loaded))  # once here, not once per process
         if num_machines > 1 and not main_process_ip:
             raise UserError("--num-machines > 1 needs --main-process-ip, the address of machine 0.")
         if machine_rank >= num_machines:
