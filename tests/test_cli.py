@@ -101,7 +101,12 @@ def test_validate_checks_component_limits_across_sections(plugin, tmp_path):
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "noise_level = 1.5" in lines[0] and "cps" in lines[0] and "[0, 1]" in lines[0]
     ok = tpflow(
-        "validate", str(tmp_path / "r.toml"), "--set", "sampler.name=flow-sde", "--set", "rollout.noise_level=1.5",
+        "validate",
+        str(tmp_path / "r.toml"),
+        "--set",
+        "sampler.name=flow-sde",
+        "--set",
+        "rollout.noise_level=1.5",
         "--no-machine",
     )
     assert ok.returncode == 0, ok.stderr
