@@ -35,7 +35,8 @@ def no_weights(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
-    """``tpflow ARGS`` in this process: (exit status, stderr)."""
+    """``tpflow ARGS`` in this process: (exit status, its stderr and stdout)."""
+    capsys.readouterr()  # drop what the test printed before
     with pytest.raises(SystemExit) as done:
         main(list(args))
     captured = capsys.readouterr()
