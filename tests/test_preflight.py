@@ -187,3 +187,12 @@ def test_check_machine_joins_every_problem_into_one_error(tmp_path):
     message = str(err.value)
     assert "not a safetensors file" in message and "too deeply" in message and "not a directory" in message
     assert "\n" not in message
+
+
+def test_diffusers_weights_folder_is_checked_without_loading(tmp_path, capsys, no_weights):
+    recipe = ROOT / "recipes" / "geneval_tp.toml"
+    sets = ["--set", f"backbone.pretrained={tmp_path}", "--set", f"train.run_dir={tmp_path / 'run'}"]
+    code, err = run_cli(capsys, "validate", str(recipe), *sets)
+    assert_one_paragraph(code, err, "[backbone]", f"SD3.5-Medium weights folder {tmp_path}", "model_index.json")
+    code, err = run_cli(capsys, "train", str(recipe), *sets)
+    assert_one_paragraph(code, err, "model_index.json")
