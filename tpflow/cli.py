@@ -361,7 +361,10 @@ def inspect_trajectory(
 
         if not prompt:
             raise UserError('RECIPE needs --prompt TEXT, e.g. --prompt "a photo of a red circle".')
+        from tpflow.preflight import check_machine
+
         loaded = load_recipe(recipe, set_ or [])
+        check_machine(loaded)  # devices, weight files, prompts: before anything loads
 
         def warn(text: str) -> None:
             _console(stderr=True).print(f"[yellow]warning:[/] {escape(text)}", soft_wrap=True, highlight=False)
