@@ -91,7 +91,10 @@ CASES = {
         ["dataset.name=text-file", "dataset.path={not_utf8}"],
         ["{not_utf8}", "not UTF-8", "line 2"],
     ),
-    "prompts missing": (["dataset.name=jsonl", "dataset.path={regular_file}.nope"], ["does not exist"]),
+    "prompts missing": (
+        ["dataset.name=jsonl", "dataset.path={regular_file}.nope"],
+        ["{regular_file}.nope", "not found"],
+    ),
     "prompts empty": (["dataset.name=jsonl", "dataset.path={empty}"], ["{empty}", "no prompts"]),
     "prompts broken json": (["dataset.name=jsonl", "dataset.path={broken}"], ["{broken}:2", "not valid JSON"]),
     "prompt not a string": (
@@ -157,7 +160,7 @@ def test_no_machine_checks_the_values_only(tmp_path, capsys, no_weights):
     code, err = run_cli(capsys, "validate", str(SHAPES), *sets, "--no-machine")
     assert code == 0, err
     code, err = run_cli(capsys, "validate", str(SHAPES), *sets)
-    assert_one_paragraph(code, err, "/elsewhere/prompts.txt", "does not exist")
+    assert_one_paragraph(code, err, "/elsewhere/prompts.txt", "was not found")
 
 
 def test_shipped_shapes_recipe_passes_the_machine_checks(capsys, no_weights):
@@ -196,3 +199,14 @@ def test_diffusers_weights_folder_is_checked_without_loading(tmp_path, capsys, n
     assert_one_paragraph(code, err, "[backbone]", f"SD3.5-Medium weights folder {tmp_path}", "model_index.json")
     code, err = run_cli(capsys, "train", str(recipe), *sets)
     assert_one_paragraph(code, err, "model_index.json")
+
+
+def test_random_bytes_as_weights_fail_at_load_too(tmp_path):
+    """Built directly (no preflight), the backbone still names the file and says what it expected."""
+    from tpflow import build
+    from tpflow.errors import UserError
+
+    weights = _files(tmp_path)["random_weights"]
+    with pytest.raises(UserError, match="could not be loaded") as err:
+        build("backbone", "shapes-dit", weights=str(weights))
+    assert str(weights) in str(err.value) and "safetensors file" in str(err.value)

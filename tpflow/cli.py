@@ -332,7 +332,10 @@ def inspect_trajectory(
     ] = None,
     n: Annotated[int, typer.Option("--n", help="Trajectories to sample (with --run: to plot).")] = 8,
     seed: Annotated[
-        int | None, typer.Option(help="Seed of window, noise and SDE noise (default: train.seed).", show_default=False)
+        int | None,
+        typer.Option(
+            min=0, max=2**63 - 1, help="Seed of window, noise and SDE noise (default: train.seed).", show_default=False
+        ),
     ] = None,
     credit_: Annotated[
         list[str] | None,

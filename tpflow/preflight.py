@@ -99,7 +99,7 @@ def regular_file_problem(path: Path, what: str) -> str | None:
     try:
         mode = Path(path).stat().st_mode
     except FileNotFoundError:
-        return f"{what} {path} does not exist."
+        return f"{what} {path} was not found."
     except OSError as exc:
         return f"{what} {path} cannot be read ({exc.strerror or exc})."
     if not stat.S_ISREG(mode):

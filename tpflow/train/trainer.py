@@ -378,6 +378,8 @@ class Trainer:
                 self.ema.load_state_dict(ckpt.ema_state)
             restore_rng_state(ckpt.rng_state)
             self.epoch = int(ckpt.train_state["epoch"])
+        except UserError as exc:  # the component's own message (a changed LoRA rank, ...)
+            raise CheckpointError(f"Cannot resume from checkpoint {path}: {exc}") from None
         except Exception as exc:  # a forged or foreign checkpoint: wrong adapter shapes, a bad state
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise CheckpointError(
