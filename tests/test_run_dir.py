@@ -98,11 +98,23 @@ def test_resume_refuses_a_checkpoint_linked_from_another_run(tmp_path, tiny_weig
     recipe = load_recipe(tiny_recipe(mine, tiny_weights), ["eval.every=0"])
     (mine / "run" / "checkpoints").mkdir(parents=True)
     (mine / "run" / "checkpoints" / "00000099").symlink_to(other)  # newer than anything of its own
-    with pytest.raises(CheckpointError, match="outside the run dir") as err:
+    with pytest.raises(CheckpointError, match="outside the run's checkpoints") as err:
         Trainer(recipe, resume=True)
     assert str(other.resolve()) in str(err.value)
     named = Trainer(recipe, resume=other)  # naming another run's checkpoint is a deliberate warm start: allowed
     assert named.epoch == 0
+    named.run_lock.release()
+
+
+def test_resume_through_a_linked_checkpoints_folder(tmp_path, tiny_weights, plugin):
+    """A checkpoints/ folder that is a link (to a scratch disk) holds the run's own checkpoints: save() writes it."""
+    scratch, _ = _trained_run(tmp_path, tiny_weights, "scratch")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    recipe = load_recipe(tiny_recipe(mine, tiny_weights), ["eval.every=0"])
+    (mine / "run").mkdir()
+    (mine / "run" / "checkpoints").symlink_to(scratch.parent, target_is_directory=True)
+    assert Trainer(recipe, resume=True).epoch == 0
 
 
 def _forge(checkpoint: Path, name: str, data: bytes) -> None:

@@ -364,11 +364,12 @@ class Trainer:
             self.console.print(f"[yellow]warning:[/] {warning}")
         if path is None:
             raise UserError(f"No valid checkpoint to resume from in {where}.")
-        if resume is True and not path.resolve().is_relative_to(self.run_dir.resolve()):
+        own = (self.run_dir / "checkpoints").resolve()  # where save() writes, through a linked folder too
+        if resume is True and not (path.resolve().is_relative_to(own) or path.resolve() == self.run_dir.resolve()):
             raise CheckpointError(
-                f"The newest checkpoint of {self.run_dir}, {path}, links to {path.resolve()}, outside the run dir: "
-                "--resume continues a run only from its own checkpoints. To start from another run's checkpoint, "
-                f"name it: --resume {path.resolve()}."
+                f"The newest checkpoint of {self.run_dir}, {path}, links to {path.resolve()}, outside the run's "
+                "checkpoints: --resume continues a run only from its own checkpoints. To start from another run's "
+                f"checkpoint, name it: --resume {path.resolve()}."
             )
         ckpt = load_checkpoint(path)
         try:
