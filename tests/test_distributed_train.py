@@ -133,11 +133,12 @@ def test_a_process_count_that_cannot_share_the_epoch_is_refused(two_process_run)
     assert "Traceback" not in out.stderr
 
 
-def test_an_error_in_the_processes_exits_2_with_its_message(two_process_run, tmp_path):
+def test_an_error_in_the_processes_exits_2_with_its_message(two_process_run, tmp_path, tiny_weights):
     root, _ = two_process_run
-    # A safetensors file that is not a shapes-dit: it passes the header check before the launch and fails to load in
-    # the processes (a missing file is refused before any process starts).
+    # A shapes-dit config beside tensors that are not the model's: the file passes the checks before the launch and
+    # fails to load in the processes (a missing file is refused before any process starts).
     safetensors.torch.save_file({"x": torch.zeros(1)}, tmp_path / "other.safetensors")
+    shutil.copy(tiny_weights.with_suffix(".json"), tmp_path / "other.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
     for weights, expected in (("other", "a training process exited with status 2"), ("missing", "are missing")):
         command = [sys.executable, "-m", "tpflow.cli", "train", str(root / "tiny.toml"), "--num-processes", "2"]

@@ -210,3 +210,12 @@ def test_random_bytes_as_weights_fail_at_load_too(tmp_path):
     with pytest.raises(UserError, match="could not be loaded") as err:
         build("backbone", "shapes-dit", weights=str(weights))
     assert str(weights) in str(err.value) and "safetensors file" in str(err.value)
+
+
+def test_shapes_weights_without_their_config_are_refused_before_loading(tmp_path, capsys, no_weights):
+    import safetensors.torch
+
+    weights = tmp_path / "other.safetensors"
+    safetensors.torch.save_file({"x": torch.zeros(1)}, weights)  # a safetensors file, but no shapes-dit config
+    code, err = run_cli(capsys, "validate", str(SHAPES), "--set", f"backbone.weights={weights}")
+    assert_one_paragraph(code, err, str(weights), "no readable model config", "other.json")

@@ -89,14 +89,24 @@ class ShapesBackbone:
 
     @staticmethod
     def check_machine(options: ShapesDitOptions, settings: dict) -> list[str]:
-        """The weights file exists and is a safetensors file (its header is read, not the weights)."""
+        """The weights file exists, is a safetensors file and has its model config (the .json beside it or the
+        file's metadata); the header is read, not the weights."""
         from tpflow.preflight import safetensors_problem
+        from tpflow.shapes.model import read_config
 
         try:
             path = resolve_weights(options.weights)
         except UserError as exc:
             return [f"[backbone] {exc}"]
         problem = safetensors_problem(path, "[backbone] The shapes-dit weights")
+        if problem is None:
+            try:
+                read_config(path)
+            except Exception as exc:  # no config in the metadata, or a .json beside it that does not parse
+                problem = (
+                    f"[backbone] The shapes-dit weights {path} have no readable model config ({type(exc).__name__}: "
+                    f"{exc}): expected {path.with_suffix('.json')} or a 'config' in the file's metadata."
+                )
         return [f"{problem} Use a file written by `tpflow shapes pretrain`."] if problem else []
 
     def __init__(self, options: ShapesDitOptions | None = None) -> None:
