@@ -37,7 +37,10 @@ def check_machine(recipe: Recipe, run_dir: Path | None = None, where: str | None
     for spec in recipe.components.values():
         hook = getattr(registry.get(spec.kind, spec.name).factory, "check_machine", None)
         if callable(hook):
-            problems += list(hook(spec.options, recipe.settings))
+            try:
+                problems += list(hook(spec.options, recipe.settings))
+            except UserError as exc:  # a hook may raise its one problem instead of returning it
+                problems.append(f"[{spec.kind}] {exc}")
     problems += dataset_problems(recipe)
     if run_dir is not None:
         problems += run_dir_problems(Path(run_dir))
