@@ -50,7 +50,8 @@ def test_components_unknown_kind_exits_2():
 
 def test_validate_ok(plugin, tmp_path):
     (tmp_path / "r.toml").write_text(BASE)
-    out = tpflow("validate", str(tmp_path / "r.toml"), "--set", "optimizer.learning_rate=2e-4")
+    (tmp_path / "prompts.txt").write_text("a photo of a cat\n")  # the machine checks read the prompts
+    out = tpflow("validate", str(tmp_path / "r.toml"), "--set", "optimizer.learning_rate=2e-4", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "valid" in out.stdout and "learning_rate = 0.0002" in out.stdout
 
@@ -100,7 +101,13 @@ def test_validate_checks_component_limits_across_sections(plugin, tmp_path):
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "noise_level = 1.5" in lines[0] and "cps" in lines[0] and "[0, 1]" in lines[0]
     ok = tpflow(
-        "validate", str(tmp_path / "r.toml"), "--set", "sampler.name=flow-sde", "--set", "rollout.noise_level=1.5"
+        "validate",
+        str(tmp_path / "r.toml"),
+        "--set",
+        "sampler.name=flow-sde",
+        "--set",
+        "rollout.noise_level=1.5",
+        "--no-machine",
     )
     assert ok.returncode == 0, ok.stderr
 
@@ -114,6 +121,8 @@ def test_every_train_option_reaches_the_launched_processes(plugin, tmp_path, mon
     from tpflow.cli import app, main
 
     (tmp_path / "r.toml").write_text(BASE)
+    (tmp_path / "prompts.txt").write_text("a photo of a cat\n")  # checked before the processes start
+    monkeypatch.chdir(tmp_path)  # the prompts and the run dir RUN are relative
     captured: list[list[str]] = []
     monkeypatch.setattr(tpflow.launch, "launch", lambda args: captured.append(args) or 0)
     command = typer.main.get_command(app).commands["train"]

@@ -133,16 +133,21 @@ def test_a_process_count_that_cannot_share_the_epoch_is_refused(two_process_run)
     assert "Traceback" not in out.stderr
 
 
-def test_an_error_in_the_processes_exits_2_with_its_message(two_process_run, tmp_path):
+def test_an_error_in_the_processes_exits_2_with_its_message(two_process_run, tmp_path, tiny_weights):
     root, _ = two_process_run
-    command = [sys.executable, "-m", "tpflow.cli", "train", str(root / "tiny.toml"), "--num-processes", "2"]
-    command += ["--run-dir", str(tmp_path / "run"), "--set", f"backbone.weights={tmp_path / 'missing.safetensors'}"]
-    command += [a for o in SMALL_BATCHES for a in ("--set", o)]
+    # A shapes-dit config beside tensors that are not the model's: the file passes the checks before the launch and
+    # fails to load in the processes (a missing file is refused before any process starts).
+    safetensors.torch.save_file({"x": torch.zeros(1)}, tmp_path / "other.safetensors")
+    shutil.copy(tiny_weights.with_suffix(".json"), tmp_path / "other.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
-    out = subprocess.run(command, capture_output=True, text=True, env=env)
-    assert out.returncode == 2
-    assert "missing.safetensors" in out.stderr and "a training process exited with status 2" in out.stderr
-    assert "Traceback" not in out.stderr
+    for weights, expected in (("other", "a training process exited with status 2"), ("missing", "are missing")):
+        command = [sys.executable, "-m", "tpflow.cli", "train", str(root / "tiny.toml"), "--num-processes", "2"]
+        command += ["--run-dir", str(tmp_path / "run"), "--set", f"backbone.weights={tmp_path / weights}.safetensors"]
+        command += [a for o in SMALL_BATCHES for a in ("--set", o)]
+        out = subprocess.run(command, capture_output=True, text=True, env=env)
+        assert out.returncode == 2, out.stderr
+        assert f"{weights}.safetensors" in out.stderr and expected in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
 
 
 def test_two_machines_of_one_process_each_train_the_same_model(two_process_run, tmp_path):

@@ -183,11 +183,22 @@ def validate(
     recipe: Annotated[Path, typer.Argument(help="Recipe TOML file.")],
     set_: Overrides = None,
     offline: Annotated[bool, typer.Option(help="Skip contacting services (the remote reward's server).")] = False,
+    machine: Annotated[
+        bool,
+        typer.Option(
+            help="Also check this machine: devices, the files the recipe names, its prompts, the run dir "
+            "(--no-machine: the values only, for a recipe meant for another machine)."
+        ),
+    ] = True,
 ) -> None:
     """Check every section of a recipe against its component, without loading any weights."""
+    from tpflow.preflight import check_machine, default_run_dir
     from tpflow.recipe import load_recipe
 
     loaded = load_recipe(recipe, set_ or [])
+    _warn_broken_plugins()
+    if machine:
+        check_machine(loaded, default_run_dir(loaded))
     if not offline:
         loaded.preflight()  # the remote reward's server: up, and serving the recipe's reward
     table = Table(title=f"{recipe}: valid", show_lines=True)
@@ -254,6 +265,15 @@ def credit(
     _console().print(table)
 
 
+def _warn_broken_plugins() -> None:
+    """One warning line per installed plugin that failed to import (it stays unregistered; the rest works)."""
+    for kind in registry.KINDS:
+        for line in registry.plugin_errors(kind):
+            _console(stderr=True).print(
+                f"[yellow]warning: plugin failed to load[/] {escape(line)}", soft_wrap=True, highlight=False
+            )
+
+
 def _num(x: float) -> str:
     return f"{x:g}"
 
@@ -290,12 +310,19 @@ def train(
 
     overrides = [*(set_ or []), *([f"train.epochs={epochs}"] if epochs is not None else [])]
     loaded = load_recipe(recipe, overrides)
+    _warn_broken_plugins()
     loaded.preflight()  # e.g. the remote reward's server is up: fail now, not after the model has loaded
     world = num_processes * num_machines
+
+    def before_launch() -> None:  # once here, not once per process
+        from tpflow.preflight import check_machine, default_run_dir
+
+        check_machine(loaded, run_dir or default_run_dir(loaded))
+        check_layout(loaded.train, world)
+
     _launch_if_asked(
-        ctx, num_processes, num_machines, machine_rank, main_process_ip, main_process_port,
-        check=lambda: check_layout(loaded.train, world),  # a clear error here, not one per process
-    )  # fmt: skip
+        ctx, num_processes, num_machines, machine_rank, main_process_ip, main_process_port, check=before_launch
+    )
     from tpflow.train.trainer import Trainer
 
     resume_from: bool | Path = False if resume is None else (True if resume == _LATEST else Path(resume))
@@ -340,7 +367,10 @@ def inspect_trajectory(
     ] = None,
     n: Annotated[int, typer.Option("--n", help="Trajectories to sample (with --run: to plot).")] = 8,
     seed: Annotated[
-        int | None, typer.Option(help="Seed of window, noise and SDE noise (default: train.seed).", show_default=False)
+        int | None,
+        typer.Option(
+            min=0, max=2**63 - 1, help="Seed of window, noise and SDE noise (default: train.seed).", show_default=False
+        ),
     ] = None,
     credit_: Annotated[
         list[str] | None,
@@ -369,7 +399,10 @@ def inspect_trajectory(
 
         if not prompt:
             raise UserError('RECIPE needs --prompt TEXT, e.g. --prompt "a photo of a red circle".')
+        from tpflow.preflight import check_machine
+
         loaded = load_recipe(recipe, set_ or [])
+        check_machine(loaded)  # devices, weight files, prompts: before anything loads
 
         def warn(text: str) -> None:
             _console(stderr=True).print(f"[yellow]warning:[/] {escape(text)}", soft_wrap=True, highlight=False)
@@ -561,9 +594,12 @@ def eval_(
     overrides = _target_overrides(set_, resolution)
     resolved = resolve_target(target, recipe, checkpoint, overrides)
     other = resolve_target(baseline, None, None, overrides) if baseline is not None else None
+    from tpflow.preflight import check_machine
+
     for which in (resolved, other):
-        if which is not None:
-            which.recipe.preflight()  # the remote reward's server: up, before any weights load
+        if which is not None:  # before any weights load: devices, model files, the reward's server
+            check_machine(which.recipe, where=str(which.path))
+            which.recipe.preflight()
     options = EvalOptions(
         prompts=prompts, num_prompts=num_prompts, steps=steps, guidance=guidance,
         images_per_prompt=images_per_prompt, seed=seed, batch_size=batch_size, ema=ema,
@@ -615,6 +651,9 @@ def sample(
     if out.suffix.lower() != ".png":
         raise UserError(f"--out {out} should name a .png file.")
     resolved = resolve_target(target, recipe, checkpoint, _target_overrides(set_, resolution))
+    from tpflow.preflight import check_machine
+
+    check_machine(resolved.recipe, where=str(resolved.path))  # devices and model files, before weights load
     accelerator = _eval_accelerator(resolved.recipe)
     scale = resolved.recipe.eval.guidance if guidance is None else guidance
     batch = resolved.recipe.eval.batch_size

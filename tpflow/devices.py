@@ -18,6 +18,7 @@ Two rules, written once here and followed by every module on the training, evalu
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -55,6 +56,30 @@ def resolve_device(device: str | None) -> torch.device:
         if resolved.index is None:
             resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
+
+
+def device_name_problem(device: str | None) -> str | None:
+    """Why torch does not know the device name ``device`` ("gpu0"), or None; whether this machine has it is
+    ``resolve_device``'s question."""
+    if device is None or device == "auto":
+        return None
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        return f"Unknown device {device!r} ({exc}). Use 'auto', 'cpu', 'cuda' or 'cuda:<index>'."
+    return None
+
+
+def torch_device_fields(options: Any) -> list[tuple[str, Any]]:
+    """The options that name a torch device: fields called ``device``, unless marked ``torch_device: False`` in their
+    ``json_schema_extra`` (the ocr reward's paddle device ``gpu:0``)."""
+    fields = getattr(type(options), "model_fields", {})
+    out = []
+    for name, info in fields.items():
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        if name == "device" and extra.get("torch_device", True):
+            out.append((name, getattr(options, name)))
+    return out
 
 
 def current_cuda_device() -> int | None:

@@ -187,6 +187,7 @@ def validate_recipe(data: dict[str, Any], where: str = "recipe", path: Path | No
         for spec in components.values()
         for problem in _limits(registry.get(spec.kind, spec.name).factory, spec.options, settings)
     ]
+    problems += _device_names(components)
     if problems:
         raise RecipeError(f"{where}: " + " ".join(problems))
     return Recipe(components=components, settings=settings, data=data, path=path)
@@ -197,6 +198,20 @@ def _limits(factory: Any, options: BaseModel, settings: dict[str, BaseModel]) ->
     one sentence per limit the recipe breaks (e.g. cps's noise level in [0, 1]); checked before anything loads."""
     check = getattr(factory, "check_recipe", None)
     return list(check(options, settings)) if callable(check) else []
+
+
+def _device_names(components: dict[str, ComponentSpec]) -> list[str]:
+    """A sentence per ``device`` option torch cannot parse ("gpu0"); whether this machine has the device is checked
+    by ``tpflow.preflight.check_machine``."""
+    from tpflow.devices import device_name_problem, torch_device_fields
+
+    problems = []
+    for kind, spec in components.items():
+        for name, value in torch_device_fields(spec.options):
+            problem = device_name_problem(value) if isinstance(value, str) else None
+            if problem:
+                problems.append(f"[{kind}] {name}: {problem}")
+    return problems
 
 
 def _component(data: dict[str, Any], kind: str, where: str) -> ComponentSpec:

@@ -168,8 +168,13 @@ def _load_plugins(kind: str) -> None:
             except DuplicateComponentError:
                 _plugins_loaded.discard(kind)  # keep failing on every lookup until the clash is resolved
                 raise
-            except Exception as exc:  # a broken plugin must not take the built-ins down with it
-                _plugin_errors[kind].append(f"{ep.name} = {ep.value!r} ({source}): {type(exc).__name__}: {exc}")
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # a broken plugin (even one calling sys.exit) must not take tpflow down
+                reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                if isinstance(exc, SystemExit):
+                    reason = f"called sys.exit({exc.code!r}) on import"
+                _plugin_errors[kind].append(f"{ep.name} = {ep.value!r} ({source}): {reason}")
             finally:
                 _current_source = previous
 

@@ -11,14 +11,25 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# Upper bounds of the counts: far above any real run (the paper's epoch is 48 prompts x 24 images; K = 10 steps), low
+# enough that a typo (an extra three zeros) fails at validation instead of hanging the epoch planner or the sampler.
+MAX_STEPS = 1000  # sampling steps K (and eval steps): a flow model's whole schedule is 1000 timesteps
+MAX_COUNT = 1_000_000  # epochs, prompts, batch sizes
+MAX_TRAJECTORIES_PER_EPOCH = 1_000_000  # prompts_per_epoch x group_size: days of sampling even on 64 GPUs
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes up to 2**64 - 1; tpflow adds offsets (eval: seed + 12345)
+
 
 class RolloutSettings(BaseModel):
     """How trajectories are sampled during training (ALGORITHM.md §2-§3, DESIGN.md §5)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    num_steps: int = Field(10, ge=1, description="K, sampling steps per rollout (paper: 10 for SD3.5-M, 6 for FLUX).")
-    window_size: int = Field(9, ge=1, description="W, SDE window steps, all of them trained (paper: 9 for SD3.5-M).")
+    num_steps: int = Field(
+        10, ge=1, le=MAX_STEPS, description="K, sampling steps per rollout (paper: 10 for SD3.5-M, 6 for FLUX)."
+    )
+    window_size: int = Field(
+        9, ge=1, le=MAX_STEPS, description="W, SDE window steps, all of them trained (paper: 9 for SD3.5-M)."
+    )
     window_range: tuple[int, int] = Field(
         (0, 9),
         description="(lo, hi): the window start s is drawn uniformly from lo..hi-W per rollout batch "
@@ -38,7 +49,10 @@ class RolloutSettings(BaseModel):
     )
     same_noise: bool = Field(False, description="All G copies of a prompt start from the same z_0.")
     max_batch: int | None = Field(
-        None, ge=1, description="Largest number of rows in one velocity call (None: no limit); lower it on OOM."
+        None,
+        ge=1,
+        le=MAX_COUNT,
+        description="Largest number of rows in one velocity call (None: no limit); lower it on OOM.",
     )
 
     @model_validator(mode="after")
@@ -61,15 +75,20 @@ class RolloutSettings(BaseModel):
 class TrainSettings(BaseModel):
     """The epoch structure, run directory and bookkeeping (ALGORITHM.md §6.1)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    seed: int = Field(42, description="Seed of prompts, noise and window draws.")
-    epochs: int = Field(100, ge=1, description="Number of epochs to run (each: sample, score, credit, update).")
-    prompts_per_epoch: int = Field(48, ge=1, description="Distinct prompts drawn per epoch (paper: 48 on 32 GPUs).")
-    group_size: int = Field(24, ge=1, description="G, images per prompt (paper: 24).")
+    seed: int = Field(42, ge=0, le=MAX_SEED, description="Seed of prompts, noise and window draws (0 .. 2**63 - 1).")
+    epochs: int = Field(
+        100, ge=1, le=MAX_COUNT, description="Number of epochs to run (each: sample, score, credit, update)."
+    )
+    prompts_per_epoch: int = Field(
+        48, ge=1, le=MAX_COUNT, description="Distinct prompts drawn per epoch (paper: 48 on 32 GPUs)."
+    )
+    group_size: int = Field(24, ge=1, le=MAX_COUNT, description="G, images per prompt (paper: 24).")
     prompts_per_round: int | None = Field(
         None,
         ge=1,
+        le=MAX_COUNT,
         description="Prompts drawn per sampling round; their G copies are shuffled and cut into the round's rollout "
         "batches, which are dealt to the processes (the reference's DistributedKRepeatSampler: 12 = 32 GPUs x 9 / "
         "24). None: one round per epoch. Must divide prompts_per_epoch (docs/distributed.md).",
@@ -77,20 +96,24 @@ class TrainSettings(BaseModel):
     rollout_batch: int = Field(
         9,
         ge=1,
+        le=MAX_COUNT,
         description="Trajectories per rollout batch; turning-point balancing works within one (paper: 9 for SD3).",
     )
     score_batch: int = Field(
         16,
         ge=1,
+        le=MAX_COUNT,
         description="Images decoded and scored per VAE / reward call: a rollout batch's n·(W+1) final and completion "
         "latents are split into chunks of this. The VAE decode at 512 px takes about 0.75 GiB per image in fp32 "
         "(docs/results/memory_estimate.md); lower it on OOM, raise it for speed.",
     )
     run_dir: str = Field("runs/{recipe}", description="Output directory; {recipe} is the recipe file's stem.")
-    save_every: int = Field(20, ge=0, description="Write a checkpoint every this many epochs (0: only at the end).")
+    save_every: int = Field(
+        20, ge=0, le=MAX_COUNT, description="Write a checkpoint every this many epochs (0: only at the end)."
+    )
     ema: bool = Field(True, description="Keep an EMA of the adapter for evaluation and export (paper: on).")
     ema_decay: float = Field(0.9, gt=0.0, lt=1.0, description="EMA decay cap (paper: 0.9).")
-    ema_every: int = Field(8, ge=1, description="EMA update interval in optimizer steps (paper: 8).")
+    ema_every: int = Field(8, ge=1, le=MAX_COUNT, description="EMA update interval in optimizer steps (paper: 8).")
     mixed_precision: Literal["no", "fp16", "bf16"] = Field(
         "no", description="Accelerate mixed precision (paper: fp16 for SD3.5-M, bf16 for FLUX)."
     )
@@ -108,8 +131,27 @@ class TrainSettings(BaseModel):
         "the run stops (training, evaluation, tpflow eval, inspect-trajectory alike).",
     )
 
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir_template(cls, value: str) -> str:
+        try:
+            value.format(recipe="recipe")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"not a valid template ({type(exc).__name__}: {exc}): its only field is {{recipe}}, the recipe file's "
+                "stem; write other braces as {{ and }}"
+            ) from None
+        return value
+
     @model_validator(mode="after")
     def _rounds_fit(self) -> TrainSettings:
+        trajectories = self.prompts_per_epoch * self.group_size
+        if trajectories > MAX_TRAJECTORIES_PER_EPOCH:
+            raise ValueError(
+                f"prompts_per_epoch x group_size = {self.prompts_per_epoch} x {self.group_size} = {trajectories:,} "
+                f"trajectories per epoch is more than {MAX_TRAJECTORIES_PER_EPOCH:,} (the paper samples 48 x 24 = "
+                "1,152); lower prompts_per_epoch or group_size."
+            )
         m = self.prompts_per_round
         if m is not None and self.prompts_per_epoch % m:
             raise ValueError(
@@ -128,13 +170,21 @@ class TrainSettings(BaseModel):
 class EvalSettings(BaseModel):
     """Periodic evaluation by ODE sampling on held-out prompts (ALGORITHM.md §6.3)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    every: int = Field(20, ge=0, description="Evaluate every this many epochs, epoch 0 included (0: never).")
-    num_steps: int = Field(40, ge=1, description="ODE steps at evaluation (paper: 40 for SD3.5-M, 28 for FLUX).")
+    every: int = Field(
+        20, ge=0, le=MAX_COUNT, description="Evaluate every this many epochs, epoch 0 included (0: never)."
+    )
+    num_steps: int = Field(
+        40, ge=1, le=MAX_STEPS, description="ODE steps at evaluation (paper: 40 for SD3.5-M, 28 for FLUX)."
+    )
     guidance: float = Field(4.5, ge=0.0, description="Guidance at evaluation (paper: as in training).")
-    num_prompts: int | None = Field(None, ge=1, description="Test prompts to use (None: the whole test split).")
-    batch_size: int = Field(16, ge=1, description="Images per evaluation batch (paper: 16, 14 for GenEval).")
+    num_prompts: int | None = Field(
+        None, ge=1, le=MAX_COUNT, description="Test prompts to use (None: the whole test split)."
+    )
+    batch_size: int = Field(
+        16, ge=1, le=MAX_COUNT, description="Images per evaluation batch (paper: 16, 14 for GenEval)."
+    )
     nonfinite_rewards: Literal["stop", "warn"] = Field(
         "stop",
         description="Non-finite (NaN, inf) evaluation scores: 'stop' retries the call (train.reward_retries) then "

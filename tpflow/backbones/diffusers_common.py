@@ -53,44 +53,66 @@ class DiffusersBackboneOptions(BaseModel):
     )
 
 
+def _how(pretrained: str) -> str:
+    return (
+        f"Download them with `huggingface-cli download {pretrained}` (accept the model's licence on the Hub and log "
+        "in with `huggingface-cli login` first), or set pretrained = '/path/to/folder' in [backbone] to a folder "
+        "holding the diffusers layout (model_index.json, transformer/, vae/, text_encoder*/, tokenizer*/, scheduler/)."
+    )
+
+
+def pretrained_problem(pretrained: str, model_name: str) -> str | None:
+    """Why ``pretrained`` cannot be loaded here, found without loading anything (None when it looks loadable).
+
+    A local folder needs model_index.json and each component's subfolder; a hub id must be in the Hugging Face cache
+    when HF_HUB_OFFLINE=1 (set by `make`) forbids downloading.
+    """
+    how = _how(pretrained)
+    local = Path(pretrained).expanduser()
+    if local.exists() or pretrained.startswith((".", "/", "~")):
+        index = local / "model_index.json"
+        if not index.is_file():
+            return f"The {model_name} weights folder {local} has no model_index.json. {how}"
+        try:
+            components = [k for k, v in json.loads(index.read_text()).items() if isinstance(v, list) and v[0]]
+        except (ValueError, UnicodeDecodeError, AttributeError) as exc:
+            return f"The {model_name} weights folder's {index} is not a diffusers model index ({exc}). {how}"
+        missing = [c for c in components if not (local / c).is_dir()]
+        if missing:
+            return f"The {model_name} weights folder {local} lacks {', '.join(missing)}. {how}"
+        return None
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    if offline:
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(pretrained, "model_index.json"), str):
+            return (
+                f"The {model_name} weights '{pretrained}' are not in the Hugging Face cache "
+                f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}) and HF_HUB_OFFLINE=1 forbids downloading. "
+                + how
+            )
+    return None
+
+
 def load_pipeline(pipeline_cls: Any, pretrained: str, dtype: torch.dtype, model_name: str, **kwargs: Any) -> Any:
     """``pipeline_cls.from_pretrained`` with a UserError that says which weights are missing and how to get them.
 
     A local folder is checked before anything loads (model_index.json and each component's subfolder). A hub id is
     looked up in the Hugging Face cache first; with HF_HUB_OFFLINE=1 (set by `make`) nothing is downloaded.
     """
-    how = (
-        f"Download them with `huggingface-cli download {pretrained}` (accept the model's licence on the Hub and log "
-        "in with `huggingface-cli login` first), or set pretrained = '/path/to/folder' in [backbone] to a folder "
-        "holding the diffusers layout (model_index.json, transformer/, vae/, text_encoder*/, tokenizer*/, scheduler/)."
-    )
+    problem = pretrained_problem(pretrained, model_name)
+    if problem:
+        raise UserError(problem)
     local = Path(pretrained).expanduser()
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    if local.exists() or pretrained.startswith((".", "/", "~")):
-        index = local / "model_index.json"
-        if not index.is_file():
-            raise UserError(f"The {model_name} weights folder {local} has no model_index.json. {how}")
-        components = [k for k, v in json.loads(index.read_text()).items() if isinstance(v, list) and v[0]]
-        missing = [c for c in components if not (local / c).is_dir()]
-        if missing:
-            raise UserError(f"The {model_name} weights folder {local} lacks {', '.join(missing)}. {how}")
-        source = str(local)
-    else:
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(pretrained, "model_index.json")
-        if not isinstance(cached, str) and offline:
-            raise UserError(
-                f"The {model_name} weights '{pretrained}' are not in the Hugging Face cache "
-                f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}) and HF_HUB_OFFLINE=1 forbids downloading. "
-                + how
-            )
-        source = pretrained
+    source = str(local) if local.exists() or pretrained.startswith((".", "/", "~")) else pretrained
     try:
         return pipeline_cls.from_pretrained(source, torch_dtype=dtype, local_files_only=offline, **kwargs)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"Could not load the {model_name} weights from '{pretrained}': {first}. {how}") from None
+        raise UserError(
+            f"Could not load the {model_name} weights from '{pretrained}': {first}. {_how(pretrained)}"
+        ) from None
 
 
 def scheduler_sigmas(scheduler: Any, num_steps: int, image_seq_len: int, flux_style: bool) -> torch.Tensor:

@@ -27,6 +27,7 @@ from tpflow.backbones.diffusers_common import (
     DiffusersBackboneOptions,
     decode_latents,
     load_pipeline,
+    pretrained_problem,
     scheduler_sigmas,
     setup_pipeline,
 )
@@ -182,3 +183,13 @@ def flux_1_dev(options: FluxOptions) -> FluxBackbone:
 
     pipe = load_pipeline(FluxPipeline, options.pretrained, DTYPES[options.dtype], "FLUX.1-dev")
     return FluxBackbone(pipe, options)
+
+
+def _check_machine(options: DiffusersBackboneOptions, settings: dict) -> list[str]:
+    """The weights named by ``pretrained`` are a complete local folder, or cached when downloads are off; loads
+    nothing (``tpflow.preflight``)."""
+    problem = pretrained_problem(options.pretrained, "FLUX.1-dev")  # type: ignore[attr-defined]
+    return [f"[backbone] {problem}"] if problem else []
+
+
+flux_1_dev.check_machine = _check_machine  # type: ignore[attr-defined]

@@ -28,6 +28,7 @@ from tpflow.backbones.diffusers_common import (
     DiffusersBackboneOptions,
     decode_latents,
     load_pipeline,
+    pretrained_problem,
     scheduler_sigmas,
     setup_pipeline,
 )
@@ -170,3 +171,13 @@ def sd35_medium(options: SD3Options) -> SD3Backbone:
 
     pipe = load_pipeline(StableDiffusion3Pipeline, options.pretrained, DTYPES[options.dtype], "SD3.5-Medium")
     return SD3Backbone(pipe, options)
+
+
+def _check_machine(options: DiffusersBackboneOptions, settings: dict) -> list[str]:
+    """The weights named by ``pretrained`` are a complete local folder, or cached when downloads are off; loads
+    nothing (``tpflow.preflight``)."""
+    problem = pretrained_problem(options.pretrained, "SD3.5-Medium")  # type: ignore[attr-defined]
+    return [f"[backbone] {problem}"] if problem else []
+
+
+sd35_medium.check_machine = _check_machine  # type: ignore[attr-defined]

@@ -87,13 +87,42 @@ class ShapesBackbone:
     ``trainable_parameters`` are the LoRA matrices only.
     """
 
+    @staticmethod
+    def check_machine(options: ShapesDitOptions, settings: dict) -> list[str]:
+        """The weights file exists, is a safetensors file and has its model config (the .json beside it or the
+        file's metadata); the header is read, not the weights."""
+        from tpflow.preflight import safetensors_problem
+        from tpflow.shapes.model import read_config
+
+        try:
+            path = resolve_weights(options.weights)
+        except UserError as exc:
+            return [f"[backbone] {exc}"]
+        problem = safetensors_problem(path, "[backbone] The shapes-dit weights")
+        if problem is None:
+            try:
+                read_config(path)
+            except Exception as exc:  # no config in the metadata, or a .json beside it that does not parse
+                problem = (
+                    f"[backbone] The shapes-dit weights {path} have no readable model config ({type(exc).__name__}: "
+                    f"{exc}): expected {path.with_suffix('.json')} or a 'config' in the file's metadata."
+                )
+        return [f"{problem} Use a file written by `tpflow shapes pretrain`."] if problem else []
+
     def __init__(self, options: ShapesDitOptions | None = None) -> None:
         from peft import LoraConfig, inject_adapter_in_model
 
         self.options = options = options or ShapesDitOptions()
         self.device = resolve_device(options.device)
         self.weights_path = resolve_weights(options.weights)
-        model = load_checkpoint(self.weights_path, self.device)
+        try:
+            model = load_checkpoint(self.weights_path, self.device)
+        except Exception as exc:  # random bytes, another model's weights, a bad config beside the file
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(
+                f"The shapes-dit weights {self.weights_path} could not be loaded ({type(exc).__name__}: {reason}): "
+                "expected a safetensors file written by `tpflow shapes pretrain`, with its .json config beside it."
+            ) from None
         model.requires_grad_(False)
         self.lora_config = LoraConfig(
             r=options.lora_rank,

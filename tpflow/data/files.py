@@ -5,7 +5,8 @@
     path = "data/geneval_train.jsonl"       # {"prompt": "...", <metadata>...} per line
     test_path = "data/geneval_test.jsonl"
 
-Files are read when the component is built, not when the recipe is validated.
+Files are read when the component is built: by ``tpflow validate`` and at the start of ``tpflow train``
+(``tpflow.preflight``), before any weights load. A file must be a regular UTF-8 text file of at most 1 GiB.
 """
 
 from __future__ import annotations
@@ -29,14 +30,33 @@ class FileDatasetOptions(BaseModel):
     test_path: str | None = Field(None, description="Held-out prompts file for evaluation (default: `path`).")
 
 
+MAX_PROMPT_FILE_BYTES = 1 << 30  # 1 GiB: millions of prompts; a bigger "prompt file" is the wrong file
+
+
 def _lines(path: str) -> list[tuple[int, str]]:
+    """The non-blank lines of a UTF-8 prompt file, numbered from 1; UserError for anything else."""
+    from tpflow.preflight import regular_file_problem
+
     file = Path(path).expanduser()
-    if not file.is_file():
-        raise UserError(f"Prompt file not found: {file}. Set [dataset] path to an existing file.")
-    lines = [(n, line.strip()) for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1)]
+    problem = regular_file_problem(file, "The prompt file")
+    if problem:
+        raise UserError(f"{problem} Set [dataset] path (and test_path) to a text file of prompts.")
+    size = file.stat().st_size
+    if size > MAX_PROMPT_FILE_BYTES:
+        raise UserError(f"The prompt file {file} is {size / 2**30:.1f} GiB, more than a prompt file's 1 GiB limit.")
+    data = file.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")  # a byte-order mark is allowed
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise UserError(
+            f"The prompt file {file} is not UTF-8 text: line {line} has the byte {data[exc.start : exc.start + 1]!r} "
+            f"at offset {exc.start}. Save it as UTF-8."
+        ) from None
+    lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1)]
     lines = [(n, line) for n, line in lines if line]
     if not lines:
-        raise UserError(f"Prompt file {file} has no prompts.")
+        raise UserError(f"The prompt file {file} has no prompts (it is empty or blank).")
     return lines
 
 
@@ -76,9 +96,15 @@ def _read_jsonl(path: str) -> list[PromptItem]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}:{n} is not valid JSON: {exc}.") from None
+        except RecursionError:
+            raise UserError(
+                f"{path}:{n} nests JSON arrays or objects too deeply to read; a prompt line is flat."
+            ) from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise UserError(f'{path}:{n} must be an object with a "prompt" string, got {line[:80]!r}.')
         prompt = record.pop("prompt")
+        if not prompt.strip():
+            raise UserError(f'{path}:{n} has an empty "prompt".')
         items.append(PromptItem(prompt, record))
     return items
 

@@ -215,10 +215,13 @@ class GenevalDatasetOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     seed: int = Field(0, description="Seed of the generated prompts (both splits).")
-    train_size: int = Field(12000, ge=1, description="Generated train items, balanced over the six GenEval tags.")
+    train_size: int = Field(
+        12000, ge=1, le=1_000_000, description="Generated train items, balanced over the six GenEval tags."
+    )
     test_size: int = Field(
         600,
         ge=1,
+        le=1_000_000,
         description="Generated test items, balanced over the tags; a tag gives at most half of its distinct prompts "
         "(single_object: 40), so the split may be smaller.",
     )

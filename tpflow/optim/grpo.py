@@ -220,6 +220,18 @@ class GRPO:
         self._accelerator = None
         self._dist = Distributed()
 
+    @staticmethod
+    def check_recipe(options: GRPOOptions, settings: dict) -> list[str]:
+        """The recipe's limits for GRPO, checked by ``tpflow validate`` before anything loads: a group of one image
+        per prompt has advantage (r - mean) / std = 0 at every step, so nothing would ever train."""
+        group_size = settings["train"].group_size
+        if group_size >= 2:
+            return []
+        return [
+            f"[train] group_size = {group_size}: GRPO normalises each reward within its prompt's group of G "
+            "images, so with G = 1 every advantage is 0 and nothing trains. Use group_size >= 2 (the paper: 24)."
+        ]
+
     def bind(self, backbone: Backbone, accelerator=None) -> None:
         """Create AdamW over the backbone's trainable parameters (through ``accelerator.prepare`` when given)."""
         o = self.options

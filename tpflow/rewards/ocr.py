@@ -80,7 +80,11 @@ class OcrOptions(BaseModel):
     rec_model_dir: str | None = Field(
         None, description="paddleocr: local text-recognition model directory (default: PaddleOCR downloads it)."
     )
-    device: str | None = Field(None, description="paddleocr: device, e.g. 'cpu' or 'gpu:0' (default: its own).")
+    device: str | None = Field(
+        None,
+        description="paddleocr: device, e.g. 'cpu' or 'gpu:0' (default: its own).",
+        json_schema_extra={"torch_device": False},  # paddle's names: not checked as a torch device
+    )
 
 
 def target_text(prompt: str) -> str:

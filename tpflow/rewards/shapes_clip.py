@@ -78,6 +78,18 @@ class ShapesClipReward:
     [N] float32 on the CPU; ``details["cosine"]`` [N].
     """
 
+    @staticmethod
+    def check_machine(options: ShapesClipOptions, settings: dict) -> list[str]:
+        """The weights file exists and is a safetensors file (its header is read, not the weights)."""
+        from tpflow.preflight import safetensors_problem
+
+        try:
+            path = resolve_weights(options.weights)
+        except UserError as exc:
+            return [f"[reward] {exc}"]
+        problem = safetensors_problem(path, "[reward] The shapes-clip weights")
+        return [f"{problem} Use a file written by `tpflow shapes clip-pretrain`."] if problem else []
+
     def __init__(self, options: ShapesClipOptions | None = None):
         from tpflow.shapes.clip import load_clip
 

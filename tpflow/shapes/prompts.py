@@ -174,7 +174,9 @@ class ShapesDatasetOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     seed: int = Field(0, description="Seed of the order of the train items and of the draw of the test items.")
-    test_size: int = Field(400, ge=1, description="Number of test items, drawn balanced over the six GenEval tags.")
+    test_size: int = Field(
+        400, ge=1, le=1_000_000, description="Number of test items, drawn balanced over the six GenEval tags."
+    )
 
 
 @register("dataset", "shapes", options=ShapesDatasetOptions)

@@ -187,7 +187,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         ema = path / "ema.safetensors"
-        return Checkpoint(
+        ckpt = Checkpoint(
             path=path,
             step=int(manifest["step"]),
             adapter_dir=path / "adapter",
@@ -199,6 +199,20 @@ def load_checkpoint(path: Path) -> Checkpoint:
         )
     except Exception as err:  # a file that passed its checksum but does not parse: written by something else
         raise CheckpointError(f"Cannot load checkpoint {path}: {type(err).__name__}: {err}") from err
+    state = ckpt.train_state
+    bad = [
+        f"{key} = {state[key]!r}"
+        for key in ("epoch", "global_step")
+        if isinstance(state, dict) and key in state
+        and (not isinstance(state[key], int) or isinstance(state[key], bool) or state[key] < 0)
+    ]  # fmt: skip
+    if not isinstance(state, dict) or bad:
+        what = ", ".join(bad) if bad else f"a {type(state).__name__}, not an object"
+        raise CheckpointError(
+            f"Cannot load checkpoint {path}: its state.json holds {what}; epoch and global_step must be whole numbers "
+            ">= 0. The checkpoint was not written by tpflow (or was edited); resume from another one."
+        )
+    return ckpt
 
 
 def _plain(obj: Any) -> Any:

@@ -99,18 +99,32 @@ def read_jsonl(path: Path) -> list[dict]:
     """Every record of a JSONL file, skipping blank lines and lines cut short by a killed writer.
 
     A cut line is expected only at the end of a file; one elsewhere (a killed run that was resumed without
-    ``truncate_after``) is skipped with a warning.
+    ``truncate_after``), a line that is not UTF-8, nested too deeply to parse, or not a JSON object is skipped with a
+    warning.
     """
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    lines = Path(path).read_bytes().splitlines()
     records = []
-    for i, line in enumerate(lines):
-        if not line.strip():
+    for i, raw in enumerate(lines):
+        if not raw.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            warnings.warn(
+                f"{path}, line {i + 1}: skipped, not UTF-8 text ({err.reason} at byte {err.start}).", stacklevel=2
+            )
+            continue
         except json.JSONDecodeError as err:
             if i != len(lines) - 1:
                 warnings.warn(f"{path}, line {i + 1}: skipped, not valid JSON ({err}).", stacklevel=2)
+            continue
+        except RecursionError:
+            warnings.warn(f"{path}, line {i + 1}: skipped, JSON nested too deeply.", stacklevel=2)
+            continue
+        if not isinstance(record, dict):
+            warnings.warn(f"{path}, line {i + 1}: skipped, not a JSON object.", stacklevel=2)
+            continue
+        records.append(record)
     return records
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import random
 import time
@@ -43,12 +44,14 @@ from rich.progress import (
 from tpflow.devices import cpu_generator, resolve_device
 from tpflow.distributed import Distributed, make_accelerator
 from tpflow.errors import UserError
+from tpflow.preflight import check_machine
 from tpflow.recipe import FIXED_ON_RESUME, Recipe, recipe_changes
 from tpflow.rewards.call import recipe_policy
 from tpflow.rollout import draw_window, rollout_from_settings
 from tpflow.train.allocator import keep_freed_memory
 from tpflow.train.checkpoint import (
     Checkpoint,
+    CheckpointError,
     capture_rng_state,
     find_checkpoint,
     load_checkpoint,
@@ -59,6 +62,7 @@ from tpflow.train.ema import EMA
 from tpflow.train.epoch import EpochRows, Sampled, prompt_groups
 from tpflow.train.evaluation import eval_seed, evaluate
 from tpflow.train.prompt_sampler import check_layout, noise_seed, plan_epoch
+from tpflow.train.run_lock import RunDirLock
 from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, start_clean, truncate_after
 from tpflow.train.scoring import ScoringWorker
 from tpflow.train.trackers import Trackers, tracker_dir
@@ -67,9 +71,25 @@ from tpflow.types import PromptItem, Rollout
 MAX_NONFINITE_EPOCHS = 3  # consecutive epochs with non-finite losses before the run stops
 
 
+def _unlock_on_error(init: Any) -> Any:
+    """A Trainer whose construction fails drops its run dir lock at once (not when it is garbage-collected)."""
+
+    @functools.wraps(init)
+    def wrapper(self: Trainer, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            if getattr(self, "run_lock", None) is not None:
+                self.run_lock.release()
+            raise
+
+    return wrapper
+
+
 class Trainer:
     """Builds every component of a recipe and runs its epochs; see the module docstring."""
 
+    @_unlock_on_error
     def __init__(
         self,
         recipe: Recipe,
@@ -82,6 +102,7 @@ class Trainer:
         stem = recipe.path.stem if recipe.path else "run"
         self.run_dir = Path(run_dir) if run_dir else Path(train.run_dir.format(recipe=stem))
         self.console = console or Console()
+        check_machine(recipe, self.run_dir)  # devices, files, prompts, run dir: a UserError before anything loads
         # The accelerator follows the backbone's device (a CPU backbone on a GPU machine gets no CUDA autocast);
         # a device this machine lacks is a UserError here, before anything loads.
         cpu = resolve_device(getattr(recipe.backbone.options, "device", None)).type != "cuda"
@@ -94,6 +115,9 @@ class Trainer:
             logging_dir=tracker_dir(self.run_dir),
         )
         self.dist = Distributed(self.accelerator)
+        self.run_lock = RunDirLock(self.run_dir)  # one writer per run dir (tpflow.train.run_lock), held until fit ends
+        if self.dist.is_main:
+            self.run_lock.acquire()
         if not self.dist.is_main:
             self.console = Console(quiet=True)  # one process reports; every process raises its own errors
         check_layout(train, self.dist.world_size)
@@ -150,6 +174,8 @@ class Trainer:
         )
         self._task = progress.add_task("starting", total=None)
         self._progress = progress
+        if self.dist.is_main:
+            self.run_lock.acquire()  # a no-op unless an earlier fit released it
         try:
             progress.start()
             for epoch in range(self.epoch, train.epochs):
@@ -182,6 +208,7 @@ class Trainer:
         finally:
             progress.stop()
             self.logger.close()
+            self.run_lock.release()
         return metrics
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
@@ -367,14 +394,30 @@ class Trainer:
             self.console.print(f"[yellow]warning:[/] {warning}")
         if path is None:
             raise UserError(f"No valid checkpoint to resume from in {where}.")
+        own = (self.run_dir / "checkpoints").resolve()  # where save() writes, through a linked folder too
+        if resume is True and not (path.resolve().is_relative_to(own) or path.resolve() == self.run_dir.resolve()):
+            raise CheckpointError(
+                f"The newest checkpoint of {self.run_dir}, {path}, links to {path.resolve()}, outside the run's "
+                "checkpoints: --resume continues a run only from its own checkpoints. To start from another run's "
+                f"checkpoint, name it: --resume {path.resolve()}."
+            )
         ckpt = load_checkpoint(path)
         self._report_changes(ckpt)
-        self.backbone.load_adapter(ckpt.adapter_dir)
-        self.optimizer.load_state_dict(ckpt.optimizer_state)
-        if self.ema is not None and ckpt.ema_state is not None:
-            self.ema.load_state_dict(ckpt.ema_state)
-        restore_rng_state(ckpt.rng_state)
-        self.epoch = int(ckpt.train_state["epoch"])
+        try:
+            self.backbone.load_adapter(ckpt.adapter_dir)
+            self.optimizer.load_state_dict(ckpt.optimizer_state)
+            if self.ema is not None and ckpt.ema_state is not None:
+                self.ema.load_state_dict(ckpt.ema_state)
+            restore_rng_state(ckpt.rng_state)
+            self.epoch = int(ckpt.train_state["epoch"])
+        except UserError as exc:  # the component's own message (a changed LoRA rank, ...)
+            raise CheckpointError(f"Cannot resume from checkpoint {path}: {exc}") from None
+        except Exception as exc:  # a forged or foreign checkpoint: wrong adapter shapes, a bad state
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise CheckpointError(
+                f"Cannot resume from checkpoint {path}: it does not fit this recipe's model and optimizer "
+                f"({type(exc).__name__}: {reason[:300]}). Resume from a checkpoint this recipe wrote."
+            ) from None
         self.last_eval = dict(ckpt.train_state.get("last_eval") or {})
         if self.dist.is_main:
             truncate_after(self.run_dir, self.epoch - 1)

@@ -1,0 +1,221 @@
+"""Bad inputs are refused by `tpflow validate` and at the start of `tpflow train`, before any weights load: one
+paragraph, exit status 2, no traceback, and the backbone and the reward are never built."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tpflow import recipe as recipe_module
+from tpflow.cli import main
+from tpflow.errors import RecipeError
+from tpflow.preflight import run_dir_problems
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = ROOT / "recipes" / "shapes_tp.toml"
+
+
+@pytest.fixture
+def no_weights(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Fail the test if a component that holds weights (backbone, reward) is built; returns the kinds built."""
+    built: list[str] = []
+    original = recipe_module.ComponentSpec.build
+
+    def build(self):  # type: ignore[no-untyped-def]
+        built.append(self.kind)
+        if self.kind in ("backbone", "reward"):
+            raise AssertionError(f"the {self.kind} was built (weights loaded) before the input was checked")
+        return original(self)
+
+    monkeypatch.setattr(recipe_module.ComponentSpec, "build", build)
+    return built
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``tpflow ARGS`` in this process: (exit status, its stderr and stdout)."""
+    capsys.readouterr()  # drop what the test printed before
+    with pytest.raises(SystemExit) as done:
+        main(list(args))
+    captured = capsys.readouterr()
+    return int(done.value.code or 0), captured.err + captured.out
+
+
+def assert_one_paragraph(code: int, err: str, *expected: str) -> None:
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("warning")]
+    assert len(lines) == 1, err
+    for text in expected:
+        assert text in lines[0], (text, lines[0])
+
+
+def _files(tmp_path: Path) -> dict[str, Path]:
+    """Bad files of every kind, made once per test."""
+    files = {
+        "not_utf8": tmp_path / "latin1.txt",
+        "empty": tmp_path / "empty.jsonl",
+        "broken": tmp_path / "broken.jsonl",
+        "not_string": tmp_path / "not_string.jsonl",
+        "deep": tmp_path / "deep.jsonl",
+        "random_weights": tmp_path / "random.safetensors",
+        "regular_file": tmp_path / "a_file",
+    }
+    files["not_utf8"].write_bytes("a red circle\nun carré bleu\n".encode("latin-1"))
+    files["empty"].write_text("\n\n")
+    files["broken"].write_text('{"prompt": "a red circle"}\n{"prompt": "a blue\n')
+    files["not_string"].write_text('{"prompt": "a red circle"}\n{"prompt": 3}\n')
+    files["deep"].write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    files["random_weights"].write_bytes(os.urandom(4096))
+    files["regular_file"].write_text("not a directory")
+    return files
+
+
+# (overrides, words the message must hold); "{name}" is replaced by the path of the bad file of that name.
+CASES = {
+    "cps noise level": (["rollout.noise_level=1.5"], ["noise_level = 1.5", "cps", "[0, 1]"]),
+    "seed beyond 64 bits": ([f"train.seed={2**64 + 1}"], ["seed", "less than or equal to"]),
+    "negative seed": (["train.seed=-1"], ["seed"]),
+    "huge prompts_per_epoch": ([f"train.prompts_per_epoch={10**12}"], ["prompts_per_epoch"]),
+    "huge epoch": (["train.prompts_per_epoch=100000", "train.group_size=1000"], ["trajectories per epoch"]),
+    "group of one": (["train.group_size=1"], ["group_size = 1", "advantage"]),
+    "nan guidance": (["rollout.guidance=nan"], ["guidance", "finite"]),
+    "run_dir template": (["train.run_dir={{run}}"], ["run_dir", "{{recipe}}"]),
+    "device gpu0": (["backbone.device=gpu0"], ["Unknown device 'gpu0'"]),
+    "device cuda:3": (["backbone.device=cuda:3"], ["'cuda:3'"]),
+    "random weights": (["backbone.weights={random_weights}"], ["{random_weights}", "not a safetensors file"]),
+    "missing weights": (["backbone.weights={regular_file}.nope"], ["{regular_file}.nope", "missing"]),
+    "prompts not utf-8": (
+        ["dataset.name=text-file", "dataset.path={not_utf8}"],
+        ["{not_utf8}", "not UTF-8", "line 2"],
+    ),
+    "prompts missing": (
+        ["dataset.name=jsonl", "dataset.path={regular_file}.nope"],
+        ["{regular_file}.nope", "not found"],
+    ),
+    "prompts empty": (["dataset.name=jsonl", "dataset.path={empty}"], ["{empty}", "no prompts"]),
+    "prompts broken json": (["dataset.name=jsonl", "dataset.path={broken}"], ["{broken}:2", "not valid JSON"]),
+    "prompt not a string": (
+        ["dataset.name=jsonl", "dataset.path={not_string}"],
+        ["{not_string}:2", '"prompt" string'],
+    ),
+    "deeply nested json": (["dataset.name=jsonl", "dataset.path={deep}"], ["{deep}:1", "too deeply"]),
+    "prompts from /dev/zero": (["dataset.name=text-file", "dataset.path=/dev/zero"], ["/dev/zero", "regular file"]),
+    "prompts a directory": (["dataset.name=text-file", "dataset.path=/"], ["is a directory"]),
+    "run_dir is a file": (["train.run_dir={regular_file}"], ["{regular_file}", "not a directory"]),
+    "run_dir under a file": (["train.run_dir={regular_file}/run"], ["{regular_file}", "not a directory"]),
+}
+
+
+def _case(tmp_path: Path, name: str) -> tuple[list[str], list[str]]:
+    files = {k: str(v) for k, v in _files(tmp_path).items()}
+    overrides, expected = CASES[name]
+    return [o.format(**files) for o in overrides], [e.format(**files) for e in expected]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_validate_refuses_without_loading_weights(name, tmp_path, capsys, no_weights):
+    overrides, expected = _case(tmp_path, name)
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    code, err = run_cli(capsys, "validate", str(SHAPES), *sets)
+    assert_one_paragraph(code, err, *expected)
+
+
+TRAIN_CASES = ["cps noise level", "seed beyond 64 bits", "group of one", "device gpu0", "device cuda:3",
+               "random weights", "prompts not utf-8", "prompt not a string", "deeply nested json",
+               "prompts from /dev/zero", "run_dir is a file"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", TRAIN_CASES)
+def test_train_refuses_before_loading_weights(name, tmp_path, capsys, no_weights):
+    overrides, expected = _case(tmp_path, name)
+    run_dir = [] if any(o.startswith("train.run_dir") for o in overrides) else ["--run-dir", str(tmp_path / "run")]
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    code, err = run_cli(capsys, "train", str(SHAPES), *run_dir, *sets)
+    assert_one_paragraph(code, err, *expected)
+    assert "backbone" not in no_weights and "reward" not in no_weights
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_on_a_machine_without_it(tmp_path, capsys, no_weights):
+    for command in ("validate", "train"):
+        code, err = run_cli(capsys, command, str(SHAPES), "--set", "backbone.device=cuda")
+        assert_one_paragraph(code, err, "[backbone] device", "'cuda'", "no CUDA GPU")
+
+
+def test_fifo_is_not_a_prompt_file(tmp_path, capsys, no_weights):
+    fifo = tmp_path / "prompts.fifo"
+    os.mkfifo(fifo)  # reading it would block for ever
+    code, err = run_cli(
+        capsys, "validate", str(SHAPES), "--set", "dataset.name=text-file", "--set", f"dataset.path={fifo}"
+    )
+    assert_one_paragraph(code, err, str(fifo), "not a regular file")
+
+
+def test_no_machine_checks_the_values_only(tmp_path, capsys, no_weights):
+    """A recipe for another machine (its prompt files, its GPUs) validates its values with --no-machine."""
+    sets = ["--set", "dataset.name=text-file", "--set", "dataset.path=/elsewhere/prompts.txt"]
+    code, err = run_cli(capsys, "validate", str(SHAPES), *sets, "--no-machine")
+    assert code == 0, err
+    code, err = run_cli(capsys, "validate", str(SHAPES), *sets)
+    assert_one_paragraph(code, err, "/elsewhere/prompts.txt", "was not found")
+
+
+def test_shipped_shapes_recipe_passes_the_machine_checks(capsys, no_weights):
+    code, err = run_cli(capsys, "validate", str(SHAPES))
+    assert code == 0, err
+    assert no_weights == ["dataset"]  # the prompts were read; nothing with weights was built
+
+
+def test_unwritable_run_dir(tmp_path, monkeypatch):
+    """A run dir whose nearest existing parent denies writing (os.access: root may write anywhere, so simulated)."""
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)
+    problems = run_dir_problems(tmp_path / "a" / "run")
+    assert len(problems) == 1 and "not writable" in problems[0] and str(tmp_path) in problems[0]
+    assert run_dir_problems(tmp_path / "a" / "run") == problems
+
+
+def test_check_machine_joins_every_problem_into_one_error(tmp_path):
+    from tpflow.preflight import check_machine
+    from tpflow.recipe import load_recipe
+
+    files = _files(tmp_path)
+    loaded = load_recipe(
+        SHAPES, [f"backbone.weights={files['random_weights']}", "dataset.name=jsonl", f"dataset.path={files['deep']}"]
+    )
+    with pytest.raises(RecipeError) as err:
+        check_machine(loaded, files["regular_file"])
+    message = str(err.value)
+    assert "not a safetensors file" in message and "too deeply" in message and "not a directory" in message
+    assert "\n" not in message
+
+
+def test_diffusers_weights_folder_is_checked_without_loading(tmp_path, capsys, no_weights):
+    recipe = ROOT / "recipes" / "geneval_tp.toml"
+    sets = ["--set", f"backbone.pretrained={tmp_path}", "--set", f"train.run_dir={tmp_path / 'run'}"]
+    code, err = run_cli(capsys, "validate", str(recipe), *sets)
+    assert_one_paragraph(code, err, "[backbone]", f"SD3.5-Medium weights folder {tmp_path}", "model_index.json")
+    code, err = run_cli(capsys, "train", str(recipe), *sets)
+    assert_one_paragraph(code, err, "model_index.json")
+
+
+def test_random_bytes_as_weights_fail_at_load_too(tmp_path):
+    """Built directly (no preflight), the backbone still names the file and says what it expected."""
+    from tpflow import build
+    from tpflow.errors import UserError
+
+    weights = _files(tmp_path)["random_weights"]
+    with pytest.raises(UserError, match="could not be loaded") as err:
+        build("backbone", "shapes-dit", weights=str(weights))
+    assert str(weights) in str(err.value) and "safetensors file" in str(err.value)
+
+
+def test_shapes_weights_without_their_config_are_refused_before_loading(tmp_path, capsys, no_weights):
+    import safetensors.torch
+
+    weights = tmp_path / "other.safetensors"
+    safetensors.torch.save_file({"x": torch.zeros(1)}, weights)  # a safetensors file, but no shapes-dit config
+    code, err = run_cli(capsys, "validate", str(SHAPES), "--set", f"backbone.weights={weights}")
+    assert_one_paragraph(code, err, str(weights), "no readable model config", "other.json")

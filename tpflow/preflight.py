@@ -1,0 +1,134 @@
+"""What a recipe needs from this machine, checked before any weights load: ``tpflow validate`` and ``tpflow train``.
+
+``tpflow.recipe.validate_recipe`` checks the recipe's *values* (types, ranges, the limits one component puts on
+another section). ``check_machine`` checks what those values name on this machine:
+
+* every ``device`` option exists here (``cuda`` on a machine without CUDA, ``cuda:3`` with one GPU);
+* each component's own ``check_machine(options, settings)`` hook, when it has one: the files it names exist and are
+  what they claim (the shapes-dit weights are a safetensors file, ...);
+* the prompt dataset builds (datasets load no weights): its files exist, are regular UTF-8 files that parse, and
+  every split holds prompt strings;
+* the run directory is usable: not an existing regular file, and its nearest existing parent is a writable directory.
+
+Every problem found is one sentence; all of them make one ``RecipeError`` paragraph (exit status 2 in the CLI).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tpflow import registry
+from tpflow.errors import RecipeError, UserError
+
+if TYPE_CHECKING:
+    from tpflow.recipe import Recipe
+
+
+def check_machine(recipe: Recipe, run_dir: Path | None = None, where: str | None = None) -> None:
+    """Raise one RecipeError listing every problem of ``recipe`` on this machine; ``run_dir`` is checked when given.
+
+    Loads no weights: the dataset is built (prompt files are read), every other component only inspected.
+    """
+    where = where or (str(recipe.path) if recipe.path else "recipe")
+    problems = device_problems(recipe)
+    for spec in recipe.components.values():
+        hook = getattr(registry.get(spec.kind, spec.name).factory, "check_machine", None)
+        if callable(hook):
+            try:
+                problems += list(hook(spec.options, recipe.settings))
+            except UserError as exc:  # a hook may raise its one problem instead of returning it
+                problems.append(f"[{spec.kind}] {exc}")
+    problems += dataset_problems(recipe)
+    if run_dir is not None:
+        problems += run_dir_problems(Path(run_dir))
+    if problems:
+        raise RecipeError(f"{where}: " + " ".join(problems))
+
+
+def device_problems(recipe: Recipe) -> list[str]:
+    """A sentence per ``device`` option this machine cannot serve (``tpflow.devices.resolve_device``'s message)."""
+    from tpflow.devices import resolve_device, torch_device_fields
+
+    problems = []
+    for kind, spec in recipe.components.items():
+        for name, value in torch_device_fields(spec.options):
+            if value is None or not isinstance(value, str):
+                continue
+            try:
+                resolve_device(value)
+            except UserError as exc:
+                problems.append(f"[{kind}] {name}: {exc}")
+    return problems
+
+
+def dataset_problems(recipe: Recipe) -> list[str]:
+    """Build the prompt dataset (no weights) and check that each split is a non-empty list of prompt strings."""
+    try:
+        dataset = recipe.build("dataset")
+        for split in getattr(dataset, "splits", ("train",)):
+            items = list(dataset.split(split))
+            if not items:
+                return [f"[dataset] ({recipe.dataset.name}): the {split} split holds no prompts."]
+            bad = next((it for it in items if not isinstance(getattr(it, "prompt", None), str)), None)
+            if bad is not None:
+                return [f"[dataset] ({recipe.dataset.name}): a {split} prompt is not a string: {bad!r:.120}."]
+    except UserError as exc:
+        return [f"[dataset] ({recipe.dataset.name}): {exc}"]
+    return []
+
+
+def run_dir_problems(run_dir: Path) -> list[str]:
+    """Why ``run_dir`` cannot hold a run (empty when it can), without creating anything."""
+    run_dir = Path(run_dir).expanduser()
+    if run_dir.exists() and not run_dir.is_dir():
+        return [f"The run dir {run_dir} exists and is not a directory; pick another with --run-dir."]
+    existing = run_dir
+    while not existing.exists():  # the nearest existing parent: the run dir's parents are created from there
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        return [f"The run dir {run_dir} cannot be created: {existing} is not a directory."]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"The run dir {run_dir} is not writable ({existing} denies writing); pick another with --run-dir."]
+    return []
+
+
+def regular_file_problem(path: Path, what: str) -> str | None:
+    """Why ``path`` is not an existing regular file (a directory, a FIFO, a device such as /dev/zero), or None."""
+    try:
+        mode = Path(path).stat().st_mode
+    except FileNotFoundError:
+        return f"{what} {path} was not found."
+    except OSError as exc:
+        return f"{what} {path} cannot be read ({exc.strerror or exc})."
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device, FIFO or socket)"
+        return f"{what} {path} is {kind}; it must be a regular file."
+    return None
+
+
+def safetensors_problem(path: Path, what: str) -> str | None:
+    """Why ``path`` is not a readable safetensors file (reads its header only), or None."""
+    problem = regular_file_problem(path, what)
+    if problem:
+        return problem
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except Exception as exc:  # SafetensorError for a bad header; OSError for an unreadable file
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"{what} {path} is not a safetensors file ({reason})."
+    return None
+
+
+def default_run_dir(recipe: Recipe) -> Path:
+    """``train.run_dir`` with ``{recipe}`` replaced by the recipe file's stem (``run`` without a file), as the
+    trainer resolves it."""
+    stem = recipe.path.stem if recipe.path else "run"
+    return Path(recipe.train.run_dir.format(recipe=stem))
