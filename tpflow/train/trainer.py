@@ -195,6 +195,7 @@ class Trainer:
             "decode_s": sum(s.decode_s for s in sampled.scored),
             "reward_s": sum(s.reward_s for s in sampled.scored),
             "sample_s": sampled.seconds,
+            "score_wait_s": sampled.wait_s,
             "update_s": update_s,
             **update,
         }
@@ -238,13 +239,15 @@ class Trainer:
                 rollouts.append(dataclasses.replace(out, completions=None))  # scored already; the update needs none
                 self._advance()
             self._phase(f"epoch {epoch}: scoring", len(jobs))
+            wait_start = time.perf_counter()  # the scoring tail: decode + reward the sampling did not hide
             scored = []
             for job in jobs:
                 scored.append(job.result())
                 self._advance()
+            wait_s = time.perf_counter() - wait_start
         finally:
             worker.close()
-        return Sampled(list(batches), rollouts, scored, time.perf_counter() - start)
+        return Sampled(list(batches), rollouts, scored, time.perf_counter() - start, wait_s)
 
     def _update(self, epoch: int, batch: Rollout, advantages: torch.Tensor) -> dict[str, float]:
         """The optimizer's pass over this process's trajectories, the EMA, and the finiteness check."""
