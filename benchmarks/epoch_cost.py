@@ -99,9 +99,8 @@ def base_recipe(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """The epoch each variant runs: shapes-dit as recipes/shapes_tp.toml; the SD3 backbones as gpu_smoke.py (the
     paper's SD3.5-M settings: 36 trajectories in rollout batches of 9, K = 10, W = 9, β = 1e-4, 2 accumulation
     steps); ``--tiny`` shrinks either to seconds."""
-    import tomllib
-
     import gpu_smoke
+    import tomllib
 
     if name == "shapes-dit":
         data = tomllib.loads((ROOT / "recipes" / "shapes_tp.toml").read_text())
@@ -122,7 +121,7 @@ def base_recipe(name: str, args: argparse.Namespace) -> dict[str, Any]:
     for item in args.set:
         key, _, value = item.partition("=")
         section, _, field = key.partition(".")
-        data.setdefault(section, {})[field] = json.loads(value) if value[:1] in "[{tf0123456789-\"" else value
+        data.setdefault(section, {})[field] = json.loads(value) if value[:1] in '[{tf0123456789-"' else value
     return data
 
 
@@ -375,9 +374,7 @@ def table(result: dict[str, Any]) -> list[str]:
     ]
     for key, v in s.items():
         p = v["phases"]
-        perf = (
-            f"{v['model_flops_per_s'] / 1e12:.3g} ({100 * v['model_peak_share']:.0f}%)" if "flops" in v else "–"
-        )
+        perf = f"{v['model_flops_per_s'] / 1e12:.3g} ({100 * v['model_peak_share']:.0f}%)" if "flops" in v else "–"
         ratio = f"{v['epoch_s'] / flow:.2f}" if flow else "–"
         lines.append(
             f"| {labels[key]} | {v['nfe_per_traj']:.1f} | {v['epoch_s']:.2f} | {p['sample_model']:.2f} "
