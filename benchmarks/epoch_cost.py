@@ -63,6 +63,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # key -> (label, recipe ove
         {"credit": {"name": "turning_point"}, "rollout": {"same_noise": True}},
     ),
     "tp-x0": ("TP-GRPO, x0 completions", {"credit": {"name": "turning_point"}, "rollout": {"completions": "x0"}}),
+    # Speed options, off by default: measured against the variants above in the same run.
+    "flow-compile": (
+        "Flow-GRPO, compiled blocks",
+        {"credit": {"name": "outcome"}, "backbone": {"compile_blocks": True}},
+    ),
+    "tp-compile": (
+        "TP-GRPO, ODE, compiled blocks",
+        {"credit": {"name": "turning_point"}, "backbone": {"compile_blocks": True}},
+    ),
 }
 DEFAULT_VARIANTS = ("flow", "tp", "tp-same-noise", "tp-x0")
 PHASES = (  # the epoch's wall time, split without overlap (seconds)

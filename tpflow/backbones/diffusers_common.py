@@ -137,9 +137,16 @@ class PromptCache:
     def encode(
         self, prompts: Sequence[str], encode: Callable[[list[str]], dict[str, torch.Tensor]], device: torch.device
     ) -> dict[str, torch.Tensor]:
-        """Rows of ``encode(prompts)`` [N, ...] on ``device``; only prompts not cached are encoded."""
+        """Rows of ``encode(prompts)`` [N, ...] on ``device``; only prompts not cached are encoded, each once (a
+        rollout batch holds G copies of a prompt: its text encoders run on the distinct prompts, rows repeated)."""
         if self.size == 0:
-            return {k: v.to(device) for k, v in encode(list(prompts)).items()}
+            unique = list(dict.fromkeys(prompts))
+            out = encode(unique)
+            if len(unique) < len(prompts):
+                where = {prompt: i for i, prompt in enumerate(unique)}
+                rows = torch.tensor([where[p] for p in prompts])
+                out = {k: v[rows.to(v.device)] for k, v in out.items()}
+            return {k: v.to(device) for k, v in out.items()}
         todo = list(dict.fromkeys(p for p in prompts if p not in self._rows))
         if todo:
             fresh = encode(todo)
