@@ -14,14 +14,15 @@ ODE completions), TP-GRPO with ``rollout.same_noise``, TP-GRPO with x0 completio
 GRPO update, the trace log), the metrics record, and a checkpoint.
 
 The epoch's wall time is split into phases that do not overlap and sum to it (``PHASES``): the rollout's velocity
-calls (``model_s``), the rest of sampling, the wait for the scoring worker after the last rollout batch (decode +
-reward that sampling did not hide), credit, advantages, the update's forward (policy and KL reference velocity) and
-backward, the rest of the update (log-probs, loss, optimizer step, metrics), the trace log, the checkpoint, and
-what is left (``other``). Decode and reward run in the scoring thread: their own seconds are reported too, and the
-part of them hidden behind sampling is ``overlapped_s``. The trainer's overhead is everything outside the velocity
-calls, the update's forward and backward, and the scoring wait: ``overhead = 1 − (model + update forward/backward +
-scoring wait) / epoch``. Velocity calls and backward passes are timed by wrapping them (CUDA synchronised around
-each, which costs a little GPU time on CUDA, none on CPU).
+calls (``model_s``), the text encoding of the prompts, the rest of sampling, the wait for the scoring worker after
+the last rollout batch (decode + reward that sampling did not hide), credit, advantages, the update's forward
+(policy and KL reference velocity) and backward, the rest of the update (log-probs, loss, optimizer step, metrics),
+the trace log, the checkpoint, and what is left (``other``). Decode and reward run in the scoring thread: their own
+seconds are reported too, and the part of them hidden behind sampling is ``overlapped_s``. The trainer's overhead is
+everything outside the velocity calls, the update's forward and backward, and the scoring wait: ``overhead = 1 −
+(model + update forward/backward + scoring wait) / epoch``; text encoding counts as overhead there (it is shown
+apart, as ``encode``). Velocity calls, text encoding and backward passes are timed by wrapping them (CUDA
+synchronised around each, which costs a little GPU time on CUDA, none on CPU).
 
 FLOPs are counted with ``torch.utils.flop_counter.FlopCounterMode`` on a separate, untimed epoch of each variant
 (counting slows every op, so it would distort the timed epochs): rollout velocity calls, update forward, update
@@ -76,7 +77,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # key -> (label, recipe ove
 DEFAULT_VARIANTS = ("flow", "tp", "tp-same-noise", "tp-x0")
 PHASES = (  # the epoch's wall time, split without overlap (seconds)
     "sample_model",  # velocity calls of the rollouts
-    "sample_other",  # the rest of sampling: encoding, noise, sampler steps, completions bookkeeping, submitting
+    "encode",  # the prompts' text encoding (Backbone.encode), once per rollout batch
+    "sample_other",  # the rest of sampling: noise, sampler steps, completions bookkeeping, submitting
     "score_wait",  # waiting for decode + reward after the last rollout batch
     "credit",
     "advantages",
@@ -155,6 +157,7 @@ class EpochProbe:
         t.logger.log_traces = self._timed("log", t.logger.log_traces)
         t.logger.log = self._timed("log", t.logger.log)
         t.credit = _Credit(t.credit, self._timed("credit", t.credit.__call__))
+        t.backbone.encode = self._timed("encode", t.backbone.encode)
         velocity = t.backbone.velocity
         t.backbone.velocity = self._velocity(velocity)
         accelerator = t.optimizer._accelerator
@@ -376,10 +379,10 @@ def table(result: dict[str, Any]) -> list[str]:
     s, labels = result["variants"], result["labels"]
     flow = s["flow"]["epoch_s"] if "flow" in s else None
     lines = [
-        "| variant | NFE / traj. | epoch s | rollout model s | sampling other s | scoring wait s | decode + reward s "
-        "(overlapped) | credit + adv. s | update fwd / bwd / other s | log + ckpt s | other s | **overhead** "
-        "| model TFLOP/s (peak share) | peak MiB | × Flow |",
-        "|---|" + "---|" * 14,
+        "| variant | NFE / traj. | epoch s | rollout model s | encode s | sampling other s | scoring wait s "
+        "| decode + reward s (overlapped) | credit + adv. s | update fwd / bwd / other s | log + ckpt s | other s "
+        "| **overhead** | model TFLOP/s (peak share) | peak MiB | × Flow |",
+        "|---|" + "---|" * 15,
     ]
     for key, v in s.items():
         p = v["phases"]
@@ -387,7 +390,8 @@ def table(result: dict[str, Any]) -> list[str]:
         ratio = f"{v['epoch_s'] / flow:.2f}" if flow else "–"
         lines.append(
             f"| {labels[key]} | {v['nfe_per_traj']:.1f} | {v['epoch_s']:.2f} | {p['sample_model']:.2f} "
-            f"| {p['sample_other']:.2f} | {p['score_wait']:.2f} | {v['decode_s'] + v['reward_s']:.2f} "
+            f"| {p['encode']:.2f} | {p['sample_other']:.2f} | {p['score_wait']:.2f} "
+            f"| {v['decode_s'] + v['reward_s']:.2f} "
             f"({v['overlapped_s']:.2f}) | {p['credit'] + p['advantages']:.3f} | {p['update_forward']:.2f} / "
             f"{p['update_backward']:.2f} / {p['update_other']:.2f} | {p['log'] + p['checkpoint']:.3f} "
             f"| {p['other']:.3f} | **{100 * v['overhead']:.1f}%** | {perf} | {v['peak_mib']:.0f} | {ratio} |"
