@@ -211,6 +211,11 @@ class Trainer:
         start = time.perf_counter()
         z0_seeds = {i: noise_seed(train, epoch, i) for b in batches for i in b.items} if rollout.same_noise else None
         completions = rollout.completions if self.credit.needs_completions else None
+        # The text encoders run once per epoch, on every distinct prompt of the epoch's plan (all processes alike, so
+        # the embeddings do not depend on the number of processes); each rollout batch indexes its rows.
+        plan = plan_epoch(len(self.train_items), train, epoch)
+        texts = sorted({self.train_items[i].prompt for b in plan.batches for i in b.items})
+        encoded, text_row = self.backbone.encode(texts), {text: k for k, text in enumerate(texts)}
         worker = ScoringWorker(self.backbone.decode, self.reward, chunk=train.score_batch)
         rollouts, jobs = [], []
         self._phase(f"epoch {epoch}: sampling", len(batches))
@@ -221,7 +226,7 @@ class Trainer:
                     rollout.num_steps, rollout.window_size, rollout.window_range, random.Random(b.seed)
                 )
                 generator = cpu_generator(b.seed)  # noise drawn on the CPU, moved to the model (tpflow.devices)
-                cond = self.backbone.encode([it.prompt for it in items])
+                cond = encoded.index([text_row[it.prompt] for it in items])
                 with self.accelerator.autocast():
                     out = rollout_from_settings(
                         self.backbone,
