@@ -307,7 +307,7 @@ def summarise(runs: list[dict], flops: dict[str, float] | None, peak_flops: floa
     typical = sorted(runs, key=lambda r: r["epoch_s"])[(len(runs) - 1) // 2]  # the median epoch (lower middle)
     phases = dict(typical["phases"])  # its phases: they add up to its time
     epoch_s = typical["epoch_s"]
-    decode_s, reward_s = med(r["decode_s"] for r in runs), med(r["reward_s"] for r in runs)
+    decode_s, reward_s = typical["decode_s"], typical["reward_s"]
 
     def overhead(r: dict) -> float:
         return 1 - (sum(r["phases"][p] for p in MODEL_PHASES) + r["phases"]["score_wait"]) / r["epoch_s"]
