@@ -90,6 +90,26 @@ def rss_peak_increase_mib(fn: Callable[[], Any]) -> float:
     return (_proc_status_kib("VmHWM") - before) / 1024
 
 
+def reset_rss_peak() -> bool:
+    """Reset the peak resident set (VmHWM) to the current RSS (Linux); False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_peak_mib() -> float:
+    """The peak resident set of this process since the last ``reset_rss_peak`` (MiB); without /proc, the lifetime
+    peak from ``resource.getrusage`` (kilobytes on Linux)."""
+    try:
+        return _proc_status_kib("VmHWM") / 1024
+    except (OSError, AttributeError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def cuda_peak_reset(device: torch.device) -> int:
     """Reset CUDA's peak counter; returns the bytes allocated now (the base of the increase)."""
     sync(device)

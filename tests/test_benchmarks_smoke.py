@@ -65,3 +65,40 @@ def test_memory_probe_sees_an_allocation(rollout_cost, capsys):
     assert 60 < peak < 200
     rollout_cost.main(["--backbone", "shapes-dit", *SMALL, "--memory-probe", "tp-x0"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["peak_mib"] >= 0
+
+
+@pytest.fixture(scope="module")
+def epoch_cost():
+    spec = importlib.util.spec_from_file_location("epoch_cost_bench", BENCHMARKS / "epoch_cost.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+    sys.modules.pop("_timing", None)
+
+
+def test_epoch_cost_phases_add_up_to_the_epoch(epoch_cost, tmp_path):
+    """benchmarks/epoch_cost.py --tiny: every phase present, none negative, their sum the epoch's wall time with
+    little left unattributed, FLOPs counted, and the first micro-batch on policy."""
+    out = tmp_path / "epoch_cost.json"
+    epoch_cost.main(["--tiny", "--backbone", "shapes-dit", "--variants", "flow", "tp", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["matmul_peak_flops"] > 0
+    variants = report["backbones"]["shapes-dit"]["variants"]
+    assert set(variants) == {"flow", "tp"}
+    for key, v in variants.items():
+        for run in v["runs"]:
+            phases = run["phases"]
+            assert list(phases) == list(epoch_cost.PHASES), key
+            assert sum(phases.values()) == pytest.approx(run["epoch_s"], rel=1e-9), key
+            assert min(phases.values()) >= -1e-3, (key, phases)  # "other" is the remainder: nothing counted twice
+            assert phases["other"] <= 0.25 * run["epoch_s"], (key, phases)  # and nearly everything is attributed
+            for phase in ("sample_model", "update_forward", "update_backward", "checkpoint"):
+                assert phases[phase] > 0, (key, phase)
+        assert 0 < v["overhead"] < 1 and v["peak_mib"] > 0
+        assert v["flops"]["sample_model"] > 0 and v["flops"]["update_backward"] > 0
+        assert v["model_flops_per_s"] > 0 and 0 < v["model_peak_share"]
+        assert v["first_ratio_max_deviation"] <= 1e-6
+    assert variants["tp"]["nfe_per_traj"] > variants["flow"]["nfe_per_traj"]
+    assert variants["tp"]["rows"]["sample"] > variants["flow"]["rows"]["sample"]

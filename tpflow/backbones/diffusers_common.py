@@ -43,6 +43,13 @@ class DiffusersBackboneOptions(BaseModel):
         "the base model.",
     )
     gradient_checkpointing: bool = Field(False, description="Recompute transformer activations in the backward.")
+    compile_blocks: bool = Field(
+        False,
+        description="torch.compile each repeated transformer block (regional compilation, as diffusers documents; "
+        "its compile_repeated_blocks does not list SD3's blocks in 0.42). Compiles once per shape regime, grad mode "
+        "and adapter state. Off by default: the rollout (no grad) and the update (grad) run different compiled "
+        "graphs, so the on-policy ratio is 1 only to rounding (docs/results.md, epoch cost).",
+    )
     prompt_cache: int = Field(
         0, ge=0, description="Prompt embeddings kept (on the CPU, least recently used dropped); 0 turns it off."
     )
@@ -152,9 +159,16 @@ class PromptCache:
     def encode(
         self, prompts: Sequence[str], encode: Callable[[list[str]], dict[str, torch.Tensor]], device: torch.device
     ) -> dict[str, torch.Tensor]:
-        """Rows of ``encode(prompts)`` [N, ...] on ``device``; only prompts not cached are encoded."""
+        """Rows of ``encode(prompts)`` [N, ...] on ``device``; only prompts not cached are encoded, each once (a
+        rollout batch holds G copies of a prompt: its text encoders run on the distinct prompts, rows repeated)."""
         if self.size == 0:
-            return {k: v.to(device) for k, v in encode(list(prompts)).items()}
+            unique = list(dict.fromkeys(prompts))
+            out = encode(unique)
+            if len(unique) < len(prompts):
+                where = {prompt: i for i, prompt in enumerate(unique)}
+                rows = torch.tensor([where[p] for p in prompts])
+                out = {k: v[rows.to(v.device)] for k, v in out.items()}
+            return {k: v.to(device) for k, v in out.items()}
         todo = list(dict.fromkeys(p for p in prompts if p not in self._rows))
         if todo:
             fresh = encode(todo)
@@ -209,9 +223,28 @@ def setup_pipeline(pipe: Any, options: DiffusersBackboneOptions, encoders: Seque
     transformer.eval()  # no dropout: rollout and training compute the same function
     if options.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
+    if options.compile_blocks:
+        compile_blocks(transformer)
     adapter = lora.LoraAdapter(type(pipe), transformer, config)
     cache = PromptCache(options.prompt_cache)
     return PipelineParts(device, dtype, text_device, transformer, vae, pipe.vae_scale_factor, cache, adapter)
+
+
+REPEATED_BLOCKS = ("transformer_blocks", "single_transformer_blocks", "blocks")  # SD3, FLUX, shapes-dit
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """``torch.compile`` every block of the model's repeated-block lists in place (``nn.Module.compile``: names,
+    state dicts and LoRA adapters are unchanged); returns the number compiled. Blocks of one class share their
+    compiled code, so the compile time is that of one block per shape regime."""
+    count = 0
+    for name in REPEATED_BLOCKS:
+        for block in getattr(model, name, None) or ():
+            block.compile()
+            count += 1
+    if not count:
+        raise UserError(f"compile_blocks: {type(model).__name__} has none of {REPEATED_BLOCKS} to compile.")
+    return count
 
 
 def decode_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,12 @@ class ShapesDitOptions(BaseModel):
     shift: float = Field(
         3.0, gt=0, description="Static time shift of the SD3 sigma schedule (dropping it costs accuracy)."
     )
+    compile_blocks: bool = Field(
+        False,
+        description="torch.compile each joint block (regional compilation; needs a C++ compiler on the CPU). Off by "
+        "default: compiling takes minutes on a CPU and the on-policy ratio is then 1 only to rounding "
+        "(docs/results.md, epoch cost).",
+    )
 
 
 def resolve_weights(weights: str | None) -> Path:
@@ -138,6 +144,10 @@ class ShapesBackbone:
             param.requires_grad_("lora_" in name)
         self.model.eval()  # no dropout or batch statistics: train and eval modes compute the same function
         self.config = model.config
+        if options.compile_blocks:
+            from tpflow.backbones.diffusers_common import compile_blocks
+
+            compile_blocks(self.model)
 
     # ---- Backbone protocol -------------------------------------------------------------------------------------
 

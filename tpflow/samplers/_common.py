@@ -40,6 +40,20 @@ def sigma_vector(sigma: Tensor | float, z: Tensor, name: str) -> Tensor:
     return s
 
 
+def checked_sigmas(sigma: Tensor | float, sigma_next: Tensor | float, z: Tensor) -> tuple[Tensor, Tensor]:
+    """Both noise levels as [N] float32 vectors on z's device, checked by ``check_sigmas``. Values that arrive on
+    the host (floats, CPU tensors: what the rollout engine passes) are checked there, before the copy, so a step
+    on a GPU waits for nothing; values already on the device are checked there (one synchronisation)."""
+    host = [torch.as_tensor(x) for x in (sigma, sigma_next)]
+    if all(x.device.type == "cpu" for x in host):
+        s, s_next = sigma_vector(host[0], z, "sigma"), sigma_vector(host[1], z, "sigma_next")  # shapes checked
+        check_sigmas(host[0].float().reshape(-1), host[1].float().reshape(-1))  # broadcasts a scalar against [N]
+        return s, s_next
+    s, s_next = sigma_vector(sigma, z, "sigma"), sigma_vector(sigma_next, z, "sigma_next")
+    check_sigmas(s, s_next)
+    return s, s_next
+
+
 def check_sigmas(sigma: Tensor, sigma_next: Tensor) -> None:
     """Raise ValueError unless 0 <= sigma_next <= sigma <= 1 elementwise ([N] float32 each)."""
     if bool(((sigma < 0) | (sigma > 1) | (sigma_next < 0)).any()):

@@ -14,11 +14,10 @@ from torch import Tensor
 from tpflow.registry import register
 from tpflow.samplers._common import (
     check_latents,
-    check_sigmas,
+    checked_sigmas,
     draw_noise,
     mean_over_latent,
     per_row,
-    sigma_vector,
 )
 from tpflow.types import StepOutput
 
@@ -127,9 +126,7 @@ class CpsSampler:
             raise ValueError(
                 f"noise_level (α) of cps must lie in [0, 1] (ρ = σ⁺·sin(απ/2) peaks at α = 1); got {noise_level!r}."
             )
-        s = sigma_vector(sigma, z, "sigma")  # [N]
-        s_next = sigma_vector(sigma_next, z, "sigma_next")  # [N]
-        check_sigmas(s, s_next)
+        s, s_next = checked_sigmas(sigma, sigma_next, z)  # [N] each; checked on the host when they come from there
         rho = s_next * math.sin(alpha * math.pi / 2)  # [N]
         z32, v32 = z.float(), v.float()
         s_col, s_next_col = per_row(s, z), per_row(s_next, z)  # [N, 1, ...]

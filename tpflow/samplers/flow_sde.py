@@ -11,11 +11,10 @@ from torch import Tensor
 from tpflow.registry import register
 from tpflow.samplers._common import (
     check_latents,
-    check_sigmas,
+    checked_sigmas,
     draw_noise,
     mean_over_latent,
     per_row,
-    sigma_vector,
 )
 from tpflow.types import StepOutput
 
@@ -115,9 +114,7 @@ class FlowSdeSampler:
         alpha = float(noise_level)
         if not alpha >= 0:
             raise ValueError(f"noise_level (α) of flow-sde must be >= 0; got {noise_level!r}.")
-        s = sigma_vector(sigma, z, "sigma")  # [N]
-        s_next = sigma_vector(sigma_next, z, "sigma_next")  # [N]
-        check_sigmas(s, s_next)
+        s, s_next = checked_sigmas(sigma, sigma_next, z)  # [N] each; checked on the host when they come from there
         s_bar = torch.where(s == 1, s_next, s)  # σ = 1 guard: σ̄ = σ_1 = sigma_next
         if bool((s_bar == 1).any()):
             raise ValueError(

@@ -36,6 +36,7 @@ class Sampled:
     rollouts: list[Rollout]  # [B] transitions for the update (completions dropped: they are scored already)
     scored: list[ScoredBatch]  # [B] reward traces [n_b, W+1] and details
     seconds: float  # sampling + scoring wall time
+    wait_s: float = 0.0  # of which waiting for the scoring worker after the last rollout (not overlapped)
 
     @property
     def num_rows(self) -> int:

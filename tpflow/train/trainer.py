@@ -237,6 +237,7 @@ class Trainer:
             "decode_s": sum(s.decode_s for s in sampled.scored),
             "reward_s": sum(s.reward_s for s in sampled.scored),
             "sample_s": sampled.seconds,
+            "score_wait_s": sampled.wait_s,
             "update_s": update_s,
             **update,
         }
@@ -252,6 +253,11 @@ class Trainer:
         start = time.perf_counter()
         z0_seeds = {i: noise_seed(train, epoch, i) for b in batches for i in b.items} if rollout.same_noise else None
         completions = rollout.completions if self.credit.needs_completions else None
+        # The text encoders run once per epoch, on every distinct prompt of the epoch's plan (all processes alike, so
+        # the embeddings do not depend on the number of processes); each rollout batch indexes its rows.
+        plan = plan_epoch(len(self.train_items), train, epoch)
+        texts = sorted({self.train_items[i].prompt for b in plan.batches for i in b.items})
+        encoded, text_row = self.backbone.encode(texts), {text: k for k, text in enumerate(texts)}
         worker = ScoringWorker(self.backbone.decode, self.reward, chunk=train.score_batch, policy=recipe_policy(train))
         rollouts, jobs = [], []
         self._phase(f"epoch {epoch}: sampling", len(batches))
@@ -262,7 +268,7 @@ class Trainer:
                     rollout.num_steps, rollout.window_size, rollout.window_range, random.Random(b.seed)
                 )
                 generator = cpu_generator(b.seed)  # noise drawn on the CPU, moved to the model (tpflow.devices)
-                cond = self.backbone.encode([it.prompt for it in items])
+                cond = encoded.index([text_row[it.prompt] for it in items])
                 with self.accelerator.autocast():
                     out = rollout_from_settings(
                         self.backbone,
@@ -280,13 +286,15 @@ class Trainer:
                 rollouts.append(dataclasses.replace(out, completions=None))  # scored already; the update needs none
                 self._advance()
             self._phase(f"epoch {epoch}: scoring", len(jobs))
+            wait_start = time.perf_counter()  # the scoring tail: decode + reward the sampling did not hide
             scored = []
             for job in jobs:
                 scored.append(job.result())
                 self._advance()
+            wait_s = time.perf_counter() - wait_start
         finally:
             worker.close()
-        return Sampled(list(batches), rollouts, scored, time.perf_counter() - start)
+        return Sampled(list(batches), rollouts, scored, time.perf_counter() - start, wait_s)
 
     def _update(self, epoch: int, batch: Rollout, advantages: torch.Tensor) -> dict[str, float]:
         """The optimizer's pass over this process's trajectories, the EMA, and the finiteness check."""
