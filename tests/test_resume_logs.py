@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -34,13 +35,23 @@ def straight(tmp_path_factory: pytest.TempPathFactory, tiny_weights: Path) -> Pa
     return root
 
 
-def _resumed_from(straight: Path, tmp_path: Path, keep_epoch: int, tiny_weights: Path) -> Path:
-    """A copy of the run killed after ``keep_epoch``'s checkpoint (later checkpoints gone, later log lines kept, as
-    a kill leaves them), resumed to the end."""
+def _resumed_from(straight: Path, tmp_path: Path, keep_epoch: int, tiny_weights: Path, kill: str) -> Path:
+    """A copy of the run killed after ``keep_epoch``'s checkpoint, resumed to the end. Later log lines stay, as a kill
+    leaves them; the later checkpoints are gone (``kill="deleted"``: killed in the rollout of the next epoch) or the
+    next one is a complete ``.tmp-<step>-<pid>`` directory of a dead process (``"before-rename"``: killed between
+    its manifest and the rename, or killed from outside while writing it)."""
     shutil.copytree(straight / "run", tmp_path / "run")
+    later = []
     for path in sorted((tmp_path / "run" / "checkpoints").iterdir()):
         if json.loads((path / "state.json").read_text())["epoch"] > keep_epoch:
-            shutil.rmtree(path)
+            later.append(path)
+    if kill == "before-rename":
+        pid = subprocess.Popen(["true"])
+        pid.wait()
+        later[0].rename(later[0].with_name(f".tmp-{int(later[0].name)}-{pid.pid}"))
+        later = later[1:]
+    for path in later:
+        shutil.rmtree(path)
     recipe = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
     resumed = Trainer(load_recipe(recipe, EVERY_3), resume=True)
     assert resumed.epoch == keep_epoch
@@ -48,11 +59,12 @@ def _resumed_from(straight: Path, tmp_path: Path, keep_epoch: int, tiny_weights:
     return tmp_path / "run"
 
 
+@pytest.mark.parametrize("kill", ["deleted", "before-rename"])
 @pytest.mark.parametrize("keep_epoch", [4, 5])  # epochs without an eval: their lines carry epoch 3's
 def test_resume_at_an_epoch_without_eval_logs_what_the_straight_run_logged(
-    straight, tmp_path, tiny_weights, keep_epoch
+    straight, tmp_path, tiny_weights, keep_epoch, kill
 ):
-    run = _resumed_from(straight, tmp_path, keep_epoch, tiny_weights)
+    run = _resumed_from(straight, tmp_path, keep_epoch, tiny_weights, kill)
     metrics, traces = _logs(run)
     expected_metrics, expected_traces = _logs(straight / "run")
     assert [m["epoch"] for m in metrics] == [0, 1, 2, 3, 4, 5, 6]
