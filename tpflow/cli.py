@@ -16,20 +16,29 @@ one paragraph on stderr and exits with status 2, without a traceback.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from tpflow import __version__, registry
+from tpflow.cli_common import (
+    MachineRank,
+    MainProcessIp,
+    MainProcessPort,
+    NumMachines,
+    NumProcesses,
+    Overrides,
+    launch_if_asked,
+    make_console,
+    user_errors,
+)
 from tpflow.errors import UserError
+from tpflow.evaluation.commands import register as register_evaluation
 
 app = typer.Typer(
     name="tpflow",
@@ -38,79 +47,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-F = TypeVar("F", bound=Callable[..., Any])
-Overrides = Annotated[
-    list[str] | None,
-    typer.Option("--set", help="Override an option: section.key=value (repeatable).", show_default=False),
-]
-
-# The launcher options of `train` and `eval` (tpflow.launch consumes them; every other option reaches each process).
-NumProcesses = Annotated[
-    int,
-    typer.Option("--num-processes", min=1, help="Processes on this machine, one per GPU (docs/distributed.md)."),
-]
-NumMachines = Annotated[int, typer.Option("--num-machines", min=1, help="Machines taking part.")]
-MachineRank = Annotated[int, typer.Option("--machine-rank", min=0, help="This machine's rank, 0..M-1.")]
-MainProcessIp = Annotated[
-    str | None, typer.Option("--main-process-ip", help="Address of machine 0 (with --num-machines > 1).")
-]
-MainProcessPort = Annotated[int, typer.Option("--main-process-port", help="Port on machine 0.")]
-
-
-def _launch_if_asked(
-    ctx: typer.Context,
-    num_processes: int,
-    num_machines: int,
-    machine_rank: int,
-    main_process_ip: str | None,
-    main_process_port: int,
-    check: Callable[[], None] | None = None,
-) -> None:
-    """With more than one process asked for and no launcher around us: start them (torchrun in-process), each
-    running this command minus the launcher options, and exit with their status. ``check`` runs first, so a bad
-    layout is one error here rather than one per process."""
-    from tpflow.launch import child_command, launch, launched, torchrun_args
-
-    world = num_processes * num_machines
-    if world > 1 and not launched():
-        if num_machines > 1 and not main_process_ip:
-            raise UserError("--num-machines > 1 needs --main-process-ip, the address of machine 0.")
-        if machine_rank >= num_machines:
-            raise UserError(f"--machine-rank must be below --num-machines ({num_machines}), got {machine_rank}.")
-        if check is not None:
-            check()
-        child = child_command(ctx)  # this command as parsed, minus the launcher options
-        args = torchrun_args(child, num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
-        raise typer.Exit(launch(args))
-    if world > 1 and int(os.environ.get("WORLD_SIZE", "1")) != world:
-        _console(stderr=True).print(
-            f"[yellow]warning:[/] already started by a launcher with WORLD_SIZE={os.environ.get('WORLD_SIZE')}: "
-            f"--num-processes/--num-machines ({world} processes) are ignored."
-        )
-
-
-def _console(stderr: bool = False) -> Console:
-    # Wide enough for the tables when output is not a terminal (pipes, CI logs, tests).
-    console = Console(stderr=stderr)
-    if not console.is_terminal and not os.environ.get("COLUMNS"):
-        console = Console(stderr=stderr, width=160)
-    return console
-
-
-def user_errors(func: F) -> F:
-    """Turn UserError into one clear paragraph on stderr and exit status 2."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(*args, **kwargs)
-        except UserError as exc:
-            message = escape(str(exc))  # recipe sections look like rich markup: [credit]
-            _console(stderr=True).print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
-            raise typer.Exit(2) from None
-
-    return wrapper  # type: ignore[return-value]
 
 
 def _shapes_app() -> typer.Typer:
@@ -171,7 +107,7 @@ def components(
         for entry in registry.entries(k):
             table.add_row(k, entry.name, _describe_options(entry.options), _where(entry))
         broken += [f"{k}: {e}" for e in registry.plugin_errors(k)]
-    console = _console()
+    console = make_console()
     console.print(table)
     for line in broken:
         console.print(f"[yellow]plugin failed to load[/] {escape(line)}", soft_wrap=True, highlight=False)
@@ -209,7 +145,7 @@ def validate(
         table.add_row(kind, spec.name, _format_values(spec.options))
     for section, settings in loaded.settings.items():
         table.add_row(section, "", _format_values(settings))
-    _console().print(table)
+    make_console().print(table)
 
 
 @app.command()
@@ -262,14 +198,14 @@ def credit(
             )
             cells.append(" ".join(steps))
         table.add_row(str(b), " ".join(_num(x) for x in rows[b]), *cells)
-    _console().print(table)
+    make_console().print(table)
 
 
 def _warn_broken_plugins() -> None:
     """One warning line per installed plugin that failed to import (it stays unregistered; the rest works)."""
     for kind in registry.KINDS:
         for line in registry.plugin_errors(kind):
-            _console(stderr=True).print(
+            make_console(stderr=True).print(
                 f"[yellow]warning: plugin failed to load[/] {escape(line)}", soft_wrap=True, highlight=False
             )
 
@@ -320,13 +256,13 @@ def train(
         check_machine(loaded, run_dir or default_run_dir(loaded))
         check_layout(loaded.train, world)
 
-    _launch_if_asked(
+    launch_if_asked(
         ctx, num_processes, num_machines, machine_rank, main_process_ip, main_process_port, check=before_launch
     )
     from tpflow.train.trainer import Trainer
 
     resume_from: bool | Path = False if resume is None else (True if resume == _LATEST else Path(resume))
-    console = _console()
+    console = make_console()
     trainer = Trainer(loaded, run_dir=run_dir, resume=resume_from, console=console)
     try:
         metrics = trainer.fit()
@@ -391,7 +327,7 @@ def inspect_trajectory(
 
     if (recipe is None) == (run is None):
         raise UserError("Give exactly one of RECIPE (sample new trajectories, with --prompt) or --run RUN_DIR.")
-    console = _console()
+    console = make_console()
     if run is not None:
         result = inspect_run(run, epoch, n, credit_, out)
     else:
@@ -405,7 +341,7 @@ def inspect_trajectory(
         check_machine(loaded)  # devices, weight files, prompts: before anything loads
 
         def warn(text: str) -> None:
-            _console(stderr=True).print(f"[yellow]warning:[/] {escape(text)}", soft_wrap=True, highlight=False)
+            make_console(stderr=True).print(f"[yellow]warning:[/] {escape(text)}", soft_wrap=True, highlight=False)
 
         result = inspect_sampled(loaded, prompt, n, seed, checkpoint, credit_, out, warn)
     table = Table(title=f"{escape(result.trajectories.prompt)}: turning points of {result.marked}")
@@ -457,7 +393,7 @@ def serve_reward(
     """
     from tpflow.rewards.serve import Limits, parse_options, serve
 
-    console = _console()
+    console = make_console()
     limits = Limits(
         max_request_bytes=int(max_request_mb * 2**20),
         max_images=max_images,
@@ -490,7 +426,7 @@ def export(
     from tpflow.export import export as run_export
 
     summary = run_export(source, out, merge=merge, ema=ema)
-    console = _console()
+    console = make_console()
     what = "merged transformer" if merge else "LoRA adapter"
     console.print(
         f"wrote the {what} of {summary['checkpoint']} (step {summary['step']}, "
@@ -500,220 +436,7 @@ def export(
     )
 
 
-Target = Annotated[
-    str,
-    typer.Argument(help="A run dir, a checkpoint dir, a folder from `tpflow export`, or a recipe .toml (base model)."),
-]
-RecipeOption = Annotated[
-    Path | None,
-    typer.Option(help="The recipe of an exported adapter that has no recipe.json beside it.", show_default=False),
-]
-CheckpointOption = Annotated[
-    str | None,
-    typer.Option(help="With a run dir: the checkpoint's step or folder name (default: the newest valid).",
-                 show_default=False),
-]  # fmt: skip
-EmaOption = Annotated[bool, typer.Option(help="Use the run's EMA weights when it kept them (the paper's).")]
-SeedOption = Annotated[
-    int | None,
-    typer.Option(help="Noise seed (default: the recipe's eval seed, train.seed + 12345).", show_default=False),
-]
-GuidanceOption = Annotated[
-    float | None, typer.Option(help="Guidance scale (default: the recipe's eval.guidance).", show_default=False)
-]
-ResolutionOption = Annotated[
-    int | None,
-    typer.Option(help="Image side in pixels (sets backbone.resolution; SD3 / FLUX).", show_default=False),
-]
-
-
-def _target_overrides(set_: list[str] | None, resolution: int | None) -> list[str]:
-    return [*(set_ or []), *([f"backbone.resolution={resolution}"] if resolution is not None else [])]
-
-
-def _eval_accelerator(recipe: Any) -> Any:
-    from tpflow.devices import resolve_device
-    from tpflow.distributed import make_accelerator
-
-    cpu = resolve_device(getattr(recipe.backbone.options, "device", None)).type != "cuda"
-    return make_accelerator(cpu=cpu, mixed_precision="no" if cpu else recipe.train.mixed_precision)
-
-
-@app.command("eval")
-@user_errors
-def eval_(
-    ctx: typer.Context,
-    target: Target,
-    baseline: Annotated[
-        str | None,
-        typer.Option(
-            help="A second TARGET evaluated the same way; the table shows both and the difference.", show_default=False
-        ),
-    ] = None,
-    prompts: Annotated[
-        str,
-        typer.Option(help="test | train (the recipe's splits) | geneval | ocr | a .jsonl or text file of prompts."),
-    ] = "test",
-    num_prompts: Annotated[
-        int | None,
-        typer.Option(
-            min=1, help="The first N prompts (default: eval.num_prompts for test, else all).", show_default=False
-        ),
-    ] = None,
-    steps: Annotated[int, typer.Option(min=1, help="ODE sampling steps (the paper evaluates at 40).")] = 40,
-    guidance: GuidanceOption = None,
-    images_per_prompt: Annotated[int, typer.Option(min=1, help="Images per prompt (GenEval: 4).")] = 1,
-    seed: SeedOption = None,
-    resolution: ResolutionOption = None,
-    batch_size: Annotated[
-        int | None, typer.Option(min=1, help="Images per batch (default: eval.batch_size).", show_default=False)
-    ] = None,
-    recipe: RecipeOption = None,
-    checkpoint: CheckpointOption = None,
-    ema: EmaOption = True,
-    out: Annotated[
-        Path | None,
-        typer.Option(help="Output folder (default: RUN/eval/step<S>_<prompts>_T<steps>).", show_default=False),
-    ] = None,
-    set_: Overrides = None,
-    num_processes: NumProcesses = 1,
-    num_machines: NumMachines = 1,
-    machine_rank: MachineRank = 0,
-    main_process_ip: MainProcessIp = None,
-    main_process_port: MainProcessPort = 29500,
-) -> None:
-    """Sample TARGET on a prompt set by ODE and score it: a table per category (GenEval: strict accuracy per tag and
-    overall), eval.json and a sample grid.
-
-    Example: tpflow eval runs/geneval_tp --prompts geneval --images-per-prompt 4 --baseline recipes/geneval_tp.toml
-    """
-    from tpflow.distributed import Distributed
-    from tpflow.evaluation.run import EvalOptions, default_out, evaluate_target, write_outputs
-    from tpflow.evaluation.targets import resolve_target
-
-    overrides = _target_overrides(set_, resolution)
-    resolved = resolve_target(target, recipe, checkpoint, overrides)
-    other = resolve_target(baseline, None, None, overrides) if baseline is not None else None
-    from tpflow.preflight import check_machine
-
-    for which in (resolved, other):
-        if which is not None:  # before any weights load: devices, model files, the reward's server
-            check_machine(which.recipe, where=str(which.path))
-            which.recipe.preflight()
-    options = EvalOptions(
-        prompts=prompts, num_prompts=num_prompts, steps=steps, guidance=guidance,
-        images_per_prompt=images_per_prompt, seed=seed, batch_size=batch_size, ema=ema,
-    )  # fmt: skip
-    if prompts not in ("test", "train", "geneval", "ocr") and not Path(prompts).expanduser().is_file():
-        raise UserError(f"--prompts {prompts!r} is neither test, train, geneval, ocr nor an existing prompt file.")
-    _launch_if_asked(ctx, num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
-    accelerator = _eval_accelerator(resolved.recipe)
-    dist = Distributed(accelerator)
-    console = _console() if dist.is_main else Console(quiet=True)
-    results = []
-    for which in [resolved, *([other] if other is not None else [])]:
-        with _progress(console, f"eval {which.label}") as advance:
-            results.append(evaluate_target(which, options, dist, accelerator.autocast, advance))
-    if not dist.is_main:
-        return
-    result, base = results[0], (results[1] if len(results) > 1 else None)
-    folder = out or default_out(resolved, options)
-    console.print(_eval_table(result, base))
-    for path in write_outputs(folder, result, base, ema):
-        console.print(f"wrote {path}", highlight=False, markup=False)
-
-
-@app.command()
-@user_errors
-def sample(
-    target: Target,
-    prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="A prompt (repeatable): one row each.")],
-    n: Annotated[int, typer.Option("--n", min=1, help="Images per prompt.")] = 4,
-    out: Annotated[Path, typer.Option(help="The PNG to write (its tile layout goes to OUT.json).")] = Path(
-        "samples.png"
-    ),
-    steps: Annotated[int, typer.Option(min=1, help="ODE sampling steps.")] = 40,
-    guidance: GuidanceOption = None,
-    seed: Annotated[int, typer.Option(help="Noise seed.")] = 0,
-    resolution: ResolutionOption = None,
-    recipe: RecipeOption = None,
-    checkpoint: CheckpointOption = None,
-    ema: EmaOption = True,
-    set_: Overrides = None,
-) -> None:
-    """Images of TARGET for a quick look: one row per prompt, the prompt under each image.
-
-    Example: tpflow sample runs/shapes_tp --prompt "a photo of a red circle" --prompt "two blue squares" --n 4
-    """
-    from tpflow.evaluation.sample import captioned_grid, sample_images
-    from tpflow.evaluation.targets import resolve_target
-
-    if out.suffix.lower() != ".png":
-        raise UserError(f"--out {out} should name a .png file.")
-    resolved = resolve_target(target, recipe, checkpoint, _target_overrides(set_, resolution))
-    from tpflow.preflight import check_machine
-
-    check_machine(resolved.recipe, where=str(resolved.path))  # devices and model files, before weights load
-    accelerator = _eval_accelerator(resolved.recipe)
-    scale = resolved.recipe.eval.guidance if guidance is None else guidance
-    batch = resolved.recipe.eval.batch_size
-    images = sample_images(resolved, prompt, n, steps, scale, seed, accelerator.autocast, ema, batch)
-    grid = captioned_grid(images, [p for p in prompt for _ in range(n)], n, out)
-    _console().print(
-        f"wrote {grid.path} ({len(grid.boxes)} images of {resolved.label}, {steps} steps, guidance {scale:g}, "
-        f"seed {seed})",
-        highlight=False,
-        markup=False,
-    )
-
-
-def _progress(console: Console, description: str) -> Any:
-    """A context giving ``advance(images)`` for a rich progress bar (silent when not on a terminal)."""
-    import contextlib
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    @contextlib.contextmanager
-    def bar() -> Any:
-        progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            console=console, transient=True, disable=not console.is_terminal,
-        )  # fmt: skip
-        task = progress.add_task(escape(description), total=None)
-        with progress:
-            yield lambda images: progress.advance(task, images)
-
-    return bar()
-
-
-def _eval_table(result: Any, baseline: Any | None) -> Table:
-    """Per category: images, mean reward, GenEval strict accuracy (when the reward has it); with a baseline, its
-    figures and the difference."""
-    from tpflow.evaluation.run import difference
-
-    mine = result.categories()
-    figures = [key for key in ("reward", "strict") if key in mine["overall"]]
-    table = Table(title=f"tpflow eval: {escape(result.target.label)} ({result.settings['num_prompts']} prompts, "
-                        f"{result.settings['steps']} steps, {escape(str(result.settings['prompts']))})")  # fmt: skip
-    table.add_column("category", no_wrap=True)
-    table.add_column("images", justify="right")
-    for key in figures:
-        table.add_column(key, justify="right")
-        if baseline is not None:
-            table.add_column(f"baseline {key}", justify="right")
-            table.add_column(f"Δ {key}", justify="right")
-    theirs = baseline.categories() if baseline is not None else {}
-    delta = difference(result, baseline) if baseline is not None else {}
-    for category, row in mine.items():
-        cells = [category, str(int(row["images"]))]
-        for key in figures:
-            cells.append(f"{row[key]:.4f}")
-            if baseline is not None:
-                other = theirs.get(category, {}).get(key)
-                change = delta.get(category, {}).get(key)
-                cells += ["-" if other is None else f"{other:.4f}", "-" if change is None else f"{change:+.4f}"]
-        table.add_row(*cells, style="bold" if category == "overall" else None)
-    return table
+register_evaluation(app)  # tpflow eval, tpflow sample (after export in the help)
 
 
 def _format_values(model: Any) -> str:

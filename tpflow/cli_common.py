@@ -1,0 +1,88 @@
+"""What every ``tpflow`` command shares: the one-paragraph error wrapper, the console, and the option types of
+``--set`` and of the launcher (``train`` and ``eval`` start several processes the same way)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from tpflow.errors import UserError
+
+F = TypeVar("F", bound=Callable[..., Any])
+Overrides = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override an option: section.key=value (repeatable).", show_default=False),
+]
+
+# The launcher options of `train` and `eval` (tpflow.launch consumes them; every other option reaches each process).
+NumProcesses = Annotated[
+    int,
+    typer.Option("--num-processes", min=1, help="Processes on this machine, one per GPU (docs/distributed.md)."),
+]
+NumMachines = Annotated[int, typer.Option("--num-machines", min=1, help="Machines taking part.")]
+MachineRank = Annotated[int, typer.Option("--machine-rank", min=0, help="This machine's rank, 0..M-1.")]
+MainProcessIp = Annotated[
+    str | None, typer.Option("--main-process-ip", help="Address of machine 0 (with --num-machines > 1).")
+]
+MainProcessPort = Annotated[int, typer.Option("--main-process-port", help="Port on machine 0.")]
+
+
+def launch_if_asked(
+    ctx: typer.Context,
+    num_processes: int,
+    num_machines: int,
+    machine_rank: int,
+    main_process_ip: str | None,
+    main_process_port: int,
+    check: Callable[[], None] | None = None,
+) -> None:
+    """With more than one process asked for and no launcher around us: start them (torchrun in-process), each
+    running this command minus the launcher options, and exit with their status. ``check`` runs first, so a bad
+    layout is one error here rather than one per process."""
+    from tpflow.launch import child_command, launch, launched, torchrun_args
+
+    world = num_processes * num_machines
+    if world > 1 and not launched():
+        if num_machines > 1 and not main_process_ip:
+            raise UserError("--num-machines > 1 needs --main-process-ip, the address of machine 0.")
+        if machine_rank >= num_machines:
+            raise UserError(f"--machine-rank must be below --num-machines ({num_machines}), got {machine_rank}.")
+        if check is not None:
+            check()
+        child = child_command(ctx)  # this command as parsed, minus the launcher options
+        args = torchrun_args(child, num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
+        raise typer.Exit(launch(args))
+    if world > 1 and int(os.environ.get("WORLD_SIZE", "1")) != world:
+        make_console(stderr=True).print(
+            f"[yellow]warning:[/] already started by a launcher with WORLD_SIZE={os.environ.get('WORLD_SIZE')}: "
+            f"--num-processes/--num-machines ({world} processes) are ignored."
+        )
+
+
+def make_console(stderr: bool = False) -> Console:
+    # Wide enough for the tables when output is not a terminal (pipes, CI logs, tests).
+    console = Console(stderr=stderr)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(stderr=stderr, width=160)
+    return console
+
+
+def user_errors(func: F) -> F:
+    """Turn UserError into one clear paragraph on stderr and exit status 2."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except UserError as exc:
+            message = escape(str(exc))  # recipe sections look like rich markup: [credit]
+            make_console(stderr=True).print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
