@@ -222,3 +222,8 @@ def test_an_adapter_of_another_backbone_exits_2(run, capsys, tmp_path):
     assert code == 2 and "--recipe" in _one_paragraph(err)
     code, _, err = cli(capsys, "eval", str(bare), "--recipe", tiny, "--steps", "2")
     assert code == 2 and "Was it trained on another model?" in _one_paragraph(err) or "No LoRA adapter" in err
+
+
+def test_resolution_of_a_fixed_size_backbone_exits_2(capsys):
+    code, _, err = cli(capsys, "eval", str(RECIPE), "--resolution", "64")
+    assert code == 2 and "fixed image size" in _one_paragraph(err)
