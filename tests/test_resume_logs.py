@@ -99,8 +99,19 @@ def test_resume_with_a_new_learning_rate_uses_and_records_it(straight, tmp_path,
     assert json.loads((path / "recipe.json").read_text())["optimizer"]["learning_rate"] == 1e-5
 
 
-def test_resume_with_another_lora_shape_is_refused(straight, tmp_path, tiny_weights):
+def test_resume_with_another_lora_shape_is_refused_before_the_model_loads(
+    straight, tmp_path, tiny_weights, monkeypatch
+):
+    from tpflow.recipe import ComponentSpec
+
     shutil.copytree(straight / "run", tmp_path / "run")
     recipe = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
+    real_build = ComponentSpec.build
+
+    def build(spec: ComponentSpec):
+        assert spec.kind not in ("backbone", "reward"), "refused after the weights loaded"
+        return real_build(spec)
+
+    monkeypatch.setattr(ComponentSpec, "build", build)
     with pytest.raises(UserError, match=r"backbone\.lora_rank: 8 in the checkpoint, 4 now"):
         Trainer(load_recipe(recipe, [*EVERY_3, "backbone.lora_rank=4"]), resume=True)

@@ -121,6 +121,7 @@ class Trainer:
         if not self.dist.is_main:
             self.console = Console(quiet=True)  # one process reports; every process raises its own errors
         check_layout(train, self.dist.world_size)
+        checkpoint = self._checkpoint_to_resume(resume)  # before any weights load
         torch.manual_seed(train.seed)  # the same on every process: the adapters start equal
         random.seed(train.seed)
         self.backbone = recipe.build("backbone")
@@ -141,7 +142,7 @@ class Trainer:
         self._task: TaskID | None = None
         self.nonfinite_epochs = 0
         self._weights_ahead = False  # True from an epoch's update until self.epoch counts it
-        self._resume(resume)
+        self._restore(checkpoint)
         self.dist.check_in_sync(self._named_trainable())
         self.logger = (
             RunLogger(self.run_dir, Trackers(self.accelerator, recipe.log, self.run_dir, recipe.data, bool(resume)))
@@ -382,7 +383,10 @@ class Trainer:
         if self._progress is not None:
             self._progress.advance(self._task)
 
-    def _resume(self, resume: bool | Path) -> None:
+    def _checkpoint_to_resume(self, resume: bool | Path) -> Checkpoint | None:
+        """The checkpoint ``resume`` names, verified and read (small files, CPU tensors), with the recipe changes
+        checked against it; None for a fresh start (whose run dir must hold no checkpoint). Runs before any model is
+        built, so a refused resume costs no weight loading."""
         existing, _ = find_checkpoint(self.run_dir) if self.run_dir.exists() else (None, [])
         if not resume:
             if existing is not None:
@@ -395,7 +399,7 @@ class Trainer:
                     f"[yellow]note:[/] {self.run_dir} held the logs of an attempt that wrote no checkpoint; "
                     "this run starts them afresh."
                 )
-            return
+            return None
         where = self.run_dir if resume is True else Path(resume)
         path, warnings = find_checkpoint(where)
         for warning in warnings:
@@ -411,6 +415,13 @@ class Trainer:
             )
         ckpt = load_checkpoint(path)
         self._report_changes(ckpt)
+        return ckpt
+
+    def _restore(self, ckpt: Checkpoint | None) -> None:
+        """Put a checkpoint's adapter, optimizer, EMA and RNG states in place (None: nothing to restore)."""
+        if ckpt is None:
+            return
+        path = ckpt.path
         try:
             self.backbone.load_adapter(ckpt.adapter_dir)
             self.optimizer.load_state_dict(ckpt.optimizer_state)
