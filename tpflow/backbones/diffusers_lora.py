@@ -182,3 +182,32 @@ class LoraAdapter:
     def save_merged(self, directory: Path) -> None:
         """The transformer with the adapter merged in, as a diffusers model folder (``from_pretrained`` reads it)."""
         save_merged(self.transformer, directory)
+
+
+class AdapterMethods:
+    """The adapter half of the Backbone protocol for a backbone that holds a ``LoraAdapter`` as ``self.adapter``:
+    each method forwards to it (SD3 and FLUX share these; shapes-dit has its own peft model). ``eval`` / ``train``
+    return the backbone: sampling and training share one module state."""
+
+    adapter: LoraAdapter
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return self.adapter.parameters()
+
+    def reference(self) -> contextlib.AbstractContextManager[None]:
+        return self.adapter.disabled()
+
+    def save_adapter(self, directory: Path) -> None:
+        self.adapter.save(directory)
+
+    def load_adapter(self, directory: Path) -> None:
+        self.adapter.load(directory)
+
+    def save_merged(self, directory: Path) -> None:
+        self.adapter.save_merged(directory)
+
+    def eval(self):  # noqa: ANN201
+        return self
+
+    def train(self, mode: bool = True):  # noqa: ANN201
+        return self

@@ -14,8 +14,6 @@ the batch; the schedule is ``linspace(1, 1/K, K)`` with the resolution-dependent
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -31,6 +29,7 @@ from tpflow.backbones.diffusers_common import (
     scheduler_sigmas,
     setup_pipeline,
 )
+from tpflow.backbones.diffusers_lora import AdapterMethods
 from tpflow.devices import randn
 from tpflow.registry import register
 from tpflow.types import Conditioning
@@ -65,7 +64,7 @@ class FluxOptions(DiffusersBackboneOptions):
     lora_targets: list[str] = Field(default_factory=lambda: list(FLUX_LORA_TARGETS))
 
 
-class FluxBackbone:
+class FluxBackbone(AdapterMethods):
     """Backbone (tpflow.interfaces) around a ``FluxPipeline``'s components.
 
     Latents: packed [N, S, 4·C] float32 with S = (H/2f)·(W/2f). ``cond.tensors``: ``prompt_embeds`` [N, L, D] and
@@ -83,29 +82,6 @@ class FluxBackbone:
         self.channels = self.transformer.config.in_channels // 4
         self.img_ids = pipe._prepare_latent_image_ids(1, side // 2, side // 2, self.device, self.dtype)  # [S, 3]
         self._txt_ids: Tensor | None = None
-
-    # ---- adapter: the protocol's adapter half, forwarded to self.adapter (diffusers_lora.LoraAdapter) -------
-
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return self.adapter.parameters()
-
-    def reference(self) -> AbstractContextManager[None]:
-        return self.adapter.disabled()
-
-    def save_adapter(self, directory: Path) -> None:
-        self.adapter.save(directory)
-
-    def load_adapter(self, directory: Path) -> None:
-        self.adapter.load(directory)
-
-    def save_merged(self, directory: Path) -> None:
-        self.adapter.save_merged(directory)
-
-    def eval(self):  # noqa: ANN201 - the backbone itself: sampling and training share one module state
-        return self
-
-    def train(self, mode: bool = True):  # noqa: ANN201
-        return self
 
     # ---- text ----------------------------------------------------------------------------------------------
 

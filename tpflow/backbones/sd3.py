@@ -15,8 +15,6 @@ Latents stay float32 between steps (the sampler's log-prob needs it); the transf
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +30,7 @@ from tpflow.backbones.diffusers_common import (
     scheduler_sigmas,
     setup_pipeline,
 )
+from tpflow.backbones.diffusers_lora import AdapterMethods
 from tpflow.devices import randn
 from tpflow.registry import register
 from tpflow.types import Conditioning
@@ -59,7 +58,7 @@ class SD3Options(DiffusersBackboneOptions):
     negative_prompt: str = Field("", description="Prompt of the unconditional CFG branch.")
 
 
-class SD3Backbone:
+class SD3Backbone(AdapterMethods):
     """Backbone (tpflow.interfaces) around a ``StableDiffusion3Pipeline``'s components.
 
     Latents: [N, 16, H/8, W/8] float32 for SD3.5 (C, H/f, W/f in general). ``cond.tensors``: ``prompt_embeds``
@@ -74,29 +73,6 @@ class SD3Backbone:
         self.device, self.dtype, self.text_device = parts.device, parts.dtype, parts.text_device
         self.transformer, self.vae, self.scale, self.cache = parts.transformer, parts.vae, parts.scale, parts.cache
         self._negative: dict[str, Tensor] | None = None
-
-    # ---- adapter: the protocol's adapter half, forwarded to self.adapter (diffusers_lora.LoraAdapter) -------
-
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return self.adapter.parameters()
-
-    def reference(self) -> AbstractContextManager[None]:
-        return self.adapter.disabled()
-
-    def save_adapter(self, directory: Path) -> None:
-        self.adapter.save(directory)
-
-    def load_adapter(self, directory: Path) -> None:
-        self.adapter.load(directory)
-
-    def save_merged(self, directory: Path) -> None:
-        self.adapter.save_merged(directory)
-
-    def eval(self):  # noqa: ANN201 - the backbone itself: sampling and training share one module state
-        return self
-
-    def train(self, mode: bool = True):  # noqa: ANN201
-        return self
 
     # ---- text ----------------------------------------------------------------------------------------------
 
