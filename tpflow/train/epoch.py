@@ -116,3 +116,22 @@ class EpochRows:
             batches=dist.gather(self.batches),
             rows=dist.gather(self.rows),
         )
+
+
+SUMMED = ("nonfinite_losses", "trajectories_trained")  # update metrics added over the processes
+MAXED = ("first_ratio_max_deviation", "optimizer_steps")  # the largest over the processes; the rest are means
+
+
+def combine_update_metrics(per_process: list[dict[str, float]]) -> dict[str, float]:
+    """The update metrics of every process as one dict: sums, maxima, or means over the processes that have them."""
+    names = sorted({name for metrics in per_process for name in metrics})
+    combined = {}
+    for name in names:
+        values = [m[name] for m in per_process if name in m]
+        if name in SUMMED:
+            combined[name] = float(sum(values))
+        elif name in MAXED:
+            combined[name] = float(max(values))
+        else:
+            combined[name] = float(sum(values) / len(values))
+    return combined

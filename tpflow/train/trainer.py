@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -45,7 +44,7 @@ from tpflow.devices import cpu_generator, resolve_device
 from tpflow.distributed import Distributed, make_accelerator
 from tpflow.errors import UserError
 from tpflow.preflight import check_machine
-from tpflow.recipe import FIXED_ON_RESUME, Recipe, recipe_changes
+from tpflow.recipe import Recipe
 from tpflow.rewards.call import recipe_policy
 from tpflow.rollout import draw_window, rollout_from_settings
 from tpflow.train.allocator import keep_freed_memory
@@ -53,17 +52,16 @@ from tpflow.train.checkpoint import (
     Checkpoint,
     CheckpointError,
     capture_rng_state,
-    find_checkpoint,
-    load_checkpoint,
     restore_rng_state,
     save_checkpoint,
 )
 from tpflow.train.ema import EMA
-from tpflow.train.epoch import EpochRows, Sampled, prompt_groups
+from tpflow.train.epoch import EpochRows, Sampled, combine_update_metrics, prompt_groups
 from tpflow.train.evaluation import eval_seed, evaluate
 from tpflow.train.prompt_sampler import check_layout, noise_seed, plan_epoch
+from tpflow.train.resume import checkpoint_to_resume
 from tpflow.train.run_lock import RunDirLock
-from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, start_clean, truncate_after
+from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, truncate_after
 from tpflow.train.scoring import ScoringWorker
 from tpflow.train.trackers import Trackers, tracker_dir
 from tpflow.types import PromptItem, Rollout
@@ -121,7 +119,8 @@ class Trainer:
         if not self.dist.is_main:
             self.console = Console(quiet=True)  # one process reports; every process raises its own errors
         check_layout(train, self.dist.world_size)
-        checkpoint = self._checkpoint_to_resume(resume)  # before any weights load
+        # the checkpoint to resume, verified and compared with this recipe before any weights load (train/resume.py)
+        checkpoint = checkpoint_to_resume(self.run_dir, resume, self.recipe, self.console, self.dist.is_main)
         torch.manual_seed(train.seed)  # the same on every process: the adapters start equal
         random.seed(train.seed)
         self.backbone = recipe.build("backbone")
@@ -307,7 +306,7 @@ class Trainer:
         if self.ema is not None:
             for step in range(steps_before, self.optimizer.global_step):
                 self.ema.step(step)
-        update = _combine(self.dist.gather_objects([update]))
+        update = combine_update_metrics(self.dist.gather_objects([update]))
         self._check_finite(update)
         return update
 
@@ -383,40 +382,6 @@ class Trainer:
         if self._progress is not None:
             self._progress.advance(self._task)
 
-    def _checkpoint_to_resume(self, resume: bool | Path) -> Checkpoint | None:
-        """The checkpoint ``resume`` names, verified and read (small files, CPU tensors), with the recipe changes
-        checked against it; None for a fresh start (whose run dir must hold no checkpoint). Runs before any model is
-        built, so a refused resume costs no weight loading."""
-        existing, _ = find_checkpoint(self.run_dir) if self.run_dir.exists() else (None, [])
-        if not resume:
-            if existing is not None:
-                raise UserError(
-                    f"Run dir {self.run_dir} already holds checkpoint {existing.name}. Continue it with --resume, "
-                    "or pick another directory with --run-dir (or `--set train.run_dir=...`)."
-                )
-            if self.dist.is_main and start_clean(self.run_dir):
-                self.console.print(
-                    f"[yellow]note:[/] {self.run_dir} held the logs of an attempt that wrote no checkpoint; "
-                    "this run starts them afresh."
-                )
-            return None
-        where = self.run_dir if resume is True else Path(resume)
-        path, warnings = find_checkpoint(where)
-        for warning in warnings:
-            self.console.print(f"[yellow]warning:[/] {warning}")
-        if path is None:
-            raise UserError(f"No valid checkpoint to resume from in {where}.")
-        own = (self.run_dir / "checkpoints").resolve()  # where save() writes, through a linked folder too
-        if resume is True and not (path.resolve().is_relative_to(own) or path.resolve() == self.run_dir.resolve()):
-            raise CheckpointError(
-                f"The newest checkpoint of {self.run_dir}, {path}, links to {path.resolve()}, outside the run's "
-                "checkpoints: --resume continues a run only from its own checkpoints. To start from another run's "
-                f"checkpoint, name it: --resume {path.resolve()}."
-            )
-        ckpt = load_checkpoint(path)
-        self._report_changes(ckpt)
-        return ckpt
-
     def _restore(self, ckpt: Checkpoint | None) -> None:
         """Put a checkpoint's adapter, optimizer, EMA and RNG states in place (None: nothing to restore)."""
         if ckpt is None:
@@ -442,29 +407,6 @@ class Trainer:
             truncate_after(self.run_dir, self.epoch - 1)
         self.dist.barrier()
         self.console.print(f"resumed from {path} (epoch {self.epoch}, step {self.optimizer.global_step})")
-
-    def _report_changes(self, ckpt: Checkpoint) -> None:
-        """Resuming with a recipe that differs from the checkpoint's: refuse what the checkpoint's adapter cannot
-        follow (another model, another LoRA shape); say what else changed, which applies from here on (the learning
-        rate and AdamW settings go into the optimizer's parameter groups, see GRPO.load_state_dict)."""
-        changes, path = recipe_changes(ckpt.recipe, self.recipe), ckpt.path
-        fixed = [(k, a, b) for k, a, b in changes if k in FIXED_ON_RESUME]
-        if fixed:
-            listed = "; ".join(f"{k}: {a!r} in the checkpoint, {b!r} now" for k, a, b in fixed)
-            raise UserError(
-                f"Cannot resume {path} with this recipe: {listed}. The checkpoint's adapter belongs to the model and "
-                "LoRA shape it was trained with; resume with the recipe's original values, or start a new run dir."
-            )
-        shown = [(k, a, b) for k, a, b in changes if k != "train.epochs"]  # more epochs is what resuming is for
-        if shown:
-            listed = "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in shown)
-            self.console.print(
-                f"[yellow]warning:[/] resuming with a recipe that differs from the checkpoint's: {escape(listed)}. "
-                f"The new values apply from epoch {ckpt.train_state.get('epoch')} on and are what later checkpoints "
-                "record.",
-                soft_wrap=True,
-                highlight=False,
-            )
 
     def _named_trainable(self) -> list[tuple[str, torch.Tensor]]:
         return [(str(k), p) for k, p in enumerate(self.backbone.trainable_parameters())]
@@ -503,22 +445,3 @@ class Trainer:
                 )
         else:
             self.nonfinite_epochs = 0
-
-
-SUMMED = ("nonfinite_losses", "trajectories_trained")  # update metrics added over the processes
-MAXED = ("first_ratio_max_deviation", "optimizer_steps")  # the largest over the processes; the rest are means
-
-
-def _combine(per_process: list[dict[str, float]]) -> dict[str, float]:
-    """The update metrics of every process as one dict: sums, maxima, or means over the processes that have them."""
-    names = sorted({name for metrics in per_process for name in metrics})
-    combined = {}
-    for name in names:
-        values = [m[name] for m in per_process if name in m]
-        if name in SUMMED:
-            combined[name] = float(sum(values))
-        elif name in MAXED:
-            combined[name] = float(max(values))
-        else:
-            combined[name] = float(sum(values) / len(values))
-    return combined
