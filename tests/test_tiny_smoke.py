@@ -131,3 +131,17 @@ def test_eval_of_the_exported_lora_equals_eval_of_its_run(trained, tmp_path):
     base = tmp_path / "base_eval"  # the base model differs: the comparison has teeth
     assert cli("eval", str(RECIPE), "--steps", steps, "--out", str(base)) == 0
     assert json.loads((base / "eval.json").read_text())["target"]["metrics"] != of_run["metrics"]
+
+
+def test_eval_of_a_run_at_another_resolution(trained, tmp_path):
+    """--resolution reaches the backbone rebuilt from the checkpoint's recipe (tiny-sd3 trains at 16 px)."""
+    import json
+
+    from PIL import Image
+
+    _, _, _, run = trained
+    assert cli("eval", str(run), "--resolution", "32", "--steps", "2", "--out", str(tmp_path / "e")) == 0
+    data = json.loads((tmp_path / "e" / "eval.json").read_text())["target"]
+    assert data["settings"]["resolution"] == 32
+    width, height = Image.open(tmp_path / "e" / "grid.png").size
+    assert (width - 2) % (32 * 4 + 2) == 0  # tiles of 32 px, enlarged 4x, with 2 px gaps (samples.save_grid)

@@ -58,23 +58,6 @@ ResolutionOption = Annotated[
 ]
 
 
-def _resolve(target: str, recipe: Path | None, checkpoint: str | None, set_: list[str] | None,
-             resolution: int | None) -> Any:  # fmt: skip
-    """``resolve_target`` with ``--set`` overrides and ``--resolution`` (``backbone.resolution``, which only the
-    backbones with a variable image size have)."""
-    from tpflow.evaluation.targets import resolve_target
-
-    resolved = resolve_target(target, recipe, checkpoint, list(set_ or []))
-    if resolution is None:
-        return resolved
-    if "resolution" not in type(resolved.recipe.backbone.options).model_fields:
-        raise UserError(
-            f"--resolution {resolution}: the {resolved.recipe.backbone.name!r} backbone of {target} has a fixed image "
-            "size; --resolution applies to the SD3 and FLUX backbones."
-        )
-    return resolve_target(target, recipe, checkpoint, [*(set_ or []), f"backbone.resolution={resolution}"])
-
-
 def _eval_accelerator(recipe: Any) -> Any:
     from tpflow.devices import resolve_device
     from tpflow.distributed import make_accelerator
@@ -132,9 +115,10 @@ def eval_(
     """
     from tpflow.distributed import Distributed
     from tpflow.evaluation.run import EvalOptions, default_out, evaluate_target, write_outputs
+    from tpflow.evaluation.targets import resolve_target
 
-    resolved = _resolve(target, recipe, checkpoint, set_, resolution)
-    other = _resolve(baseline, None, None, set_, resolution) if baseline is not None else None
+    resolved = resolve_target(target, recipe, checkpoint, set_, resolution)
+    other = resolve_target(baseline, None, None, set_, resolution) if baseline is not None else None
     from tpflow.preflight import check_machine
 
     for which in (resolved, other):
@@ -189,7 +173,9 @@ def sample(
 
     if out.suffix.lower() != ".png":
         raise UserError(f"--out {out} should name a .png file.")
-    resolved = _resolve(target, recipe, checkpoint, set_, resolution)
+    from tpflow.evaluation.targets import resolve_target
+
+    resolved = resolve_target(target, recipe, checkpoint, set_, resolution)
     from tpflow.preflight import check_machine
 
     check_machine(resolved.recipe, where=str(resolved.path))  # devices and model files, before weights load

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import torch
 
+from tpflow import registry
 from tpflow.errors import UserError
 from tpflow.recipe import Recipe, apply_overrides, load_recipe, validate_recipe
 
@@ -55,12 +56,14 @@ def resolve_target(
     recipe: Path | None = None,
     checkpoint: str | None = None,
     overrides: list[str] | None = None,
+    resolution: int | None = None,
 ) -> Target:
     """Decide what TARGET is: a recipe TOML (the base model), a run dir (its newest valid checkpoint, or the one
     ``checkpoint`` names: a step or a directory name under ``checkpoints/``), a checkpoint dir, or an exported
     adapter folder (``tpflow export``; its recipe is stored beside it, or ``recipe`` gives one).
 
-    ``overrides`` (``section.key=value``) apply to the recipe however it was found, e.g. a moved model path."""
+    ``overrides`` (``section.key=value``) apply to the recipe however it was found, e.g. a moved model path;
+    ``resolution`` sets ``backbone.resolution`` (only backbones with a variable image size have it)."""
     from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
 
     path = Path(target)
@@ -76,7 +79,10 @@ def resolve_target(
             raise UserError(f"Target {path} is a file but not a recipe (.toml); see `tpflow eval --help`.")
         if checkpoint is not None:
             raise UserError("--checkpoint picks a checkpoint of a run dir; the target here is a recipe.")
-        return Target("recipe", path, load_recipe(path, overrides))
+        loaded = load_recipe(path, overrides)
+        if resolution is not None:
+            loaded = validate_recipe(_with_resolution(loaded.data, resolution, path), where=str(path), path=path)
+        return Target("recipe", path, loaded)
     if recipe is not None and (path / "checkpoints").is_dir():
         raise UserError(
             f"{path} is a run dir: its checkpoints hold the recipe they were trained with, so --recipe is not "
@@ -91,7 +97,7 @@ def resolve_target(
             why = f" ({'; '.join(notes)})" if notes else ""
             raise UserError(f"No valid checkpoint in {where}{why}. Train it first, or pass a checkpoint dir.")
         ckpt = load_checkpoint(found)
-        data = ckpt.recipe
+        data = _with_resolution(ckpt.recipe, resolution, path)
         apply_overrides(data, overrides)
         kind = "run" if (path / "checkpoints").is_dir() else "checkpoint"
         run = path if kind == "run" else found.parent.parent
@@ -118,8 +124,10 @@ def resolve_target(
         )
     if recipe is not None:
         loaded = load_recipe(recipe, overrides)
+        if resolution is not None:
+            loaded = validate_recipe(_with_resolution(loaded.data, resolution, path), where=str(recipe), path=recipe)
     elif (path / EXPORT_RECIPE).is_file():
-        data = _read_json(path / EXPORT_RECIPE)
+        data = _with_resolution(_read_json(path / EXPORT_RECIPE), resolution, path)
         apply_overrides(data, overrides)
         loaded = validate_recipe(data, where=f"the recipe stored in {path / EXPORT_RECIPE}")
     else:
@@ -168,6 +176,26 @@ def apply_ema(backbone: Any, ema_state: dict[str, torch.Tensor], where: Path) ->
                     f"{list(param.shape)}."
                 )
             param.copy_(shadow.to(param.device, param.dtype))
+
+
+def _with_resolution(data: dict[str, Any], resolution: int | None, target: Path) -> dict[str, Any]:
+    """``data`` with ``backbone.resolution`` set; a backbone without that option (a fixed image size) is a UserError.
+    An unknown backbone name is left for the recipe's validation to report."""
+    if resolution is None:
+        return data
+    name = (data.get("backbone") or {}).get("name")
+    if not isinstance(name, str):
+        return data
+    try:
+        fields = registry.get("backbone", name).options.model_fields
+    except UserError:
+        return data
+    if "resolution" not in fields:
+        raise UserError(
+            f"--resolution {resolution}: the {name!r} backbone of {target} has a fixed image size; --resolution "
+            "applies to the SD3 and FLUX backbones."
+        )
+    return {**data, "backbone": {**data["backbone"], "resolution": resolution}}
 
 
 def _named_checkpoint(run: Path, name: str) -> Path:
