@@ -36,6 +36,7 @@ from tpflow.cli_common import (
     launch_if_asked,
     make_console,
     user_errors,
+    warn_broken_plugins,
 )
 from tpflow.errors import UserError
 from tpflow.evaluation.commands import register as register_evaluation
@@ -132,7 +133,7 @@ def validate(
     from tpflow.recipe import load_recipe
 
     loaded = load_recipe(recipe, set_ or [])
-    _warn_broken_plugins()
+    warn_broken_plugins()
     if machine:
         check_machine(loaded, default_run_dir(loaded))
     if not offline:
@@ -201,15 +202,6 @@ def credit(
     make_console().print(table)
 
 
-def _warn_broken_plugins() -> None:
-    """One warning line per installed plugin that failed to import (it stays unregistered; the rest works)."""
-    for kind in registry.KINDS:
-        for line in registry.plugin_errors(kind):
-            make_console(stderr=True).print(
-                f"[yellow]warning: plugin failed to load[/] {escape(line)}", soft_wrap=True, highlight=False
-            )
-
-
 def _num(x: float) -> str:
     return f"{x:g}"
 
@@ -246,7 +238,7 @@ def train(
 
     overrides = [*(set_ or []), *([f"train.epochs={epochs}"] if epochs is not None else [])]
     loaded = load_recipe(recipe, overrides)
-    _warn_broken_plugins()
+    warn_broken_plugins()
     loaded.preflight()  # e.g. the remote reward's server is up: fail now, not after the model has loaded
     world = num_processes * num_machines
 

@@ -86,3 +86,14 @@ def user_errors(func: F) -> F:
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def warn_broken_plugins() -> None:
+    """One warning line per installed plugin that failed to import (it stays unregistered; the rest works)."""
+    from tpflow import registry
+
+    for kind in registry.KINDS:
+        for line in registry.plugin_errors(kind):
+            make_console(stderr=True).print(
+                f"[yellow]warning: plugin failed to load[/] {escape(line)}", soft_wrap=True, highlight=False
+            )

@@ -21,6 +21,7 @@ from tpflow.cli_common import (
     launch_if_asked,
     make_console,
     user_errors,
+    warn_broken_plugins,
 )
 from tpflow.errors import UserError
 
@@ -117,6 +118,7 @@ def eval_(
     from tpflow.evaluation.run import EvalOptions, default_out, evaluate_target, write_outputs
     from tpflow.evaluation.targets import resolve_target
 
+    warn_broken_plugins()
     resolved = resolve_target(target, recipe, checkpoint, set_, resolution)
     other = resolve_target(baseline, None, None, set_, resolution) if baseline is not None else None
     from tpflow.preflight import check_machine
