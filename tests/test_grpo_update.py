@@ -89,3 +89,29 @@ def test_the_update_takes_the_advantages_as_given(backbone):
     optimizer = tpflow.build("optimizer", "grpo", adv_clip_max=10.0, learning_rate=1e-12, micro_batch_size=4)
     metrics = optimizer.update(backbone, sampler, batch, torch.full((4, 3), 12.0, dtype=torch.float64))
     assert metrics["policy_loss"] == pytest.approx(-12.0, rel=1e-3)
+
+
+@pytest.mark.parametrize("beta", [0.0, 1e-2])
+def test_zero_std_rows_are_masked_per_row(backbone, beta):
+    """A micro-batch may mix rollout batches whose windows start differently: at window position 2, the rows of a
+    window [1, 4) step to σ = 0 (cps: std 0, no likelihood ratio) while the rows of a window [0, 3) do not. The
+    zero-std rows must enter neither the surrogate nor its mean: the loss equals that of the live rows alone."""
+    sampler = tpflow.build("sampler", "cps")
+    cond = backbone.encode(["a photo of a red circle"] * 2)
+    sigmas = backbone.sigmas(4)
+    early, late = (
+        rollout(backbone, sampler, cond, backbone.initial_noise(2, torch.Generator().manual_seed(s)), sigmas,
+                Window(s, 3), 0.7, 1.0, None, generator=torch.Generator().manual_seed(10 + s))
+        for s in (0, 1)
+    )  # fmt: skip
+    assert bool((late.sigmas[:, -1] == 0).all()) and bool((early.sigmas[:, -1] > 0).all())
+    mixed = tpflow.types.Rollout.cat([early, late])  # rows 0-1: live at i = 2; rows 2-3: std 0 at i = 2
+    optimizer = tpflow.build("optimizer", "grpo", beta=beta)
+    adv = torch.tensor([1.5, -0.5, 3.0, 2.0])  # mean over all rows 1.5, over the live rows 0.5
+    loss_mixed, info_mixed = optimizer._step_loss(backbone, sampler, mixed, adv, 2)
+    loss_live, info_live = optimizer._step_loss(backbone, sampler, early, adv[:2], 2)
+    assert loss_mixed.item() == pytest.approx(loss_live.item(), rel=1e-6, abs=1e-9)
+    assert info_mixed["policy_loss"] == pytest.approx(-0.5, rel=1e-5)  # on policy: −mean(A) over rows 0-1 only
+    assert info_mixed["kl"] == pytest.approx(info_live["kl"], rel=1e-6, abs=1e-12)
+    # all rows at std 0: the step is skipped outright
+    assert optimizer._step_loss(backbone, sampler, late, adv[2:], 2) is None

@@ -205,7 +205,8 @@ class GRPO:
     stored transition (``Sampler.log_prob``), take the clipped surrogate and, when β > 0, the KL to the
     adapter-disabled model (``Backbone.reference``). Gradients are averaged over the losses of
     ``gradient_accumulation_steps`` micro-batches × their trained steps, then norm-clipped, before each AdamW
-    step. Window steps whose transition std is 0 (cps at σ⁺ = 0) carry no likelihood ratio and are never trained.
+    step. A window step's rows whose transition std is 0 (cps at σ⁺ = 0) carry no likelihood ratio and are never
+    trained: they are left out of that step's surrogate, KL and means, row by row.
 
     On several processes (``bind`` with a distributed accelerator) each walks its own trajectories, all take the
     same number of optimizer steps, and each step's gradient is the mean over every process's losses
@@ -336,22 +337,32 @@ class GRPO:
     def _step_loss(
         self, backbone: Backbone, sampler: Sampler, part: Rollout, adv: Tensor, i: int
     ) -> tuple[Tensor, dict[str, float]] | None:
-        """Loss of window step i for one micro-batch and its diagnostics; None when the step has zero std."""
+        """Loss of window step i for one micro-batch and its diagnostics, over the rows whose transition std is
+        not 0; None when no row's is."""
         o = self.options
         sigma, sigma_next = part.sigmas[:, i], part.sigmas[:, i + 1]
         z, z_next = part.latents[:, i], part.next_latents[:, i]
         v = backbone.velocity(z, sigma, part.cond, part.guidance)
         out = sampler.log_prob(z_next, z, v, sigma, sigma_next, part.noise_level)
-        if bool((out.std == 0).all()):
+        # Rows whose transition has std 0 (cps at σ⁺ = 0) carry no likelihood ratio and are never trained, row by
+        # row: a micro-batch can mix rollout batches whose windows start differently, so some rows of step i may be
+        # at σ⁺ = 0 while others are not. The surrogate and the KL are means over the live rows only.
+        live = out.std.reshape(-1) != 0  # [N] bool, on the rollout's device
+        if not bool(live.any()):
             return None
-        policy = clipped_surrogate(out.log_prob, part.log_probs[:, i], adv, o.clip_range)
+        rows = None if bool(live.all()) else live.nonzero().squeeze(1)  # None: every row (no copy)
+
+        def pick(t: Tensor) -> Tensor:
+            return t if rows is None else t[rows]
+
+        policy = clipped_surrogate(pick(out.log_prob), pick(part.log_probs[:, i]), pick(adv), o.clip_range)
         loss = policy.loss
         kl = loss.new_zeros(())
         if o.beta > 0:
             with torch.no_grad(), backbone.reference():
                 v_ref = backbone.velocity(z, sigma, part.cond, part.guidance)
                 ref = sampler.log_prob(z_next, z, v_ref, sigma, sigma_next, part.noise_level)
-            kl = kl_to_reference(out.mean, ref.mean, out.std_dev_t).mean()
+            kl = kl_to_reference(pick(out.mean), pick(ref.mean), pick(out.std_dev_t)).mean()
             loss = loss + o.beta * kl
         info = {
             "loss": float(loss.detach()),
