@@ -84,3 +84,34 @@ def test_state_round_trip_and_mismatch():
     assert list(named.state_dict()) == ["a.lora_A", "a.lora_B"]
     with pytest.raises(UserError, match="unexpected keys"):
         named.load_state_dict(state)
+
+
+def test_trainer_updates_the_ema_after_each_optimizer_step(tmp_path, tiny_weights, plugin):
+    """Two optimizer steps in one epoch with ema_every = 1: the EMA must average the weights after step 0 and after
+    step 1, as the reference does (ema.step right after each optimizer step), not the epoch's final weights twice."""
+    from tests.test_train import tiny_recipe
+    from tpflow.recipe import load_recipe
+    from tpflow.train.trainer import Trainer
+
+    recipe = load_recipe(tiny_recipe(tmp_path, tiny_weights), ["train.epochs=1", "eval.every=0"])
+    trainer = Trainer(recipe)
+    params = trainer.backbone.trainable_parameters()
+    shadow = [p.detach().float().clone() for p in params]
+    after_each_step: list[list[torch.Tensor]] = []
+    torch_optimizer = trainer.optimizer._optimizer
+    real_step = torch_optimizer.step
+
+    def step(*args, **kwargs):
+        out = real_step(*args, **kwargs)
+        after_each_step.append([p.detach().float().clone() for p in params])
+        return out
+
+    torch_optimizer.step = step
+    trainer.fit()
+    assert len(after_each_step) == trainer.optimizer.global_step == 2  # 8 trajectories, micro-batches of 4
+    assert not all(torch.equal(a, b) for a, b in zip(*after_each_step, strict=True))  # the two states differ
+    for n, weights in enumerate(after_each_step):  # θ_ema ← θ_ema + (1 − d_n)(θ_n − θ_ema), d_n by hand
+        d = min((1 + n) / (10 + n), 0.9)
+        shadow = [s + (1 - d) * (w - s) for s, w in zip(shadow, weights, strict=True)]
+    for expected, got in zip(shadow, trainer.ema.shadow, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)

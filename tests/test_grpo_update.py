@@ -115,3 +115,49 @@ def test_zero_std_rows_are_masked_per_row(backbone, beta):
     assert info_mixed["kl"] == pytest.approx(info_live["kl"], rel=1e-6, abs=1e-12)
     # all rows at std 0: the step is skipped outright
     assert optimizer._step_loss(backbone, sampler, late, adv[2:], 2) is None
+
+
+def test_a_step_the_fp16_scaler_skips_is_not_counted(backbone):
+    """Under fp16 the gradient scaler skips a step whose gradients hold inf/NaN; that step must not count as an
+    optimizer step (global_step names checkpoints and drives the EMA) nor reach ``on_step``. Accelerate builds no
+    scaler on the CPU, so the test wraps AdamW the way Accelerate does on a GPU, with torch's CPU GradScaler."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from tpflow.distributed import make_accelerator
+
+    make_accelerator(cpu=True, mixed_precision="no")  # Accelerate's state, as the trainer sets it up
+    sampler = tpflow.build("sampler", "cps")
+    prompts = ["a photo of a red circle"] * 4 + ["a photo of two squares"] * 4
+    cond = backbone.encode(prompts)
+    z0 = backbone.initial_noise(8, torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(1)
+    batch = rollout(backbone, sampler, cond, z0, backbone.sigmas(4), Window(0, 3), 0.7, 2.0, None, generator=gen)
+    advantages = group_advantages(torch.randn(8, 3, generator=torch.Generator().manual_seed(2)), prompts)
+    optimizer = tpflow.build(
+        "optimizer", "grpo", learning_rate=1e-2, micro_batch_size=4, gradient_accumulation_steps=1
+    )  # 2 optimizer steps
+    optimizer.bind(backbone)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.zeros(()))  # initialises the scale (Accelerate's backward scales each loss)
+    optimizer._optimizer = AcceleratedOptimizer(optimizer._optimizer, device_placement=False, scaler=scaler)
+    first_param = backbone.trainable_parameters()[0]
+    poison = {"on": True}  # inf gradients until the first optimizer step has been attempted
+    first_param.register_hook(lambda g: g * float("inf") if poison["on"] else g)
+    attempted = []
+    accelerated_step = optimizer._optimizer.step
+
+    def counted_step(*args, **kwargs):
+        out = accelerated_step(*args, **kwargs)
+        attempted.append(optimizer._optimizer.step_was_skipped)
+        poison["on"] = False
+        return out
+
+    optimizer._optimizer.step = counted_step
+    before = {id(p): p.detach().clone() for p in backbone.trainable_parameters()}
+    taken = []
+    metrics = optimizer.update(backbone, sampler, batch, advantages, on_step=taken.append)
+    assert attempted == [True, False]  # the scaler skipped the first step, took the second
+    assert optimizer.global_step == 1 and metrics["optimizer_steps"] == 1 and metrics["skipped_steps"] == 1
+    assert taken == [0]  # the EMA hook saw one step, index 0
+    assert all(torch.isfinite(p).all() for p in backbone.trainable_parameters())
+    assert any(not torch.equal(before[id(p)], p) for p in backbone.trainable_parameters())

@@ -7,7 +7,7 @@ docstring and inherits nothing; code shared between implementations is a plain f
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -135,9 +135,17 @@ class Optimizer(Protocol):
         option of this normalisation (std scope, clipping) and applies it here, once."""
         ...
 
-    def update(self, backbone: Backbone, sampler: Sampler, batch: Rollout, advantages: Tensor) -> dict[str, float]:
+    def update(
+        self,
+        backbone: Backbone,
+        sampler: Sampler,
+        batch: Rollout,
+        advantages: Tensor,
+        on_step: Callable[[int], object] | None = None,
+    ) -> dict[str, float]:
         """One pass over ``batch`` (advantages [N, W] from ``advantages``); returns scalar metrics (loss, ratio, clip
-        fraction, KL...)."""
+        fraction, KL...). ``on_step(n)`` runs right after each optimizer step taken (n: its 0-based index; the
+        trainer's EMA); a step the fp16 gradient scaler skips is neither counted in ``global_step`` nor reported."""
         ...
 
     def state_dict(self) -> dict[str, Any]:

@@ -10,7 +10,7 @@ ALGORITHM.md §6 is the specification. For one micro-batch of trajectories at wi
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -271,9 +271,21 @@ class GRPO:
             group.update(lr=o.learning_rate, betas=tuple(o.adam_betas), weight_decay=o.weight_decay, eps=o.adam_eps)
         self.global_step = int(state["global_step"])
 
-    def update(self, backbone: Backbone, sampler: Sampler, batch: Rollout, advantages: Tensor) -> dict[str, float]:
+    def update(
+        self,
+        backbone: Backbone,
+        sampler: Sampler,
+        batch: Rollout,
+        advantages: Tensor,
+        on_step: Callable[[int], object] | None = None,
+    ) -> dict[str, float]:
         """One pass (``num_inner_epochs`` passes) over ``batch`` with advantages [N, W] as ``advantages`` returns them
-        (any device: they are moved to the batch's; not clipped again); returns mean metrics."""
+        (any device: they are moved to the batch's; not clipped again); returns mean metrics.
+
+        ``on_step(n)`` is called right after each optimizer step taken, with n its 0-based index (``global_step``
+        before it): the trainer's EMA averages the weights of every step, not the epoch's last ones only. A step the
+        fp16 gradient scaler skips (inf/NaN gradients) is not taken: it is not counted in ``global_step``, does not
+        call ``on_step``, and shows in the ``skipped_steps`` metric."""
         if self._optimizer is None:
             self.bind(backbone)
         o = self.options
@@ -297,6 +309,7 @@ class GRPO:
 
         first_ratio_dev = 0.0  # the largest |ratio - 1| before the first optimizer step: on-policy, exactly 0
         steps_before = self.global_step
+        skipped = 0  # steps the fp16 gradient scaler skipped
         micro_batches = list(rows.split(o.micro_batch_size)) if rows.numel() else []
         accumulation = o.gradient_accumulation_steps
         # Every process takes the same number of optimizer steps (the gradients are all-reduced at each); one whose
@@ -324,14 +337,19 @@ class GRPO:
                             add(name, value)
                         if self.global_step == steps_before:
                             first_ratio_dev = max(first_ratio_dev, info["ratio_max_deviation"])
-                norm = self._optimizer_step(losses)
-                if norm is not None:
-                    add("grad_norm", norm)
+                outcome = self._optimizer_step(losses)
+                if outcome == "skipped":
+                    skipped += 1
+                elif outcome is not None:
+                    add("grad_norm", outcome)
+                    if on_step is not None:
+                        on_step(self.global_step - 1)
         result = {name: sums[name] / counts[name] for name in sums if name != "nonfinite_losses"}
         result["nonfinite_losses"] = sums.get("nonfinite_losses", 0.0)
         result["trajectories_trained"] = float(rows.numel())
         result["first_ratio_max_deviation"] = first_ratio_dev
         result["optimizer_steps"] = float(self.global_step - steps_before)
+        result["skipped_steps"] = float(skipped)
         return result
 
     def _step_loss(
@@ -375,9 +393,11 @@ class GRPO:
         }
         return loss, info
 
-    def _optimizer_step(self, num_losses: int) -> float | None:
-        """Average the accumulated gradients over every process's losses, clip, step, zero; returns the pre-clip
-        norm, or None (and no step) when no process had a loss."""
+    def _optimizer_step(self, num_losses: int) -> float | str | None:
+        """Average the accumulated gradients over every process's losses, clip, step, zero. Returns the pre-clip
+        norm of a step taken; ``"skipped"`` when the fp16 gradient scaler found inf/NaN gradients and skipped the
+        step (Accelerate's ``step_was_skipped``; the same on every process, whose gradients are all-reduced); None
+        (and no step) when no process had a loss. Only a step taken counts in ``global_step``."""
         o = self.options
         if self._dist.sync_gradients(self._params, num_losses) == 0:
             self._optimizer.zero_grad(set_to_none=True)
@@ -388,5 +408,7 @@ class GRPO:
             norm = torch.nn.utils.clip_grad_norm_(self._params, o.max_grad_norm)
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
+        if getattr(self._optimizer, "step_was_skipped", False):
+            return "skipped"
         self.global_step += 1
         return float(norm)

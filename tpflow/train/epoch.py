@@ -119,7 +119,8 @@ class EpochRows:
 
 
 SUMMED = ("nonfinite_losses", "trajectories_trained")  # update metrics added over the processes
-MAXED = ("first_ratio_max_deviation", "optimizer_steps")  # the largest over the processes; the rest are means
+# the largest over the processes (every process takes, or skips, the same steps); the other metrics are means
+MAXED = ("first_ratio_max_deviation", "optimizer_steps", "skipped_steps")
 
 
 def combine_update_metrics(per_process: list[dict[str, float]]) -> dict[str, float]:

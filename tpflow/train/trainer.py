@@ -299,13 +299,10 @@ class Trainer:
     def _update(self, epoch: int, batch: Rollout, advantages: torch.Tensor) -> dict[str, float]:
         """The optimizer's pass over this process's trajectories, the EMA, and the finiteness check."""
         self._phase(f"epoch {epoch}: updating", None)
-        steps_before = self.optimizer.global_step
         self._weights_ahead = True  # until fit() counts the epoch as done
+        on_step = self.ema.step if self.ema is not None else None  # right after each optimizer step taken
         with self.accelerator.autocast():
-            update = self.optimizer.update(self.backbone, self.sampler, batch, advantages)
-        if self.ema is not None:
-            for step in range(steps_before, self.optimizer.global_step):
-                self.ema.step(step)
+            update = self.optimizer.update(self.backbone, self.sampler, batch, advantages, on_step=on_step)
         update = combine_update_metrics(self.dist.gather_objects([update]))
         self._check_finite(update)
         return update
