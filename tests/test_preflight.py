@@ -81,6 +81,8 @@ CASES = {
     "huge prompts_per_epoch": ([f"train.prompts_per_epoch={10**12}"], ["prompts_per_epoch"]),
     "huge epoch": (["train.prompts_per_epoch=100000", "train.group_size=1000"], ["trajectories per epoch"]),
     "group of one": (["train.group_size=1"], ["group_size = 1", "advantage"]),
+    "noise level 0": (["rollout.noise_level=0"], ["noise_level = 0", "std", "nothing trains"]),
+    "flow-sde noise level 0": (["sampler.name=flow-sde", "rollout.noise_level=0"], ["noise_level = 0", "ODE"]),
     "nan guidance": (["rollout.guidance=nan"], ["guidance", "finite"]),
     "run_dir template": (["train.run_dir={{run}}"], ["run_dir", "{{recipe}}"]),
     "device gpu0": (["backbone.device=gpu0"], ["Unknown device 'gpu0'"]),
@@ -123,7 +125,7 @@ def test_validate_refuses_without_loading_weights(name, tmp_path, capsys, no_wei
     assert_one_paragraph(code, err, *expected)
 
 
-TRAIN_CASES = ["cps noise level", "seed beyond 64 bits", "group of one", "device gpu0", "device cuda:3",
+TRAIN_CASES = ["cps noise level", "seed beyond 64 bits", "group of one", "noise level 0", "device gpu0", "device cuda:3",
                "random weights", "prompts not utf-8", "prompt not a string", "deeply nested json",
                "prompts from /dev/zero", "run_dir is a file"]  # fmt: skip
 

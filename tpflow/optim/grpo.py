@@ -224,14 +224,23 @@ class GRPO:
     @staticmethod
     def check_recipe(options: GRPOOptions, settings: dict) -> list[str]:
         """The recipe's limits for GRPO, checked by ``tpflow validate`` before anything loads: a group of one image
-        per prompt has advantage (r - mean) / std = 0 at every step, so nothing would ever train."""
+        per prompt has advantage (r - mean) / std = 0 at every step, and a window sampled with noise level 0 is the
+        ODE (every transition has std 0, so no likelihood ratio): either way nothing would ever train."""
+        problems = []
         group_size = settings["train"].group_size
-        if group_size >= 2:
-            return []
-        return [
-            f"[train] group_size = {group_size}: GRPO normalises each reward within its prompt's group of G "
-            "images, so with G = 1 every advantage is 0 and nothing trains. Use group_size >= 2 (the paper: 24)."
-        ]
+        if group_size < 2:
+            problems.append(
+                f"[train] group_size = {group_size}: GRPO normalises each reward within its prompt's group of G "
+                "images, so with G = 1 every advantage is 0 and nothing trains. Use group_size >= 2 (the paper: 24)."
+            )
+        noise_level = settings["rollout"].noise_level
+        if noise_level == 0:
+            problems.append(
+                f"[rollout] noise_level = {noise_level:g}: the SDE window is then the deterministic ODE, every "
+                "transition has std 0 and no likelihood ratio, and GRPO never trains such a step, so nothing trains. "
+                "Use the paper's 0.7 (any value > 0; at most 1 for the cps sampler)."
+            )
+        return problems
 
     def bind(self, backbone: Backbone, accelerator=None) -> None:
         """Create AdamW over the backbone's trainable parameters (through ``accelerator.prepare`` when given)."""
