@@ -125,8 +125,8 @@ def test_validate_refuses_without_loading_weights(name, tmp_path, capsys, no_wei
     assert_one_paragraph(code, err, *expected)
 
 
-TRAIN_CASES = ["cps noise level", "seed beyond 64 bits", "group of one", "noise level 0", "device gpu0", "device cuda:3",
-               "random weights", "prompts not utf-8", "prompt not a string", "deeply nested json",
+TRAIN_CASES = ["cps noise level", "seed beyond 64 bits", "group of one", "noise level 0", "device gpu0",
+               "device cuda:3", "random weights", "prompts not utf-8", "prompt not a string", "deeply nested json",
                "prompts from /dev/zero", "run_dir is a file"]  # fmt: skip
 
 
