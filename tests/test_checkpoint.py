@@ -237,3 +237,36 @@ def test_keep_last_prunes_older_valid_and_invalid(tmp_path: Path):
     assert _names(tmp_path) == ["00000006", "00000009"]
     manifest = json.loads((tmp_path / "checkpoints" / "00000006" / "manifest.json").read_text())
     assert manifest["step"] == 6 and {"optimizer.pt", "adapter/adapter_model.safetensors"} <= manifest["files"].keys()
+
+
+def _steps(run_dir: Path) -> list[str]:
+    """The step-numbered checkpoint folders (the ones --resume and tpflow eval pick from)."""
+    return [name for name in _names(run_dir) if name.isdigit()]
+
+
+def test_keep_last_zero_keeps_every_checkpoint_and_parking_moves_newer_ones(tmp_path: Path):
+    from tpflow.train.checkpoint import park_newer
+
+    for step in (1, 2, 3, 4, 5):
+        _save(tmp_path, step, keep_last=0)  # train.keep_checkpoints = 0
+    assert _steps(tmp_path) == [f"{s:08d}" for s in (1, 2, 3, 4, 5)]
+    parked = park_newer(tmp_path, 3)  # rewound to step 3
+    assert [p.name for p in parked] == ["abandoned-00000004", "abandoned-00000005"]
+    assert _steps(tmp_path) == ["00000001", "00000002", "00000003"]
+    assert find_checkpoint(tmp_path)[0].name == "00000003"
+    _save(tmp_path, 4, keep_last=0)
+    assert [p.name for p in park_newer(tmp_path, 3)] == ["abandoned-00000004-2"]  # the same step parked twice
+    _save(tmp_path, 6, keep_last=2)  # parked checkpoints are never pruned
+    assert _steps(tmp_path) == ["00000003", "00000006"]
+    assert (tmp_path / "checkpoints" / "abandoned-00000005" / "manifest.json").is_file()
+
+
+def test_keep_checkpoints_is_a_train_option():
+    """The trainer passes it on: tests/test_resume_logs.py keeps every checkpoint of its runs with 0 and compares
+    them all."""
+    from tpflow.settings import TrainSettings
+
+    assert TrainSettings().keep_checkpoints == 3
+    assert TrainSettings(keep_checkpoints=0).keep_checkpoints == 0
+    with pytest.raises(ValueError, match="keep_checkpoints"):
+        TrainSettings(keep_checkpoints=-1)

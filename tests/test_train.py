@@ -131,8 +131,8 @@ def test_ctrl_c_saves_only_a_state_that_resumes_exactly(tmp_path, tiny_weights, 
             raise KeyboardInterrupt
         return real_encode(prompts)
 
-    def update(*args):
-        metrics = real_update(*args)  # the weights have moved, the epoch is not counted yet
+    def update(*args, **kwargs):
+        metrics = real_update(*args, **kwargs)  # the weights have moved, the epoch is not counted yet
         if trainer.epoch == 1 and during == "update":
             raise KeyboardInterrupt
         return metrics

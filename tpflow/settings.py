@@ -111,6 +111,13 @@ class TrainSettings(BaseModel):
     save_every: int = Field(
         20, ge=0, le=MAX_COUNT, description="Write a checkpoint every this many epochs (0: only at the end)."
     )
+    keep_checkpoints: int = Field(
+        3,
+        ge=0,
+        le=MAX_COUNT,
+        description="How many of the newest checkpoints to keep in run_dir/checkpoints; older ones are deleted when a "
+        "new one is written (0: keep every checkpoint). `tpflow eval RUN --checkpoint STEP` needs STEP kept.",
+    )
     ema: bool = Field(True, description="Keep an EMA of the adapter for evaluation and export (paper: on).")
     ema_decay: float = Field(0.9, gt=0.0, lt=1.0, description="EMA decay cap (paper: 0.9).")
     ema_every: int = Field(8, ge=1, le=MAX_COUNT, description="EMA update interval in optimizer steps (paper: 8).")

@@ -207,7 +207,11 @@ def _named_checkpoint(run: Path, name: str) -> Path:
         if candidate.is_dir():
             return candidate
     have = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.isdigit()) if root.is_dir() else []
-    raise UserError(f"No checkpoint {name!r} in {root}; it has: {', '.join(have) or 'none'}.")
+    raise UserError(
+        f"No checkpoint {name!r} in {root}; it has: {', '.join(have) or 'none'}. A run keeps only its newest "
+        "train.keep_checkpoints checkpoints (3 by default; 0 keeps every one), so older steps are deleted as it "
+        "trains."
+    )
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -85,7 +85,8 @@ def save_checkpoint(
     recipe: dict,
     keep_last: int = 3,
 ) -> Path:
-    """Write ``run_dir/checkpoints/<step:08d>/`` atomically, then keep only the newest ``keep_last`` valid ones.
+    """Write ``run_dir/checkpoints/<step:08d>/`` atomically, then keep only the newest ``keep_last`` valid ones
+    (``keep_last = 0``: keep them all; ``train.keep_checkpoints``).
 
     ``rng_state`` may nest dicts, lists and tuples of None, bool, int, float, str, tensors and NumPy arrays or
     scalars (converted to tensors / Python scalars so that ``weights_only`` loading accepts them; tuples stay tuples).
@@ -95,8 +96,8 @@ def save_checkpoint(
     Raises:
         CheckpointError: on an I/O error (disk full, permissions); the temp dir is removed, older checkpoints intact.
     """
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}.")
+    if keep_last < 0:
+        raise ValueError(f"keep_last must be >= 0 (0: keep every checkpoint), got {keep_last}.")
     root = Path(run_dir) / "checkpoints"
     final = root / f"{step:08d}"
     tmp = root / f".tmp-{step}-{os.getpid()}"
@@ -142,8 +143,32 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _prune(root, step, keep_last)
+    if keep_last:
+        _prune(root, step, keep_last)
     return final
+
+
+def park_newer(run_dir: Path, step: int) -> list[Path]:
+    """Move the checkpoints of ``run_dir`` newer than ``step`` to ``checkpoints/abandoned-<step>/``; returns where.
+
+    A run resumed from an older checkpoint (a rewind) abandons the newer ones: left in place, a later bare
+    ``--resume`` or ``tpflow eval RUN`` would pick them. Parked under a name that is not a step number, they are
+    ignored by both (and never pruned) but kept for the user to inspect or delete. Valid or not, every newer one moves.
+    """
+    root = Path(run_dir) / "checkpoints"
+    parked = []
+    for s, path in _numbered(root):
+        if s <= step:
+            continue
+        target, n = root / f"abandoned-{path.name}", 1
+        while target.exists():  # rewound past the same step twice
+            n += 1
+            target = root / f"abandoned-{path.name}-{n}"
+        os.rename(path, target)
+        parked.append(target)
+    if parked:
+        _fsync_dir(root)
+    return parked
 
 
 def find_checkpoint(path: Path) -> tuple[Path | None, list[str]]:

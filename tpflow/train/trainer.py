@@ -52,6 +52,7 @@ from tpflow.train.checkpoint import (
     Checkpoint,
     CheckpointError,
     capture_rng_state,
+    park_newer,
     restore_rng_state,
     save_checkpoint,
 )
@@ -141,6 +142,7 @@ class Trainer:
         self._task: TaskID | None = None
         self.nonfinite_epochs = 0
         self._weights_ahead = False  # True from an epoch's update until self.epoch counts it
+        self._saved: tuple[int, int] | None = None  # (epoch, global_step) of the checkpoint last written or resumed
         self._restore(checkpoint)
         self.dist.check_in_sync(self._named_trainable())
         self.logger = (
@@ -193,12 +195,20 @@ class Trainer:
                 final = self.last_eval
                 self.logger.log(final, step=self.optimizer.global_step, epoch=train.epochs, untracked=final)
                 metrics.update(final)
-            self.save()
+            if self._saved != (self.epoch, self.optimizer.global_step):  # a finished run resumed: written already
+                self.save()
         except KeyboardInterrupt:
             if self._weights_ahead:  # updated (part-way, or wholly but not yet counted): not a state to resume from
                 self.console.print(
                     f"[yellow]Interrupted during epoch {self.epoch}'s update: no checkpoint is written (it would "
                     "mix two weight states); --resume continues from the newest one.[/]"
+                )
+            elif self._saved is not None and self._saved[1] == self.optimizer.global_step:
+                # No optimizer step since that checkpoint: rewriting it would change a written step's content (the
+                # newer eval figures, the RNG state), and resuming from it repeats the same epochs exactly.
+                self.console.print(
+                    f"[yellow]Interrupted: checkpoint {self.optimizer.global_step:08d} (epoch {self._saved[0]}) "
+                    "already holds these weights; --resume continues from it.[/]"
                 )
             else:
                 self.console.print(f"[yellow]Interrupted: saving epoch {self.epoch}; --resume continues here.[/]")
@@ -363,8 +373,10 @@ class Trainer:
                     "last_eval": self.last_eval,
                 },
                 recipe=self.recipe.data,
+                keep_last=self.settings.keep_checkpoints,
             )
             self.console.print(f"checkpoint: {path}")
+        self._saved = (self.epoch, self.optimizer.global_step)
         if collective:
             self.dist.barrier()
         return path
@@ -400,8 +412,19 @@ class Trainer:
                 f"({type(exc).__name__}: {reason[:300]}). Resume from a checkpoint this recipe wrote."
             ) from None
         self.last_eval = dict(ckpt.train_state.get("last_eval") or {})
+        if path.resolve().parent == (self.run_dir / "checkpoints").resolve():  # this run's own (not a warm start)
+            self._saved = (self.epoch, self.optimizer.global_step)
         if self.dist.is_main:
             truncate_after(self.run_dir, self.epoch - 1)
+            parked = park_newer(self.run_dir, self.optimizer.global_step)  # a rewind abandons the newer ones
+            if parked:
+                self.console.print(
+                    f"[yellow]note:[/] resuming from an older checkpoint abandons the newer ones: "
+                    f"{', '.join(p.name.removeprefix('abandoned-') for p in parked)} moved to "
+                    f"{parked[0].parent}/abandoned-*, where --resume and tpflow eval no longer pick them.",
+                    soft_wrap=True,
+                    highlight=False,
+                )
         self.dist.barrier()
         self.console.print(f"resumed from {path} (epoch {self.epoch}, step {self.optimizer.global_step})")
 
