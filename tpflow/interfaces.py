@@ -1,4 +1,4 @@
-"""The five component interfaces of tpflow (DESIGN.md §2), plus the prompt dataset.
+"""The five component interfaces of tpflow (docs/architecture.md, "Interfaces"), plus the prompt dataset.
 
 Protocols only: signatures and docstrings, no behaviour. A concrete class names the Protocol it implements in its
 docstring and does not inherit from it; code shared between implementations is a plain function, except

@@ -1,6 +1,6 @@
 """Exponential moving average of the trained (LoRA) parameters, with the reference's warm-up and update interval.
 
-ALGORITHM.md §6.3: ``θ_ema ← θ_ema + (1 − d_n)(θ − θ_ema)`` with ``d_n = min((1 + n)/(10 + n), decay_cap)``, where
+docs/algorithm.md §6.3: ``θ_ema ← θ_ema + (1 − d_n)(θ − θ_ema)`` with ``d_n = min((1 + n)/(10 + n), decay_cap)``, where
 n is the global optimizer step. It is applied only when ``(n + 1) % every == 0``; the reference calls it after every
 training micro-batch, so the same n can apply twice. The EMA weights are swapped in for evaluation and saving only;
 rollouts use the live weights.
