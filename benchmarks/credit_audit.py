@@ -1,4 +1,4 @@
-"""Audit a training run's logged credit and advantages against ALGORITHM.md, re-derived independently in NumPy.
+"""Audit a training run's logged credit and advantages against docs/algorithm.md, re-derived independently in NumPy.
 
     .venv/bin/python benchmarks/credit_audit.py runs/learning_curves/A_consistent_s0 [more run dirs...]
 

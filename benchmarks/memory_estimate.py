@@ -68,7 +68,8 @@ T5_XXL = {  # google/t5-v1_1-xxl encoder (SD3 text_encoder_3, FLUX text_encoder_
     "d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24, "vocab_size": 32128,
     "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32,
 }  # fmt: skip
-# DESIGN.md §7 test sizes, for --tiny (two blocks so that gradient checkpointing has something to save)
+# the test sizes of docs/architecture.md (tiny-sd3 / tiny-flux), for --tiny
+# (two blocks so that gradient checkpointing has something to save)
 TINY_SD3 = {
     "sample_size": 32, "patch_size": 1, "in_channels": 4, "num_layers": 2, "attention_head_dim": 8,
     "num_attention_heads": 4, "caption_projection_dim": 32, "joint_attention_dim": 32, "pooled_projection_dim": 64,
@@ -587,7 +588,8 @@ def report(setup: Setup, m: dict[str, Any], world_sizes: tuple[int, ...] = (1, 8
 
 
 def tiny_setup(kind: str) -> Setup:
-    """A recipe-shaped setup at DESIGN.md §7 test sizes (fp32, no autocast): what --tiny and the tests run."""
+    """A recipe-shaped setup at the test sizes of docs/architecture.md (fp32, no autocast): what --tiny and the tests
+    run."""
     from tpflow.backbones.flux import FluxOptions
     from tpflow.backbones.sd3 import SD3Options
     from tpflow.optim.grpo import GRPOOptions

@@ -130,7 +130,7 @@ def _ode(b: Bench, z: Tensor, start: int) -> Tensor:
 
 @torch.no_grad()
 def sequential_reference(b: Bench, z0: Tensor, source: Tensor | None, gen: torch.Generator):
-    """ALGORITHM.md Appendix A in the reference's order, each part its own loop over all N trajectories: the main
+    """docs/algorithm.md Appendix A in the reference's order, each part its own loop over all N trajectories: the main
     trajectory (ODE before the window, SDE inside, ODE after), then branch j = 1..W-1 from z_{s+j}, then the
     baseline from z_s (the ODE from z_0: before the window the main trajectory is the ODE). No velocity reuse:
     K + W·(K − s) − W(W − 1)/2 NFE per trajectory, the engine's count with ``reuse_main_velocity=False``."""

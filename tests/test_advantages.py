@@ -1,4 +1,4 @@
-"""Tests of tpflow.optim.advantages: ALGORITHM.md §5 and §9 Example 4."""
+"""Tests of tpflow.optim.advantages: docs/algorithm.md §5 and §9 Example 4."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def rollout_cost():
 
 
 def test_every_kind_on_tiny_sd3(rollout_cost, tmp_path):
-    """One round of every kind: NFE as ALGORITHM.md §3.5 counts it, the meter agrees with the engine, a report."""
+    """One round of every kind: NFE as docs/algorithm.md §3.5 counts it, the meter agrees with the engine, a report."""
     argv = ["--backbone", "tiny-sd3", *SMALL, "--repeats", "1", "--warmup", "0", "--memory", "none"]
     result = rollout_cost.main([*argv, "--out", str(tmp_path)])["tiny-sd3"]
     s = result["summary"]

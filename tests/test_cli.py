@@ -86,7 +86,7 @@ def test_validate_bad_override_and_missing_file(tmp_path):
 def test_credit_command_shows_worked_example_1():
     out = tpflow("credit", "50,46,40,47,52,55", "-a", "consistent", "-a", "outcome")
     assert out.returncode == 0, out.stderr
-    assert "-4 -6 15* 5 3" in out.stdout  # ALGORITHM.md §9 Example 1, published row
+    assert "-4 -6 15* 5 3" in out.stdout  # docs/algorithm.md §9 Example 1, published row
     assert "55 55 55 55 55" in out.stdout
     bad = tpflow("credit", "1,2,x")
     assert bad.returncode == 2 and "comma-separated" in bad.stderr

@@ -1,4 +1,4 @@
-"""Credit assigners against ALGORITHM.md §9 (worked examples, invariants) and DESIGN.md §4 items 3-5."""
+"""Credit assigners against docs/algorithm.md §9 (worked examples, invariants) and §8 D3-D5."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _check(credit, rewards: list[list[int]], turning_points: list[list[int]]) ->
     assert torch.equal(credit.turning_points, _mask(turning_points))
 
 
-# --- ALGORITHM.md §9 worked examples ------------------------------------------------------------------------------
+# --- docs/algorithm.md §9 worked examples -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("balanced", [True, False])
@@ -177,7 +177,7 @@ def test_balance_leaves_one_sided_selections_alone() -> None:
     assert balance(empty, torch.zeros(0)).shape == (0, 4)
 
 
-# --- ALGORITHM.md §9 invariants on random integer traces -----------------------------------------------------------
+# --- docs/algorithm.md §9 invariants on random integer traces ------------------------------------------------------
 
 
 def _random_traces(count: int = 500, n: int = 8, w: int = 5, high: int = 5) -> torch.Tensor:
@@ -190,7 +190,7 @@ def _sgn(x: float) -> int:
 
 
 def _reference_selection(rows: list[list[float]], consistent: bool, first_step: bool) -> list[list[bool]]:
-    """ALGORITHM.md §4.1 / §4.4 written out scalar by scalar, as an independent oracle."""
+    """docs/algorithm.md §4.1 / §4.4 written out scalar by scalar, as an independent oracle."""
     out = []
     for r in rows:
         w = len(r) - 1
@@ -364,4 +364,4 @@ def test_option_fields_are_described(name: str) -> None:
     options = type(tpflow.build("credit", name).options)
     assert set(options.model_fields) == {"balanced", "first_step"}
     for field in options.model_fields.values():
-        assert field.description and "ALGORITHM.md" in field.description
+        assert field.description and "docs/algorithm.md" in field.description

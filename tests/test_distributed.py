@@ -1,5 +1,5 @@
 """Collectives on a real 2-process gloo group: gathers, reductions, gradient all-reduce, and group statistics that do
-not depend on where a prompt's copies sit (ALGORITHM.md §5 item 1, §6.3)."""
+not depend on where a prompt's copies sit (docs/algorithm.md §5 item 1, §6.3)."""
 
 from __future__ import annotations
 

@@ -112,7 +112,7 @@ def audit():
 @pytest.mark.parametrize("kind", ["outcome", "incremental", "consistent", "turning_point"])
 @pytest.mark.parametrize("balanced", [True, False])
 def test_the_independent_audit_agrees_with_tpflow_credit(audit, kind, balanced):
-    """benchmarks/credit_audit.py re-derives ALGORITHM.md §4 in NumPy without tpflow's code; on random traces with
+    """benchmarks/credit_audit.py re-derives docs/algorithm.md §4 in NumPy without tpflow's code; on random traces with
     many ties and zeros (as a discrete reward gives) both must agree, or the sweep's audit would prove nothing."""
     import torch
 

@@ -1,5 +1,5 @@
 """The distributed prompt sampler: rounds of G copies, shuffled, dealt to processes; the same plan on every process
-and for every process count (ALGORITHM.md §6.3)."""
+and for every process count (docs/algorithm.md §6.3)."""
 
 from __future__ import annotations
 

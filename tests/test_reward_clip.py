@@ -82,7 +82,8 @@ def test_clip_preprocess_resizes_shortest_side_then_centre_crops():
 
 
 def tiny_clip_tokenizer():
-    """A real CLIP BPE with the first 486 merges of CLIP's merges file: 1,000 ids (DESIGN.md §7)."""
+    """A real CLIP BPE with the first 486 merges of CLIP's merges file: 1,000 ids (docs/architecture.md, "Real
+    models at test size, offline")."""
     import open_clip
     from open_clip.tokenizer import bytes_to_unicode
     from transformers import CLIPTokenizer

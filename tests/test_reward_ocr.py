@@ -156,7 +156,7 @@ def test_distance_rules():
 
 
 def test_denominators():
-    # The ALGORITHM.md §7 example: "Hello World" read as nothing.
+    # The docs/algorithm.md §7 example: "Hello World" read as nothing.
     assert ocr_reward("", "Hello World") == 0.0  # Flow-GRPO: 1 - 10/10
     assert ocr_reward("", "Hello World", "raw") == pytest.approx(1 - 10 / 11)  # TP-GRPO reference: raw length
     assert ocr_reward("whatever", "") == 1.0

@@ -1,4 +1,4 @@
-"""The batched rollout engine against a plain sequential re-implementation of ALGORITHM.md Appendix A.
+"""The batched rollout engine against a plain sequential re-implementation of docs/algorithm.md Appendix A.
 
 Every test that uses the ``backbone`` fixture runs on the CPU and, in the GPU suite, with shapes-dit on CUDA (the
 cuda variant is skipped without CUDA, so it costs the CPU suite nothing). On the CPU a row's result does not depend on
@@ -85,7 +85,7 @@ def test_matches_sequential_reference(backbone, start, reuse):
         expected = _ode(backbone, out.latents[:, j], cond, sigmas, start + j, 2.0)
         assert close(out.completions[:, j], expected, atol=1e-4), j
     assert close(out.final, _ode(backbone, out.next_latents[:, -1], cond, sigmas, start + width, 2.0))
-    # NFE per trajectory: main K, baseline K - s, branches K - s - j (ALGORITHM.md §3.5), or W fewer when every
+    # NFE per trajectory: main K, baseline K - s, branches K - s - j (docs/algorithm.md §3.5), or W fewer when every
     # branch's first step reuses the main trajectory's velocity.
     k = 8
     reference_nfe = 2 * k + (width - 1) * (k - start) - width * (width - 1) // 2 - (k - (k - start))

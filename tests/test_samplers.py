@@ -1,8 +1,9 @@
-"""Samplers (ALGORITHM.md §1.3–1.5): invariants, the reference's std tables, dtypes and input checks.
+"""Samplers (docs/algorithm.md §1.3–1.5): invariants, the reference's std tables, dtypes and input checks.
 
-The SD3 K=10 and FLUX K=6 schedules are typed in from ALGORITHM.md §1.2 (tests/test_schedules.py checks them against
-diffusers), so these tests do not import diffusers. The tests that take the ``device`` fixture also run on CUDA in the
-GPU suite (tests/conftest.py); the samplers are elementwise float32 arithmetic, exact up to ~1 ulp on any device.
+The SD3 K=10 and FLUX K=6 schedules are typed in from docs/algorithm.md §1.2 (tests/test_schedules.py checks them
+against diffusers), so these tests do not import diffusers. The tests that take the ``device`` fixture also run on
+CUDA in the GPU suite (tests/conftest.py); the samplers are elementwise float32 arithmetic, exact up to ~1 ulp on any
+device.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sigma schedules against the tables of ALGORITHM.md §1.2 (taken from diffusers' FlowMatchEulerDiscreteScheduler)."""
+"""Sigma schedules against the tables of docs/algorithm.md §1.2 (from diffusers' FlowMatchEulerDiscreteScheduler)."""
 
 from __future__ import annotations
 

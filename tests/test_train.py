@@ -187,7 +187,7 @@ def test_cli_train_and_resume(tmp_path, tiny_weights):
 
 
 def test_items_with_the_same_text_form_one_prompt_group(tmp_path, tiny_weights, plugin):
-    """ALGORITHM.md §5: advantages are normalised over every sample of the same prompt TEXT in the gathered batch.
+    """docs/algorithm.md §5: advantages are normalised over every sample of the same prompt TEXT in the gathered batch.
     Two dataset items that share a text (the shapes train split repeats its texts) must be one group of 2G, not
     two groups of G: grouping on the dataset item gives different advantages."""
     prompts = tmp_path / "prompts.txt"

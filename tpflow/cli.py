@@ -164,7 +164,7 @@ def credit(
 ) -> None:
     """Show the per-step rewards each credit assigner gives a batch of reward traces.
 
-    Example (ALGORITHM.md §9, Example 3): tpflow credit 40,37,45,48,49,50 60,62,61,63,64,64 70,72,74,71,68,66
+    Example (docs/algorithm.md §9, Example 3): tpflow credit 40,37,45,48,49,50 60,62,61,63,64,64 70,72,74,71,68,66
     """
     import torch
 

@@ -1,8 +1,9 @@
-"""The five component interfaces of tpflow (DESIGN.md §2), plus the prompt dataset.
+"""The five component interfaces of tpflow (docs/architecture.md, "Interfaces"), plus the prompt dataset.
 
 Protocols only: signatures and docstrings, no behaviour. A concrete class names the Protocol it implements in its
-docstring and inherits nothing; code shared between implementations is a plain function. Shapes use the letters of
-``tpflow.types``.
+docstring and does not inherit from it; code shared between implementations is a plain function, except
+``AdapterMethods`` (tpflow/backbones/diffusers_lora.py), the mixin that gives SD3 and FLUX the adapter half of
+``Backbone`` by forwarding to their ``LoraAdapter``. Shapes use the letters of ``tpflow.types``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The rollout engine: the main trajectory, the ODE baseline and the ODE completions, batched per step.
 
 TP-GRPO needs, for every trajectory, the reward R_j of the image obtained after j SDE window steps with the rest
-completed by ODE, j = 0..W (ALGORITHM.md §3). The reference runs the main trajectory, then each completion branch,
+completed by ODE, j = 0..W (docs/algorithm.md §3). The reference runs the main trajectory, then each completion branch,
 then the baseline, one after another. Here every live latent is at the same noise level σ_k at step k — the main
 trajectory, the baseline and every branch started so far — so all of them go through **one** velocity call per step
 (split only by ``max_batch``).
@@ -42,7 +42,7 @@ class Window:
 
 
 def draw_window(num_steps: int, size: int, window_range: tuple[int, int], rng: random.Random) -> Window:
-    """s uniform in lo..hi-size, both ends included (ALGORITHM.md §2), one draw per rollout batch."""
+    """s uniform in lo..hi-size, both ends included (docs/algorithm.md §2), one draw per rollout batch."""
     lo, hi = window_range
     if not (0 <= lo <= hi - size and hi <= num_steps):
         raise ValueError(f"window_range {window_range} cannot hold {size} steps within {num_steps}.")
@@ -230,7 +230,8 @@ def sample_ode(
     guidance: float,
     max_batch: int | None = None,
 ) -> Tensor:
-    """Deterministic Euler sampling of z0 [N, ...] along ``sigmas`` (evaluation, ALGORITHM.md §6.3): final latents."""
+    """Deterministic Euler sampling of z0 [N, ...] along ``sigmas`` (evaluation, docs/algorithm.md §6.3): final
+    latents."""
     n = z0.shape[0]
     chunk = max_batch or n
     finals = []

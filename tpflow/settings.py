@@ -1,6 +1,6 @@
 """Options of the recipe sections that are not components: ``[rollout]``, ``[train]``, ``[eval]`` and ``[log]``.
 
-Defaults are the SD3.5-Medium paper setting (ALGORITHM.md §2, §6.3) unless a field says otherwise; shipped recipes
+Defaults are the SD3.5-Medium paper setting (docs/algorithm.md §2, §6.3) unless a field says otherwise; shipped recipes
 override them per model.
 """
 
@@ -20,7 +20,8 @@ MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes up to 2**64 - 1; tpflo
 
 
 class RolloutSettings(BaseModel):
-    """How trajectories are sampled during training (ALGORITHM.md §2-§3, DESIGN.md §5)."""
+    """How trajectories are sampled during training (docs/algorithm.md §2-§3; docs/architecture.md, "Rollout
+    engine")."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -33,7 +34,7 @@ class RolloutSettings(BaseModel):
     window_range: tuple[int, int] = Field(
         (0, 9),
         description="(lo, hi): the window start s is drawn uniformly from lo..hi-W per rollout batch "
-        "(ALGORITHM.md §2); (0, W) fixes s = 0 as in the published runs.",
+        "(docs/algorithm.md §2); (0, W) fixes s = 0 as in the published runs.",
     )
     noise_level: float = Field(0.7, ge=0.0, description="α inside the window (paper default 0.7); 0 gives the ODE.")
     guidance: float = Field(4.5, ge=0.0, description="CFG scale (SD3.5-M: 4.5) or distilled guidance (FLUX: 3.5).")
@@ -45,7 +46,7 @@ class RolloutSettings(BaseModel):
     baseline_noise: Literal["shared", "independent"] = Field(
         "shared",
         description="R_0 from the same z_0 as the trajectory ('shared', the paper) or from fresh noise "
-        "('independent', the reference code; ALGORITHM.md §3.2).",
+        "('independent', the reference code; docs/algorithm.md §3.2).",
     )
     same_noise: bool = Field(False, description="All G copies of a prompt start from the same z_0.")
     max_batch: int | None = Field(
@@ -73,7 +74,7 @@ class RolloutSettings(BaseModel):
 
 
 class TrainSettings(BaseModel):
-    """The epoch structure, run directory and bookkeeping (ALGORITHM.md §6.1)."""
+    """The epoch structure, run directory and bookkeeping (docs/algorithm.md §6.1)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -175,7 +176,7 @@ class TrainSettings(BaseModel):
 
 
 class EvalSettings(BaseModel):
-    """Periodic evaluation by ODE sampling on held-out prompts (ALGORITHM.md §6.3)."""
+    """Periodic evaluation by ODE sampling on held-out prompts (docs/algorithm.md §6.3)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 

@@ -1,8 +1,8 @@
 """Named containers that flow between the components.
 
-Shape letters (DESIGN.md §2): N trajectories in a batch (prompts × group size G), K sampling steps, W trained SDE
-window steps, i window position (0..W-1), j number of SDE window steps taken (0..W). ``...`` stands for the latent
-shape of the backbone (C, H, W for SD3 and the shapes model; tokens, channels for FLUX).
+Shape letters (docs/architecture.md, "Conventions"): N trajectories in a batch (prompts × group size G), K sampling
+steps, W trained SDE window steps, i window position (0..W-1), j number of SDE window steps taken (0..W). ``...``
+stands for the latent shape of the backbone (C, H, W for SD3 and the shapes model; tokens, channels for FLUX).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class StepOutput:
 
     ``std`` is the true standard deviation of the Gaussian transition, so ``prev = mean + std · ξ``.
     ``std_dev_t`` is the noise coefficient the reference code returns under that name and divides by in its KL
-    term (ALGORITHM.md §1.4, §6.2): ε_k for ``flow-sde`` (without the √h factor), ρ_k (= ``std``) for ``cps``.
+    term (docs/algorithm.md §1.4, §6.2): ε_k for ``flow-sde`` (without the √h factor), ρ_k (= ``std``) for ``cps``.
     """
 
     prev: Tensor  # [N, ...] next latent z_{k+1}, in the dtype of the input latent
@@ -83,7 +83,7 @@ class RolloutCost:
 
 @dataclass(frozen=True)
 class Rollout:
-    """The stored window transitions of N trajectories, what the optimizer re-scores (ALGORITHM.md §2)."""
+    """The stored window transitions of N trajectories, what the optimizer re-scores (docs/algorithm.md §2)."""
 
     latents: Tensor  # [N, W, ...] z_{s+i}, the latent entering window step i
     next_latents: Tensor  # [N, W, ...] z_{s+i+1}, the sampled latent after window step i

@@ -34,7 +34,7 @@ from tpflow.devices import randn
 from tpflow.registry import register
 from tpflow.types import Conditioning
 
-FLUX_LORA_TARGETS = (  # ALGORITHM.md §6.3: attention projections plus both feed-forward networks
+FLUX_LORA_TARGETS = (  # docs/algorithm.md §6.3: attention projections plus both feed-forward networks
     "attn.to_q",
     "attn.to_k",
     "attn.to_v",

@@ -35,7 +35,7 @@ from tpflow.devices import randn
 from tpflow.registry import register
 from tpflow.types import Conditioning
 
-SD3_LORA_TARGETS = (  # ALGORITHM.md §6.3: the joint attention projections of every block
+SD3_LORA_TARGETS = (  # docs/algorithm.md §6.3: the joint attention projections of every block
     "attn.to_q",
     "attn.to_k",
     "attn.to_v",

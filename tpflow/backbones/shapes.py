@@ -7,7 +7,7 @@
 
 The model (``tpflow.shapes.model.ShapesDiT``) predicts the rectified-flow velocity of 32×32 RGB images scaled to
 [-1, 1]; its "latents" are those pixels, so ``decode`` only rescales. CFG runs the unconditional branch on the
-learned null text, batched with the conditional one in a single call (ALGORITHM.md §1.1).
+learned null text, batched with the conditional one in a single call (docs/algorithm.md §1.1).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Backbones ``tiny-sd3`` and ``tiny-flux``: the real diffusers classes at test size, built in code (DESIGN.md §7).
+"""Backbones ``tiny-sd3`` and ``tiny-flux``: the real diffusers classes at test size, built in code
+(docs/architecture.md, "Real models at test size, offline").
 
     [backbone]
     name = "tiny-sd3"      # or "tiny-flux"

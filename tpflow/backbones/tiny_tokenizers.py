@@ -1,4 +1,5 @@
-"""Tokenizers built in code for the tiny SD3 / FLUX backbones (DESIGN.md §7): no file, no download.
+"""Tokenizers built in code for the tiny SD3 / FLUX backbones: no file, no download (docs/architecture.md, "Real
+models at test size, offline").
 
 * CLIP: a byte-level BPE from the real CLIP merges file that open_clip ships (``bpe_simple_vocab_16e6.txt.gz``).
   The vocabulary is built the way CLIP builds it (256 byte symbols, the same with ``</w>``, one token per merge,

@@ -1,4 +1,4 @@
-"""Balanced selection of turning points across one rollout batch (ALGORITHM.md §4.2 Step B, DESIGN.md §4 item 4).
+"""Balanced selection of turning points across one rollout batch (docs/algorithm.md §4.2 Step B, §8 D4).
 
 The published TP-GRPO runs keep as many "good" turning points (trajectory delta Δ > 0) as "bad" ones (Δ < 0) within
 one sampling call, so that the replaced rewards do not shift the batch's reward balance. The reference code breaks

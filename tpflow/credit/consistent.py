@@ -1,4 +1,4 @@
-"""Consistent turning-point credit: TP-GRPO "with constraint", the published runs (ALGORITHM.md §4.4, §4.5)."""
+"""Consistent turning-point credit: TP-GRPO "with constraint", the published runs (docs/algorithm.md §4.4, §4.5)."""
 
 from __future__ import annotations
 
@@ -21,15 +21,15 @@ class ConsistentOptions(BaseModel):
         default=True,
         description=(
             "Keep equally many turning points of trajectories with Δ > 0 and Δ < 0 within one rollout batch, "
-            "largest |Δ| first, ties to the lower flat index (ALGORITHM.md §4.2 Step B; on in the published TP-GRPO "
-            "runs, absent from the paper)."
+            "largest |Δ| first, ties to the lower flat index (docs/algorithm.md §4.2 Step B; on in the published "
+            "TP-GRPO runs, absent from the paper)."
         ),
     )
     first_step: bool = Field(
         default=True,
         description=(
             "Allow window step i = 0 to be a turning point when it passes the consistency test "
-            "sgn(d_0)·sgn(R_W − R_1) > 0 (the published runs' first-step rule, ALGORITHM.md §4.4; the consistent "
+            "sgn(d_0)·sgn(R_W − R_1) > 0 (the published runs' first-step rule, docs/algorithm.md §4.4; the consistent "
             "form of the TP-GRPO paper's Remark 5.2, arXiv 2602.06422)."
         ),
     )
@@ -39,8 +39,9 @@ class ConsistentOptions(BaseModel):
 class ConsistentCredit:
     """CreditAssigner of TP-GRPO "with constraint": consistent turning points, Definition 5.1 (arXiv 2602.06422).
 
-    This is exactly what the published TP-GRPO scripts run (ALGORITHM.md §4.4). With d_i = R_{i+1} − R_i,
-    Δ = R_W − R_0, g_i = sgn(d_i)·sgn(Δ) and a_j = R_W − R_j (ALGORITHM.md §0), window step i is a turning point when
+    This is exactly what the published TP-GRPO scripts run (docs/algorithm.md §4.4). With d_i = R_{i+1} − R_i,
+    Δ = R_W − R_0, g_i = sgn(d_i)·sgn(Δ) and a_j = R_W − R_j (docs/algorithm.md §0), window step i is a turning
+    point when
 
     * i ≥ 1: g_{i−1} < 0, g_i > 0 and sgn(d_i)·sgn(a_{i+1}) > 0 (Definition 5.1: the rest of the trajectory after
       this step keeps moving the way this step did, so |a_i| = |a_{i+1}| + |d_i| > |d_i|). The last window step
@@ -48,7 +49,7 @@ class ConsistentCredit:
     * i = 0: ``first_step`` and sgn(d_0)·sgn(a_1) > 0 (the published first-step rule; it implies g_0 > 0).
 
     The selection is then balanced across the batch if ``balanced`` (``tpflow.credit.balance``, c = Δ_b). A selected
-    step gets the aggregated reward r_i = a_i, every other step its increment r_i = d_i (DESIGN.md §4 item 5).
+    step gets the aggregated reward r_i = a_i, every other step its increment r_i = d_i (docs/algorithm.md §8 D5).
     Selected steps satisfy sgn(r_i) = sgn(d_i) = sgn(Δ) and |r_i| > |d_i|.
 
     Options:

@@ -1,4 +1,4 @@
-"""Incremental credit: each trained step gets its own reward increment d_i = R_{i+1} − R_i (ALGORITHM.md §0)."""
+"""Incremental credit: each trained step gets its own reward increment d_i = R_{i+1} − R_i (docs/algorithm.md §0)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class IncrementalOptions(BaseModel):
 class IncrementalCredit:
     """CreditAssigner that rewards each window step with its local effect only: r_i = d_i = R_{i+1} − R_i.
 
-    This is the paper's incremental step reward r_t (TP-GRPO, arXiv 2602.06422; ALGORITHM.md §0) with no
+    This is the paper's incremental step reward r_t (TP-GRPO, arXiv 2602.06422; docs/algorithm.md §0) with no
     turning-point replacement, i.e. what TP-GRPO gives every step that is not a turning point. R_0 is the ODE
     baseline and R_1..R_{W-1} are ODE completions, so ``needs_completions`` is True. No step is a turning point.
 

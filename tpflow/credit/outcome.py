@@ -1,4 +1,4 @@
-"""Outcome credit: every trained step gets the final image's reward R_W (Flow-GRPO; ALGORITHM.md §4.6)."""
+"""Outcome credit: every trained step gets the final image's reward R_W (Flow-GRPO; docs/algorithm.md §4.6)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class OutcomeOptions(BaseModel):
 class OutcomeCredit:
     """CreditAssigner of plain Flow-GRPO (Liu et al. 2025): r_i = R_W for every window step i.
 
-    This is the sparse-reward baseline TP-GRPO is compared against (ALGORITHM.md §4.6, the reference's
+    This is the sparse-reward baseline TP-GRPO is compared against (docs/algorithm.md §4.6, the reference's
     ``my_train_*_fast.py``). Only the last column of the trace is read, so the rollout needs no ODE completions
     (``needs_completions`` is False) and columns 0..W-1 may hold anything, NaN included. No step is a turning point.
 

@@ -1,4 +1,4 @@
-"""Trend quantities of a reward trace, shared by the turning-point credit assigners (ALGORITHM.md §0, §4).
+"""Trend quantities of a reward trace, shared by the turning-point credit assigners (docs/algorithm.md §0, §4).
 
 A trace holds, per trajectory, R_0..R_W: ``trace[:, j]`` is the reward of the image obtained after exactly j SDE
 window steps with the rest completed by ODE (j = 0: the pure-ODE baseline, j = W: the final image). From it:
@@ -22,7 +22,7 @@ from torch import Tensor
 
 
 class Trend(NamedTuple):
-    """The per-trajectory trend quantities of a trace [N, W+1] (ALGORITHM.md §0)."""
+    """The per-trajectory trend quantities of a trace [N, W+1] (docs/algorithm.md §0)."""
 
     d: Tensor  # [N, W] local increments d_i = R_{i+1} − R_i
     delta: Tensor  # [N] global delta Δ = R_W − R_0

@@ -1,4 +1,4 @@
-"""Turning-point credit: TP-GRPO "w/o constraint", paper Definition 4.1 + Remark 5.2 (ALGORITHM.md §4.1, §4.5)."""
+"""Turning-point credit: TP-GRPO "w/o constraint", paper Definition 4.1 + Remark 5.2 (docs/algorithm.md §4.1, §4.5)."""
 
 from __future__ import annotations
 
@@ -21,15 +21,15 @@ class TurningPointOptions(BaseModel):
         default=True,
         description=(
             "Keep equally many turning points of trajectories with Δ > 0 and Δ < 0 within one rollout batch, "
-            "largest |Δ| first, ties to the lower flat index (ALGORITHM.md §4.2 Step B; on in the published TP-GRPO "
-            "runs, absent from the paper)."
+            "largest |Δ| first, ties to the lower flat index (docs/algorithm.md §4.2 Step B; on in the published "
+            "TP-GRPO runs, absent from the paper)."
         ),
     )
     first_step: bool = Field(
         default=True,
         description=(
             "Allow window step i = 0 to be a turning point when it agrees with the global trend, g_0 > 0 "
-            "(TP-GRPO paper, arXiv 2602.06422, Remark 5.2; ALGORITHM.md §4.1)."
+            "(TP-GRPO paper, arXiv 2602.06422, Remark 5.2; docs/algorithm.md §4.1)."
         ),
     )
 
@@ -38,16 +38,16 @@ class TurningPointOptions(BaseModel):
 class TurningPointCredit:
     """CreditAssigner of TP-GRPO "w/o constraint": turning points by the paper's Definition 4.1 (arXiv 2602.06422).
 
-    With d_i = R_{i+1} − R_i, Δ = R_W − R_0, g_i = sgn(d_i)·sgn(Δ) and a_i = R_W − R_i (ALGORITHM.md §0), window
+    With d_i = R_{i+1} − R_i, Δ = R_W − R_0, g_i = sgn(d_i)·sgn(Δ) and a_i = R_W − R_i (docs/algorithm.md §0), window
     step i is a turning point when
 
     * i ≥ 1: g_{i−1} < 0, g_i > 0 and sgn(d_i)·sgn(a_i) > 0 (Definition 4.1: the previous step went against the
       global trend, this one goes with it, and its aggregated reward has the sign of its own increment). The
-      reference code omits the third condition; tpflow keeps it (DESIGN.md §4 item 3, ALGORITHM.md §8 item 5);
+      reference code omits the third condition; tpflow keeps it (docs/algorithm.md §8 D3 and item 5);
     * i = 0: ``first_step`` and g_0 > 0 (Remark 5.2).
 
     The selection is then balanced across the batch if ``balanced`` (``tpflow.credit.balance``, c = Δ_b). A selected
-    step gets the aggregated reward r_i = a_i, every other step its increment r_i = d_i (DESIGN.md §4 item 5).
+    step gets the aggregated reward r_i = a_i, every other step its increment r_i = d_i (docs/algorithm.md §8 D5).
     Selected steps satisfy sgn(r_i) = sgn(d_i) = sgn(Δ), but unlike ``consistent`` not always |r_i| > |d_i|: the
     rest of the trajectory may partly undo step i (R = [0, −1, 3, 2] selects i = 1 with a_1 = 3 < d_1 = 4).
 

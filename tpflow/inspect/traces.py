@@ -2,11 +2,11 @@
 
 Two sources. ``sample_trajectories`` rolls out n trajectories of one prompt with ODE completions after every SDE
 window step (the recipe's rollout settings, ``tpflow.rollout.rollout``) and scores the completion images and the
-final image: the trace R_0..R_W of each trajectory (ALGORITHM.md §3.4). ``load_run`` reads the traces a training
+final image: the trace R_0..R_W of each trajectory (docs/algorithm.md §3.4). ``load_run`` reads the traces a training
 run logged in ``traces.jsonl``. Either way ``apply_credit`` turns the traces into the step rewards of each credit
 assigner, and ``to_json`` writes all of it out.
 
-Index conventions (ALGORITHM.md §0): j = 0..W counts SDE window steps taken; with window start s and K sampling
+Index conventions (docs/algorithm.md §0): j = 0..W counts SDE window steps taken; with window start s and K sampling
 steps, the latent after j SDE steps is the paper's x_t with t = K − s − j (x_T is noise, x_0 the image), and window
 step i is the paper's step t = K − s − i, the transition x_t → x_{t−1}.
 """

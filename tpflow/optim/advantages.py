@@ -1,6 +1,6 @@
 """Group-normalised advantages per prompt and per window step, and the all-zero-trajectory filter.
 
-ALGORITHM.md §5 is the specification; DESIGN.md §4 item 6 the decision. Each column i of the step rewards [N, W] is
+docs/algorithm.md §5 is the specification; §8 D6 the decision. Each column i of the step rewards [N, W] is
 normalised on its own (the reference keeps one ``PerPromptStatTracker`` per window position):
 
     A[n, i] = clamp((r[n, i] − mean_{p(n), i}) / (std_{p(n), i} + eps), −clip, +clip)
@@ -25,7 +25,7 @@ def group_advantages(
     eps: float = 1e-4,
     clip: float = 5.0,
 ) -> Tensor:
-    """Per-prompt, per-step z-scores of the step rewards (ALGORITHM.md §5 items 2-4 and 7).
+    """Per-prompt, per-step z-scores of the step rewards (docs/algorithm.md §5 items 2-4 and 7).
 
     Special cases:
 
@@ -105,11 +105,11 @@ def group_advantages(
 
 
 def informative_trajectories(advantages: Tensor) -> Tensor:
-    """Which trajectories carry a training signal: True where any advantage is non-zero (ALGORITHM.md §5 item 6).
+    """Which trajectories carry a training signal: True where any advantage is non-zero (docs/algorithm.md §5 item 6).
 
     A trajectory whose advantage is 0 at every window step contributes nothing to the clipped surrogate but still
     costs its forward and backward passes, so the update skips it (``GRPOOptions.filter_zero_advantage``,
-    DESIGN.md §4 item 6). The reference then re-adds randomly chosen dropped trajectories until the count divides
+    docs/algorithm.md §8 D6). The reference then re-adds randomly chosen dropped trajectories until the count divides
     ``num_batches_per_epoch`` (its micro-batches must have equal sizes). tpflow does not: its micro-batches may be
     ragged, so the kept set is exactly the informative one.
 

@@ -1,11 +1,11 @@
 """The GRPO policy loss: PPO-clipped likelihood ratio per window step, plus a KL to the adapter-disabled model.
 
-ALGORITHM.md §6 is the specification. For one micro-batch of trajectories at window position i the loss is
+docs/algorithm.md §6 is the specification. For one micro-batch of trajectories at window position i the loss is
 
     L = mean_b max(−Â_b·κ_b, −Â_b·clip(κ_b, 1 − ε, 1 + ε))  +  β · mean_b KL_b,    κ_b = exp(ℓ_θ,b − ℓ_old,b)
 
 (:func:`clipped_surrogate` and :func:`kl_to_reference`). The registered optimizer ``grpo`` holds the options
-(:class:`GRPOOptions`, the SD3.5-M paper settings of ALGORITHM.md §6.3).
+(:class:`GRPOOptions`, the SD3.5-M paper settings of docs/algorithm.md §6.3).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class PolicyLoss:
 
 
 def clipped_surrogate(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, clip_range: float) -> PolicyLoss:
-    """PPO-clip loss of one window step (ALGORITHM.md §6.2).
+    """PPO-clip loss of one window step (docs/algorithm.md §6.2).
 
     ``loss = mean_b max(−A_b·κ_b, −A_b·clip(κ_b, 1 − ε, 1 + ε))`` with ``κ = exp(log_prob − old_log_prob)``. On
     policy (κ = 1) its gradient is that of ``−mean(A·log_prob)``. Off policy, a sample whose ratio left the trust
@@ -85,15 +85,15 @@ def clipped_surrogate(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor
 
 
 def kl_to_reference(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
-    """Per-trajectory KL between the Gaussian transitions of the policy and of the reference (ALGORITHM.md §6.2).
+    """Per-trajectory KL between the Gaussian transitions of the policy and of the reference (docs/algorithm.md §6.2).
 
     ``KL_b = mean_elems((μ_θ − μ_ref)²) / (2·std_b²)``, the reference code's form: ``std`` is the sampler's
     ``StepOutput.std_dev_t`` (ρ_k for cps; ε_k without the √h for flow-sde). The gradient flows through ``mean``
     only; ``ref_mean`` (the adapter-disabled model, computed without grad) and ``std`` are constants.
 
-    Where ``std`` is 0 (an ODE step, e.g. cps at σ_{k+1} = 0, ALGORITHM.md §8 item 8) the KL is 0 with no
+    Where ``std`` is 0 (an ODE step, e.g. cps at σ_{k+1} = 0, docs/algorithm.md §8 item 8) the KL is 0 with no
     gradient instead of the reference's x/0 (NaN or inf): such a step is deterministic, has no likelihood ratio
-    and is never trained (DESIGN.md §4 item 7).
+    and is never trained (docs/algorithm.md §8 D7).
 
     Args:
         mean: [N, ...] transition mean μ_θ of the policy, with grad.
@@ -122,65 +122,65 @@ def kl_to_reference(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
 
 
 class GRPOOptions(BaseModel):
-    """Options of the ``grpo`` optimizer; defaults are the SD3.5-M paper settings (ALGORITHM.md §6.3)."""
+    """Options of the ``grpo`` optimizer; defaults are the SD3.5-M paper settings (docs/algorithm.md §6.3)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     learning_rate: float = Field(
-        3e-4, gt=0, description="AdamW learning rate, constant, no warm-up (ALGORITHM.md §6.3, SD3.5-M and FLUX)."
+        3e-4, gt=0, description="AdamW learning rate, constant, no warm-up (docs/algorithm.md §6.3, SD3.5-M and FLUX)."
     )
     adam_betas: tuple[float, float] = Field(
-        (0.9, 0.999), description="AdamW (β1, β2), each in [0, 1) (ALGORITHM.md §6.3)."
+        (0.9, 0.999), description="AdamW (β1, β2), each in [0, 1) (docs/algorithm.md §6.3)."
     )
-    weight_decay: float = Field(1e-4, ge=0, description="AdamW decoupled weight decay (ALGORITHM.md §6.3).")
-    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon (ALGORITHM.md §6.3).")
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW decoupled weight decay (docs/algorithm.md §6.3).")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon (docs/algorithm.md §6.3).")
     clip_range: float = Field(
         1e-5,
         gt=0,
         lt=1,
         description="PPO ratio clip ε: the ratio is clipped to [1 − ε, 1 + ε]. 1e-5 in every published TP-GRPO "
-        "config; upstream Flow-GRPO uses 1e-4 (ALGORITHM.md §6.2, §8 item 12).",
+        "config; upstream Flow-GRPO uses 1e-4 (docs/algorithm.md §6.2, §8 item 12).",
     )
     adv_clip_max: float = Field(
         5.0,
         gt=0,
         description="Advantages are clamped to ±adv_clip_max; never binds with G = 24 and per-prompt std "
-        "(|A| ≤ √(G−1) ≈ 4.8) (ALGORITHM.md §5 item 7).",
+        "(|A| ≤ √(G−1) ≈ 4.8) (docs/algorithm.md §5 item 7).",
     )
     beta: float = Field(
         1e-4,
         ge=0,
         description="KL weight β toward the adapter-disabled model. The reference config files say 0, its launch "
-        "scripts set 1e-4 (used here); the paper's Fig. 4 uses 0 (ALGORITHM.md §6.3, §8 item 7).",
+        "scripts set 1e-4 (used here); the paper's Fig. 4 uses 0 (docs/algorithm.md §6.3, §8 item 7).",
     )
     max_grad_norm: float = Field(
-        1.0, gt=0, description="Gradient-norm clip applied at each optimizer step (ALGORITHM.md §6.2)."
+        1.0, gt=0, description="Gradient-norm clip applied at each optimizer step (docs/algorithm.md §6.2)."
     )
     global_std: bool = Field(
         False,
         description="Normalise advantages by the std of the whole column instead of the prompt's std; the mean "
-        "stays per prompt. False in TP-GRPO, True in upstream Flow-GRPO (ALGORITHM.md §5 item 2).",
+        "stays per prompt. False in TP-GRPO, True in upstream Flow-GRPO (docs/algorithm.md §5 item 2).",
     )
     filter_zero_advantage: bool = Field(
         True,
         description="Skip trajectories whose advantages are 0 at every window step, as the reference does "
-        "(ALGORITHM.md §5 item 6, DESIGN.md §4 item 6).",
+        "(docs/algorithm.md §5 item 6, §8 D6).",
     )
     gradient_accumulation_steps: int = Field(
         2,
         ge=1,
         description="Micro-batches per optimizer step; each micro-batch contributes one backward per window step, "
         "so a step averages gradients over this × W losses (the reference's Accelerate accumulation is this × W). "
-        "SD3.5-M: 2, giving 2 optimizer steps per epoch (ALGORITHM.md §6.1, §6.3).",
+        "SD3.5-M: 2, giving 2 optimizer steps per epoch (docs/algorithm.md §6.1, §6.3).",
     )
     micro_batch_size: int = Field(
         9,
         ge=1,
         description="Trajectories per micro-batch: the reference trains on its per-device sampling batch "
-        "(B = 9 for SD3.5-M, 3 for FLUX.1-dev) (ALGORITHM.md §6.3).",
+        "(B = 9 for SD3.5-M, 3 for FLUX.1-dev) (docs/algorithm.md §6.3).",
     )
     num_inner_epochs: int = Field(
-        1, ge=1, description="Passes over each epoch's rollouts (ALGORITHM.md §6.1; 1 in every published config)."
+        1, ge=1, description="Passes over each epoch's rollouts (docs/algorithm.md §6.1; 1 in every published config)."
     )
 
     @model_validator(mode="after")
@@ -256,9 +256,9 @@ class GRPO:
         self._optimizer = accelerator.prepare(optimizer) if accelerator is not None else optimizer
 
     def advantages(self, step_rewards: Tensor, groups: Sequence[Hashable]) -> Tensor:
-        """Group-normalised advantages [N, W] float64 of step rewards [N, W] (ALGORITHM.md §5), with this optimizer's
-        ``global_std`` and ``adv_clip_max``: the one place either option is applied. ``groups`` holds one prompt key
-        per row (equal keys form a group)."""
+        """Group-normalised advantages [N, W] float64 of step rewards [N, W] (docs/algorithm.md §5), with this
+        optimizer's ``global_std`` and ``adv_clip_max``: the one place either option is applied. ``groups`` holds one
+        prompt key per row (equal keys form a group)."""
         o = self.options
         return group_advantages(step_rewards, groups, global_std=o.global_std, clip=o.adv_clip_max)
 

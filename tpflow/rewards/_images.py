@@ -1,10 +1,10 @@
 """Helpers shared by the CLIP-based rewards (``pickscore``, ``clipscore``, ``aesthetic``).
 
 Images arrive as float tensors in [0, 1]; the reference quantises them to uint8 before its PIL-based CLIP
-preprocessing (ALGORITHM.md §7). ``clip_preprocess`` does the same preprocessing in torch on the whole batch (resize
-the shortest side with PIL's antialiased bicubic, centre-crop, normalise), which is fast on the GPU and independent
-of the batch: each image goes through exactly the same operations whatever its neighbours. It differs from PIL only
-by PIL's rounding of each resampling pass to uint8 (about one grey level).
+preprocessing (docs/algorithm.md §7). ``clip_preprocess`` does the same preprocessing in torch on the whole batch
+(resize the shortest side with PIL's antialiased bicubic, centre-crop, normalise), which is fast on the GPU and
+independent of the batch: each image goes through exactly the same operations whatever its neighbours. It differs
+from PIL only by PIL's rounding of each resampling pass to uint8 (about one grey level).
 
 ``load_open_clip`` finds open_clip weights on disk without ever downloading: a checkpoint path, or a pretrained tag
 whose file is already in the Hugging Face cache (or open_clip's ``~/.cache/clip``).

@@ -1,4 +1,4 @@
-"""Reward ``aesthetic``: the LAION improved aesthetic predictor (a Table 1 metric of the paper, ALGORITHM.md §7).
+"""Reward ``aesthetic``: the LAION improved aesthetic predictor (a Table 1 metric of the paper, docs/algorithm.md §7).
 
     [reward]
     name = "aesthetic"

@@ -14,7 +14,7 @@ and lower-casing, then
     dist   = 0 if the target is empty or a substring of the recognised text, else min(Levenshtein(rec, tgt), len(tgt))
     reward = 1 - dist / len(tgt)      (1.0 for an empty target)
 
-(DESIGN.md §4 item 8; ALGORITHM.md §7). An image whose OCR raises scores 0, as in the reference, with one warning
+(docs/algorithm.md §7, §8 D8). An image whose OCR raises scores 0, as in the reference, with one warning
 per reward instance; a backend that cannot be loaded at all raises UserError.
 
 Backends. ``rapidocr`` runs PP-OCRv4 detection + recognition on onnxruntime, on the CPU, with models that ship
@@ -63,9 +63,9 @@ class OcrOptions(BaseModel):
     )
     denominator: Literal["normalized", "raw"] = Field(
         "normalized",
-        description="Length the capped distance is divided by: the normalised target (Flow-GRPO, DESIGN.md §4 "
-        "item 8) or the raw target with spaces (the TP-GRPO reference code, ALGORITHM.md §7), which is "
-        "slightly higher for targets with spaces.",
+        description="Length the capped distance is divided by: the normalised target (Flow-GRPO, "
+        "docs/algorithm.md §8 D8) or the raw target with spaces (the TP-GRPO reference code, docs/algorithm.md "
+        "§7), which is slightly higher for targets with spaces.",
     )
     use_angle_cls: bool = Field(
         False,

@@ -5,7 +5,7 @@
     model = "yuvalkirstain/PickScore_v1"                        # a Hugging Face id already cached, or a folder
     processor = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"         # its tokenizer and image preprocessing
 
-Score = exp(logit_scale) · cos(text_emb, image_emb) / 26, as the reference (ALGORITHM.md §7): the /26 brings the
+Score = exp(logit_scale) · cos(text_emb, image_emb) / 26, as the reference (docs/algorithm.md §7): the /26 brings the
 usual range (about 20-23) near 1. Weights are never downloaded; fetch them once with
 ``huggingface-cli download yuvalkirstain/PickScore_v1`` and ``huggingface-cli download
 laion/CLIP-ViT-H-14-laion2B-s32B-b79K``, or point the options at local folders.

@@ -7,7 +7,7 @@
         { name = "clipscore", weight = 0.5, options = { model = "ViT-L-14", pretrained = "openai" } },
     ]
 
-scores = Σ_k weight_k · score_k: a weighted *sum*, not a mean, as the reference computes it (ALGORITHM.md §7).
+scores = Σ_k weight_k · score_k: a weighted *sum*, not a mean, as the reference computes it (docs/algorithm.md §7).
 ``details`` holds each part's scores under its label (the reward name unless ``label`` is given) and the part's
 own details as ``"label/key"``. Every part's name and options are checked when the recipe is validated, so a typo
 fails before any weight loads. A ``weighted`` part may itself be ``weighted``.

@@ -1,4 +1,5 @@
-"""Coefficients-Preserving Sampling step with the reference's variance-free surrogate log-prob (ALGORITHM.md §1.5).
+"""Coefficients-Preserving Sampling step with the reference's variance-free surrogate log-prob (docs/algorithm.md
+§1.5).
 
 This is the sampler every shipped TP-GRPO config uses.
 """
@@ -87,7 +88,7 @@ class CpsSampler:
             sigma_next: next noise level (<= sigma), float, 0-d or [N].
             noise_level: α in [0, 1]; 1 puts all of σ⁺ into fresh noise.
             generator: RNG for ξ (on z's device); the global RNG when None. ξ is drawn even when α = 0, as the
-                reference does (ALGORITHM.md §1.6), so the RNG stream does not depend on the window.
+                reference does (docs/algorithm.md §1.6), so the RNG stream does not depend on the window.
             noise: explicit standard-normal ξ [N, ...] replacing the draw.
 
         Returns:

@@ -1,4 +1,4 @@
-"""The deterministic flow-matching ODE step (ALGORITHM.md §1.3), used by the ODE parts of rollouts."""
+"""The deterministic flow-matching ODE step (docs/algorithm.md §1.3), used by the ODE parts of rollouts."""
 
 from __future__ import annotations
 

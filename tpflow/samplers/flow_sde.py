@@ -1,4 +1,4 @@
-"""Flow-GRPO's marginal-preserving SDE step with its Gaussian log-density (ALGORITHM.md §1.4)."""
+"""Flow-GRPO's marginal-preserving SDE step with its Gaussian log-density (docs/algorithm.md §1.4)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class FlowSdeSampler:
     * mean ``μ = z·(1 − ε²h/(2σ)) − v·(1 + ε²(1 − σ)/(2σ))·h`` (Euler–Maruyama on
       ``dz = [v + ε²/(2σ)·(z + (1 − σ)v)] dσ + ε dW`` with σ decreasing);
     * sample ``z' = μ + ε·sqrt(h)·ξ``, ξ ~ N(0, I), so ``std = ε·sqrt(h)`` and ``std_dev_t = ε`` (no √h: the
-      reference's KL divides by it, ALGORITHM.md §6.2);
+      reference's KL divides by it, docs/algorithm.md §6.2);
     * ``log_prob`` = the Gaussian log-density ``−(z' − μ)²/(2ε²h) − log(ε√h) − ½log(2π)`` of every latent element,
       averaged (not summed) over the non-batch dims, giving [N].
 
@@ -77,7 +77,7 @@ class FlowSdeSampler:
             sigma_next: next noise level (<= sigma), float, 0-d or [N].
             noise_level: α >= 0.
             generator: RNG for ξ (on z's device); the global RNG when None. ξ is drawn even when α = 0, as the
-                reference does (ALGORITHM.md §1.6), so the RNG stream does not depend on the window.
+                reference does (docs/algorithm.md §1.6), so the RNG stream does not depend on the window.
             noise: explicit standard-normal ξ [N, ...] replacing the draw.
 
         Returns:
@@ -119,7 +119,7 @@ class FlowSdeSampler:
         if bool((s_bar == 1).any()):
             raise ValueError(
                 "flow-sde: a step starting at sigma = 1 must end below 1, because the σ = 1 guard of "
-                "ALGORITHM.md §1.4 takes σ̄ from sigma_next to avoid dividing by 1 − σ = 0."
+                "docs/algorithm.md §1.4 takes σ̄ from sigma_next to avoid dividing by 1 − σ = 0."
             )
         h = s - s_next  # [N] step length, >= 0
         eps = alpha * torch.sqrt(s / (1 - s_bar))  # [N]

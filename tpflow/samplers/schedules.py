@@ -1,4 +1,4 @@
-"""Inference sigma schedules σ_0 = 1 > … > σ_K = 0 of SD3.5 and FLUX.1 (ALGORITHM.md §1.2).
+"""Inference sigma schedules σ_0 = 1 > … > σ_K = 0 of SD3.5 and FLUX.1 (docs/algorithm.md §1.2).
 
 Both are taken from diffusers' ``FlowMatchEulerDiscreteScheduler`` rather than re-derived, so quirks such as SD3's
 doubly shifted lower end are reproduced. diffusers is imported inside the functions because it is slow to import.

@@ -1,9 +1,9 @@
-"""ShapesDiT: the tiny text-conditioned rectified-flow DiT of the embedded shapes world (DESIGN.md §6).
+"""ShapesDiT: the tiny text-conditioned rectified-flow DiT of the embedded shapes world (docs/shapes.md).
 
 Pixel space, 32×32 RGB scaled to [-1, 1], patch 4 (64 image tokens). A two-layer transformer encodes the prompt's
 word ids; its tokens join the image tokens in ONE attention sequence (pad tokens masked out of the keys). Every
 block has QK-norm and adaLN-zero modulation from the timestep embedding of 1000·σ plus the pooled text vector. The
-network predicts the rectified-flow velocity v ≈ ε − x for z(σ) = (1 − σ)·x + σ·ε (ALGORITHM.md §1.1).
+network predicts the rectified-flow velocity v ≈ ε − x for z(σ) = (1 − σ)·x + σ·ε (docs/algorithm.md §1.1).
 
 Classifier-free guidance uses a learned null text (``null_text`` [max_tokens, width], every position real) that
 replaces the encoded prompt of the rows flagged ``null``: 10% of the pretraining rows, the unconditional half of

@@ -1,6 +1,6 @@
 """Exponential moving average of the trained (LoRA) parameters, with the reference's warm-up and update interval.
 
-ALGORITHM.md §6.3: ``θ_ema ← θ_ema + (1 − d_n)(θ − θ_ema)`` with ``d_n = min((1 + n)/(10 + n), decay_cap)``, where
+docs/algorithm.md §6.3: ``θ_ema ← θ_ema + (1 − d_n)(θ − θ_ema)`` with ``d_n = min((1 + n)/(10 + n), decay_cap)``, where
 n is the 0-based index of the optimizer step just taken. The trainer calls ``step(n)`` right after each optimizer step
 (``Optimizer.update``'s ``on_step``), so every step's weights are averaged, and a step the fp16 gradient scaler
 skipped is not one. It applies only when ``(n + 1) % every == 0``. (The reference calls it after every training

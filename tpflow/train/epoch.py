@@ -23,7 +23,7 @@ from tpflow.types import Credit, PromptItem, Rollout
 
 def prompt_groups(prompts: list[str]) -> list[int]:
     """Group ids of N prompts, in order of first appearance: equal texts (up to case and runs of whitespace, which
-    the reference's CLIP-tokenizer round trip also folds) share an id (ALGORITHM.md §5)."""
+    the reference's CLIP-tokenizer round trip also folds) share an id (docs/algorithm.md §5)."""
     table: dict[str, int] = {}
     return [table.setdefault(" ".join(p.lower().split()), len(table)) for p in prompts]
 

@@ -1,7 +1,7 @@
 """The distributed prompt sampler: which prompts an epoch samples, in which rollout batches, on which process.
 
-ALGORITHM.md §6.3 (the reference's ``DistributedKRepeatSampler``): a sampling round draws m prompts, repeats each G
-times, shuffles the copies and cuts them into rollout batches of B; the copies of one prompt may land in different
+docs/algorithm.md §6.3 (the reference's ``DistributedKRepeatSampler``): a sampling round draws m prompts, repeats each
+G times, shuffles the copies and cuts them into rollout batches of B; the copies of one prompt may land in different
 batches and on different processes, and advantages are computed only after every process's rewards are gathered
 (``tpflow.distributed``), so groups stay whole.
 

@@ -1,6 +1,6 @@
 """The TP-GRPO / Flow-GRPO training loop: ``tpflow train RECIPE [--resume]``.
 
-One epoch (DESIGN.md §1, ALGORITHM.md §6.1):
+One epoch (docs/architecture.md, "An epoch"; docs/algorithm.md §6.1):
 
 1. plan the epoch's rollout batches: ``prompts_per_epoch`` training prompts, G copies each, shuffled into batches
    that are dealt to the processes (``prompt_sampler``; one process runs them all);
@@ -228,7 +228,7 @@ class Trainer:
         sampled = self._sample_and_score(epoch, batches)  # rollouts and reward traces [n_b, W+1], batch by batch
         credits = [self.credit(s.trace) for s in sampled.scored]  # per rollout batch: balancing stays within one
         rows = EpochRows.local(sampled, credits).gather(self.dist)  # [N] trajectories of every process
-        # The prompt group is the prompt's text, as in the reference (ALGORITHM.md §5): two dataset items with the
+        # The prompt group is the prompt's text, as in the reference (docs/algorithm.md §5): two dataset items with the
         # same text (the shapes train split repeats its 93 texts) are one group, on every process alike.
         groups = prompt_groups([self.train_items[i].prompt for i in rows.items.tolist()])  # [N] ints, by text
         advantages = self.optimizer.advantages(rows.step_rewards, groups)  # [N, W] float64, the same everywhere

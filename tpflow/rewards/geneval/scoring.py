@@ -5,7 +5,7 @@ Written once and fed by any detector (the shapes world's rule-based one, the rea
 ``{"tag", "include": [{"class", "count", "color"?, "position": [relation, clause index]?}], "exclude": [...]}``.
 
 Detections are kept as GenEval keeps them: score above 0.3 (0.9 when the tag is ``counting``), at most 16 per
-class, highest score first, no NMS. Then (ALGORITHM.md §7):
+class, highest score first, no NMS. Then (docs/algorithm.md §7):
 
 * ``correct`` is GenEval's official rule. Each include clause looks at its class's ``count`` best detections: there
   must be that many, all of the asked colour, and each in the asked relation to every object of the clause it
@@ -51,7 +51,7 @@ class GenevalResult:
 
     correct: bool  # GenEval's official correctness (at least the counts, exclude clauses applied)
     strict_correct: bool  # exact counts, colours and positions
-    score: float  # partial credit, the training reward (ALGORITHM.md §7, without the upstream position bug)
+    score: float  # partial credit, the training reward (docs/algorithm.md §7, without the upstream position bug)
     reason: str  # why it is not strictly correct ("" when it is)
 
 
