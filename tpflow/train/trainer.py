@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -56,7 +57,7 @@ from tpflow.train.checkpoint import (
 )
 from tpflow.train.ema import EMA
 from tpflow.train.epoch import EpochRows, Sampled, combine_update_metrics, prompt_groups
-from tpflow.train.evaluation import eval_seed, evaluate
+from tpflow.train.evaluation import eval_seed, eval_split, evaluate, no_test_split
 from tpflow.train.prompt_sampler import check_layout, noise_seed, plan_epoch
 from tpflow.train.resume import checkpoint_to_resume, restoring
 from tpflow.train.run_lock import RunDirLock
@@ -129,8 +130,11 @@ class Trainer:
         self.optimizer = recipe.build("optimizer")
         dataset = recipe.build("dataset")
         self.train_items: list[PromptItem] = list(dataset.split("train"))
-        test = list(dataset.split("test")) if "test" in dataset.splits else self.train_items
+        self.eval_split = eval_split(dataset)  # "train" for a dataset without a test split: said, and in the metrics
+        test = list(dataset.split("test")) if self.eval_split == "test" else self.train_items
         self.test_items = test[: recipe.eval.num_prompts] if recipe.eval.num_prompts else test
+        if self.eval_split != "test":
+            self.console.print(f"[yellow]warning:[/] {escape(no_test_split(recipe.dataset.name))}", soft_wrap=True)
         self.optimizer.bind(self.backbone, self.accelerator)
         params = self.backbone.trainable_parameters()
         self.ema = EMA(params, train.ema_decay, train.ema_every) if train.ema else None
@@ -338,6 +342,8 @@ class Trainer:
                 grid=grid,
                 policy=recipe_policy(self.settings, self.recipe.eval),
             )
+        if self.eval_split != "test":
+            metrics["eval_on_train_split"] = 1.0  # no held-out prompts (warned at the start)
         self.logger.track(metrics, step=self.optimizer.global_step)  # the step of the weights evaluated
         self.logger.log_image("eval_samples", grid, step=self.optimizer.global_step)
         return metrics
