@@ -2,8 +2,8 @@
 ``inspect-trajectory``.
 
 ``call_reward`` runs the reward under a time limit, checks what it returned, repeats the call on an exception or on
-non-finite scores, and otherwise stops with one paragraph (``RewardError``: exit status 2 from the CLI, no
-traceback) naming the reward and what went wrong:
+non-finite scores, and otherwise stops with one paragraph (``RewardError``: exit status 2 from the CLI) naming the
+reward and what went wrong, followed by the reward's last traceback frames when it raised:
 
 - the output must be a ``RewardOutput`` (or any object with its two fields): ``scores`` a 1-D floating-point tensor
   with one value per image, ``details`` a dict of 1-D tensors of the same length. Anything else (a list, a 2-D
