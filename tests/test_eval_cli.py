@@ -227,3 +227,30 @@ def test_an_adapter_of_another_backbone_exits_2(run, capsys, tmp_path):
 def test_resolution_of_a_fixed_size_backbone_exits_2(capsys):
     code, _, err = cli(capsys, "eval", str(RECIPE), "--resolution", "64")
     assert code == 2 and "fixed image size" in _one_paragraph(err)
+
+
+def test_an_adapter_that_does_not_fit_exits_2_and_a_bug_keeps_its_traceback(tmp_path, tiny_weights, monkeypatch):
+    """Loading an adapter: wrong shapes are one paragraph; a bug in the backbone's loading is its own exception."""
+    import safetensors.torch
+    import torch
+
+    from tests.test_train import tiny_recipe
+    from tpflow.backbones.shapes import ShapesBackbone
+    from tpflow.errors import UserError
+    from tpflow.evaluation.targets import Target, load_model
+    from tpflow.recipe import load_recipe
+
+    recipe = load_recipe(tiny_recipe(tmp_path, tiny_weights, reward="image-stat"))
+    recipe.build("backbone").save_adapter(tmp_path / "lora")
+    target = Target("export", tmp_path / "lora", recipe, adapter_dir=tmp_path / "lora")
+    assert load_model(target) is not None
+    monkeypatch.setattr(ShapesBackbone, "load_adapter", lambda self, directory: {}["lora_scale"])
+    with pytest.raises(KeyError) as err:
+        load_model(target)
+    assert any("a bug, not an adapter that does not fit" in note for note in getattr(err.value, "__notes__", []))
+    monkeypatch.undo()
+    (file,) = (tmp_path / "lora").glob("*.safetensors")
+    tensors = safetensors.torch.load_file(file)
+    safetensors.torch.save_file({k: torch.zeros(v.shape[0] + 1, *v.shape[1:]) for k, v in tensors.items()}, file)
+    with pytest.raises(UserError, match="does not fit the 'shapes-dit' backbone"):
+        load_model(target)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -124,3 +126,38 @@ def test_plugin_clashing_with_builtin_raises(plugin):
     registry.refresh_plugins()
     with pytest.raises(DuplicateComponentError, match="tpflow/samplers/cps.py"):
         registry.names("sampler")
+
+
+BROKEN_BUILTIN = """
+from tpflow.registry import register
+
+
+def _helper():
+    raise ImportError("No module named 'some_dependency'")
+
+
+_helper()  # fails on import, before it registers anything
+
+
+@register("credit", "never-registered")
+class NeverRegistered:
+    pass
+"""
+
+
+def test_a_builtin_module_that_fails_to_import_fails_every_lookup_with_its_error(tmp_path, monkeypatch):
+    """Not 'unknown component' on the second lookup: each lookup of the kind re-raises the import error, with its
+    traceback (a broken install or a bug, not a user's mistake) and a note naming the module."""
+    (tmp_path / "tpflow_broken_builtin.py").write_text(BROKEN_BUILTIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(registry._BUILTIN_MODULES, "credit", ("tpflow.credit", "tpflow_broken_builtin"))
+    monkeypatch.setattr(registry, "_builtins_loaded", set())
+    for _ in range(2):
+        with pytest.raises(ImportError, match="some_dependency") as info:
+            registry.get("credit", "never-registered")
+        assert not isinstance(info.value, UserError)
+        assert "_helper" in [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
+        assert any("tpflow_broken_builtin" in note for note in getattr(info.value, "__notes__", []))
+    monkeypatch.undo()  # the real modules again: the kind loads
+    registry._builtins_loaded.discard("credit")
+    assert "turning_point" in registry.names("credit")

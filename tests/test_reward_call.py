@@ -57,10 +57,32 @@ def test_a_failure_is_retried_once_then_stops_with_one_paragraph(policy):
     always = Flaky(99)
     with pytest.raises(RewardError) as err:
         call_reward(always, IMAGES, PROMPTS, META, policy)
-    message = str(err.value)
-    assert always.calls == 2 and "\n" not in message
+    message = str(err.value).split("\n")[0]  # the paragraph; the reward's last frames follow it
+    assert always.calls == 2
     assert "'Flaky' failed twice on the same 4 images" in message
     assert "ConnectionError: reward server down (second line of the message)" in message and "--resume" in message
+
+
+def _lookup(table: dict) -> float:
+    """A reward's helper with a bug: the frame its traceback must show."""
+    return table["missing"]
+
+
+def buggy(images, prompts, metadata):
+    return _lookup({})
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_reward_bug_keeps_its_cause_and_shows_its_last_frames(policy):
+    with pytest.raises(RewardError) as err:
+        call_reward(buggy, IMAGES, PROMPTS, META, policy)
+    assert isinstance(err.value.__cause__, KeyError)  # chained: a caller's traceback shows the reward's own
+    paragraph, *frames = str(err.value).split("\n")
+    assert "'buggy' failed twice on the same 4 images (it raised KeyError: 'missing')" in paragraph
+    shown = "\n".join(frames)
+    assert f'File "{__file__}"' in shown and "in _lookup" in shown and 'return table["missing"]' in shown
+    assert shown.rstrip().endswith("KeyError: 'missing'")
+    assert "rewards/call.py" not in shown  # tpflow's frames around the call are not the reward's traceback
 
 
 def test_retries_follow_the_policy():
@@ -197,7 +219,10 @@ def test_evaluation_retries_like_training(tmp_path, tiny_weights, plugin):
     trainer.reward = always = Flaky(99)
     with pytest.raises(RewardError, match="'Flaky' failed twice on the same 6 images.*ConnectionError") as err:
         trainer.evaluate(0)
-    assert always.calls == 2 and "\n" not in str(err.value)
+    paragraph, *frames = str(err.value).split("\n")
+    assert always.calls == 2 and "--resume" in paragraph
+    shown = "\n".join(frames)  # the Flaky reward's own frame, then its exception
+    assert "in __call__" in shown and "\nConnectionError: reward server down" in shown
 
 
 def test_evaluation_with_nan_scores_stops_by_default_and_warns_when_asked(tmp_path, tiny_weights, plugin, caplog):
@@ -254,6 +279,10 @@ MISBEHAVING = textwrap.dedent(
     from tpflow.types import RewardOutput
 
 
+    def lookup(table):
+        return table["missing"]
+
+
     class MisbehavingReward:
         class Options(BaseModel):
             model_config = ConfigDict(extra="forbid")
@@ -267,6 +296,8 @@ MISBEHAVING = textwrap.dedent(
                 time.sleep(120)
             if self.mode == "exit":
                 sys.exit(0)
+            if self.mode == "keyerror":
+                return lookup({})
             return RewardOutput(scores=images.mean(dim=(1, 2, 3)))
     '''
 )
@@ -315,3 +346,14 @@ def test_cli_exits_2_on_sys_exit_in_a_reward(tmp_path, tiny_weights, misbehaving
         main(["train", str(_misbehaving_recipe(tmp_path, tiny_weights, "exit"))])
     assert exc.value.code == 2
     assert "'misbehaving' (MisbehavingReward) called sys.exit(0)" in capsys.readouterr().err
+
+
+def test_cli_exits_2_on_a_bug_in_a_reward_and_shows_its_traceback(tmp_path, tiny_weights, misbehaving, capsys):
+    from tpflow.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["train", str(_misbehaving_recipe(tmp_path, tiny_weights, "keyerror")), "--set", "eval.every=0"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    assert "'misbehaving' (MisbehavingReward) failed twice" in err and "KeyError: 'missing'" in err
+    assert "misbehaving_mod.py" in err and "in lookup" in err and 'return table["missing"]' in err

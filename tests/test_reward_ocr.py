@@ -179,17 +179,29 @@ def test_images_become_bgr_uint8(device):
 
 
 class _FailingEngine:
+    """Fake rapidocr engine that raises on the images whose first pixel is dark, reads "hi" on the others."""
+
     def __call__(self, image):
-        raise RuntimeError("corrupt input")
+        if image[0, 0, 0] < 128:
+            raise RuntimeError("corrupt input")
+        return [[[[0, 0]] * 4, "hi", 0.9]], [0.0]
 
 
-def test_an_ocr_exception_scores_zero_and_warns_once(caplog):
+def test_an_ocr_exception_scores_zero_is_counted_and_warned_with_the_count(caplog):
     reward = OcrReward()
     reward._engine = _FailingEngine()
+    images = torch.ones(3, 3, 8, 8)
+    images[:2] = 0  # the first two fail
     with caplog.at_level(logging.WARNING, logger="tpflow.rewards.ocr"):
-        out = reward(torch.ones(3, 3, 8, 8), ['say "hi"', 'say "hi"', 'say ""'], [{}] * 3)
-    assert out.scores.tolist() == [0.0, 0.0, 0.0]  # even the empty target, as the reference
-    assert len([r for r in caplog.records if "OCR failed" in r.message]) == 1
+        out = reward(images, ['say "hi"', 'say ""', 'say "hi"'], [{}] * 3)
+        assert out.scores.tolist() == [0.0, 0.0, 1.0]  # even the empty target, as the reference
+        assert out.details["ocr_failed"].tolist() == [1.0, 1.0, 0.0]  # reward_ocr_failed in the metrics
+        assert [r.getMessage() for r in caplog.records][-1].startswith("OCR failed on 2 of 3 images")
+        out = reward(images[:1], ['say "hi"'], [{}])  # every call with failures warns, with the running total
+    warnings = [r.getMessage() for r in caplog.records if "OCR failed" in r.getMessage()]
+    assert len(warnings) == 2 and "3 images so far" in warnings[1] and "RuntimeError('corrupt input')" in warnings[1]
+    assert out.details["ocr_failed"].tolist() == [1.0]
+    assert reward(images[2:], ['say "hi"'], [{}]).details["ocr_failed"].tolist() == [0.0]
 
 
 class _SlowEngine:

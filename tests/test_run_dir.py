@@ -3,20 +3,24 @@ checkpoints and damaged logs are clear errors or skipped lines, and a plugin tha
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import traceback
 from pathlib import Path
 
 import pytest
 import safetensors.torch
+import torch
 
 from tests.test_preflight import SHAPES, assert_one_paragraph, no_weights, run_cli  # noqa: F401 (a fixture)
 from tests.test_train import tiny_recipe
 from tpflow import registry
+from tpflow.backbones.shapes import ShapesBackbone
 from tpflow.errors import UserError
 from tpflow.recipe import load_recipe
 from tpflow.train.checkpoint import MANIFEST, CheckpointError, _digest
@@ -139,6 +143,47 @@ def test_forged_checkpoints_are_user_errors_naming_them(tmp_path, tiny_weights, 
     _forge(checkpoint, adapter, safetensors.torch.save(wrong))
     code, err = run_cli(capsys, "train", str(recipe_path), "--resume", "--set", "eval.every=0")
     assert_one_paragraph(code, err, str(checkpoint), "does not fit")
+
+
+def _torch_bytes(obj: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def test_a_checkpoint_missing_a_key_is_a_user_error_naming_it(tmp_path, tiny_weights, plugin, capsys):
+    checkpoint, recipe_path = _trained_run(tmp_path, tiny_weights, "missing")
+    files = {name: (checkpoint / name).read_bytes() for name in ("optimizer.pt", "rng.pt", "state.json")}
+    optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    rng = torch.load(checkpoint / "rng.pt", weights_only=True)
+    state = json.loads(files["state.json"])
+    forged = {
+        "optimizer.pt": (_torch_bytes({"optimizer": optimizer["optimizer"]}), "optimizer state lacks 'global_step'"),
+        "rng.pt": (_torch_bytes({k: v for k, v in rng.items() if k != "numpy"}), "RNG state (rng.pt) lacks 'numpy'"),
+        "state.json": (json.dumps({k: v for k, v in state.items() if k != "epoch"}).encode(), "holds no epoch"),
+    }
+    for name, (data, expected) in forged.items():
+        _forge(checkpoint, name, data)
+        code, err = run_cli(capsys, "train", str(recipe_path), "--resume", "--set", "eval.every=0")
+        assert_one_paragraph(code, err, str(checkpoint), expected)
+        _forge(checkpoint, name, files[name])
+
+
+def test_a_bug_while_restoring_keeps_its_traceback(tmp_path, tiny_weights, plugin, capsys, monkeypatch):
+    """A checkpoint that fits, restored by a component with a bug: not 'does not fit this recipe' (exit 2, no
+    traceback) but the bug's own exception, with its traceback and a note naming the checkpoint."""
+    checkpoint, recipe_path = _trained_run(tmp_path, tiny_weights, "bug")
+
+    def load_adapter(self, directory):  # a KeyError of the backbone's own code, not a key the checkpoint lacks
+        return {}["lora_scale"]
+
+    monkeypatch.setattr(ShapesBackbone, "load_adapter", load_adapter)
+    with pytest.raises(KeyError) as err:
+        run_cli(capsys, "train", str(recipe_path), "--resume", "--set", "eval.every=0")
+    assert "load_adapter" in [frame.name for frame in traceback.extract_tb(err.value.__traceback__)]
+    notes = "\n".join(getattr(err.value, "__notes__", []))
+    assert str(checkpoint) in notes and "not a checkpoint that does not fit" in notes
+    assert "does not fit this recipe" not in capsys.readouterr().err
 
 
 def test_metrics_line_that_is_not_utf8_is_skipped_with_a_warning(tmp_path):

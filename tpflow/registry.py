@@ -78,6 +78,7 @@ T = TypeVar("T")
 _lock = threading.RLock()
 _entries: dict[str, dict[str, Entry]] = {kind: {} for kind in KINDS}
 _builtins_loaded: set[str] = set()
+_builtins_loading: set[str] = set()  # kinds whose built-in modules are being imported (by the thread holding _lock)
 _plugins_loaded: set[str] = set()
 _plugin_errors: dict[str, list[str]] = {kind: [] for kind in KINDS}
 _current_source: str = "tpflow"
@@ -138,12 +139,25 @@ def register(kind: str, name: str, options: type[BaseModel] | None = None) -> Ca
 
 
 def _load_builtins(kind: str) -> None:
+    """Import the modules of the kind's built-in components. One that fails to import (a broken install, a bug) is
+    not a user's mistake: its error propagates with its traceback, at this and every later lookup of the kind (the
+    import is retried), never an 'unknown component' for what it would have registered."""
     if kind in _builtins_loaded:
         return
     with _lock:
+        if kind in _builtins_loaded or kind in _builtins_loading:  # another thread did; or a lookup during the import
+            return
+        _builtins_loading.add(kind)
+        try:
+            for module in _BUILTIN_MODULES[kind]:
+                try:
+                    importlib.import_module(module)
+                except Exception as exc:
+                    exc.add_note(f"tpflow: importing {module}, the module of built-in {kind} components, failed.")
+                    raise
+        finally:
+            _builtins_loading.discard(kind)
         _builtins_loaded.add(kind)
-        for module in _BUILTIN_MODULES[kind]:
-            importlib.import_module(module)
 
 
 def _entry_points(kind: str) -> list[metadata.EntryPoint]:

@@ -27,7 +27,11 @@ class FileDatasetOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     path: str = Field(description="Training prompts file.")
-    test_path: str | None = Field(None, description="Held-out prompts file for evaluation (default: `path`).")
+    test_path: str | None = Field(
+        None,
+        description="Held-out prompts file for evaluation. Without it the dataset has no test split: evaluations "
+        "sample the training prompts, and say so (a warning, eval_on_train_split in the metrics).",
+    )
 
 
 MAX_PROMPT_FILE_BYTES = 1 << 30  # 1 GiB: millions of prompts; a bigger "prompt file" is the wrong file
@@ -62,15 +66,13 @@ def _lines(path: str) -> list[tuple[int, str]]:
 
 @register("dataset", "text-file", options=FileDatasetOptions)
 class TextFileDataset:
-    """PromptDataset: one prompt per line, blank lines skipped, no metadata."""
-
-    splits = ("train", "test")
+    """PromptDataset: one prompt per line, blank lines skipped, no metadata; a test split with ``test_path``."""
 
     def __init__(self, options: FileDatasetOptions):
-        self._items = {
-            "train": [PromptItem(line, {}) for _, line in _lines(options.path)],
-            "test": [PromptItem(line, {}) for _, line in _lines(options.test_path or options.path)],
-        }
+        self._items = {"train": [PromptItem(line, {}) for _, line in _lines(options.path)]}
+        if options.test_path:
+            self._items["test"] = [PromptItem(line, {}) for _, line in _lines(options.test_path)]
+        self.splits = tuple(self._items)
 
     def split(self, name: str) -> list[PromptItem]:
         return _split(self._items, name)
@@ -78,12 +80,14 @@ class TextFileDataset:
 
 @register("dataset", "jsonl", options=FileDatasetOptions)
 class JsonlDataset:
-    """PromptDataset: one JSON object per line with a ``prompt`` string; the other keys are its metadata."""
-
-    splits = ("train", "test")
+    """PromptDataset: one JSON object per line with a ``prompt`` string, the other keys its metadata; a test split
+    with ``test_path``."""
 
     def __init__(self, options: FileDatasetOptions):
-        self._items = {"train": _read_jsonl(options.path), "test": _read_jsonl(options.test_path or options.path)}
+        self._items = {"train": _read_jsonl(options.path)}
+        if options.test_path:
+            self._items["test"] = _read_jsonl(options.test_path)
+        self.splits = tuple(self._items)
 
     def split(self, name: str) -> list[PromptItem]:
         return _split(self._items, name)

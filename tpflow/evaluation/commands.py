@@ -146,6 +146,8 @@ def eval_(
     result, base = results[0], (results[1] if len(results) > 1 else None)
     folder = out or default_out(resolved, options)
     console.print(_eval_table(result, base))
+    for warning in dict.fromkeys(w for r in results for w in r.settings["warnings"]):  # target's, baseline's
+        make_console(stderr=True).print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
     for path in write_outputs(folder, result, base, ema):
         console.print(f"wrote {path}", highlight=False, markup=False)
 
@@ -220,8 +222,11 @@ def _eval_table(result: Any, baseline: Any | None) -> Table:
 
     mine = result.categories()
     figures = [key for key in ("reward", "strict") if key in mine["overall"]]
+    prompts = str(result.settings["prompts"])
+    if prompts == "test" and result.settings["split"] != "test":
+        prompts = f"{result.settings['split']} split, no test split"
     table = Table(title=f"tpflow eval: {escape(result.target.label)} ({result.settings['num_prompts']} prompts, "
-                        f"{result.settings['steps']} steps, {escape(str(result.settings['prompts']))})")  # fmt: skip
+                        f"{result.settings['steps']} steps, {escape(prompts)})")  # fmt: skip
     table.add_column("category", no_wrap=True)
     table.add_column("images", justify="right")
     for key in figures:

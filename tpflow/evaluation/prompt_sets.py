@@ -1,6 +1,7 @@
 """The prompts ``tpflow eval`` samples: the recipe's own splits, a named benchmark set, or a file.
 
-test, train      the recipe's dataset splits (test: what training evaluates on)
+test, train      the recipe's dataset splits (test: what training evaluates on; its train split, said so, for a
+                 dataset that has no test split)
 geneval          GenEval-style prompts with GenEval metadata, generated (tpflow.data.geneval's test split);
                  for GenEval's official 553 prompts pass its evaluation_metadata.jsonl as a file
 ocr              the OCR test prompts (tpflow.data.ocr's test split: texts never seen in training)
@@ -16,24 +17,25 @@ from pathlib import Path
 from tpflow import registry
 from tpflow.errors import UserError
 from tpflow.recipe import Recipe
+from tpflow.train.evaluation import eval_split
 from tpflow.types import PromptItem
 
 NAMED = ("test", "train", "geneval", "ocr")
 
 
-def prompt_set(name: str, recipe: Recipe) -> list[PromptItem]:
-    """The items of the prompt set ``name`` (one of ``NAMED`` or a file path); see the module docstring."""
+def prompt_set(name: str, recipe: Recipe) -> tuple[list[PromptItem], str | None]:
+    """The items of the prompt set ``name`` (one of ``NAMED`` or a file path), and the dataset split they are (None
+    for a file): "train" for ``test`` of a dataset without a test split, as the trainer. See the module docstring."""
     if name in ("test", "train"):
         dataset = recipe.build("dataset")
-        if name not in dataset.splits:
-            if name == "test":  # as the trainer: a dataset without a test split evaluates on its train split
-                return list(dataset.split("train"))
+        split = eval_split(dataset) if name == "test" else name
+        if split not in dataset.splits:
             raise UserError(f"The recipe's dataset {recipe.dataset.name!r} has no {name!r} split.")
-        return list(dataset.split(name))
+        return list(dataset.split(split)), split
     if name == "geneval":
-        return list(registry.build("dataset", "geneval", train_size=1).split("test"))
+        return list(registry.build("dataset", "geneval", train_size=1).split("test")), "test"
     if name == "ocr":
-        return list(registry.build("dataset", "ocr").split("test"))
+        return list(registry.build("dataset", "ocr").split("test")), "test"
     path = Path(name).expanduser()
     if not path.exists():
         raise UserError(
@@ -43,9 +45,9 @@ def prompt_set(name: str, recipe: Recipe) -> list[PromptItem]:
         raise UserError(f"Prompt set {path} is not a regular file; give a .jsonl or a text file of prompts.")
     if path.suffix == ".jsonl":
         if _is_geneval_metadata(path):
-            return list(registry.build("dataset", "geneval", train_size=1, test_path=str(path)).split("test"))
-        return list(registry.build("dataset", "jsonl", path=str(path)).split("train"))
-    return list(registry.build("dataset", "text-file", path=str(path)).split("train"))
+            return list(registry.build("dataset", "geneval", train_size=1, test_path=str(path)).split("test")), None
+        return list(registry.build("dataset", "jsonl", path=str(path)).split("train")), None
+    return list(registry.build("dataset", "text-file", path=str(path)).split("train")), None
 
 
 def _is_geneval_metadata(path: Path) -> bool:

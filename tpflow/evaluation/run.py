@@ -23,7 +23,7 @@ from tpflow.distributed import Distributed
 from tpflow.evaluation.prompt_sets import prompt_set
 from tpflow.evaluation.targets import Target, load_model
 from tpflow.rewards.call import recipe_policy
-from tpflow.train.evaluation import Scored, eval_seed, score_prompts, summarize
+from tpflow.train.evaluation import Scored, eval_seed, no_test_split, score_prompts, summarize
 from tpflow.train.samples import save_grid
 from tpflow.types import PromptItem
 
@@ -104,7 +104,7 @@ def evaluate_target(
 ) -> EvalResult:
     """Build the target's model, sample ``options.images_per_prompt`` images per prompt and score them."""
     recipe = target.recipe
-    items = prompt_set(options.prompts, recipe)
+    items, split = prompt_set(options.prompts, recipe)
     limit = options.num_prompts
     if limit is None and options.prompts == "test":
         limit = recipe.eval.num_prompts
@@ -126,6 +126,8 @@ def evaluate_target(
     )
     described = {
         "prompts": options.prompts,
+        "split": split,  # the dataset split sampled: "train" for --prompts test of a dataset without a test split
+        "warnings": [no_test_split(recipe.dataset.name)] if options.prompts == "test" and split != "test" else [],
         "num_prompts": len(items),
         "images_per_prompt": options.images_per_prompt,
         "steps": settings.num_steps,

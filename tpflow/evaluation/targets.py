@@ -17,6 +17,7 @@ import torch
 from tpflow import registry
 from tpflow.errors import UserError
 from tpflow.recipe import Recipe, apply_overrides, load_recipe, validate_recipe
+from tpflow.train.resume import does_not_fit
 
 EXPORT_MANIFEST = "tpflow_export.json"  # what ``tpflow export`` writes beside the adapter
 EXPORT_RECIPE = "recipe.json"
@@ -152,7 +153,13 @@ def load_model(target: Target, ema: bool = True) -> Any:
             backbone.load_adapter(target.adapter_dir)
         except UserError:
             raise
-        except Exception as err:  # a shape or key mismatch inside peft / safetensors
+        except Exception as err:
+            if not does_not_fit(err):  # a bug in tpflow or a plugin: its own traceback
+                err.add_note(
+                    f"tpflow: raised while loading the adapter in {target.adapter_dir}; a bug, not an adapter that "
+                    "does not fit the backbone: please report it with this traceback."
+                )
+                raise
             raise UserError(
                 f"The adapter in {target.adapter_dir} does not fit the {target.recipe.backbone.name!r} backbone "
                 f"({type(err).__name__}: {str(err).splitlines()[0][:300]}). Was it trained on another model?"

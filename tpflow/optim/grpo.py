@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
 from tpflow.distributed import Distributed
+from tpflow.errors import UserError
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.optim.advantages import group_advantages, informative_trajectories
 from tpflow.registry import register
@@ -274,6 +275,12 @@ class GRPO:
         ``--set optimizer.learning_rate=...`` trains with the new value, which is also what its checkpoints record."""
         if self._optimizer is None:
             raise RuntimeError("Call bind(backbone) before load_state_dict.")
+        missing = [key for key in ("optimizer", "global_step") if not isinstance(state, dict) or key not in state]
+        if missing:
+            raise UserError(
+                f"the optimizer state lacks {', '.join(map(repr, missing))}: it was not written by the grpo "
+                "optimizer's state_dict."
+            )
         self._optimizer.load_state_dict(state["optimizer"])
         o = self.options
         for group in self._optimizer.param_groups:

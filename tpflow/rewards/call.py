@@ -2,13 +2,15 @@
 ``inspect-trajectory``.
 
 ``call_reward`` runs the reward under a time limit, checks what it returned, repeats the call on an exception or on
-non-finite scores, and otherwise stops with one paragraph (``RewardError``: exit status 2 from the CLI, no
-traceback) naming the reward and what went wrong:
+non-finite scores, and otherwise stops with one paragraph (``RewardError``: exit status 2 from the CLI) naming the
+reward and what went wrong, followed by the reward's last traceback frames when it raised:
 
 - the output must be a ``RewardOutput`` (or any object with its two fields): ``scores`` a 1-D floating-point tensor
   with one value per image, ``details`` a dict of 1-D tensors of the same length. Anything else (a list, a 2-D
   tensor, the wrong length, integer scores) is a bug in the reward: it stops at once, without a retry;
-- an exception is retried ``retries`` times on the same images (a flaky server or model), then stops;
+- an exception is retried ``retries`` times on the same images (a flaky server or model), then stops; the
+  RewardError is chained to the last exception (``__cause__``) and its message ends with the reward's own last
+  frames, so a bug in a reward (an OOM, a plugin's KeyError) is found from the message alone;
 - non-finite scores (NaN, ±inf) are retried likewise, then stop, or are kept (``nonfinite = "keep"``: the caller
   reports them; evaluation warns, see ``eval.nonfinite_rewards``);
 - ``sys.exit`` inside a reward stops with a RewardError instead of ending the process silently; ``KeyboardInterrupt``
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -76,22 +79,26 @@ def call_reward(
     """Score images [N, 3, H, W] under ``policy``; returns ``scores`` [N] float32 and ``details`` name -> [N] float32,
     both on the CPU. Raises RewardError (one paragraph naming the reward) when the reward cannot be used."""
     n = images.shape[0]
-    problem = ""
+    problem, cause = "", None
     for _attempt in range(policy.retries + 1):
         try:
             out = _timed_call(reward, images, prompts, metadata, policy.timeout_s)
         except UserError:  # a RewardError of its own (a remote server that stays down), a time limit, sys.exit
             raise
         except Exception as exc:  # a flaky reward server or model: try again
-            problem = f"it raised {type(exc).__name__}: {_one_line(str(exc))}"
+            problem, cause = f"it raised {type(exc).__name__}: {_one_line(str(exc))}", exc
             continue
+        cause = None
         scores, details = check_output(out, n, reward)
         bad = int((~torch.isfinite(scores)).sum())
         if not bad or policy.nonfinite == "keep":
             return RewardOutput(scores=scores, details=details)
         problem = f"it returned {bad} non-finite score{'s' if bad > 1 else ''} (NaN or inf)"
     tries = {1: "once", 2: "twice"}.get(policy.retries + 1, f"{policy.retries + 1} times")
-    raise RewardError(f"Reward {reward_name(reward)} failed {tries} on the same {n} images ({problem}). {STOPPED}")
+    message = f"Reward {reward_name(reward)} failed {tries} on the same {n} images ({problem}). {STOPPED}"
+    if cause is None:
+        raise RewardError(message)
+    raise RewardError(f"{message}\n{_reward_frames(cause)}") from cause
 
 
 def check_output(out: Any, n: int, reward: Any) -> tuple[Tensor, dict[str, Tensor]]:
@@ -195,6 +202,18 @@ def _exited(reward: Any, exc: SystemExit) -> RewardError:
         f"Reward {reward_name(reward)} called sys.exit({exc.code!r}) while scoring: a reward must raise an exception "
         f"instead of ending the process. {STOPPED}"
     )
+
+
+def _reward_frames(exc: BaseException, limit: int = 6) -> str:
+    """The last ``limit`` frames of ``exc``'s traceback below this module (the reward's own, not the calls that led
+    to it), in Python's format, then the exception's last line."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [i for i, frame in enumerate(frames) if frame.filename == __file__]
+    own = frames[ours[-1] + 1 :] if ours else frames
+    shown = traceback.StackSummary.from_list(own[-limit:])
+    skipped = f" ({len(own) - limit} earlier frames not shown)" if len(own) > limit else ""
+    lines = "".join(shown.format()) + "".join(traceback.format_exception_only(exc))
+    return f"The reward's traceback, last frames{skipped}:\n{lines.rstrip()}"
 
 
 def _describe(value: Any) -> str:

@@ -14,8 +14,10 @@ and lower-casing, then
     dist   = 0 if the target is empty or a substring of the recognised text, else min(Levenshtein(rec, tgt), len(tgt))
     reward = 1 - dist / len(tgt)      (1.0 for an empty target)
 
-(docs/algorithm.md §7, §8 D8). An image whose OCR raises scores 0, as in the reference, with one warning
-per reward instance; a backend that cannot be loaded at all raises UserError.
+(docs/algorithm.md §7, §8 D8). An image whose OCR raises scores 0, as in the reference; the detail
+``ocr_failed`` marks it (``reward_ocr_failed`` / ``eval_ocr_failed`` in the metrics: the fraction of images) and each
+call with such images logs a warning with their count (the first one with the engine's traceback). A backend that
+cannot be loaded at all raises UserError.
 
 Backends. ``rapidocr`` runs PP-OCRv4 detection + recognition on onnxruntime, on the CPU, with models that ship
 inside its wheel: nothing to download. ``paddleocr`` is what the reference uses (PaddleOCR 3.x, ``lang="en"``,
@@ -153,7 +155,8 @@ class OcrReward:
 
     Options: ``backend``, ``min_confidence``, ``denominator``, ``use_angle_cls``, ``num_threads`` (rapidocr),
     ``det_model_dir`` / ``rec_model_dir`` / ``device`` (paddleocr). ``details``: ``ocr_distance`` (the capped
-    distance) and ``ocr_recognized_len`` (normalised length of the recognised text). One engine per instance, built
+    distance), ``ocr_recognized_len`` (normalised length of the recognised text) and ``ocr_failed`` (1 where the
+    engine raised and the image scored 0, else 0). One engine per instance, built
     on the first call; a lock serialises its use, so the reward is safe to call from several threads.
     """
 
@@ -161,7 +164,7 @@ class OcrReward:
         self.options = options or OcrOptions()
         self._engine: Any = None
         self._lock = threading.Lock()
-        self._warned = False
+        self.failures = 0  # images whose OCR raised, over this instance's life
 
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:
         """Score images [N, 3, H, W] in [0, 1] against their target texts; ``scores`` [N] float32."""
@@ -184,6 +187,7 @@ class OcrReward:
             details={
                 "ocr_distance": torch.tensor(distances, dtype=torch.float32, device="cpu"),  # [N]
                 "ocr_recognized_len": torch.tensor(lengths, dtype=torch.float32, device="cpu"),  # [N]
+                "ocr_failed": torch.tensor([rec is None for rec in recognized], dtype=torch.float32),  # [N]
             },
         )
 
@@ -194,16 +198,24 @@ class OcrReward:
             if self._engine is None:
                 self._engine = self._load()
             out: list[str | None] = []
+            errors: list[Exception] = []
             for array in arrays:
                 try:
                     lines = self._read(array)
                 except Exception as exc:  # one bad image must not stop training (reference behaviour)
-                    if not self._warned:
-                        logger.warning("OCR failed on an image (scored 0; further failures not logged): %r", exc)
-                        self._warned = True
+                    errors.append(exc)
                     out.append(None)
                     continue
                 out.append("".join(text for text, conf in lines if conf > self.options.min_confidence))
+            if errors:
+                first = not self.failures
+                self.failures += len(errors)
+                logger.warning(
+                    "OCR failed on %d of %d images (scored 0, marked in the reward detail ocr_failed; %d images so "
+                    "far): %r",
+                    len(errors), len(arrays), self.failures, errors[0],
+                    exc_info=errors[0] if first else None,
+                )  # fmt: skip
         return out
 
     def _read(self, image: np.ndarray) -> list[tuple[str, float]]:

@@ -61,7 +61,11 @@ def capture_rng_state() -> dict:
 
 
 def restore_rng_state(state: dict) -> None:
-    """Inverse of ``capture_rng_state``, for a state read back by ``load_checkpoint``."""
+    """Inverse of ``capture_rng_state``, for a state read back by ``load_checkpoint``; UserError when it lacks one
+    of the states ``capture_rng_state`` always writes."""
+    missing = [key for key in ("python", "numpy", "torch") if not isinstance(state, dict) or key not in state]
+    if missing:
+        raise UserError(f"its RNG state (rng.pt) lacks {', '.join(map(repr, missing))}.")
     random.setstate(state["python"])
     kind, key, *rest = state["numpy"]
     np.random.set_state((kind, np.asarray(key, dtype=np.uint32), *rest))
@@ -226,10 +230,10 @@ def load_checkpoint(path: Path) -> Checkpoint:
         raise CheckpointError(f"Cannot load checkpoint {path}: {type(err).__name__}: {err}") from err
     state = ckpt.train_state
     bad = [
-        f"{key} = {state[key]!r}"
+        f"{key} = {state[key]!r}" if key in state else f"no {key}"
         for key in ("epoch", "global_step")
-        if isinstance(state, dict) and key in state
-        and (not isinstance(state[key], int) or isinstance(state[key], bool) or state[key] < 0)
+        if isinstance(state, dict) and (key in state or key == "epoch")  # the epoch to resume at is required
+        and (not isinstance(state.get(key), int) or isinstance(state[key], bool) or state[key] < 0)
     ]  # fmt: skip
     if not isinstance(state, dict) or bad:
         what = ", ".join(bad) if bad else f"a {type(state).__name__}, not an object"

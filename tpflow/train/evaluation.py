@@ -22,7 +22,7 @@ import torch
 
 from tpflow.devices import cpu_generator
 from tpflow.distributed import Distributed
-from tpflow.interfaces import Backbone, RewardModel
+from tpflow.interfaces import Backbone, PromptDataset, RewardModel
 from tpflow.rewards._images import to_uint8
 from tpflow.rewards.call import DEFAULT_POLICY, RewardPolicy, call_reward, reward_name
 from tpflow.rollout import sample_ode
@@ -33,6 +33,19 @@ from tpflow.types import PromptItem
 logger = logging.getLogger(__name__)
 GRID_IMAGES = 64  # evaluation images in each sample grid: the first ones
 EVAL_SEED_OFFSET = 12_345  # the trainer evaluates with noise seeded train.seed + this, at every eval
+
+
+def eval_split(dataset: PromptDataset) -> str:
+    """The split evaluations sample: "test", or "train" for a dataset that has none (``no_test_split`` says so)."""
+    return "test" if "test" in dataset.splits else "train"
+
+
+def no_test_split(dataset_name: str) -> str:
+    """What the trainer and ``tpflow eval`` say when the dataset has no test split."""
+    return (
+        f"the dataset {dataset_name!r} has no test split: evaluations sample its train split, the prompts it trains "
+        "on, so the eval figures are not on held-out prompts (a prompt file takes one as [dataset] test_path)."
+    )
 
 
 def eval_seed(train_seed: int) -> int:

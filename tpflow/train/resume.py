@@ -4,15 +4,20 @@
 (one that wrote none) afresh; bare ``--resume`` continues only from the run dir's own checkpoints (a newest one that
 links elsewhere is refused); ``--resume PATH`` names any checkpoint. The stored recipe is compared with this one:
 what the checkpoint's adapter cannot follow is refused, every other change is listed and applies from here on.
-The trainer then puts the states in place (``Trainer._restore``).
+The trainer then puts the states in place (``Trainer._restore``), inside ``restoring``: a checkpoint that does not
+fit the model or optimizer built from this recipe is one paragraph (CheckpointError), any other exception is a bug
+and propagates with its traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
+from safetensors import SafetensorError
 
 from tpflow.errors import UserError
 from tpflow.recipe import FIXED_ON_RESUME, Recipe, recipe_changes
@@ -79,3 +84,45 @@ def report_changes(ckpt: Checkpoint, recipe: Recipe, console: Console) -> None:
             soft_wrap=True,
             highlight=False,
         )
+
+
+# What torch says when a state dict belongs to another model or optimizer: nn.Module.load_state_dict (peft's
+# set_peft_model_state_dict too) on a shape mismatch or missing keys, Optimizer.load_state_dict on other groups.
+_MISFIT = (
+    "Error(s) in loading state_dict",
+    "size mismatch for",
+    "different number of parameter groups",
+    "doesn't match the size of optimizer's group",
+)
+
+
+@contextlib.contextmanager
+def restoring(path: Path) -> Iterator[None]:
+    """Around putting checkpoint ``path``'s states into the built components: a component's UserError (a changed
+    LoRA rank, a key the state lacks) or torch's refusal of a state dict that does not fit becomes one CheckpointError
+    paragraph; any other exception is a bug in tpflow or a plugin (an OOM, an AttributeError) and propagates as it
+    is, with its traceback and a note naming the checkpoint."""
+    try:
+        yield
+    except UserError as exc:  # the component's own message
+        raise CheckpointError(f"Cannot resume from checkpoint {path}: {exc}") from None
+    except Exception as exc:
+        if not does_not_fit(exc):
+            exc.add_note(
+                f"tpflow: raised while restoring checkpoint {path}. This is a bug in tpflow or a plugin, not a "
+                "checkpoint that does not fit the recipe: please report it with this traceback."
+            )
+            raise
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CheckpointError(
+            f"Cannot resume from checkpoint {path}: it does not fit this recipe's model and optimizer "
+            f"({type(exc).__name__}: {reason[:300]}). Resume from a checkpoint this recipe wrote."
+        ) from None
+
+
+def does_not_fit(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's (or safetensors') refusal of state that belongs to another model or optimizer,
+    rather than a bug."""
+    if isinstance(exc, SafetensorError):  # an adapter file that is not one (re-signed by hand)
+        return True
+    return isinstance(exc, (RuntimeError, ValueError)) and any(text in str(exc) for text in _MISFIT)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -50,7 +51,6 @@ from tpflow.rollout import draw_window, rollout_from_settings
 from tpflow.train.allocator import keep_freed_memory
 from tpflow.train.checkpoint import (
     Checkpoint,
-    CheckpointError,
     capture_rng_state,
     park_newer,
     restore_rng_state,
@@ -58,9 +58,9 @@ from tpflow.train.checkpoint import (
 )
 from tpflow.train.ema import EMA
 from tpflow.train.epoch import EpochRows, Sampled, combine_update_metrics, prompt_groups
-from tpflow.train.evaluation import eval_seed, evaluate
+from tpflow.train.evaluation import eval_seed, eval_split, evaluate, no_test_split
 from tpflow.train.prompt_sampler import check_layout, noise_seed, plan_epoch
-from tpflow.train.resume import checkpoint_to_resume
+from tpflow.train.resume import checkpoint_to_resume, restoring
 from tpflow.train.run_lock import RunDirLock
 from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, truncate_after
 from tpflow.train.scoring import ScoringWorker
@@ -131,8 +131,11 @@ class Trainer:
         self.optimizer = recipe.build("optimizer")
         dataset = recipe.build("dataset")
         self.train_items: list[PromptItem] = list(dataset.split("train"))
-        test = list(dataset.split("test")) if "test" in dataset.splits else self.train_items
+        self.eval_split = eval_split(dataset)  # "train" for a dataset without a test split: said, and in the metrics
+        test = list(dataset.split("test")) if self.eval_split == "test" else self.train_items
         self.test_items = test[: recipe.eval.num_prompts] if recipe.eval.num_prompts else test
+        if self.eval_split != "test":
+            self.console.print(f"[yellow]warning:[/] {escape(no_test_split(recipe.dataset.name))}", soft_wrap=True)
         self.optimizer.bind(self.backbone, self.accelerator)
         params = self.backbone.trainable_parameters()
         self.ema = EMA(params, train.ema_decay, train.ema_every) if train.ema else None
@@ -346,6 +349,8 @@ class Trainer:
                 grid=grid,
                 policy=recipe_policy(self.settings, self.recipe.eval),
             )
+        if self.eval_split != "test":
+            metrics["eval_on_train_split"] = 1.0  # no held-out prompts (warned at the start)
         self.logger.track(metrics, step=self.optimizer.global_step)  # the step of the weights evaluated
         self.logger.log_image("eval_samples", grid, step=self.optimizer.global_step)
         return metrics
@@ -396,21 +401,13 @@ class Trainer:
         if ckpt is None:
             return
         path = ckpt.path
-        try:
+        with restoring(path):  # a checkpoint that does not fit: one paragraph; a bug keeps its traceback
             self.backbone.load_adapter(ckpt.adapter_dir)
             self.optimizer.load_state_dict(ckpt.optimizer_state)
             if self.ema is not None and ckpt.ema_state is not None:
                 self.ema.load_state_dict(ckpt.ema_state)
             restore_rng_state(ckpt.rng_state)
             self.epoch = int(ckpt.train_state["epoch"])
-        except UserError as exc:  # the component's own message (a changed LoRA rank, ...)
-            raise CheckpointError(f"Cannot resume from checkpoint {path}: {exc}") from None
-        except Exception as exc:  # a forged or foreign checkpoint: wrong adapter shapes, a bad state
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise CheckpointError(
-                f"Cannot resume from checkpoint {path}: it does not fit this recipe's model and optimizer "
-                f"({type(exc).__name__}: {reason[:300]}). Resume from a checkpoint this recipe wrote."
-            ) from None
         self.last_eval = dict(ckpt.train_state.get("last_eval") or {})
         if path.resolve().parent == (self.run_dir / "checkpoints").resolve():  # this run's own (not a warm start)
             self._saved = (self.epoch, self.optimizer.global_step)
