@@ -166,8 +166,8 @@ class PromptCache:
             out = encode(unique)
             if len(unique) < len(prompts):
                 where = {prompt: i for i, prompt in enumerate(unique)}
-                rows = torch.tensor([where[p] for p in prompts])
-                out = {k: v[rows.to(v.device)] for k, v in out.items()}
+                rows = torch.tensor([where[p] for p in prompts], device=device)
+                return {k: v.to(device)[rows] for k, v in out.items()}  # the distinct rows moved, then repeated
             return {k: v.to(device) for k, v in out.items()}
         todo = list(dict.fromkeys(p for p in prompts if p not in self._rows))
         if todo:
