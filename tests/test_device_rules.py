@@ -126,6 +126,48 @@ def test_training_path_states_every_device(tmp_path, tiny_weights, plugin, backb
     )
 
 
+def _factory_calls_without_device(path: Path) -> list[tuple[int, str, str]]:
+    """(line, enclosing function, factory) of each ``torch.<factory>(...)`` in ``path`` without ``device=``."""
+    import ast
+
+    names = {f.__name__ for f in FACTORIES}
+    found: list[tuple[int, str, str]] = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                visit(child, child.name)
+                continue
+            func = getattr(child, "func", None)
+            if (
+                isinstance(child, ast.Call)
+                and isinstance(func, ast.Attribute)
+                and isinstance(func.value, ast.Name)
+                and func.value.id == "torch"
+                and func.attr in names
+                and not any(k.arg == "device" for k in child.keywords)
+            ):
+                found.append((child.lineno, function, func.attr))
+            visit(child, function)
+
+    visit(ast.parse(path.read_text()), "<module>")
+    return found
+
+
+def test_every_factory_call_in_the_source_states_a_device():
+    """The watch sees the paths the tests run; this reads every file. A factory call without ``device=`` is allowed
+    only where a module is built (``__init__``, and the initial position table it takes) and in the CPU-only shapes
+    pretraining."""
+    allowed = {("shapes/model.py", "_sincos_2d"), ("shapes/pretrain.py", "flow_loss")}
+    offenders = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} torch.{name} (in {function})"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line, function, name in _factory_calls_without_device(path)
+        if function != "__init__" and (path.relative_to(PACKAGE).as_posix(), function) not in allowed
+    ]
+    assert not offenders, "say device=... (device='cpu' for host bookkeeping):\n" + "\n".join(offenders)
+
+
 def test_only_cpu_generators_on_the_training_path():
     """Rule 1: generators are made by ``cpu_generator`` only (shapes pretraining is CPU-only and keeps its own)."""
     allowed = {PACKAGE / "devices.py", PACKAGE / "shapes" / "pretrain.py"}
