@@ -64,7 +64,8 @@ def test_memory_probe_sees_an_allocation(rollout_cost, capsys):
     peak = timing.rss_peak_increase_mib(lambda: torch.ones(64, 2**20 // 4).sum())  # 64 MiB float32, touched
     assert 60 < peak < 200
     rollout_cost.main(["--backbone", "shapes-dit", *SMALL, "--memory-probe", "tp-x0"])
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["peak_mib"] >= 0
+    probed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["peak_mib"]
+    assert 1 < probed < 200  # a rollout of this size touches about 10 MiB of new memory; doing nothing, < 1 MiB
 
 
 @pytest.fixture(scope="module")

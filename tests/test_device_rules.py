@@ -3,9 +3,10 @@
 A tensor made without ``device=`` lands on the CPU; on a CPU-only machine that is always right, so such a line passes
 every CPU test and crashes the first GPU user (it happened: a CPU generator against CUDA latents, CPU advantages
 against CUDA log-probs). ``FactoryWatch`` records every tensor factory call made from tpflow's own code without a
-device while the whole training path runs (rollout of every completion kind, scoring, credit, advantages, GRPO with
-the KL pass, EMA, evaluation, checkpoint, resume, inspect-trajectory, export). Host bookkeeping that is meant to be on
-the CPU says ``device="cpu"``, so the rule is checkable.
+device while the whole training path runs (rollout of both completion kinds, scoring, credit, advantages, GRPO with
+the KL pass, EMA, evaluation, checkpoint, resume, inspect-trajectory, export), with shapes-dit and with the diffusers
+backbones (tiny-sd3, tiny-flux). Host bookkeeping that is meant to be on the CPU says ``device="cpu"``, so the rule is
+checkable.
 """
 
 from __future__ import annotations
@@ -85,9 +86,16 @@ def test_factory_watch_catches_a_tensor_without_device():
     assert watch.calls == ["tpflow/optim/example.py:1 torch.zeros"]
 
 
-def test_training_path_states_every_device(tmp_path, tiny_weights, plugin):
-    """Train (ODE completions, KL, EMA, eval, checkpoints), resume, inspect, export, `tpflow eval` and `tpflow sample`:
-    no tensor without a device."""
+TINY_DIFFUSERS = 'name = "{}"\nseed = 0\nresolution = 16\ndevice = "cpu"'  # tiny-sd3 / tiny-flux, 16 px
+
+
+@pytest.mark.parametrize(
+    ("backbone", "completions"),
+    [("shapes-dit", "ode"), ("shapes-dit", "x0"), ("tiny-sd3", "x0"), ("tiny-flux", "ode")],
+)
+def test_training_path_states_every_device(tmp_path, tiny_weights, plugin, backbone, completions):
+    """Train (``completions`` as given, KL, EMA, eval, checkpoints), resume, inspect (sampled and a run's traces),
+    export, `tpflow eval` and `tpflow sample`, with each backbone class: no tensor without a device."""
     import contextlib
 
     from tpflow.distributed import Distributed
@@ -95,15 +103,20 @@ def test_training_path_states_every_device(tmp_path, tiny_weights, plugin):
     from tpflow.evaluation.sample import sample_images
     from tpflow.evaluation.targets import resolve_target
     from tpflow.export import export
-    from tpflow.inspect.traces import sample_trajectories
+    from tpflow.inspect.traces import load_run, run_trajectories, sample_trajectories, turning_point_stats
 
-    recipe = tiny_recipe(tmp_path, tiny_weights)
+    section = None if backbone == "shapes-dit" else TINY_DIFFUSERS.format(backbone)
+    recipe = tiny_recipe(tmp_path, tiny_weights, backbone=section)
+    sets = [f"rollout.completions={completions}"]
     with FactoryWatch() as watch:
-        Trainer(load_recipe(recipe, ["train.epochs=1"])).fit()
-        Trainer(load_recipe(recipe, ["train.epochs=2", "rollout.same_noise=true"]), resume=True).fit()
-        for completions in ("x0", "ode"):
-            loaded = load_recipe(recipe, [f"rollout.completions={completions}", "rollout.baseline_noise=independent"])
-            sample_trajectories(loaded, "a red circle", n=2, seed=0, checkpoint=tmp_path / "run")
+        Trainer(load_recipe(recipe, [*sets, "train.epochs=1"])).fit()
+        Trainer(load_recipe(recipe, [*sets, "train.epochs=2", "rollout.same_noise=true"]), resume=True).fit()
+        # inspect-trajectory always completes by ODE (docs/inspect.md), here from an independent baseline
+        loaded = load_recipe(recipe, ["rollout.baseline_noise=independent"])
+        sample_trajectories(loaded, "a red circle", n=2, seed=0, checkpoint=tmp_path / "run")
+        logged = load_run(tmp_path / "run")  # inspect-trajectory --run
+        run_trajectories(logged, None, n=2)
+        turning_point_stats(logged)
         export(tmp_path / "run", tmp_path / "export")
         target = resolve_target(tmp_path / "run")
         evaluate_target(target, EvalOptions(steps=2, images_per_prompt=2), Distributed(None), contextlib.nullcontext)
@@ -111,6 +124,48 @@ def test_training_path_states_every_device(tmp_path, tiny_weights, plugin):
     assert not watch.calls, "tensors made without device= (say device=... or use new_*/..._like):\n" + "\n".join(
         sorted(set(watch.calls))
     )
+
+
+def _factory_calls_without_device(path: Path) -> list[tuple[int, str, str]]:
+    """(line, enclosing function, factory) of each ``torch.<factory>(...)`` in ``path`` without ``device=``."""
+    import ast
+
+    names = {f.__name__ for f in FACTORIES}
+    found: list[tuple[int, str, str]] = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                visit(child, child.name)
+                continue
+            func = getattr(child, "func", None)
+            if (
+                isinstance(child, ast.Call)
+                and isinstance(func, ast.Attribute)
+                and isinstance(func.value, ast.Name)
+                and func.value.id == "torch"
+                and func.attr in names
+                and not any(k.arg == "device" for k in child.keywords)
+            ):
+                found.append((child.lineno, function, func.attr))
+            visit(child, function)
+
+    visit(ast.parse(path.read_text()), "<module>")
+    return found
+
+
+def test_every_factory_call_in_the_source_states_a_device():
+    """The watch sees the paths the tests run; this reads every file. A factory call without ``device=`` is allowed
+    only where a module is built (``__init__``, and the initial position table it takes) and in the CPU-only shapes
+    pretraining."""
+    allowed = {("shapes/model.py", "_sincos_2d"), ("shapes/pretrain.py", "flow_loss")}
+    offenders = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} torch.{name} (in {function})"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line, function, name in _factory_calls_without_device(path)
+        if function != "__init__" and (path.relative_to(PACKAGE).as_posix(), function) not in allowed
+    ]
+    assert not offenders, "say device=... (device='cpu' for host bookkeeping):\n" + "\n".join(offenders)
 
 
 def test_only_cpu_generators_on_the_training_path():

@@ -51,8 +51,21 @@ def gpu_recipe(tmp_path: Path, backbone: str, run: str = "run") -> Path:
     return tiny_recipe(tmp_path / run, None, reward="image-stat", backbone=backbone)
 
 
-def _adapter(trainer: Trainer) -> list[torch.Tensor]:
-    return [p.detach().float().cpu().clone() for p in trainer.backbone.trainable_parameters()]
+def _adapter(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The LoRA tensors by name, float32 copies on the CPU."""
+    backbone = trainer.backbone
+    module = backbone.transformer if hasattr(backbone, "transformer") else backbone.model
+    return {n: p.detach().float().cpu().clone() for n, p in module.named_parameters() if "lora_" in n}
+
+
+def _unmoved(trainer: Trainer, before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> list[str]:
+    """The LoRA tensors that training left as they were. tiny-sd3's last joint block is context_pre_only: it discards
+    the text tokens, so its add_q_proj adapter gets no gradient (test_tiny_smoke.py) and is not counted."""
+    assert before.keys() == after.keys() and len(before) > 0
+    dead = None
+    if trainer.recipe.backbone.name == "tiny-sd3":
+        dead = f"transformer_blocks.{trainer.backbone.transformer.config.num_layers - 1}.attn.add_q_proj."
+    return [n for n in before if not (dead and n.startswith(dead)) and torch.equal(before[n], after[n])]
 
 
 def _comparable(run_dir: Path) -> list[dict]:
@@ -78,9 +91,7 @@ def test_two_epochs_train_and_resume_on_cuda(tmp_path, tiny_weights, cuda, name)
     before = _adapter(straight)
     metrics = straight.fit()
     after = _adapter(straight)
-    moved = [not torch.equal(a, b) for a, b in zip(before, after, strict=True)]
-    # tiny-sd3's last joint block discards the text tokens, so its add_q_proj LoRA gets no gradient (test_tiny_smoke)
-    assert sum(moved) >= len(moved) - 2 and sum(moved) > 0, "the adapter is trained on the GPU"
+    assert not _unmoved(straight, before, after), "every LoRA tensor is trained on the GPU"
     assert metrics["optimizer_steps"] >= 1 and metrics["nonfinite_losses"] == 0
     assert math.isfinite(metrics["eval_reward"]) and math.isfinite(metrics["loss"])
     lines = read_jsonl(straight.run_dir / "metrics.jsonl")
@@ -94,8 +105,10 @@ def test_two_epochs_train_and_resume_on_cuda(tmp_path, tiny_weights, cuda, name)
     second = Trainer(load_recipe(gpu_recipe(tmp_path, section, run="split")), resume=True)
     assert second.epoch == 1
     second.fit()
-    for a, b in zip(after, _adapter(second), strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)  # far below one step of lr = 1e-2
+    resumed = _adapter(second)
+    assert resumed.keys() == after.keys()
+    for name, a in after.items():
+        torch.testing.assert_close(resumed[name], a, rtol=1e-4, atol=1e-5, msg=name)  # far below one step of lr 1e-2
     _assert_close_metrics(_comparable(straight.run_dir), _comparable(second.run_dir))
 
 
@@ -113,7 +126,7 @@ def test_mixed_precision_trains_on_cuda(tmp_path, cuda, precision):
     metrics = trainer.fit()
     assert metrics["nonfinite_losses"] == 0 and math.isfinite(metrics["loss"])
     assert math.isfinite(metrics["eval_reward"])
-    assert any(not torch.equal(a, b) for a, b in zip(before, _adapter(trainer), strict=True))
+    assert not _unmoved(trainer, before, _adapter(trainer)), "every LoRA tensor is trained"
 
 
 def test_inspect_trajectory_gives_the_cpu_run_on_cuda(tmp_path, tiny_weights, cuda):

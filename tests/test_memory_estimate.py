@@ -71,37 +71,26 @@ def test_activations_grow_with_rows(me):
     assert 0 < peaks[0] < peaks[1] < peaks[2]
 
 
-class _CountingBackbone:
-    """Just enough of a Backbone for tpflow.rollout.rollout: zero velocity, and the rows of every call."""
-
-    def __init__(self) -> None:
-        self.calls: list[int] = []
-
-    def velocity(self, z, sigma, cond, guidance):
-        self.calls.append(z.shape[0])
-        return torch.zeros_like(z)
-
-    def initial_noise(self, n, generator=None):
-        return torch.randn(n, 2, generator=generator)
-
-
 @pytest.mark.parametrize(
     ("steps", "width", "start", "baseline"),
     [(10, 9, 0, "shared"), (6, 5, 0, "shared"), (8, 3, 2, "shared"), (8, 3, 2, "independent"), (5, 5, 0, "shared")],
 )
-def test_rollout_rows_match_the_rollout_engine(me, steps, width, start, baseline):
+def test_rollout_rows_match_the_rollout_engine(me, tiny_weights, steps, width, start, baseline):
+    """The rows of every velocity call of a real (tiny shapes-dit) rollout are the rows the estimate counts."""
+    from tpflow.devices import cpu_generator
     from tpflow.registry import build
     from tpflow.rollout import Window, rollout
-    from tpflow.types import Conditioning
 
     n = 3
-    backbone = _CountingBackbone()
-    sigmas = torch.linspace(1, 0, steps + 1)
-    cond = Conditioning({"x": torch.zeros(n, 1)})
-    generator = torch.Generator().manual_seed(0)
-    rollout(backbone, build("sampler", "cps"), cond, torch.randn(n, 2), sigmas, Window(start, width), 0.7, 1.0,
-            "ode", baseline, generator=generator)  # fmt: skip
-    assert backbone.calls == me.rollout_rows(steps, width, start, n, baseline_noise=baseline)
+    backbone = build("backbone", "shapes-dit", weights=str(tiny_weights))
+    calls: list[int] = []
+    velocity = backbone.velocity
+    backbone.velocity = lambda z, sigma, cond, guidance: calls.append(z.shape[0]) or velocity(z, sigma, cond, guidance)
+    cond, generator = backbone.encode(["a red circle"] * n), cpu_generator(0)
+    with torch.no_grad():
+        rollout(backbone, build("sampler", "cps"), cond, backbone.initial_noise(n, generator), backbone.sigmas(steps),
+                Window(start, width), 0.7, 1.0, "ode", baseline, generator=generator)  # fmt: skip
+    assert calls == me.rollout_rows(steps, width, start, n, baseline_noise=baseline)
 
 
 def test_epoch_buffer_formula_matches_a_real_rollout(me, tiny_sd3):

@@ -32,6 +32,20 @@ def test_builtin_kinds_are_registered():
     assert entry.origin.split(":")[0].endswith("tpflow/credit/turning_point.py")
 
 
+def test_every_builtin_option_is_described():
+    """STYLE.md rule 6: every option is described. A subclass that redefines a field (a backbone's own lora_targets
+    default) loses the parent's description unless it gives one."""
+    undescribed = [
+        f"{kind} {entry.name}: {field}"
+        for kind in registry.KINDS
+        for entry in registry.entries(kind)
+        if entry.source == "tpflow"
+        for field, info in entry.options.model_fields.items()
+        if not info.description
+    ]
+    assert not undescribed, undescribed
+
+
 def test_build_validates_options_and_passes_them():
     assigner = tpflow.build("credit", "turning_point", balanced=False)
     assert assigner.needs_completions

@@ -10,7 +10,9 @@ import re
 import sys
 import threading
 import time
+from pathlib import Path
 
+import matplotlib
 import numpy as np
 import pytest
 import torch
@@ -34,11 +36,15 @@ from tpflow.rewards.ocr import (
 SIZE = 512  # square: rapidocr's detector scales the short side to 736 px, so wide strips are slower to read
 
 
+@functools.cache
+def _font() -> ImageFont.FreeTypeFont:
+    """DejaVu Sans at 64 px: the font file matplotlib (a tpflow dependency) ships, so the same glyphs everywhere."""
+    return ImageFont.truetype(str(Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "DejaVuSans.ttf"), size=64)
+
+
 def render(text: str) -> torch.Tensor:
     """Large black text centred on a white SIZE×SIZE image, as [3, H, W] in [0, 1]."""
-    font = ImageFont.load_default(size=64)
-    if not isinstance(font, ImageFont.FreeTypeFont):
-        pytest.skip("Pillow without FreeType: no scalable font to render legible text")
+    font = _font()
     image = Image.new("RGB", (SIZE, SIZE), "white")
     if text:
         ImageDraw.Draw(image).text((SIZE // 2, SIZE // 2), text, fill="black", font=font, anchor="mm")

@@ -1,14 +1,36 @@
-"""Sigma schedules against the tables of docs/algorithm.md §1.2 (from diffusers' FlowMatchEulerDiscreteScheduler)."""
+"""Sigma schedules against the tables of docs/algorithm.md §1.2 (from diffusers' FlowMatchEulerDiscreteScheduler).
+
+FLUX's schedule is the one ``FluxBackbone.sigmas`` computes (``scheduler_sigmas`` of its pipeline's scheduler); that
+it equals what ``FluxPipeline`` itself sets is checked against a pipeline run in test_backbones_diffusers.py.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tpflow.samplers import flux_sigmas, sd3_sigmas
+from tpflow.backbones.diffusers_common import scheduler_sigmas
+from tpflow.samplers import sd3_sigmas
 
 # The tables are rounded to 5 decimals (error <= 5e-6) and the schedules are float32; atol 1e-5 covers both.
 ATOL = 1e-5
+# FLUX.1-dev's scheduler/scheduler_config.json (tiny-flux builds the same scheduler)
+FLUX1_DEV_SCHEDULER = {
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+}
+
+
+def flux_sigmas(num_steps: int, image_seq_len: int = 1024) -> torch.Tensor:
+    """FLUX.1-dev's schedule for ``image_seq_len`` packed latent tokens (1024 at 512²), as its backbone computes it."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(**FLUX1_DEV_SCHEDULER)
+    return scheduler_sigmas(scheduler, num_steps, image_seq_len, flux_style=True)
 
 
 def test_sd3_k10_table():

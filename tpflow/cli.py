@@ -178,7 +178,7 @@ def credit(
             ) from None
     if len({len(r) for r in rows}) != 1 or len(rows[0]) < 2:
         raise UserError("Every trace needs the same number of rewards R_0..R_W, at least two.")
-    trace = torch.tensor(rows, dtype=torch.float64)  # [N, W+1]
+    trace = torch.tensor(rows, dtype=torch.float64, device="cpu")  # [N, W+1]
     table = Table(title="per-step rewards (* = turning point: reward replaced by R_W - R_i)", show_lines=True)
     table.add_column("traj", no_wrap=True)
     table.add_column("R_0..R_W", no_wrap=True)

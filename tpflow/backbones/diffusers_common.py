@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tpflow.devices import resolve_device
 from tpflow.errors import UserError
+from tpflow.samplers.schedules import check_num_steps
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -126,9 +127,13 @@ def scheduler_sigmas(scheduler: Any, num_steps: int, image_seq_len: int, flux_st
     """The pipeline's sigma table σ_0..σ_K (final 0 included), [K + 1] float32, from a copy of its scheduler.
 
     SD3 calls ``set_timesteps(K)`` (static shift); FLUX passes ``linspace(1, 1/K, K)`` and the resolution-dependent
-    ``mu`` (dynamic shifting). Both mirror diffusers' pipelines so rollouts match them step for step.
+    ``mu`` (dynamic shifting: diffusers' ``calculate_shift`` of ``image_seq_len`` packed tokens). Both mirror
+    diffusers' pipelines so rollouts match them step for step; this is tpflow's one FLUX schedule (FLUX.1-dev at
+    512², 1024 tokens, K = 6: 1.0, 0.90374, …, 0.27300, 0).
     """
     import numpy as np
+
+    check_num_steps(num_steps)
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
     sched = type(scheduler).from_config(scheduler.config)
@@ -166,8 +171,8 @@ class PromptCache:
             out = encode(unique)
             if len(unique) < len(prompts):
                 where = {prompt: i for i, prompt in enumerate(unique)}
-                rows = torch.tensor([where[p] for p in prompts])
-                out = {k: v[rows.to(v.device)] for k, v in out.items()}
+                rows = torch.tensor([where[p] for p in prompts], device=device)
+                return {k: v.to(device)[rows] for k, v in out.items()}  # the distinct rows moved, then repeated
             return {k: v.to(device) for k, v in out.items()}
         todo = list(dict.fromkeys(p for p in prompts if p not in self._rows))
         if todo:

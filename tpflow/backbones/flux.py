@@ -48,6 +48,10 @@ FLUX_LORA_TARGETS = (  # docs/algorithm.md §6.3: attention projections plus bot
     "ff_context.net.0.proj",
     "ff_context.net.2",
 )
+FLUX_LORA_TARGETS_HELP = (
+    "Module names (suffixes) peft adapts; the default is the attention projections and both feed-forward networks "
+    "of every block (docs/algorithm.md §6.3)."
+)
 
 
 class FluxOptions(DiffusersBackboneOptions):
@@ -61,7 +65,9 @@ class FluxOptions(DiffusersBackboneOptions):
     max_sequence_length: int = Field(512, ge=8, description="T5 tokens per prompt.")
     lora_rank: int = Field(64, ge=1, description="LoRA rank r.")
     lora_alpha: float = Field(128.0, gt=0, description="LoRA alpha.")
-    lora_targets: list[str] = Field(default_factory=lambda: list(FLUX_LORA_TARGETS))
+    lora_targets: list[str] = Field(
+        default_factory=lambda: list(FLUX_LORA_TARGETS), description=FLUX_LORA_TARGETS_HELP
+    )
 
 
 class FluxBackbone(AdapterMethods):

@@ -45,6 +45,10 @@ SD3_LORA_TARGETS = (  # docs/algorithm.md §6.3: the joint attention projections
     "attn.add_v_proj",
     "attn.to_add_out",
 )
+SD3_LORA_TARGETS_HELP = (
+    "Module names (suffixes) peft adapts; the default is the joint attention projections of every block "
+    "(docs/algorithm.md §6.3)."
+)
 
 
 class SD3Options(DiffusersBackboneOptions):
@@ -54,7 +58,7 @@ class SD3Options(DiffusersBackboneOptions):
         "stabilityai/stable-diffusion-3.5-medium",
         description="Hub id (read from the local HF cache) or a local folder in diffusers layout.",
     )
-    lora_targets: list[str] = Field(default_factory=lambda: list(SD3_LORA_TARGETS))
+    lora_targets: list[str] = Field(default_factory=lambda: list(SD3_LORA_TARGETS), description=SD3_LORA_TARGETS_HELP)
     negative_prompt: str = Field("", description="Prompt of the unconditional CFG branch.")
 
 

@@ -20,8 +20,8 @@ import torch
 from pydantic import Field
 
 from tpflow.backbones.diffusers_common import DiffusersBackboneOptions
-from tpflow.backbones.flux import FLUX_LORA_TARGETS, FluxBackbone
-from tpflow.backbones.sd3 import SD3_LORA_TARGETS, SD3Backbone
+from tpflow.backbones.flux import FLUX_LORA_TARGETS, FLUX_LORA_TARGETS_HELP, FluxBackbone
+from tpflow.backbones.sd3 import SD3_LORA_TARGETS, SD3_LORA_TARGETS_HELP, SD3Backbone
 from tpflow.backbones.tiny_tokenizers import clip_tokenizer, t5_tokenizer
 from tpflow.registry import register
 
@@ -39,12 +39,14 @@ class TinyOptions(DiffusersBackboneOptions):
 
 
 class TinySD3Options(TinyOptions):
-    lora_targets: list[str] = Field(default_factory=lambda: list(SD3_LORA_TARGETS))
+    lora_targets: list[str] = Field(default_factory=lambda: list(SD3_LORA_TARGETS), description=SD3_LORA_TARGETS_HELP)
     negative_prompt: str = Field("", description="Prompt of the unconditional CFG branch.")
 
 
 class TinyFluxOptions(TinyOptions):
-    lora_targets: list[str] = Field(default_factory=lambda: list(FLUX_LORA_TARGETS))
+    lora_targets: list[str] = Field(
+        default_factory=lambda: list(FLUX_LORA_TARGETS), description=FLUX_LORA_TARGETS_HELP
+    )
 
 
 def _clip_encoder(projection: bool) -> Any:

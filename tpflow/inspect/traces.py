@@ -198,7 +198,9 @@ def run_trajectories(run: RunTraces, epoch: int | None, n: int) -> Trajectories:
             f"The run logged no traces for epoch {epoch}; it has epochs {run.epochs[0]}..{run.epochs[-1]}."
         )
     rows = [r for r in run.records if int(r["epoch"]) == epoch][:n]
-    trace = torch.tensor([[float("nan") if x is None else x for x in r["trace"]] for r in rows], dtype=torch.float64)
+    trace = torch.tensor(
+        [[float("nan") if x is None else x for x in r["trace"]] for r in rows], dtype=torch.float64, device="cpu"
+    )
     num_steps = window_start = None
     if run.recipe is not None:
         ro = run.recipe.rollout
@@ -206,8 +208,8 @@ def run_trajectories(run: RunTraces, epoch: int | None, n: int) -> Trajectories:
         lo, hi = ro.window_range
         window_start = lo if lo == hi - ro.window_size else None  # a fixed window start: paper steps are known
     stored = Credit(
-        step_rewards=torch.tensor([r["step_rewards"] for r in rows], dtype=torch.float64),
-        turning_points=torch.tensor([r["turning_points"] for r in rows], dtype=torch.bool),
+        step_rewards=torch.tensor([r["step_rewards"] for r in rows], dtype=torch.float64, device="cpu"),
+        turning_points=torch.tensor([r["turning_points"] for r in rows], dtype=torch.bool, device="cpu"),
     )
     return Trajectories(
         prompt=f"{len(rows)} trajectories of epoch {epoch}",
@@ -224,9 +226,11 @@ def turning_point_stats(run: RunTraces) -> dict[str, list[float]]:
     stats: dict[str, list[float]] = {k: [] for k in ("epoch", "good", "bad", "turning_abs", "normal_abs")}
     for epoch in run.epochs:
         rows = [r for r in run.records if int(r["epoch"]) == epoch]
-        tp = torch.tensor([r["turning_points"] for r in rows], dtype=torch.bool)  # [n, W]
-        good = torch.tensor([r.get("good_turning_points", [0] * tp.shape[1]) for r in rows], dtype=torch.bool)
-        reward = torch.tensor([r["step_rewards"] for r in rows], dtype=torch.float64).abs()  # [n, W]
+        tp = torch.tensor([r["turning_points"] for r in rows], dtype=torch.bool, device="cpu")  # [n, W]
+        good = torch.tensor(
+            [r.get("good_turning_points", [0] * tp.shape[1]) for r in rows], dtype=torch.bool, device="cpu"
+        )
+        reward = torch.tensor([r["step_rewards"] for r in rows], dtype=torch.float64, device="cpu").abs()  # [n, W]
         stats["epoch"].append(epoch)
         stats["good"].append(float((tp & good).sum(1).double().mean()))
         stats["bad"].append(float((tp & ~good).sum(1).double().mean()))

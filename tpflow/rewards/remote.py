@@ -172,7 +172,7 @@ class RemoteReward:
                 )
             )
         if not replies:
-            return RewardOutput(scores=torch.zeros(0, dtype=torch.float32))
+            return RewardOutput(scores=torch.zeros(0, dtype=torch.float32, device="cpu"))
         keys = replies[0][1].keys()
         if any(d.keys() != keys for _, d in replies):
             raise RewardError(f"Reward server {self.url} sent different details for parts of one batch.")

@@ -3,6 +3,6 @@
 from tpflow.samplers.cps import CpsSampler
 from tpflow.samplers.euler import euler_step
 from tpflow.samplers.flow_sde import FlowSdeSampler
-from tpflow.samplers.schedules import flux_sigmas, sd3_sigmas
+from tpflow.samplers.schedules import sd3_sigmas
 
-__all__ = ["CpsSampler", "FlowSdeSampler", "euler_step", "flux_sigmas", "sd3_sigmas"]
+__all__ = ["CpsSampler", "FlowSdeSampler", "euler_step", "sd3_sigmas"]

@@ -32,7 +32,10 @@ def check_latents(z: Tensor, v: Tensor, z_next: Tensor | None = None) -> None:
 def sigma_vector(sigma: Tensor | float, z: Tensor, name: str) -> Tensor:
     """A noise level as an [N] float32 vector on z's device (a scalar is repeated over the batch)."""
     n = z.shape[0]
-    s = torch.as_tensor(sigma).to(device=z.device, dtype=torch.float32)
+    if isinstance(sigma, Tensor):
+        s = sigma.to(device=z.device, dtype=torch.float32)
+    else:
+        s = torch.tensor(sigma, dtype=torch.float32, device=z.device)
     if s.ndim == 0 or s.shape == (1,):
         return s.reshape(1).expand(n)
     if s.shape != (n,):
@@ -44,7 +47,7 @@ def checked_sigmas(sigma: Tensor | float, sigma_next: Tensor | float, z: Tensor)
     """Both noise levels as [N] float32 vectors on z's device, checked by ``check_sigmas``. Values that arrive on
     the host (floats, CPU tensors: what the rollout engine passes) are checked there, before the copy, so a step
     on a GPU waits for nothing; values already on the device are checked there (one synchronisation)."""
-    host = [torch.as_tensor(x) for x in (sigma, sigma_next)]
+    host = [x if isinstance(x, Tensor) else torch.tensor(x, device="cpu") for x in (sigma, sigma_next)]
     if all(x.device.type == "cpu" for x in host):
         s, s_next = sigma_vector(host[0], z, "sigma"), sigma_vector(host[1], z, "sigma_next")  # shapes checked
         check_sigmas(host[0].float().reshape(-1), host[1].float().reshape(-1))  # broadcasts a scalar against [N]

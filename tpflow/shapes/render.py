@@ -176,7 +176,7 @@ def render(metadata: dict[str, Any], rng: np.random.Generator, size: int = 32) -
 def render_batch(items: Sequence[dict[str, Any]], rng: np.random.Generator, size: int = 32) -> torch.Tensor:
     """Render a list of metadata dicts: [N, 3, size, size] float32 in [0, 1]."""
     if not items:
-        return torch.empty(0, 3, size, size)
+        return torch.empty(0, 3, size, size, device="cpu")
     return torch.stack([render(metadata, rng, size) for metadata in items])
 
 
