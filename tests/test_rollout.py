@@ -168,6 +168,64 @@ def test_x0_completions_and_max_batch(backbone):
         assert close(out.completions[:, j], out.latents[:, j] - sigmas[j] * v, atol=1e-5)
 
 
+def _euler_along(backbone, z, cond, sigmas, nodes, guidance):
+    """Euler from grid index nodes[0] to nodes[-1], one step per pair of consecutive nodes."""
+    for a, b in zip(nodes, nodes[1:], strict=False):
+        v = backbone.velocity(z, sigmas[a].expand(z.shape[0]), cond, guidance)
+        z = euler_step(z, v, sigmas[a], sigmas[b])
+    return z
+
+
+def test_completion_nodes():
+    from tpflow.rollout import completion_nodes
+
+    assert completion_nodes(0, 10, 1) == [0, 10]
+    assert completion_nodes(0, 10, 2) == [0, 5, 10]
+    assert completion_nodes(3, 10, 3) == [3, 5, 8, 10]
+    assert completion_nodes(8, 10, 3) is None and completion_nodes(0, 10, None) is None  # every step: exact
+
+
+@pytest.mark.parametrize("start", [0, 1])
+def test_k_step_completions(backbone, start):
+    """completion_steps = k: each completion takes k Euler steps on nodes of the main schedule (by hand below); k = 1
+    is the x0 estimate exactly, k ≥ the steps left is the exact completion, the main trajectory never changes, and
+    the NFE falls as the branches skip steps."""
+    from tpflow.rollout import completion_nodes
+
+    sampler = tpflow.build("sampler", "cps")
+    sigmas = backbone.sigmas(6)
+    cond, z0 = _setup(backbone)
+
+    def run(**kwargs):
+        gen = torch.Generator().manual_seed(3)
+        return rollout(backbone, sampler, cond, z0, sigmas, Window(start, 4), 0.7, 2.0, generator=gen, **kwargs)
+
+    exact, x0 = run(completions="ode"), run(completions="x0")
+    one, two, many = (run(completions="ode", completion_steps=k) for k in (1, 2, 6))
+    assert torch.equal(one.completions, x0.completions) and one.cost.nfe == x0.cost.nfe == 6
+    assert torch.equal(many.completions, exact.completions) and many.cost.nfe == exact.cost.nfe
+    for out in (one, two, many):
+        assert torch.equal(out.final, exact.final) and torch.equal(out.next_latents, exact.next_latents)
+        assert torch.equal(out.log_probs, exact.log_probs)
+    assert one.cost.nfe < two.cost.nfe < exact.cost.nfe
+    for j in range(4):  # completion j starts at z_{start+j}, on its nodes
+        nodes = completion_nodes(start + j, 6, 2) or list(range(start + j, 7))
+        expected = _euler_along(backbone, two.latents[:, j], cond, sigmas, nodes, 2.0)
+        assert close(two.completions[:, j], expected, atol=1e-5), j
+    assert not torch.allclose(two.completions, exact.completions, atol=1e-3)  # approximate: it does differ
+
+
+def test_completion_steps_settings():
+    from tpflow.settings import RolloutSettings
+
+    assert RolloutSettings().completion_steps == "all" and RolloutSettings(completion_steps=3).completion_steps == 3
+    for bad in (0, "some"):
+        with pytest.raises(ValueError, match="completion_steps"):
+            RolloutSettings(completion_steps=bad)
+    with pytest.raises(ValueError, match="'x0' is the one-step"):
+        RolloutSettings(completions="x0", completion_steps=2)
+
+
 def test_independent_baseline_uses_fresh_noise(backbone):
     sigmas = backbone.sigmas(6)
     cond, z0 = _setup(backbone)

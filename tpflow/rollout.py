@@ -13,6 +13,11 @@ reuses that velocity instead of recomputing it. The result is the same.
 
 Trajectories that start from the same noise (``source`` maps several of them to one row of ``z0``, the
 ``same_noise`` option) share their pre-window prefix and their shared-noise baseline: both run once per noise row.
+
+Cheaper completions: with ``completion_steps = c`` an ODE completion integrates the rest of the schedule in c Euler
+steps instead of one per remaining step. Its nodes are c + 1 grid indices spread evenly from its start to K
+(:func:`completion_nodes`), so each of its velocity calls still falls on a step of the main schedule and rides in that
+step's batched call. c = 1 is the one-step x0 estimate z − σ·v; c ≥ the remaining steps is the exact completion.
 """
 
 from __future__ import annotations
@@ -50,11 +55,35 @@ def draw_window(num_steps: int, size: int, window_range: tuple[int, int], rng: r
 
 
 class _Branch:
-    """Latents of one group of rows that advance together by ODE: the prefix, the baseline or a completion."""
+    """Latents of one group of rows that advance together by ODE: the prefix, the baseline or a completion.
 
-    def __init__(self, z: Tensor, rows: Tensor):
+    ``nodes`` are the grid indices the branch visits (None: every step); ``at`` is the one its latents are at, so the
+    branch is evaluated at step k only when ``at == k`` and then jumps to its next node."""
+
+    def __init__(self, z: Tensor, rows: Tensor, nodes: list[int] | None = None, at: int = 0):
         self.z = z  # [n, ...]
         self.rows = rows  # [n] long, the trajectory whose conditioning each row uses
+        self.nodes = nodes
+        self.at = at
+
+    def live(self, k: int) -> bool:
+        return self.nodes is None or self.at == k
+
+    def target(self, k: int) -> int:
+        """The grid index an Euler step taken at step k reaches."""
+        return k + 1 if self.nodes is None else self.nodes[self.nodes.index(k) + 1]
+
+
+def completion_nodes(start: int, num_steps: int, steps: int | None) -> list[int] | None:
+    """Grid indices of a completion from step ``start`` to K = ``num_steps`` in ``steps`` Euler steps: ``steps + 1``
+    indices spread evenly (rounded) from start to K, so the schedule's own spacing (its shift) is kept. None (every
+    step, the exact completion) when ``steps`` is None or not smaller than the K − start steps left."""
+    left = num_steps - start
+    if steps is None or steps >= left:
+        return None
+    if steps < 1:
+        raise ValueError(f"completion_steps must be >= 1, got {steps}.")
+    return sorted({start + round(i * left / steps) for i in range(steps + 1)})
 
 
 @torch.no_grad()
@@ -73,6 +102,7 @@ def rollout(
     generator: torch.Generator | None = None,
     max_batch: int | None = None,
     reuse_main_velocity: bool = True,
+    completion_steps: int | None = None,
 ) -> Rollout:
     """Sample N trajectories and, when asked, the latents whose rewards form the trace R_0..R_{W-1}.
 
@@ -95,6 +125,9 @@ def rollout(
         max_batch: the largest number of rows in one velocity call.
         reuse_main_velocity: start each ODE branch with the main trajectory's velocity at the same latent (exact,
             one evaluation less per branch); False evaluates it again, as the reference does.
+        completion_steps: with ``completions="ode"``, the Euler steps of each completion (the shared baseline
+            included; :func:`completion_nodes`); None: one per remaining step (exact). The independent baseline is
+            always completed exactly.
 
     Returns:
         Rollout with the W stored transitions, the final latents and (unless ``completions`` is None) the completed
@@ -120,7 +153,9 @@ def rollout(
         live = [prefix] + ([independent] if independent is not None else [])
         for branch, v in zip(live, engine(live, k), strict=True):
             branch.z = euler_step(branch.z, v, sigmas[k], sigmas[k + 1])
-    loop = _WindowLoop(engine, sampler, window, noise_level, completions, baseline_noise, first, reuse_main_velocity)
+    loop = _WindowLoop(
+        engine, sampler, window, noise_level, completions, baseline_noise, first, reuse_main_velocity, completion_steps
+    )
     main = _Branch(prefix.z[source], torch.arange(n, device=z0.device))
     for k in range(s, num_steps):  # the window's SDE steps, then the ODE tail; live branches ride along
         loop.step(main, k, generator, independent)
@@ -172,9 +207,10 @@ class _WindowLoop:
     """Steps k ≥ s of the main trajectory: SDE steps inside the window (stored for the update), a completion branch
     started at each (or an x0 estimate), Euler after it; every live ODE branch advances in the same call."""
 
-    def __init__(self, engine, sampler, window, noise_level, completions, baseline_noise, first, reuse):
+    def __init__(self, engine, sampler, window, noise_level, completions, baseline_noise, first, reuse, steps=None):
         self.engine, self.sampler, self.window, self.noise_level = engine, sampler, window, noise_level
         self.completions, self.baseline_noise, self.first, self.reuse = completions, baseline_noise, first, reuse
+        self.completion_steps: int | None = steps  # Euler steps per ODE completion (None: every remaining step)
         self.branches: list[_Branch] = []  # ODE branches: the baseline (j = 0) first, then completions j = 1..W-1
         self.estimates: list[Tensor] = []  # x0 mode: [n, ...] per j
         self.latents: list[Tensor] = []
@@ -182,11 +218,12 @@ class _WindowLoop:
         self.log_probs: list[Tensor] = []
 
     def step(self, main: _Branch, k: int, generator, independent: _Branch | None) -> None:
-        live = [main, *self.branches] + ([independent] if independent is not None else [])
+        others = [b for b in self.branches if b.live(k)] + ([independent] if independent is not None else [])
+        live = [main, *others]
         vs = self.engine(live, k)
         sigma, sigma_next = self.engine.sigmas[k], self.engine.sigmas[k + 1]
-        for branch, v in zip(live[1:], vs[1:], strict=True):
-            branch.z = euler_step(branch.z, v, sigma, sigma_next)
+        for branch, v in zip(others, vs[1:], strict=True):
+            self._advance(branch, v, k)
         v_main, s = vs[0], self.window.start
         if not s <= k < s + self.window.size:
             main.z = euler_step(main.z, v_main, sigma, sigma_next)
@@ -206,10 +243,17 @@ class _WindowLoop:
             self.estimates.append((main.z[pick].float() - sigma * v_main[pick].float()).to(main.z.dtype))
         elif self.completions == "ode" and (j > 0 or shared):
             pick = self.first if j == 0 else torch.arange(main.z.shape[0], device=main.z.device)
-            branch = _Branch(main.z[pick], pick)
+            num_steps = self.engine.sigmas.shape[0] - 1
+            branch = _Branch(main.z[pick], pick, completion_nodes(k, num_steps, self.completion_steps), at=k)
             v_branch = v_main[pick] if self.reuse else self.engine([branch], k)[0]
-            branch.z = euler_step(branch.z, v_branch, sigma, sigma_next)
+            self._advance(branch, v_branch, k)
             self.branches.append(branch)
+
+    def _advance(self, branch: _Branch, v: Tensor, k: int) -> None:
+        """One Euler step of an ODE branch from σ_k to its next node's σ (σ_{k+1} for an every-step branch)."""
+        nxt = branch.target(k)
+        branch.z = euler_step(branch.z, v, self.engine.sigmas[k], self.engine.sigmas[nxt])
+        branch.at = nxt
 
     def completed(self, source: Tensor, independent: _Branch | None) -> Tensor:
         """The completed latents [N, W, ...], j = 0..W-1 (j = W is the final image)."""
@@ -285,4 +329,5 @@ def rollout_from_settings(
         source=source,
         generator=generator,
         max_batch=settings.max_batch,
+        completion_steps=None if settings.completion_steps == "all" else settings.completion_steps,
     )

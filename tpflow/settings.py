@@ -7,7 +7,7 @@ override them per model.
 from __future__ import annotations
 
 import importlib.util
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -43,6 +43,12 @@ class RolloutSettings(BaseModel):
         description="How R_j is measured: 'ode' completes by Euler ODE (exact, the paper); 'x0' uses the one-step "
         "estimate z - σ·v (no extra NFE; experimental).",
     )
+    completion_steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] | Literal["all"] = Field(
+        "all",
+        description="Euler steps of each ODE completion (completions = 'ode'): 'all' takes one per remaining step "
+        "(exact, the paper); k integrates the rest of the schedule in k steps on evenly spread nodes of it (fewer "
+        "NFE, approximate; 1 equals 'x0'). benchmarks/completion_fidelity.py measures what each k keeps.",
+    )
     baseline_noise: Literal["shared", "independent"] = Field(
         "shared",
         description="R_0 from the same z_0 as the trajectory ('shared', the paper) or from fresh noise "
@@ -58,6 +64,11 @@ class RolloutSettings(BaseModel):
 
     @model_validator(mode="after")
     def _window_fits(self) -> RolloutSettings:
+        if self.completions == "x0" and self.completion_steps != "all":
+            raise ValueError(
+                f"completion_steps = {self.completion_steps} applies to completions = 'ode'; 'x0' is the one-step "
+                "estimate already. Use completions = 'ode' with completion_steps = k, or drop completion_steps."
+            )
         lo, hi = self.window_range
         if self.window_size > self.num_steps:
             raise ValueError(
