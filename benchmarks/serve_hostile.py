@@ -1,5 +1,5 @@
 """Peak memory and threads of ``tpflow serve-reward`` under hostile clients: decompression bombs, slowloris, a huge
-Content-Length, a connection flood; then an honest request must still be answered.
+Content-Length, a connection flood; an honest request must be answered during the slowloris and after it all.
 
     .venv/bin/python benchmarks/serve_hostile.py [--rounds 5] [--flood 300] [--json docs/results/serve_hostile.json]
 

@@ -2,7 +2,7 @@
 
     tpflow serve-reward --reward geneval --port 18085 [--host 0.0.0.0] [--set key=value ...]
         [--max-request-mb 64] [--max-images 256] [--max-side 2048] [--max-megapixels 64]
-        [--max-connections 16] [--timeout-s 30] [--token TOKEN | env TPFLOW_REWARD_TOKEN]
+        [--max-connections 16] [--header-timeout-s 5] [--timeout-s 30] [--token TOKEN | env TPFLOW_REWARD_TOKEN]
 
 The wire format is documented in ``tpflow.rewards.remote``. Requests are parsed concurrently but scored one at a
 time under a lock, because reward models are not all thread-safe (and one model on one GPU gains nothing from
@@ -11,10 +11,14 @@ interleaving). ``/health`` never waits for the lock.
 The server assumes hostile clients (``Limits``): a body larger than ``max_request_bytes`` is refused (413) from its
 Content-Length, before it is read; only PNG is accepted and every image's size is read from its IHDR header and
 checked before any pixel is decoded (no decompression bomb); images and pixels per request are capped; only
-``Content-Type: application/json`` is accepted (415: a browser's cross-site form post cannot reach the model); a
-request must arrive whole within ``timeout_s`` (a slow client or a Content-Length larger than the body is dropped);
-at most ``max_connections`` connections are served at once, further ones get 503 and are closed at once; every
-error, including a garbage request line, is a JSON ``{"error": ...}``, never an HTML page or a dropped connection.
+``Content-Type: application/json`` is accepted (415: a browser's cross-site form post cannot reach the model); the
+request line and headers must arrive within ``header_timeout_s`` and the whole request within ``timeout_s`` (a slow
+client or a Content-Length larger than the body is dropped); at most ``max_connections`` connections are served at
+once. When they are all taken, a new connection closes the one that has waited longest for its request line and
+headers (a slowloris client, or an idle keep-alive connection) and takes its place; only when every connection is
+past its headers does it get 503, closed at once. So trickling headers cannot lock an honest client out, however
+often the attacker reconnects, from however many addresses (issue 24). Every error, including a garbage request
+line, is a JSON ``{"error": ...}``, never an HTML page or a dropped connection.
 With a token (``--token`` or ``TPFLOW_REWARD_TOKEN``) /score needs ``Authorization: Bearer TOKEN`` (401 otherwise,
 compared in constant time) and /health shows the reward's options only to a client that sends it. The token is not
 encryption: across untrusted networks put the server behind TLS (an SSH tunnel or a reverse proxy).
@@ -60,6 +64,7 @@ class Limits:
     max_side: int = 2048
     max_pixels: int = 64_000_000
     max_connections: int = 16
+    header_timeout_s: float = 5.0  # request line and headers: a few hundred bytes, sent at once by any real client
     timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -67,6 +72,8 @@ class Limits:
             raise UserError(f"Every serve-reward limit must be positive, got {self}.")
         if not self.timeout_s > 0:
             raise UserError(f"--timeout-s must be positive, got {self.timeout_s}.")
+        if not self.header_timeout_s > 0:
+            raise UserError(f"--header-timeout-s must be positive, got {self.header_timeout_s}.")
 
 
 class BadRequest(ValueError):
@@ -100,6 +107,9 @@ class RewardServer(ThreadingHTTPServer):
         self.lock = threading.Lock()  # one scoring call at a time
         self.decoding = threading.BoundedSemaphore(2)  # decoded requests in memory: one scored, one waiting
         self.slots = threading.BoundedSemaphore(self.limits.max_connections)
+        self.state = threading.Lock()  # guards the two fields below
+        self.connections = 0  # connections holding a slot
+        self.waiting: dict[_DeadlineReader, float] = {}  # connections waiting for headers -> since when
         super().__init__(address, _Handler)
 
     @property
@@ -115,7 +125,8 @@ class RewardServer(ThreadingHTTPServer):
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.token)
 
     def health(self, authorized: bool) -> dict[str, Any]:
-        limits = {k: v for k, v in asdict(self.limits).items() if k not in ("max_connections", "timeout_s")}
+        private = ("max_connections", "header_timeout_s", "timeout_s")
+        limits = {k: v for k, v in asdict(self.limits).items() if k not in private}
         reply = {"tpflow": __version__, "protocol": PROTOCOL, "reward": self.reward_name, "token": bool(self.token)}
         if authorized:  # the options may name paths and devices: only for clients holding the token
             reply["options"] = self.options
@@ -163,28 +174,64 @@ class RewardServer(ThreadingHTTPServer):
         details = {k: v.detach().float().cpu().reshape(-1).tolist() for k, v in out.details.items()}
         return {"scores": scores.tolist(), "details": details}
 
-    # Connection bound: the accept loop hands a connection to a thread only while a slot is free.
+    # Connection bound: the accept loop hands a connection to a thread only while a slot is free, or can be freed.
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
+        if not self.slots.acquire(blocking=False) and not (self._evict() and self.slots.acquire(timeout=1.0)):
             self._refuse(request)
             return
+        with self.state:
+            self.connections += 1
         try:
             super().process_request(request, client_address)  # starts process_request_thread
         except BaseException:
-            self.slots.release()
+            self._release()
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            self._release()
+
+    def _release(self) -> None:
+        with self.state:
+            self.connections -= 1
+        self.slots.release()
+
+    def _evict(self) -> bool:
+        """Close the connection that has waited longest for its request line and headers, so that a new one can
+        have its slot (its thread sees the closed socket and ends); False when every connection is past them.
+
+        Oldest first: an honest client sends its headers at once, so it stays evictable for a moment only, while
+        a slowloris connection stays so until its header deadline; to evict a new honest connection an attacker
+        must open ``max_connections`` connections within that moment, a flood no slot policy can absorb."""
+        with self.state:
+            if not self.waiting:
+                return False
+            reader = min(self.waiting, key=self.waiting.__getitem__)
+            del self.waiting[reader]
+            reader.evicted = True
+        try:
+            reader.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        return True
+
+    def await_headers(self, reader: _DeadlineReader) -> None:
+        """The connection of ``reader`` waits for a request line and headers: it can be evicted until ``settle``."""
+        with self.state:
+            self.waiting[reader] = time.monotonic()
+
+    def settle(self, reader: _DeadlineReader) -> bool:
+        """The headers are in (or the connection ends): no longer evictable. False if it was evicted already."""
+        with self.state:
+            self.waiting.pop(reader, None)
+            return not reader.evicted
 
     def _refuse(self, sock: socket.socket) -> None:
         """503 without reading the request, then close: a full server costs an excess client one write."""
-        body = json.dumps(
-            {"error": f"busy: {self.limits.max_connections} connections are open (--max-connections); retry later."}
-        ).encode()
+        busy = f"busy: {self.limits.max_connections} requests are in progress (--max-connections); retry later."
+        body = json.dumps({"error": busy}).encode()
         head = "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
         try:
             sock.settimeout(1.0)
@@ -199,11 +246,13 @@ class RewardServer(ThreadingHTTPServer):
 
 
 class _DeadlineReader(io.RawIOBase):
-    """The connection's input with one deadline per request: a client that trickles bytes, or promises more than
-    it sends, gets TimeoutError when the deadline passes, whatever the pace of its bytes."""
+    """The connection's input with a deadline: a client that trickles bytes, or promises more than it sends, gets
+    TimeoutError when the deadline passes, whatever the pace of its bytes. The handler moves the deadline: the
+    header deadline while the request line and headers arrive, then the request deadline for the body."""
 
     def __init__(self, sock: socket.socket, timeout_s: float):
         self.sock, self.timeout_s, self.deadline = sock, timeout_s, time.monotonic() + timeout_s
+        self.evicted = False  # closed by the server to make room (RewardServer._evict)
 
     def readable(self) -> bool:
         return True
@@ -213,7 +262,10 @@ class _DeadlineReader(io.RawIOBase):
         if left <= 0:
             raise TimeoutError(f"the request did not arrive within {self.timeout_s:g} s")
         self.sock.settimeout(left)
-        return self.sock.recv_into(buffer)
+        got = self.sock.recv_into(buffer)
+        if self.evicted:  # its socket was shut down: end the connection quietly, not as a truncated request
+            raise ConnectionAbortedError("closed to make room for a new connection")
+        return got
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -229,8 +281,24 @@ class _Handler(BaseHTTPRequestHandler):
         self.rfile = io.BufferedReader(self._input)
 
     def handle_one_request(self) -> None:
-        self._input.deadline = time.monotonic() + self.server.limits.timeout_s  # request line, headers and body
-        super().handle_one_request()
+        limits = self.server.limits
+        self._started = time.monotonic()
+        self._input.deadline = self._started + min(limits.header_timeout_s, limits.timeout_s)  # line and headers
+        self.server.await_headers(self._input)
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.settle(self._input)
+
+    def parse_request(self) -> bool:
+        """Read the headers (under the header deadline); then the body has the rest of the request deadline and
+        the connection can no longer be evicted."""
+        parsed = super().parse_request()
+        if not self.server.settle(self._input):  # evicted while its last header bytes arrived
+            self.close_connection = True
+            return False
+        self._input.deadline = self._started + self.server.limits.timeout_s
+        return parsed
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         if self.path.rstrip("/") == "/health":
