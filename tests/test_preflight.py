@@ -3,6 +3,7 @@ paragraph, exit status 2, no traceback, and the backbone and the reward are neve
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -219,3 +220,72 @@ def test_shapes_weights_without_their_config_are_refused_before_loading(tmp_path
     safetensors.torch.save_file({"x": torch.zeros(1)}, weights)  # a safetensors file, but no shapes-dit config
     code, err = run_cli(capsys, "validate", str(SHAPES), "--set", f"backbone.weights={weights}")
     assert_one_paragraph(code, err, str(weights), "no readable model config", "other.json")
+
+
+TINY = ROOT / "recipes" / "tiny_smoke.toml"
+
+
+@pytest.fixture
+def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if a backbone's weights are read or built (shapes-dit's file, tiny-sd3's random weights)."""
+
+    def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("weights were loaded before the LoRA targets were checked")
+
+    monkeypatch.setattr("tpflow.backbones.shapes.load_checkpoint", refuse)
+    monkeypatch.setattr("tpflow.backbones.tiny.tiny_sd3_pipeline", refuse)
+
+
+@pytest.mark.parametrize("recipe", [SHAPES, TINY], ids=["shapes-dit", "tiny-sd3"])
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_a_lora_target_that_names_no_layer_is_refused_before_loading(
+    recipe, command, tmp_path, capsys, no_weights, no_loading
+):
+    """Issue 24: peft ignores a target that matches nothing when another matches, and fails only after the weights
+    have loaded when none does; the target is checked against the model built on the meta device instead."""
+    sets = ["--set", 'backbone.lora_targets=["attn.to_q", "attn.to_qq"]']
+    run_dir = ["--run-dir", str(tmp_path / "run")] if command == "train" else []
+    code, err = run_cli(capsys, command, str(recipe), *sets, *run_dir)
+    assert_one_paragraph(code, err, "[backbone]", "'attn.to_qq' names no layer", "did you mean 'attn.to_q'")
+    assert "attn.to_k" in err and "more" in err  # the model's adaptable layers, abbreviated
+    assert "'attn.to_q' names" not in err  # the valid target is not blamed
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_lora_target_that_names_a_block_is_refused(capsys, no_weights, no_loading):
+    code, err = run_cli(capsys, "validate", str(SHAPES), "--set", 'backbone.lora_targets=["attn"]')
+    assert_one_paragraph(code, err, "'attn' names Attention modules", "cannot adapt", "Linear layers inside")
+
+
+@pytest.mark.parametrize(
+    ("recipe", "targets"),
+    [(SHAPES, None), (SHAPES, '["to_q", "mlp.net.0", "ff.net.2"]'), (TINY, None), (TINY, '["to_q", "ff.net.2"]')],
+)
+def test_lora_targets_that_name_layers_pass_without_loading(recipe, targets, capsys, no_weights, no_loading):
+    sets = ["--set", f"backbone.lora_targets={targets}"] if targets else []
+    code, err = run_cli(capsys, "validate", str(recipe), *sets)
+    assert code == 0, err
+    assert no_weights == ["dataset"]
+
+
+@pytest.mark.parametrize("name", ["sd3.5-medium", "flux.1-dev"])
+def test_diffusers_lora_targets_are_checked_against_the_folders_transformer_config(name, tmp_path, no_weights):
+    """A local diffusers folder: the transformer is built from transformer/config.json on the meta device (here
+    a config of the tiny model's size; a folder without weights, so loading it would fail)."""
+    from tpflow import registry
+    from tpflow.backbones.lora_targets import on_meta
+    from tpflow.backbones.tiny import tiny_flux_transformer, tiny_sd3_transformer
+
+    tiny = on_meta(tiny_sd3_transformer if name == "sd3.5-medium" else tiny_flux_transformer)
+    # Two blocks: an SD3 model's last block has no attn.to_add_out, so the defaults need a second one.
+    transformer = on_meta(lambda: type(tiny).from_config({**tiny.config, "num_layers": 2}))
+    transformer.save_config(tmp_path / "transformer")
+    index = {"transformer": ["diffusers", type(transformer).__name__]}
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    hook = registry.get("backbone", name).factory.check_machine
+    options = registry.validate_options("backbone", name, {"pretrained": str(tmp_path)})
+    assert hook(options, {}) == []
+    options = options.model_copy(update={"lora_targets": ["attn.to_q", "attn.to_vv"]})
+    (problem,) = hook(options, {})
+    assert "'attn.to_vv' names no layer of the" in problem and "did you mean 'attn.to_v'" in problem
+    assert not (tmp_path / "transformer" / "diffusion_pytorch_model.safetensors").exists()
