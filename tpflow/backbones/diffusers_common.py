@@ -122,17 +122,20 @@ def transformer_config(pretrained: str) -> dict[str, Any] | None:
 
 
 def lora_target_problems(
-    transformer_class: Any, pretrained: str, targets: Sequence[str], model_name: str
+    transformer_class: str, pretrained: str, targets: Sequence[str], model_name: str
 ) -> list[str]:
-    """``lora_targets`` checked against the transformer built on the meta device from its config (no weights are
-    read; ``tpflow.backbones.lora_targets``); nothing to say when the config is not on this machine."""
-    from tpflow.backbones.lora_targets import on_meta, target_problems
-
+    """``lora_targets`` checked against the transformer (``diffusers.<transformer_class>``) built on the meta device
+    from its config (no weights are read; ``tpflow.backbones.lora_targets``); nothing to say when the config is not
+    on this machine (and then diffusers is not even imported)."""
     config = transformer_config(pretrained)
     if config is None:
         return []
+    import diffusers
+
+    from tpflow.backbones.lora_targets import on_meta, target_problems
+
     try:
-        model = on_meta(lambda: transformer_class.from_config(config))
+        model = on_meta(lambda: getattr(diffusers, transformer_class).from_config(config))
     except Exception as exc:  # a config of another model: loading the weights would fail as well
         return [f"[backbone] The {model_name} transformer config of '{pretrained}' does not build ({exc})."]
     return target_problems(model, targets, f"the {model_name} transformer")

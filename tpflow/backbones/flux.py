@@ -165,13 +165,11 @@ def flux_1_dev(options: FluxOptions) -> FluxBackbone:
 def _check_machine(options: DiffusersBackboneOptions, settings: dict) -> list[str]:
     """The weights named by ``pretrained`` are a complete local folder, or cached when downloads are off, and the
     LoRA targets name layers of its transformer (built on the meta device); loads nothing (``tpflow.preflight``)."""
-    from diffusers import FluxTransformer2DModel
-
     pretrained = options.pretrained  # type: ignore[attr-defined]
     problem = pretrained_problem(pretrained, "FLUX.1-dev")
     if problem:
         return [f"[backbone] {problem}"]
-    return lora_target_problems(FluxTransformer2DModel, pretrained, options.lora_targets, "FLUX.1-dev")
+    return lora_target_problems("FluxTransformer2DModel", pretrained, options.lora_targets, "FLUX.1-dev")
 
 
 flux_1_dev.check_machine = _check_machine  # type: ignore[attr-defined]

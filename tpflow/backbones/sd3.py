@@ -153,13 +153,11 @@ def sd35_medium(options: SD3Options) -> SD3Backbone:
 def _check_machine(options: DiffusersBackboneOptions, settings: dict) -> list[str]:
     """The weights named by ``pretrained`` are a complete local folder, or cached when downloads are off, and the
     LoRA targets name layers of its transformer (built on the meta device); loads nothing (``tpflow.preflight``)."""
-    from diffusers import SD3Transformer2DModel
-
     pretrained = options.pretrained  # type: ignore[attr-defined]
     problem = pretrained_problem(pretrained, "SD3.5-Medium")
     if problem:
         return [f"[backbone] {problem}"]
-    return lora_target_problems(SD3Transformer2DModel, pretrained, options.lora_targets, "SD3.5-Medium")
+    return lora_target_problems("SD3Transformer2DModel", pretrained, options.lora_targets, "SD3.5-Medium")
 
 
 sd35_medium.check_machine = _check_machine  # type: ignore[attr-defined]
