@@ -229,7 +229,7 @@ def test_idle_connections_beyond_the_bound_make_room():
     only when every connection is past its headers: test_a_request_whose_headers_are_in_is_never_evicted)."""
     with serving(Limits(max_connections=2, timeout_s=10)) as httpd:
         idle = [_connect(httpd) for _ in range(2)]
-        _until(lambda: len(httpd.waiting) == 2)
+        _until(lambda: len(httpd.slots.waiting) == 2)
         status, _ = _send(httpd, _payload([SMALL]))
         assert status == 200
         closed = [sock for sock in idle if select.select([sock], [], [], 0)[0] and sock.recv(10) == b""]
@@ -394,7 +394,7 @@ def test_slowloris_cannot_lock_out_an_honest_client():
                 if select.select([sock], [], [], 0)[0]:  # readable: closed (the server never answers a trickler)
                     sock.close()
                     slow[k] = _trickler(httpd)
-            return httpd.connections == len(httpd.waiting) == 4
+            return httpd.slots.connections == len(httpd.slots.waiting) == 4
 
         for _ in range(5):
             _until(every_slot_held)
@@ -411,20 +411,20 @@ def test_a_request_whose_headers_are_in_is_never_evicted():
     with serving(Limits(max_connections=2, timeout_s=30)) as httpd:
         with _connect(httpd) as upload:
             upload.sendall(head.encode() + raw[:10])  # headers in, the body under way
-            _until(lambda: httpd.connections == 1 and not httpd.waiting)
+            _until(lambda: httpd.slots.connections == 1 and not httpd.slots.waiting)
             with _trickler(httpd) as slow:
-                _until(lambda: httpd.connections == 2 and len(httpd.waiting) == 1)
+                _until(lambda: httpd.slots.connections == 2 and len(httpd.slots.waiting) == 1)
                 assert _send(httpd, _payload([SMALL]))[0] == 200  # the trickler made room
                 assert slow.recv(10) == b""
             upload.sendall(raw[10:])
             assert _response(upload)[0] == 200
         # Every connection past its headers: a further one is refused (503), none is cut off.
-        _until(lambda: httpd.connections == 0)
+        _until(lambda: httpd.slots.connections == 0)
         uploads = []
         for k in (1, 2):
             uploads.append(_connect(httpd))
             uploads[-1].sendall(head.encode() + raw[:10])
-            _until(lambda k=k: httpd.connections == k and not httpd.waiting)
+            _until(lambda k=k: httpd.slots.connections == k and not httpd.slots.waiting)
         with _connect(httpd, timeout=3) as extra:
             status, body = _response(extra)
             assert status == 503 and "2 requests are in progress (--max-connections)" in body["error"]

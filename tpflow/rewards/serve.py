@@ -48,6 +48,7 @@ import torch
 
 from tpflow import __version__, registry
 from tpflow.errors import UserError
+from tpflow.rewards._slots import DeadlineReader, Slots
 from tpflow.rewards.remote import PROTOCOL, decode_images
 
 MAX_JSON_DEPTH = 32  # metadata nests a few levels; deeper is an attack on some recursive consumer
@@ -106,10 +107,7 @@ class RewardServer(ThreadingHTTPServer):
         self.token = token.encode() if token else None
         self.lock = threading.Lock()  # one scoring call at a time
         self.decoding = threading.BoundedSemaphore(2)  # decoded requests in memory: one scored, one waiting
-        self.slots = threading.BoundedSemaphore(self.limits.max_connections)
-        self.state = threading.Lock()  # guards the two fields below
-        self.connections = 0  # connections holding a slot
-        self.waiting: dict[_DeadlineReader, float] = {}  # connections waiting for headers -> since when
+        self.slots = Slots(self.limits.max_connections)
         super().__init__(address, _Handler)
 
     @property
@@ -176,57 +174,20 @@ class RewardServer(ThreadingHTTPServer):
 
     # Connection bound: the accept loop hands a connection to a thread only while a slot is free, or can be freed.
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False) and not (self._evict() and self.slots.acquire(timeout=1.0)):
+        if not self.slots.take():
             self._refuse(request)
             return
-        with self.state:
-            self.connections += 1
         try:
             super().process_request(request, client_address)  # starts process_request_thread
         except BaseException:
-            self._release()
+            self.slots.release()
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._release()
-
-    def _release(self) -> None:
-        with self.state:
-            self.connections -= 1
-        self.slots.release()
-
-    def _evict(self) -> bool:
-        """Close the connection that has waited longest for its request line and headers, so that a new one can
-        have its slot (its thread sees the closed socket and ends); False when every connection is past them.
-
-        Oldest first: an honest client sends its headers at once, so it stays evictable for a moment only, while
-        a slowloris connection stays so until its header deadline; to evict a new honest connection an attacker
-        must open ``max_connections`` connections within that moment, a flood no slot policy can absorb."""
-        with self.state:
-            if not self.waiting:
-                return False
-            reader = min(self.waiting, key=self.waiting.__getitem__)
-            del self.waiting[reader]
-            reader.evicted = True
-        try:
-            reader.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        return True
-
-    def await_headers(self, reader: _DeadlineReader) -> None:
-        """The connection of ``reader`` waits for a request line and headers: it can be evicted until ``settle``."""
-        with self.state:
-            self.waiting[reader] = time.monotonic()
-
-    def settle(self, reader: _DeadlineReader) -> bool:
-        """The headers are in (or the connection ends): no longer evictable. False if it was evicted already."""
-        with self.state:
-            self.waiting.pop(reader, None)
-            return not reader.evicted
+            self.slots.release()
 
     def _refuse(self, sock: socket.socket) -> None:
         """503 without reading the request, then close: a full server costs an excess client one write."""
@@ -245,29 +206,6 @@ class RewardServer(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
-class _DeadlineReader(io.RawIOBase):
-    """The connection's input with a deadline: a client that trickles bytes, or promises more than it sends, gets
-    TimeoutError when the deadline passes, whatever the pace of its bytes. The handler moves the deadline: the
-    header deadline while the request line and headers arrive, then the request deadline for the body."""
-
-    def __init__(self, sock: socket.socket, timeout_s: float):
-        self.sock, self.timeout_s, self.deadline = sock, timeout_s, time.monotonic() + timeout_s
-        self.evicted = False  # closed by the server to make room (RewardServer._evict)
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"the request did not arrive within {self.timeout_s:g} s")
-        self.sock.settimeout(left)
-        got = self.sock.recv_into(buffer)
-        if self.evicted:  # its socket was shut down: end the connection quietly, not as a truncated request
-            raise ConnectionAbortedError("closed to make room for a new connection")
-        return got
-
-
 class _Handler(BaseHTTPRequestHandler):
     server: RewardServer
     protocol_version = "HTTP/1.1"
@@ -277,24 +215,24 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.rfile.close()  # the stdlib's reader, without a deadline (closing it leaves the socket open)
-        self._input = _DeadlineReader(self.connection, self.server.limits.timeout_s)
+        self._input = DeadlineReader(self.connection, self.server.limits.timeout_s)
         self.rfile = io.BufferedReader(self._input)
 
     def handle_one_request(self) -> None:
         limits = self.server.limits
         self._started = time.monotonic()
         self._input.deadline = self._started + min(limits.header_timeout_s, limits.timeout_s)  # line and headers
-        self.server.await_headers(self._input)
+        self.server.slots.await_headers(self._input)
         try:
             super().handle_one_request()
         finally:
-            self.server.settle(self._input)
+            self.server.slots.settle(self._input)
 
     def parse_request(self) -> bool:
         """Read the headers (under the header deadline); then the body has the rest of the request deadline and
         the connection can no longer be evicted."""
         parsed = super().parse_request()
-        if not self.server.settle(self._input):  # evicted while its last header bytes arrived
+        if not self.server.slots.settle(self._input):  # evicted while its last header bytes arrived
             self.close_connection = True
             return False
         self._input.deadline = self._started + self.server.limits.timeout_s
