@@ -273,12 +273,12 @@ def test_diffusers_lora_targets_are_checked_against_the_folders_transformer_conf
     """A local diffusers folder: the transformer is built from transformer/config.json on the meta device (here
     a config of the tiny model's size; a folder without weights, so loading it would fail)."""
     from tpflow import registry
-    from tpflow.backbones.lora_targets import on_meta
+    from tpflow.backbones.lora_targets import structure
     from tpflow.backbones.tiny import tiny_flux_transformer, tiny_sd3_transformer
 
-    tiny = on_meta(tiny_sd3_transformer if name == "sd3.5-medium" else tiny_flux_transformer)
+    tiny = structure(tiny_sd3_transformer if name == "sd3.5-medium" else tiny_flux_transformer, meta=False)
     # Two blocks: an SD3 model's last block has no attn.to_add_out, so the defaults need a second one.
-    transformer = on_meta(lambda: type(tiny).from_config({**tiny.config, "num_layers": 2}))
+    transformer = structure(lambda: type(tiny).from_config({**tiny.config, "num_layers": 2}))
     transformer.save_config(tmp_path / "transformer")
     index = {"transformer": ["diffusers", type(transformer).__name__]}
     (tmp_path / "model_index.json").write_text(json.dumps(index))
@@ -289,3 +289,34 @@ def test_diffusers_lora_targets_are_checked_against_the_folders_transformer_conf
     (problem,) = hook(options, {})
     assert "'attn.to_vv' names no layer of the" in problem and "did you mean 'attn.to_v'" in problem
     assert not (tmp_path / "transformer" / "diffusion_pytorch_model.safetensors").exists()
+
+
+def test_lora_targets_match_module_names_as_peft_does():
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    from tpflow.backbones.lora_targets import matches, structure
+    from tpflow.backbones.tiny import tiny_sd3_transformer
+    from tpflow.shapes.model import ShapesDiT
+
+    names = [
+        name
+        for model in (structure(ShapesDiT, meta=False), structure(tiny_sd3_transformer, meta=False))
+        for name, _ in model.named_modules()
+    ]
+    targets = ["to_q", "attn.to_q", "attn.to_out.0", "0", "net.2", "blocks.0.attn.to_k", "o_q", "attn.", "proj_out"]
+    for target in targets:
+        config = LoraConfig(target_modules=[target])
+        assert [matches(n, target) for n in names] == [bool(check_target_module_exists(config, n)) for n in names]
+    assert sum(matches(n, "to_q") for n in names) > 2  # the comparison covered matches, not only misses
+
+
+def test_the_tiny_backbones_default_lora_targets_fit_them():
+    """Their preflight skips the defaults (sparing validate the diffusers import), so they are checked here."""
+    from tpflow.backbones.lora_targets import structure, target_problems
+    from tpflow.backbones.tiny import TinyFluxOptions, TinySD3Options, tiny_flux_transformer, tiny_sd3_transformer
+
+    for build, options in ((tiny_sd3_transformer, TinySD3Options()), (tiny_flux_transformer, TinyFluxOptions())):
+        model = structure(build, meta=False)
+        assert options.lora_targets and target_problems(model, options.lora_targets, "tiny") == []
+    assert target_problems(structure(tiny_sd3_transformer, meta=False), ["attn.to_add_out"], "tiny") != []

@@ -132,10 +132,10 @@ def lora_target_problems(
         return []
     import diffusers
 
-    from tpflow.backbones.lora_targets import on_meta, target_problems
+    from tpflow.backbones.lora_targets import structure, target_problems
 
     try:
-        model = on_meta(lambda: getattr(diffusers, transformer_class).from_config(config))
+        model = structure(lambda: getattr(diffusers, transformer_class).from_config(config))
     except Exception as exc:  # a config of another model: loading the weights would fail as well
         return [f"[backbone] The {model_name} transformer config of '{pretrained}' does not build ({exc})."]
     return target_problems(model, targets, f"the {model_name} transformer")

@@ -96,9 +96,9 @@ class ShapesBackbone:
     @staticmethod
     def check_machine(options: ShapesDitOptions, settings: dict) -> list[str]:
         """The weights file exists, is a safetensors file and has its model config (the .json beside it or the
-        file's metadata), and the LoRA targets name layers of that model (built on the meta device); the header is
-        read, not the weights."""
-        from tpflow.backbones.lora_targets import on_meta, target_problems
+        file's metadata), and the LoRA targets name layers of that model (built from the config, random weights); the
+        header is read, not the weights."""
+        from tpflow.backbones.lora_targets import structure, target_problems
         from tpflow.preflight import safetensors_problem
         from tpflow.shapes.model import ShapesDiTConfig, read_config
 
@@ -117,7 +117,8 @@ class ShapesBackbone:
                 )
         if problem:
             return [f"{problem} Use a file written by `tpflow shapes pretrain`."]
-        return target_problems(on_meta(lambda: ShapesDiT(config)), options.lora_targets, "shapes-dit")
+        model = structure(lambda: ShapesDiT(config), meta=False)  # 1.7 M parameters
+        return target_problems(model, options.lora_targets, "shapes-dit")
 
     def __init__(self, options: ShapesDitOptions | None = None) -> None:
         from peft import LoraConfig, inject_adapter_in_model
