@@ -269,9 +269,9 @@ def test_lora_targets_that_name_layers_pass_without_loading(recipe, targets, cap
 
 
 @pytest.mark.parametrize("name", ["sd3.5-medium", "flux.1-dev"])
-def test_diffusers_lora_targets_are_checked_against_the_folders_transformer_config(name, tmp_path, no_weights):
-    """A local diffusers folder: the transformer is built from transformer/config.json on the meta device (here
-    a config of the tiny model's size; a folder without weights, so loading it would fail)."""
+def test_diffusers_lora_targets_are_checked_against_the_transformer_config(name, tmp_path, monkeypatch, no_weights):
+    """A local diffusers folder, or a hub id in the cache: the transformer is built from its transformer/config.json on
+    the meta device (here a config of the tiny model's size, without weights, so loading it would fail)."""
     from tpflow import registry
     from tpflow.backbones.lora_targets import structure
     from tpflow.backbones.tiny import tiny_flux_transformer, tiny_sd3_transformer
@@ -289,6 +289,17 @@ def test_diffusers_lora_targets_are_checked_against_the_folders_transformer_conf
     (problem,) = hook(options, {})
     assert "'attn.to_vv' names no layer of the" in problem and "did you mean 'attn.to_v'" in problem
     assert not (tmp_path / "transformer" / "diffusion_pytorch_model.safetensors").exists()
+    # A hub id: the config is read from the Hugging Face cache (nothing downloaded); not cached: nothing to check.
+    import huggingface_hub
+
+    def lookup(repo: str, filename: str) -> str | None:  # a cache holding org/cached
+        return str(tmp_path / filename) if repo == "org/cached" else None
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lookup)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "'attn.to_vv' names no layer" in hook(options.model_copy(update={"pretrained": "org/cached"}), {})[0]
+    (problem,) = hook(options.model_copy(update={"pretrained": "org/elsewhere"}), {})
+    assert "not in the Hugging Face cache" in problem and "attn.to_vv" not in problem
 
 
 def test_lora_targets_match_module_names_as_peft_does():
