@@ -3,6 +3,7 @@ paragraph, exit status 2, no traceback, and the backbone and the reward are neve
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -221,3 +222,114 @@ def test_shapes_weights_without_their_config_are_refused_before_loading(tmp_path
     safetensors.torch.save_file({"x": torch.zeros(1)}, weights)  # a safetensors file, but no shapes-dit config
     code, err = run_cli(capsys, "validate", str(SHAPES), "--set", f"backbone.weights={weights}")
     assert_one_paragraph(code, err, str(weights), "no readable model config", "other.json")
+
+
+TINY = ROOT / "recipes" / "tiny_smoke.toml"
+
+
+@pytest.fixture
+def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if a backbone's weights are read or built (shapes-dit's file, tiny-sd3's random weights)."""
+
+    def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("weights were loaded before the LoRA targets were checked")
+
+    monkeypatch.setattr("tpflow.backbones.shapes.load_checkpoint", refuse)
+    monkeypatch.setattr("tpflow.backbones.tiny.tiny_sd3_pipeline", refuse)
+
+
+@pytest.mark.parametrize("recipe", [SHAPES, TINY], ids=["shapes-dit", "tiny-sd3"])
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_a_lora_target_that_names_no_layer_is_refused_before_loading(
+    recipe, command, tmp_path, capsys, no_weights, no_loading
+):
+    """Issue 24: peft ignores a target that matches nothing when another matches, and fails only after the weights
+    have loaded when none does; the target is checked against the model built on the meta device instead."""
+    sets = ["--set", 'backbone.lora_targets=["attn.to_q", "attn.to_qq"]']
+    run_dir = ["--run-dir", str(tmp_path / "run")] if command == "train" else []
+    code, err = run_cli(capsys, command, str(recipe), *sets, *run_dir)
+    assert_one_paragraph(code, err, "[backbone]", "'attn.to_qq' names no layer", "did you mean 'attn.to_q'")
+    assert "attn.to_k" in err and "more" in err  # the model's adaptable layers, abbreviated
+    assert "'attn.to_q' names" not in err  # the valid target is not blamed
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_lora_target_that_names_a_block_is_refused(capsys, no_weights, no_loading):
+    code, err = run_cli(capsys, "validate", str(SHAPES), "--set", 'backbone.lora_targets=["attn"]')
+    assert_one_paragraph(code, err, "'attn' names Attention modules", "cannot adapt", "Linear layers inside")
+
+
+@pytest.mark.parametrize(
+    ("recipe", "targets"),
+    [(SHAPES, None), (SHAPES, '["to_q", "mlp.net.0", "ff.net.2"]'), (TINY, None), (TINY, '["to_q", "ff.net.2"]')],
+)
+def test_lora_targets_that_name_layers_pass_without_loading(recipe, targets, capsys, no_weights, no_loading):
+    sets = ["--set", f"backbone.lora_targets={targets}"] if targets else []
+    code, err = run_cli(capsys, "validate", str(recipe), *sets)
+    assert code == 0, err
+    assert no_weights == ["dataset"]
+
+
+@pytest.mark.parametrize("name", ["sd3.5-medium", "flux.1-dev"])
+def test_diffusers_lora_targets_are_checked_against_the_transformer_config(name, tmp_path, monkeypatch, no_weights):
+    """A local diffusers folder, or a hub id in the cache: the transformer is built from its transformer/config.json on
+    the meta device (here a config of the tiny model's size, without weights, so loading it would fail)."""
+    from tpflow import registry
+    from tpflow.backbones.lora_targets import structure
+    from tpflow.backbones.tiny import tiny_flux_transformer, tiny_sd3_transformer
+
+    tiny = structure(tiny_sd3_transformer if name == "sd3.5-medium" else tiny_flux_transformer, meta=False)
+    # Two blocks: an SD3 model's last block has no attn.to_add_out, so the defaults need a second one.
+    transformer = structure(lambda: type(tiny).from_config({**tiny.config, "num_layers": 2}))
+    transformer.save_config(tmp_path / "transformer")
+    index = {"transformer": ["diffusers", type(transformer).__name__]}
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    hook = registry.get("backbone", name).factory.check_machine
+    options = registry.validate_options("backbone", name, {"pretrained": str(tmp_path)})
+    assert hook(options, {}) == []
+    options = options.model_copy(update={"lora_targets": ["attn.to_q", "attn.to_vv"]})
+    (problem,) = hook(options, {})
+    assert "'attn.to_vv' names no layer of the" in problem and "did you mean 'attn.to_v'" in problem
+    assert not (tmp_path / "transformer" / "diffusion_pytorch_model.safetensors").exists()
+    # A hub id: the config is read from the Hugging Face cache (nothing downloaded); not cached: nothing to check.
+    import huggingface_hub
+
+    def lookup(repo: str, filename: str) -> str | None:  # a cache holding org/cached
+        return str(tmp_path / filename) if repo == "org/cached" else None
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lookup)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "'attn.to_vv' names no layer" in hook(options.model_copy(update={"pretrained": "org/cached"}), {})[0]
+    (problem,) = hook(options.model_copy(update={"pretrained": "org/elsewhere"}), {})
+    assert "not in the Hugging Face cache" in problem and "attn.to_vv" not in problem
+
+
+def test_lora_targets_match_module_names_as_peft_does():
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    from tpflow.backbones.lora_targets import matches, structure
+    from tpflow.backbones.tiny import tiny_sd3_transformer
+    from tpflow.shapes.model import ShapesDiT
+
+    names = [
+        name
+        for model in (structure(ShapesDiT, meta=False), structure(tiny_sd3_transformer, meta=False))
+        for name, _ in model.named_modules()
+    ]
+    targets = ["to_q", "attn.to_q", "attn.to_out.0", "0", "net.2", "blocks.0.attn.to_k", "o_q", "attn.", "proj_out"]
+    for target in targets:
+        config = LoraConfig(target_modules=[target])
+        assert [matches(n, target) for n in names] == [bool(check_target_module_exists(config, n)) for n in names]
+    assert sum(matches(n, "to_q") for n in names) > 2  # the comparison covered matches, not only misses
+
+
+def test_the_tiny_backbones_default_lora_targets_fit_them():
+    """Their preflight skips the defaults (sparing validate the diffusers import), so they are checked here."""
+    from tpflow.backbones.lora_targets import structure, target_problems
+    from tpflow.backbones.tiny import TinyFluxOptions, TinySD3Options, tiny_flux_transformer, tiny_sd3_transformer
+
+    for build, options in ((tiny_sd3_transformer, TinySD3Options()), (tiny_flux_transformer, TinyFluxOptions())):
+        model = structure(build, meta=False)
+        assert options.lora_targets and target_problems(model, options.lora_targets, "tiny") == []
+    assert target_problems(structure(tiny_sd3_transformer, meta=False), ["attn.to_add_out"], "tiny") != []

@@ -10,12 +10,13 @@ from __future__ import annotations
 import base64
 import io
 import json
+import select
 import socket
 import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -223,23 +224,18 @@ def test_a_client_that_lies_or_trickles_is_dropped_after_the_timeout():
             assert dropped and time.monotonic() - start < 2
 
 
-def test_connections_beyond_the_bound_are_refused_at_once():
+def test_idle_connections_beyond_the_bound_make_room():
+    """Connections that have sent nothing hold every slot: a new one closes the oldest of them and is served (a 503
+    only when every connection is past its headers: test_a_request_whose_headers_are_in_is_never_evicted)."""
     with serving(Limits(max_connections=2, timeout_s=10)) as httpd:
         idle = [_connect(httpd) for _ in range(2)]
-        time.sleep(0.3)  # both accepted and waiting for a request line
-        with _connect(httpd, timeout=3) as extra:
-            start = time.monotonic()
-            status, body = _response(extra)
-            assert status == 503 and "2 connections" in body["error"] and time.monotonic() - start < 1
+        _until(lambda: len(httpd.slots.waiting) == 2)
+        status, _ = _send(httpd, _payload([SMALL]))
+        assert status == 200
+        closed = [sock for sock in idle if select.select([sock], [], [], 0)[0] and sock.recv(10) == b""]
+        assert len(closed) == 1  # one (the one that has waited longest) was closed to make room
         for sock in idle:
             sock.close()
-        deadline, status = time.monotonic() + 3, 0
-        while status != 200 and time.monotonic() < deadline:  # the slots free as the idle handlers see EOF
-            try:
-                status, _ = _send(httpd, _payload([SMALL]))
-            except OSError:  # refused while the slots were still taken: the reset may beat the 503
-                time.sleep(0.05)
-        assert status == 200
 
 
 def test_token_is_required_and_sent_by_the_remote_reward(monkeypatch):
@@ -340,3 +336,99 @@ def test_validate_and_train_stop_at_an_unreachable_reward_server(tmp_path, capsy
     weighted = {"rewards": [{"name": "image-stat"}, {"name": "remote", "options": {"url": url, "reward": "ocr"}}]}
     with pytest.raises(UserError, match="--reward ocr --port"):
         registry.preflight("reward", "weighted", registry.validate_options("reward", "weighted", weighted))
+
+
+def _trickler(httpd: RewardServer) -> socket.socket:
+    """A slowloris connection: a request line, then (as far as the server knows) headers still to come."""
+    sock = _connect(httpd)
+    sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\n")
+    return sock
+
+
+def _until(condition: Callable[[], bool]) -> None:
+    """Poll the server's state until ``condition`` holds (no sleep of a guessed length); fail after 10 s."""
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, "the server did not reach the expected state"
+        time.sleep(0.01)
+
+
+def test_request_line_and_headers_have_their_own_short_deadline():
+    """Issue 24: a connection that trickles its headers is dropped at --header-timeout-s, not held for the whole
+    request deadline (30 s); once the tricklers are gone an honest request is answered."""
+    with serving(Limits(max_connections=3, header_timeout_s=0.3, timeout_s=30)) as httpd:
+        slow = [_trickler(httpd) for _ in range(3)]
+        for sock in slow:
+            sock.settimeout(10)  # far below the 30 s request deadline, far above the 0.3 s header deadline
+            try:
+                for _ in range(200):  # one header byte every 0.05 s: each read is quick, the headers never end
+                    sock.sendall(b"X")
+                    time.sleep(0.05)
+                closed = sock.recv(100) == b""
+            except OSError:  # reset: the server closed it while bytes were in flight
+                closed = True
+            assert closed
+            sock.close()
+        status, body = _send(httpd, _payload([SMALL]))
+        assert status == 200 and body["scores"] == pytest.approx([128 / 255])
+        # An honest client's headers arrive within the deadline and its body has the whole request deadline.
+        with _connect(httpd) as sock:
+            raw = _payload([SMALL])
+            head = f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}"
+            sock.sendall(head.encode() + b"\r\n\r\n" + raw[:10])
+            time.sleep(0.6)  # twice the header deadline, mid-body
+            sock.sendall(raw[10:])
+            assert _response(sock)[0] == 200
+    with pytest.raises(UserError, match="--header-timeout-s"):
+        Limits(header_timeout_s=0)
+
+
+def test_slowloris_cannot_lock_out_an_honest_client():
+    """Issue 24: connections still sending their headers hold every slot; an honest request is answered at once
+    (the connection that has waited longest for its headers makes room), however often the attacker reconnects."""
+    with serving(Limits(max_connections=4, timeout_s=30)) as httpd:
+        slow = [_trickler(httpd) for _ in range(4)]
+
+        def every_slot_held() -> bool:
+            for k, sock in enumerate(slow):  # the attacker reopens what the server closed
+                if select.select([sock], [], [], 0)[0]:  # readable: closed (the server never answers a trickler)
+                    sock.close()
+                    slow[k] = _trickler(httpd)
+            return httpd.slots.connections == len(httpd.slots.waiting) == 4
+
+        for _ in range(5):
+            _until(every_slot_held)
+            status, body = _send(httpd, _payload([SMALL]))
+            assert status == 200 and body["scores"] == pytest.approx([128 / 255])
+        for sock in slow:
+            sock.close()
+
+
+def test_a_request_whose_headers_are_in_is_never_evicted():
+    """Only connections still waiting for their headers make room: a slow upload in progress is not cut off."""
+    raw = _payload([SMALL])
+    head = f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
+    with serving(Limits(max_connections=2, timeout_s=30)) as httpd:
+        with _connect(httpd) as upload:
+            upload.sendall(head.encode() + raw[:10])  # headers in, the body under way
+            _until(lambda: httpd.slots.connections == 1 and not httpd.slots.waiting)
+            with _trickler(httpd) as slow:
+                _until(lambda: httpd.slots.connections == 2 and len(httpd.slots.waiting) == 1)
+                assert _send(httpd, _payload([SMALL]))[0] == 200  # the trickler made room
+                assert slow.recv(10) == b""
+            upload.sendall(raw[10:])
+            assert _response(upload)[0] == 200
+        # Every connection past its headers: a further one is refused (503), none is cut off.
+        _until(lambda: httpd.slots.connections == 0)
+        uploads = []
+        for k in (1, 2):
+            uploads.append(_connect(httpd))
+            uploads[-1].sendall(head.encode() + raw[:10])
+            _until(lambda k=k: httpd.slots.connections == k and not httpd.slots.waiting)
+        with _connect(httpd, timeout=3) as extra:
+            status, body = _response(extra)
+            assert status == 503 and "2 requests are in progress (--max-connections)" in body["error"]
+        for sock in uploads:
+            sock.sendall(raw[10:])
+            assert _response(sock)[0] == 200
+            sock.close()

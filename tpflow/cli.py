@@ -376,7 +376,12 @@ def serve_reward(
     max_images: Annotated[int, typer.Option(min=1, help="Most images in one request.")] = 256,
     max_side: Annotated[int, typer.Option(min=1, help="Largest image side, read from its PNG header.")] = 2048,
     max_megapixels: Annotated[float, typer.Option(min=0.001, help="Most pixels in one request, millions.")] = 64,
-    max_connections: Annotated[int, typer.Option(min=1, help="Connections served at once; more get 503.")] = 16,
+    max_connections: Annotated[
+        int, typer.Option(min=1, help="Connections served at once; more get 503 when all are past their headers.")
+    ] = 16,
+    header_timeout_s: Annotated[
+        float, typer.Option(min=0.001, help="Seconds a request's line and headers may take to arrive.")
+    ] = 5,
     timeout_s: Annotated[float, typer.Option(min=0.001, help="Seconds a request may take to arrive whole.")] = 30,
 ) -> None:
     """Serve a reward over HTTP for recipes whose reward is name = "remote" with url = the printed URL.
@@ -392,6 +397,7 @@ def serve_reward(
         max_side=max_side,
         max_pixels=int(max_megapixels * 1e6),
         max_connections=max_connections,
+        header_timeout_s=header_timeout_s,
         timeout_s=timeout_s,
     )
 

@@ -102,6 +102,46 @@ def pretrained_problem(pretrained: str, model_name: str) -> str | None:
     return None
 
 
+def transformer_config(pretrained: str) -> dict[str, Any] | None:
+    """The transformer's ``config.json`` in a local diffusers folder or in the Hugging Face cache for a hub id;
+    None when it is not on this machine (nothing is downloaded) or does not parse (loading then says why)."""
+    local = Path(pretrained).expanduser()
+    if local.exists() or pretrained.startswith((".", "/", "~")):
+        path: Path | None = local / "transformer" / "config.json"
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(pretrained, "transformer/config.json")
+        path = Path(found) if isinstance(found, str) else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def lora_target_problems(
+    transformer_class: str, pretrained: str, targets: Sequence[str], model_name: str
+) -> list[str]:
+    """``lora_targets`` checked against the transformer (``diffusers.<transformer_class>``) built on the meta device
+    from its config (no weights are read; ``tpflow.backbones.lora_targets``); nothing to say when the config is not
+    on this machine (and then diffusers is not even imported)."""
+    config = transformer_config(pretrained)
+    if config is None:
+        return []
+    import diffusers
+
+    from tpflow.backbones.lora_targets import structure, target_problems
+
+    try:
+        model = structure(lambda: getattr(diffusers, transformer_class).from_config(config))
+    except Exception as exc:  # a config of another model: loading the weights would fail as well
+        return [f"[backbone] The {model_name} transformer config of '{pretrained}' does not build ({exc})."]
+    return target_problems(model, targets, f"the {model_name} transformer")
+
+
 def load_pipeline(pipeline_cls: Any, pretrained: str, dtype: torch.dtype, model_name: str, **kwargs: Any) -> Any:
     """``pipeline_cls.from_pretrained`` with a UserError that says which weights are missing and how to get them.
 

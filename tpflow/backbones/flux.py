@@ -25,6 +25,7 @@ from tpflow.backbones.diffusers_common import (
     DiffusersBackboneOptions,
     decode_latents,
     load_pipeline,
+    lora_target_problems,
     pretrained_problem,
     scheduler_sigmas,
     setup_pipeline,
@@ -168,10 +169,13 @@ def flux_1_dev(options: FluxOptions) -> FluxBackbone:
 
 
 def _check_machine(options: DiffusersBackboneOptions, settings: dict) -> list[str]:
-    """The weights named by ``pretrained`` are a complete local folder, or cached when downloads are off; loads
-    nothing (``tpflow.preflight``)."""
-    problem = pretrained_problem(options.pretrained, "FLUX.1-dev")  # type: ignore[attr-defined]
-    return [f"[backbone] {problem}"] if problem else []
+    """The weights named by ``pretrained`` are a complete local folder, or cached when downloads are off, and the
+    LoRA targets name layers of its transformer (built on the meta device); loads nothing (``tpflow.preflight``)."""
+    pretrained = options.pretrained  # type: ignore[attr-defined]
+    problem = pretrained_problem(pretrained, "FLUX.1-dev")
+    if problem:
+        return [f"[backbone] {problem}"]
+    return lora_target_problems("FluxTransformer2DModel", pretrained, options.lora_targets, "FLUX.1-dev")
 
 
 flux_1_dev.check_machine = _check_machine  # type: ignore[attr-defined]

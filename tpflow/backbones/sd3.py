@@ -26,6 +26,7 @@ from tpflow.backbones.diffusers_common import (
     DiffusersBackboneOptions,
     decode_latents,
     load_pipeline,
+    lora_target_problems,
     pretrained_problem,
     scheduler_sigmas,
     setup_pipeline,
@@ -154,10 +155,13 @@ def sd35_medium(options: SD3Options) -> SD3Backbone:
 
 
 def _check_machine(options: DiffusersBackboneOptions, settings: dict) -> list[str]:
-    """The weights named by ``pretrained`` are a complete local folder, or cached when downloads are off; loads
-    nothing (``tpflow.preflight``)."""
-    problem = pretrained_problem(options.pretrained, "SD3.5-Medium")  # type: ignore[attr-defined]
-    return [f"[backbone] {problem}"] if problem else []
+    """The weights named by ``pretrained`` are a complete local folder, or cached when downloads are off, and the
+    LoRA targets name layers of its transformer (built on the meta device); loads nothing (``tpflow.preflight``)."""
+    pretrained = options.pretrained  # type: ignore[attr-defined]
+    problem = pretrained_problem(pretrained, "SD3.5-Medium")
+    if problem:
+        return [f"[backbone] {problem}"]
+    return lora_target_problems("SD3Transformer2DModel", pretrained, options.lora_targets, "SD3.5-Medium")
 
 
 sd35_medium.check_machine = _check_machine  # type: ignore[attr-defined]

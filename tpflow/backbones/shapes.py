@@ -96,9 +96,11 @@ class ShapesBackbone:
     @staticmethod
     def check_machine(options: ShapesDitOptions, settings: dict) -> list[str]:
         """The weights file exists, is a safetensors file and has its model config (the .json beside it or the
-        file's metadata); the header is read, not the weights."""
+        file's metadata), and the LoRA targets name layers of that model (built from the config, random weights); the
+        header is read, not the weights."""
+        from tpflow.backbones.lora_targets import structure, target_problems
         from tpflow.preflight import safetensors_problem
-        from tpflow.shapes.model import read_config
+        from tpflow.shapes.model import ShapesDiTConfig, read_config
 
         try:
             path = resolve_weights(options.weights)
@@ -107,13 +109,16 @@ class ShapesBackbone:
         problem = safetensors_problem(path, "[backbone] The shapes-dit weights")
         if problem is None:
             try:
-                read_config(path)
+                config = ShapesDiTConfig.from_dict(read_config(path))
             except Exception as exc:  # no config in the metadata, or a .json beside it that does not parse
                 problem = (
                     f"[backbone] The shapes-dit weights {path} have no readable model config ({type(exc).__name__}: "
                     f"{exc}): expected {path.with_suffix('.json')} or a 'config' in the file's metadata."
                 )
-        return [f"{problem} Use a file written by `tpflow shapes pretrain`."] if problem else []
+        if problem:
+            return [f"{problem} Use a file written by `tpflow shapes pretrain`."]
+        model = structure(lambda: ShapesDiT(config), meta=False)  # 1.7 M parameters
+        return target_problems(model, options.lora_targets, "shapes-dit")
 
     def __init__(self, options: ShapesDitOptions | None = None) -> None:
         from peft import LoraConfig, inject_adapter_in_model

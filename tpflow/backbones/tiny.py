@@ -39,7 +39,10 @@ class TinyOptions(DiffusersBackboneOptions):
 
 
 class TinySD3Options(TinyOptions):
-    lora_targets: list[str] = Field(default_factory=lambda: list(SD3_LORA_TARGETS), description=SD3_LORA_TARGETS_HELP)
+    lora_targets: list[str] = Field(  # its one block is SD3's last, which has no attn.to_add_out (context_pre_only)
+        default_factory=lambda: [t for t in SD3_LORA_TARGETS if t != "attn.to_add_out"],
+        description=SD3_LORA_TARGETS_HELP,
+    )
     negative_prompt: str = Field("", description="Prompt of the unconditional CFG branch.")
 
 
@@ -102,26 +105,51 @@ def _vae(latent_channels: int, shift: float, scale: float) -> Any:
     ).eval()
 
 
+def tiny_sd3_transformer() -> Any:
+    """tiny-sd3's ``SD3Transformer2DModel``: one block, SD3.5's dual attention and RMS qk-norm, random weights."""
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel(
+        sample_size=32,
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_projection_dim=32,
+        joint_attention_dim=32,
+        pooled_projection_dim=64,
+        out_channels=4,
+        dual_attention_layers=(0,),
+        qk_norm="rms_norm",
+    )
+
+
+def tiny_flux_transformer() -> Any:
+    """tiny-flux's ``FluxTransformer2DModel``: one double and one single block, guidance embedding on."""
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8],
+        guidance_embeds=True,
+    )
+
+
 def tiny_sd3_pipeline(seed: int = 0) -> Any:
     """A ``StableDiffusion3Pipeline`` at test size with SD3.5's dual attention and qk-norm, random weights."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        transformer = SD3Transformer2DModel(
-            sample_size=32,
-            patch_size=1,
-            in_channels=4,
-            num_layers=1,
-            attention_head_dim=8,
-            num_attention_heads=4,
-            caption_projection_dim=32,
-            joint_attention_dim=32,
-            pooled_projection_dim=64,
-            out_channels=4,
-            dual_attention_layers=(0,),
-            qk_norm="rms_norm",
-        )
+        transformer = tiny_sd3_transformer()
         encoders = [_clip_encoder(True), _clip_encoder(True)]
         t5_tok = t5_tokenizer()
         t5 = _t5_encoder(len(t5_tok))
@@ -141,22 +169,11 @@ def tiny_sd3_pipeline(seed: int = 0) -> Any:
 
 def tiny_flux_pipeline(seed: int = 0) -> Any:
     """A ``FluxPipeline`` at test size (guidance embedding on, dynamic shifting), random weights."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        transformer = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=4,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            pooled_projection_dim=32,
-            axes_dims_rope=[4, 4, 8],
-            guidance_embeds=True,
-        )
+        transformer = tiny_flux_transformer()
         clip = _clip_encoder(False)
         t5_tok = t5_tokenizer()
         t5 = _t5_encoder(len(t5_tok))
@@ -190,3 +207,21 @@ def tiny_sd3(options: TinySD3Options) -> SD3Backbone:
 def tiny_flux(options: TinyFluxOptions) -> FluxBackbone:
     """FluxBackbone over ``tiny_flux_pipeline(seed)``."""
     return FluxBackbone(tiny_flux_pipeline(options.seed), options)
+
+
+def _check_machine(options: TinyOptions, settings: dict) -> list[str]:
+    """The LoRA targets name layers of the tiny transformer, built without the pipeline (``tpflow.preflight``).
+
+    The default targets are not checked: the model is fixed in code and the defaults are tested to fit it
+    (tests/test_preflight.py), and the check would cost ``tpflow validate`` the import of diffusers (seconds)."""
+    sd3 = isinstance(options, TinySD3Options)
+    if options.lora_targets == type(options)().lora_targets:
+        return []
+    from tpflow.backbones.lora_targets import structure, target_problems
+
+    build, what = (tiny_sd3_transformer, "tiny-sd3") if sd3 else (tiny_flux_transformer, "tiny-flux")
+    return target_problems(structure(build, meta=False), options.lora_targets, f"the {what} transformer")
+
+
+tiny_sd3.check_machine = _check_machine  # type: ignore[attr-defined]
+tiny_flux.check_machine = _check_machine  # type: ignore[attr-defined]

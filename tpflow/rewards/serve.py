@@ -2,7 +2,7 @@
 
     tpflow serve-reward --reward geneval --port 18085 [--host 0.0.0.0] [--set key=value ...]
         [--max-request-mb 64] [--max-images 256] [--max-side 2048] [--max-megapixels 64]
-        [--max-connections 16] [--timeout-s 30] [--token TOKEN | env TPFLOW_REWARD_TOKEN]
+        [--max-connections 16] [--header-timeout-s 5] [--timeout-s 30] [--token TOKEN | env TPFLOW_REWARD_TOKEN]
 
 The wire format is documented in ``tpflow.rewards.remote``. Requests are parsed concurrently but scored one at a
 time under a lock, because reward models are not all thread-safe (and one model on one GPU gains nothing from
@@ -11,10 +11,14 @@ interleaving). ``/health`` never waits for the lock.
 The server assumes hostile clients (``Limits``): a body larger than ``max_request_bytes`` is refused (413) from its
 Content-Length, before it is read; only PNG is accepted and every image's size is read from its IHDR header and
 checked before any pixel is decoded (no decompression bomb); images and pixels per request are capped; only
-``Content-Type: application/json`` is accepted (415: a browser's cross-site form post cannot reach the model); a
-request must arrive whole within ``timeout_s`` (a slow client or a Content-Length larger than the body is dropped);
-at most ``max_connections`` connections are served at once, further ones get 503 and are closed at once; every
-error, including a garbage request line, is a JSON ``{"error": ...}``, never an HTML page or a dropped connection.
+``Content-Type: application/json`` is accepted (415: a browser's cross-site form post cannot reach the model); the
+request line and headers must arrive within ``header_timeout_s`` and the whole request within ``timeout_s`` (a slow
+client or a Content-Length larger than the body is dropped); at most ``max_connections`` connections are served at
+once. When they are all taken, a new connection closes the one that has waited longest for its request line and
+headers (a slowloris client, or an idle keep-alive connection) and takes its place; only when every connection is
+past its headers does it get 503, closed at once. So trickling headers cannot lock an honest client out, however
+often the attacker reconnects, from however many addresses (issue 24). Every error, including a garbage request
+line, is a JSON ``{"error": ...}``, never an HTML page or a dropped connection.
 With a token (``--token`` or ``TPFLOW_REWARD_TOKEN``) /score needs ``Authorization: Bearer TOKEN`` (401 otherwise,
 compared in constant time) and /health shows the reward's options only to a client that sends it. The token is not
 encryption: across untrusted networks put the server behind TLS (an SSH tunnel or a reverse proxy).
@@ -44,6 +48,7 @@ import torch
 
 from tpflow import __version__, registry
 from tpflow.errors import UserError
+from tpflow.rewards._slots import DeadlineReader, Slots
 from tpflow.rewards.remote import PROTOCOL, decode_images
 
 MAX_JSON_DEPTH = 32  # metadata nests a few levels; deeper is an attack on some recursive consumer
@@ -60,6 +65,7 @@ class Limits:
     max_side: int = 2048
     max_pixels: int = 64_000_000
     max_connections: int = 16
+    header_timeout_s: float = 5.0  # request line and headers: a few hundred bytes, sent at once by any real client
     timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -67,6 +73,8 @@ class Limits:
             raise UserError(f"Every serve-reward limit must be positive, got {self}.")
         if not self.timeout_s > 0:
             raise UserError(f"--timeout-s must be positive, got {self.timeout_s}.")
+        if not self.header_timeout_s > 0:
+            raise UserError(f"--header-timeout-s must be positive, got {self.header_timeout_s}.")
 
 
 class BadRequest(ValueError):
@@ -99,7 +107,7 @@ class RewardServer(ThreadingHTTPServer):
         self.token = token.encode() if token else None
         self.lock = threading.Lock()  # one scoring call at a time
         self.decoding = threading.BoundedSemaphore(2)  # decoded requests in memory: one scored, one waiting
-        self.slots = threading.BoundedSemaphore(self.limits.max_connections)
+        self.slots = Slots(self.limits.max_connections)
         super().__init__(address, _Handler)
 
     @property
@@ -115,7 +123,8 @@ class RewardServer(ThreadingHTTPServer):
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.token)
 
     def health(self, authorized: bool) -> dict[str, Any]:
-        limits = {k: v for k, v in asdict(self.limits).items() if k not in ("max_connections", "timeout_s")}
+        private = ("max_connections", "header_timeout_s", "timeout_s")
+        limits = {k: v for k, v in asdict(self.limits).items() if k not in private}
         reply = {"tpflow": __version__, "protocol": PROTOCOL, "reward": self.reward_name, "token": bool(self.token)}
         if authorized:  # the options may name paths and devices: only for clients holding the token
             reply["options"] = self.options
@@ -163,9 +172,9 @@ class RewardServer(ThreadingHTTPServer):
         details = {k: v.detach().float().cpu().reshape(-1).tolist() for k, v in out.details.items()}
         return {"scores": scores.tolist(), "details": details}
 
-    # Connection bound: the accept loop hands a connection to a thread only while a slot is free.
+    # Connection bound: the accept loop hands a connection to a thread only while a slot is free, or can be freed.
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
+        if not self.slots.take():
             self._refuse(request)
             return
         try:
@@ -182,9 +191,8 @@ class RewardServer(ThreadingHTTPServer):
 
     def _refuse(self, sock: socket.socket) -> None:
         """503 without reading the request, then close: a full server costs an excess client one write."""
-        body = json.dumps(
-            {"error": f"busy: {self.limits.max_connections} connections are open (--max-connections); retry later."}
-        ).encode()
+        busy = f"busy: {self.limits.max_connections} requests are in progress (--max-connections); retry later."
+        body = json.dumps({"error": busy}).encode()
         head = "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
         try:
             sock.settimeout(1.0)
@@ -198,24 +206,6 @@ class RewardServer(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
-class _DeadlineReader(io.RawIOBase):
-    """The connection's input with one deadline per request: a client that trickles bytes, or promises more than
-    it sends, gets TimeoutError when the deadline passes, whatever the pace of its bytes."""
-
-    def __init__(self, sock: socket.socket, timeout_s: float):
-        self.sock, self.timeout_s, self.deadline = sock, timeout_s, time.monotonic() + timeout_s
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"the request did not arrive within {self.timeout_s:g} s")
-        self.sock.settimeout(left)
-        return self.sock.recv_into(buffer)
-
-
 class _Handler(BaseHTTPRequestHandler):
     server: RewardServer
     protocol_version = "HTTP/1.1"
@@ -225,12 +215,28 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.rfile.close()  # the stdlib's reader, without a deadline (closing it leaves the socket open)
-        self._input = _DeadlineReader(self.connection, self.server.limits.timeout_s)
+        self._input = DeadlineReader(self.connection, self.server.limits.timeout_s)
         self.rfile = io.BufferedReader(self._input)
 
     def handle_one_request(self) -> None:
-        self._input.deadline = time.monotonic() + self.server.limits.timeout_s  # request line, headers and body
-        super().handle_one_request()
+        limits = self.server.limits
+        self._started = time.monotonic()
+        self._input.deadline = self._started + min(limits.header_timeout_s, limits.timeout_s)  # line and headers
+        self.server.slots.await_headers(self._input)
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.slots.settle(self._input)
+
+    def parse_request(self) -> bool:
+        """Read the headers (under the header deadline); then the body has the rest of the request deadline and
+        the connection can no longer be evicted."""
+        parsed = super().parse_request()
+        if not self.server.slots.settle(self._input):  # evicted while its last header bytes arrived
+            self.close_connection = True
+            return False
+        self._input.deadline = self._started + self.server.limits.timeout_s
+        return parsed
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         if self.path.rstrip("/") == "/health":
