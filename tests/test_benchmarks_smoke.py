@@ -103,3 +103,21 @@ def test_epoch_cost_phases_add_up_to_the_epoch(epoch_cost, tmp_path):
         assert v["first_ratio_max_deviation"] <= 1e-6
     assert variants["tp"]["nfe_per_traj"] > variants["flow"]["nfe_per_traj"]
     assert variants["tp"]["rows"]["sample"] > variants["flow"]["rows"]["sample"]
+
+
+def test_completion_fidelity_at_toy_size(tmp_path):
+    """benchmarks/completion_fidelity.py on 2 prompts x 2 copies: the exact row agrees with itself, k = 1 costs the
+    main trajectory's NFE only (K), and the report is written."""
+    spec = importlib.util.spec_from_file_location("completion_fidelity_bench", BENCHMARKS / "completion_fidelity.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "fidelity.md"
+    argv = ["--prompts", "2", "--copies", "2", "--ks", "1", "--set", "rollout.num_steps=4", "--set",
+            "rollout.window_size=3", "--set", "rollout.window_range=[0,3]", "--out", str(out)]  # fmt: skip
+    assert module.main(argv) == 0
+    text = out.read_text()
+    exact = next(line for line in text.splitlines() if line.startswith("| exact |"))
+    one = next(line for line in text.splitlines() if line.startswith("| k=1 |"))
+    assert exact.split("|")[2].strip() == "10.0"  # K + W·K − W(W − 1)/2 − W (reused velocities), K = 4, W = 3
+    assert one.split("|")[2].strip() == "4.0"  # K: every completion reuses the main velocity and jumps to σ = 0
+    assert exact.split("|")[4].strip() == "1.000"  # the exact completions agree with themselves
