@@ -381,10 +381,10 @@ class GRPO:
         # Rows whose transition has std 0 (cps at σ⁺ = 0) carry no likelihood ratio and are never trained, row by
         # row: a micro-batch can mix rollout batches whose windows start differently, so some rows of step i may be
         # at σ⁺ = 0 while others are not. The surrogate and the KL are means over the live rows only.
-        live = out.std.reshape(-1) != 0  # [N] bool, on the rollout's device
-        if not bool(live.any()):
+        dead = out.std.reshape(-1) == 0  # [N] bool, on the rollout's device
+        if bool(dead.all()):
             return None
-        rows = None if bool(live.all()) else live.nonzero().squeeze(1)  # None: every row (no copy)
+        rows = dead.logical_not().nonzero().squeeze(1) if bool(dead.any()) else None  # None: every row (no copy)
 
         def pick(t: Tensor) -> Tensor:
             return t if rows is None else t[rows]

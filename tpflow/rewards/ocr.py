@@ -187,7 +187,9 @@ class OcrReward:
             details={
                 "ocr_distance": torch.tensor(distances, dtype=torch.float32, device="cpu"),  # [N]
                 "ocr_recognized_len": torch.tensor(lengths, dtype=torch.float32, device="cpu"),  # [N]
-                "ocr_failed": torch.tensor([rec is None for rec in recognized], dtype=torch.float32),  # [N]
+                "ocr_failed": torch.tensor(
+                    [rec is None for rec in recognized], dtype=torch.float32, device="cpu"
+                ),  # [N]
             },
         )
 
