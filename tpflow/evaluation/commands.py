@@ -173,7 +173,8 @@ def sample(
 
     Example: tpflow sample runs/shapes_tp --prompt "a photo of a red circle" --prompt "two blue squares" --n 4
     """
-    from tpflow.evaluation.sample import captioned_grid, sample_images
+    from tpflow.evaluation.sample import sample_images
+    from tpflow.grids import Tile, captioned_grid
 
     if out.suffix.lower() != ".png":
         raise UserError(f"--out {out} should name a .png file.")
@@ -187,7 +188,9 @@ def sample(
     scale = resolved.recipe.eval.guidance if guidance is None else guidance
     batch = resolved.recipe.eval.batch_size
     images = sample_images(resolved, prompt, n, steps, scale, seed, accelerator.autocast, ema, batch)
-    grid = captioned_grid(images, [p for p in prompt for _ in range(n)], n, out)
+    tiles = [Tile(image, text, info={"index": r}) for r, (image, text) in
+             enumerate(zip(images, [p for p in prompt for _ in range(n)], strict=True))]  # fmt: skip
+    grid = captioned_grid(tiles, n, out)
     make_console().print(
         f"wrote {grid.path} ({len(grid.boxes)} images of {resolved.label}, {steps} steps, guidance {scale:g}, "
         f"seed {seed})",
