@@ -28,6 +28,7 @@ PAD = 8  # the white gap between tiles (the mark's frame is drawn inside it)
 FRAME = 3  # width of the pass/fail frame
 GROUP_GAP = 4 * PAD  # the extra gap between column groups (a comparison's pairs)
 CAPTION_LINES = 3
+FONT_SIZE = 12  # Pillow's own font (no font file needed); below 12 its spacing runs words together
 GRID_IMAGES = 64  # evaluation grids show at most this many images of an eval (``shown_images`` says which)
 EVAL_TILE = 256  # evaluation grids shrink larger images to this side, to keep the PNGs small
 PASS, FAIL, EDGE = (0, 160, 0), (220, 0, 0), (190, 190, 190)  # frame colours; EDGE: a thin outline, no verdict
@@ -97,7 +98,7 @@ def captioned_grid(
     scale = max(1, math.ceil(MIN_TILE / max(h, w)))
     shrink = min(1.0, max_tile / max(h, w)) if max_tile else 1.0
     tile_w, tile_h = (round(w * shrink), round(h * shrink)) if shrink < 1 else (w * scale, h * scale)
-    font = ImageFont.load_default()
+    font = ImageFont.load_default(size=FONT_SIZE)
     line_h = _line_height(font)
     chars = max(8, int(tile_w / max(1.0, font.getlength("x"))))
     caption_h = FRAME + CAPTION_LINES * line_h + PAD
