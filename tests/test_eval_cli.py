@@ -18,7 +18,7 @@ from PIL import Image
 from tests.wandb_records import config as wandb_config
 from tests.wandb_records import history as wandb_history
 from tpflow.cli import main
-from tpflow.grids import FAIL, FRAME, PASS
+from tpflow.grids import FAIL, FRAME, PASS, shown_images
 from tpflow.train.run_logger import read_jsonl
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "shapes_tp.toml"
@@ -152,6 +152,17 @@ def test_more_images_per_prompt_and_a_prompt_file(run, capsys, tmp_path):
     assert data["settings"]["steps"] == 4 and data["settings"]["images_per_prompt"] == 3
     scores = [i["score"] for i in data["images"]]
     assert data["categories"]["overall"]["reward"] == pytest.approx(sum(scores) / 6)
+
+
+def test_a_large_eval_grid_shows_the_images_its_rule_states(capsys, tmp_path):
+    out = tmp_path / "big"
+    code, _, _ = cli(capsys, "eval", str(RECIPE), "--num-prompts", "70", "--steps", "1", "--out", str(out))
+    assert code in (0, None)
+    images = _eval_json(out)["target"]["images"]
+    layout = _read_grid(out / "grid.png", images)
+    rows, rule = shown_images(70, 1)  # 64 of the 70 prompts, spread evenly
+    assert layout["shows"] == rule and "64 of 70 images" in rule
+    assert [t["index"] for t in layout["tiles"]] == rows and rows[-1] == 68
 
 
 def test_sample_writes_a_grid_with_one_tile_per_image(run, capsys, tmp_path):

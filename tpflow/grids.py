@@ -131,7 +131,7 @@ def captioned_grid(
             draw.text((left, box[3] + FRAME + 2 + k * line_h), line, fill="black", font=font)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    canvas.save(path, optimize=True)
+    canvas.save(path)  # zlib level 6: optimize=True is 8x slower for 4% less
     grid = Grid(path, (width, height), boxes, [t.caption for t in tiles])
     meta: dict[str, Any] = {"image": path.name, "size": list(grid.size), **(about or {})}
     if headers:
