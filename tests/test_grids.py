@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from tpflow.grids import EDGE, FAIL, FRAME, PASS, Tile, captioned_grid, shown_images
+from tpflow.grids import EDGE, FAIL, FRAME, PASS, Tile, captioned_grid, columns_for, shown_images
 
 
 def test_a_small_eval_is_shown_whole():
@@ -51,3 +51,9 @@ def test_grid_draws_headers_marks_and_captions_where_its_tile_map_says(tmp_path)
     first_top = layout["tiles"][0]["box"][1]
     for tile in layout["tiles"][:2]:  # a header above each column
         assert (pixels[: first_top - FRAME, tile["box"][0] : tile["box"][2]].max(axis=-1) < 100).any()
+
+
+def test_columns_keep_a_prompts_images_or_a_comparisons_pair_on_one_row():
+    assert columns_for(1, 64) == 8 and columns_for(4, 64) == 8 and columns_for(3, 60) == 6
+    assert columns_for(2, 48) == 8 and columns_for(8, 32) == 8  # pairs of 1 and of 4 images
+    assert columns_for(1, 3) == 3 and columns_for(2, 2) == 2  # a small grid is no wider than its tiles

@@ -72,9 +72,10 @@ def shown_images(prompts: int, per_prompt: int, limit: int = GRID_IMAGES) -> tup
     return rows, rule
 
 
-def columns_for(per_group: int, width: int = 8) -> int:
-    """Columns of a grid whose groups (a prompt's images, a comparison's pairs) of ``per_group`` stay on one row."""
-    return per_group * max(1, width // per_group)
+def columns_for(per_group: int, count: int, width: int = 8) -> int:
+    """Columns of a grid of ``count`` tiles whose groups (a prompt's images, a comparison's pairs) of ``per_group``
+    stay on one row: about ``width``, never more than the tiles."""
+    return per_group * max(1, min(width, count) // per_group)
 
 
 def captioned_grid(

@@ -176,7 +176,7 @@ def comparison_grid(result: EvalResult, baseline: EvalResult, path: Path) -> Gri
         per_prompt[result.scored.prompt_index[tile.info["index"]]].append(tile)
     tiles = [t for group in per_prompt.values() for t in [*(theirs[m.info["index"]] for m in group), *group]]
     pair = 2 * max(len(group) for group in per_prompt.values())
-    columns = columns_for(pair)
+    columns = columns_for(pair, len(tiles))
     headers = (["baseline"] * (pair // 2) + [name] * (pair // 2)) * (columns // pair)
     about = {"shows": result.scored.grid_rule, "baseline": baseline.target.label, name: result.target.label}
     return captioned_grid(tiles, columns, path, headers, group=pair, max_tile=EVAL_TILE, about=about)

@@ -160,8 +160,9 @@ def grid_tiles(scored: Scored, everything: list[PromptItem], source: str | None 
 def save_eval_grid(scored: Scored, everything: list[PromptItem], path: Path) -> Grid:
     """The evaluation's sample grid, a prompt's shown images side by side, and its tile map (with the rule)."""
     per_prompt = min(len(scored.scores) // max(1, len(everything)), GRID_IMAGES)
-    return captioned_grid(grid_tiles(scored, everything), columns_for(per_prompt), path, max_tile=EVAL_TILE,
-                          about={"shows": scored.grid_rule})  # fmt: skip
+    tiles = grid_tiles(scored, everything)
+    columns = columns_for(per_prompt, len(tiles))
+    return captioned_grid(tiles, columns, path, max_tile=EVAL_TILE, about={"shows": scored.grid_rule})
 
 
 def summarize(scored: Scored, everything: list[PromptItem]) -> dict[str, float]:
