@@ -156,12 +156,12 @@ def test_more_images_per_prompt_and_a_prompt_file(run, capsys, tmp_path):
 
 def test_a_large_eval_grid_shows_the_images_its_rule_states(capsys, tmp_path):
     out = tmp_path / "big"
-    code, _, _ = cli(capsys, "eval", str(RECIPE), "--num-prompts", "70", "--steps", "1", "--out", str(out))
+    code, stdout, _ = cli(capsys, "eval", str(RECIPE), "--num-prompts", "70", "--steps", "1", "--out", str(out))
     assert code in (0, None)
     images = _eval_json(out)["target"]["images"]
     layout = _read_grid(out / "grid.png", images)
     rows, rule = shown_images(70, 1)  # 64 of the 70 prompts, spread evenly
-    assert layout["shows"] == rule and "64 of 70 images" in rule
+    assert layout["shows"] == rule and "64 of 70 images" in rule and f"the grids show {rule}" in stdout
     assert [t["index"] for t in layout["tiles"]] == rows and rows[-1] == 68
 
 

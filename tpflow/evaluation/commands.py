@@ -110,7 +110,7 @@ def eval_(
     main_process_port: MainProcessPort = 29500,
 ) -> None:
     """Sample TARGET on a prompt set by ODE and score it: a table per category (GenEval: strict accuracy per tag and
-    overall), eval.json and a sample grid.
+    overall), eval.json, a sample grid (with --baseline also a comparison image), each grid with its tile map.
 
     Example: tpflow eval runs/geneval_tp --prompts geneval --images-per-prompt 4 --baseline recipes/geneval_tp.toml
     """
@@ -150,6 +150,7 @@ def eval_(
         make_console(stderr=True).print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
     for path in write_outputs(folder, result, base, ema):
         console.print(f"wrote {path}", highlight=False, markup=False)
+    console.print(f"the grids show {result.scored.grid_rule}", highlight=False, markup=False)
 
 
 @user_errors
