@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 import tpflow
+from tpflow.grids import Tile, captioned_grid
 from tpflow.rewards.geneval.scoring import GenevalResult, accuracy_by_tag
 from tpflow.rollout import sample_ode
 
@@ -41,40 +42,10 @@ def evaluate(weights: str | None, steps: int, guidance: float, n: int, seed: int
     accuracy["reward"] = float(out.scores.mean())
     accuracy["images_per_s"] = len(items) / seconds
     if grid is not None:
-        save_grid(images[:48], prompts[:48], out.details["strict"][:48], grid)
+        strict = out.details["strict"].tolist()  # green frame: strictly correct, red: not (tpflow.grids.MARKS)
+        tiles = [Tile(images[i].float().cpu(), prompts[i], strict[i] == 1, {"index": i}) for i in range(48)]
+        captioned_grid(tiles, 8, grid)
     return accuracy
-
-
-def save_grid(images: torch.Tensor, prompts: list[str], strict: torch.Tensor, path: Path, cols: int = 8) -> None:
-    """A grid of samples with their prompts (green title: strictly correct)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = (len(images) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(cols * 1.9, rows * 2.2), dpi=110)
-    for ax in axes.flat:
-        ax.axis("off")
-    for ax, image, prompt, ok in zip(axes.flat, images, prompts, strict.tolist(), strict=False):
-        ax.imshow(image.permute(1, 2, 0).clamp(0, 1).numpy(), interpolation="nearest")
-        text = prompt.removeprefix("a photo of ")
-        ax.set_title("\n".join(_wrap(text, 20)), fontsize=7, color="darkgreen" if ok else "firebrick")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def _wrap(text: str, width: int) -> list[str]:
-    lines, line = [], ""
-    for word in text.split():
-        if line and len(line) + 1 + len(word) > width:
-            lines.append(line)
-            line = word
-        else:
-            line = f"{line} {word}".strip()
-    return [*lines, line]
 
 
 def main() -> None:

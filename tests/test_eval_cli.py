@@ -18,6 +18,7 @@ from PIL import Image
 from tests.wandb_records import config as wandb_config
 from tests.wandb_records import history as wandb_history
 from tpflow.cli import main
+from tpflow.grids import FAIL, FRAME, PASS, shown_images
 from tpflow.train.run_logger import read_jsonl
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "shapes_tp.toml"
@@ -62,6 +63,26 @@ def _eval_fields(record: dict) -> dict:
     return {k: v for k, v in record.items() if k.startswith("eval_")}
 
 
+def _read_grid(png: Path, images: list[dict], baseline: list[dict] | None = None) -> dict:
+    """The grid's tile map, checked against the PNG and the evaluation's ``images`` (eval.json's lines; a tile whose
+    source is "baseline" is a line of ``baseline``): each tile an enlarged image, framed green or red as its image is
+    strictly correct or not, its prompt written under it."""
+    layout = json.loads(png.with_suffix(".png.json").read_text())
+    pixels = np.asarray(Image.open(png).convert("RGB"))
+    assert tuple(layout["size"]) == (pixels.shape[1], pixels.shape[0])
+    assert "green frame" in layout["marks"]
+    for tile in layout["tiles"]:
+        image = (baseline if tile.get("source") == "baseline" else images)[tile["index"]]
+        assert tile["prompt"] == image["prompt"] and tile["strict"] == image["strict"]
+        left, top, right, bottom = tile["box"]
+        assert right - left >= 160 and pixels[top:bottom, left:right].std() > 1  # an enlarged image
+        assert tuple(pixels[top - 1, (left + right) // 2]) == (PASS if image["strict"] == 1 else FAIL)
+        assert tile["mark"] == ("pass" if image["strict"] == 1 else "fail")
+        caption = pixels[bottom + FRAME : bottom + FRAME + 14, left:right]
+        assert (caption.max(axis=-1) < 100).any()  # dark text under the frame
+    return layout
+
+
 def test_eval_of_a_run_reproduces_the_logged_final_eval(run, capsys, tmp_path):
     code, out, _ = cli(capsys, "eval", str(run), "--steps", EVAL_STEPS, "--out", str(tmp_path / "e"))
     assert code in (0, None)
@@ -78,7 +99,9 @@ def test_eval_of_a_run_reproduces_the_logged_final_eval(run, capsys, tmp_path):
     for tag in tags:
         assert categories[tag]["strict"] == logged[f"eval_acc_{tag}"]
     assert "overall" in out and "strict" in out
-    assert Image.open(tmp_path / "e" / "grid.png").size[0] > 0
+    layout = _read_grid(tmp_path / "e" / "grid.png", result["images"])
+    assert [t["index"] for t in layout["tiles"]] == list(range(12)) and layout["shows"] == "all 12 images"
+    assert {t["mark"] for t in layout["tiles"]} == {"pass", "fail"}  # both marks drawn and checked
 
 
 def test_eval_of_the_shipped_model_reproduces_the_epoch_0_eval(run, capsys, tmp_path):
@@ -89,6 +112,9 @@ def test_eval_of_the_shipped_model_reproduces_the_epoch_0_eval(run, capsys, tmp_
     assert first["epoch"] == 0
     assert _eval_json(out_dir)["target"]["metrics"] == _eval_fields(first)
     assert _eval_json(out_dir)["target"]["kind"] == "recipe"
+    # the trainer's epoch-0 grid has the same tiles, marks and tile map as the command's
+    layout = _read_grid(run / "samples" / "eval_0000.png", _eval_json(out_dir)["target"]["images"])
+    assert len(layout["tiles"]) == 12 and layout["shows"] == "all 12 images"
 
 
 def test_baseline_prints_and_records_the_differences(run, capsys, tmp_path):
@@ -102,7 +128,15 @@ def test_baseline_prints_and_records_the_differences(run, capsys, tmp_path):
     assert "baseline reward" in out and "Δ reward" in out
     overall = data["difference"]["overall"]["reward"]
     assert f"{overall:+.4f}" in out
-    assert (tmp_path / "vs" / "baseline_grid.png").is_file()
+    # one comparison image: per prompt the baseline's image, then the trained one, from the same noise row
+    layout = _read_grid(tmp_path / "vs" / "comparison.png", data["target"]["images"], data["baseline"]["images"])
+    tiles = layout["tiles"]
+    assert len(tiles) == 24 and layout["columns"] == ["baseline", "trained"] * 4
+    assert [t["source"] for t in tiles] == ["baseline", "trained"] * 12
+    for before, after in zip(tiles[::2], tiles[1::2], strict=True):
+        assert before["index"] == after["index"] and before["prompt"] == after["prompt"]
+        assert before["box"][1] == after["box"][1] and before["box"][2] < after["box"][0]  # side by side
+    assert not (tmp_path / "vs" / "baseline_grid.png").exists()
 
 
 def test_more_images_per_prompt_and_a_prompt_file(run, capsys, tmp_path):
@@ -118,6 +152,17 @@ def test_more_images_per_prompt_and_a_prompt_file(run, capsys, tmp_path):
     assert data["settings"]["steps"] == 4 and data["settings"]["images_per_prompt"] == 3
     scores = [i["score"] for i in data["images"]]
     assert data["categories"]["overall"]["reward"] == pytest.approx(sum(scores) / 6)
+
+
+def test_a_large_eval_grid_shows_the_images_its_rule_states(capsys, tmp_path):
+    out = tmp_path / "big"
+    code, stdout, _ = cli(capsys, "eval", str(RECIPE), "--num-prompts", "70", "--steps", "1", "--out", str(out))
+    assert code in (0, None)
+    images = _eval_json(out)["target"]["images"]
+    layout = _read_grid(out / "grid.png", images)
+    rows, rule = shown_images(70, 1)  # 64 of the 70 prompts, spread evenly
+    assert layout["shows"] == rule and "64 of 70 images" in rule and f"the grids show {rule}" in stdout
+    assert [t["index"] for t in layout["tiles"]] == rows and rows[-1] == 68
 
 
 def test_sample_writes_a_grid_with_one_tile_per_image(run, capsys, tmp_path):

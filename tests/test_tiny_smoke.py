@@ -143,5 +143,7 @@ def test_eval_of_a_run_at_another_resolution(trained, tmp_path):
     assert cli("eval", str(run), "--resolution", "32", "--steps", "2", "--out", str(tmp_path / "e")) == 0
     data = json.loads((tmp_path / "e" / "eval.json").read_text())["target"]
     assert data["settings"]["resolution"] == 32
-    width, height = Image.open(tmp_path / "e" / "grid.png").size
-    assert (width - 2) % (32 * 4 + 2) == 0  # tiles of 32 px, enlarged 4x, with 2 px gaps (samples.save_grid)
+    layout = json.loads((tmp_path / "e" / "grid.png.json").read_text())
+    assert list(Image.open(tmp_path / "e" / "grid.png").size) == layout["size"]
+    assert len(layout["tiles"]) == len(data["images"])  # a small eval: every image
+    assert all(t["box"][2] - t["box"][0] == 160 for t in layout["tiles"])  # 32 px images enlarged 5x (grids.py)

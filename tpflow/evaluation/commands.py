@@ -110,7 +110,7 @@ def eval_(
     main_process_port: MainProcessPort = 29500,
 ) -> None:
     """Sample TARGET on a prompt set by ODE and score it: a table per category (GenEval: strict accuracy per tag and
-    overall), eval.json and a sample grid.
+    overall), eval.json, a sample grid (with --baseline also a comparison image), each grid with its tile map.
 
     Example: tpflow eval runs/geneval_tp --prompts geneval --images-per-prompt 4 --baseline recipes/geneval_tp.toml
     """
@@ -150,6 +150,7 @@ def eval_(
         make_console(stderr=True).print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
     for path in write_outputs(folder, result, base, ema):
         console.print(f"wrote {path}", highlight=False, markup=False)
+    console.print(f"the grids show {result.scored.grid_rule}", highlight=False, markup=False)
 
 
 @user_errors
@@ -173,7 +174,8 @@ def sample(
 
     Example: tpflow sample runs/shapes_tp --prompt "a photo of a red circle" --prompt "two blue squares" --n 4
     """
-    from tpflow.evaluation.sample import captioned_grid, sample_images
+    from tpflow.evaluation.sample import sample_images
+    from tpflow.grids import Tile, captioned_grid
 
     if out.suffix.lower() != ".png":
         raise UserError(f"--out {out} should name a .png file.")
@@ -187,7 +189,9 @@ def sample(
     scale = resolved.recipe.eval.guidance if guidance is None else guidance
     batch = resolved.recipe.eval.batch_size
     images = sample_images(resolved, prompt, n, steps, scale, seed, accelerator.autocast, ema, batch)
-    grid = captioned_grid(images, [p for p in prompt for _ in range(n)], n, out)
+    tiles = [Tile(image, text, info={"index": r}) for r, (image, text) in
+             enumerate(zip(images, [p for p in prompt for _ in range(n)], strict=True))]  # fmt: skip
+    grid = captioned_grid(tiles, n, out)
     make_console().print(
         f"wrote {grid.path} ({len(grid.boxes)} images of {resolved.label}, {steps} steps, guidance {scale:g}, "
         f"seed {seed})",

@@ -22,9 +22,17 @@ import torch
 from tpflow.distributed import Distributed
 from tpflow.evaluation.prompt_sets import prompt_set
 from tpflow.evaluation.targets import Target, load_model
+from tpflow.grids import EVAL_TILE, Grid, Tile, captioned_grid, columns_for
 from tpflow.rewards.call import recipe_policy
-from tpflow.train.evaluation import Scored, eval_seed, no_test_split, score_prompts, summarize
-from tpflow.train.samples import save_grid
+from tpflow.train.evaluation import (
+    Scored,
+    eval_seed,
+    grid_tiles,
+    no_test_split,
+    save_eval_grid,
+    score_prompts,
+    summarize,
+)
 from tpflow.types import PromptItem
 
 PAPER_EVAL_STEPS = 40  # the paper evaluates SD3.5-M at T = 40 (trains at T = 10)
@@ -155,15 +163,35 @@ def difference(result: EvalResult, baseline: EvalResult) -> dict[str, dict[str, 
     }
 
 
+def comparison_grid(result: EvalResult, baseline: EvalResult, path: Path) -> Grid:
+    """One image comparing the two: per prompt, the baseline's shown images, then the target's (same image rows).
+
+    The columns are headed "baseline" and "trained" ("target" when the target is a recipe's base model); the tile
+    map names both targets and gives each tile's ``source``."""
+    name = "target" if result.target.kind == "recipe" else "trained"
+    theirs = {t.info["index"]: t for t in grid_tiles(baseline.scored, baseline.items, "baseline")}
+    mine = [t for t in grid_tiles(result.scored, result.items, name) if t.info["index"] in theirs]
+    per_prompt: dict[int, list[Tile]] = defaultdict(list)
+    for tile in mine:
+        per_prompt[result.scored.prompt_index[tile.info["index"]]].append(tile)
+    tiles = [t for group in per_prompt.values() for t in [*(theirs[m.info["index"]] for m in group), *group]]
+    pair = 2 * max(len(group) for group in per_prompt.values())
+    columns = columns_for(pair, len(tiles))
+    headers = (["baseline"] * (pair // 2) + [name] * (pair // 2)) * (columns // pair)
+    about = {"shows": result.scored.grid_rule, "baseline": baseline.target.label, name: result.target.label}
+    return captioned_grid(tiles, columns, path, headers, group=pair, max_tile=EVAL_TILE, about=about)
+
+
 def write_outputs(out: Path, result: EvalResult, baseline: EvalResult | None, ema: bool) -> list[Path]:
-    """``eval.json`` (atomically) and ``grid.png`` (``baseline_grid.png``) in ``out``; returns the paths."""
+    """``eval.json`` (atomically), ``grid.png`` and, with a baseline, ``comparison.png`` in ``out`` (each grid with
+    its tile map ``<name>.png.json``); returns the paths."""
     out.mkdir(parents=True, exist_ok=True)
     data = {"target": result.to_json(ema)}
-    written = [save_grid(torch.cat(result.scored.grid).float() / 255, out / "grid.png")]
+    written = [save_eval_grid(result.scored, result.items, out / "grid.png").path]
     if baseline is not None:
         data["baseline"] = baseline.to_json(ema)
         data["difference"] = difference(result, baseline)
-        written.append(save_grid(torch.cat(baseline.scored.grid).float() / 255, out / "baseline_grid.png"))
+        written.append(comparison_grid(result, baseline, out / "comparison.png").path)
     path = out / "eval.json"
     tmp = path.with_name(f".eval.json.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=2), encoding="utf-8")

@@ -6,6 +6,9 @@ Used by the trainer every ``eval.every`` epochs and by ``tpflow eval`` (tpflow/e
 The images are dealt to the processes (image r to process r mod P) and the scores gathered; image r starts from the
 same noise whatever P (row r of one seeded draw), so the figures do not depend on the number of processes. With
 ``images_per_prompt = n`` image r is the (r mod n)-th image of prompt r // n; n = 1 is the trainer's layout.
+
+The sample grid shows at most ``GRID_IMAGES`` of the images, chosen by ``tpflow.grids.shown_images`` (its rule is
+written in the grid's tile map), each with its prompt and, for GenEval-style rewards, its strict verdict.
 """
 
 from __future__ import annotations
@@ -22,16 +25,15 @@ import torch
 
 from tpflow.devices import cpu_generator
 from tpflow.distributed import Distributed
+from tpflow.grids import EVAL_TILE, GRID_IMAGES, Grid, Tile, captioned_grid, columns_for, shown_images
 from tpflow.interfaces import Backbone, PromptDataset, RewardModel
 from tpflow.rewards._images import to_uint8
 from tpflow.rewards.call import DEFAULT_POLICY, RewardPolicy, call_reward, reward_name
 from tpflow.rollout import sample_ode
 from tpflow.settings import EvalSettings
-from tpflow.train.samples import save_grid
 from tpflow.types import PromptItem
 
 logger = logging.getLogger(__name__)
-GRID_IMAGES = 64  # evaluation images in each sample grid: the first ones
 EVAL_SEED_OFFSET = 12_345  # the trainer evaluates with noise seeded train.seed + this, at every eval
 
 
@@ -60,7 +62,9 @@ class Scored:
     prompt_index: list[int]  # [R] index into the prompt list
     scores: list[float]  # [R]
     details: dict[str, list[float]]  # name -> [R]
-    grid: list[torch.Tensor] = field(default_factory=list)  # the first GRID_IMAGES images, [1, 3, H, W] uint8
+    grid: list[torch.Tensor] = field(default_factory=list)  # the images the grid shows, [1, 3, H, W] uint8 each
+    grid_rows: list[int] = field(default_factory=list)  # [len(grid)] their image rows
+    grid_rule: str = ""  # which images the grid shows, in words (``shown_images``)
 
 
 @torch.no_grad()
@@ -82,6 +86,8 @@ def score_prompts(
     Each batch's reward call goes through ``call_reward`` under ``policy`` (time limit, retries, output checks, as
     in training); non-finite scores kept by ``policy`` (``eval.nonfinite_rewards = "warn"``) get one warning."""
     n = images_per_prompt
+    grid_rows, grid_rule = shown_images(len(everything), n)
+    in_grid = set(grid_rows)
     mine = list(range(dist.rank, len(everything) * n, dist.world_size))  # this process's image rows
     items = [everything[r // n] for r in mine]
     rows: list[tuple[int, float, dict[str, float]]] = []  # (image row, score, details)
@@ -106,7 +112,7 @@ def score_prompts(
             shown += [
                 (mine[start + j], to_uint8(images[j : j + 1].cpu()))
                 for j in range(len(part))
-                if mine[start + j] < GRID_IMAGES
+                if mine[start + j] in in_grid
             ]
             if progress is not None:
                 progress(len(part))
@@ -129,7 +135,34 @@ def score_prompts(
         scores=[score for _, score, _ in rows],
         details={name: [d[name] for _, _, d in rows] for name in names},
         grid=[pixels for _, pixels in shown],
+        grid_rows=[r for r, _ in shown],
+        grid_rule=grid_rule,
     )
+
+
+def grid_tiles(scored: Scored, everything: list[PromptItem], source: str | None = None) -> list[Tile]:
+    """The tiles of the images the grid shows: each with its prompt, its strict verdict as the mark (GenEval-style
+    rewards) and, for the tile map, its index r (its line in ``eval.json``'s images), tag, score and ``source``."""
+    strict = scored.details.get("strict")
+    tiles = []
+    for r, pixels in zip(scored.grid_rows, scored.grid, strict=True):
+        item = everything[scored.prompt_index[r]]
+        info = {"index": r, "tag": item.metadata.get("tag"), "score": scored.scores[r]}
+        verdict = None if strict is None or not math.isfinite(strict[r]) else strict[r] == 1
+        if verdict is not None:
+            info["strict"] = strict[r]
+        if source is not None:
+            info["source"] = source
+        tiles.append(Tile(pixels[0].float() / 255, item.prompt, verdict, info))
+    return tiles
+
+
+def save_eval_grid(scored: Scored, everything: list[PromptItem], path: Path) -> Grid:
+    """The evaluation's sample grid, a prompt's shown images side by side, and its tile map (with the rule)."""
+    per_prompt = min(len(scored.scores) // max(1, len(everything)), GRID_IMAGES)
+    tiles = grid_tiles(scored, everything)
+    columns = columns_for(per_prompt, len(tiles))
+    return captioned_grid(tiles, columns, path, max_tile=EVAL_TILE, about={"shows": scored.grid_rule})
 
 
 def summarize(scored: Scored, everything: list[PromptItem]) -> dict[str, float]:
@@ -165,5 +198,5 @@ def evaluate(
     Call it on every process (it gathers), with the weights to evaluate already in place (e.g. the EMA swapped in)."""
     scored = score_prompts(backbone, reward, everything, settings, seed, dist, autocast, policy=policy)
     if dist.is_main:
-        save_grid(torch.cat(scored.grid).float() / 255, grid)
+        save_eval_grid(scored, everything, grid)
     return summarize(scored, everything)
