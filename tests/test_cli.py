@@ -215,3 +215,25 @@ def test_export_refuses_a_folder_that_holds_files(capsys, tmp_path):
     assert (out / "notes.txt").read_text() == "mine"
     code, _, err = run_here(capsys, "export", str(tmp_path / "no-run"), "--out", str(out), "--overwrite")
     assert code == 2 and "No valid checkpoint" in err  # past the check, to the missing checkpoint
+
+
+def test_components_show_allowed_values_limits_and_descriptions(capsys, monkeypatch):
+    """`score: Literal = 'partial'` once hid the choices, no option had its description, and weighted's parts were
+    `rewards: list = required` only."""
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, err = run_here(capsys, "components", "reward")
+    assert code == 0, err
+    text = _column(out, 3)
+    assert "score: 'partial' | 'strict' = 'partial'" in text
+    assert "Training reward: the partial-credit GenEval score" in text  # shapes-geneval's description
+    assert "scale: float = 2.5 (> 0)" in text  # clipscore's limit
+    assert "rewards: list[WeightedPart] = required (at least 1 item)" in text
+    assert "weight: float = 1.0 Multiplies this reward's scores in the sum." in text  # a part's own options
+    code, out, err = run_here(capsys, "components", "backbone")
+    assert code == 0, err
+    assert "dtype: 'fp32' | 'fp16' | 'bf16' = 'bf16'" in _column(out, 3)
+
+
+def _column(table: str, index: int) -> str:
+    """The words of one column of a printed rich table, its wrapped lines joined."""
+    return " ".join(word for line in table.splitlines() if "│" in line for word in line.split("│")[index].split())

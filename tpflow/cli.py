@@ -23,8 +23,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.console import Group
 from rich.markup import escape
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from tpflow import __version__, registry
 from tpflow.cli_common import (
@@ -39,6 +42,7 @@ from tpflow.cli_common import (
     user_errors,
     warn_broken_plugins,
 )
+from tpflow.describe import describe_options
 from tpflow.errors import UserError
 from tpflow.evaluation.commands import register as register_evaluation
 
@@ -75,13 +79,13 @@ def _root(
     """TurningPoint-GRPO and its baselines for flow-matching text-to-image models."""
 
 
-def _describe_options(model: type[Any]) -> str:
-    parts = []
-    for name, info in model.model_fields.items():
-        annotation = getattr(info.annotation, "__name__", None) or str(info.annotation).replace("typing.", "")
-        default = "required" if info.is_required() else repr(info.get_default(call_default_factory=True))
-        parts.append(f"{name}: {annotation} = {default}")
-    return "\n".join(parts) or "-"
+def _indented(text: str) -> Group:
+    """Lines indented by leading spaces keep the indent when they wrap (a description under its option)."""
+    lines = []
+    for line in text.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        lines.append(Padding(Text(line.lstrip(" ")), (0, 0, 0, indent)))
+    return Group(*lines)
 
 
 def _where(entry: registry.Entry) -> str:
@@ -102,12 +106,12 @@ def components(
     table = Table(title="tpflow components", show_lines=True)
     table.add_column("kind", no_wrap=True)
     table.add_column("name", no_wrap=True, style="bold cyan")
-    table.add_column("options")
-    table.add_column("from", overflow="fold")
+    table.add_column("options", overflow="fold", ratio=3)
+    table.add_column("from", overflow="fold", ratio=1)
     broken = []
     for k in kinds:
         for entry in registry.entries(k):
-            table.add_row(k, entry.name, _describe_options(entry.options), _where(entry))
+            table.add_row(k, entry.name, _indented(describe_options(entry.options)), _where(entry))
         broken += [f"{k}: {e}" for e in registry.plugin_errors(k)]
     console = make_console()
     console.print(table)
