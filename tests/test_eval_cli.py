@@ -269,9 +269,9 @@ def test_an_adapter_that_does_not_fit_exits_2_and_a_bug_keeps_its_traceback(tmp_
 
 
 def _result(strict: list[float], scores: list[float], label: str) -> EvalResult:
-    """An evaluation of three tagged prompts (two counting, one colors) with the given per-image figures."""
-    items = [PromptItem("two cats", {"tag": "counting"}), PromptItem("three dogs", {"tag": "counting"}),
-             PromptItem("a red cat", {"tag": "colors"})]  # fmt: skip
+    """An evaluation of three tagged prompts (two single_object, one color_attr) with the given per-image figures."""
+    items = [PromptItem("a cat", {"tag": "single_object"}), PromptItem("a dog", {"tag": "single_object"}),
+             PromptItem("a red cat", {"tag": "color_attr"})]  # fmt: skip
     scored = Scored(prompt_index=[0, 1, 2], scores=scores, details={"strict": strict})
     target = Target(kind="export", path=Path(label), recipe=load_recipe(RECIPE))
     return EvalResult(target, items, scored, {"prompts": "test", "split": "test", "num_prompts": 3, "steps": 10})
@@ -294,7 +294,7 @@ def test_strict_means_one_thing_in_training_logs_and_in_tpflow_eval():
 
 
 def test_baseline_tables_fit_80_columns_without_cutting_a_number():
-    """At 80 columns the one wide baseline table cut its differences short (+0.33…)."""
+    """At 80 columns the one wide baseline table cut GenEval's differences short (+0.30…)."""
     mine = _result([1.0, 1.0, 0.0], [0.9, 0.8, 0.1], "runs/geneval_tp/checkpoints/00000040")
     base = _result([0.0, 1.0, 0.0], [0.5, 0.6, 0.2], "recipes/geneval_tp.toml")
     console = Console(width=80, record=True)
