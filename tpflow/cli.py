@@ -146,7 +146,7 @@ def validate(
     table = Table(title=f"{recipe}: valid", show_lines=True)
     table.add_column("section", no_wrap=True)
     table.add_column("name", no_wrap=True, style="bold cyan")
-    table.add_column("options")
+    table.add_column("options", overflow="fold")
     for kind, spec in loaded.components.items():
         table.add_row(kind, spec.name, _format_values(spec.options))
     for section, settings in loaded.settings.items():
