@@ -187,7 +187,7 @@ def credit(
     table = Table(title="per-step rewards (* = turning point: reward replaced by R_W - R_i)", show_lines=False)
     table.add_column("traj", no_wrap=True, justify="right")
     table.add_column("", no_wrap=True, style="bold cyan")
-    table.add_column("rewards (R_0..R_W) / per-step rewards (steps 0..W-1)", overflow="fold", ratio=1)
+    table.add_column("R_0..R_W / per-step rewards", overflow="fold")
     for b in range(trace.shape[0]):
         table.add_row(str(b), "R_0..R_W", " ".join(_num(x) for x in rows[b]))
         for i, name in enumerate(names):
