@@ -144,3 +144,96 @@ def test_every_train_option_reaches_the_launched_processes(plugin, tmp_path, mon
     assert "--num-processes" not in child and "--num-machines" not in child
     pairs = list(zip(forwarded[::2], forwarded[1::2], strict=True))
     assert pairs == list(zip(child[2::2], child[3::2], strict=True)), (forwarded, child)
+
+
+def run_here(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``tpflow ARGS`` in this process (faster than a subprocess): (exit status, stdout, stderr)."""
+    from tpflow.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main(list(args))
+    captured = capsys.readouterr()
+    return int(done.value.code or 0), captured.out, captured.err
+
+
+K10 = ("0.5,0.75,0.25,0.75,0.25,0,0,0,0,0", "0,0.25,0.75,0,0.5,1,0,1,0,0")  # K = 10, as the shipped recipes
+
+
+@pytest.mark.parametrize("columns", ["80", "60"])
+def test_credit_table_wraps_and_never_cuts_at_80_columns(capsys, monkeypatch, columns):
+    """At 80 columns the K = 10 table once dropped a column and cut rewards short with '…'."""
+    monkeypatch.setenv("COLUMNS", columns)
+    code, out, err = run_here(capsys, "credit", *K10)
+    assert code == 0, err
+    assert "…" not in out
+    assert max(len(line) for line in out.splitlines()) <= int(columns)
+    for name in ("consistent", "incremental", "outcome", "turning_point"):
+        assert name in out
+    numbers = [word for line in out.splitlines() if "│" in line for word in line.split("│")[-2].split()]
+    assert numbers.count("-0.75*") == 4  # traj 0's two turning points, in consistent and in turning_point
+    if columns == "80":  # one line per trace at 80 columns
+        assert "0.5 0.75 0.25 0.75 0.25 0 0 0 0 0" in out
+        assert "0.25 -0.75* 0.5 -0.75* -0.25 0 0 0 0" in out
+
+
+def test_credit_accepts_negative_rewards_and_refuses_non_finite_ones(capsys):
+    code, out, err = run_here(capsys, "credit", "-1,2,-3", "-0.5,1,-2", "-a", "outcome")
+    assert code == 0, err
+    assert "-1 2 -3" in out and "-3 -3" in out and "-2 -2" in out
+    for bad in ("1,nan,3", "1,inf,3", "-inf,0,1"):
+        code, out, err = run_here(capsys, "credit", bad)
+        assert code == 2 and "finite" in err and bad in err and "Traceback" not in err, err
+    code, _, err = run_here(capsys, "credit", "1,2", "--balancd")
+    assert code == 2 and "'--balancd' is not an option" in err
+
+
+def test_a_check_across_options_does_not_print_the_whole_options_dict(capsys):
+    recipe = str(Path(__file__).resolve().parent.parent / "recipes" / "shapes_tp.toml")
+    code, _, err = run_here(capsys, "validate", recipe, "--set", "rollout.window_size=12", "--no-machine")
+    assert code == 2
+    assert "window_size=12 exceeds num_steps=10" in err
+    assert "{" not in err and "noise_level" not in err and "Value error" not in err, err
+
+
+def test_a_missing_relative_prompt_file_says_where_it_was_looked_for(plugin, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r.toml").write_text(BASE.replace('path = "prompts.txt"', 'path = "data/pickscore/train.txt"'))
+    code, _, err = run_here(capsys, "validate", "r.toml")
+    assert code == 2 and "Traceback" not in err
+    assert "relative path is read from the working directory" in err
+    assert str(tmp_path / "data" / "pickscore" / "train.txt") in err and "header comment" in err
+
+
+def test_export_refuses_a_folder_that_holds_files(capsys, tmp_path):
+    """Before any checkpoint is read: an --out with files in it is kept unless --overwrite."""
+    out = tmp_path / "exports"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    code, _, err = run_here(capsys, "export", str(tmp_path / "no-run"), "--out", str(out))
+    assert code == 2 and "already exists and is not empty" in err and "--overwrite" in err, err
+    assert (out / "notes.txt").read_text() == "mine"
+    code, _, err = run_here(capsys, "export", str(tmp_path / "no-run"), "--out", str(out), "--overwrite")
+    assert code == 2 and "No valid checkpoint" in err  # past the check, to the missing checkpoint
+
+
+def test_components_show_allowed_values_limits_and_descriptions(capsys, monkeypatch):
+    """`score: Literal = 'partial'` once hid the choices, no option had its description, and weighted's parts were
+    `rewards: list = required` only."""
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, err = run_here(capsys, "components", "reward")
+    assert code == 0, err
+    text = _column(out, 3)
+    assert "score: 'partial' | 'strict' = 'partial'" in text
+    assert "Training reward: the partial-credit GenEval score" in text  # shapes-geneval's description
+    assert "scale: float = 2.5 (> 0)" in text  # clipscore's limit
+    assert "rewards: list[WeightedPart] = required (at least 1 item)" in text
+    assert "weight: float = 1.0 Multiplies this reward's scores in the sum." in text  # a part's own options
+    code, out, err = run_here(capsys, "components", "backbone")
+    assert code == 0, err
+    assert "dtype: 'fp32' | 'fp16' | 'bf16' = 'bf16'" in _column(out, 3)
+
+
+def _column(table: str, index: int) -> str:
+    """The words of one column of a printed rich table, its wrapped lines joined."""
+    return " ".join(word for line in table.splitlines() if "│" in line for word in line.split("│")[index].split())

@@ -8,18 +8,26 @@ the base model (the recipe alone) equals the epoch-0 eval, the run's checkpoint 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+from rich.console import Console
 
 from tests.wandb_records import config as wandb_config
 from tests.wandb_records import history as wandb_history
 from tpflow.cli import main
+from tpflow.evaluation.commands import _eval_tables
+from tpflow.evaluation.run import EvalResult, difference
+from tpflow.evaluation.targets import Target
 from tpflow.grids import FAIL, FRAME, PASS, shown_images
+from tpflow.recipe import load_recipe
+from tpflow.train.evaluation import Scored, summarize
 from tpflow.train.run_logger import read_jsonl
+from tpflow.types import PromptItem
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "shapes_tp.toml"
 SMALL = [
@@ -94,8 +102,12 @@ def test_eval_of_a_run_reproduces_the_logged_final_eval(run, capsys, tmp_path):
     categories = result["categories"]
     tags = [c for c in categories if c != "overall"]
     assert set(tags) <= {"single_object", "two_object", "counting", "colors", "position", "color_attr"}
-    # GenEval's overall score: the mean of the per-tag accuracies
-    assert categories["overall"]["strict"] == pytest.approx(sum(categories[t]["strict"] for t in tags) / len(tags))
+    # GenEval's overall score: the mean of the per-tag accuracies; overall strict: the mean over images, as logged
+    assert categories["overall"]["strict_tags"] == logged["eval_strict_tags"]
+    assert categories["overall"]["strict_tags"] == pytest.approx(
+        sum(categories[t]["strict"] for t in tags) / len(tags)
+    )
+    assert categories["overall"]["strict"] == logged["eval_strict"]
     for tag in tags:
         assert categories[tag]["strict"] == logged[f"eval_acc_{tag}"]
     assert "overall" in out and "strict" in out
@@ -301,3 +313,43 @@ def test_an_adapter_that_does_not_fit_exits_2_and_a_bug_keeps_its_traceback(tmp_
     safetensors.torch.save_file({k: torch.zeros(v.shape[0] + 1, *v.shape[1:]) for k, v in tensors.items()}, file)
     with pytest.raises(UserError, match="does not fit the 'shapes-dit' backbone"):
         load_model(target)
+
+
+def _result(strict: list[float], scores: list[float], label: str) -> EvalResult:
+    """An evaluation of three tagged prompts (two single_object, one color_attr) with the given per-image figures."""
+    items = [PromptItem("a cat", {"tag": "single_object"}), PromptItem("a dog", {"tag": "single_object"}),
+             PromptItem("a red cat", {"tag": "color_attr"})]  # fmt: skip
+    scored = Scored(prompt_index=[0, 1, 2], scores=scores, details={"strict": strict})
+    target = Target(kind="export", path=Path(label), recipe=load_recipe(RECIPE))
+    return EvalResult(target, items, scored, {"prompts": "test", "split": "test", "num_prompts": 3, "steps": 10})
+
+
+def test_strict_means_one_thing_in_training_logs_and_in_tpflow_eval():
+    """Training logged eval_strict = the mean over images; tpflow eval's "overall strict" was the mean over tags.
+    Now strict is the mean over images everywhere and the mean over tags (GenEval's) is strict_tags."""
+    result = _result([1.0, 1.0, 0.0], [0.9, 0.8, 0.1], "lora")
+    logged = summarize(result.scored, result.items)  # what the trainer logs
+    overall = result.categories()["overall"]
+    assert logged["eval_strict"] == overall["strict"] == pytest.approx(2 / 3)
+    assert logged["eval_strict_tags"] == overall["strict_tags"] == pytest.approx(0.5)
+    assert result.to_json(ema=True)["metrics"] == logged
+    console = Console(width=100, record=True)
+    for table in _eval_tables(result, None):
+        console.print(table)
+    text = console.export_text()
+    assert re.search(r"overall \(images\) .* 0\.6667", text) and re.search(r"overall \(tags\) .* 0\.5000", text)
+
+
+def test_baseline_tables_fit_80_columns_without_cutting_a_number():
+    """At 80 columns the one wide baseline table cut GenEval's differences short (+0.30…)."""
+    mine = _result([1.0, 1.0, 0.0], [0.9, 0.8, 0.1], "runs/geneval_tp/checkpoints/00000040")
+    base = _result([0.0, 1.0, 0.0], [0.5, 0.6, 0.2], "recipes/geneval_tp.toml")
+    console = Console(width=80, record=True)
+    for table in _eval_tables(mine, base):
+        console.print(table)
+    text = console.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    for category, figures in difference(mine, base).items():
+        for value in figures.values():
+            assert f"{value:+.4f}" in text, (category, value, text)
+    assert "+0.3333" in text  # overall strict: 2/3 - 1/3

@@ -19,6 +19,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -105,6 +106,33 @@ def test_remote_scores_equal_in_process_scores(server):
     # Off-grid pixels are quantised with round(x·255) on the way, exactly as in-process rewards quantise.
     noisy = (images + 0.001 * torch.randn_like(images)).clamp(0, 1)
     assert torch.equal(decode_images(encode_images(noisy)), (noisy * 255).round() / 255)
+
+
+def test_a_reward_that_reads_the_floats_scores_the_same_remotely_with_quantised_images():
+    """image-stat (brightness) does not round to 8-bit itself: remote (PNG) and in-process scores differed by up to
+    6e-5. With train.quantise_reward_images the in-process call gets the 8-bit images too, and they are equal."""
+    from tpflow.recipe import load_recipe
+    from tpflow.rewards.call import RewardPolicy, call_reward, recipe_policy
+
+    httpd = make_server("image-stat", {"statistic": "brightness"}, "127.0.0.1", 0)
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        images = torch.rand(6, 3, 16, 16, generator=torch.Generator().manual_seed(0))  # off the 8-bit grid
+        prompts, metadata = [""] * 6, [{}] * 6
+        remote = call_reward(tpflow.build("reward", "remote", url=httpd.url), images, prompts, metadata)
+        local = tpflow.build("reward", "image-stat", statistic="brightness")
+        floats = call_reward(local, images, prompts, metadata)
+        assert not torch.equal(floats.scores, remote.scores)  # the difference the docs describe
+        recipe = load_recipe(Path(__file__).resolve().parent.parent / "recipes" / "shapes_tp.toml",
+                             ["train.quantise_reward_images=true"])  # fmt: skip
+        policy = recipe_policy(recipe.train)
+        assert policy == RewardPolicy(quantise=True)
+        quantised = call_reward(local, images, prompts, metadata, policy)
+        assert torch.equal(quantised.scores, remote.scores)
+        assert all(torch.equal(quantised.details[k], remote.details[k]) for k in remote.details)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 def test_concurrent_calls_are_each_answered_with_their_own_scores(server):

@@ -132,3 +132,9 @@ def test_epoch_line():
         epoch_line(12, {"reward_mean": 0.5, "eval_reward": None, "epoch_s": 1.0}) == "epoch  12 | reward 0.500 | 1.0 s"
     )
     assert epoch_line(0, {"kl": math.nan}) == "epoch   0 | kl nan"
+
+
+def test_epoch_line_says_which_epoch_the_repeated_eval_is_from():
+    """The eval figures repeat on every epoch line until the next eval: the line says which eval they are."""
+    line = epoch_line(6, {"reward_mean": 0.5, "eval_reward": 0.61, "last_eval_epoch": 4})
+    assert line == "epoch   6 | reward 0.500 | eval@4 0.610"

@@ -94,6 +94,10 @@ def test_export_cli_writes_adapter_and_merged_model(trained, tmp_path):
     trainer, _, _, run = trained
     assert cli("export", str(run), "--out", str(tmp_path / "lora")) == 0
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    written = (tmp_path / "lora" / "pytorch_lora_weights.safetensors").stat().st_mtime_ns
+    assert cli("export", str(run), "--out", str(tmp_path / "lora")) == 2  # it holds an export: kept
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").stat().st_mtime_ns == written
+    assert cli("export", str(run), "--out", str(tmp_path / "lora"), "--overwrite") == 0
     assert cli("export", str(run), "--out", str(tmp_path / "merged"), "--merge") == 0
     merged = SD3Transformer2DModel.from_pretrained(tmp_path / "merged" / "transformer").eval()
     backbone = trainer.backbone

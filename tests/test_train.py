@@ -187,6 +187,8 @@ def test_cli_train_and_resume(tmp_path, tiny_weights):
     assert "resumed from" in resumed.stdout
     lines = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert "eval_acc_counting" in lines[0]  # per-tag accuracy of GenEval-style rewards
+    assert "eval_strict" in lines[0] and "eval_strict_tags" in lines[0]  # over images; over tags (GenEval's)
+    assert lines[0]["last_eval_epoch"] == 0 and "| eval@0 " in out.stdout  # the eval each epoch line repeats
 
 
 def test_items_with_the_same_text_form_one_prompt_group(tmp_path, tiny_weights, plugin):

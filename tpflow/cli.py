@@ -16,14 +16,18 @@ one paragraph on stderr and exits with status 2, without a traceback.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.console import Group
 from rich.markup import escape
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from tpflow import __version__, registry
 from tpflow.cli_common import (
@@ -38,6 +42,7 @@ from tpflow.cli_common import (
     user_errors,
     warn_broken_plugins,
 )
+from tpflow.describe import describe_options
 from tpflow.errors import UserError
 from tpflow.evaluation.commands import register as register_evaluation
 
@@ -74,13 +79,13 @@ def _root(
     """TurningPoint-GRPO and its baselines for flow-matching text-to-image models."""
 
 
-def _describe_options(model: type[Any]) -> str:
-    parts = []
-    for name, info in model.model_fields.items():
-        annotation = getattr(info.annotation, "__name__", None) or str(info.annotation).replace("typing.", "")
-        default = "required" if info.is_required() else repr(info.get_default(call_default_factory=True))
-        parts.append(f"{name}: {annotation} = {default}")
-    return "\n".join(parts) or "-"
+def _indented(text: str) -> Group:
+    """Lines indented by leading spaces keep the indent when they wrap (a description under its option)."""
+    lines = []
+    for line in text.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        lines.append(Padding(Text(line.lstrip(" ")), (0, 0, 0, indent)))
+    return Group(*lines)
 
 
 def _where(entry: registry.Entry) -> str:
@@ -101,12 +106,12 @@ def components(
     table = Table(title="tpflow components", show_lines=True)
     table.add_column("kind", no_wrap=True)
     table.add_column("name", no_wrap=True, style="bold cyan")
-    table.add_column("options")
-    table.add_column("from", overflow="fold")
+    table.add_column("options", overflow="fold", ratio=3)
+    table.add_column("from", overflow="fold", ratio=1)
     broken = []
     for k in kinds:
         for entry in registry.entries(k):
-            table.add_row(k, entry.name, _describe_options(entry.options), _where(entry))
+            table.add_row(k, entry.name, _indented(describe_options(entry.options)), _where(entry))
         broken += [f"{k}: {e}" for e in registry.plugin_errors(k)]
     console = make_console()
     console.print(table)
@@ -141,7 +146,7 @@ def validate(
     table = Table(title=f"{recipe}: valid", show_lines=True)
     table.add_column("section", no_wrap=True)
     table.add_column("name", no_wrap=True, style="bold cyan")
-    table.add_column("options")
+    table.add_column("options", overflow="fold")
     for kind, spec in loaded.components.items():
         table.add_row(kind, spec.name, _format_values(spec.options))
     for section, settings in loaded.settings.items():
@@ -149,7 +154,7 @@ def validate(
     make_console().print(table)
 
 
-@app.command()
+@app.command(context_settings={"ignore_unknown_options": True})  # a trace may start with a minus: -1,2,-3
 @user_errors
 def credit(
     traces: Annotated[
@@ -168,38 +173,45 @@ def credit(
     """
     import torch
 
-    rows = []
-    for text in traces:
-        try:
-            rows.append([float(x) for x in text.split(",")])
-        except ValueError:
-            raise UserError(
-                f"Trace {text!r} is not a comma-separated list of numbers, e.g. 50,46,40,47,52,55."
-            ) from None
+    rows = [_trace(text) for text in traces]
     if len({len(r) for r in rows}) != 1 or len(rows[0]) < 2:
         raise UserError("Every trace needs the same number of rewards R_0..R_W, at least two.")
     trace = torch.tensor(rows, dtype=torch.float64, device="cpu")  # [N, W+1]
-    table = Table(title="per-step rewards (* = turning point: reward replaced by R_W - R_i)", show_lines=True)
-    table.add_column("traj", no_wrap=True)
-    table.add_column("R_0..R_W", no_wrap=True)
     names = assigner or registry.names("credit")
     results = {}
     for name in names:
         entry = registry.get("credit", name)
         opts = {"balanced": balanced} if "balanced" in entry.options.model_fields else {}
         results[name] = registry.build("credit", name, **opts)(trace)
-        table.add_column(name, no_wrap=True)
+    # One row per trajectory and assigner, the numbers wrapping at spaces: K = 10 rewards per trace fit 80 columns.
+    table = Table(title="per-step rewards (* = turning point: reward replaced by R_W - R_i)", show_lines=False)
+    table.add_column("traj", no_wrap=True, justify="right")
+    table.add_column("", no_wrap=True, style="bold cyan")
+    table.add_column("R_0..R_W / per-step rewards", overflow="fold")
     for b in range(trace.shape[0]):
-        cells = []
-        for name in names:
+        table.add_row(str(b), "R_0..R_W", " ".join(_num(x) for x in rows[b]))
+        for i, name in enumerate(names):
             out = results[name]
             steps = (
                 f"{_num(r)}{'*' if tp else ''}"
                 for r, tp in zip(out.step_rewards[b].tolist(), out.turning_points[b].tolist(), strict=True)
             )
-            cells.append(" ".join(steps))
-        table.add_row(str(b), " ".join(_num(x) for x in rows[b]), *cells)
+            table.add_row("", name, " ".join(steps), end_section=i == len(names) - 1)
     make_console().print(table)
+
+
+def _trace(text: str) -> list[float]:
+    """One trace argument, e.g. ``50,46,40,47,52,55``: finite numbers (negative ones too), or a UserError."""
+    if text.startswith("--"):
+        raise UserError(f"{text!r} is not an option of tpflow credit (see tpflow credit --help).")
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise UserError(f"Trace {text!r} is not a comma-separated list of numbers, e.g. 50,46,40,47,52,55.") from None
+    bad = [x for x in values if not math.isfinite(x)]
+    if bad:
+        raise UserError(f"Trace {text!r} holds {_num(bad[0])}: rewards must be finite numbers.")
+    return values
 
 
 def _num(x: float) -> str:
@@ -419,11 +431,14 @@ def export(
     out: Annotated[Path, typer.Option(help="Output folder.")],
     merge: Annotated[bool, typer.Option(help="Write the transformer with the adapter merged in.")] = False,
     ema: Annotated[bool, typer.Option(help="Use the EMA weights when the checkpoint has them (the paper's).")] = True,
+    overwrite: Annotated[
+        bool, typer.Option(help="Write into an --out folder that is not empty (its exported files are replaced).")
+    ] = False,
 ) -> None:
     """Export a trained adapter for inference: pipe.load_lora_weights(OUT), or --merge for a merged transformer."""
     from tpflow.export import export as run_export
 
-    summary = run_export(source, out, merge=merge, ema=ema)
+    summary = run_export(source, out, merge=merge, ema=ema, overwrite=overwrite)
     console = make_console()
     what = "merged transformer" if merge else "LoRA adapter"
     console.print(

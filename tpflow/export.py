@@ -21,15 +21,25 @@ from typing import Any
 from tpflow.errors import UserError
 
 
-def export(source: Path, out: Path, merge: bool = False, ema: bool = True) -> dict[str, Any]:
+def export(source: Path, out: Path, merge: bool = False, ema: bool = True, overwrite: bool = False) -> dict[str, Any]:
     """Export the newest valid checkpoint under ``source`` (a run dir or a checkpoint dir) into ``out``.
 
-    Returns a summary (checkpoint path, step, whether EMA weights were used, what was written).
+    ``out`` must not exist or be an empty folder, unless ``overwrite`` (then the files the export writes replace
+    theirs; other files stay). Returns a summary (checkpoint path, step, whether EMA weights were used, what was
+    written).
     """
     from tpflow.evaluation.targets import EXPORT_MANIFEST, EXPORT_RECIPE, apply_ema
     from tpflow.recipe import validate_recipe
     from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
 
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a folder; choose another --out.")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UserError(
+            f"--out {out} already exists and is not empty; the export would overwrite the files in it. Choose "
+            "another --out, or pass --overwrite to write into it (the export's files are replaced, others stay)."
+        )
     path, notes = find_checkpoint(Path(source))
     for note in notes:
         warnings.warn(note, stacklevel=2)
@@ -47,7 +57,6 @@ def export(source: Path, out: Path, merge: bool = False, ema: bool = True) -> di
     if ema and ckpt.ema_state is not None:
         apply_ema(backbone, ckpt.ema_state, path)
         used_ema = True
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if merge:
         backbone.save_merged(out / "transformer")

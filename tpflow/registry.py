@@ -276,11 +276,15 @@ def describe_validation_error(exc: ValidationError, where: str, model: type[Base
     allowed = ", ".join(model.model_fields) or "(none)"
     problems = []
     for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "(options)"
+        field = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
             close = difflib.get_close_matches(str(err["loc"][-1]), list(model.model_fields), n=1, cutoff=0.5)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             problems.append(f"unknown option {field!r}{hint}")
+        elif not err["loc"]:  # a check across options (a model validator): its message names the values
+            problems.append(err["msg"].removeprefix("Value error, ").rstrip("."))
         else:
             problems.append(f"option {field!r}: {err['msg']} (got {err.get('input')!r})")
+    if all(not err["loc"] for err in exc.errors()):
+        return f"{where}: {'; '.join(problems)}."
     return f"{where}: {'; '.join(problems)}. Allowed options: {allowed}."

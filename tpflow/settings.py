@@ -149,6 +149,13 @@ class TrainSettings(BaseModel):
         description="Repeats of a reward call on the same images when it raises or returns non-finite scores, before "
         "the run stops (training, evaluation, tpflow eval, inspect-trajectory alike).",
     )
+    quantise_reward_images: bool = Field(
+        False,
+        description="Give every reward call the images on the 8-bit grid, round(x·255)/255, as the remote reward's "
+        "PNG transport does: in-process and remote scores are then equal for every reward. Off (the shipped runs' "
+        "numbers), a reward that reads the floats itself (shapes-geneval, image-stat, most plugins) scores the "
+        "decoded floats in-process and the 8-bit image remotely, which differ by up to half a grey level per pixel.",
+    )
 
     @field_validator("run_dir")
     @classmethod

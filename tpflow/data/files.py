@@ -43,6 +43,12 @@ def _lines(path: str) -> list[tuple[int, str]]:
 
     file = Path(path).expanduser()
     problem = regular_file_problem(file, "The prompt file")
+    if problem and not file.exists() and not file.is_absolute():
+        raise UserError(
+            f"{problem[:-1]}: a relative path is read from the working directory, so it looked for "
+            f"{Path.cwd() / file}. Run from the folder that holds it, set [dataset] path (and test_path) to where the "
+            "prompts are, or make the file (the recipe's header comment says where its prompts come from)."
+        )
     if problem:
         raise UserError(f"{problem} Set [dataset] path (and test_path) to a text file of prompts.")
     size = file.stat().st_size

@@ -145,7 +145,8 @@ def eval_(
         return
     result, base = results[0], (results[1] if len(results) > 1 else None)
     folder = out or default_out(resolved, options)
-    console.print(_eval_table(result, base))
+    for table in _eval_tables(result, base):
+        console.print(table)
     for warning in dict.fromkeys(w for r in results for w in r.settings["warnings"]):  # target's, baseline's
         make_console(stderr=True).print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
     for path in write_outputs(folder, result, base, ema):
@@ -219,34 +220,61 @@ def _progress(console: Console, description: str) -> Any:
     return bar()
 
 
-def _eval_table(result: Any, baseline: Any | None) -> Table:
-    """Per category: images, mean reward, GenEval strict accuracy (when the reward has it); with a baseline, its
-    figures and the difference."""
-    from tpflow.evaluation.run import difference
+def _eval_tables(result: Any, baseline: Any | None) -> list[Table]:
+    """Per category: images, mean reward, GenEval strict accuracy (when the reward has it). The ``overall`` row is
+    the mean over images (training's ``eval_*``); GenEval's score, the mean over tags, has a row of its own. With a
+    baseline, one table per figure (target, baseline, difference), so that each fits 80 columns."""
+    from tpflow.evaluation.run import OVERALL, difference
 
     mine = result.categories()
     figures = [key for key in ("reward", "strict") if key in mine["overall"]]
     prompts = str(result.settings["prompts"])
     if prompts == "test" and result.settings["split"] != "test":
         prompts = f"{result.settings['split']} split, no test split"
-    table = Table(title=f"tpflow eval: {escape(result.target.label)} ({result.settings['num_prompts']} prompts, "
-                        f"{result.settings['steps']} steps, {escape(prompts)})")  # fmt: skip
-    table.add_column("category", no_wrap=True)
-    table.add_column("images", justify="right")
-    for key in figures:
-        table.add_column(key, justify="right")
-        if baseline is not None:
-            table.add_column(f"baseline {key}", justify="right")
-            table.add_column(f"Δ {key}", justify="right")
+    title = (f"tpflow eval: {escape(result.target.label)} ({result.settings['num_prompts']} prompts, "
+             f"{result.settings['steps']} steps, {escape(prompts)})")  # fmt: skip
     theirs = baseline.categories() if baseline is not None else {}
     delta = difference(result, baseline) if baseline is not None else {}
-    for category, row in mine.items():
-        cells = [category, str(int(row["images"]))]
-        for key in figures:
-            cells.append(f"{row[key]:.4f}")
+    groups = [figures] if baseline is None else [[key] for key in figures]
+    tables = []
+    for keys in groups:
+        table = Table(
+            title=title if baseline is None else f"{title}: {keys[0]} vs baseline {escape(baseline.target.label)}"
+        )
+        table.add_column("category", no_wrap=True)
+        table.add_column("images", justify="right", no_wrap=True)
+        for key in keys:
+            table.add_column(key, justify="right", no_wrap=True)
             if baseline is not None:
-                other = theirs.get(category, {}).get(key)
-                change = delta.get(category, {}).get(key)
-                cells += ["-" if other is None else f"{other:.4f}", "-" if change is None else f"{change:+.4f}"]
-        table.add_row(*cells, style="bold" if category == "overall" else None)
-    return table
+                table.add_column(f"baseline {key}", justify="right", no_wrap=True)
+                table.add_column(f"Δ {key}", justify="right", no_wrap=True)
+        for category, row in mine.items():
+            label = "overall (images)" if category == OVERALL and "strict_tags" in row else category
+            cells = [label, str(int(row["images"]))]
+            for key in keys:
+                cells += _figures(
+                    row.get(key), theirs.get(category, {}).get(key), delta.get(category, {}).get(key), baseline
+                )
+            table.add_row(*cells, style="bold" if category == OVERALL else None)
+        if "strict" in keys and "strict_tags" in mine[OVERALL]:  # GenEval's score: the mean of the tags' accuracies
+            row = mine[OVERALL]
+            cells = ["overall (tags)", str(int(row["images"]))]
+            for key in keys:
+                other = theirs.get(OVERALL, {}).get("strict_tags") if key == "strict" else None
+                change = delta.get(OVERALL, {}).get("strict_tags") if key == "strict" else None
+                cells += _figures(row["strict_tags"] if key == "strict" else None, other, change, baseline)
+            table.add_row(*cells, style="bold")
+            table.caption = (
+                "overall (images): the mean over images (training's eval_strict); overall (tags): GenEval's score, "
+                "the mean of the tags' accuracies (eval_strict_tags)"
+            )
+        tables.append(table)
+    return tables
+
+
+def _figures(value: float | None, other: float | None, change: float | None, baseline: Any | None) -> list[str]:
+    """The cells of one figure: its value, and with a baseline the baseline's and the difference ("-": none)."""
+    cells = ["-" if value is None else f"{value:.4f}"]
+    if baseline is not None:
+        cells += ["-" if other is None else f"{other:.4f}", "-" if change is None else f"{change:+.4f}"]
+    return cells

@@ -65,17 +65,17 @@ class EvalResult:
     def categories(self) -> dict[str, dict[str, float]]:
         """Per prompt tag (or one "all" row): images, mean reward, mean of each detail; then ``overall``.
 
-        For GenEval-style rewards (a ``strict`` detail) ``overall.strict`` is GenEval's score: the mean of the
-        per-tag strict accuracies, not the mean over images."""
+        Every figure of ``overall`` is a mean over the images, as training's ``eval_*`` figures (``overall.strict``
+        is ``eval_strict``). For GenEval-style rewards (a ``strict`` detail, every prompt tagged) ``overall`` also
+        holds ``strict_tags``, GenEval's score: the mean of the per-tag strict accuracies (``eval_strict_tags``)."""
         tags = [self.items[k].metadata.get("tag") or "all" for k in self.scored.prompt_index]
         rows: dict[str, list[int]] = defaultdict(list)
         for j, tag in enumerate(tags):
             rows[tag].append(j)
         table = {tag: self._mean(rows[tag]) for tag in sorted(rows)}
         overall = self._mean(list(range(len(tags))))
-        if "strict" in self.scored.details and len(table) > 1:
-            overall["strict_images"] = overall["strict"]
-            overall["strict"] = sum(row["strict"] for row in table.values()) / len(table)
+        if "strict" in self.scored.details and "all" not in rows:
+            overall["strict_tags"] = sum(row["strict"] for row in table.values()) / len(table)
         table[OVERALL] = overall
         return table
 

@@ -53,6 +53,7 @@ class RewardPolicy:
     timeout_s: float = 600.0  # longest one call may run; 0: no limit (the call runs in the caller's thread)
     retries: int = 1  # repeats on the same images after an exception or non-finite scores
     nonfinite: Literal["stop", "keep"] = "stop"  # after the retries, or at once: return them to the caller
+    quantise: bool = False  # images to the 8-bit grid first, as the remote reward sends them (equal scores)
 
 
 DEFAULT_POLICY = RewardPolicy()
@@ -62,7 +63,9 @@ def recipe_policy(train: TrainSettings, evaluation: EvalSettings | None = None) 
     """The policy a recipe sets for its training rollouts and inspect-trajectory (``evaluation`` None: non-finite
     scores stop), or for its evaluations (``eval.nonfinite_rewards = "warn"`` keeps them for the caller to report)."""
     keep = evaluation is not None and evaluation.nonfinite_rewards == "warn"
-    return RewardPolicy(train.reward_timeout_s, train.reward_retries, "keep" if keep else "stop")
+    return RewardPolicy(
+        train.reward_timeout_s, train.reward_retries, "keep" if keep else "stop", train.quantise_reward_images
+    )
 
 
 _hung: dict[int, threading.Thread] = {}  # id(reward) -> its call that outlived the time limit (holds the reward)
@@ -77,8 +80,15 @@ def call_reward(
     policy: RewardPolicy = DEFAULT_POLICY,
 ) -> RewardOutput:
     """Score images [N, 3, H, W] under ``policy``; returns ``scores`` [N] float32 and ``details`` name -> [N] float32,
-    both on the CPU. Raises RewardError (one paragraph naming the reward) when the reward cannot be used."""
+    both on the CPU. Raises RewardError (one paragraph naming the reward) when the reward cannot be used.
+
+    With ``policy.quantise`` the reward gets float32 images on the 8-bit grid, round(x·255)/255: the pixels the remote
+    reward's server decodes from its PNGs, so in-process and remote scores are equal for any reward."""
     n = images.shape[0]
+    if policy.quantise:
+        from tpflow.rewards._images import to_uint8
+
+        images = to_uint8(images).to(torch.float32) / 255
     problem, cause = "", None
     for _attempt in range(policy.retries + 1):
         try:

@@ -23,8 +23,11 @@ request, bytes per request). With ``reward = "NAME"`` in its options it refuses 
 The token, when the server wants one, comes from the environment variable ``TPFLOW_REWARD_TOKEN`` (``token_env``
 names another), never from the recipe: recipes are copied into run dirs and checkpoints.
 
-Images travel as 8-bit PNG, lossless, after the same quantisation every reward applies (round(x·255), clipped), so
-remote scores equal in-process scores exactly. Only the recipe's URL is contacted: no proxy from the environment, no
+Images travel as 8-bit PNG, lossless, after the quantisation round(x·255), clipped. Remote scores equal in-process
+scores exactly for a reward that quantises so itself (the CLIP-based ones, geneval's Mask2Former, ocr), and for any
+reward when ``train.quantise_reward_images = true`` gives in-process calls the same 8-bit images; otherwise a reward
+that reads the floats (shapes-geneval, image-stat, most plugins) scores slightly different pixels remotely
+(docs/rewards.md). Only the recipe's URL is contacted: no proxy from the environment, no
 redirect is followed. Every socket operation has a timeout and failures are retried a bounded number of times, so a
 stopped server ends the run with a RewardError naming the URL instead of a hang.
 """
@@ -372,4 +375,5 @@ def decode_images(encoded: Sequence[str], max_side: int | None = None, max_pixel
             raise ValueError(f"images[{k}] is not a valid PNG ({type(exc).__name__}: {exc}).") from None
     if not arrays:
         return torch.empty(0, 3, 0, 0, device="cpu")
-    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255  # [N, 3, H, W]
+    # Contiguous [N, 3, H, W], the layout of in-process images: a reduction's float rounding follows the memory layout
+    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous().float() / 255

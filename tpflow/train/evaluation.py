@@ -166,8 +166,10 @@ def save_eval_grid(scored: Scored, everything: list[PromptItem], path: Path) -> 
 
 
 def summarize(scored: Scored, everything: list[PromptItem]) -> dict[str, float]:
-    """``eval_reward`` (mean score), ``eval_<detail>`` (mean of each reward detail) and, for GenEval-style rewards
-    (a ``strict`` detail and a ``tag`` on every prompt), strict accuracy per tag ``eval_acc_<tag>``."""
+    """``eval_reward`` (mean score), ``eval_<detail>`` (mean of each reward detail over the images) and, for
+    GenEval-style rewards (a ``strict`` detail and a ``tag`` on every prompt), strict accuracy per tag
+    ``eval_acc_<tag>`` and their mean ``eval_strict_tags``: GenEval's overall score, which differs from
+    ``eval_strict`` (the mean over images) when the tags have different numbers of images."""
     count = len(scored.scores)
     metrics = {"eval_reward": sum(scored.scores) / count}
     for name, values in scored.details.items():
@@ -179,6 +181,7 @@ def summarize(scored: Scored, everything: list[PromptItem]) -> dict[str, float]:
             per_tag[tag].append(ok)
         for tag, oks in sorted(per_tag.items()):
             metrics[f"eval_acc_{tag}"] = sum(oks) / len(oks)
+        metrics["eval_strict_tags"] = sum(metrics[f"eval_acc_{tag}"] for tag in sorted(per_tag)) / len(per_tag)
     return metrics
 
 

@@ -162,14 +162,16 @@ def start_clean(run_dir: Path) -> bool:
 
 
 def epoch_line(epoch: int, metrics: dict[str, Any]) -> str:
-    """A compact summary: ``epoch   3 | reward 0.412 | eval 0.450 | tp/traj 0.31 | clip 0.02 | kl 1.2e-05 | 12.3 s``.
+    """A compact summary: ``epoch   3 | reward 0.412 | eval@2 0.450 | tp/traj 0.31 | clip 0.02 | kl 1.2e-05 | 12.3 s``.
 
     Uses ``reward_mean``, ``eval_reward``, ``turning_points_per_traj``, ``clip_fraction``, ``kl`` and ``epoch_s``;
-    missing (or None) ones are left out.
+    missing (or None) ones are left out. ``eval@N``: the newest eval, made at the start of epoch N
+    (``last_eval_epoch``) and repeated on each line until the next; plain ``eval`` when the epoch is not known.
     """
+    at = metrics.get("last_eval_epoch")
     fields = [
         ("reward_mean", "reward {:.3f}"),
-        ("eval_reward", "eval {:.3f}"),
+        ("eval_reward", ("eval {:.3f}" if at is None else f"eval@{int(at)} " + "{:.3f}")),
         ("turning_points_per_traj", "tp/traj {:.2f}"),
         ("clip_fraction", "clip {:.2f}"),
         ("kl", "kl {:.1e}"),

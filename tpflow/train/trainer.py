@@ -140,7 +140,7 @@ class Trainer:
         params = self.backbone.trainable_parameters()
         self.ema = EMA(params, train.ema_decay, train.ema_every) if train.ema else None
         self.epoch = 0  # the next epoch to run
-        self.last_eval: dict[str, float] = {}  # the newest eval's figures, repeated on each epoch's metrics line
+        self.last_eval: dict[str, float] = {}  # the newest eval's figures and epoch, repeated on each epoch's line
         self._progress: Progress | None = None
         self._task: TaskID | None = None
         self.nonfinite_epochs = 0
@@ -185,7 +185,8 @@ class Trainer:
             progress.start()
             for epoch in range(self.epoch, train.epochs):
                 if evaluation.every and epoch % evaluation.every == 0:
-                    self.last_eval = self.evaluate(epoch)
+                    # last_eval_epoch: which eval the repeated eval_* figures of the next lines are (eval@N)
+                    self.last_eval = {**self.evaluate(epoch), "last_eval_epoch": epoch}
                 metrics = {**self.train_epoch(epoch), **self.last_eval}
                 self.epoch, self._weights_ahead = epoch + 1, False
                 # metrics.jsonl repeats the last eval on each epoch's line; the trackers got it at its own step
@@ -194,7 +195,7 @@ class Trainer:
                 if train.save_every and self.epoch % train.save_every == 0 and self.epoch < train.epochs:
                     self.save()
             if evaluation.every:
-                self.last_eval = self.evaluate(train.epochs)
+                self.last_eval = {**self.evaluate(train.epochs), "last_eval_epoch": train.epochs}
                 final = self.last_eval
                 self.logger.log(final, step=self.optimizer.global_step, epoch=train.epochs, untracked=final)
                 metrics.update(final)
