@@ -23,9 +23,10 @@ from torch import Tensor
 from tpflow.backbones.diffusers_common import (
     DTYPES,
     DiffusersBackboneOptions,
+    cpu_problem,
     decode_latents,
     load_pipeline,
-    pretrained_problem,
+    pretrained_source,
     scheduler_sigmas,
     setup_pipeline,
 )
@@ -33,6 +34,7 @@ from tpflow.backbones.diffusers_lora import AdapterMethods
 from tpflow.devices import randn
 from tpflow.registry import register
 from tpflow.types import Conditioning
+from tpflow.weights import WeightSource
 
 FLUX_LORA_TARGETS = (  # docs/algorithm.md §6.3: attention projections plus both feed-forward networks
     "attn.to_q",
@@ -162,10 +164,16 @@ def flux_1_dev(options: FluxOptions) -> FluxBackbone:
 
 
 def _check_machine(options: DiffusersBackboneOptions, settings: dict) -> list[str]:
-    """The weights named by ``pretrained`` are a complete local folder, or cached when downloads are off; loads
-    nothing (``tpflow.preflight``)."""
-    problem = pretrained_problem(options.pretrained, "FLUX.1-dev")  # type: ignore[attr-defined]
-    return [f"[backbone] {problem}"] if problem else []
+    """A paper-scale model needs a GPU, or device = "cpu" said explicitly (``tpflow.preflight``)."""
+    problem = cpu_problem(options, "FLUX.1-dev")
+    return [problem] if problem else []
+
+
+def _weight_sources(options: DiffusersBackboneOptions, settings: dict) -> list[WeightSource]:
+    """Where ``pretrained`` will be read from: a complete local folder or its Hugging Face cache snapshot; loads
+    nothing, never the network (``tpflow.weights``)."""
+    return [pretrained_source(options.pretrained, "FLUX.1-dev")]  # type: ignore[attr-defined]
 
 
 flux_1_dev.check_machine = _check_machine  # type: ignore[attr-defined]
+flux_1_dev.weight_sources = _weight_sources  # type: ignore[attr-defined]

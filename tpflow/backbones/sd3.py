@@ -24,9 +24,10 @@ from torch import Tensor
 from tpflow.backbones.diffusers_common import (
     DTYPES,
     DiffusersBackboneOptions,
+    cpu_problem,
     decode_latents,
     load_pipeline,
-    pretrained_problem,
+    pretrained_source,
     scheduler_sigmas,
     setup_pipeline,
 )
@@ -34,6 +35,7 @@ from tpflow.backbones.diffusers_lora import AdapterMethods
 from tpflow.devices import randn
 from tpflow.registry import register
 from tpflow.types import Conditioning
+from tpflow.weights import WeightSource
 
 SD3_LORA_TARGETS = (  # docs/algorithm.md §6.3: the joint attention projections of every block
     "attn.to_q",
@@ -150,10 +152,16 @@ def sd35_medium(options: SD3Options) -> SD3Backbone:
 
 
 def _check_machine(options: DiffusersBackboneOptions, settings: dict) -> list[str]:
-    """The weights named by ``pretrained`` are a complete local folder, or cached when downloads are off; loads
-    nothing (``tpflow.preflight``)."""
-    problem = pretrained_problem(options.pretrained, "SD3.5-Medium")  # type: ignore[attr-defined]
-    return [f"[backbone] {problem}"] if problem else []
+    """A paper-scale model needs a GPU, or device = "cpu" said explicitly (``tpflow.preflight``)."""
+    problem = cpu_problem(options, "SD3.5-Medium")
+    return [problem] if problem else []
+
+
+def _weight_sources(options: DiffusersBackboneOptions, settings: dict) -> list[WeightSource]:
+    """Where ``pretrained`` will be read from: a complete local folder or its Hugging Face cache snapshot; loads
+    nothing, never the network (``tpflow.weights``)."""
+    return [pretrained_source(options.pretrained, "SD3.5-Medium")]  # type: ignore[attr-defined]
 
 
 sd35_medium.check_machine = _check_machine  # type: ignore[attr-defined]
+sd35_medium.weight_sources = _weight_sources  # type: ignore[attr-defined]

@@ -7,7 +7,7 @@
 
 Score = exp(logit_scale) · cos(text_emb, image_emb) / 26, as the reference (docs/algorithm.md §7): the /26 brings the
 usual range (about 20-23) near 1. Weights are never downloaded; fetch them once with
-``huggingface-cli download yuvalkirstain/PickScore_v1`` and ``huggingface-cli download
+``hf download yuvalkirstain/PickScore_v1`` and ``hf download
 laion/CLIP-ViT-H-14-laion2B-s32B-b79K``, or point the options at local folders.
 """
 
@@ -27,8 +27,10 @@ from tpflow.errors import UserError
 from tpflow.registry import register
 from tpflow.rewards._images import clip_preprocess, l2_normalize
 from tpflow.types import RewardOutput
+from tpflow.weights import MODEL_FILES, WeightSource, download_command, model_folder
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_HOW = "set the option to a local folder written by save_pretrained"
 MAX_TOKENS = 77  # CLIP's text context; longer prompts are truncated, as in the reference
 
 
@@ -61,6 +63,22 @@ class PickScoreReward:
     to uint8 and preprocessed in torch (resize the shortest side with PIL's bicubic, centre-crop, normalise with the
     processor's mean and std), so a score never depends on the rest of the batch. ``scores`` [N] float32 on the CPU.
     """
+
+    @staticmethod
+    def weight_sources(options: PickScoreOptions, settings: dict) -> list[WeightSource]:
+        """Where the model and the processor will be read from: local folders or Hugging Face cache entries, found
+        without the network (``tpflow.weights``)."""
+        return [
+            model_folder(
+                "reward 'pickscore' model (option model)", options.model, [("config.json",), MODEL_FILES], _HOW
+            ),
+            model_folder(
+                "reward 'pickscore' processor (option processor)",
+                options.processor,
+                [("preprocessor_config.json",), ("tokenizer.json", "vocab.json")],
+                _HOW,
+            ),
+        ]
 
     def __init__(self, options: PickScoreOptions | None = None):
         self.options = options or PickScoreOptions()
@@ -123,7 +141,7 @@ def _from_local(cls: Any, name: str, option: str) -> Any:
             raise UserError(f"reward 'pickscore': option {option} = {name!r} could not be loaded: {reason}") from None
         raise UserError(
             f"reward 'pickscore': option {option} = {name!r} is neither a local folder nor in the Hugging Face "
-            f"cache, and tpflow never downloads weights. Download it once with `huggingface-cli download {name}` "
+            f"cache, and tpflow never downloads weights. Download it once with {download_command(name)} "
             f"(on a machine with network, then copy the cache), or set reward option {option} to a local folder "
             "written by save_pretrained."
         ) from None

@@ -19,7 +19,7 @@ architecture from transformers (default ``facebook/mask2former-swin-small-coco-i
    for get one from ``colors.ColorClassifier`` (object on grey, cropped to its box); the others get None.
 
 Weights are never downloaded: ``model`` is a local folder written by ``save_pretrained`` or a Hugging Face id
-already in the local cache (``huggingface-cli download facebook/mask2former-swin-small-coco-instance``).
+already in the local cache (``hf download facebook/mask2former-swin-small-coco-instance``).
 transformers' Mask2Former needs scipy (its training loss is built with the model).
 """
 
@@ -40,6 +40,7 @@ from tpflow.rewards._images import to_uint8
 from tpflow.rewards.geneval.colors import ColorClassifier, grey_crop
 from tpflow.rewards.geneval.detection import Detection, geneval_class_name
 from tpflow.rewards.geneval.scoring import COUNTING_THRESHOLD, THRESHOLD, kept_detections
+from tpflow.weights import download_command
 
 DEFAULT_MODEL = "facebook/mask2former-swin-small-coco-instance"
 _MICRO_BATCH = 8  # images per Mask2Former forward
@@ -193,7 +194,7 @@ def _load_mask2former(name: str) -> tuple[Any, Any]:
         raise UserError(
             f"reward 'geneval': the Mask2Former weights {name} could not be loaded from a local folder or the "
             f"Hugging Face cache ({first}), and tpflow never downloads weights. Download them once with "
-            f"`huggingface-cli download {name}` (then copy the cache to this machine), or set the reward option "
+            f"{download_command(name)} (then copy the cache to this machine), or set the reward option "
             f"detector_model to a local folder written by save_pretrained."
         ) from None
     return processor, model
