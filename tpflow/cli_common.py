@@ -97,3 +97,15 @@ def warn_broken_plugins() -> None:
             make_console(stderr=True).print(
                 f"[yellow]warning: plugin failed to load[/] {escape(line)}", soft_wrap=True, highlight=False
             )
+
+
+def print_report(report: Any, console: Console | None = None) -> None:
+    """What ``tpflow.preflight.check_machine`` found, as a command starts: the device, where each weight will be
+    read from, then the warnings (on stderr unless ``console`` is given: stdout keeps the command's results). Only
+    the first process of a launched command prints it."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    console = console or make_console(stderr=True)
+    for line in report.lines():
+        style = "yellow" if line.startswith("warning:") else "dim"
+        console.print(f"[{style}]{escape(line)}[/]", soft_wrap=True, highlight=False)

@@ -20,6 +20,7 @@ from tpflow.cli_common import (
     Overrides,
     launch_if_asked,
     make_console,
+    print_report,
     user_errors,
     warn_broken_plugins,
 )
@@ -125,7 +126,7 @@ def eval_(
 
     for which in (resolved, other):
         if which is not None:  # before any weights load: devices, model files, the reward's server
-            check_machine(which.recipe, where=str(which.path))
+            print_report(check_machine(which.recipe, where=str(which.path)))
             which.recipe.preflight()
     options = EvalOptions(
         prompts=prompts, num_prompts=num_prompts, steps=steps, guidance=guidance,
@@ -182,7 +183,7 @@ def sample(
     resolved = resolve_target(target, recipe, checkpoint, set_, resolution)
     from tpflow.preflight import check_machine
 
-    check_machine(resolved.recipe, where=str(resolved.path))  # devices and model files, before weights load
+    print_report(check_machine(resolved.recipe, where=str(resolved.path)))  # devices, model files: before loading
     accelerator = _eval_accelerator(resolved.recipe)
     scale = resolved.recipe.eval.guidance if guidance is None else guidance
     batch = resolved.recipe.eval.batch_size
