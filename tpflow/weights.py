@@ -8,12 +8,14 @@ sample and inspect-trajectory print them when they start, and a missing weight i
 before any weight loads.
 
 Hub ids are looked up in the cache only (``huggingface_hub.try_to_load_from_cache``), never on the network, with or
-without ``HF_HUB_OFFLINE``; the loaders read them with ``local_files_only=True``, so what is found here is what loads.
+without ``HF_HUB_OFFLINE``, and the loaders load the folder found here (``WeightSource.path``, a cache snapshot for a
+hub id), not the hub id: huggingface_hub 1.x contacts the Hub from ``hf_hub_download`` even with
+``local_files_only=True`` (its user-agent detection fetches a registry), a loader given a folder never calls it.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ class WeightSource:
     name: str  # as the recipe gives it: a hub id, a path, an open_clip tag
     where: str | None  # e.g. "Hugging Face cache: /root/.cache/huggingface/hub/models--x--y/snapshots/abc"
     problem: str | None = None  # why it is missing and how to get it (sentences); None when found
+    path: str | None = None  # the local folder or file to load from (a cache snapshot for a hub id), when found
 
 
 def hub_cache_dir() -> Path:
@@ -52,8 +55,18 @@ def hub_cache_dir() -> Path:
 def download_command(repo_id: str) -> str:
     """The shell command that fetches ``repo_id`` into the cache, with the CLI the installed huggingface_hub has
     (``hf`` since 0.34; ``huggingface-cli`` before, removed in 1.0)."""
-    cli = "hf" if importlib.util.find_spec("huggingface_hub.cli.hf") is not None else "huggingface-cli"
+    cli = "hf" if "hf" in hub_console_scripts() else "huggingface-cli"
     return f"`{cli} download {repo_id}`"
+
+
+def hub_console_scripts() -> set[str]:
+    """The commands the installed huggingface_hub provides, read from its metadata: importing huggingface_hub.cli
+    would contact the Hub (its agent detection fetches a registry)."""
+    try:
+        scripts = importlib.metadata.distribution("huggingface_hub").entry_points
+    except importlib.metadata.PackageNotFoundError:
+        return set()
+    return {ep.name for ep in scripts if ep.group == "console_scripts"}
 
 
 def is_local_name(name: str) -> bool:
@@ -92,7 +105,7 @@ def model_folder(
         missing = [" or ".join(group) for group in needs if not any((local / f).is_file() for f in group)]
         if missing:
             return WeightSource(what, name, None, f"{what}: the {kind} {local} lacks {', '.join(missing)}; {how}.")
-        return WeightSource(what, name, f"local folder {local}")
+        return WeightSource(what, name, f"local folder {local}", path=str(local))
     found: list[str] = []
     missing = []
     for group in needs:
@@ -111,7 +124,8 @@ def model_folder(
             f"weights. Fetch it with {download_command(name)} (on a machine with network, then copy the cache), or "
             f"{how}.",
         )
-    return WeightSource(what, name, f"Hugging Face cache {Path(found[0]).parent}")
+    snapshot = Path(found[0]).parent
+    return WeightSource(what, name, f"Hugging Face cache {snapshot}", path=str(snapshot))
 
 
 def file_source(what: str, path: str | None, how: str) -> WeightSource:
@@ -122,4 +136,4 @@ def file_source(what: str, path: str | None, how: str) -> WeightSource:
     if not file.is_file():
         state = "is not a file" if file.exists() else "does not exist"
         return WeightSource(what, path, None, f"{what}: {file} {state}; {how}.")
-    return WeightSource(what, path, f"local file {file}")
+    return WeightSource(what, path, f"local file {file}", path=str(file))

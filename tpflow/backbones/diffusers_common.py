@@ -97,9 +97,9 @@ def pretrained_source(pretrained: str, model_name: str) -> WeightSource:
     if is_local_name(pretrained):
         local = Path(pretrained).expanduser()
         problem = _folder_problem(local, model_name, "folder")
-        return WeightSource(
-            what, pretrained, None if problem else f"local folder {local}", problem and f"{problem} {how}"
-        )
+        if problem:
+            return WeightSource(what, pretrained, None, f"{problem} {how}")
+        return WeightSource(what, pretrained, f"local folder {local}", path=str(local))
     index = cached_file(pretrained, "model_index.json")
     if index is None:
         problem = (
@@ -111,7 +111,7 @@ def pretrained_source(pretrained: str, model_name: str) -> WeightSource:
     problem = _folder_problem(snapshot, model_name, f"'{pretrained}' in the Hugging Face cache, snapshot")
     if problem:
         return WeightSource(what, pretrained, None, f"{problem} The download was partial. {how}")
-    return WeightSource(what, pretrained, f"Hugging Face cache {snapshot}")
+    return WeightSource(what, pretrained, f"Hugging Face cache {snapshot}", path=str(snapshot))
 
 
 def pretrained_problem(pretrained: str, model_name: str) -> str | None:
@@ -138,15 +138,15 @@ def cpu_problem(options: DiffusersBackboneOptions, model_name: str) -> str | Non
 def load_pipeline(pipeline_cls: Any, pretrained: str, dtype: torch.dtype, model_name: str, **kwargs: Any) -> Any:
     """``pipeline_cls.from_pretrained`` with a UserError that says which weights are missing and how to get them.
 
-    The weights are found first (``pretrained_source``: a local folder, or the Hugging Face cache) and read with
-    ``local_files_only=True``: never the network, so no hub warnings and no stall, with or without HF_HUB_OFFLINE.
+    The weights are found first (``pretrained_source``: a local folder, or a snapshot in the Hugging Face cache) and
+    that folder is loaded, with ``local_files_only=True``: never the network, so no hub warnings and no stall, with
+    or without HF_HUB_OFFLINE.
     """
     source = pretrained_source(pretrained, model_name)
-    if source.problem:
-        raise UserError(source.problem)
-    local = str(Path(pretrained).expanduser()) if is_local_name(pretrained) else pretrained
+    if source.problem or source.path is None:
+        raise UserError(source.problem or f"The {model_name} weights '{pretrained}' were not found.")
     try:
-        return pipeline_cls.from_pretrained(local, torch_dtype=dtype, local_files_only=True, **kwargs)
+        return pipeline_cls.from_pretrained(source.path, torch_dtype=dtype, local_files_only=True, **kwargs)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(

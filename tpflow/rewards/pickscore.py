@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -75,7 +74,7 @@ class PickScoreReward:
             model_folder(
                 "reward 'pickscore' processor (option processor)",
                 options.processor,
-                [("preprocessor_config.json",), ("tokenizer.json", "vocab.json")],
+                [("preprocessor_config.json", "processor_config.json"), ("tokenizer.json", "vocab.json")],
                 _HOW,
             ),
         ]
@@ -132,16 +131,18 @@ def _pooled(out: Any) -> Tensor:
 
 
 def _from_local(cls: Any, name: str, option: str) -> Any:
-    """``cls.from_pretrained(name)`` from disk or the local cache only; a clear UserError when it is not there."""
+    """``cls.from_pretrained`` of the folder ``name`` is (a local folder, or its Hugging Face cache snapshot), found
+    first without the network; a clear UserError when it is not there."""
+    sources = PickScoreReward.weight_sources(PickScoreOptions(**{option: name}), {})
+    source = next(s for s in sources if f"(option {option})" in s.what)
+    if source.problem or source.path is None:
+        raise UserError(source.problem or f"reward 'pickscore': option {option} = {name!r} was not found.")
     try:
-        return cls.from_pretrained(name, local_files_only=True)
+        return cls.from_pretrained(source.path, local_files_only=True)
     except (OSError, ValueError) as exc:
-        if Path(name).expanduser().exists():
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UserError(f"reward 'pickscore': option {option} = {name!r} could not be loaded: {reason}") from None
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(
-            f"reward 'pickscore': option {option} = {name!r} is neither a local folder nor in the Hugging Face "
-            f"cache, and tpflow never downloads weights. Download it once with {download_command(name)} "
-            f"(on a machine with network, then copy the cache), or set reward option {option} to a local folder "
+            f"reward 'pickscore': option {option} = {name!r} could not be loaded from {source.path}: {reason}. "
+            f"Fetch it again with {download_command(name)}, or set reward option {option} to a local folder "
             "written by save_pretrained."
         ) from None

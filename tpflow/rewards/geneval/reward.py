@@ -32,7 +32,7 @@ from tpflow.registry import register
 from tpflow.rewards.geneval.detectors import Detector, build_detector
 from tpflow.rewards.geneval.scoring import score
 from tpflow.types import RewardOutput
-from tpflow.weights import MODEL_FILES, WeightSource, model_folder
+from tpflow.weights import WeightSource
 
 
 class GenevalOptions(BaseModel):
@@ -84,13 +84,9 @@ class GenevalReward:
         if options.detector != "mask2former":
             return []
         from tpflow.rewards._images import open_clip_source
+        from tpflow.rewards.geneval.mask2former import detector_source
 
-        detector = model_folder(
-            "reward 'geneval' Mask2Former (option detector_model)",
-            options.detector_model,
-            [("config.json",), ("preprocessor_config.json",), MODEL_FILES],
-            "set detector_model to a local folder written by save_pretrained",
-        )
+        detector = detector_source(options.detector_model)
         what = "reward 'geneval' colour classifier (options clip_model, clip_pretrained)"
         where = "reward 'geneval' (options clip_model, clip_pretrained)"
         return [detector, open_clip_source(what, options.clip_model, options.clip_pretrained, where)]
