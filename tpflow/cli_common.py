@@ -6,13 +6,16 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from tpflow.errors import UserError
+
+if TYPE_CHECKING:
+    from tpflow.preflight import MachineReport
 
 F = TypeVar("F", bound=Callable[..., Any])
 Overrides = Annotated[
@@ -99,7 +102,7 @@ def warn_broken_plugins() -> None:
             )
 
 
-def print_report(report: Any, console: Console | None = None) -> None:
+def print_report(report: MachineReport, console: Console | None = None) -> None:
     """What ``tpflow.preflight.check_machine`` found, as a command starts: the device, where each weight will be
     read from, then the warnings (on stderr unless ``console`` is given: stdout keeps the command's results). Only
     the first process of a launched command prints it."""

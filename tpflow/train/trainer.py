@@ -120,11 +120,11 @@ class Trainer:
             self.run_lock.acquire()
         if not self.dist.is_main:
             self.console = Console(quiet=True)  # one process reports; every process raises its own errors
-        for line in self.machine.lines():  # where each weight comes from, before any loads
-            self.console.print(escape(line), style="yellow" if line.startswith("warning:") else "dim", soft_wrap=True)
         check_layout(train, self.dist.world_size)
         # the checkpoint to resume, verified and compared with this recipe before any weights load (train/resume.py)
         checkpoint = checkpoint_to_resume(self.run_dir, resume, self.recipe, self.console, self.dist.is_main)
+        for line in self.machine.lines():  # every check passed: where each weight comes from, before any loads
+            self.console.print(escape(line), style="yellow" if line.startswith("warning:") else "dim", soft_wrap=True)
         torch.manual_seed(train.seed)  # the same on every process: the adapters start equal
         random.seed(train.seed)
         self.backbone = recipe.build("backbone")
