@@ -238,6 +238,24 @@ def test_loaders_read_the_cache_only_without_hf_hub_offline(empty_hub, no_networ
     assert no_network == []
 
 
+def test_a_cached_pipeline_loads_from_its_snapshot_quietly(empty_hub, no_network):
+    """A pipeline in the cache (tiny-sd3 saved as SD3.5-M's snapshot) loads from that folder: no connection tried,
+    no warning from diffusers (its torch_dtype FutureWarning included), the dtype asked for."""
+    import warnings
+
+    from tpflow import registry
+    from tpflow.backbones.tiny import tiny_sd3_pipeline
+
+    snapshot = cache_repo(empty_hub, SD3, {})
+    tiny_sd3_pipeline(seed=0).save_pretrained(snapshot)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backbone = registry.build("backbone", "sd3.5-medium", device="cpu", dtype="bf16", resolution=16)
+    assert next(backbone.transformer.parameters()).dtype == torch.bfloat16
+    assert [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))] == []
+    assert no_network == []
+
+
 # ------------------------------------------------------------------------------------------- item 4: no GPU here
 
 

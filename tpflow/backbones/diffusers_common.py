@@ -145,8 +145,13 @@ def load_pipeline(pipeline_cls: Any, pretrained: str, dtype: torch.dtype, model_
     source = pretrained_source(pretrained, model_name)
     if source.problem or source.path is None:
         raise UserError(source.problem or f"The {model_name} weights '{pretrained}' were not found.")
+    # a diffusers with _resolve_dtype (0.42 has it) takes `dtype` and warns (FutureWarning) on `torch_dtype`; older
+    # ones know only `torch_dtype`
+    from diffusers.pipelines import pipeline_utils
+
+    kwargs["dtype" if hasattr(pipeline_utils, "_resolve_dtype") else "torch_dtype"] = dtype
     try:
-        return pipeline_cls.from_pretrained(source.path, torch_dtype=dtype, local_files_only=True, **kwargs)
+        return pipeline_cls.from_pretrained(source.path, local_files_only=True, **kwargs)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(
