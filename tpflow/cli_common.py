@@ -102,13 +102,15 @@ def warn_broken_plugins() -> None:
             )
 
 
-def print_report(report: MachineReport, console: Console | None = None) -> None:
-    """What ``tpflow.preflight.check_machine`` found, as a command starts: the device, where each weight will be
-    read from, then the warnings (on stderr unless ``console`` is given: stdout keeps the command's results). Only
-    the first process of a launched command prints it."""
+def print_report(*reports: MachineReport) -> None:
+    """What ``tpflow.preflight.check_machine`` found, as a command starts: the device and where each weight will be
+    read from on stdout, with the command's results; the warnings on stderr, as every warning. A line two reports
+    share (a target and its baseline) is printed once; only the first process of a launched command prints."""
     if os.environ.get("RANK", "0") != "0":
         return
-    console = console or make_console(stderr=True)
-    for line in report.lines():
-        style = "yellow" if line.startswith("warning:") else "dim"
-        console.print(f"[{style}]{escape(line)}[/]", soft_wrap=True, highlight=False)
+    out, err = make_console(), make_console(stderr=True)
+    for line in dict.fromkeys(line for report in reports for line in report.lines()):
+        if line.startswith("warning:"):
+            err.print(f"[yellow]warning:[/]{escape(line.removeprefix('warning:'))}", soft_wrap=True, highlight=False)
+        else:
+            out.print(f"[dim]{escape(line)}[/]", soft_wrap=True, highlight=False)

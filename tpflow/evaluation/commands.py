@@ -124,9 +124,10 @@ def eval_(
     other = resolve_target(baseline, None, None, set_, resolution) if baseline is not None else None
     from tpflow.preflight import check_machine
 
+    reports = []
     for which in (resolved, other):
         if which is not None:  # before any weights load: devices, model files, the reward's server
-            print_report(check_machine(which.recipe, where=str(which.path)))
+            reports.append(check_machine(which.recipe, where=str(which.path)))
             which.recipe.preflight()
     options = EvalOptions(
         prompts=prompts, num_prompts=num_prompts, steps=steps, guidance=guidance,
@@ -134,6 +135,7 @@ def eval_(
     )  # fmt: skip
     if prompts not in ("test", "train", "geneval", "ocr") and not Path(prompts).expanduser().is_file():
         raise UserError(f"--prompts {prompts!r} is neither test, train, geneval, ocr nor an existing prompt file.")
+    print_report(*reports)  # every check passed: the device, where each weight comes from
     launch_if_asked(ctx, num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
     accelerator = _eval_accelerator(resolved.recipe)
     dist = Distributed(accelerator)
