@@ -191,6 +191,21 @@ def test_other_rewards_name_their_weights(empty_hub, tmp_path, capsys, built):
     assert "reward" not in built
 
 
+def test_sample_says_where_the_weights_come_from_before_it_loads(tmp_path, capsys):
+    out = tmp_path / "s.png"
+    code, text = run_cli(capsys, "sample", str(SHAPES), "--prompt", "a red circle", "--n", "1", "--steps", "2",
+                         "--out", str(out))  # fmt: skip
+    assert code == 0 and out.is_file(), text
+    lines = text.splitlines()
+    weights = next(i for i, line in enumerate(lines) if line.startswith("weights: [backbone] shapes-dit weights"))
+    assert "shipped file" in lines[weights] and "shapes_dit.safetensors" in lines[weights], text
+    assert (
+        lines.index("device: cpu (backbone device = 'cpu')")
+        < weights
+        < next(i for i, line in enumerate(lines) if line.startswith("wrote "))
+    ), text
+
+
 def test_download_command_follows_the_installed_huggingface_hub(monkeypatch):
     import importlib.metadata
 
