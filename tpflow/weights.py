@@ -36,7 +36,7 @@ class WeightSource:
 
     what: str  # what it is and which option names it, e.g. "PickScore model (option model)"
     name: str  # as the recipe gives it: a hub id, a path, an open_clip tag
-    where: str | None  # e.g. "Hugging Face cache: /root/.cache/huggingface/hub/models--x--y/snapshots/abc"
+    where: str | None  # e.g. "Hugging Face cache /root/.cache/huggingface/hub/models--x--y/snapshots/abc"
     problem: str | None = None  # why it is missing and how to get it (sentences); None when found
     path: str | None = None  # the local folder or file to load from (a cache snapshot for a hub id), when found
 

@@ -201,7 +201,7 @@ def open_clip_source(what: str, arch: str, pretrained: str, where: str) -> Weigh
         origin = "Hugging Face cache"
     else:
         origin = "open_clip cache"
-    return WeightSource(what, f"{arch} {pretrained}", f"{origin} {checkpoint}")
+    return WeightSource(what, f"{arch} {pretrained}", f"{origin} {checkpoint}", path=checkpoint)
 
 
 def find_open_clip(arch: str, pretrained: str, where: str) -> tuple[str, dict[str, Any]]:
