@@ -59,6 +59,11 @@ def download_command(repo_id: str) -> str:
     return f"`{cli} download {repo_id}`"
 
 
+def login_command() -> str:
+    """The shell command that logs in to the Hub (gated models), with the installed huggingface_hub's CLI."""
+    return "`hf auth login`" if "hf" in hub_console_scripts() else "`huggingface-cli login`"
+
+
 def hub_console_scripts() -> set[str]:
     """The commands the installed huggingface_hub provides, read from its metadata: importing huggingface_hub.cli
     would contact the Hub (its agent detection fetches a registry)."""

@@ -61,12 +61,12 @@ class DiffusersBackboneOptions(BaseModel):
 
 
 def _how(pretrained: str) -> str:
-    from tpflow.weights import download_command
+    from tpflow.weights import download_command, login_command
 
     hub = pretrained if not is_local_name(pretrained) else "<hub id>"
     return (
         f"Download them with {download_command(hub)} (accept the model's licence on the Hub and log in with "
-        "`hf auth login` first), or set pretrained = '/path/to/folder' in [backbone] to a folder holding the "
+        f"{login_command()} first), or set pretrained = '/path/to/folder' in [backbone] to a folder holding the "
         "diffusers layout (model_index.json, transformer/, vae/, text_encoder*/, tokenizer*/, scheduler/)."
     )
 
