@@ -9,6 +9,7 @@ from a float64 one by ~2e-6, while a real mismatch (another schedule, a missing 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from tpflow.errors import UserError
 from tpflow.registry import build
 from tpflow.rollout import Window, rollout, sample_ode
 from tpflow.samplers.cps import CpsSampler
+from tpflow.weights import download_command
 
 from .conftest import exact_fp32
 
@@ -182,7 +184,7 @@ def test_missing_local_weights_name_what_is_missing(tmp_path):
 def test_missing_hub_weights_offline_say_how_to_get_them(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(UserError, match="huggingface-cli download stabilityai/stable-diffusion-3.5-medium"):
+    with pytest.raises(UserError, match=re.escape(download_command("stabilityai/stable-diffusion-3.5-medium"))):
         build("backbone", "sd3.5-medium")
 
 
@@ -250,7 +252,7 @@ def test_paper_recipe_without_weights_exits_2_naming_them(monkeypatch, tmp_path,
     assert exc.value.code == 2
     err = " ".join(capsys.readouterr().err.split())
     model = "black-forest-labs/FLUX.1-dev" if name.startswith("flux") else "stabilityai/stable-diffusion-3.5-medium"
-    assert f"huggingface-cli download {model}" in err
+    assert download_command(model) in err
     assert "Traceback" not in err
 
 

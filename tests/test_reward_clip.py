@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import math
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 from tpflow import registry
 from tpflow.errors import UserError
 from tpflow.rewards._images import clip_preprocess, to_uint8
+from tpflow.weights import download_command
 
 from .test_device_rules import FactoryWatch
 
@@ -192,7 +194,7 @@ def test_pickscore_missing_weights_is_a_user_error(pick_dirs, tmp_path: Path):
     with pytest.raises(UserError, match="no-such-model"):
         reward(uint8_images(1, 32, 32), ["x"], [{}])
     reward = registry.build("reward", "pickscore", model="tpflow-test/not-cached", processor=str(pick_dirs[1]))
-    with pytest.raises(UserError, match="huggingface-cli download tpflow-test/not-cached"):
+    with pytest.raises(UserError, match=re.escape(download_command("tpflow-test/not-cached"))):
         reward.load()
 
 
@@ -291,7 +293,7 @@ def test_clipscore_missing_weights_are_user_errors(open_clip_ckpt, tmp_path: Pat
     # A real tag whose weights are not cached: an empty cache and home, so nothing is found, nothing downloaded.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
     monkeypatch.setenv("HOME", str(tmp_path))
-    with pytest.raises(UserError, match="huggingface-cli download timm/vit_base_patch32_clip_224.openai"):
+    with pytest.raises(UserError, match=re.escape(download_command("timm/vit_base_patch32_clip_224.openai"))):
         registry.build("reward", "clipscore", model="ViT-B-32", pretrained="openai").load()
 
 

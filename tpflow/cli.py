@@ -39,6 +39,7 @@ from tpflow.cli_common import (
     Overrides,
     launch_if_asked,
     make_console,
+    print_report,
     user_errors,
     warn_broken_plugins,
 )
@@ -139,8 +140,7 @@ def validate(
 
     loaded = load_recipe(recipe, set_ or [])
     warn_broken_plugins()
-    if machine:
-        check_machine(loaded, default_run_dir(loaded))
+    report = check_machine(loaded, default_run_dir(loaded)) if machine else None
     if not offline:
         loaded.preflight()  # the remote reward's server: up, and serving the recipe's reward
     table = Table(title=f"{recipe}: valid", show_lines=True)
@@ -151,7 +151,20 @@ def validate(
         table.add_row(kind, spec.name, _format_values(spec.options))
     for section, settings in loaded.settings.items():
         table.add_row(section, "", _format_values(settings))
-    make_console().print(table)
+    console = make_console()
+    console.print(table)
+    if report is not None:
+        weights = Table(title="weights: where each will be read from (nothing loaded)", show_lines=True)
+        weights.add_column("section", no_wrap=True)
+        weights.add_column("weight")
+        weights.add_column("from", overflow="fold")
+        for kind, source in report.weights:
+            weights.add_row(kind, escape(source.what), escape(source.where or ""))
+        if report.weights:
+            console.print(weights)
+        console.print(f"device: {escape(report.device)}", highlight=False, soft_wrap=True)
+        for text in report.warnings:
+            make_console(stderr=True).print(f"[yellow]warning:[/] {escape(text)}", soft_wrap=True, highlight=False)
 
 
 @app.command(context_settings={"ignore_unknown_options": True})  # a trace may start with a minus: -1,2,-3
@@ -342,7 +355,7 @@ def inspect_trajectory(
         from tpflow.preflight import check_machine
 
         loaded = load_recipe(recipe, set_ or [])
-        check_machine(loaded)  # devices, weight files, prompts: before anything loads
+        print_report(check_machine(loaded))  # devices, weight files, prompts: before anything loads
 
         def warn(text: str) -> None:
             make_console(stderr=True).print(f"[yellow]warning:[/] {escape(text)}", soft_wrap=True, highlight=False)

@@ -6,13 +6,16 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from tpflow.errors import UserError
+
+if TYPE_CHECKING:
+    from tpflow.preflight import MachineReport
 
 F = TypeVar("F", bound=Callable[..., Any])
 Overrides = Annotated[
@@ -97,3 +100,17 @@ def warn_broken_plugins() -> None:
             make_console(stderr=True).print(
                 f"[yellow]warning: plugin failed to load[/] {escape(line)}", soft_wrap=True, highlight=False
             )
+
+
+def print_report(*reports: MachineReport) -> None:
+    """What ``tpflow.preflight.check_machine`` found, as a command starts: the device and where each weight will be
+    read from on stdout, with the command's results; the warnings on stderr, as every warning. A line two reports
+    share (a target and its baseline) is printed once; only the first process of a launched command prints."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    out, err = make_console(), make_console(stderr=True)
+    for line in dict.fromkeys(line for report in reports for line in report.lines()):
+        if line.startswith("warning:"):
+            err.print(f"[yellow]warning:[/]{escape(line.removeprefix('warning:'))}", soft_wrap=True, highlight=False)
+        else:
+            out.print(f"[dim]{escape(line)}[/]", soft_wrap=True, highlight=False)

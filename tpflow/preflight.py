@@ -5,47 +5,113 @@ another section). ``check_machine`` checks what those values name on this machin
 
 * every ``device`` option exists here (``cuda`` on a machine without CUDA, ``cuda:3`` with one GPU);
 * each component's own ``check_machine(options, settings)`` hook, when it has one: the files it names exist and are
-  what they claim (the shapes-dit weights are a safetensors file, ...);
+  what they claim (the shapes-dit weights are a safetensors file, ...), a paper-scale backbone has a GPU (or
+  ``device = "cpu"`` said explicitly);
+* each component's ``weight_sources(options, settings)`` hook (``tpflow.weights``), when it has one: every weight it
+  will load is on disk, a local path or an entry of the Hugging Face cache (looked up without the network); a missing
+  one is a problem naming its download command;
 * the prompt dataset builds (datasets load no weights): its files exist, are regular UTF-8 files that parse, and
   every split holds prompt strings;
 * the run directory is usable: not an existing regular file, and its nearest existing parent is a writable directory.
 
 Every problem found is one sentence; all of them make one ``RecipeError`` paragraph (exit status 2 in the CLI).
+Otherwise a ``MachineReport`` says where each weight comes from, what the backbone's device resolved to, and warnings
+(mixed precision on the CPU): ``tpflow validate`` prints it, and so do train, eval, sample and inspect-trajectory.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tpflow import registry
 from tpflow.errors import RecipeError, UserError
+from tpflow.weights import WeightSource
 
 if TYPE_CHECKING:
     from tpflow.recipe import Recipe
 
 
-def check_machine(recipe: Recipe, run_dir: Path | None = None, where: str | None = None) -> None:
+@dataclass
+class MachineReport:
+    """What ``check_machine`` found on a machine where the recipe can run: what to print before anything loads."""
+
+    weights: list[tuple[str, WeightSource]] = field(default_factory=list)  # (section, source) of every weight
+    device: str = ""  # the backbone's device as resolved here, and why, e.g. "cpu (device unset, no CUDA GPU)"
+    warnings: list[str] = field(default_factory=list)  # sentences: runs, but not as the user may expect
+
+    def lines(self) -> list[str]:
+        """The report as printed when a command starts: the device, a line per weight, then the warnings."""
+        out = [f"device: {self.device}"] if self.device else []
+        out += [f"weights: [{kind}] {source.what}: {source.where}" for kind, source in self.weights]
+        return out + [f"warning: {text}" for text in self.warnings]
+
+
+def check_machine(recipe: Recipe, run_dir: Path | None = None, where: str | None = None) -> MachineReport:
     """Raise one RecipeError listing every problem of ``recipe`` on this machine; ``run_dir`` is checked when given.
 
-    Loads no weights: the dataset is built (prompt files are read), every other component only inspected.
+    Loads no weights: the dataset is built (prompt files are read), every other component only inspected; a weight
+    is looked for on disk and in the Hugging Face cache, never on the network. Returns what was found: where each
+    weight comes from, the backbone's device, warnings.
     """
     where = where or (str(recipe.path) if recipe.path else "recipe")
     problems = device_problems(recipe)
+    report = MachineReport()
     for spec in recipe.components.values():
-        hook = getattr(registry.get(spec.kind, spec.name).factory, "check_machine", None)
+        factory = registry.get(spec.kind, spec.name).factory
+        hook = getattr(factory, "check_machine", None)
         if callable(hook):
             try:
                 problems += list(hook(spec.options, recipe.settings))
             except UserError as exc:  # a hook may raise its one problem instead of returning it
                 problems.append(f"[{spec.kind}] {exc}")
+        for source in component_weights(factory, spec.options, recipe.settings):
+            if source.problem:
+                problems.append(f"[{spec.kind}] {source.problem}")
+            else:
+                report.weights.append((spec.kind, source))
     problems += dataset_problems(recipe)
     if run_dir is not None:
         problems += run_dir_problems(Path(run_dir))
     if problems:
         raise RecipeError(f"{where}: " + " ".join(problems))
+    report.device, report.warnings = device_report(recipe)
+    return report
+
+
+def component_weights(factory: object, options: object, settings: dict) -> list[WeightSource]:
+    """The component's ``weight_sources(options, settings)`` (``tpflow.weights``), or [] when it has no hook."""
+    hook = getattr(factory, "weight_sources", None)
+    if not callable(hook):
+        return []
+    try:
+        return list(hook(options, settings))
+    except UserError as exc:  # an option that names no weight at all (an unknown open_clip architecture)
+        return [WeightSource("weights", "", None, str(exc))]
+
+
+def device_report(recipe: Recipe) -> tuple[str, list[str]]:
+    """The backbone's device as resolved here with why (an unset device falls back to the CPU silently otherwise),
+    and warnings: mixed precision ignored on the CPU."""
+    from tpflow.devices import resolve_device
+
+    asked = getattr(recipe.backbone.options, "device", None)
+    device = resolve_device(asked)
+    if asked in (None, "auto"):
+        why = "a CUDA GPU is here" if device.type == "cuda" else "no CUDA GPU here"
+        text = f"{device} (backbone device {'unset' if asked is None else repr(asked)}: {why})"
+    else:
+        text = f"{device} (backbone device = {asked!r})"
+    warnings = []
+    precision = recipe.train.mixed_precision
+    if device.type != "cuda" and precision != "no":
+        warnings.append(
+            f"train.mixed_precision = {precision!r} is ignored on the CPU: the backbone runs in its own dtype there."
+        )
+    return text, warnings
 
 
 def device_problems(recipe: Recipe) -> list[str]:

@@ -7,7 +7,6 @@ Plain functions, one options base model and the ``PipelineParts`` container; the
 from __future__ import annotations
 
 import json
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.samplers.schedules import check_num_steps
+from tpflow.weights import WeightSource, cached_file, hub_cache_dir, is_local_name
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -62,43 +62,28 @@ class DiffusersBackboneOptions(BaseModel):
 
 
 def _how(pretrained: str) -> str:
+    from tpflow.weights import download_command, login_command
+
+    hub = pretrained if not is_local_name(pretrained) else "<hub id>"
     return (
-        f"Download them with `huggingface-cli download {pretrained}` (accept the model's licence on the Hub and log "
-        "in with `huggingface-cli login` first), or set pretrained = '/path/to/folder' in [backbone] to a folder "
-        "holding the diffusers layout (model_index.json, transformer/, vae/, text_encoder*/, tokenizer*/, scheduler/)."
+        f"Download them with {download_command(hub)} (accept the model's licence on the Hub and log in with "
+        f"{login_command()} first), or set pretrained = '/path/to/folder' in [backbone] to a folder holding the "
+        "diffusers layout (model_index.json, transformer/, vae/, text_encoder*/, tokenizer*/, scheduler/)."
     )
 
 
-def pretrained_problem(pretrained: str, model_name: str) -> str | None:
-    """Why ``pretrained`` cannot be loaded here, found without loading anything (None when it looks loadable).
-
-    A local folder needs model_index.json and each component's subfolder; a hub id must be in the Hugging Face cache
-    when HF_HUB_OFFLINE=1 (set by `make`) forbids downloading.
-    """
-    how = _how(pretrained)
-    local = Path(pretrained).expanduser()
-    if local.exists() or pretrained.startswith((".", "/", "~")):
-        index = local / "model_index.json"
-        if not index.is_file():
-            return f"The {model_name} weights folder {local} has no model_index.json. {how}"
-        try:
-            components = [k for k, v in json.loads(index.read_text()).items() if isinstance(v, list) and v[0]]
-        except (ValueError, UnicodeDecodeError, AttributeError) as exc:
-            return f"The {model_name} weights folder's {index} is not a diffusers model index ({exc}). {how}"
-        missing = [c for c in components if not (local / c).is_dir()]
-        if missing:
-            return f"The {model_name} weights folder {local} lacks {', '.join(missing)}. {how}"
-        return None
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    if offline:
-        from huggingface_hub import try_to_load_from_cache
-
-        if not isinstance(try_to_load_from_cache(pretrained, "model_index.json"), str):
-            return (
-                f"The {model_name} weights '{pretrained}' are not in the Hugging Face cache "
-                f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}) and HF_HUB_OFFLINE=1 forbids downloading. "
-                + how
-            )
+def _folder_problem(folder: Path, model_name: str, what: str) -> str | None:
+    """Why ``folder`` is not a complete diffusers layout: model_index.json and each component's subfolder."""
+    index = folder / "model_index.json"
+    if not index.is_file():
+        return f"The {model_name} weights {what} {folder} has no model_index.json."
+    try:
+        components = [k for k, v in json.loads(index.read_text()).items() if isinstance(v, list) and v[0]]
+    except (ValueError, UnicodeDecodeError, AttributeError) as exc:
+        return f"The {model_name} weights {what}'s {index} is not a diffusers model index ({exc})."
+    missing = [c for c in components if not (folder / c).is_dir() or not any((folder / c).iterdir())]
+    if missing:
+        return f"The {model_name} weights {what} {folder} lacks {', '.join(missing)}."
     return None
 
 
@@ -142,20 +127,72 @@ def lora_target_problems(
     return target_problems(model, targets, f"the {model_name} transformer")
 
 
+def pretrained_source(pretrained: str, model_name: str) -> WeightSource:
+    """Where ``pretrained`` will be read from (a local folder, or its snapshot in the Hugging Face cache), found
+    without loading anything and without the network; ``problem`` says why it cannot be, with the download command.
+
+    A hub id is looked up in the cache only, with or without HF_HUB_OFFLINE: tpflow never downloads weights.
+    """
+    what = f"{model_name} weights (option pretrained)"
+    how = _how(pretrained)
+    if is_local_name(pretrained):
+        local = Path(pretrained).expanduser()
+        problem = _folder_problem(local, model_name, "folder")
+        if problem:
+            return WeightSource(what, pretrained, None, f"{problem} {how}")
+        return WeightSource(what, pretrained, f"local folder {local}", path=str(local))
+    index = cached_file(pretrained, "model_index.json")
+    if index is None:
+        problem = (
+            f"The {model_name} weights '{pretrained}' are not in the Hugging Face cache ({hub_cache_dir()}), and "
+            f"tpflow never downloads weights. {how}"
+        )
+        return WeightSource(what, pretrained, None, problem)
+    snapshot = Path(index).parent
+    problem = _folder_problem(snapshot, model_name, f"'{pretrained}' in the Hugging Face cache, snapshot")
+    if problem:
+        return WeightSource(what, pretrained, None, f"{problem} The download was partial. {how}")
+    return WeightSource(what, pretrained, f"Hugging Face cache {snapshot}", path=str(snapshot))
+
+
+def pretrained_problem(pretrained: str, model_name: str) -> str | None:
+    """Why ``pretrained`` cannot be loaded here (``pretrained_source``'s problem), or None."""
+    return pretrained_source(pretrained, model_name).problem
+
+
+def cpu_problem(options: DiffusersBackboneOptions, model_name: str) -> str | None:
+    """Why a paper-scale backbone will not start here: no CUDA GPU and ``device`` not set to "cpu" explicitly.
+
+    An unset device means the CPU on a machine without CUDA, where SD3.5-M or FLUX takes hours per rollout batch;
+    the user asks for that with device = "cpu", not by accident.
+    """
+    if options.device not in (None, "auto") or torch.cuda.is_available():
+        return None
+    return (
+        f"[backbone] device: this machine has no CUDA GPU, so {model_name} would run on the CPU (device "
+        f"{'unset' if options.device is None else repr(options.device)} resolves to cpu), hours per rollout batch "
+        f"in {options.dtype}. Run it on a GPU machine, or set device = 'cpu' in [backbone] to run it on the CPU "
+        "anyway."
+    )
+
+
 def load_pipeline(pipeline_cls: Any, pretrained: str, dtype: torch.dtype, model_name: str, **kwargs: Any) -> Any:
     """``pipeline_cls.from_pretrained`` with a UserError that says which weights are missing and how to get them.
 
-    A local folder is checked before anything loads (model_index.json and each component's subfolder). A hub id is
-    looked up in the Hugging Face cache first; with HF_HUB_OFFLINE=1 (set by `make`) nothing is downloaded.
+    The weights are found first (``pretrained_source``: a local folder, or a snapshot in the Hugging Face cache) and
+    that folder is loaded, with ``local_files_only=True``: never the network, so no hub warnings and no stall, with
+    or without HF_HUB_OFFLINE.
     """
-    problem = pretrained_problem(pretrained, model_name)
-    if problem:
-        raise UserError(problem)
-    local = Path(pretrained).expanduser()
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    source = str(local) if local.exists() or pretrained.startswith((".", "/", "~")) else pretrained
+    source = pretrained_source(pretrained, model_name)
+    if source.problem or source.path is None:
+        raise UserError(source.problem or f"The {model_name} weights '{pretrained}' were not found.")
+    # a diffusers with _resolve_dtype (0.42 has it) takes `dtype` and warns (FutureWarning) on `torch_dtype`; older
+    # ones know only `torch_dtype`
+    from diffusers.pipelines import pipeline_utils
+
+    kwargs["dtype" if hasattr(pipeline_utils, "_resolve_dtype") else "torch_dtype"] = dtype
     try:
-        return pipeline_cls.from_pretrained(source, torch_dtype=dtype, local_files_only=offline, **kwargs)
+        return pipeline_cls.from_pretrained(source.path, local_files_only=True, **kwargs)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(

@@ -23,10 +23,11 @@ from torch import Tensor
 from tpflow.backbones.diffusers_common import (
     DTYPES,
     DiffusersBackboneOptions,
+    cpu_problem,
     decode_latents,
     load_pipeline,
     lora_target_problems,
-    pretrained_problem,
+    pretrained_source,
     scheduler_sigmas,
     setup_pipeline,
 )
@@ -34,6 +35,7 @@ from tpflow.backbones.diffusers_lora import AdapterMethods
 from tpflow.devices import randn
 from tpflow.registry import register
 from tpflow.types import Conditioning
+from tpflow.weights import WeightSource
 
 FLUX_LORA_TARGETS = (  # docs/algorithm.md §6.3: attention projections plus both feed-forward networks
     "attn.to_q",
@@ -169,13 +171,19 @@ def flux_1_dev(options: FluxOptions) -> FluxBackbone:
 
 
 def _check_machine(options: DiffusersBackboneOptions, settings: dict) -> list[str]:
-    """The weights named by ``pretrained`` are a complete local folder, or cached when downloads are off, and the
-    LoRA targets name layers of its transformer (built on the meta device); loads nothing (``tpflow.preflight``)."""
-    pretrained = options.pretrained  # type: ignore[attr-defined]
-    problem = pretrained_problem(pretrained, "FLUX.1-dev")
-    if problem:
-        return [f"[backbone] {problem}"]
-    return lora_target_problems("FluxTransformer2DModel", pretrained, options.lora_targets, "FLUX.1-dev")
+    """A paper-scale model needs a GPU, or device = "cpu" said explicitly, and the LoRA targets name layers of its
+    transformer, built on the meta device from its config when that is on this machine (where the weights come from
+    is ``_weight_sources``'s); loads nothing (``tpflow.preflight``)."""
+    problem = cpu_problem(options, "FLUX.1-dev")
+    targets = lora_target_problems("FluxTransformer2DModel", options.pretrained, options.lora_targets, "FLUX.1-dev")  # type: ignore[attr-defined]
+    return ([problem] if problem else []) + targets
+
+
+def _weight_sources(options: DiffusersBackboneOptions, settings: dict) -> list[WeightSource]:
+    """Where ``pretrained`` will be read from: a complete local folder or its Hugging Face cache snapshot; loads
+    nothing, never the network (``tpflow.weights``)."""
+    return [pretrained_source(options.pretrained, "FLUX.1-dev")]  # type: ignore[attr-defined]
 
 
 flux_1_dev.check_machine = _check_machine  # type: ignore[attr-defined]
+flux_1_dev.weight_sources = _weight_sources  # type: ignore[attr-defined]

@@ -29,6 +29,7 @@ from tpflow.samplers.schedules import sd3_sigmas
 from tpflow.shapes import vocab
 from tpflow.shapes.model import LORA_TARGETS, ShapesDiT, load_checkpoint
 from tpflow.types import Conditioning
+from tpflow.weights import WeightSource
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "shapes" / "weights"
 WEIGHTS_FILE = "shapes_dit.safetensors"
@@ -119,6 +120,16 @@ class ShapesBackbone:
             return [f"{problem} Use a file written by `tpflow shapes pretrain`."]
         model = structure(lambda: ShapesDiT(config), meta=False)  # 1.7 M parameters
         return target_problems(model, options.lora_targets, "shapes-dit")
+
+    @staticmethod
+    def weight_sources(options: ShapesDitOptions, settings: dict) -> list[WeightSource]:
+        """Where the weights come from (``tpflow.weights``); a missing file is ``check_machine``'s problem."""
+        try:
+            path = resolve_weights(options.weights)
+        except UserError:
+            return []
+        origin = "shipped file" if options.weights is None else "local file"
+        return [WeightSource("shapes-dit weights (option weights)", str(path), f"{origin} {path}")]
 
     def __init__(self, options: ShapesDitOptions | None = None) -> None:
         from peft import LoraConfig, inject_adapter_in_model

@@ -20,6 +20,7 @@ from tpflow.cli_common import (
     Overrides,
     launch_if_asked,
     make_console,
+    print_report,
     user_errors,
     warn_broken_plugins,
 )
@@ -123,9 +124,10 @@ def eval_(
     other = resolve_target(baseline, None, None, set_, resolution) if baseline is not None else None
     from tpflow.preflight import check_machine
 
+    reports = []
     for which in (resolved, other):
         if which is not None:  # before any weights load: devices, model files, the reward's server
-            check_machine(which.recipe, where=str(which.path))
+            reports.append(check_machine(which.recipe, where=str(which.path)))
             which.recipe.preflight()
     options = EvalOptions(
         prompts=prompts, num_prompts=num_prompts, steps=steps, guidance=guidance,
@@ -133,6 +135,7 @@ def eval_(
     )  # fmt: skip
     if prompts not in ("test", "train", "geneval", "ocr") and not Path(prompts).expanduser().is_file():
         raise UserError(f"--prompts {prompts!r} is neither test, train, geneval, ocr nor an existing prompt file.")
+    print_report(*reports)  # every check passed: the device, where each weight comes from
     launch_if_asked(ctx, num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
     accelerator = _eval_accelerator(resolved.recipe)
     dist = Distributed(accelerator)
@@ -185,7 +188,7 @@ def sample(
     resolved = resolve_target(target, recipe, checkpoint, set_, resolution)
     from tpflow.preflight import check_machine
 
-    check_machine(resolved.recipe, where=str(resolved.path))  # devices and model files, before weights load
+    print_report(check_machine(resolved.recipe, where=str(resolved.path)))  # devices, model files: before loading
     accelerator = _eval_accelerator(resolved.recipe)
     scale = resolved.recipe.eval.guidance if guidance is None else guidance
     batch = resolved.recipe.eval.batch_size

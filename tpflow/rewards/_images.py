@@ -7,7 +7,8 @@ independent of the batch: each image goes through exactly the same operations wh
 from PIL only by PIL's rounding of each resampling pass to uint8 (about one grey level).
 
 ``load_open_clip`` finds open_clip weights on disk without ever downloading: a checkpoint path, or a pretrained tag
-whose file is already in the Hugging Face cache (or open_clip's ``~/.cache/clip``).
+whose file is already in the Hugging Face cache (or open_clip's ``~/.cache/clip``); ``open_clip_source`` says where
+before anything loads (the rewards' ``weight_sources`` hooks, ``tpflow.weights``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 from tpflow.errors import UserError
+from tpflow.weights import WeightSource, cached_file, download_command, hub_cache_dir
 
 
 def to_uint8(images: Tensor) -> Tensor:
@@ -156,11 +158,7 @@ def load_open_clip(arch: str, pretrained: str, device: torch.device, where: str)
     """
     import open_clip
 
-    if open_clip.get_model_config(arch) is None:
-        close = difflib.get_close_matches(arch, open_clip.list_models(), n=3, cutoff=0.5)
-        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-        raise UserError(f"{where}: {arch!r} is not an open_clip architecture.{hint} See open_clip.list_models().")
-    checkpoint, tag_cfg = _find_checkpoint(arch, pretrained, where)
+    checkpoint, tag_cfg = find_open_clip(arch, pretrained, where)
     preprocess = {k: tag_cfg[k] for k in ("mean", "std", "interpolation", "resize_mode") if k in tag_cfg}
     model = open_clip.create_model(
         arch,
@@ -186,10 +184,35 @@ def load_open_clip(arch: str, pretrained: str, device: torch.device, where: str)
     )
 
 
-def _find_checkpoint(arch: str, pretrained: str, where: str) -> tuple[str, dict[str, Any]]:
-    """(checkpoint file, the tag's open_clip config or {}) without touching the network."""
+def open_clip_source(what: str, arch: str, pretrained: str, where: str) -> WeightSource:
+    """Where ``load_open_clip(arch, pretrained)`` will read its checkpoint (``tpflow.weights``), or why it cannot.
+
+    Args:
+        what: the weight and its options, e.g. "reward 'clipscore' open_clip weights (options model, pretrained)".
+        where: as for ``load_open_clip``: names the options in the problem.
+    """
+    try:
+        checkpoint, _ = find_open_clip(arch, pretrained, where)
+    except UserError as exc:
+        return WeightSource(what, f"{arch} {pretrained}", None, str(exc))
+    if Path(pretrained).expanduser().is_file():
+        origin = "local file"
+    elif Path(checkpoint).resolve().is_relative_to(hub_cache_dir().resolve()):
+        origin = "Hugging Face cache"
+    else:
+        origin = "open_clip cache"
+    return WeightSource(what, f"{arch} {pretrained}", f"{origin} {checkpoint}", path=checkpoint)
+
+
+def find_open_clip(arch: str, pretrained: str, where: str) -> tuple[str, dict[str, Any]]:
+    """(checkpoint file, the tag's open_clip config or {}) of open_clip ``arch`` with ``pretrained``, found on disk
+    without touching the network; UserError for an unknown architecture or tag, or weights not on this machine."""
     import open_clip
 
+    if open_clip.get_model_config(arch) is None:
+        close = difflib.get_close_matches(arch, open_clip.list_models(), n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise UserError(f"{where}: {arch!r} is not an open_clip architecture.{hint} See open_clip.list_models().")
     path = Path(pretrained).expanduser()
     if path.is_file():
         return str(path), {}
@@ -208,22 +231,20 @@ def _find_checkpoint(arch: str, pretrained: str, where: str) -> tuple[str, dict[
     looked: list[str] = []
     hub = tag_cfg.get("hf_hub", "")
     if hub:
-        from huggingface_hub import try_to_load_from_cache
-
         repo, filename = posixpath.split(hub)  # open_clip's convention: "org/name/" means the default file
         filename = filename or "open_clip_pytorch_model.bin"
         for name in (*_safetensors_names(filename), filename):
-            found = try_to_load_from_cache(repo, name)
-            if isinstance(found, str) and os.path.isfile(found):
+            found = cached_file(repo, name)
+            if found:
                 return found, tag_cfg
-            looked.append(f"{repo}/{name} in the Hugging Face cache")
+            looked.append(f"{repo}/{name} in the Hugging Face cache {hub_cache_dir()}")
     url = tag_cfg.get("url", "")
     if url:
         local = Path("~/.cache/clip").expanduser() / os.path.basename(url)
         if local.is_file():
             return str(local), tag_cfg
         looked.append(str(local))
-    how = f"`huggingface-cli download {posixpath.split(hub)[0]}`" if hub else f"open_clip (pretrained={pretrained!r})"
+    how = download_command(posixpath.split(hub)[0]) if hub else f"open_clip (pretrained={pretrained!r})"
     raise UserError(
         f"{where}: the weights of open_clip {arch!r} with tag {pretrained!r} are not on this machine (looked for "
         f"{'; '.join(looked)}) and tpflow never downloads them. Fetch them once with "

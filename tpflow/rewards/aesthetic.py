@@ -26,8 +26,9 @@ from torch import Tensor, nn
 from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.registry import register
-from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip
+from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip, open_clip_source
 from tpflow.types import RewardOutput
+from tpflow.weights import WeightSource, file_source
 
 HEAD_SOURCE = "https://github.com/christophschuhmann/improved-aesthetic-predictor (sac+logos+ava1-l14-linearMSE.pth)"
 _LINEAR = (0, 2, 4, 6, 7)  # indices of the Linear layers in the original nn.Sequential
@@ -116,6 +117,17 @@ class AestheticReward:
     Options: ``head``, ``clip_model``, ``clip_pretrained``, ``device``. Both models load on the first call (or
     ``load()``) under a lock. ``scores`` [N] float32 on the CPU.
     """
+
+    @staticmethod
+    def weight_sources(options: AestheticOptions, settings: dict) -> list[WeightSource]:
+        """Where the head and the open_clip checkpoint will be read from, found without the network
+        (``tpflow.weights``); the head's keys are checked when it loads."""
+        head = file_source(
+            "reward 'aesthetic' head (option head)", options.head, f"download it from {HEAD_SOURCE} and set head to it"
+        )
+        what = "reward 'aesthetic' open_clip weights (options clip_model, clip_pretrained)"
+        where = "reward 'aesthetic' (options clip_model, clip_pretrained)"
+        return [head, open_clip_source(what, options.clip_model, options.clip_pretrained, where)]
 
     def __init__(self, options: AestheticOptions | None = None):
         self.options = options or AestheticOptions()

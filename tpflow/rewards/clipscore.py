@@ -7,7 +7,7 @@
 
 Score = scale · max(cos(image_emb, text_emb), 0) with scale 2.5, the published CLIPScore (its w = 2.5 stretches
 the usual cosines, about 0.2-0.4, towards [0, 1]). ``details["cosine"]`` holds the raw cosine. Weights are never
-downloaded: fetch them once (``huggingface-cli download timm/vit_large_patch14_clip_224.openai``) or give a file.
+downloaded: fetch them once (``hf download timm/vit_large_patch14_clip_224.openai``) or give a file.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from torch import Tensor
 
 from tpflow.devices import resolve_device
 from tpflow.registry import register
-from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip
+from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip, open_clip_source
 from tpflow.types import RewardOutput
+from tpflow.weights import WeightSource
 
 
 class ClipScoreOptions(BaseModel):
@@ -49,6 +50,14 @@ class ClipScoreReward:
     under a lock; preprocessing is per image in torch (``tpflow.rewards._images``), so scores do not depend on the
     batch. ``scores`` [N] float32 on the CPU; ``details["cosine"]`` [N] the raw cosine similarity.
     """
+
+    @staticmethod
+    def weight_sources(options: ClipScoreOptions, settings: dict) -> list[WeightSource]:
+        """Where the open_clip checkpoint will be read from (a file, the Hugging Face or open_clip cache), found
+        without the network (``tpflow.weights``)."""
+        what = "reward 'clipscore' open_clip weights (options model, pretrained)"
+        where = "reward 'clipscore' (options model, pretrained)"
+        return [open_clip_source(what, options.model, options.pretrained, where)]
 
     def __init__(self, options: ClipScoreOptions | None = None):
         self.options = options or ClipScoreOptions()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -42,8 +43,10 @@ from tpflow.errors import UserError
 from tpflow.registry import register
 from tpflow.rewards._images import to_uint8_hwc
 from tpflow.types import RewardOutput
+from tpflow.weights import WeightSource
 
 logger = logging.getLogger(__name__)
+PADDLE_INSTALL = '`pip install "tpflow[paddleocr]"` (plus paddlepaddle or paddlepaddle-gpu for your platform)'
 
 
 class OcrOptions(BaseModel):
@@ -231,6 +234,35 @@ class OcrReward:
         return _load_rapidocr(self.options) if self.options.backend == "rapidocr" else _load_paddleocr(self.options)
 
 
+def weight_sources(options: OcrOptions, settings: dict) -> list[WeightSource]:
+    """Where the OCR models come from (``tpflow.weights``): rapidocr's ship in its wheel; paddleocr's are the model
+    directories when given, else PaddleOCR's own cache (which it fills from the network on first use)."""
+    import importlib.util
+
+    package = "rapidocr_onnxruntime" if options.backend == "rapidocr" else "paddleocr"
+    what = f"reward 'ocr' {options.backend} models (option backend)"
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        install = '`pip install "rapidocr_onnxruntime>=1.3"`' if package != "paddleocr" else PADDLE_INSTALL
+        return [WeightSource(what, package, None, f"{what}: {package} is not installed; install it with {install}.")]
+    folder = Path(spec.submodule_search_locations[0])
+    if options.backend == "rapidocr":
+        return [WeightSource(what, package, f"shipped in the {package} wheel {folder / 'models'}")]
+    sources = []
+    for option in ("det_model_dir", "rec_model_dir"):
+        value = getattr(options, option)
+        label = f"reward 'ocr' paddleocr {option[:3]} model (option {option})"
+        if value is None:
+            where = "PaddleOCR's own cache ~/.paddlex/official_models (it downloads a missing model on first use)"
+            sources.append(WeightSource(label, "(unset)", where))
+        elif not Path(value).expanduser().is_dir():
+            problem = f"{label}: {Path(value).expanduser()} is not a directory; give a PP-OCR model directory."
+            sources.append(WeightSource(label, value, None, problem))
+        else:
+            sources.append(WeightSource(label, value, f"local folder {Path(value).expanduser()}"))
+    return sources
+
+
 def _load_rapidocr(options: OcrOptions) -> Any:
     try:
         from rapidocr_onnxruntime import RapidOCR
@@ -256,9 +288,8 @@ def _load_paddleocr(options: OcrOptions) -> Any:
         from paddleocr import PaddleOCR
     except ImportError as exc:
         raise UserError(
-            f"The ocr reward's paddleocr backend needs PaddleOCR 3.x ({exc}). Install it with `pip install \"tpflow"
-            '[paddleocr]"` (plus paddlepaddle or paddlepaddle-gpu for your platform), or use backend = "rapidocr", '
-            "which needs nothing else."
+            f"The ocr reward's paddleocr backend needs PaddleOCR 3.x ({exc}). Install it with {PADDLE_INSTALL}, or "
+            'use backend = "rapidocr", which needs nothing else.'
         ) from None
     kwargs: dict[str, Any] = {"use_textline_orientation": options.use_angle_cls}
     if options.det_model_dir:
@@ -276,3 +307,6 @@ def _load_paddleocr(options: OcrOptions) -> Any:
             f"Could not load PaddleOCR ({type(exc).__name__}: {exc}). Without network access, download the PP-OCR "
             "detection and recognition models elsewhere and set [reward] det_model_dir and rec_model_dir."
         ) from None
+
+
+OcrReward.weight_sources = staticmethod(weight_sources)  # type: ignore[attr-defined]

@@ -7,7 +7,7 @@
 
 Score = exp(logit_scale) · cos(text_emb, image_emb) / 26, as the reference (docs/algorithm.md §7): the /26 brings the
 usual range (about 20-23) near 1. Weights are never downloaded; fetch them once with
-``huggingface-cli download yuvalkirstain/PickScore_v1`` and ``huggingface-cli download
+``hf download yuvalkirstain/PickScore_v1`` and ``hf download
 laion/CLIP-ViT-H-14-laion2B-s32B-b79K``, or point the options at local folders.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -27,8 +26,10 @@ from tpflow.errors import UserError
 from tpflow.registry import register
 from tpflow.rewards._images import clip_preprocess, l2_normalize
 from tpflow.types import RewardOutput
+from tpflow.weights import MODEL_FILES, WeightSource, download_command, model_folder
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_HOW = "set the option to a local folder written by save_pretrained"
 MAX_TOKENS = 77  # CLIP's text context; longer prompts are truncated, as in the reference
 
 
@@ -61,6 +62,22 @@ class PickScoreReward:
     to uint8 and preprocessed in torch (resize the shortest side with PIL's bicubic, centre-crop, normalise with the
     processor's mean and std), so a score never depends on the rest of the batch. ``scores`` [N] float32 on the CPU.
     """
+
+    @staticmethod
+    def weight_sources(options: PickScoreOptions, settings: dict) -> list[WeightSource]:
+        """Where the model and the processor will be read from: local folders or Hugging Face cache entries, found
+        without the network (``tpflow.weights``)."""
+        return [
+            model_folder(
+                "reward 'pickscore' model (option model)", options.model, [("config.json",), MODEL_FILES], _HOW
+            ),
+            model_folder(
+                "reward 'pickscore' processor (option processor)",
+                options.processor,
+                [("preprocessor_config.json", "processor_config.json"), ("tokenizer.json", "vocab.json")],
+                _HOW,
+            ),
+        ]
 
     def __init__(self, options: PickScoreOptions | None = None):
         self.options = options or PickScoreOptions()
@@ -114,16 +131,18 @@ def _pooled(out: Any) -> Tensor:
 
 
 def _from_local(cls: Any, name: str, option: str) -> Any:
-    """``cls.from_pretrained(name)`` from disk or the local cache only; a clear UserError when it is not there."""
+    """``cls.from_pretrained`` of the folder ``name`` is (a local folder, or its Hugging Face cache snapshot), found
+    first without the network; a clear UserError when it is not there."""
+    sources = PickScoreReward.weight_sources(PickScoreOptions(**{option: name}), {})
+    source = next(s for s in sources if f"(option {option})" in s.what)
+    if source.problem or source.path is None:
+        raise UserError(source.problem or f"reward 'pickscore': option {option} = {name!r} was not found.")
     try:
-        return cls.from_pretrained(name, local_files_only=True)
+        return cls.from_pretrained(source.path, local_files_only=True)
     except (OSError, ValueError) as exc:
-        if Path(name).expanduser().exists():
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UserError(f"reward 'pickscore': option {option} = {name!r} could not be loaded: {reason}") from None
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(
-            f"reward 'pickscore': option {option} = {name!r} is neither a local folder nor in the Hugging Face "
-            f"cache, and tpflow never downloads weights. Download it once with `huggingface-cli download {name}` "
-            f"(on a machine with network, then copy the cache), or set reward option {option} to a local folder "
+            f"reward 'pickscore': option {option} = {name!r} could not be loaded from {source.path}: {reason}. "
+            f"Fetch it again with {download_command(name)}, or set reward option {option} to a local folder "
             "written by save_pretrained."
         ) from None

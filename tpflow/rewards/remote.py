@@ -57,6 +57,7 @@ from tpflow.errors import RewardError, UserError
 from tpflow.registry import register
 from tpflow.rewards._images import to_uint8_hwc
 from tpflow.types import RewardOutput
+from tpflow.weights import WeightSource
 
 PROTOCOL = 1  # bump when the wire format changes; client and server refuse each other's other numbers
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -123,6 +124,12 @@ class RemoteReward:
         self.last_problem = ""  # why the last request failed after its retries ("" when it was answered)
         self._checked = False
         self._check_lock = threading.Lock()
+
+    @staticmethod
+    def weight_sources(options: RemoteOptions, settings: dict) -> list[WeightSource]:
+        """No weights here: the server holds them (``tpflow.weights``; ``preflight`` checks it is up)."""
+        what = f"reward 'remote' {options.reward or 'reward'} (option url)"
+        return [WeightSource(what, options.url, f"the reward server {options.url} (its own weights)")]
 
     @staticmethod
     def preflight(options: RemoteOptions) -> None:

@@ -31,6 +31,7 @@ from tpflow.errors import UserError
 from tpflow.registry import register
 from tpflow.rewards._images import to_uint8
 from tpflow.types import RewardOutput
+from tpflow.weights import WeightSource
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "shapes" / "weights"
 WEIGHTS_FILE = "shapes_clip.safetensors"
@@ -89,6 +90,16 @@ class ShapesClipReward:
             return [f"[reward] {exc}"]
         problem = safetensors_problem(path, "[reward] The shapes-clip weights")
         return [f"{problem} Use a file written by `tpflow shapes clip-pretrain`."] if problem else []
+
+    @staticmethod
+    def weight_sources(options: ShapesClipOptions, settings: dict) -> list[WeightSource]:
+        """Where the weights come from (``tpflow.weights``); a missing file is ``check_machine``'s problem."""
+        try:
+            path = resolve_weights(options.weights)
+        except UserError:
+            return []
+        origin = "shipped file" if options.weights is None else "local file"
+        return [WeightSource("reward 'shapes-clip' weights (option weights)", str(path), f"{origin} {path}")]
 
     def __init__(self, options: ShapesClipOptions | None = None):
         from tpflow.shapes.clip import load_clip

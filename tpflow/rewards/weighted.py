@@ -16,6 +16,7 @@ fails before any weight loads. A ``weighted`` part may itself be ``weighted``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from tpflow.errors import UnknownComponentError, UserError
 from tpflow.registry import register
 from tpflow.rewards.call import check_output
 from tpflow.types import RewardOutput
+from tpflow.weights import WeightSource
 
 
 class WeightedPart(BaseModel):
@@ -90,6 +92,21 @@ class WeightedReward:
     def __init__(self, options: WeightedOptions):
         self.options = options
         self.parts = [(p.key, p.weight, registry.build("reward", p.name, **p.options)) for p in options.rewards]
+
+    @staticmethod
+    def weight_sources(options: WeightedOptions, settings: dict) -> list[WeightSource]:
+        """Each part's weights (``tpflow.weights``), named by the part's place in the sum."""
+        from tpflow.preflight import component_weights
+
+        sources = []
+        for i, part in enumerate(options.rewards):
+            factory = registry.get("reward", part.name).factory
+            validated = registry.validate_options("reward", part.name, part.options)
+            where = f"reward 'weighted', rewards[{i}] ({part.key!r})"
+            for source in component_weights(factory, validated, settings):
+                problem = source.problem and f"{where}: {source.problem}"
+                sources.append(replace(source, what=f"rewards[{i}] {source.what}", problem=problem))
+        return sources
 
     @staticmethod
     def preflight(options: WeightedOptions) -> None:

@@ -101,7 +101,8 @@ class Trainer:
         stem = recipe.path.stem if recipe.path else "run"
         self.run_dir = Path(run_dir) if run_dir else Path(train.run_dir.format(recipe=stem))
         self.console = console or Console()
-        check_machine(recipe, self.run_dir)  # devices, files, prompts, run dir: a UserError before anything loads
+        # devices, files, weights, prompts, run dir: a UserError before anything loads; else what was found
+        self.machine = check_machine(recipe, self.run_dir)
         # The accelerator follows the backbone's device (a CPU backbone on a GPU machine gets no CUDA autocast);
         # a device this machine lacks is a UserError here, before anything loads.
         cpu = resolve_device(getattr(recipe.backbone.options, "device", None)).type != "cuda"
@@ -122,6 +123,8 @@ class Trainer:
         check_layout(train, self.dist.world_size)
         # the checkpoint to resume, verified and compared with this recipe before any weights load (train/resume.py)
         checkpoint = checkpoint_to_resume(self.run_dir, resume, self.recipe, self.console, self.dist.is_main)
+        for line in self.machine.lines():  # every check passed: where each weight comes from, before any loads
+            self.console.print(escape(line), style="yellow" if line.startswith("warning:") else "dim", soft_wrap=True)
         torch.manual_seed(train.seed)  # the same on every process: the adapters start equal
         random.seed(train.seed)
         self.backbone = recipe.build("backbone")
@@ -163,6 +166,7 @@ class Trainer:
             f"[bold]tpflow train[/] {self.recipe.path or ''} -> {self.run_dir} | "
             f"epochs {self.epoch}..{train.epochs - 1}"
             f" | credit {self.recipe.credit.name} | {len(self.backbone.trainable_parameters())} trainable tensors"
+            f" | device {escape(self.machine.device)}"
         )
         if self.dist.enabled:
             self.console.print(self._layout_line())

@@ -19,7 +19,7 @@ architecture from transformers (default ``facebook/mask2former-swin-small-coco-i
    for get one from ``colors.ColorClassifier`` (object on grey, cropped to its box); the others get None.
 
 Weights are never downloaded: ``model`` is a local folder written by ``save_pretrained`` or a Hugging Face id
-already in the local cache (``huggingface-cli download facebook/mask2former-swin-small-coco-instance``).
+already in the local cache (``hf download facebook/mask2former-swin-small-coco-instance``).
 transformers' Mask2Former needs scipy (its training loss is built with the model).
 """
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from tpflow.rewards._images import to_uint8
 from tpflow.rewards.geneval.colors import ColorClassifier, grey_crop
 from tpflow.rewards.geneval.detection import Detection, geneval_class_name
 from tpflow.rewards.geneval.scoring import COUNTING_THRESHOLD, THRESHOLD, kept_detections
+from tpflow.weights import MODEL_FILES, WeightSource, download_command, model_folder
 
 DEFAULT_MODEL = "facebook/mask2former-swin-small-coco-instance"
 _MICRO_BATCH = 8  # images per Mask2Former forward
@@ -167,22 +167,18 @@ class Mask2FormerDetector:
 
 
 def _load_mask2former(name: str) -> tuple[Any, Any]:
-    """(image processor, model) from a local folder or the local Hugging Face cache; UserError when absent."""
+    """(image processor, model) from a local folder or its snapshot in the Hugging Face cache, found first without
+    the network (``tpflow.weights``); UserError when absent."""
     try:
         from transformers import AutoImageProcessor, Mask2FormerForUniversalSegmentation
     except ImportError as exc:  # pragma: no cover - transformers is a dependency
         raise UserError(f"reward 'geneval' with detector 'mask2former' needs transformers: {exc}") from None
-    path = Path(name).expanduser()
-    if not path.is_dir() and (name.startswith(("/", ".", "~")) or name.count("/") != 1):
-        raise UserError(
-            f"reward 'geneval': the Mask2Former folder {name} does not exist. Set the reward option detector_model "
-            f"to a folder written by save_pretrained (config.json, model.safetensors, preprocessor_config.json) "
-            f"or to a Hugging Face id already in the local cache, e.g. {DEFAULT_MODEL!r}."
-        )
-    source = str(path) if path.is_dir() else name
+    source = detector_source(name)
+    if source.problem or source.path is None:
+        raise UserError(source.problem or f"reward 'geneval': the Mask2Former weights {name} were not found.")
     try:
-        processor = AutoImageProcessor.from_pretrained(source, local_files_only=True)
-        model = Mask2FormerForUniversalSegmentation.from_pretrained(source, local_files_only=True)
+        processor = AutoImageProcessor.from_pretrained(source.path, local_files_only=True)
+        model = Mask2FormerForUniversalSegmentation.from_pretrained(source.path, local_files_only=True)
     except ImportError as exc:
         raise UserError(
             f"reward 'geneval': transformers' Mask2Former could not be built ({exc}); install scipy "
@@ -191,9 +187,18 @@ def _load_mask2former(name: str) -> tuple[Any, Any]:
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(
-            f"reward 'geneval': the Mask2Former weights {name} could not be loaded from a local folder or the "
-            f"Hugging Face cache ({first}), and tpflow never downloads weights. Download them once with "
-            f"`huggingface-cli download {name}` (then copy the cache to this machine), or set the reward option "
-            f"detector_model to a local folder written by save_pretrained."
+            f"reward 'geneval': the Mask2Former weights {name} could not be loaded from {source.path} ({first}). "
+            f"Fetch them again with {download_command(name)}, or set the reward option detector_model to a local "
+            "folder written by save_pretrained."
         ) from None
     return processor, model
+
+
+def detector_source(name: str) -> WeightSource:
+    """Where the Mask2Former weights ``name`` (option detector_model) will be read from, or why they cannot be."""
+    return model_folder(
+        "reward 'geneval' Mask2Former (option detector_model)",
+        name,
+        [("config.json",), ("preprocessor_config.json",), MODEL_FILES],
+        f"set detector_model to a local folder written by save_pretrained (default {DEFAULT_MODEL!r})",
+    )

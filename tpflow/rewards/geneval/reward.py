@@ -14,8 +14,8 @@ A detector (``detectors.py``) finds the objects; the shared scorer (``scoring.py
 objects per class, position margin 0.1. ``scores`` is the partial-credit score (the TP-GRPO / Flow-GRPO training
 reward, without the upstream bug that credits a failed position check) or strict correctness (0/1).
 
-Weights are never downloaded: fetch them once with ``huggingface-cli download
-facebook/mask2former-swin-small-coco-instance`` and ``huggingface-cli download timm/vit_large_patch14_clip_224.openai``
+Weights are never downloaded: fetch them once with ``hf download
+facebook/mask2former-swin-small-coco-instance`` and ``hf download timm/vit_large_patch14_clip_224.openai``
 (or point the options at local files).
 """
 
@@ -32,6 +32,7 @@ from tpflow.registry import register
 from tpflow.rewards.geneval.detectors import Detector, build_detector
 from tpflow.rewards.geneval.scoring import score
 from tpflow.types import RewardOutput
+from tpflow.weights import WeightSource
 
 
 class GenevalOptions(BaseModel):
@@ -75,6 +76,20 @@ class GenevalReward:
     ``load()``), under the detector's lock, so the reward may be built without weights and called from a worker
     thread. ``scores`` [N] float32 on the CPU.
     """
+
+    @staticmethod
+    def weight_sources(options: GenevalOptions, settings: dict) -> list[WeightSource]:
+        """Where Mask2Former and the colour classifier's open_clip weights will be read from, found without the
+        network (``tpflow.weights``); the ``shapes`` detector has no weights."""
+        if options.detector != "mask2former":
+            return []
+        from tpflow.rewards._images import open_clip_source
+        from tpflow.rewards.geneval.mask2former import detector_source
+
+        detector = detector_source(options.detector_model)
+        what = "reward 'geneval' colour classifier (options clip_model, clip_pretrained)"
+        where = "reward 'geneval' (options clip_model, clip_pretrained)"
+        return [detector, open_clip_source(what, options.clip_model, options.clip_pretrained, where)]
 
     def __init__(self, options: GenevalOptions | None = None):
         self.options = options or GenevalOptions()
