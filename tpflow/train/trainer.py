@@ -265,7 +265,10 @@ class Trainer:
         train, rollout = self.settings, self.recipe.rollout
         start = time.perf_counter()
         z0_seeds = {i: noise_seed(train, epoch, i) for b in batches for i in b.items} if rollout.same_noise else None
-        completions = rollout.completions if self.credit.needs_completions else None
+        # The rollout produces what the optimizer consumes (Optimizer.consumes), and completions only when the
+        # credit assigner reads them: final samples need neither stored transitions nor completions.
+        transitions = self.optimizer.consumes == "transitions"
+        completions = rollout.completions if self.credit.needs_completions and transitions else None
         # The text encoders run once per epoch, on every distinct prompt of the epoch's plan (all processes alike, so
         # the embeddings do not depend on the number of processes); each rollout batch indexes its rows.
         plan = plan_epoch(len(self.train_items), train, epoch)
@@ -282,7 +285,8 @@ class Trainer:
                 )
                 generator = cpu_generator(b.seed)  # noise drawn on the CPU, moved to the model (tpflow.devices)
                 cond = encoded.index([text_row[it.prompt] for it in items])
-                with self.accelerator.autocast():
+                # sampling_policy: the weights that collect the data (GRPO: the live adapter; NFT: its old policy)
+                with self.optimizer.sampling_policy(), self.accelerator.autocast():
                     out = rollout_from_settings(
                         self.backbone,
                         self.sampler,
@@ -293,6 +297,7 @@ class Trainer:
                         completions,
                         generator,
                         z0_seeds,
+                        transitions,
                     )
                 prompts, metadata = [i.prompt for i in items], [i.metadata for i in items]
                 jobs.append(worker.submit(out.final, out.completions, prompts, metadata, rollout.window_size))
