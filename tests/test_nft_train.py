@@ -39,10 +39,17 @@ old_decay_rate = 0.25
 """
 
 
-def nft_recipe(tmp_path: Path, weights: Path, reward: str = "image-stat", credit: str = "outcome") -> Path:
+def nft_recipe(
+    tmp_path: Path,
+    weights: Path | None,
+    reward: str = "image-stat",
+    credit: str = "outcome",
+    backbone: str | None = None,
+) -> Path:
     """The trainer tests' tiny recipe (2 prompts x 4 copies, cps at 0.7 in a 3-step window, CFG 2) with the nft
-    optimizer (KL on, the old policy lagging from the second step) and a built-in reward."""
-    path = tiny_recipe(tmp_path, weights, credit=credit, reward=reward)
+    optimizer (KL on, the old policy lagging from the second step) and a built-in reward; ``backbone`` as in
+    ``tiny_recipe``."""
+    path = tiny_recipe(tmp_path, weights, credit=credit, reward=reward, backbone=backbone)
     text = path.read_text()
     assert GRPO_SECTION in text
     path.write_text(text.replace(GRPO_SECTION, NFT_SECTION))
