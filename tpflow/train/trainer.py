@@ -5,10 +5,12 @@ One epoch (docs/architecture.md, "An epoch"; docs/algorithm.md §6.1):
 1. plan the epoch's rollout batches: ``prompts_per_epoch`` training prompts, G copies each, shuffled into batches
    that are dealt to the processes (``prompt_sampler``; one process runs them all);
 2. per local rollout batch: draw the SDE window, roll out (main trajectory, ODE baseline and completions, batched per
-   step), and hand the latents to the background scoring worker (decode + reward) while the next batch samples;
+   step; only what the optimizer consumes, under its sampling policy), and hand the latents to the background
+   scoring worker (decode + reward) while the next batch samples;
 3. per rollout batch: the credit assigner turns the reward trace [n, W+1] into step rewards [n, W];
 4. gather every process's step rewards and prompt keys; advantages per prompt and per window step over the whole
-   epoch, sliced back to each process; the GRPO update (gradients averaged over the processes); the EMA.
+   epoch, sliced back to each process; the optimizer's update (GRPO or NFT; gradients averaged over the processes);
+   the EMA.
 
 Every ``eval.every`` epochs (epoch 0 included) the EMA weights (when enabled) sample the held-out prompts by ODE.
 Checkpoints are written every ``train.save_every`` epochs, at the end and on Ctrl-C, by the main process only (as are
