@@ -465,7 +465,8 @@ class Trainer:
             if self.nonfinite_epochs >= MAX_NONFINITE_EPOCHS:
                 raise UserError(
                     f"Non-finite losses in {MAX_NONFINITE_EPOCHS} epochs in a row: the run stops. Lower "
-                    "optimizer.learning_rate or raise optimizer.clip_range, then resume from the last checkpoint."
+                    "optimizer.learning_rate (with grpo, or raise optimizer.clip_range), then resume from the last "
+                    "checkpoint."
                 )
         else:
             self.nonfinite_epochs = 0
