@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tpflow
+from tpflow.interfaces import Optimizer
 from tpflow.optim.nft import NFT, implicit_velocities, nft_loss, old_decay, optimality
 from tpflow.rollout import Window, rollout
 
@@ -165,7 +166,7 @@ def test_update_trains_the_adapter_and_soft_updates_the_old_policy(tiny_weights)
     options = dict(learning_rate=1e-2, micro_batch_size=2, timesteps_per_sample=2, num_timesteps=4, seed=5)
     optimizer = tpflow.build("optimizer", "nft", old_decay_rate=0.25, **options)
     optimizer.bind(backbone)
-    assert optimizer.consumes == "final_samples"
+    assert isinstance(optimizer, Optimizer) and optimizer.consumes == "final_samples"
     names = [n for n, _ in backbone.model.named_parameters()]
     before = {n: p.detach().clone() for n, p in backbone.model.named_parameters()}
     advantages = optimizer.advantages(torch.tensor([[0.0, 1.0], [0, 0.0], [0, 2.0], [0, 5.0]]), [0, 0, 1, 1])

@@ -359,7 +359,7 @@ class NFT:
                     for j in range(o.timesteps_per_sample):
                         t = schedule[times[mb, j]]  # [M]
                         noise = randn(batch.final[mb].shape, generator, device, torch.float32)
-                        out = self._loss(backbone, batch, mb, r[mb], t, noise)
+                        out = self.loss(backbone, batch, mb, r[mb], t, noise)
                         if not torch.isfinite(out.loss):
                             add("nonfinite_losses", 1.0)
                             continue
@@ -395,11 +395,6 @@ class NFT:
     def loss(self, backbone: Backbone, batch: Rollout, rows: Tensor, r: Tensor, t: Tensor, noise: Tensor) -> NFTLoss:
         """The loss of the samples ``rows`` [M] of ``batch`` at times t [M] with noise ε [M, ...] and optimality r
         [M]: v_old (old policy) and v_ref (adapter disabled) without grad, then v_θ with grad."""
-        return self._loss(backbone, batch, rows, r, t, noise)
-
-    # ---- private -----------------------------------------------------------------------------------------------
-
-    def _loss(self, backbone: Backbone, batch: Rollout, rows: Tensor, r: Tensor, t: Tensor, noise: Tensor) -> NFTLoss:
         o = self.options
         x0 = batch.final[rows]
         cond = batch.cond.index(rows)
@@ -415,6 +410,8 @@ class NFT:
                     v_ref = backbone.velocity(x_t, t, cond, batch.guidance)
         v = backbone.velocity(x_t, t, cond, batch.guidance)
         return nft_loss(x0, x_t, t, v, v_old, r, o.beta, o.adv_clip_max, v_ref, o.kl_weight)
+
+    # ---- private -----------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def _old_weights(self) -> Iterator[None]:
