@@ -189,6 +189,10 @@ def test_update_trains_the_adapter_and_soft_updates_the_old_policy(tiny_weights)
     with optimizer.sampling_policy():
         assert all(torch.equal(p, o) for p, o in zip(params, optimizer.old, strict=True))
     assert all(torch.equal(p, q) for p, q in zip(params, live, strict=True))
+    with pytest.raises(KeyboardInterrupt), optimizer.sampling_policy():  # Ctrl-C while sampling: the live values
+        raise KeyboardInterrupt  # come back before the trainer saves them
+    assert all(torch.equal(p, q) for p, q in zip(params, live, strict=True))
+    assert not all(torch.equal(p, o) for p, o in zip(params, optimizer.old, strict=True))  # the swap is visible
 
     # Checkpoint round trip: a fresh optimizer on a copy of the adapter continues bitwise like this one.
     buffer = io.BytesIO()
