@@ -126,6 +126,20 @@ def test_training_path_states_every_device(tmp_path, tiny_weights, plugin, backb
     )
 
 
+def test_nft_training_path_states_every_device(tmp_path, tiny_weights):
+    """DiffusionNFT's path (final-samples rollout under the old policy, re-noising, old and reference passes, the
+    old policy's update and checkpoint, resume): no tensor without a device."""
+    from tests.test_nft_train import nft_recipe
+
+    recipe = nft_recipe(tmp_path, tiny_weights)
+    with FactoryWatch() as watch:
+        Trainer(load_recipe(recipe, ["train.epochs=1"])).fit()
+        Trainer(load_recipe(recipe, ["train.epochs=2"]), resume=True).fit()
+    assert not watch.calls, "tensors made without device= (say device=... or use new_*/..._like):\n" + "\n".join(
+        sorted(set(watch.calls))
+    )
+
+
 def _factory_calls_without_device(path: Path) -> list[tuple[int, str, str]]:
     """(line, enclosing function, factory) of each ``torch.<factory>(...)`` in ``path`` without ``device=``."""
     import ast

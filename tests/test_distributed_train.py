@@ -202,3 +202,18 @@ def test_eval_on_two_processes_equals_one_process(two_process_run, tmp_path):
     assert [i["prompt"] for i in two["images"]] == [i["prompt"] for i in one["images"]]
     assert [i["score"] for i in two["images"]] == pytest.approx([i["score"] for i in one["images"]], abs=1e-6)
     assert two["metrics"]["eval_reward"] == pytest.approx(one["metrics"]["eval_reward"], abs=1e-6)
+
+
+def test_nft_on_two_processes_trains_one_model(tmp_path, tiny_weights):
+    """DiffusionNFT's update on 2 processes: each re-noises its own final samples (its own draws), the gradients are
+    averaged, and both ranks end with the same adapter, bit for bit (the old policy follows from it)."""
+    from tests.test_nft_train import nft_recipe
+
+    path = nft_recipe(tmp_path, tiny_weights)
+    zero, one = spawn(train_worker, tmp_path, str(path), [*SMALL_BATCHES, "eval.every=0", "train.epochs=1"])
+    assert zero["world_size"] == one["world_size"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(zero["end"], one["end"], strict=True))
+    moved = [not torch.equal(a, b) for a, b in zip(zero["start"], zero["end"], strict=True)]
+    assert sum(moved) >= len(moved) - 1, "the adapter is trained"
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert metrics[-1]["trajectories_trained"] == 8 and metrics[-1]["optimizer_steps"] >= 1

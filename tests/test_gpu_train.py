@@ -112,6 +112,43 @@ def test_two_epochs_train_and_resume_on_cuda(tmp_path, tiny_weights, cuda, name)
     _assert_close_metrics(_comparable(straight.run_dir), _comparable(second.run_dir))
 
 
+@pytest.mark.parametrize(("name", "precision"), [("shapes-dit", "no"), ("tiny-sd3", "fp16")])
+def test_nft_trains_on_cuda(tmp_path, tiny_weights, cuda, name, precision):
+    """DiffusionNFT on the GPU: final samples under the old policy, re-noised, the old and KL reference passes, the
+    old policy's soft update; every LoRA tensor trained. In fp32 a resume continues the run (within the tolerance of
+    the GRPO test above); under fp16 the scaler may skip the first steps, so only finiteness and training count."""
+    from .test_nft_train import nft_recipe
+
+    section = backbone_section(name, cuda, tiny_weights, dtype="fp16" if precision == "fp16" else "fp32")
+    sets = [f"train.mixed_precision={precision}"]
+
+    def recipe(run: str) -> Path:
+        (tmp_path / run).mkdir(exist_ok=True)
+        return nft_recipe(tmp_path / run, None, backbone=section)
+
+    straight = Trainer(load_recipe(recipe("straight"), sets))
+    device = resolve_device(cuda)
+    assert all(p.device == device for p in straight.backbone.trainable_parameters())
+    assert all(o.device == device for o in straight.optimizer.old)
+    before = _adapter(straight)
+    metrics = straight.fit()
+    after = _adapter(straight)
+    assert not _unmoved(straight, before, after), "every LoRA tensor is trained on the GPU"
+    assert metrics["nonfinite_losses"] == 0 and math.isfinite(metrics["loss"]) and metrics["optimizer_steps"] >= 1
+    assert math.isfinite(metrics["eval_reward"]) and metrics["kl"] > 0
+    if precision != "no":
+        return
+    first = Trainer(load_recipe(recipe("split"), [*sets, "train.epochs=1"]))
+    first.fit()
+    second = Trainer(load_recipe(recipe("split"), sets), resume=True)
+    assert second.epoch == 1
+    second.fit()
+    resumed = _adapter(second)
+    for key, a in after.items():
+        torch.testing.assert_close(resumed[key], a, rtol=1e-4, atol=1e-5, msg=key)
+    _assert_close_metrics(_comparable(straight.run_dir), _comparable(second.run_dir))
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_mixed_precision_trains_on_cuda(tmp_path, cuda, precision):
     """Half-precision base weights under accelerate's autocast (the paper's fp16 SD3.5-M, bf16 FLUX): finite losses,

@@ -289,7 +289,7 @@ def test_diffusers_lora_targets_are_checked_against_the_transformer_config(name,
     index = {"transformer": ["diffusers", type(transformer).__name__]}
     (tmp_path / "model_index.json").write_text(json.dumps(index))
     hook = registry.get("backbone", name).factory.check_machine
-    options = registry.validate_options("backbone", name, {"pretrained": str(tmp_path)})
+    options = registry.validate_options("backbone", name, {"pretrained": str(tmp_path), "device": "cpu"})
     assert hook(options, {}) == []
     options = options.model_copy(update={"lora_targets": ["attn.to_q", "attn.to_vv"]})
     (problem,) = hook(options, {})
@@ -298,14 +298,16 @@ def test_diffusers_lora_targets_are_checked_against_the_transformer_config(name,
     # A hub id: the config is read from the Hugging Face cache (nothing downloaded); not cached: nothing to check.
     import huggingface_hub
 
-    def lookup(repo: str, filename: str) -> str | None:  # a cache holding org/cached
+    def lookup(repo: str, filename: str, **kwargs) -> str | None:  # a cache holding org/cached
         return str(tmp_path / filename) if repo == "org/cached" else None
 
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lookup)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert "'attn.to_vv' names no layer" in hook(options.model_copy(update={"pretrained": "org/cached"}), {})[0]
-    (problem,) = hook(options.model_copy(update={"pretrained": "org/elsewhere"}), {})
-    assert "not in the Hugging Face cache" in problem and "attn.to_vv" not in problem
+    elsewhere = options.model_copy(update={"pretrained": "org/elsewhere"})
+    assert hook(elsewhere, {}) == []  # no config here: nothing to check the targets against
+    (source,) = registry.get("backbone", name).factory.weight_sources(elsewhere, {})
+    assert "not in the Hugging Face cache" in source.problem  # the weights' own check says why (tpflow.weights)
 
 
 def test_lora_targets_match_module_names_as_peft_does():

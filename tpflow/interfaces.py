@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -122,18 +122,30 @@ class CreditAssigner(Protocol):
 
 @runtime_checkable
 class Optimizer(Protocol):
-    """The policy update from stored transitions and their advantages."""
+    """The policy update from the epoch's rollouts and their advantages."""
+
+    consumes: Literal["transitions", "final_samples"]
+    """What ``update`` reads from a ``Rollout``, so that the rollout engine produces only that: ``"transitions"``
+    (the SDE window's stored steps and old log-probs, plus the ODE completions the credit assigner asks for: GRPO)
+    or ``"final_samples"`` (the final latents and their conditioning only; no transitions, log-probs or
+    completions are stored: DiffusionNFT). The trainer reads this attribute, never the optimizer's name."""
 
     global_step: int
     """Optimizer steps taken so far (drives EMA and checkpoint names)."""
+
+    def sampling_policy(self) -> AbstractContextManager[None]:
+        """Context in which ``Backbone.velocity`` is the policy that collects the rollouts: the live adapter for GRPO
+        (a no-op), the old policy for DiffusionNFT. The trainer samples inside it; the live values return on exit."""
+        ...
 
     def bind(self, backbone: Backbone, accelerator: Any = None) -> None:
         """Create the parameter optimizer over ``backbone.trainable_parameters()``; called once before training."""
         ...
 
     def advantages(self, step_rewards: Tensor, groups: Sequence[Hashable]) -> Tensor:
-        """Advantages [N, W] of the epoch's step rewards [N, W], one prompt key per row; the optimizer owns every
-        option of this normalisation (std scope, clipping) and applies it here, once."""
+        """Advantages [N, W'] of the epoch's step rewards [N, W], one prompt key per row; the optimizer owns every
+        option of this normalisation (std scope, clipping) and applies it here, once. W' = W for an optimizer that
+        consumes transitions; one that consumes final samples may return [N, 1] (the final reward's)."""
         ...
 
     def update(
@@ -144,7 +156,7 @@ class Optimizer(Protocol):
         advantages: Tensor,
         on_step: Callable[[int], object] | None = None,
     ) -> dict[str, float]:
-        """One pass over ``batch`` (advantages [N, W] from ``advantages``); returns scalar metrics (loss, ratio, clip
+        """One pass over ``batch`` (advantages from ``advantages``); returns scalar metrics (loss, ratio, clip
         fraction, KL...). ``on_step(n)`` runs right after each optimizer step taken (n: its 0-based index; the
         trainer's EMA); a step the fp16 gradient scaler skips is neither counted in ``global_step`` nor reported."""
         ...

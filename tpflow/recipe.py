@@ -182,10 +182,11 @@ def validate_recipe(data: dict[str, Any], where: str = "recipe", path: Path | No
             settings[section] = model.model_validate(table)
         except ValidationError as exc:
             raise RecipeError(registry.describe_validation_error(exc, f"{where} [{section}]", model)) from None
+    sections = {**components, **settings}  # what a check_recipe hook sees: every section of the recipe
     problems = [
         problem
         for spec in components.values()
-        for problem in _limits(registry.get(spec.kind, spec.name).factory, spec.options, settings)
+        for problem in _limits(registry.get(spec.kind, spec.name).factory, spec.options, sections)
     ]
     problems += _device_names(components)
     if problems:
@@ -195,7 +196,9 @@ def validate_recipe(data: dict[str, Any], where: str = "recipe", path: Path | No
 
 def _limits(factory: Any, options: BaseModel, settings: dict[str, BaseModel]) -> list[str]:
     """What a component says about the rest of the recipe: its optional ``check_recipe(options, settings)`` returns
-    one sentence per limit the recipe breaks (e.g. cps's noise level in [0, 1]); checked before anything loads."""
+    one sentence per limit the recipe breaks (e.g. cps's noise level in [0, 1]); checked before anything loads.
+    ``settings`` maps every section to its validated model: ``[rollout]``, ``[train]``, ``[eval]``, ``[log]``, and
+    each component's ``ComponentSpec`` (its name and options), e.g. ``settings["credit"].name``."""
     check = getattr(factory, "check_recipe", None)
     return list(check(options, settings)) if callable(check) else []
 

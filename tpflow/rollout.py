@@ -103,6 +103,7 @@ def rollout(
     max_batch: int | None = None,
     reuse_main_velocity: bool = True,
     completion_steps: int | None = None,
+    transitions: bool = True,
 ) -> Rollout:
     """Sample N trajectories and, when asked, the latents whose rewards form the trace R_0..R_{W-1}.
 
@@ -128,10 +129,14 @@ def rollout(
         completion_steps: with ``completions="ode"``, the Euler steps of each completion (the shared baseline
             included; :func:`completion_nodes`); None: one per remaining step (exact). The independent baseline is
             always completed exactly.
+        transitions: store the window's transitions and log-probs (an optimizer that consumes transitions); False
+            keeps the final latents only (one that consumes final samples, ``Optimizer.consumes``): the trajectory is
+            the same, the stored window is empty (W = 0 in ``latents``, ``next_latents``, ``log_probs``), and
+            ``completions`` must be None.
 
     Returns:
-        Rollout with the W stored transitions, the final latents and (unless ``completions`` is None) the completed
-        latents [N, W, ...] for j = 0..W-1 (j = W is ``final``).
+        Rollout with the W stored transitions (none without ``transitions``), the final latents and (unless
+        ``completions`` is None) the completed latents [N, W, ...] for j = 0..W-1 (j = W is ``final``).
     """
     n = len(cond)
     num_steps = sigmas.shape[0] - 1
@@ -141,6 +146,8 @@ def rollout(
     source = torch.arange(n, device=z0.device) if source is None else source.to(z0.device)
     if source.shape != (n,) or int(source.max()) >= z0.shape[0]:
         raise ValueError(f"source must be [N] = [{n}] indices into z0's {z0.shape[0]} rows.")
+    if not transitions and completions is not None:
+        raise ValueError("completions need the stored window (transitions=True); pass completions=None.")
     first = torch.stack([(source == p).nonzero()[0, 0] for p in range(z0.shape[0])])  # [P] a trajectory per noise row
     engine = _Velocity(backbone, cond, sigmas, guidance, max_batch)
     independent = None  # the reference's baseline from fresh noise: ODE from step 0, alongside everything else
@@ -154,12 +161,35 @@ def rollout(
         for branch, v in zip(live, engine(live, k), strict=True):
             branch.z = euler_step(branch.z, v, sigmas[k], sigmas[k + 1])
     loop = _WindowLoop(
-        engine, sampler, window, noise_level, completions, baseline_noise, first, reuse_main_velocity, completion_steps
+        engine,
+        sampler,
+        window,
+        noise_level,
+        completions,
+        baseline_noise,
+        first,
+        reuse_main_velocity,
+        steps=completion_steps,
+        store=transitions,
     )
     main = _Branch(prefix.z[source], torch.arange(n, device=z0.device))
     for k in range(s, num_steps):  # the window's SDE steps, then the ODE tail; live branches ride along
         loop.step(main, k, generator, independent)
     completed = None if completions is None else loop.completed(source, independent)  # [N, W, ...]
+    if not transitions:  # final samples only: an empty window (W = 0), σ of the final latent
+        empty = main.z.new_zeros((n, 0, *main.z.shape[1:]))
+        return Rollout(
+            latents=empty,
+            next_latents=empty,
+            log_probs=torch.zeros((n, 0), dtype=torch.float32, device=z0.device),
+            sigmas=sigmas[-1:].float().to(z0.device).expand(n, 1).clone(),
+            noise_level=float(noise_level),
+            guidance=float(guidance),
+            cond=cond,
+            final=main.z,
+            completions=None,
+            cost=RolloutCost(nfe=round(engine.rows_evaluated / n, 2), model_s=engine.model_s),
+        )
     return Rollout(
         latents=torch.stack(loop.latents, dim=1),
         next_latents=torch.stack(loop.next_latents, dim=1),
@@ -207,7 +237,9 @@ class _WindowLoop:
     """Steps k ≥ s of the main trajectory: SDE steps inside the window (stored for the update), a completion branch
     started at each (or an x0 estimate), Euler after it; every live ODE branch advances in the same call."""
 
-    def __init__(self, engine, sampler, window, noise_level, completions, baseline_noise, first, reuse, steps=None):
+    def __init__(
+        self, engine, sampler, window, noise_level, completions, baseline_noise, first, reuse, steps=None, store=True
+    ):
         self.engine, self.sampler, self.window, self.noise_level = engine, sampler, window, noise_level
         self.completions, self.baseline_noise, self.first, self.reuse = completions, baseline_noise, first, reuse
         self.completion_steps: int | None = steps  # Euler steps per ODE completion (None: every remaining step)
@@ -216,6 +248,7 @@ class _WindowLoop:
         self.latents: list[Tensor] = []
         self.next_latents: list[Tensor] = []
         self.log_probs: list[Tensor] = []
+        self.store = store  # keep the window's transitions (False: final samples only)
 
     def step(self, main: _Branch, k: int, generator, independent: _Branch | None) -> None:
         others = [b for b in self.branches if b.live(k)] + ([independent] if independent is not None else [])
@@ -230,9 +263,10 @@ class _WindowLoop:
             return
         self._start_completion(main, v_main, k - s, k, sigma, sigma_next)
         out = self.sampler.step(main.z, v_main, sigma, sigma_next, self.noise_level, generator=generator)
-        self.latents.append(main.z)
-        self.next_latents.append(out.prev)
-        self.log_probs.append(out.log_prob)
+        if self.store:
+            self.latents.append(main.z)
+            self.next_latents.append(out.prev)
+            self.log_probs.append(out.log_prob)
         main.z = out.prev
 
     def _start_completion(self, main: _Branch, v_main: Tensor, j: int, k: int, sigma, sigma_next) -> None:
@@ -299,13 +333,15 @@ def rollout_from_settings(
     completions: Literal["ode", "x0"] | None,
     generator: torch.Generator,
     group_seeds: Mapping[int, int] | None = None,
+    transitions: bool = True,
 ) -> Rollout:
     """``rollout`` as a recipe's ``[rollout]`` section asks: draws z_0 (one per group with ``same_noise``, else one
     per trajectory; ``groups`` [N] names each trajectory's prompt group) and passes the section's options on.
 
     With ``same_noise``, ``group_seeds`` (group -> seed) makes a group's z_0 independent of the batch it is in, so
     copies of one prompt in different rollout batches (or processes) still share it; without it, z_0 is drawn from
-    ``generator`` per distinct group of this batch."""
+    ``generator`` per distinct group of this batch. ``transitions`` False keeps the final latents only (an
+    optimizer that consumes final samples)."""
     if settings.same_noise:
         unique = sorted(set(groups))
         if group_seeds is not None:
@@ -330,4 +366,5 @@ def rollout_from_settings(
         generator=generator,
         max_batch=settings.max_batch,
         completion_steps=None if settings.completion_steps == "all" else settings.completion_steps,
+        transitions=transitions,
     )

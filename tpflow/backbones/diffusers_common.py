@@ -90,14 +90,11 @@ def _folder_problem(folder: Path, model_name: str, what: str) -> str | None:
 def transformer_config(pretrained: str) -> dict[str, Any] | None:
     """The transformer's ``config.json`` in a local diffusers folder or in the Hugging Face cache for a hub id;
     None when it is not on this machine (nothing is downloaded) or does not parse (loading then says why)."""
-    local = Path(pretrained).expanduser()
-    if local.exists() or pretrained.startswith((".", "/", "~")):
-        path: Path | None = local / "transformer" / "config.json"
+    if is_local_name(pretrained):
+        path: Path | None = Path(pretrained).expanduser() / "transformer" / "config.json"
     else:
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(pretrained, "transformer/config.json")
-        path = Path(found) if isinstance(found, str) else None
+        found = cached_file(pretrained, "transformer/config.json")  # the cache only, never the network
+        path = Path(found) if found else None
     if path is None or not path.is_file():
         return None
     try:

@@ -1,6 +1,17 @@
-"""Advantages, the GRPO loss and the registered optimizer. Importing this package registers it."""
+"""Advantages, the GRPO and DiffusionNFT losses and their registered optimizers. Importing this package registers
+them."""
 
 from tpflow.optim.advantages import group_advantages, informative_trajectories
 from tpflow.optim.grpo import GRPOOptions, clipped_surrogate, kl_to_reference
+from tpflow.optim.nft import NFTOptions, nft_loss, optimality
 
-__all__ = ["GRPOOptions", "clipped_surrogate", "group_advantages", "informative_trajectories", "kl_to_reference"]
+__all__ = [
+    "GRPOOptions",
+    "NFTOptions",
+    "clipped_surrogate",
+    "group_advantages",
+    "informative_trajectories",
+    "kl_to_reference",
+    "nft_loss",
+    "optimality",
+]

@@ -10,8 +10,10 @@ docs/algorithm.md §6 is the specification. For one micro-batch of trajectories 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -214,6 +216,8 @@ class GRPO:
     (``Distributed.sync_gradients``), so the copies of the adapter stay identical.
     """
 
+    consumes: Literal["transitions", "final_samples"] = "transitions"  # the window's stored SDE steps
+
     def __init__(self, options: GRPOOptions | None = None) -> None:
         self.options = options if options is not None else GRPOOptions()
         self.global_step = 0  # optimizer steps taken
@@ -255,6 +259,10 @@ class GRPO:
         self._accelerator = accelerator
         self._dist = Distributed(accelerator)
         self._optimizer = accelerator.prepare(optimizer) if accelerator is not None else optimizer
+
+    def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
+        """GRPO samples with the live adapter: nothing to swap."""
+        return contextlib.nullcontext()
 
     def advantages(self, step_rewards: Tensor, groups: Sequence[Hashable]) -> Tensor:
         """Group-normalised advantages [N, W] float64 of step rewards [N, W] (docs/algorithm.md §5), with this

@@ -5,10 +5,12 @@ One epoch (docs/architecture.md, "An epoch"; docs/algorithm.md §6.1):
 1. plan the epoch's rollout batches: ``prompts_per_epoch`` training prompts, G copies each, shuffled into batches
    that are dealt to the processes (``prompt_sampler``; one process runs them all);
 2. per local rollout batch: draw the SDE window, roll out (main trajectory, ODE baseline and completions, batched per
-   step), and hand the latents to the background scoring worker (decode + reward) while the next batch samples;
+   step; only what the optimizer consumes, under its sampling policy), and hand the latents to the background
+   scoring worker (decode + reward) while the next batch samples;
 3. per rollout batch: the credit assigner turns the reward trace [n, W+1] into step rewards [n, W];
 4. gather every process's step rewards and prompt keys; advantages per prompt and per window step over the whole
-   epoch, sliced back to each process; the GRPO update (gradients averaged over the processes); the EMA.
+   epoch, sliced back to each process; the optimizer's update (GRPO or NFT; gradients averaged over the processes);
+   the EMA.
 
 Every ``eval.every`` epochs (epoch 0 included) the EMA weights (when enabled) sample the held-out prompts by ODE.
 Checkpoints are written every ``train.save_every`` epochs, at the end and on Ctrl-C, by the main process only (as are
@@ -270,7 +272,10 @@ class Trainer:
         train, rollout = self.settings, self.recipe.rollout
         start = time.perf_counter()
         z0_seeds = {i: noise_seed(train, epoch, i) for b in batches for i in b.items} if rollout.same_noise else None
-        completions = rollout.completions if self.credit.needs_completions else None
+        # The rollout produces what the optimizer consumes (Optimizer.consumes), and completions only when the
+        # credit assigner reads them: final samples need neither stored transitions nor completions.
+        transitions = self.optimizer.consumes == "transitions"
+        completions = rollout.completions if self.credit.needs_completions and transitions else None
         # The text encoders run once per epoch, on every distinct prompt of the epoch's plan (all processes alike, so
         # the embeddings do not depend on the number of processes); each rollout batch indexes its rows.
         plan = plan_epoch(len(self.train_items), train, epoch)
@@ -287,7 +292,8 @@ class Trainer:
                 )
                 generator = cpu_generator(b.seed)  # noise drawn on the CPU, moved to the model (tpflow.devices)
                 cond = encoded.index([text_row[it.prompt] for it in items])
-                with self.accelerator.autocast():
+                # sampling_policy: the weights that collect the data (GRPO: the live adapter; NFT: its old policy)
+                with self.optimizer.sampling_policy(), self.accelerator.autocast():
                     out = rollout_from_settings(
                         self.backbone,
                         self.sampler,
@@ -298,6 +304,7 @@ class Trainer:
                         completions,
                         generator,
                         z0_seeds,
+                        transitions,
                     )
                 prompts, metadata = [i.prompt for i in items], [i.metadata for i in items]
                 jobs.append(worker.submit(out.final, out.completions, prompts, metadata, rollout.window_size))
@@ -463,7 +470,8 @@ class Trainer:
             if self.nonfinite_epochs >= MAX_NONFINITE_EPOCHS:
                 raise UserError(
                     f"Non-finite losses in {MAX_NONFINITE_EPOCHS} epochs in a row: the run stops. Lower "
-                    "optimizer.learning_rate or raise optimizer.clip_range, then resume from the last checkpoint."
+                    "optimizer.learning_rate (with grpo, or raise optimizer.clip_range), then resume from the last "
+                    "checkpoint."
                 )
         else:
             self.nonfinite_epochs = 0

@@ -1,0 +1,126 @@
+"""DiffusionNFT in the trainer: the recipe check, the CLI listing, no branch on the optimizer's name, and a run
+killed with SIGKILL that resumes bitwise (docs/nft.md)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tests.test_preflight import assert_one_paragraph, run_cli
+from tests.test_train import tiny_recipe
+from tpflow.recipe import load_recipe
+from tpflow.train.run_logger import read_jsonl
+from tpflow.train.trainer import Trainer
+
+TIMING = ("_s", "time")  # metric names that measure wall time: never compared
+GRPO_SECTION = """[optimizer]
+name = "grpo"
+learning_rate = 1e-2
+beta = 1e-3
+micro_batch_size = 4
+gradient_accumulation_steps = 1
+"""
+NFT_SECTION = """[optimizer]
+name = "nft"
+learning_rate = 1e-2
+kl_weight = 1e-3
+micro_batch_size = 4
+gradient_accumulation_steps = 1
+num_timesteps = 4
+timesteps_per_sample = 2
+old_decay_rate = 0.25
+"""
+
+
+def nft_recipe(
+    tmp_path: Path,
+    weights: Path | None,
+    reward: str = "image-stat",
+    credit: str = "outcome",
+    backbone: str | None = None,
+) -> Path:
+    """The trainer tests' tiny recipe (2 prompts x 4 copies, cps at 0.7 in a 3-step window, CFG 2) with the nft
+    optimizer (KL on, the old policy lagging from the second step) and a built-in reward; ``backbone`` as in
+    ``tiny_recipe``."""
+    path = tiny_recipe(tmp_path, weights, credit=credit, reward=reward, backbone=backbone)
+    text = path.read_text()
+    assert GRPO_SECTION in text
+    path.write_text(text.replace(GRPO_SECTION, NFT_SECTION))
+    return path
+
+
+def _adapter(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.backbone.model.named_parameters() if "lora_" in n}
+
+
+def _comparable(run: Path) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.endswith(TIMING)} for row in read_jsonl(run / "metrics.jsonl")]
+
+
+def test_validate_refuses_per_step_credit(tmp_path, tiny_weights, capsys):
+    recipe = nft_recipe(tmp_path, tiny_weights, credit="consistent")
+    code, err = run_cli(capsys, "validate", str(recipe), "--no-machine")
+    assert_one_paragraph(code, err, '[credit] name = "consistent"', "final samples only", 'name = "outcome"')
+    code, err = run_cli(capsys, "validate", str(nft_recipe(tmp_path, tiny_weights)), "--no-machine")
+    assert code == 0, err
+
+
+def test_components_lists_both_optimizers(capsys):
+    code, out = run_cli(capsys, "components", "optimizer")
+    assert code == 0, out
+    assert "grpo" in out and "nft" in out and "timesteps_per_sample" in out and "clip_range" in out
+
+
+def test_the_trainer_never_branches_on_the_optimizers_name():
+    """What the trainer does for an optimizer follows from what the optimizer declares (``consumes``,
+    ``sampling_policy``), never from its registered name."""
+    train = Path(__file__).resolve().parent.parent / "tpflow" / "train"
+    names = re.compile(r"""["'](grpo|nft)["']|optimizer\.name|recipe\.optimizer""")
+    hits = [
+        f"{path.name}:{number}: {line.strip()}"
+        for path in sorted(train.glob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if names.search(line)
+    ]
+    assert not hits, hits
+    assert names.search('if self.recipe.optimizer.name == "nft":')  # the check can fail
+
+
+def test_kill_9_then_resume_continues_exactly(tmp_path, tiny_weights):
+    straight_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
+    straight_dir.mkdir()
+    killed_dir.mkdir()
+    sets = ["train.epochs=4", "eval.every=0"]
+    straight = Trainer(load_recipe(nft_recipe(straight_dir, tiny_weights), sets))
+    straight.fit()
+    assert straight.optimizer.global_step >= 4 and straight.optimizer.updates == 4
+
+    recipe = nft_recipe(killed_dir, tiny_weights)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), *sys.path])}
+    command = [sys.executable, "-m", "tpflow.cli", "train", str(recipe), *[a for s in sets for a in ("--set", s)]]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    checkpoints = killed_dir / "run" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if checkpoints.is_dir() and any(not p.name.startswith(".") for p in checkpoints.iterdir()):
+            break  # installed by an atomic rename: complete once visible
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()}"
+    os.kill(proc.pid, signal.SIGKILL)  # no clean-up of any kind
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    proc.stderr.close()
+
+    resumed = Trainer(load_recipe(recipe, sets), resume=True)
+    assert 1 <= resumed.epoch < 4
+    resumed.fit()
+    a, b = _adapter(straight), _adapter(resumed)
+    assert all(torch.equal(a[n], b[n]) for n in a), "the resumed adapter must equal the uninterrupted one bitwise"
+    assert all(torch.equal(x, y) for x, y in zip(straight.optimizer.old, resumed.optimizer.old, strict=True))
+    assert _comparable(straight.run_dir) == _comparable(resumed.run_dir)

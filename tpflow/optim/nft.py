@@ -1,0 +1,462 @@
+"""DiffusionNFT: policy optimisation on the forward (noising) process, from final samples only.
+
+Zheng et al., "DiffusionNFT: Online Diffusion Reinforcement with Forward Process" (arXiv 2509.16117), docs/nft.md.
+Each final latent x₀ of the epoch is noised again, x_t = (1 − t)·x₀ + t·ε (σ = t = 1 is pure noise, tpflow's
+convention), and the trained velocity v_θ is pulled towards an implicit positive policy and away from an implicit
+negative one, both defined around a frozen "old" velocity v_old:
+
+    v⁺ = β·v_θ + (1 − β)·v_old,        v⁻ = (1 + β)·v_old − β·v_θ
+    x̂± = x_t − t·v±,                   L± = mean_elems((x̂± − x₀)²) / sg(mean_elems|x̂± − x₀|)
+    L  = (adv_clip_max / β) · mean_b [ r_b·L⁺_b + (1 − r_b)·L⁻_b ]  +  kl_weight · mean_b mean_elems((v_θ − v_ref)²)
+
+where r = clip(clip(A, ±adv_clip_max) / adv_clip_max / 2 + 1/2, 0, 1) is the sample's "optimality probability"
+from its group-normalised advantage A, sg stops the gradient (the paper's adaptive weight), and v_ref is the
+adapter-disabled model. The factor adv_clip_max / β is the public code's: it sets the gradient's size, which the
+norm clip sees. The old policy is a copy of the adapter, soft-updated after each epoch's update
+(θ_old ← η·θ_old + (1 − η)·θ with η = min(max(step − flat, 0)·rate, cap)), and the rollouts sample with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor
+
+from tpflow.devices import cpu_generator, randn
+from tpflow.distributed import Distributed
+from tpflow.errors import UserError
+from tpflow.interfaces import Backbone, Sampler
+from tpflow.optim.advantages import group_advantages
+from tpflow.registry import register
+from tpflow.types import Rollout
+
+SEED_LIMIT = 2**62  # the base seed of the forward-process draws is below this
+
+
+@dataclass(frozen=True)
+class NFTLoss:
+    """The NFT loss of one micro-batch at one draw of (t, ε), with its detached parts."""
+
+    loss: Tensor  # [] differentiable: policy + kl_weight·KL
+    policy: Tensor  # [] detached (adv_clip_max / β)·mean_b(r·L⁺ + (1 − r)·L⁻)
+    positive: Tensor  # [N] detached L⁺
+    negative: Tensor  # [N] detached L⁻
+    kl: Tensor  # [] detached mean_b mean_elems((v_θ − v_ref)²); 0 without a reference
+
+
+def optimality(advantages: Tensor, adv_clip_max: float) -> Tensor:
+    """r = clip(clip(A, ±c) / c / 2 + 1/2, 0, 1): A = +c gives 1 (train towards v⁺ only), A = −c gives 0."""
+    if not adv_clip_max > 0:
+        raise ValueError(f"adv_clip_max must be > 0, got {adv_clip_max!r}.")
+    clipped = advantages.clamp(-adv_clip_max, adv_clip_max)
+    return (clipped / adv_clip_max / 2.0 + 0.5).clamp(0.0, 1.0)
+
+
+def forward_noising(x0: Tensor, t: Tensor, noise: Tensor) -> Tensor:
+    """x_t = (1 − t)·x₀ + t·ε for x₀, ε [N, ...] and t [N] (t = 1: pure noise), in the dtype of ``x0``."""
+    tt = t.to(x0.dtype).reshape(-1, *([1] * (x0.dim() - 1)))
+    return (1 - tt) * x0 + tt * noise.to(x0.dtype)
+
+
+def implicit_velocities(v: Tensor, v_old: Tensor, beta: float) -> tuple[Tensor, Tensor]:
+    """(v⁺, v⁻) = (β·v + (1 − β)·v_old, (1 + β)·v_old − β·v); v_old is a constant (detached)."""
+    v_old = v_old.detach()
+    return beta * v + (1 - beta) * v_old, (1 + beta) * v_old - beta * v
+
+
+def nft_loss(
+    x0: Tensor,
+    x_t: Tensor,
+    t: Tensor,
+    v: Tensor,
+    v_old: Tensor,
+    r: Tensor,
+    beta: float,
+    adv_clip_max: float,
+    v_ref: Tensor | None = None,
+    kl_weight: float = 0.0,
+) -> NFTLoss:
+    """The NFT loss (module docstring) of N samples; every input [N, ...] except t and r [N].
+
+    The x₀ errors and their adaptive weights are computed in float32 or wider; the weights in float64 and detached
+    (floored at 1e-5, as the public code does, so a perfect prediction does not divide by 0).
+    """
+    if not beta > 0:
+        raise ValueError(f"beta must be > 0 (the loss is scaled by 1/β), got {beta!r}.")
+    for name, value in (("x_t", x_t), ("v", v), ("v_old", v_old)):
+        if value.shape != x0.shape:
+            raise ValueError(f"{name} must have the shape of x0 {tuple(x0.shape)}, got {tuple(value.shape)}.")
+    n = x0.shape[0]
+    if t.shape != (n,) or r.shape != (n,):
+        raise ValueError(f"t and r must be [N] = [{n}], got {tuple(t.shape)} and {tuple(r.shape)}.")
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    x0, x_t, v, v_old = x0.to(dtype).detach(), x_t.to(dtype).detach(), v.to(dtype), v_old.to(dtype)
+    tt = t.to(dtype).reshape(-1, *([1] * (x0.dim() - 1)))
+    v_pos, v_neg = implicit_velocities(v, v_old, beta)
+    positive = _weighted_error(x_t - tt * v_pos, x0)  # [N]
+    negative = _weighted_error(x_t - tt * v_neg, x0)  # [N]
+    r = r.detach().to(dtype)
+    policy = (adv_clip_max / beta) * (r * positive + (1 - r) * negative).mean()
+    loss, kl = policy, policy.new_zeros(())
+    if v_ref is not None and kl_weight > 0:
+        kl = (v - v_ref.detach().to(dtype)).square().reshape(n, -1).mean(dim=1).mean()
+        loss = policy + kl_weight * kl
+    return NFTLoss(loss, policy.detach(), positive.detach(), negative.detach(), kl.detach())
+
+
+def _weighted_error(x0_pred: Tensor, x0: Tensor) -> Tensor:
+    """[N] mean((x̂ − x₀)²) / sg(mean|x̂ − x₀|), the paper's adaptive weighting of the x₀ error."""
+    err = (x0_pred - x0).reshape(x0.shape[0], -1)
+    with torch.no_grad():
+        weight = err.double().abs().mean(dim=1).clamp(min=1e-5).to(err.dtype)
+    return err.square().mean(dim=1) / weight
+
+
+def old_decay(step: int, flat: int, rate: float, cap: float) -> float:
+    """η of the old policy's soft update after ``step`` optimizer steps: 0 before ``flat``, then rising by ``rate``
+    per step up to ``cap`` (the public code's schedules: (0, 0.001, 0.5) for GenEval, (75, 0.0075, 0.999) for OCR)."""
+    return 0.0 if step < flat else min((step - flat) * rate, cap)
+
+
+class NFTOptions(BaseModel):
+    """Options of the ``nft`` optimizer; defaults are the public code's SD3.5-M GenEval settings (docs/nft.md)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    learning_rate: float = Field(3e-4, gt=0, description="AdamW learning rate, constant (the public code: 3e-4).")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (β1, β2).")
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW decoupled weight decay.")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient-norm clip at each optimizer step.")
+    beta: float = Field(
+        1.0,
+        gt=0,
+        description="NFT's β: how far the implicit policies v± = v_old ± β·(v_θ − v_old) move with v_θ; also scales "
+        "the loss by 1/β. 1 in the public GenEval and PickScore configs, 0.1 for OCR (arXiv 2509.16117, §4).",
+    )
+    kl_weight: float = Field(
+        1e-4,
+        ge=0,
+        description="Weight of the KL term mean((v_θ − v_ref)²) to the adapter-disabled model (the public code's "
+        "train.beta = 1e-4); 0 skips the reference pass.",
+    )
+    adv_clip_max: float = Field(
+        5.0,
+        gt=0,
+        description="Advantages are clipped to ±adv_clip_max and mapped to r = A / adv_clip_max / 2 + 1/2 in [0, 1]; "
+        "it also scales the loss (the public code: 5).",
+    )
+    global_std: bool = Field(
+        True,
+        description="Normalise the rewards by the std of the whole epoch instead of the prompt's (the mean stays per "
+        "prompt); True in the public code.",
+    )
+    num_timesteps: int = Field(
+        10,
+        ge=1,
+        le=1000,
+        description="K of the backbone's own schedule σ_0..σ_{K-1} from which each sample's training times t are "
+        "drawn (the public code trains at its K = 10 sampling timesteps).",
+    )
+    timesteps_per_sample: int = Field(
+        9,
+        ge=1,
+        le=1000,
+        description="Distinct times t (without replacement, in random order) each sample is trained at per inner "
+        "epoch, each with fresh noise ε: int(K · 0.99) = 9 in the public code.",
+    )
+    old_decay_flat: int = Field(
+        0, ge=0, description="Optimizer steps before the old policy starts to lag (decay η = 0 until then)."
+    )
+    old_decay_rate: float = Field(
+        1e-3, ge=0, description="Growth of the old policy's decay η per optimizer step after old_decay_flat."
+    )
+    old_decay_max: float = Field(
+        0.5, ge=0, lt=1, description="Cap of η: θ_old ← η·θ_old + (1 − η)·θ after each update (GenEval: 0.5)."
+    )
+    micro_batch_size: int = Field(8, ge=1, description="Samples per forward/backward pass.")
+    gradient_accumulation_steps: int = Field(
+        1,
+        ge=1,
+        description="Micro-batches per optimizer step; a step averages the gradients of this × timesteps_per_sample "
+        "losses (× the processes).",
+    )
+    num_inner_epochs: int = Field(1, ge=1, description="Passes over the epoch's samples per update.")
+    seed: int | None = Field(
+        None,
+        ge=0,
+        lt=SEED_LIMIT,
+        description="Seed of the sample order, the times t and the noise ε of the update; None derives it from the "
+        "run's seed. Saved in checkpoints, so a resumed run draws what the uninterrupted one would.",
+    )
+
+    @model_validator(mode="after")
+    def _timesteps_fit(self) -> NFTOptions:
+        if self.timesteps_per_sample > self.num_timesteps:
+            raise ValueError(
+                f"timesteps_per_sample={self.timesteps_per_sample} exceeds num_timesteps={self.num_timesteps}: each "
+                "sample is trained at distinct times of a K-step schedule; lower it or raise num_timesteps."
+            )
+        return self
+
+
+@register("optimizer", "nft", options=NFTOptions)
+class NFT:
+    """DiffusionNFT update (implements ``tpflow.interfaces.Optimizer``); every option is a field of
+    :class:`NFTOptions`.
+
+    Options: learning_rate, adam_betas, weight_decay, adam_eps, max_grad_norm, beta, kl_weight, adv_clip_max,
+    global_std, num_timesteps, timesteps_per_sample, old_decay_flat, old_decay_rate, old_decay_max,
+    micro_batch_size, gradient_accumulation_steps, num_inner_epochs, seed.
+
+    It consumes final samples (``consumes``): the rollout stores no transitions, log-probs or completions, and the
+    credit must be ``outcome`` (one reward per image). The rollouts sample with the old policy (``sampling_policy``).
+    One ``update`` shuffles the samples, cuts micro-batches, and trains each at ``timesteps_per_sample`` times
+    drawn from the backbone's schedule, each with fresh noise; AdamW steps every ``gradient_accumulation_steps``
+    micro-batches after norm clipping, with gradients averaged over every process's losses. After the pass the
+    old policy moves towards the adapter (:func:`old_decay`). The old copy, the base seed and the number of updates
+    are part of ``state_dict``, so a resumed run continues exactly.
+    """
+
+    consumes: Literal["transitions", "final_samples"] = "final_samples"
+
+    def __init__(self, options: NFTOptions | None = None) -> None:
+        self.options = options if options is not None else NFTOptions()
+        self.global_step = 0  # optimizer steps taken
+        self.updates = 0  # update() calls finished: with the base seed, what the next update draws
+        self.old: list[Tensor] = []  # the old policy's adapter values, in trainable_parameters() order
+        self._seed: int | None = self.options.seed
+        self._params: list[torch.nn.Parameter] = []
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._accelerator = None
+        self._dist = Distributed()
+
+    @staticmethod
+    def check_recipe(options: NFTOptions, settings: dict) -> list[str]:
+        """NFT trains on one reward per final image: a credit assigner that spreads rewards over window steps has
+        no steps to credit here, so only ``outcome`` is accepted."""
+        credit = settings.get("credit")
+        if credit is not None and credit.name != "outcome":
+            return [
+                f'[credit] name = "{credit.name}": the nft optimizer trains on final samples only, one reward per '
+                "image (it re-noises the image by the forward process; there are no SDE window steps whose rewards "
+                "a credit assigner could tell apart), so per-step credit cannot be used. "
+                'Set [credit] name = "outcome".'
+            ]
+        return []
+
+    def bind(self, backbone: Backbone, accelerator=None) -> None:
+        """AdamW over the adapter, the old policy as a copy of it, and the base seed (from the global RNG, which the
+        trainer seeds with the run's seed, unless the ``seed`` option is set)."""
+        o = self.options
+        self._params = list(backbone.trainable_parameters())
+        if not self._params:
+            raise ValueError("The backbone has no trainable parameters: attach an adapter before training.")
+        optimizer = torch.optim.AdamW(
+            self._params, lr=o.learning_rate, betas=o.adam_betas, weight_decay=o.weight_decay, eps=o.adam_eps
+        )
+        self._accelerator = accelerator
+        self._dist = Distributed(accelerator)
+        self._optimizer = accelerator.prepare(optimizer) if accelerator is not None else optimizer
+        self.old = [p.detach().clone() for p in self._params]
+        if self._seed is None:
+            self._seed = int(torch.randint(SEED_LIMIT, (1,), device="cpu"))
+
+    def advantages(self, step_rewards: Tensor, groups: Sequence[Hashable]) -> Tensor:
+        """[N, 1] float64: the group-normalised final reward (the last column of the step rewards, which ``outcome``
+        fills with R_W), with ``global_std`` and clipped at ``adv_clip_max``."""
+        o = self.options
+        return group_advantages(step_rewards[:, -1:], groups, global_std=o.global_std, clip=o.adv_clip_max)
+
+    def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
+        """The rollouts collect data with the old policy v_old, as the paper's algorithm does."""
+        return self._old_weights()
+
+    def state_dict(self) -> dict:
+        """AdamW state, step and update counts, the base seed and the old policy (CPU copies)."""
+        return {
+            "optimizer": self._optimizer.state_dict() if self._optimizer else {},
+            "global_step": self.global_step,
+            "updates": self.updates,
+            "seed": self._seed,
+            "old": [t.detach().cpu().clone() for t in self.old],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict`` (after ``bind``); the hyper-parameters stay this optimizer's own options."""
+        if self._optimizer is None:
+            raise RuntimeError("Call bind(backbone) before load_state_dict.")
+        keys = ("optimizer", "global_step", "updates", "seed", "old")
+        missing = [key for key in keys if not isinstance(state, dict) or key not in state]
+        if missing:
+            raise UserError(
+                f"the optimizer state lacks {', '.join(map(repr, missing))}: it was not written by the nft "
+                "optimizer's state_dict (a checkpoint of another optimizer cannot continue as nft)."
+            )
+        old = list(state["old"])
+        shapes = [tuple(p.shape) for p in self._params]
+        if [tuple(t.shape) for t in old] != shapes:
+            raise UserError(
+                f"the checkpoint's old policy has {len(old)} tensors that do not match the {len(shapes)} trained "
+                "parameters; was the LoRA rank or target list changed since it was written?"
+            )
+        self._optimizer.load_state_dict(state["optimizer"])
+        o = self.options
+        for group in self._optimizer.param_groups:
+            group.update(lr=o.learning_rate, betas=tuple(o.adam_betas), weight_decay=o.weight_decay, eps=o.adam_eps)
+        self.old = [t.to(device=p.device, dtype=p.dtype).clone() for t, p in zip(old, self._params, strict=True)]
+        self.global_step, self.updates = int(state["global_step"]), int(state["updates"])
+        self._seed = int(state["seed"]) if self.options.seed is None else self.options.seed
+
+    def update(
+        self,
+        backbone: Backbone,
+        sampler: Sampler,
+        batch: Rollout,
+        advantages: Tensor,
+        on_step: Callable[[int], object] | None = None,
+    ) -> dict[str, float]:
+        """One pass (``num_inner_epochs`` passes) over the final samples of ``batch`` with advantages [N, 1] (or
+        [N, W]: the last column is read) as ``advantages`` returns them; then the old policy's soft update.
+
+        ``on_step(n)`` runs right after each optimizer step taken (n: its 0-based index); a step the fp16 gradient
+        scaler skips is not counted. ``sampler`` is not used: NFT needs no likelihood."""
+        if self._optimizer is None:
+            self.bind(backbone)
+        o = self.options
+        n = len(batch.final)
+        if advantages.dim() != 2 or advantages.shape[0] != n or advantages.shape[1] < 1:
+            raise ValueError(f"advantages must be [N, 1] with N = {n}, got {tuple(advantages.shape)}.")
+        device = batch.final.device
+        r = optimality(advantages[:, -1].to(device=device, dtype=torch.float32), o.adv_clip_max)  # [N]
+        schedule = backbone.sigmas(o.num_timesteps)[: o.num_timesteps].to(device=device, dtype=torch.float32)
+        generator = cpu_generator(self._draw_seed())  # sample order, times and noise (tpflow.devices, rule 1)
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+
+        def add(name: str, value: float) -> None:
+            sums[name] = sums.get(name, 0.0) + value
+            counts[name] = counts.get(name, 0) + 1
+
+        steps_before, skipped = self.global_step, 0
+        accumulation = o.gradient_accumulation_steps
+        num_micro = -(-n // o.micro_batch_size)
+        num_steps = int(self._dist.max(-(-num_micro // accumulation)))  # the same on every process
+        for _ in range(o.num_inner_epochs):
+            order = torch.randperm(n, generator=generator, device="cpu").to(device)
+            micro_batches = list(order.split(o.micro_batch_size)) if n else []
+            # [N, T] indices into the schedule: distinct times per sample, in a random order per sample
+            times = torch.rand((n, o.num_timesteps), generator=generator, device="cpu").argsort(dim=1)
+            times = times[:, : o.timesteps_per_sample].to(device)
+            for step in range(num_steps):
+                losses = 0
+                for mb in micro_batches[step * accumulation : (step + 1) * accumulation]:
+                    for j in range(o.timesteps_per_sample):
+                        t = schedule[times[mb, j]]  # [M]
+                        noise = randn(batch.final[mb].shape, generator, device, torch.float32)
+                        out = self.loss(backbone, batch, mb, r[mb], t, noise)
+                        if not torch.isfinite(out.loss):
+                            add("nonfinite_losses", 1.0)
+                            continue
+                        if self._accelerator is not None:
+                            self._accelerator.backward(out.loss)
+                        else:
+                            out.loss.backward()
+                        losses += 1
+                        add("loss", float(out.loss.detach()))
+                        add("policy_loss", float(out.policy))
+                        add("positive_loss", float(out.positive.mean()))
+                        add("negative_loss", float(out.negative.mean()))
+                        add("kl", float(out.kl))
+                outcome = self._optimizer_step(losses)
+                if outcome == "skipped":
+                    skipped += 1
+                elif outcome is not None:
+                    add("grad_norm", outcome)
+                    if on_step is not None:
+                        on_step(self.global_step - 1)
+        decay = old_decay(self.global_step, o.old_decay_flat, o.old_decay_rate, o.old_decay_max)
+        self._update_old(decay)
+        self.updates += 1
+        result = {name: sums[name] / counts[name] for name in sums if name != "nonfinite_losses"}
+        result["nonfinite_losses"] = sums.get("nonfinite_losses", 0.0)
+        result["trajectories_trained"] = float(n)
+        result["optimality_mean"] = float(r.mean()) if n else 0.5
+        result["old_decay"] = decay
+        result["optimizer_steps"] = float(self.global_step - steps_before)
+        result["skipped_steps"] = float(skipped)
+        return result
+
+    def loss(self, backbone: Backbone, batch: Rollout, rows: Tensor, r: Tensor, t: Tensor, noise: Tensor) -> NFTLoss:
+        """The loss of the samples ``rows`` [M] of ``batch`` at times t [M] with noise ε [M, ...] and optimality r
+        [M]: v_old (old policy) and v_ref (adapter disabled) without grad, then v_θ with grad."""
+        o = self.options
+        x0 = batch.final[rows]
+        cond = batch.cond.index(rows)
+        x_t = forward_noising(x0.float(), t, noise).to(x0.dtype)
+        # The no-grad passes come first: the old policy's values are swapped into the adapter and back, which must
+        # not touch tensors that the graph of v_θ has saved.
+        with torch.no_grad():
+            with self._old_weights():
+                v_old = backbone.velocity(x_t, t, cond, batch.guidance)
+            v_ref = None
+            if o.kl_weight > 0:
+                with backbone.reference():
+                    v_ref = backbone.velocity(x_t, t, cond, batch.guidance)
+        v = backbone.velocity(x_t, t, cond, batch.guidance)
+        return nft_loss(x0, x_t, t, v, v_old, r, o.beta, o.adv_clip_max, v_ref, o.kl_weight)
+
+    # ---- private -----------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _old_weights(self) -> Iterator[None]:
+        """The adapter holds the old policy inside; its own values come back on exit, exactly."""
+        if not self._params:
+            yield
+            return
+        with torch.no_grad():
+            backup = [p.detach().clone() for p in self._params]
+            for param, old in zip(self._params, self.old, strict=True):
+                param.copy_(old)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for param, saved in zip(self._params, backup, strict=True):
+                    param.copy_(saved)
+
+    @torch.no_grad()
+    def _update_old(self, decay: float) -> None:
+        """θ_old ← η·θ_old + (1 − η)·θ (η = 0 copies the adapter exactly)."""
+        for old, param in zip(self.old, self._params, strict=True):
+            old.copy_(param.detach() if decay == 0 else old * decay + param.detach() * (1.0 - decay))
+
+    def _draw_seed(self) -> int:
+        """The seed of this update's draws: the base seed, the update's index and this process's rank."""
+        if self._seed is None:
+            self._seed = int(torch.randint(SEED_LIMIT, (1,), device="cpu"))
+        return (self._seed + 1_000_003 * self.updates + 7919 * self._dist.rank) % SEED_LIMIT
+
+    def _optimizer_step(self, num_losses: int) -> float | str | None:
+        """Average the accumulated gradients over every process's losses, clip, step, zero (as GRPO's). Returns the
+        pre-clip norm of a step taken, ``"skipped"`` for a step the fp16 scaler skipped, None when no process had a
+        loss."""
+        o = self.options
+        if self._dist.sync_gradients(self._params, num_losses) == 0:
+            self._optimizer.zero_grad(set_to_none=True)
+            return None
+        if self._accelerator is not None:
+            norm = self._accelerator.clip_grad_norm_(self._params, o.max_grad_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self._params, o.max_grad_norm)
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        if getattr(self._optimizer, "step_was_skipped", False):
+            return "skipped"
+        self.global_step += 1
+        return float(norm)
