@@ -23,6 +23,12 @@ import torch
 from tpflow import registry
 
 GPU_ON_CPU = os.environ.get("TPFLOW_GPU_TESTS_ON_CPU") == "1"  # dry-run the GPU suite on the CPU
+# The environment before any test ran. Libraries imported by earlier tests write into this process's os.environ (cv2
+# prepends its bundled lib64 to LD_LIBRARY_PATH, W&B leaves WANDB_SERVICE naming its service socket); a long-lived
+# subprocess started from here late in the suite inherited them, and `tpflow serve-reward` then failed to exit on
+# Ctrl-C within 20 s in 2 of 3 full runs (never alone). Subprocesses that must behave as on a user's machine start
+# from this snapshot.
+SESSION_ENV: dict[str, str] = dict(os.environ)
 
 
 def cuda_or_skip() -> str:

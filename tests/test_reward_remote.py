@@ -7,7 +7,6 @@ started once for the module; the last test stops it with Ctrl-C (SIGINT), so kee
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import subprocess
@@ -35,6 +34,8 @@ from tpflow.shapes.prompts import prompts as shape_prompts
 from tpflow.shapes.render import render_batch
 from tpflow.types import RewardOutput
 
+from .conftest import SESSION_ENV
+
 
 @dataclass
 class Served:
@@ -52,7 +53,7 @@ def server() -> Iterator[Served]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "COLUMNS": "200"},
+        env={**SESSION_ENV, "COLUMNS": "200"},  # not what libraries wrote into this process's environment
     )
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True)
