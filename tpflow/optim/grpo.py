@@ -23,6 +23,7 @@ from tpflow.distributed import Distributed
 from tpflow.errors import UserError
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.optim.advantages import group_advantages, informative_trajectories
+from tpflow.optim.step import optimizer_step
 from tpflow.registry import register
 from tpflow.types import Rollout
 
@@ -418,21 +419,10 @@ class GRPO:
         return loss, info
 
     def _optimizer_step(self, num_losses: int) -> float | str | None:
-        """Average the accumulated gradients over every process's losses, clip, step, zero. Returns the pre-clip
-        norm of a step taken; ``"skipped"`` when the fp16 gradient scaler found inf/NaN gradients and skipped the
-        step (Accelerate's ``step_was_skipped``; the same on every process, whose gradients are all-reduced); None
-        (and no step) when no process had a loss. Only a step taken counts in ``global_step``."""
-        o = self.options
-        if self._dist.sync_gradients(self._params, num_losses) == 0:
-            self._optimizer.zero_grad(set_to_none=True)
-            return None
-        if self._accelerator is not None:
-            norm = self._accelerator.clip_grad_norm_(self._params, o.max_grad_norm)
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(self._params, o.max_grad_norm)
-        self._optimizer.step()
-        self._optimizer.zero_grad(set_to_none=True)
-        if getattr(self._optimizer, "step_was_skipped", False):
-            return "skipped"
-        self.global_step += 1
-        return float(norm)
+        """``tpflow.optim.step.optimizer_step`` on this optimizer's state; counts a step taken in ``global_step``."""
+        out = optimizer_step(
+            self._dist, self._params, self._optimizer, self._accelerator, self.options.max_grad_norm, num_losses
+        )
+        if out is not None and out != "skipped":
+            self.global_step += 1
+        return out

@@ -32,6 +32,7 @@ from tpflow.distributed import Distributed
 from tpflow.errors import UserError
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.optim.advantages import group_advantages
+from tpflow.optim.step import optimizer_step
 from tpflow.registry import register
 from tpflow.types import Rollout
 
@@ -443,20 +444,10 @@ class NFT:
         return (self._seed + 1_000_003 * self.updates + 7919 * self._dist.rank) % SEED_LIMIT
 
     def _optimizer_step(self, num_losses: int) -> float | str | None:
-        """Average the accumulated gradients over every process's losses, clip, step, zero (as GRPO's). Returns the
-        pre-clip norm of a step taken, ``"skipped"`` for a step the fp16 scaler skipped, None when no process had a
-        loss."""
-        o = self.options
-        if self._dist.sync_gradients(self._params, num_losses) == 0:
-            self._optimizer.zero_grad(set_to_none=True)
-            return None
-        if self._accelerator is not None:
-            norm = self._accelerator.clip_grad_norm_(self._params, o.max_grad_norm)
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(self._params, o.max_grad_norm)
-        self._optimizer.step()
-        self._optimizer.zero_grad(set_to_none=True)
-        if getattr(self._optimizer, "step_was_skipped", False):
-            return "skipped"
-        self.global_step += 1
-        return float(norm)
+        """``tpflow.optim.step.optimizer_step`` on this optimizer's state; counts a step taken in ``global_step``."""
+        out = optimizer_step(
+            self._dist, self._params, self._optimizer, self._accelerator, self.options.max_grad_norm, num_losses
+        )
+        if out is not None and out != "skipped":
+            self.global_step += 1
+        return out
