@@ -2,24 +2,25 @@
 
     [reward]
     name = "shapes-geneval"
-    score = "partial"    # or "strict"
+    score = "partial"    # or "strict", or "soft"
 
 The detector (``tpflow.shapes.detect``) finds coloured circles, squares and triangles; the scorer
 (``tpflow.rewards.geneval.scoring``) judges them against each prompt's GenEval metadata exactly as it judges the
-real detector's output. CPU only, a few thousand images per second.
+real detector's output. ``score = "soft"`` is the continuous variant of the partial credit
+(``tpflow.rewards.geneval.soft``: soft counts from the detection confidences, colour and position terms). CPU only,
+a few thousand images per second.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from tpflow.registry import register
-from tpflow.rewards.geneval.scoring import score
+from tpflow.rewards.geneval.verdicts import SCORE_DESCRIPTION, ScoreName, verdicts
 from tpflow.shapes.detect import detect_batch
 from tpflow.types import RewardOutput
 
@@ -29,19 +30,15 @@ class ShapesGenevalOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    score: Literal["partial", "strict"] = Field(
-        "partial",
-        description="Training reward: the partial-credit GenEval score (the reference's reward) or strict "
-        "correctness (0/1).",
-    )
+    score: ScoreName = Field("partial", description=SCORE_DESCRIPTION)
 
 
 @register("reward", "shapes-geneval", options=ShapesGenevalOptions)
 class ShapesGenevalReward:
     """RewardModel: GenEval on rule-based detections of the shapes world.
 
-    Options: ``score`` ("partial" or "strict"), which verdict becomes ``scores``. ``details`` always holds
-    ``strict`` and ``correct`` (0/1 each) and ``partial``. Stateless, so safe to call from several threads.
+    Options: ``score`` ("partial", "strict" or "soft"), which verdict becomes ``scores``. ``details`` always holds
+    ``strict`` and ``correct`` (0/1 each), ``partial`` and ``soft``. Stateless, so safe to call from several threads.
     """
 
     def __init__(self, options: ShapesGenevalOptions | None = None):
@@ -52,9 +49,4 @@ class ShapesGenevalReward:
         if len(images) != len(metadata):
             raise ValueError(f"Got {len(images)} images for {len(metadata)} metadata entries.")
         size = (images.shape[-2], images.shape[-1])
-        results = [score(found, meta, size) for found, meta in zip(detect_batch(images), metadata, strict=True)]
-        partial = torch.tensor([r.score for r in results], dtype=torch.float32, device="cpu")  # [N]
-        strict = torch.tensor([float(r.strict_correct) for r in results], dtype=torch.float32, device="cpu")  # [N]
-        correct = torch.tensor([float(r.correct) for r in results], dtype=torch.float32, device="cpu")  # [N]
-        scores = partial if self.options.score == "partial" else strict
-        return RewardOutput(scores=scores, details={"strict": strict, "correct": correct, "partial": partial})
+        return verdicts(detect_batch(images), metadata, size, self.options.score)

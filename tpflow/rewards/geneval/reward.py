@@ -3,7 +3,7 @@
     [reward]
     name = "geneval"
     detector = "mask2former"      # or "shapes" (the embedded world's rule-based detector, no weights)
-    score = "partial"             # or "strict"
+    score = "partial"             # or "strict", or "soft" (continuous)
     detector_model = "facebook/mask2former-swin-small-coco-instance"   # a local folder or a cached hub id
     clip_model = "ViT-L-14"       # the colour classifier, open_clip architecture ...
     clip_pretrained = "openai"    # ... and a checkpoint file or a pretrained tag already cached
@@ -24,13 +24,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from tpflow.registry import register
 from tpflow.rewards.geneval.detectors import Detector, build_detector
-from tpflow.rewards.geneval.scoring import score
+from tpflow.rewards.geneval.verdicts import SCORE_DESCRIPTION, ScoreName, verdicts
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
 
@@ -45,11 +44,7 @@ class GenevalOptions(BaseModel):
         description="Object detector: GenEval's Mask2Former (COCO instances) with CLIP colours, or the shapes "
         "world's rule-based detector (the detector options below are then unused).",
     )
-    score: Literal["partial", "strict"] = Field(
-        "partial",
-        description="Training reward: the partial-credit GenEval score (the reference's reward) or strict "
-        "correctness (0/1).",
-    )
+    score: ScoreName = Field("partial", description=SCORE_DESCRIPTION)
     detector_model: str = Field(
         "facebook/mask2former-swin-small-coco-instance",
         description="Mask2Former COCO instance-segmentation weights: a local folder written by save_pretrained, or "
@@ -72,9 +67,9 @@ class GenevalReward:
     """RewardModel: GenEval on the detections of a pluggable detector.
 
     Options: ``detector``, ``score``, ``detector_model``, ``clip_model``, ``clip_pretrained``, ``device``.
-    ``details`` holds ``strict`` and ``correct`` (0/1 each) and ``partial``. Models load on the first call (or
-    ``load()``), under the detector's lock, so the reward may be built without weights and called from a worker
-    thread. ``scores`` [N] float32 on the CPU.
+    ``details`` holds ``strict`` and ``correct`` (0/1 each), ``partial`` and ``soft`` (``verdicts.py``). Models
+    load on the first call (or ``load()``), under the detector's lock, so the reward may be built without weights
+    and called from a worker thread. ``scores`` [N] float32 on the CPU.
     """
 
     @staticmethod
@@ -116,9 +111,4 @@ class GenevalReward:
             raise ValueError(f"Got {len(images)} images for {len(metadata)} metadata entries.")
         size = (images.shape[-2], images.shape[-1])
         detections = self.detector(images, metadata)
-        results = [score(found, meta, size) for found, meta in zip(detections, metadata, strict=True)]
-        partial = torch.tensor([r.score for r in results], dtype=torch.float32, device="cpu")  # [N]
-        strict = torch.tensor([float(r.strict_correct) for r in results], dtype=torch.float32, device="cpu")  # [N]
-        correct = torch.tensor([float(r.correct) for r in results], dtype=torch.float32, device="cpu")  # [N]
-        scores = partial if self.options.score == "partial" else strict
-        return RewardOutput(scores=scores, details={"strict": strict, "correct": correct, "partial": partial})
+        return verdicts(detections, metadata, size, self.options.score)

@@ -1,0 +1,42 @@
+"""One image batch's GenEval verdicts as a ``RewardOutput``: shared by ``geneval`` and ``shapes-geneval``, which
+differ only in their detector.
+
+``details`` always holds ``strict`` and ``correct`` (0/1 each), ``partial`` (GenEval's partial credit) and ``soft``
+(the continuous partial credit of ``soft.py``); ``scores`` is the one the recipe's ``score`` option names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+
+from tpflow.rewards.geneval.scoring import DetectionLike, score
+from tpflow.rewards.geneval.soft import soft_score
+from tpflow.types import RewardOutput
+
+ScoreName = Literal["partial", "strict", "soft"]
+SCORE_DESCRIPTION = (
+    "Training reward: the partial-credit GenEval score (the reference's reward), strict correctness (0/1), or "
+    "'soft': a continuous partial credit (soft counts from the detection confidences, colour and position terms; "
+    "tpflow/rewards/geneval/soft.py) that ties less often within a group."
+)
+
+
+def verdicts(
+    detections: Sequence[Sequence[DetectionLike]],
+    metadata: Sequence[dict[str, Any]],
+    size: tuple[int, int],
+    which: ScoreName,
+) -> RewardOutput:
+    """Score each image's detections against its metadata; ``size`` = (H, W) of the images."""
+    results = [score(found, meta, size) for found, meta in zip(detections, metadata, strict=True)]
+    details = {
+        "strict": [float(r.strict_correct) for r in results],
+        "correct": [float(r.correct) for r in results],
+        "partial": [r.score for r in results],
+        "soft": [soft_score(found, meta, size) for found, meta in zip(detections, metadata, strict=True)],
+    }
+    tensors = {k: torch.tensor(v, dtype=torch.float32, device="cpu") for k, v in details.items()}  # [N] each
+    return RewardOutput(scores=tensors[which], details=tensors)
