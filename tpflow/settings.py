@@ -211,6 +211,12 @@ class EvalSettings(BaseModel):
     batch_size: int = Field(
         16, ge=1, le=MAX_COUNT, description="Images per evaluation batch (paper: 16, 14 for GenEval)."
     )
+    images_per_prompt: int = Field(
+        1,
+        ge=1,
+        le=MAX_COUNT,
+        description="Images per eval prompt, each from its own fixed noise (GenEval: 4); `tpflow eval`'s default too.",
+    )
     nonfinite_rewards: Literal["stop", "warn"] = Field(
         "stop",
         description="Non-finite (NaN, inf) evaluation scores: 'stop' retries the call (train.reward_retries) then "

@@ -90,7 +90,12 @@ def eval_(
     ] = None,
     steps: Annotated[int, typer.Option(min=1, help="ODE sampling steps (the paper evaluates at 40).")] = 40,
     guidance: GuidanceOption = None,
-    images_per_prompt: Annotated[int, typer.Option(min=1, help="Images per prompt (GenEval: 4).")] = 1,
+    images_per_prompt: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Images per prompt (default: eval.images_per_prompt; GenEval: 4).", show_default=False
+        ),
+    ] = None,
     seed: SeedOption = None,
     resolution: ResolutionOption = None,
     batch_size: Annotated[

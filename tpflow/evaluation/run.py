@@ -1,9 +1,9 @@
 """``tpflow eval``: sample a target on a prompt set by ODE, score it, and report per category (and vs a baseline).
 
 The sampling and scoring are the trainer's own (``tpflow.train.evaluation.score_prompts``): with the recipe's eval
-steps, guidance, batch size and prompts and the default seed, ``tpflow eval RUN`` gives exactly the ``eval_reward``
-training logged for the checkpoint's weights. Defaults follow the paper's protocol instead where it differs from a
-run's periodic eval: 40 ODE steps (train at T = 10, evaluate at T = 40; docs/evaluation.md).
+steps, guidance, batch size, prompts and images per prompt and the default seed, ``tpflow eval RUN`` gives exactly
+the ``eval_reward`` training logged for the checkpoint's weights. Defaults follow the paper's protocol instead where
+it differs from a run's periodic eval: 40 ODE steps (train at T = 10, evaluate at T = 40; docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class EvalOptions:
     num_prompts: int | None = None  # None: eval.num_prompts for "test" (as training), else every prompt
     steps: int = PAPER_EVAL_STEPS
     guidance: float | None = None  # None: eval.guidance
-    images_per_prompt: int = 1
+    images_per_prompt: int | None = None  # None: eval.images_per_prompt (as training)
     seed: int | None = None  # None: the trainer's eval seed, train.seed + 12345
     batch_size: int | None = None  # None: eval.batch_size
     ema: bool = True
@@ -110,7 +110,8 @@ def evaluate_target(
     autocast: Callable[[], AbstractContextManager],
     progress: Callable[[int], None] | None = None,
 ) -> EvalResult:
-    """Build the target's model, sample ``options.images_per_prompt`` images per prompt and score them."""
+    """Build the target's model, sample ``options.images_per_prompt`` (default: the recipe's) images per prompt and
+    score them."""
     recipe = target.recipe
     items, split = prompt_set(options.prompts, recipe)
     limit = options.num_prompts
@@ -122,6 +123,7 @@ def evaluate_target(
             "num_steps": options.steps,
             "guidance": recipe.eval.guidance if options.guidance is None else options.guidance,
             "batch_size": options.batch_size or recipe.eval.batch_size,
+            "images_per_prompt": options.images_per_prompt or recipe.eval.images_per_prompt,
         }
     )
     seed = eval_seed(recipe.train.seed) if options.seed is None else options.seed
@@ -130,14 +132,14 @@ def evaluate_target(
     reward = recipe.build("reward")
     policy = recipe_policy(recipe.train, settings)  # time limit, retries, non-finite scores: as in training
     scored = score_prompts(
-        backbone, reward, items, settings, seed, dist, autocast, options.images_per_prompt, progress, policy
+        backbone, reward, items, settings, seed, dist, autocast, settings.images_per_prompt, progress, policy
     )
     described = {
         "prompts": options.prompts,
         "split": split,  # the dataset split sampled: "train" for --prompts test of a dataset without a test split
         "warnings": [no_test_split(recipe.dataset.name)] if options.prompts == "test" and split != "test" else [],
         "num_prompts": len(items),
-        "images_per_prompt": options.images_per_prompt,
+        "images_per_prompt": settings.images_per_prompt,
         "steps": settings.num_steps,
         "guidance": settings.guidance,
         "batch_size": settings.batch_size,

@@ -2,8 +2,9 @@
 
     [dataset]
     name = "shapes"
-    seed = 0          # order of the train items and draw of the test items
-    test_size = 400   # test items, balanced over the six tags
+    seed = 0                  # order of the train items and draw of the test items
+    test_size = 400           # test items, balanced over the six tags ("sampled" only)
+    test_prompts = "sampled"  # or "distinct": every distinct prompt of the world once (126 items)
 
 GenEval's six task templates over ``vocab.SHAPES``, ``vocab.COLORS`` and ``vocab.NUMBERS`` (GenEval's wording):
 
@@ -19,8 +20,9 @@ color_attr     a photo of a red circle and a blue square    [{circle, 1, red}, {
 position       a photo of a circle left of a square         [{square, 1}, {circle, 1, position: [left of, 0]}]
 ============== ============================================ ==================================================
 
-Each metadata dict also holds ``tag`` and ``prompt``; a ``position`` names the relation and the index of the include
-clause it is relative to, as in GenEval.
+Each metadata dict also holds ``tag``, ``prompt`` and ``held_out`` (whether the prompt names a held-out pair,
+below; the GenEval scorer ignores it); a ``position`` names the relation and the index of the include clause it is
+relative to, as in GenEval.
 
 Held-out attribute combinations: ``HELD_OUT`` is a fixed set of three (colour, shape) pairs (a quarter of the twelve,
 chosen with a fixed seed so that they cover three different shapes and three different colours). A ``colors`` or
@@ -29,8 +31,12 @@ The test split holds every prompt, so it measures both seen and unseen combinati
 not specified (single_object, two_object, counting, position) may show these pairs: the model must see the
 pair's pixels, only never hear it asked for.
 
-The dataset's ``train`` split is ``TRAIN_SIZE`` items balanced over the six tags (each tag's train prompts cycled in
-a seeded order), its ``test`` split ``test_size`` items balanced the same way.
+Splits of the dataset (docs/shapes.md, "Splits", has the counts). ``train``: ``TRAIN_SIZE`` items balanced over the
+six tags, drawn from the 93 prompts that name no held-out pair (each tag's prompts cycled in a seeded order).
+``test`` with ``test_prompts = "sampled"`` (the default): ``test_size`` items balanced the same way but drawn from
+all 126 prompts, so most test texts are train texts too. With ``test_prompts = "distinct"``: each of the 126
+distinct prompts exactly once, tag by tag in ``TAGS`` order (``test_size`` is ignored), 33 of them held-out; an
+evaluation of it with several images per prompt and fixed noise is the honest report (per tag, held-out apart).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from __future__ import annotations
 import copy
 import itertools
 import random
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -63,8 +69,17 @@ def _held_out() -> frozenset[tuple[str, str]]:
 HELD_OUT: frozenset[tuple[str, str]] = _held_out()
 
 
+def _names_held_out_pair(include: list[dict[str, Any]]) -> bool:
+    """Whether include clauses ask for a held-out (colour, shape) pair."""
+    return any((c.get("color"), c["class"]) in HELD_OUT for c in include)
+
+
 def _item(tag: str, prompt: str, include: list[dict[str, Any]], exclude: list[dict[str, Any]] | None = None):
-    return PromptItem(prompt, {"tag": tag, "include": include, "exclude": exclude or [], "prompt": prompt})
+    """A prompt with its GenEval metadata and ``held_out`` (so evaluations can report the held-out pairs apart)."""
+    held_out = _names_held_out_pair(include)
+    return PromptItem(
+        prompt, {"tag": tag, "include": include, "exclude": exclude or [], "prompt": prompt, "held_out": held_out}
+    )
 
 
 def _all_items() -> dict[str, list[PromptItem]]:
@@ -115,8 +130,8 @@ def _all_items() -> dict[str, list[PromptItem]]:
 
 
 def _held_out_item(item: PromptItem) -> bool:
-    """Whether a prompt asks for a held-out (colour, shape) pair."""
-    return any((c.get("color"), c["class"]) in HELD_OUT for c in item.metadata["include"])
+    """Whether a prompt asks for a held-out (colour, shape) pair (from its clauses, not its ``held_out`` flag)."""
+    return _names_held_out_pair(item.metadata["include"])
 
 
 _ALL = _all_items()
@@ -175,7 +190,16 @@ class ShapesDatasetOptions(BaseModel):
 
     seed: int = Field(0, description="Seed of the order of the train items and of the draw of the test items.")
     test_size: int = Field(
-        400, ge=1, le=1_000_000, description="Number of test items, drawn balanced over the six GenEval tags."
+        400,
+        ge=1,
+        le=1_000_000,
+        description="Number of test items, drawn balanced over the six GenEval tags (test_prompts 'sampled' only).",
+    )
+    test_prompts: Literal["sampled", "distinct"] = Field(
+        "sampled",
+        description="The test split: 'sampled' draws test_size items balanced over the tags from every prompt (with "
+        "repetition; most are train texts too); 'distinct' is every distinct prompt of the world once (126, tag by "
+        "tag; test_size is ignored), the set for an honest per-tag and held-out report.",
     )
 
 
@@ -183,7 +207,8 @@ class ShapesDatasetOptions(BaseModel):
 class ShapesDataset:
     """PromptDataset: GenEval-style shapes prompts (module docstring); held-out colour-shape pairs only in test.
 
-    Options: ``seed`` (order and draw), ``test_size`` (number of balanced test items).
+    Options: ``seed`` (order and draw), ``test_size`` (number of balanced test items), ``test_prompts`` ("sampled"
+    draws ``test_size`` items; "distinct" is each distinct prompt once).
     """
 
     splits = SPLITS
@@ -192,7 +217,11 @@ class ShapesDataset:
         options = options or ShapesDatasetOptions()
         self._items = {
             "train": prompts("train", TRAIN_SIZE, seed=options.seed),
-            "test": prompts("test", options.test_size, seed=options.seed + 1),
+            "test": (
+                prompts("test", options.test_size, seed=options.seed + 1)
+                if options.test_prompts == "sampled"
+                else prompts("test")  # [126] every distinct prompt once, tag by tag
+            ),
         }
 
     def split(self, name: str) -> list[PromptItem]:

@@ -5,7 +5,8 @@ Used by the trainer every ``eval.every`` epochs and by ``tpflow eval`` (tpflow/e
 
 The images are dealt to the processes (image r to process r mod P) and the scores gathered; image r starts from the
 same noise whatever P (row r of one seeded draw), so the figures do not depend on the number of processes. With
-``images_per_prompt = n`` image r is the (r mod n)-th image of prompt r // n; n = 1 is the trainer's layout.
+``images_per_prompt = n`` (the trainer's ``eval.images_per_prompt``, 1 by default) image r is the (r mod n)-th image
+of prompt r // n.
 
 The sample grid shows at most ``GRID_IMAGES`` of the images, chosen by ``tpflow.grids.shown_images`` (its rule is
 written in the grid's tile map), each with its prompt and, for GenEval-style rewards, its strict verdict.
@@ -166,23 +167,50 @@ def save_eval_grid(scored: Scored, everything: list[PromptItem], path: Path) -> 
 
 
 def summarize(scored: Scored, everything: list[PromptItem]) -> dict[str, float]:
-    """``eval_reward`` (mean score), ``eval_<detail>`` (mean of each reward detail over the images) and, for
-    GenEval-style rewards (a ``strict`` detail and a ``tag`` on every prompt), strict accuracy per tag
-    ``eval_acc_<tag>`` and their mean ``eval_strict_tags``: GenEval's overall score, which differs from
-    ``eval_strict`` (the mean over images) when the tags have different numbers of images."""
+    """The evaluation's figures, each a mean over images unless it says otherwise.
+
+    - ``eval_reward`` (mean score) and ``eval_<detail>`` (mean of each reward detail);
+    - when every prompt has a ``tag``: ``eval_reward_<tag>`` (mean score of the tag's images) and
+      ``eval_reward_tags``, the mean over tags of those (tag-balanced, so a tag with more images does not weigh
+      more); for GenEval-style rewards (a ``strict`` detail) also strict accuracy per tag ``eval_acc_<tag>`` and
+      their mean ``eval_strict_tags``: GenEval's overall score, which differs from ``eval_strict`` (the mean over
+      images) when the tags have different numbers of images;
+    - when every prompt's metadata has ``held_out`` (the shapes world's unseen colour-shape pairs):
+      ``eval_reward_held_out`` / ``eval_reward_seen`` (mean score of the images of held-out / other prompts) and,
+      with a ``strict`` detail, ``eval_strict_held_out`` / ``eval_strict_seen``; a side with no images is left out.
+    """
     count = len(scored.scores)
     metrics = {"eval_reward": sum(scored.scores) / count}
     for name, values in scored.details.items():
         metrics[f"eval_{name}"] = sum(values) / count
-    tags = [everything[k].metadata.get("tag") for k in scored.prompt_index]
-    if "strict" in scored.details and all(tags):
-        per_tag: dict[str, list[float]] = defaultdict(list)
-        for tag, ok in zip(tags, scored.details["strict"], strict=True):
-            per_tag[tag].append(ok)
-        for tag, oks in sorted(per_tag.items()):
-            metrics[f"eval_acc_{tag}"] = sum(oks) / len(oks)
-        metrics["eval_strict_tags"] = sum(metrics[f"eval_acc_{tag}"] for tag in sorted(per_tag)) / len(per_tag)
+    strict = scored.details.get("strict")
+    tags = [everything[k].metadata.get("tag") for k in scored.prompt_index]  # [R]
+    if all(tags):
+        reward_by_tag = _means_by(tags, scored.scores)
+        for tag, mean in reward_by_tag.items():
+            metrics[f"eval_reward_{tag}"] = mean
+        metrics["eval_reward_tags"] = sum(reward_by_tag.values()) / len(reward_by_tag)
+        if strict is not None:
+            acc_by_tag = _means_by(tags, strict)
+            for tag, acc in acc_by_tag.items():
+                metrics[f"eval_acc_{tag}"] = acc
+            metrics["eval_strict_tags"] = sum(acc_by_tag.values()) / len(acc_by_tag)
+    if all("held_out" in everything[k].metadata for k in scored.prompt_index):
+        sides = ["held_out" if everything[k].metadata["held_out"] else "seen" for k in scored.prompt_index]  # [R]
+        for side, mean in _means_by(sides, scored.scores).items():
+            metrics[f"eval_reward_{side}"] = mean
+        if strict is not None:
+            for side, mean in _means_by(sides, strict).items():
+                metrics[f"eval_strict_{side}"] = mean
     return metrics
+
+
+def _means_by(keys: list[str], values: list[float]) -> dict[str, float]:
+    """Mean of ``values`` per key, keys sorted (so the metric names come in a stable order)."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for key, value in zip(keys, values, strict=True):
+        groups[key].append(value)
+    return {key: sum(group) / len(group) for key, group in sorted(groups.items())}
 
 
 def evaluate(
@@ -196,10 +224,13 @@ def evaluate(
     grid: Path,
     policy: RewardPolicy = DEFAULT_POLICY,
 ) -> dict[str, float]:
-    """The trainer's evaluation: ``summarize`` of one image per prompt of ``everything``; process 0 writes ``grid``.
+    """The trainer's evaluation: ``summarize`` of ``settings.images_per_prompt`` images per prompt of ``everything``
+    (each from its own row of the seeded noise); process 0 writes ``grid``.
 
     Call it on every process (it gathers), with the weights to evaluate already in place (e.g. the EMA swapped in)."""
-    scored = score_prompts(backbone, reward, everything, settings, seed, dist, autocast, policy=policy)
+    n = settings.images_per_prompt
+    scored = score_prompts(backbone, reward, everything, settings, seed, dist, autocast, images_per_prompt=n,
+                           policy=policy)  # fmt: skip
     if dist.is_main:
         save_eval_grid(scored, everything, grid)
     return summarize(scored, everything)

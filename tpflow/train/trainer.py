@@ -346,7 +346,8 @@ class Trainer:
     def evaluate(self, epoch: int) -> dict[str, float]:
         """ODE samples of the held-out prompts (EMA weights when enabled): mean reward and per-tag accuracy
         (``tpflow.train.evaluation``)."""
-        self._phase(f"eval at epoch {epoch}: sampling {len(self.test_items)} images", None)
+        images = len(self.test_items) * self.recipe.eval.images_per_prompt
+        self._phase(f"eval at epoch {epoch}: sampling {images} images", None)
         swap = self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
         grid = self.run_dir / "samples" / f"eval_{epoch:04d}.png"
         with swap:
