@@ -1,0 +1,299 @@
+"""Analysis of Evidence II (``evidence.py``): per-run summaries, paired t intervals, Holm, and the report tables.
+
+Statistics (docs/results.md §2.1): a comparison of arm X with ``outcome`` is the per-seed paired difference
+(same seed: same prompts, noise, LoRA initialisation and eval noise), summarised by its mean and a two-sided 95%
+Student t interval over every seed (n − 1 degrees of freedom); a percentile bootstrap of the same differences is
+printed beside it as a cross-check only. Secondary comparisons are Holm-corrected together (p values from the same
+paired t test). No seed is ever dropped: a run that has not finished makes the table say so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import numpy as np
+from scipy import stats
+
+PRIMARY = "eval_reward_tags"  # soft reward, per-tag mean then mean over the six tags, on the distinct prompts
+STRICT = "eval_strict_tags"
+BASELINE = "outcome"
+
+
+# ---- one run ---------------------------------------------------------------------------------------------------
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarise(run_dir: Path, data: dict) -> dict:
+    """Every evaluation of one finished run (all ``eval_*`` figures, with the epoch and the training seconds spent
+    before it), the per-epoch training figures, the credit diagnostics and the credit audit's verdict."""
+    from _learning_stats import trace_diagnostics
+    from credit_audit import audit
+
+    lines = _read(run_dir / "metrics.jsonl")
+    train = [line for line in lines if "epoch_s" in line]
+    seconds = np.concatenate([[0.0], np.cumsum([line["epoch_s"] for line in train])])  # before epoch e
+    evals = []
+    for line in lines:  # an eval is logged on the line of the epoch it preceded, the final one on its own line
+        if "eval_reward" in line and line.get("last_eval_epoch") == line["epoch"]:
+            e = line["epoch"]
+            figures = {k: v for k, v in line.items() if k.startswith("eval_")}
+            evals.append({"epoch": e, "seconds": float(seconds[min(e, len(train))]), **figures})
+    keys = ("reward_mean", "reward_std", "clip_fraction", "optimizer_steps", "trajectories_trained", "epoch_s",
+            "approx_kl", "grad_norm")  # fmt: skip
+    return {
+        "evals": evals,
+        "train": {k: [line.get(k) for line in train] for k in keys},
+        "nfe_per_traj": train[0]["nfe_per_traj"],
+        "epochs": data["train"]["epochs"],
+        **trace_diagnostics(_read(run_dir / "traces.jsonl")),
+        "audit": _audit(audit, run_dir),
+    }
+
+
+def _audit(audit, run_dir: Path) -> dict:
+    try:
+        return {"ok": True, **audit(run_dir)}
+    except AssertionError as error:  # a mismatch: kept in the summary, reported, never hidden
+        return {"ok": False, "error": str(error)}
+
+
+def curve(run: dict, key: str = PRIMARY) -> tuple[list[int], list[float]]:
+    """(epochs, values) of one eval figure over a run."""
+    return [e["epoch"] for e in run["evals"]], [e[key] for e in run["evals"]]
+
+
+def auc(run: dict, key: str = PRIMARY) -> float:
+    """Mean of the eval figure over training: trapezoid area under it against epochs, divided by the epochs."""
+    x, y = curve(run, key)
+    return float(np.trapezoid(y, x) / (x[-1] - x[0]))
+
+
+def gain(run: dict, key: str = PRIMARY) -> float:
+    """Final eval figure minus the first (epoch 0: the base model)."""
+    _, y = curve(run, key)
+    return y[-1] - y[0]
+
+
+# ---- across seeds ----------------------------------------------------------------------------------------------
+
+
+def t_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float, float]:
+    """(mean, low, high, two-sided p of mean = 0) of a one-sample Student t interval; NaNs when n < 2."""
+    v = np.asarray(values, dtype=np.float64)
+    if len(v) < 2:
+        return (float(v.mean()) if len(v) else math.nan, math.nan, math.nan, math.nan)
+    mean, sem = float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v)))
+    half = float(stats.t.ppf(0.5 + level / 2, len(v) - 1)) * sem
+    p = float(stats.ttest_1samp(v, 0.0).pvalue) if sem > 0 else (0.0 if mean != 0 else 1.0)
+    return mean, mean - half, mean + half, p
+
+
+def bootstrap(values: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the mean (the cross-check; too narrow at small n)."""
+    v = np.asarray(values, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, len(v), size=(resamples, len(v)))].mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def holm(pvalues: dict[str, float]) -> dict[str, float]:
+    """Holm-adjusted p values (step-down, monotone, capped at 1)."""
+    order = sorted(pvalues, key=lambda k: pvalues[k])
+    adjusted, running = {}, 0.0
+    for i, name in enumerate(order):
+        running = max(running, min(1.0, (len(order) - i) * pvalues[name]))
+        adjusted[name] = running
+    return adjusted
+
+
+def seeds_needed(sd: float, effect: float, alpha: float = 0.05, power: float = 0.8) -> int:
+    """Seeds a two-sided paired t test needs to detect a mean difference ``effect`` with ``power``, given the
+    standard deviation ``sd`` of the per-seed differences (iterated on the t quantiles, at least 2)."""
+    n = 2
+    while n < 10_000:
+        df = n - 1
+        noncentral = effect / (sd / math.sqrt(n))
+        crit = stats.t.ppf(1 - alpha / 2, df)
+        if 1 - stats.nct.cdf(crit, df, noncentral) + stats.nct.cdf(-crit, df, noncentral) >= power:
+            return n
+        n += 1
+    return n
+
+
+# ---- report ----------------------------------------------------------------------------------------------------
+
+
+def _load(folder: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+
+
+def pilot_table(runs: list[dict], order: list[str]) -> str:
+    """Markdown: one row per pilot run (every seed), eval figures at every evaluation, gain, training figures."""
+    rows = [
+        "| pilot | seed | eval reward (tag mean) by epoch | gain | strict (tags) first → last | held-out soft first → "
+        "last | train reward first 3 → last 3 epochs | clip frac | steps/epoch | s/epoch |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in sorted(runs, key=lambda r: (order.index(r["name"]) if r["name"] in order else 99, r["seed"])):
+        epochs, values = curve(run)
+        _, strict = curve(run, STRICT)
+        held = [e.get("eval_reward_held_out", math.nan) for e in run["evals"]]
+        tr = run["train"]["reward_mean"]
+        rows.append(
+            f"| {run['name']} | {run['seed']} | "
+            + " → ".join(f"{v:.3f}@{e}" for e, v in zip(epochs, values, strict=True))
+            + f" | {values[-1] - values[0]:+.3f} | {strict[0]:.3f} → {strict[-1]:.3f} | {held[0]:.3f} → {held[-1]:.3f}"
+            f" | {statistics.mean(tr[:3]):.3f} → {statistics.mean(tr[-3:]):.3f}"
+            f" | {statistics.mean(run['train']['clip_fraction']):.3f}"
+            f" | {statistics.mean(run['train']['optimizer_steps']):.1f}"
+            f" | {statistics.mean(run['train']['epoch_s']):.1f} |"
+        )
+    return "\n".join(rows)
+
+
+def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
+    """Print and write the pilot table (``docs/evidence_pilots.md``) and, once the sweep has runs, its tables
+    (``docs/evidence_sweep.md``: per arm, the paired comparisons with the primary first, every seed)."""
+    docs.mkdir(parents=True, exist_ok=True)
+    runs = _load(out / "pilots")
+    if runs:
+        text = "# Evidence II pilots (outcome only)\n\n" + pilot_table(runs, list(pilots)) + "\n"
+        print(text)
+        (docs / "evidence_pilots.md").write_text(text)
+    by_arm: dict[str, list[dict]] = {}
+    for run in _load(out / "sweep"):
+        by_arm.setdefault(run["name"], []).append(run)
+    if by_arm:
+        by_arm = {arm: by_arm[arm] for arm in protocol["arms"] if arm in by_arm}
+        missing = [f"{a}_s{s}" for a in protocol["arms"] for s in protocol["seeds"]
+                   if s not in {r["seed"] for r in by_arm.get(a, [])}]  # fmt: skip
+        parts = [
+            "# Evidence II sweep",
+            "",
+            arm_table(by_arm),
+            "",
+            comparison_table(sweep_analysis(by_arm, protocol["primary_arm"])),
+            "",
+            seed_table(by_arm),
+            "",
+            f"Runs not finished: {', '.join(missing) or 'none'}.",
+        ]
+        text = "\n".join(parts) + "\n"
+        print(text)
+        (docs / "evidence_sweep.md").write_text(text)
+
+
+def at_seconds(run: dict, seconds: float, key: str = PRIMARY) -> float:
+    """The eval figure at ``seconds`` of training, linearly interpolated between evaluations (the last one held
+    beyond the run's end)."""
+    x = [e["seconds"] for e in run["evals"]]
+    y = [e[key] for e in run["evals"]]
+    return float(np.interp(seconds, x, y))
+
+
+def paired(runs: dict[str, list[dict]], arm: str, statistic) -> list[float]:
+    """Per-seed ``statistic(arm run, outcome run)`` over the seeds both have finished, in seed order."""
+    base = {r["seed"]: r for r in runs.get(BASELINE, [])}
+    return [statistic(r, base[r["seed"]]) for r in sorted(runs[arm], key=lambda r: r["seed"]) if r["seed"] in base]
+
+
+COMPARISONS = {  # name -> per-seed paired statistic (arm run, outcome run); the primary one is first
+    "AUC": lambda a, o: auc(a) - auc(o),
+    "final": lambda a, o: curve(a)[1][-1] - curve(o)[1][-1],
+    "strict AUC": lambda a, o: auc(a, STRICT) - auc(o, STRICT),
+    "at outcome's seconds": lambda a, o: at_seconds(a, o["evals"][-1]["seconds"]) - curve(o)[1][-1],
+}
+
+
+def sweep_analysis(runs: dict[str, list[dict]], primary_arm: str) -> dict:
+    """The protocol's analysis: the primary endpoint (``primary_arm`` − outcome, paired AUC of ``PRIMARY``) with its
+    t interval and p; every other (arm, comparison) pair is secondary, Holm-adjusted as one family."""
+    rows: dict[tuple[str, str], dict] = {}
+    for arm in runs:
+        if arm == BASELINE:
+            continue
+        for name, statistic in COMPARISONS.items():
+            values = paired(runs, arm, statistic)
+            if len(values) < 2:
+                continue
+            mean, low, high, p = t_interval(values)
+            rows[(arm, name)] = {"n": len(values), "mean": mean, "t": (low, high), "p": p,
+                                 "bootstrap": bootstrap(values), "values": values}  # fmt: skip
+    primary = (primary_arm, "AUC")
+    secondary = {f"{a}|{c}": row["p"] for (a, c), row in rows.items() if (a, c) != primary}
+    for key, p_holm in holm(secondary).items():
+        arm, name = key.split("|")
+        rows[(arm, name)]["p_holm"] = p_holm
+    return {"primary": primary, "rows": rows}
+
+
+def arm_table(runs: dict[str, list[dict]]) -> str:
+    """Markdown: per arm, the seeds finished, cost and the eval figures (mean and t interval over seeds)."""
+
+    def ci(values: list[float]) -> str:
+        mean, low, high, _ = t_interval(values)
+        return f"{mean:.3f} [{low:.3f}, {high:.3f}]" if len(values) > 1 else f"{mean:.3f}"
+
+    rows = [
+        "| arm | seeds | NFE/traj | s/epoch | optimizer steps/epoch | eval at 0 | final eval | gain | AUC "
+        "| strict final | held-out final | turning points/traj | dropped | audit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, arm_runs in runs.items():
+        rs = sorted(arm_runs, key=lambda r: r["seed"])
+        rows.append(
+            f"| {arm} | {', '.join(str(r['seed']) for r in rs)} | {rs[0]['nfe_per_traj']:.0f}"
+            f" | {statistics.mean(statistics.mean(r['train']['epoch_s']) for r in rs):.1f}"
+            f" | {statistics.mean(statistics.mean(r['train']['optimizer_steps']) for r in rs):.2f}"
+            f" | {ci([curve(r)[1][0] for r in rs])} | {ci([curve(r)[1][-1] for r in rs])}"
+            f" | {ci([gain(r) for r in rs])} | {ci([auc(r) for r in rs])}"
+            f" | {ci([curve(r, STRICT)[1][-1] for r in rs])}"
+            f" | {ci([r['evals'][-1].get('eval_reward_held_out', math.nan) for r in rs])}"
+            f" | {statistics.mean(r['tp_per_traj'] for r in rs):.2f}"
+            f" | {statistics.mean(r['dropped_share'] for r in rs):.3f}"
+            f" | {sum(r['audit']['ok'] for r in rs)}/{len(rs)} ok |"
+        )
+    return "\n".join(rows)
+
+
+def comparison_table(analysis: dict) -> str:
+    """Markdown: every paired comparison with outcome, the primary first; t interval, bootstrap, p, Holm p."""
+    rows = [
+        "| arm − outcome | endpoint | n | mean | 95% t interval | bootstrap (cross-check) | p | Holm p |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    keys = sorted(analysis["rows"], key=lambda k: (k != analysis["primary"], k))
+    for key in keys:
+        row = analysis["rows"][key]
+        label = " **(primary)**" if key == analysis["primary"] else ""
+        holm_p = row.get("p_holm")
+        rows.append(
+            f"| {key[0]}{label} | {key[1]} | {row['n']} | {row['mean']:+.4f}"
+            f" | [{row['t'][0]:+.4f}, {row['t'][1]:+.4f}]"
+            f" | [{row['bootstrap'][0]:+.4f}, {row['bootstrap'][1]:+.4f}] | {row['p']:.3g}"
+            f" | {'—' if holm_p is None else f'{holm_p:.3g}'} |"
+        )
+    return "\n".join(rows)
+
+
+def seed_table(runs: dict[str, list[dict]]) -> str:
+    """Markdown: every seed of every arm, eval curve of the primary figure (no seed is dropped)."""
+    rows = ["| arm | seed | eval reward (tag mean) by epoch | AUC | strict (tags) by epoch |", "|---|---|---|---|---|"]
+    for arm, arm_runs in runs.items():
+        for r in sorted(arm_runs, key=lambda r: r["seed"]):
+            epochs, values = curve(r)
+            _, strict = curve(r, STRICT)
+            rows.append(
+                f"| {arm} | {r['seed']} | "
+                + " → ".join(f"{v:.3f}@{e}" for e, v in zip(epochs, values, strict=True))
+                + f" | {auc(r):.4f} | "
+                + " → ".join(f"{v:.3f}" for v in strict)
+                + " |"
+            )
+    return "\n".join(rows)

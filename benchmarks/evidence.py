@@ -1,0 +1,172 @@
+"""Evidence II (docs/results.md §2): outcome-only pilots that choose a regime, then a pre-registered, paired sweep.
+
+    .venv/bin/python benchmarks/evidence.py pilot NAME [NAME ...] --seeds 0 1     # outcome-only regime pilots
+    .venv/bin/python benchmarks/evidence.py sweep                                 # the committed protocol
+    .venv/bin/python benchmarks/evidence.py report                                # tables from finished runs
+
+The task is the shapes world with the continuous GenEval-style reward (``shapes-geneval``, ``score = "soft"``),
+evaluated on every distinct prompt of the world (126 prompts × 4 images, fixed noise, ODE, the recipe's CFG): the
+primary metric is ``eval_reward_tags``, the soft reward averaged per tag and then over the six tags; strict GenEval
+accuracy (``eval_strict_tags``) and the held-out colour-shape pairs' sub-scores are logged beside it.
+
+A run is one (group, name, seed): ``OUT/GROUP/NAME_sSEED/`` is its run dir and ``OUT/GROUP/NAME_sSEED.json`` its
+summary, written atomically when it finishes; a rerun skips finished runs and resumes an interrupted one from its
+last checkpoint. ``--jobs`` trainings run at once, each in its own process with ``--threads`` torch threads. The
+credit audit (``credit_audit.py``) runs on every finished run and its verdict is stored in the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+BASE_RECIPE = ROOT / "recipes" / "shapes_flowgrpo.toml"
+TASK = {  # what every run of Evidence II shares, whatever the pilot or arm (dotted recipe keys)
+    "reward.name": "shapes-geneval",
+    "reward.score": "soft",
+    "dataset.test_prompts": "distinct",
+    "eval.images_per_prompt": 4,
+    "eval.num_prompts": None,
+    "eval.batch_size": 126,
+    "optimizer.beta": 0.0,
+    "train.ema": False,
+}
+# Outcome-only pilots (docs/results.md §2.2): each changes the shipped outcome recipe by these keys. Listed in the
+# order they were run; none is ever removed, so the pilot table shows every one.
+_PILOT = {  # the pilots' shared budget: 16 epochs of 8 prompts x 8 images (8 AdamW steps each), 3 evaluations
+    "train.epochs": 16,
+    "eval.every": 8,
+    "train.prompts_per_epoch": 8,
+    "train.rollout_batch": 64,
+}
+_WIDE_LORA = {  # rank 32 on the attention projections and the joint blocks' feed-forward layers
+    "backbone.lora_rank": 32,
+    "backbone.lora_alpha": 64.0,
+    "backbone.lora_targets": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0", "ff.net.2"],
+}
+PILOTS: dict[str, dict] = {
+    "p8": _PILOT,  # the issue's best pilot (lr 1e-3, 8 steps per epoch) on the soft task
+    "p8_noise0.4": {**_PILOT, "rollout.noise_level": 0.4},  # SDE samples closer to the ODE the eval uses
+    "p8_lr3e-3_clip1e-3": {**_PILOT, "optimizer.learning_rate": 3e-3, "optimizer.clip_range": 1e-3},
+    "p8_lora32_ff": {**_PILOT, **_WIDE_LORA},
+}
+ARMS: dict[str, tuple[str, dict]] = {  # arm -> (recipe whose [credit] it uses, rollout overrides)
+    "outcome": ("shapes_flowgrpo", {}),
+    "consistent": ("shapes_tp", {}),
+    "incremental": ("shapes_incremental", {}),
+    "consistent_x0": ("shapes_tp", {"rollout.completions": "x0"}),
+    "consistent_k2": ("shapes_tp", {"rollout.completion_steps": 2}),
+}
+REGIME: dict = {}  # the pilot-chosen regime the sweep runs (set in the protocol commit)
+PROTOCOL: dict = {"arms": list(ARMS), "seeds": []}  # set in the protocol commit, before any non-outcome run
+
+
+def recipe_data(overrides: dict, seed: int, device: str) -> dict:
+    """The TOML data of one run: the base recipe with ``TASK``, then ``overrides`` (dotted keys; None removes a
+    key), then the seed and device."""
+    data = tomllib.loads(BASE_RECIPE.read_text())
+    for key, value in {**TASK, **overrides, "train.seed": seed, "backbone.device": device}.items():
+        section, _, name = key.partition(".")
+        if value is None:
+            data.setdefault(section, {}).pop(name, None)
+        else:
+            data.setdefault(section, {})[name] = value
+    data["train"]["save_every"] = data["eval"]["every"]
+    return data
+
+
+def arm_overrides(arm: str) -> dict:
+    """The regime plus the arm's [credit] section (from its shipped recipe) and rollout overrides."""
+    source, rollout = ARMS[arm]
+    credit = tomllib.loads((ROOT / "recipes" / f"{source}.toml").read_text())["credit"]
+    return {**REGIME, **{f"credit.{k}": v for k, v in credit.items()}, **rollout}
+
+
+def run_one(group: str, name: str, overrides: dict, seed: int, args: dict) -> dict:
+    """Train one run, resuming its run dir if a checkpoint is there; save and return its summary."""
+    import torch
+    from rich.console import Console
+
+    torch.set_num_threads(args["threads"])
+    from tpflow.recipe import validate_recipe
+    from tpflow.train.checkpoint import find_checkpoint
+    from tpflow.train.trainer import Trainer
+
+    out = Path(args["out"]) / group
+    out.mkdir(parents=True, exist_ok=True)
+    done = out / f"{name}_s{seed}.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    run_dir = out / f"{name}_s{seed}"
+    data = recipe_data(overrides, seed, args["device"])
+    recipe = validate_recipe(data, where=f"{group}/{name}/s{seed}", path=BASE_RECIPE)
+    resume = run_dir.exists() and find_checkpoint(run_dir)[0] is not None
+    with open(out / f"{name}_s{seed}.log", "a") as log:
+        Trainer(recipe, run_dir=run_dir, resume=resume, console=Console(file=log, force_terminal=False)).fit()
+    from _evidence_stats import summarise
+
+    result = {"group": group, "name": name, "seed": seed, "overrides": overrides, **summarise(run_dir, data)}
+    tmp = done.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, done)  # atomic: a finished run is either wholly there or not at all
+    return result
+
+
+def run_all(todo: list[tuple[str, str, dict, int]], args: argparse.Namespace) -> list[dict]:
+    """Run every (group, name, overrides, seed), ``--jobs`` at once; print progress as each finishes."""
+    shared = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    start, results = time.perf_counter(), []
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+        futures = {pool.submit(run_one, *spec, shared): spec for spec in todo}
+        for i, future in enumerate(as_completed(futures), 1):
+            results.append(future.result())
+            group, name, _, seed = futures[future]
+            print(f"[{i}/{len(todo)}] {group}/{name}_s{seed} done, {time.perf_counter() - start:.0f} s", flush=True)
+    return results
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["pilot", "sweep", "report"])
+    parser.add_argument("names", nargs="*", help="pilot names (pilot) or arms (sweep; default: the protocol's)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto: where the model runs.")
+    parser.add_argument("--jobs", type=int, default=2, help="Trainings run at once, each in its own process.")
+    parser.add_argument("--threads", type=int, default=1, help="Torch threads per training process.")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "evidence")
+    parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "results")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from _evidence_stats import report
+
+    args = parse(argv)
+    if args.command == "pilot":
+        unknown = sorted(set(args.names) - set(PILOTS))
+        if unknown or not args.names:
+            sys.exit(f"Pilots to run: one or more of {', '.join(PILOTS)} (unknown: {', '.join(unknown) or 'none'}).")
+        seeds = args.seeds or [0, 1]
+        run_all([("pilots", n, PILOTS[n], s) for s in seeds for n in args.names], args)
+    elif args.command == "sweep":
+        if not PROTOCOL["seeds"]:
+            sys.exit("No protocol is committed yet (PROTOCOL['seeds'] is empty): run pilots and commit one first.")
+        arms = args.names or PROTOCOL["arms"]
+        seeds = args.seeds or PROTOCOL["seeds"]
+        run_all([("sweep", a, arm_overrides(a), s) for s in seeds for a in arms], args)  # seed-major
+    report(args.out, PILOTS, PROTOCOL, args.docs)
+
+
+if __name__ == "__main__":
+    main()

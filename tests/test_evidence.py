@@ -1,0 +1,132 @@
+"""Evidence II's sweep code (benchmarks/evidence.py, _evidence_stats.py) at toy size: the recipes it trains, the
+run-and-resume loop, the summaries and the pre-registered statistics. A wrong interval or a mis-built arm would
+make docs/results.md §2 claim what the runs do not show."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("evidence"), importlib.import_module("_evidence_stats")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def _run(seed: int, values: list[float], seconds: list[float] | None = None, strict: list[float] | None = None):
+    epochs = [0, 8, 16][: len(values)]
+    seconds = seconds or [0.0, 100.0, 200.0][: len(values)]
+    strict = strict or values
+    evals = [
+        {"epoch": e, "seconds": s, "eval_reward_tags": v, "eval_strict_tags": t}
+        for e, s, v, t in zip(epochs, seconds, values, strict, strict=True)
+    ]
+    return {"seed": seed, "evals": evals}
+
+
+def test_t_interval_matches_the_textbook_formula(bench):
+    _, st = bench
+    values = [0.01, 0.03, -0.02, 0.05, 0.02, 0.0, 0.04, 0.01]
+    mean, low, high, p = st.t_interval(values)
+    sem = np.std(values, ddof=1) / math.sqrt(len(values))
+    half = scipy_stats.t.ppf(0.975, len(values) - 1) * sem
+    assert mean == pytest.approx(np.mean(values))
+    assert (low, high) == pytest.approx((mean - half, mean + half))
+    assert p == pytest.approx(scipy_stats.ttest_1samp(values, 0).pvalue)
+    boot_low, boot_high = st.bootstrap(values)
+    assert high - low > boot_high - boot_low  # the bootstrap is the narrower one at small n: why t is primary
+
+
+def test_holm_adjusts_step_down_and_stays_monotone(bench):
+    _, st = bench
+    adjusted = st.holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.5})
+    assert adjusted == pytest.approx({"a": 0.04, "c": 0.09, "b": 0.09, "d": 0.5})
+
+
+def test_seeds_needed_grows_as_the_effect_shrinks(bench):
+    _, st = bench
+    # a paired t test at alpha 0.05, power 0.8, effect = 1 sd needs 10 pairs (the standard table value)
+    assert st.seeds_needed(sd=1.0, effect=1.0) == 10
+    assert st.seeds_needed(sd=1.0, effect=0.5) > st.seeds_needed(sd=1.0, effect=1.0)
+
+
+def test_auc_gain_and_seconds_interpolation(bench):
+    _, st = bench
+    run = _run(0, [0.5, 0.6, 0.8])
+    assert st.auc(run) == pytest.approx((0.55 * 8 + 0.7 * 8) / 16)
+    assert st.gain(run) == pytest.approx(0.3)
+    assert st.at_seconds(run, 150.0) == pytest.approx(0.7)
+
+
+def test_the_analysis_pairs_by_seed_and_holm_corrects_only_the_secondary(bench):
+    _, st = bench
+    runs = {
+        "outcome": [_run(1, [0.5, 0.5, 0.5]), _run(0, [0.4, 0.5, 0.6]), _run(2, [0.5, 0.55, 0.6])],
+        "consistent": [_run(0, [0.4, 0.55, 0.7]), _run(1, [0.5, 0.52, 0.56]), _run(2, [0.5, 0.6, 0.62])],
+        "incremental": [_run(0, [0.4, 0.5, 0.6]), _run(2, [0.5, 0.5, 0.5])],  # seed 1 unfinished: pairs 0 and 2
+    }
+    analysis = st.sweep_analysis(runs, "consistent")
+    primary = analysis["rows"][("consistent", "AUC")]
+    expected = [st.auc(runs["consistent"][0]) - st.auc(runs["outcome"][1]),  # seed 0
+                st.auc(runs["consistent"][1]) - st.auc(runs["outcome"][0]),  # seed 1
+                st.auc(runs["consistent"][2]) - st.auc(runs["outcome"][2])]  # fmt: skip
+    assert primary["values"] == pytest.approx(expected)
+    assert "p_holm" not in primary
+    assert analysis["rows"][("incremental", "final")]["values"] == pytest.approx([0.0, -0.1])
+    secondary = [row for key, row in analysis["rows"].items() if key != ("consistent", "AUC")]
+    assert all(row["p_holm"] >= row["p"] for row in secondary)
+    table = st.comparison_table(analysis)
+    assert table.splitlines()[2].startswith("| consistent **(primary)** | AUC | 3 |")
+
+
+def test_every_arm_is_a_valid_recipe_differing_only_in_credit_and_completions(bench):
+    ev, _ = bench
+    from tpflow.recipe import validate_recipe
+
+    base = ev.recipe_data(ev.arm_overrides("outcome"), 3, "cpu")
+    assert base["reward"] == {"name": "shapes-geneval", "score": "soft"}
+    assert base["dataset"]["test_prompts"] == "distinct" and base["eval"]["images_per_prompt"] == 4
+    for arm in ev.ARMS:
+        data = ev.recipe_data(ev.arm_overrides(arm), 3, "cpu")
+        recipe = validate_recipe(data, where=arm, path=ev.BASE_RECIPE)
+        assert recipe.train.seed == 3
+        for section in data:
+            if section not in ("credit", "rollout"):
+                assert data[section] == base[section], (arm, section)
+        changed = {k for k in data["rollout"] if data["rollout"][k] != base["rollout"].get(k)}
+        assert changed <= {"completions", "completion_steps"}, (arm, changed)
+
+
+def test_a_toy_pilot_runs_resumes_and_reports(bench, tmp_path, monkeypatch):
+    ev, st = bench
+    toy = {"train.epochs": 2, "eval.every": 1, "train.prompts_per_epoch": 2, "train.group_size": 2,
+           "train.rollout_batch": 4, "eval.num_prompts": 3, "eval.images_per_prompt": 2, "eval.batch_size": 6,
+           "rollout.num_steps": 3, "rollout.window_size": 2, "rollout.window_range": [0, 2], "eval.num_steps": 3,
+           "optimizer.micro_batch_size": 2}  # fmt: skip
+    monkeypatch.setitem(ev.PILOTS, "toy", toy)
+    args = ev.parse(["pilot", "toy", "--seeds", "0", "--jobs", "1", "--out", str(tmp_path), "--docs",
+                     str(tmp_path / "docs")])  # fmt: skip
+    shared = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    result = ev.run_one("pilots", "toy", toy, 0, shared)
+    assert [e["epoch"] for e in result["evals"]] == [0, 1, 2]
+    assert result["audit"]["ok"], result["audit"]
+    assert all(0 <= e["eval_reward_tags"] <= 1 and "eval_reward_seen" in e for e in result["evals"])
+    assert result["train"]["optimizer_steps"] and len(result["train"]["reward_mean"]) == 2
+    # a finished run is read back, not retrained
+    (tmp_path / "pilots" / "toy_s0" / "metrics.jsonl").unlink()
+    assert ev.run_one("pilots", "toy", toy, 0, shared) == result
+    st.report(tmp_path, ev.PILOTS, ev.PROTOCOL, tmp_path / "docs")
+    table = (tmp_path / "docs" / "evidence_pilots.md").read_text()
+    assert "| toy | 0 |" in table
