@@ -145,3 +145,23 @@ def test_trainer_and_tpflow_eval_sample_images_per_prompt(tmp_path, tiny_weights
     result = evaluate_target(target, EvalOptions(steps=3), Distributed(None), contextlib.nullcontext)
     assert result.settings["images_per_prompt"] == 2 and len(result.scored.scores) == 12
     assert summarize(result.scored, result.items) == metrics  # the trainer's evaluation, reproduced exactly
+
+
+def test_eval_seed_fixes_the_evaluation_images_across_training_seeds(tmp_path, tiny_weights, plugin):
+    """[eval] seed: two runs with different train.seed evaluate the same (base) model on the same noise, so their
+    epoch-0 figures are equal; without it each training seed draws its own eval noise."""
+
+    def images(*overrides: str) -> list[torch.Tensor]:
+        recipe = load_recipe(tiny_recipe(tmp_path, tiny_weights), ["eval.every=0", *overrides])
+        trainer = Trainer(recipe, console=Console(file=io.StringIO()))
+        try:
+            recorder = trainer.reward = _Recorder(trainer.reward)
+            trainer.evaluate(0)
+        finally:
+            trainer.run_lock.release()
+        return recorder.images
+
+    fixed = [images(f"train.seed={seed}", "eval.seed=7") for seed in (1, 2)]
+    assert all(torch.equal(a, b) for a, b in zip(*fixed, strict=True))
+    own = [images(f"train.seed={seed}") for seed in (1, 2)]
+    assert not all(torch.equal(a, b) for a, b in zip(*own, strict=True))

@@ -217,6 +217,13 @@ class EvalSettings(BaseModel):
         le=MAX_COUNT,
         description="Images per eval prompt, each from its own fixed noise (GenEval: 4); `tpflow eval`'s default too.",
     )
+    seed: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_SEED,
+        description="Noise seed of the evaluation images. None: train.seed + 12345 (each training seed its own eval "
+        "noise); set it to evaluate every run, whatever its seed, on the same images' noise (a fixed eval set).",
+    )
     nonfinite_rewards: Literal["stop", "warn"] = Field(
         "stop",
         description="Non-finite (NaN, inf) evaluation scores: 'stop' retries the call (train.reward_retries) then "

@@ -126,7 +126,7 @@ def evaluate_target(
             "images_per_prompt": options.images_per_prompt or recipe.eval.images_per_prompt,
         }
     )
-    seed = eval_seed(recipe.train.seed) if options.seed is None else options.seed
+    seed = eval_seed(recipe.train.seed, recipe.eval.seed) if options.seed is None else options.seed
     torch.manual_seed(recipe.train.seed)  # as the trainer: a freshly made adapter starts from the same values
     backbone = load_model(target, ema=options.ema)
     reward = recipe.build("reward")

@@ -51,9 +51,10 @@ def no_test_split(dataset_name: str) -> str:
     )
 
 
-def eval_seed(train_seed: int) -> int:
-    """The noise seed of the trainer's evaluations (and ``tpflow eval``'s default), from ``train.seed``."""
-    return train_seed + EVAL_SEED_OFFSET
+def eval_seed(train_seed: int, fixed: int | None = None) -> int:
+    """The noise seed of the trainer's evaluations (and ``tpflow eval``'s default): ``[eval] seed`` when set (one
+    evaluation set for every run, whatever its training seed), else ``train.seed`` + 12,345."""
+    return train_seed + EVAL_SEED_OFFSET if fixed is None else fixed
 
 
 @dataclass

@@ -356,7 +356,7 @@ class Trainer:
                 self.reward,
                 self.test_items,
                 self.recipe.eval,
-                seed=eval_seed(self.settings.seed),  # the same noise at every eval
+                seed=eval_seed(self.settings.seed, self.recipe.eval.seed),  # the same noise at every eval
                 dist=self.dist,
                 autocast=self.accelerator.autocast,
                 grid=grid,
