@@ -39,6 +39,7 @@ TASK = {  # what every run of Evidence II shares, whatever the pilot or arm (dot
     "eval.images_per_prompt": 4,
     "eval.num_prompts": None,
     "eval.batch_size": 126,
+    "eval.seed": 12345,  # one eval noise for every run (= seed 0's; round-1 pilots of seed 1 drew 12346, said so)
     "optimizer.beta": 0.0,
     "train.ema": False,
 }
@@ -60,6 +61,10 @@ PILOTS: dict[str, dict] = {
     "p8_noise0.4": {**_PILOT, "rollout.noise_level": 0.4},  # SDE samples closer to the ODE the eval uses
     "p8_lr3e-3_clip1e-3": {**_PILOT, "optimizer.learning_rate": 3e-3, "optimizer.clip_range": 1e-3},
     "p8_lora32_ff": {**_PILOT, **_WIDE_LORA},
+    # round 2, after round 1 (seed 0: p8 +0.066, noise 0.4 +0.013, lr 3e-3 / clip 1e-3 +0.011, wide LoRA +0.023
+    # at epoch 8 with 21% of ratios clipped): more exploration, and more optimizer steps per epoch
+    "p8_noise1.0": {**_PILOT, "rollout.noise_level": 1.0},
+    "p8_mb4": {**_PILOT, "optimizer.micro_batch_size": 4},
 }
 ARMS: dict[str, tuple[str, dict]] = {  # arm -> (recipe whose [credit] it uses, rollout overrides)
     "outcome": ("shapes_flowgrpo", {}),
