@@ -133,6 +133,12 @@ def _load(folder: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
 
 
+def _mean(values: list, digits: int = 3) -> str:
+    """Mean of the logged values, "—" when the run's optimizer does not log the figure (NFT has no clip)."""
+    present = [v for v in values if v is not None]
+    return f"{statistics.mean(present):.{digits}f}" if present else "—"
+
+
 def pilot_table(runs: list[dict], order: list[str]) -> str:
     """Markdown: one row per pilot run (every seed), eval figures at every evaluation, gain, training figures."""
     rows = [
@@ -150,8 +156,8 @@ def pilot_table(runs: list[dict], order: list[str]) -> str:
             + " → ".join(f"{v:.3f}@{e}" for e, v in zip(epochs, values, strict=True))
             + f" | {values[-1] - values[0]:+.3f} | {strict[0]:.3f} → {strict[-1]:.3f} | {held[0]:.3f} → {held[-1]:.3f}"
             f" | {statistics.mean(tr[:3]):.3f} → {statistics.mean(tr[-3:]):.3f}"
-            f" | {statistics.mean(run['train']['clip_fraction']):.3f}"
-            f" | {statistics.mean(run['train']['optimizer_steps']):.1f}"
+            f" | {_mean(run['train']['clip_fraction'])}"
+            f" | {_mean(run['train']['optimizer_steps'], 1)}"
             f" | {statistics.mean(run['train']['epoch_s']):.1f} |"
         )
     return "\n".join(rows)

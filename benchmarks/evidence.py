@@ -66,6 +66,21 @@ PILOTS: dict[str, dict] = {
     "p8_noise1.0": {**_PILOT, "rollout.noise_level": 1.0},
     "p8_mb4": {**_PILOT, "optimizer.micro_batch_size": 4},
 }
+# DiffusionNFT (issue 27): the optimizer section replaced, final samples by the ODE (no SDE window), outcome credit;
+# its pilots tune beta, lr and the sampling guidance on the same budget; the evaluation (CFG 3) is every arm's.
+_NFT = {
+    "optimizer": {"name": "nft", "learning_rate": 1e-3, "beta": 1.0, "kl_weight": 0.0, "num_timesteps": 10,
+                  "timesteps_per_sample": 9, "micro_batch_size": 8, "gradient_accumulation_steps": 1},
+    "rollout.noise_level": 0.0,
+    "rollout.window_size": 1,
+    "rollout.window_range": [0, 1],
+}  # fmt: skip
+NFT_PILOTS: dict[str, dict] = {
+    "nft_b1_lr1e-3_g1": {**_PILOT, **_NFT, "rollout.guidance": 1.0},  # shapes_nft.toml's settings: CFG-free samples
+    "nft_b1_lr1e-3_g3": {**_PILOT, **_NFT, "rollout.guidance": 3.0},  # samples at the eval's CFG
+    "nft_b0.1_lr1e-3_g3": {**_PILOT, **_NFT, "optimizer": {**_NFT["optimizer"], "beta": 0.1}, "rollout.guidance": 3.0},
+}
+PILOTS.update(NFT_PILOTS)
 ARMS: dict[str, tuple[str, dict]] = {  # arm -> (recipe whose [credit] it uses, rollout overrides)
     "outcome": ("shapes_flowgrpo", {}),
     "consistent": ("shapes_tp", {}),
@@ -79,11 +94,13 @@ PROTOCOL: dict = {"arms": list(ARMS), "seeds": []}  # set in the protocol commit
 
 def recipe_data(overrides: dict, seed: int, device: str) -> dict:
     """The TOML data of one run: the base recipe with ``TASK``, then ``overrides`` (dotted keys; None removes a
-    key), then the seed and device."""
+    key; a key without a dot replaces its whole section), then the seed and device."""
     data = tomllib.loads(BASE_RECIPE.read_text())
     for key, value in {**TASK, **overrides, "train.seed": seed, "backbone.device": device}.items():
         section, _, name = key.partition(".")
-        if value is None:
+        if not name:
+            data[section] = dict(value)
+        elif value is None:
             data.setdefault(section, {}).pop(name, None)
         else:
             data.setdefault(section, {})[name] = value
