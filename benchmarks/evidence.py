@@ -65,6 +65,9 @@ PILOTS: dict[str, dict] = {
     # at epoch 8 with 21% of ratios clipped): more exploration, and more optimizer steps per epoch
     "p8_noise1.0": {**_PILOT, "rollout.noise_level": 1.0},
     "p8_mb4": {**_PILOT, "optimizer.micro_batch_size": 4},
+    # after p8's seed 1 (+0.066 on seed 0, -0.009 on seed 1): is the gradient too noisy? bigger groups, more prompts
+    "p4_g16": {**_PILOT, "train.prompts_per_epoch": 4, "train.group_size": 16},
+    "p16": {**_PILOT, "train.prompts_per_epoch": 16, "train.rollout_batch": 64, "optimizer.micro_batch_size": 16},
 }
 # DiffusionNFT (issue 27): the optimizer section replaced, final samples by the ODE (no SDE window), outcome credit;
 # its pilots tune beta, lr and the sampling guidance on the same budget; the evaluation (CFG 3) is every arm's.
