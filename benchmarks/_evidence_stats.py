@@ -20,6 +20,11 @@ from scipy import stats
 PRIMARY = "eval_reward_tags"  # soft reward, per-tag mean then mean over the six tags, on the distinct prompts
 STRICT = "eval_strict_tags"
 BASELINE = "outcome"
+PILOT_GROUPS = {  # folder -> the eval set its runs were measured on
+    "pilots": "round 1, eval on the 126 distinct prompts x 4 images, eval noise seeded train.seed + 12345",
+    "pilots2": "eval on the 126 distinct prompts, small tags repeated to >= 24 prompts (195 x 4 = 780 images), "
+    "one eval noise (12345) for every run",
+}
 
 
 # ---- one run ---------------------------------------------------------------------------------------------------
@@ -167,9 +172,13 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
     """Print and write the pilot table (``docs/evidence_pilots.md``) and, once the sweep has runs, its tables
     (``docs/evidence_sweep.md``: per arm, the paired comparisons with the primary first, every seed)."""
     docs.mkdir(parents=True, exist_ok=True)
-    runs = _load(out / "pilots")
-    if runs:
-        text = "# Evidence II pilots (outcome only)\n\n" + pilot_table(runs, list(pilots)) + "\n"
+    parts = ["# Evidence II pilots (outcome credit only)"]
+    for group, label in PILOT_GROUPS.items():
+        runs = _load(out / group)
+        if runs:
+            parts += ["", f"## {group}: {label}", "", pilot_table(runs, list(pilots))]
+    if len(parts) > 1:
+        text = "\n".join(parts) + "\n"
         print(text)
         (docs / "evidence_pilots.md").write_text(text)
     by_arm: dict[str, list[dict]] = {}

@@ -5,7 +5,8 @@
     .venv/bin/python benchmarks/evidence.py report                                # tables from finished runs
 
 The task is the shapes world with the continuous GenEval-style reward (``shapes-geneval``, ``score = "soft"``),
-evaluated on every distinct prompt of the world (126 prompts × 4 images, fixed noise, ODE, the recipe's CFG): the
+evaluated on every distinct prompt of the world, small tags repeated to ≥ 24 prompts per tag (195 prompts × 4
+images = 780, one fixed noise for every run, ODE, CFG 3): the
 primary metric is ``eval_reward_tags``, the soft reward averaged per tag and then over the six tags; strict GenEval
 accuracy (``eval_strict_tags``) and the held-out colour-shape pairs' sub-scores are logged beside it.
 
@@ -38,7 +39,8 @@ TASK = {  # what every run of Evidence II shares, whatever the pilot or arm (dot
     "dataset.test_prompts": "distinct",
     "eval.images_per_prompt": 4,
     "eval.num_prompts": None,
-    "eval.batch_size": 126,
+    "dataset.test_min_per_tag": 24,  # small tags repeat their prompts: >= 96 images per tag (780 in all)
+    "eval.batch_size": 195,
     "eval.seed": 12345,  # one eval noise for every run (= seed 0's; round-1 pilots of seed 1 drew 12346, said so)
     "optimizer.beta": 0.0,
     "train.ema": False,
@@ -169,6 +171,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto: where the model runs.")
     parser.add_argument("--jobs", type=int, default=2, help="Trainings run at once, each in its own process.")
     parser.add_argument("--threads", type=int, default=1, help="Torch threads per training process.")
+    parser.add_argument(
+        "--group",
+        default="pilots2",
+        help="pilot runs' folder under --out (pilots: round 1, "
+        "evaluated on 126 prompts x 4 with each seed's own eval noise; pilots2: the final eval set)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "evidence")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "results")
     return parser.parse_args(argv)
@@ -183,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         if unknown or not args.names:
             sys.exit(f"Pilots to run: one or more of {', '.join(PILOTS)} (unknown: {', '.join(unknown) or 'none'}).")
         seeds = args.seeds or [0, 1]
-        run_all([("pilots", n, PILOTS[n], s) for s in seeds for n in args.names], args)
+        run_all([(args.group, n, PILOTS[n], s) for s in seeds for n in args.names], args)
     elif args.command == "sweep":
         if not PROTOCOL["seeds"]:
             sys.exit("No protocol is committed yet (PROTOCOL['seeds'] is empty): run pilots and commit one first.")

@@ -200,8 +200,17 @@ def main() -> None:
         **{
             k: metrics[k]
             for k in (
-                "sample_s", "model_s", "decode_s", "reward_s", "update_s", "epoch_s", "nfe_per_traj",
-                "first_ratio_max_deviation", "nonfinite_losses", "loss", "kl",
+                "sample_s",
+                "model_s",
+                "decode_s",
+                "reward_s",
+                "update_s",
+                "epoch_s",
+                "nfe_per_traj",
+                "first_ratio_max_deviation",
+                "nonfinite_losses",
+                "loss",
+                "kl",
             )  # fmt: skip
         },
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,

@@ -127,6 +127,6 @@ def test_a_toy_pilot_runs_resumes_and_reports(bench, tmp_path, monkeypatch):
     # a finished run is read back, not retrained
     (tmp_path / "pilots" / "toy_s0" / "metrics.jsonl").unlink()
     assert ev.run_one("pilots", "toy", toy, 0, shared) == result
-    st.report(tmp_path, ev.PILOTS, ev.PROTOCOL, tmp_path / "docs")
+    st.report(tmp_path, ev.PILOTS, ev.PROTOCOL, tmp_path / "docs")  # the toy ran in group "pilots"
     table = (tmp_path / "docs" / "evidence_pilots.md").read_text()
     assert "| toy | 0 |" in table

@@ -165,3 +165,19 @@ def test_eval_seed_fixes_the_evaluation_images_across_training_seeds(tmp_path, t
     assert all(torch.equal(a, b) for a, b in zip(*fixed, strict=True))
     own = [images(f"train.seed={seed}") for seed in (1, 2)]
     assert not all(torch.equal(a, b) for a, b in zip(*own, strict=True))
+
+
+def test_min_per_tag_repeats_the_small_tags_whole_prompt_lists():
+    """test_min_per_tag = 24: tags of 3, 6 and 9 prompts repeat their whole list 8, 4 and 3 times; colors (12)
+    twice; color_attr (72) and position (24) stay once. Every repeat is the same prompt with its flags."""
+    dataset = tpflow.build("dataset", "shapes", test_prompts="distinct", test_min_per_tag=24)
+    items = dataset.split("test")
+    counts = Counter(it.metadata["tag"] for it in items)
+    assert counts == {"single_object": 24, "two_object": 24, "counting": 27, "colors": 24, "color_attr": 72,
+                      "position": 24}  # fmt: skip
+    texts = Counter(it.prompt for it in items)
+    assert len(texts) == 126 and texts["a photo of a circle"] == 8
+    held = {it.prompt for it in items if it.metadata["held_out"]}
+    assert len(held) == 33
+    plain = tpflow.build("dataset", "shapes", test_prompts="distinct").split("test")
+    assert [it.prompt for it in plain] == [it.prompt for it in shape_prompts.prompts("test")]

@@ -183,6 +183,17 @@ def prompts(split: str, n: int | None = None, seed: int = 0) -> list[PromptItem]
     return out
 
 
+def distinct_items(min_per_tag: int = 0) -> list[PromptItem]:
+    """Every distinct prompt of the world, tag by tag; a tag with fewer than ``min_per_tag`` prompts repeats its
+    whole list (in order) ceil(min_per_tag / prompts) times, so small tags get as many images as the others."""
+    out: list[PromptItem] = []
+    for tag in TAGS:
+        items = _BY_SPLIT["test"][tag]
+        passes = max(1, -(-min_per_tag // len(items)))
+        out += [_copy(item) for _ in range(passes) for item in items]
+    return out
+
+
 class ShapesDatasetOptions(BaseModel):
     """Options of the shapes prompt dataset."""
 
@@ -201,6 +212,14 @@ class ShapesDatasetOptions(BaseModel):
         "repetition; most are train texts too); 'distinct' is every distinct prompt of the world once (126, tag by "
         "tag; test_size is ignored), the set for an honest per-tag and held-out report.",
     )
+    test_min_per_tag: int = Field(
+        0,
+        ge=0,
+        le=10_000,
+        description="test_prompts 'distinct' only: repeat each tag's distinct prompts (whole passes, in order) until "
+        "the tag has at least this many items, so that a tag of 3 prompts is not judged on a dozen images (each "
+        "repeat is sampled from its own noise). 0: every prompt once.",
+    )
 
 
 @register("dataset", "shapes", options=ShapesDatasetOptions)
@@ -208,7 +227,8 @@ class ShapesDataset:
     """PromptDataset: GenEval-style shapes prompts (module docstring); held-out colour-shape pairs only in test.
 
     Options: ``seed`` (order and draw), ``test_size`` (number of balanced test items), ``test_prompts`` ("sampled"
-    draws ``test_size`` items; "distinct" is each distinct prompt once).
+    draws ``test_size`` items; "distinct" is each distinct prompt once, or more for small tags with
+    ``test_min_per_tag``).
     """
 
     splits = SPLITS
@@ -220,7 +240,7 @@ class ShapesDataset:
             "test": (
                 prompts("test", options.test_size, seed=options.seed + 1)
                 if options.test_prompts == "sampled"
-                else prompts("test")  # [126] every distinct prompt once, tag by tag
+                else distinct_items(options.test_min_per_tag)  # [>= 126] every distinct prompt, tag by tag
             ),
         }
 
