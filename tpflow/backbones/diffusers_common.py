@@ -173,6 +173,28 @@ def cpu_problem(options: DiffusersBackboneOptions, model_name: str) -> str | Non
     )
 
 
+def attach_preflight(factory: Any, transformer_class: str, model_name: str) -> None:
+    """Give a paper-scale backbone's factory its two preflight hooks (``tpflow.preflight``), which load nothing:
+
+    * ``check_machine``: the model needs a GPU, or device = "cpu" said explicitly, and the LoRA targets must name
+      layers of its transformer (``transformer_class``, built on the meta device from its config when that is on
+      this machine);
+    * ``weight_sources``: ``pretrained`` is read from a complete local folder or its Hugging Face cache snapshot,
+      never the network (``tpflow.weights``).
+    """
+
+    def check_machine(options: DiffusersBackboneOptions, settings: dict) -> list[str]:
+        problem = cpu_problem(options, model_name)
+        targets = lora_target_problems(transformer_class, options.pretrained, options.lora_targets, model_name)  # type: ignore[attr-defined]
+        return ([problem] if problem else []) + targets
+
+    def weight_sources(options: DiffusersBackboneOptions, settings: dict) -> list[WeightSource]:
+        return [pretrained_source(options.pretrained, model_name)]  # type: ignore[attr-defined]
+
+    factory.check_machine = check_machine
+    factory.weight_sources = weight_sources
+
+
 def load_pipeline(pipeline_cls: Any, pretrained: str, dtype: torch.dtype, model_name: str, **kwargs: Any) -> Any:
     """``pipeline_cls.from_pretrained`` with a UserError that says which weights are missing and how to get them.
 

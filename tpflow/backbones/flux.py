@@ -23,11 +23,9 @@ from torch import Tensor
 from tpflow.backbones.diffusers_common import (
     DTYPES,
     DiffusersBackboneOptions,
-    cpu_problem,
+    attach_preflight,
     decode_latents,
     load_pipeline,
-    lora_target_problems,
-    pretrained_source,
     scheduler_sigmas,
     setup_pipeline,
 )
@@ -35,7 +33,6 @@ from tpflow.backbones.diffusers_lora import AdapterMethods
 from tpflow.devices import randn
 from tpflow.registry import register
 from tpflow.types import Conditioning
-from tpflow.weights import WeightSource
 
 FLUX_LORA_TARGETS = (  # docs/algorithm.md §6.3: attention projections plus both feed-forward networks
     "attn.to_q",
@@ -170,20 +167,4 @@ def flux_1_dev(options: FluxOptions) -> FluxBackbone:
     return FluxBackbone(pipe, options)
 
 
-def _check_machine(options: DiffusersBackboneOptions, settings: dict) -> list[str]:
-    """A paper-scale model needs a GPU, or device = "cpu" said explicitly, and the LoRA targets name layers of its
-    transformer, built on the meta device from its config when that is on this machine (where the weights come from
-    is ``_weight_sources``'s); loads nothing (``tpflow.preflight``)."""
-    problem = cpu_problem(options, "FLUX.1-dev")
-    targets = lora_target_problems("FluxTransformer2DModel", options.pretrained, options.lora_targets, "FLUX.1-dev")  # type: ignore[attr-defined]
-    return ([problem] if problem else []) + targets
-
-
-def _weight_sources(options: DiffusersBackboneOptions, settings: dict) -> list[WeightSource]:
-    """Where ``pretrained`` will be read from: a complete local folder or its Hugging Face cache snapshot; loads
-    nothing, never the network (``tpflow.weights``)."""
-    return [pretrained_source(options.pretrained, "FLUX.1-dev")]  # type: ignore[attr-defined]
-
-
-flux_1_dev.check_machine = _check_machine  # type: ignore[attr-defined]
-flux_1_dev.weight_sources = _weight_sources  # type: ignore[attr-defined]
+attach_preflight(flux_1_dev, "FluxTransformer2DModel", "FLUX.1-dev")

@@ -24,11 +24,9 @@ from torch import Tensor
 from tpflow.backbones.diffusers_common import (
     DTYPES,
     DiffusersBackboneOptions,
-    cpu_problem,
+    attach_preflight,
     decode_latents,
     load_pipeline,
-    lora_target_problems,
-    pretrained_source,
     scheduler_sigmas,
     setup_pipeline,
 )
@@ -36,7 +34,6 @@ from tpflow.backbones.diffusers_lora import AdapterMethods
 from tpflow.devices import randn
 from tpflow.registry import register
 from tpflow.types import Conditioning
-from tpflow.weights import WeightSource
 
 SD3_LORA_TARGETS = (  # docs/algorithm.md §6.3: the joint attention projections of every block
     "attn.to_q",
@@ -156,20 +153,4 @@ def sd35_medium(options: SD3Options) -> SD3Backbone:
     return SD3Backbone(pipe, options)
 
 
-def _check_machine(options: DiffusersBackboneOptions, settings: dict) -> list[str]:
-    """A paper-scale model needs a GPU, or device = "cpu" said explicitly, and the LoRA targets name layers of its
-    transformer, built on the meta device from its config when that is on this machine (where the weights come from
-    is ``_weight_sources``'s); loads nothing (``tpflow.preflight``)."""
-    problem = cpu_problem(options, "SD3.5-Medium")
-    targets = lora_target_problems("SD3Transformer2DModel", options.pretrained, options.lora_targets, "SD3.5-Medium")  # type: ignore[attr-defined]
-    return ([problem] if problem else []) + targets
-
-
-def _weight_sources(options: DiffusersBackboneOptions, settings: dict) -> list[WeightSource]:
-    """Where ``pretrained`` will be read from: a complete local folder or its Hugging Face cache snapshot; loads
-    nothing, never the network (``tpflow.weights``)."""
-    return [pretrained_source(options.pretrained, "SD3.5-Medium")]  # type: ignore[attr-defined]
-
-
-sd35_medium.check_machine = _check_machine  # type: ignore[attr-defined]
-sd35_medium.weight_sources = _weight_sources  # type: ignore[attr-defined]
+attach_preflight(sd35_medium, "SD3Transformer2DModel", "SD3.5-Medium")
