@@ -224,7 +224,7 @@ def test_components_show_allowed_values_limits_and_descriptions(capsys, monkeypa
     code, out, err = run_here(capsys, "components", "reward")
     assert code == 0, err
     text = _column(out, 3)
-    assert "score: 'partial' | 'strict' = 'partial'" in text
+    assert "score: 'partial' | 'strict' | 'soft' = 'partial'" in text
     assert "Training reward: the partial-credit GenEval score" in text  # shapes-geneval's description
     assert "scale: float = 2.5 (> 0)" in text  # clipscore's limit
     assert "rewards: list[WeightedPart] = required (at least 1 item)" in text
