@@ -34,16 +34,17 @@ def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def summarise(run_dir: Path, data: dict) -> dict:
+def summarise(run_dir: Path, data: dict, base: dict | None = None) -> dict:
     """Every evaluation of one finished run (all ``eval_*`` figures, with the epoch and the training seconds spent
-    before it), the per-epoch training figures, the credit diagnostics and the credit audit's verdict."""
+    before it), the per-epoch training figures, the credit diagnostics and the credit audit's verdict. ``base``: the
+    shared epoch-0 evaluation, for a run that skipped its own (``eval.at_start = false``)."""
     from _learning_stats import trace_diagnostics
     from credit_audit import audit
 
     lines = _read(run_dir / "metrics.jsonl")
     train = [line for line in lines if "epoch_s" in line]
     seconds = np.concatenate([[0.0], np.cumsum([line["epoch_s"] for line in train])])  # before epoch e
-    evals = []
+    evals = [] if base is None else [dict(base)]
     for line in lines:  # an eval is logged on the line of the epoch it preceded, the final one on its own line
         if "eval_reward" in line and line.get("last_eval_epoch") == line["epoch"]:
             e = line["epoch"]

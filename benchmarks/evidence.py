@@ -42,6 +42,7 @@ TASK = {  # what every run of Evidence II shares, whatever the pilot or arm (dot
     "dataset.test_min_per_tag": 24,  # small tags repeat their prompts: >= 96 images per tag (780 in all)
     "eval.batch_size": 195,
     "eval.seed": 12345,  # one eval noise for every run (= seed 0's; round-1 pilots of seed 1 drew 12346, said so)
+    "eval.at_start": False,  # every run's epoch-0 eval is the same base model on the same noise: ``base_eval``
     "optimizer.beta": 0.0,
     "train.ema": False,
 }
@@ -120,6 +121,44 @@ def arm_overrides(arm: str) -> dict:
     return {**REGIME, **{f"credit.{k}": v for k, v in credit.items()}, **rollout}
 
 
+def _base_key(data: dict) -> str:
+    """What the epoch-0 evaluation depends on: the eval settings, the eval prompts, the reward and the base weights
+    (a fresh LoRA has B = 0, so it changes no output whatever its rank, targets or seed; eval.seed is fixed)."""
+    import hashlib
+
+    keys = {s: data[s] for s in ("eval", "dataset", "reward")} | {"weights": data["backbone"].get("weights")}
+    return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def base_eval(overrides: dict, args: dict) -> dict:
+    """The epoch-0 evaluation the runs with these ``overrides`` share, computed once (``OUT/base/KEY.json``)."""
+    import torch
+    from rich.console import Console
+
+    from tpflow.recipe import validate_recipe
+    from tpflow.train.trainer import Trainer
+
+    data = recipe_data({**overrides, "eval.at_start": True}, 0, args["device"])
+    out = Path(args["out"]) / "base"
+    done = out / f"{_base_key(data)}.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args["threads"])
+    recipe = validate_recipe(data, where="base", path=BASE_RECIPE)
+    with open(out / f"{_base_key(data)}.log", "a") as log:  # the trainer's own epoch-0 evaluation, nothing trained
+        trainer = Trainer(recipe, run_dir=out / _base_key(data), console=Console(file=log, force_terminal=False))
+        try:
+            line = trainer.evaluate(0)
+        finally:
+            trainer.run_lock.release()
+    result = {"epoch": 0, "seconds": 0.0, **{k: v for k, v in line.items() if k.startswith("eval_")}}
+    tmp = done.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, done)
+    return result
+
+
 def run_one(group: str, name: str, overrides: dict, seed: int, args: dict) -> dict:
     """Train one run, resuming its run dir if a checkpoint is there; save and return its summary."""
     import torch
@@ -143,7 +182,8 @@ def run_one(group: str, name: str, overrides: dict, seed: int, args: dict) -> di
         Trainer(recipe, run_dir=run_dir, resume=resume, console=Console(file=log, force_terminal=False)).fit()
     from _evidence_stats import summarise
 
-    result = {"group": group, "name": name, "seed": seed, "overrides": overrides, **summarise(run_dir, data)}
+    base = None if data["eval"].get("at_start", True) else base_eval(overrides, args)
+    result = {"group": group, "name": name, "seed": seed, "overrides": overrides, **summarise(run_dir, data, base)}
     tmp = done.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))
     os.replace(tmp, done)  # atomic: a finished run is either wholly there or not at all
@@ -153,6 +193,8 @@ def run_one(group: str, name: str, overrides: dict, seed: int, args: dict) -> di
 def run_all(todo: list[tuple[str, str, dict, int]], args: argparse.Namespace) -> list[dict]:
     """Run every (group, name, overrides, seed), ``--jobs`` at once; print progress as each finishes."""
     shared = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    for _, _, overrides, _ in todo:  # before the pool, once per eval set: every run's summary starts with it
+        base_eval(overrides, shared)
     start, results = time.perf_counter(), []
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
         futures = {pool.submit(run_one, *spec, shared): spec for spec in todo}

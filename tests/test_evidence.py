@@ -119,7 +119,9 @@ def test_a_toy_pilot_runs_resumes_and_reports(bench, tmp_path, monkeypatch):
     args = ev.parse(["pilot", "toy", "--seeds", "0", "--jobs", "1", "--out", str(tmp_path), "--docs",
                      str(tmp_path / "docs")])  # fmt: skip
     shared = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    base = ev.base_eval(toy, shared)  # the shared epoch-0 evaluation (eval.at_start = false in every run)
     result = ev.run_one("pilots", "toy", toy, 0, shared)
+    assert result["evals"][0] == base
     assert [e["epoch"] for e in result["evals"]] == [0, 1, 2]
     assert result["audit"]["ok"], result["audit"]
     assert all(0 <= e["eval_reward_tags"] <= 1 and "eval_reward_seen" in e for e in result["evals"])

@@ -181,3 +181,19 @@ def test_min_per_tag_repeats_the_small_tags_whole_prompt_lists():
     assert len(held) == 33
     plain = tpflow.build("dataset", "shapes", test_prompts="distinct").split("test")
     assert [it.prompt for it in plain] == [it.prompt for it in shape_prompts.prompts("test")]
+
+
+def test_eval_at_start_off_skips_only_the_epoch_0_evaluation(tmp_path, tiny_weights, plugin):
+    """[eval] at_start = false: no eval line at epoch 0, and everything else (every training figure, the later
+    evaluations) equal to the run that evaluated at epoch 0: the eval draws no randomness training uses."""
+
+    def run(name: str, *overrides: str) -> list[dict]:
+        recipe = load_recipe(tiny_recipe(tmp_path, tiny_weights), ["train.epochs=2", "eval.every=1", *overrides])
+        Trainer(recipe, run_dir=tmp_path / name, console=Console(file=io.StringIO())).fit()
+        lines = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in line.items() if not k.endswith("_s") and k != "time"} for line in lines]
+
+    full, skipped = run("full"), run("skipped", "eval.at_start=false")
+    assert "eval_reward" in full[0] and "eval_reward" not in skipped[0]
+    assert {k: v for k, v in full[0].items() if not k.startswith("eval_") and k != "last_eval_epoch"} == skipped[0]
+    assert full[1:] == skipped[1:]

@@ -201,6 +201,11 @@ class EvalSettings(BaseModel):
     every: int = Field(
         20, ge=0, le=MAX_COUNT, description="Evaluate every this many epochs, epoch 0 included (0: never)."
     )
+    at_start: bool = Field(
+        True,
+        description="Evaluate at epoch 0 (the base model). A sweep whose runs share one base model and eval.seed "
+        "may evaluate it once and turn this off in every run.",
+    )
     num_steps: int = Field(
         40, ge=1, le=MAX_STEPS, description="ODE steps at evaluation (paper: 40 for SD3.5-M, 28 for FLUX)."
     )

@@ -190,7 +190,7 @@ class Trainer:
         try:
             progress.start()
             for epoch in range(self.epoch, train.epochs):
-                if evaluation.every and epoch % evaluation.every == 0:
+                if evaluation.every and epoch % evaluation.every == 0 and (epoch or evaluation.at_start):
                     # last_eval_epoch: which eval the repeated eval_* figures of the next lines are (eval@N)
                     self.last_eval = {**self.evaluate(epoch), "last_eval_epoch": epoch}
                 metrics = {**self.train_epoch(epoch), **self.last_eval}
