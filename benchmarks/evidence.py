@@ -92,7 +92,7 @@ ARMS: dict[str, tuple[str, dict]] = {  # arm -> (recipe whose [credit] it uses, 
     "consistent": ("shapes_tp", {}),
     "incremental": ("shapes_incremental", {}),
     "consistent_x0": ("shapes_tp", {"rollout.completions": "x0"}),
-    "consistent_k2": ("shapes_tp", {"rollout.completion_steps": 2}),
+    "consistent_k3": ("shapes_tp", {"rollout.completion_steps": 3}),  # k chosen in docs/results.md §2.2
 }
 REGIME: dict = {}  # the pilot-chosen regime the sweep runs (set in the protocol commit)
 PROTOCOL: dict = {"arms": list(ARMS), "seeds": []}  # set in the protocol commit, before any non-outcome run
