@@ -29,8 +29,8 @@ demo: $(STAMP)
 	$(BIN)/tpflow train recipes/shapes_tp.toml --run-dir runs/demo --epochs 10
 
 lint: $(STAMP)
-	$(BIN)/ruff check tpflow tests plugins
-	$(BIN)/ruff format --check tpflow tests plugins
+	$(BIN)/ruff check tpflow tests plugins benchmarks
+	$(BIN)/ruff format --check tpflow tests plugins benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache
