@@ -313,3 +313,26 @@ def test_dataset_reads_prompt_files(tmp_path):
         tpflow.build("dataset", "ocr", path=str(tmp_path / "missing.txt"))
     with pytest.raises(UserError, match="test_path"):
         tpflow.build("dataset", "ocr", test_path=str(test))
+
+
+def test_loading_rapidocr_leaves_the_library_path_as_it_was():
+    """cv2 (imported by rapidocr) prepends its bundled lib64 to LD_LIBRARY_PATH in os.environ; every process tpflow
+    starts afterwards (accelerate workers, serve-reward) would inherit it. Checked in a fresh interpreter, where cv2
+    is not imported yet, both with the variable unset and set."""
+    import subprocess
+
+    code = (
+        "import os; before = os.environ.get('LD_LIBRARY_PATH'); "
+        "from tpflow.rewards.ocr import OcrOptions, _load_rapidocr; _load_rapidocr(OcrOptions()); "
+        "import cv2; print(repr(before), repr(os.environ.get('LD_LIBRARY_PATH')))"
+    )
+    import os
+
+    for value in (None, "/opt/some/lib"):
+        env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+        if value is not None:
+            env["LD_LIBRARY_PATH"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        before, after = out.stdout.split()
+        assert before == after == repr(value)

@@ -29,6 +29,7 @@ OpenCV convention), so images are converted from RGB; the reference hands Paddle
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -263,14 +264,25 @@ def weight_sources(options: OcrOptions, settings: dict) -> list[WeightSource]:
     return sources
 
 
+def _restore(name: str, value: str | None) -> None:
+    """Put an environment variable back as it was (unset if it was)."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 def _load_rapidocr(options: OcrOptions) -> Any:
+    library_path = os.environ.get("LD_LIBRARY_PATH")
     try:
-        from rapidocr_onnxruntime import RapidOCR
+        from rapidocr_onnxruntime import RapidOCR  # imports cv2, which prepends its lib64 to LD_LIBRARY_PATH
     except ImportError as exc:
         raise UserError(
             f"The ocr reward's rapidocr backend needs rapidocr_onnxruntime ({exc}). Install it with "
             '`pip install "rapidocr_onnxruntime>=1.3"` (a tpflow dependency), or set [reward] backend = "paddleocr".'
         ) from None
+    finally:  # cv2 has loaded its libraries; processes tpflow starts later must not inherit its path
+        _restore("LD_LIBRARY_PATH", library_path)
     kwargs: dict[str, Any] = {"text_score": 0.0, "use_cls": options.use_angle_cls}  # filter lines here, not there
     if options.num_threads:
         kwargs["intra_op_num_threads"] = options.num_threads
