@@ -169,6 +169,33 @@ def pilot_table(runs: list[dict], order: list[str]) -> str:
     return "\n".join(rows)
 
 
+TAGS = ("single_object", "two_object", "counting", "colors", "color_attr", "position")
+
+
+def tag_trend_table(out: Path, runs: list[dict], order: list[str]) -> str:
+    """Markdown: per run, each tag's mean training reward (the SDE samples' final reward, from traces.jsonl) over
+    the first and the last quarter of the epochs: does the training reward rise, and on which tags?"""
+    rows = ["| pilot | seed | " + " | ".join(TAGS) + " |", "|---|---|" + "---|" * len(TAGS)]
+    for run in sorted(runs, key=lambda r: (order.index(r["name"]) if r["name"] in order else 99, r["seed"])):
+        traces = out / run["group"] / f"{run['name']}_s{run['seed']}" / "traces.jsonl"
+        if not traces.exists():
+            continue
+        quarter = max(1, run["epochs"] // 4)
+        first: dict[str, list[float]] = {t: [] for t in TAGS}
+        last: dict[str, list[float]] = {t: [] for t in TAGS}
+        for t in _read(traces):
+            if t["epoch"] < quarter:
+                first[t["tag"]].append(t["trace"][-1])
+            elif t["epoch"] >= run["epochs"] - quarter:
+                last[t["tag"]].append(t["trace"][-1])
+        cells = [
+            f"{statistics.mean(first[t]):.2f} → {statistics.mean(last[t]):.2f}" if first[t] and last[t] else "—"
+            for t in TAGS
+        ]
+        rows.append(f"| {run['name']} | {run['seed']} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
     """Print and write the pilot table (``docs/evidence_pilots.md``) and, once the sweep has runs, its tables
     (``docs/evidence_sweep.md``: per arm, the paired comparisons with the primary first, every seed)."""
@@ -177,7 +204,9 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
     for group, label in PILOT_GROUPS.items():
         runs = _load(out / group)
         if runs:
-            parts += ["", f"## {group}: {label}", "", pilot_table(runs, list(pilots))]
+            parts += ["", f"## {group}: {label}", "", pilot_table(runs, list(pilots)), "",
+                      "Training reward (SDE samples) per tag, first quarter of the epochs → last quarter:", "",
+                      tag_trend_table(out, runs, list(pilots))]  # fmt: skip
     if len(parts) > 1:
         text = "\n".join(parts) + "\n"
         print(text)
@@ -313,3 +342,33 @@ def seed_table(runs: dict[str, list[dict]]) -> str:
                 + " |"
             )
     return "\n".join(rows)
+
+
+def pilot_spread(runs: list[dict]) -> tuple[float, int]:
+    """Pooled seed-to-seed standard deviation of one run's AUC, from pilots run with several seeds (each pilot's
+    sample variance, weighted by its degrees of freedom), and those degrees of freedom."""
+    by_name: dict[str, list[float]] = {}
+    for run in runs:
+        by_name.setdefault(run["name"], []).append(auc(run))
+    groups = [v for v in by_name.values() if len(v) > 1]
+    dof = sum(len(v) - 1 for v in groups)
+    if not dof:
+        return math.nan, 0
+    return math.sqrt(sum(np.var(v, ddof=1) * (len(v) - 1) for v in groups) / dof), dof
+
+
+def power_note(runs: list[dict], effect: float, budget_seeds: int) -> str:
+    """The seeds a paired t test needs for ``effect`` (AUC difference) at 80% power, from the pilots' spread, with
+    the paired difference's sd taken as √2 × a run's (no pairing correlation assumed: conservative), and the power
+    the budget's seeds give."""
+    sd, dof = pilot_spread(runs)
+    sd_diff = math.sqrt(2) * sd
+    needed = seeds_needed(sd_diff, effect)
+    crit = stats.t.ppf(0.975, budget_seeds - 1)
+    nc = effect / (sd_diff / math.sqrt(budget_seeds))
+    power = 1 - stats.nct.cdf(crit, budget_seeds - 1, nc) + stats.nct.cdf(-crit, budget_seeds - 1, nc)
+    return (
+        f"pilots' seed-to-seed sd of a run's AUC: {sd:.4f} ({dof} degrees of freedom); assumed sd of a paired "
+        f"difference: {sd_diff:.4f}; seeds for 80% power at an AUC difference of {effect}: {needed}; power with "
+        f"{budget_seeds} seeds: {power:.2f}"
+    )

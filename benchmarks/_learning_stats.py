@@ -1,11 +1,11 @@
 """Analysis of the learning-curve sweep (``learning_curves.py``): per-run summaries, bootstrap confidence intervals,
 the endpoint tables, the diagnostics and the plots.
 
-Endpoints (docs/results.md §2): the eval reward per evaluation; the final eval reward; the epochs and training
-seconds an arm needs to reach the same seed's Flow-GRPO (``outcome``) final eval reward; the area under the eval
-curve (trapezoid over epochs, divided by the epochs: the mean eval reward over training) and its paired (same seed)
-difference to ``outcome``. Intervals are 95% percentile bootstraps over seeds (10,000 resamples, fixed seed); with
-5 seeds they are somewhat too narrow, which the report says.
+Endpoints (docs/results/first_attempt.md): the eval reward per evaluation; the final eval reward; the epochs and
+training seconds an arm needs to reach the same seed's Flow-GRPO (``outcome``) final eval reward; the area under the
+eval curve (trapezoid over epochs, divided by the epochs: the mean eval reward over training) and its paired (same
+seed) difference to ``outcome``. Intervals are 95% percentile bootstraps over seeds (10,000 resamples, fixed
+seed); with 5 seeds they are somewhat too narrow, which the report says.
 """
 
 from __future__ import annotations

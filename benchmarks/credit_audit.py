@@ -12,7 +12,8 @@ For every trajectory in ``traces.jsonl`` it recomputes, from the logged reward t
   + 1e-4, exactly 0 where the group is constant, clipped to ±5.
 
 It prints the number of trajectories checked and the largest deviations; a mismatch exits 1. This is the check
-behind docs/results.md §2's claim that the sweep ran the algorithm as specified: it shares no code with tpflow.
+behind docs/results.md §2's claim (and the first attempt's) that a sweep ran the algorithm as specified: it shares
+no code with tpflow.
 """
 
 from __future__ import annotations

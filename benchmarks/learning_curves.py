@@ -1,10 +1,10 @@
 """Does turning-point credit learn faster than outcome credit? A resumable, paired, multi-seed sweep.
 
-    .venv/bin/python benchmarks/learning_curves.py                    # the protocol of docs/results.md §2
+    .venv/bin/python benchmarks/learning_curves.py                    # the protocol of docs/results/first_attempt.md
     .venv/bin/python benchmarks/learning_curves.py --jobs 2 --threads 1 --device cpu
     .venv/bin/python benchmarks/learning_curves.py --report-only      # tables and plots from the finished runs
 
-Tasks (docs/results.md §2 states the protocol, fixed before the runs):
+Tasks (docs/results/first_attempt.md states the protocol, fixed before the runs):
 
 * **A** — ``shapes-geneval`` (the partial GenEval score of the rule-based detector) with the reference scripts' KL,
   β = 1e-4: the GenEval analogue.
@@ -51,7 +51,7 @@ ARMS: dict[str, tuple[str, dict]] = {  # arm -> (recipe whose [credit] it uses, 
     "incremental": ("shapes_incremental", {}),
     "consistent_x0": ("shapes_tp", {"completions": "x0"}),
 }
-PROTOCOL = {  # fixed before the first run (docs/results.md §2); change it only with a note there
+PROTOCOL = {  # fixed before the first run (docs/results/first_attempt.md); change it only with a note there
     "tasks": ["A", "B"],
     "arms": list(ARMS),
     "seeds": [0, 1, 2, 3, 4],

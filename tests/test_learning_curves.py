@@ -1,5 +1,5 @@
 """The learning-curve sweep's arithmetic (benchmarks/_learning_stats.py) and the recipes it trains, at no training
-cost: a wrong endpoint or a mis-built arm would make docs/results.md §2 claim what the runs do not show."""
+cost: a wrong endpoint or a mis-built arm would make docs/results/first_attempt.md claim what the runs do not show."""
 
 from __future__ import annotations
 
