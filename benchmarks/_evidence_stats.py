@@ -215,6 +215,7 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
     for run in _load(out / "sweep"):
         by_arm.setdefault(run["name"], []).append(run)
     if by_arm:
+        nft = {arm: by_arm[arm] for arm in (BASELINE, "nft") if arm in by_arm}
         by_arm = {arm: by_arm[arm] for arm in protocol["arms"] if arm in by_arm}
         missing = [f"{a}_s{s}" for a in protocol["arms"] for s in protocol["seeds"]
                    if s not in {r["seed"] for r in by_arm.get(a, [])}]  # fmt: skip
@@ -229,6 +230,9 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
             "",
             f"Runs not finished: {', '.join(missing) or 'none'}.",
         ]
+        if "nft" in nft:  # DiffusionNFT against outcome: its own protocol, its own Holm family
+            parts += ["", "## DiffusionNFT (its own protocol)", "", arm_table(nft), "",
+                      comparison_table(sweep_analysis(nft, "nft")), "", seed_table({"nft": nft["nft"]})]  # fmt: skip
         text = "\n".join(parts) + "\n"
         print(text)
         (docs / "evidence_sweep.md").write_text(text)

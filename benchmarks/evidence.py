@@ -120,8 +120,14 @@ def recipe_data(overrides: dict, seed: int, device: str) -> dict:
     return data
 
 
+NFT_PROTOCOL: dict = {"pilot": None, "seeds": []}  # DiffusionNFT's own protocol (§2.6), committed before its runs
+
+
 def arm_overrides(arm: str) -> dict:
-    """The regime plus the arm's [credit] section (from its shipped recipe) and rollout overrides."""
+    """The regime plus the arm's [credit] section (from its shipped recipe) and rollout overrides; ``nft``: the
+    regime with the NFT pilot its protocol chose."""
+    if arm == "nft":
+        return {**REGIME, **PILOTS[NFT_PROTOCOL["pilot"]]}
     source, rollout = ARMS[arm]
     credit = tomllib.loads((ROOT / "recipes" / f"{source}.toml").read_text())["credit"]
     return {**REGIME, **{f"credit.{k}": v for k, v in credit.items()}, **rollout}
@@ -214,7 +220,11 @@ def run_all(todo: list[tuple[str, str, dict, int]], args: argparse.Namespace) ->
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["pilot", "sweep", "report"])
-    parser.add_argument("names", nargs="*", help="pilot names (pilot) or arms (sweep; default: the protocol's)")
+    parser.add_argument(
+        "names",
+        nargs="*",
+        help="pilot names (pilot) or arms (sweep; default: the protocol's, and nft once it has one)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=None)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto: where the model runs.")
     parser.add_argument("--jobs", type=int, default=2, help="Trainings run at once, each in its own process.")
@@ -243,10 +253,13 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "sweep":
         if not PROTOCOL["seeds"]:
             sys.exit("No protocol is committed yet (PROTOCOL['seeds'] is empty): run pilots and commit one first.")
-        arms = args.names or PROTOCOL["arms"]
+        nft = ["nft"] if NFT_PROTOCOL["pilot"] else []
+        arms = args.names or PROTOCOL["arms"] + nft
         seeds = args.seeds or PROTOCOL["seeds"]
-        run_all([("sweep", a, arm_overrides(a), s) for s in seeds for a in arms], args)  # seed-major
-    report(args.out, PILOTS, PROTOCOL, args.docs)
+        todo = [("sweep", a, arm_overrides(a), s) for s in seeds for a in arms  # seed-major
+                if a != "nft" or s in NFT_PROTOCOL["seeds"]]  # fmt: skip
+        run_all(todo, args)
+    report(args.out, PILOTS, {**PROTOCOL, "nft": NFT_PROTOCOL}, args.docs)
 
 
 if __name__ == "__main__":

@@ -132,3 +132,17 @@ def test_a_toy_pilot_runs_resumes_and_reports(bench, tmp_path, monkeypatch):
     st.report(tmp_path, ev.PILOTS, ev.PROTOCOL, tmp_path / "docs")  # the toy ran in group "pilots"
     table = (tmp_path / "docs" / "evidence_pilots.md").read_text()
     assert "| toy | 0 |" in table
+
+
+def test_the_nft_arm_is_its_pilot_on_the_same_task_and_budget(bench, monkeypatch):
+    ev, _ = bench
+    from tpflow.recipe import validate_recipe
+
+    for pilot in ev.NFT_PILOTS:
+        monkeypatch.setitem(ev.NFT_PROTOCOL, "pilot", pilot)
+        data = ev.recipe_data(ev.arm_overrides("nft"), 11, "cpu")
+        recipe = validate_recipe(data, where=pilot, path=ev.BASE_RECIPE)
+        assert recipe.optimizer.name == "nft" and recipe.credit.name == "outcome"
+        outcome = ev.recipe_data(ev.arm_overrides("outcome"), 11, "cpu")
+        for section in ("reward", "dataset", "eval", "train"):  # the same task, eval set and budget as every arm
+            assert data[section] == outcome[section], (pilot, section)
