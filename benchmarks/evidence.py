@@ -85,6 +85,13 @@ NFT_PILOTS: dict[str, dict] = {
     "nft_b1_lr1e-3_g1": {**_PILOT, **_NFT, "rollout.guidance": 1.0},  # shapes_nft.toml's settings: CFG-free samples
     "nft_b1_lr1e-3_g3": {**_PILOT, **_NFT, "rollout.guidance": 3.0},  # samples at the eval's CFG
     "nft_b0.1_lr1e-3_g3": {**_PILOT, **_NFT, "optimizer": {**_NFT["optimizer"], "beta": 0.1}, "rollout.guidance": 3.0},
+    # after seed 0 of the first two (g1 +0.033, g3 +0.043): the learning rate
+    "nft_b1_lr3e-3_g3": {
+        **_PILOT,
+        **_NFT,
+        "optimizer": {**_NFT["optimizer"], "learning_rate": 3e-3},
+        "rollout.guidance": 3.0,
+    },
 }
 PILOTS.update(NFT_PILOTS)
 ARMS: dict[str, tuple[str, dict]] = {  # arm -> (recipe whose [credit] it uses, rollout overrides)
