@@ -127,7 +127,11 @@ def recipe_data(overrides: dict, seed: int, device: str) -> dict:
     return data
 
 
-NFT_PROTOCOL: dict = {"pilot": None, "seeds": []}  # DiffusionNFT's own protocol (§2.6), committed before its runs
+# DiffusionNFT's own protocol (docs/results.md §2.6), committed after its pilots and before its runs
+NFT_PROTOCOL: dict = {
+    "pilot": "nft_b1_lr3e-3_g3",
+    "seeds": list(range(10, 18)),
+}
 
 
 def arm_overrides(arm: str) -> dict:
