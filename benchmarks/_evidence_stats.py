@@ -200,6 +200,8 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
     """Print and write the pilot table (``docs/evidence_pilots.md``) and, once the sweep has runs, its tables
     (``docs/evidence_sweep.md``: per arm, the paired comparisons with the primary first, every seed)."""
     docs.mkdir(parents=True, exist_ok=True)
+    every = {group: _load(out / group) for group in (*PILOT_GROUPS, "sweep")}
+    (docs / "evidence_runs.json").write_text(json.dumps(every, indent=0))  # every run's summary, as committed data
     parts = ["# Evidence II pilots (outcome credit only)"]
     for group, label in PILOT_GROUPS.items():
         runs = _load(out / group)
