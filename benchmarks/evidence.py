@@ -162,15 +162,15 @@ def base_eval(overrides: dict, args: dict) -> dict:
     from tpflow.train.trainer import Trainer
 
     data = recipe_data({**overrides, "eval.at_start": True}, 0, args["device"])
-    out = Path(args["out"]) / "base"
-    done = out / f"{_base_key(data)}.json"
+    out, key = Path(args["out"]) / "base", _base_key(data)
+    done = out / f"{key}.json"
     if done.exists():
         return json.loads(done.read_text())
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args["threads"])
     recipe = validate_recipe(data, where="base", path=BASE_RECIPE)
-    with open(out / f"{_base_key(data)}.log", "a") as log:  # the trainer's own epoch-0 evaluation, nothing trained
-        trainer = Trainer(recipe, run_dir=out / _base_key(data), console=Console(file=log, force_terminal=False))
+    with open(out / f"{key}.log", "a") as log:  # the trainer's own epoch-0 evaluation, nothing trained
+        trainer = Trainer(recipe, run_dir=out / key, console=Console(file=log, force_terminal=False))
         try:
             line = trainer.evaluate(0)
         finally:

@@ -55,20 +55,24 @@ class GenevalResult:
     reason: str  # why it is not strictly correct ("" when it is)
 
 
-def relative_position(box_a: Sequence[float], box_b: Sequence[float], margin: float = POSITION_MARGIN) -> set[str]:
-    """The relations ("left of", "right of", "above", "below") of box a to box b, as GenEval computes them.
-
-    The centre offset a − b loses ``margin`` × (size of a + size of b) along each axis (not below 0); a relation
-    holds when that reduced offset, divided by the length of the full offset, is beyond ±0.5 along its axis (y grows
-    downwards, so "above" is a negative y offset). Boxes too close to tell give no relation.
-    """
+def direction(box_a: Sequence[float], box_b: Sequence[float], margin: float = POSITION_MARGIN) -> np.ndarray:
+    """GenEval's direction of box a from box b: the centre offset a − b, reduced by ``margin`` × (size of a + size
+    of b) along each axis (not below 0), divided by the length of the full offset; [2] (x, y), y grows downwards.
+    Zero when the boxes are too close to tell."""
     a, b = np.asarray(box_a[:4], dtype=np.float64), np.asarray(box_b[:4], dtype=np.float64)
     offset = (a[:2] + a[2:]) / 2 - (b[:2] + b[2:]) / 2  # [2] centre of a − centre of b
     sizes = np.abs(a[2:] - a[:2]) + np.abs(b[2:] - b[:2])  # [2] summed widths, summed heights
     reduced = np.maximum(np.abs(offset) - margin * sizes, 0) * np.sign(offset)
     if np.all(np.abs(reduced) < 1e-3):
-        return set()
-    dx, dy = reduced / np.linalg.norm(offset)
+        return np.zeros(2)
+    return reduced / np.linalg.norm(offset)
+
+
+def relative_position(box_a: Sequence[float], box_b: Sequence[float], margin: float = POSITION_MARGIN) -> set[str]:
+    """The relations ("left of", "right of", "above", "below") of box a to box b, as GenEval computes them: a
+    relation holds when ``direction`` is beyond ±0.5 along its axis ("above" is a negative y). Boxes too close to
+    tell give no relation."""
+    dx, dy = direction(box_a, box_b, margin)
     relations = set()
     if dx < -0.5:
         relations.add("left of")

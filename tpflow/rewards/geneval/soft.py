@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tpflow.rewards.geneval.scoring import POSITION_MARGIN, DetectionLike, _clip
+from tpflow.rewards.geneval.scoring import DetectionLike, _clip, direction
 
 RAMP = (0.3, 0.6)  # direction ratio at which the position term starts to rise, and where it reaches 1
 _AXES = {"left of": (0, -1.0), "right of": (0, 1.0), "above": (1, -1.0), "below": (1, 1.0)}  # axis, sign (y down)
@@ -68,14 +68,7 @@ def _position_term(found: list[DetectionLike], targets: list[DetectionLike], rel
 
 
 def direction_ratio(box_a: Sequence[float], box_b: Sequence[float], relation: str) -> float:
-    """GenEval's reduced centre offset of box a to box b, over the full offset's length, along ``relation``'s axis
-    (positive when a is in that relation to b; ``relative_position`` accepts it above 0.5). 0 for coincident boxes."""
-    a, b = np.asarray(box_a[:4], dtype=np.float64), np.asarray(box_b[:4], dtype=np.float64)
-    offset = (a[:2] + a[2:]) / 2 - (b[:2] + b[2:]) / 2  # [2]
-    length = float(np.linalg.norm(offset))
-    if length < 1e-6:
-        return 0.0
-    sizes = np.abs(a[2:] - a[:2]) + np.abs(b[2:] - b[:2])  # [2]
-    reduced = np.maximum(np.abs(offset) - POSITION_MARGIN * sizes, 0) * np.sign(offset)
+    """GenEval's direction of box a from box b (``scoring.direction``) along ``relation``'s axis, positive when a
+    is in that relation to b (``relative_position`` accepts it above 0.5); 0 for boxes too close to tell."""
     axis, sign = _AXES[relation]
-    return float(sign * reduced[axis] / length)
+    return float(sign * direction(box_a, box_b)[axis])
