@@ -319,7 +319,9 @@ def serve_reward(
     )
 
     def announce(url: str) -> None:
-        console.print(f"Serving reward {reward!r} at {url} (GET /health, POST /score). Ctrl-C stops.", highlight=False)
+        console.print(
+            f"Serving reward {reward!r} at {url} (GET /health, POST /score). Ctrl-C or SIGTERM stops.", highlight=False
+        )
         console.print(f'Recipe: [reward] name = "remote", url = "{url}"', highlight=False, markup=False)
         if not token and host not in ("127.0.0.1", "localhost", "::1"):
             console.print("[yellow]warning:[/] no --token: anyone who reaches this port can use the reward.")

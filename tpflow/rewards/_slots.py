@@ -50,6 +50,8 @@ class Slots:
         self.lock = threading.Lock()  # guards the two fields below
         self.connections = 0  # connections holding a slot
         self.waiting: dict[DeadlineReader, float] = {}  # connections waiting for their headers -> since when
+        self.headers_in = 0  # requests whose headers arrived, ever: what a test waits on (waiting is empty both
+        # before a new connection's thread registers it and after its headers are in)
 
     def take(self) -> bool:
         """A slot for a new connection: a free one, or the one of the connection that has waited longest for its
@@ -72,10 +74,13 @@ class Slots:
         with self.lock:
             self.waiting[reader] = time.monotonic()
 
-    def settle(self, reader: DeadlineReader) -> bool:
-        """The headers are in (or the connection ends): it can no longer be closed. False if it was already."""
+    def settle(self, reader: DeadlineReader, headers_in: bool = False) -> bool:
+        """The headers are in (``headers_in``) or the connection ends: it can no longer be closed. False if it was
+        already."""
         with self.lock:
-            self.waiting.pop(reader, None)
+            was_waiting = self.waiting.pop(reader, None) is not None
+            if headers_in and was_waiting and not reader.evicted:
+                self.headers_in += 1
             return not reader.evicted
 
     def _evict(self) -> bool:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import hmac
 import io
 import json
+import signal
 import socket
 import sys
 import threading
@@ -232,7 +233,7 @@ class _Handler(BaseHTTPRequestHandler):
         """Read the headers (under the header deadline); then the body has the rest of the request deadline and
         the connection can no longer be evicted."""
         parsed = super().parse_request()
-        if not self.server.slots.settle(self._input):  # evicted while its last header bytes arrived
+        if not self.server.slots.settle(self._input, headers_in=True):  # evicted as its last header bytes came
             self.close_connection = True
             return False
         self._input.deadline = self._started + self.server.limits.timeout_s
@@ -390,12 +391,22 @@ def serve(
     limits: Limits | None = None,
     token: str | None = None,
 ) -> None:
-    """Serve until Ctrl-C; ``announce`` receives the URL once the socket listens."""
+    """Serve until Ctrl-C or SIGTERM (what systemd and ``docker stop`` send); ``announce`` receives the URL once the
+    socket listens. An inherited ignored SIGINT (``tpflow serve-reward &`` in a script) stays ignored, as a
+    background job's should."""
     server = make_server(reward_name, options, host, port, limits, token)
-    announce(server.url)
+    main = threading.current_thread() is threading.main_thread()  # signal handlers: main thread only
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None  # before the URL: a stop may follow it
     try:
+        announce(server.url)
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.server_close()
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # the same clean stop as Ctrl-C
