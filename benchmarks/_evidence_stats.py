@@ -235,9 +235,13 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
         if "nft" in nft:  # DiffusionNFT against outcome: its own protocol, its own Holm family
             parts += ["", "## DiffusionNFT (its own protocol)", "", arm_table(nft), "",
                       comparison_table(sweep_analysis(nft, "nft")), "", seed_table({"nft": nft["nft"]})]  # fmt: skip
+        parts += ["", "![every run's eval reward against epochs and seconds](evidence_sweep.png)"]
         text = "\n".join(parts) + "\n"
         print(text)
         (docs / "evidence_sweep.md").write_text(text)
+        from _evidence_plot import plot_sweep
+
+        plot_sweep({**by_arm, **nft}, docs / "evidence_sweep.png")
 
 
 def at_seconds(run: dict, seconds: float, key: str = PRIMARY) -> float:

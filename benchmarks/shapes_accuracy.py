@@ -1,11 +1,12 @@
-"""Strict GenEval accuracy of a shapes-dit model on the held-out test prompts, per category.
+"""Strict GenEval accuracy of a shapes-dit model on the shapes dataset's sampled test split, per category.
 
     .venv/bin/python benchmarks/shapes_accuracy.py [--weights PATH] [--steps 10] [--guidance 1 2 3 4] \
         [--n 400] [--grid docs/img/shapes_samples.png]
 
-Samples one image per test prompt by ODE (the demo's sampling settings: K = 10, shift 3), scores it with the
-`shapes-geneval` reward and prints strict accuracy per tag and overall (GenEval's mean over tags), for each guidance
-scale asked. Not run in CI.
+The test split is sampled from every prompt of the world, so most of its texts are also training texts: it is not
+a held-out set (docs/shapes.md, "Splits"). Samples one image per test prompt by ODE (the demo's sampling settings:
+K = 10, shift 3), scores it with the `shapes-geneval` reward and prints strict accuracy per tag and overall
+(GenEval's mean over tags), for each guidance scale asked. Not run in CI.
 """
 
 from __future__ import annotations

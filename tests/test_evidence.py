@@ -91,6 +91,19 @@ def test_the_analysis_pairs_by_seed_and_holm_corrects_only_the_secondary(bench):
     assert table.splitlines()[2].startswith("| consistent **(primary)** | AUC | 3 |")
 
 
+def test_the_figure_draws_every_seed_and_the_mean_of_each_arm(bench, tmp_path):
+    _, st = bench
+    plot = importlib.import_module("_evidence_plot")
+    runs = {
+        "outcome": [_run(0, [0.4, 0.5, 0.6], [0.0, 100.0, 210.0]), _run(1, [0.5, 0.5, 0.5], [0.0, 90.0, 190.0])],
+        "nft": [_run(0, [0.4, 0.6, 0.7]), _run(1, [0.5, 0.6])],  # seed 1 evaluated only twice so far
+    }
+    lines = plot.plot_sweep(runs, tmp_path / "fig.png")
+    assert lines["outcome"] == ([0, 8, 16], pytest.approx([0.0, 95.0, 200.0]), pytest.approx([0.45, 0.5, 0.55]))
+    assert lines["nft"] == ([0, 8], pytest.approx([0.0, 100.0]), pytest.approx([0.45, 0.6]))
+    assert (tmp_path / "fig.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_every_arm_is_a_valid_recipe_differing_only_in_credit_and_completions(bench):
     ev, _ = bench
     from tpflow.recipe import validate_recipe
