@@ -47,7 +47,7 @@ class Slots:
 
     def __init__(self, n: int) -> None:
         self.free = threading.BoundedSemaphore(n)
-        self.lock = threading.Lock()  # guards the two fields below
+        self.lock = threading.Lock()  # guards the three fields below
         self.connections = 0  # connections holding a slot
         self.waiting: dict[DeadlineReader, float] = {}  # connections waiting for their headers -> since when
         self.headers_in = 0  # requests whose headers arrived, ever: what a test waits on (waiting is empty both
