@@ -33,7 +33,7 @@ def plot_sweep(by_arm: dict[str, list[dict]], path: Path, key: str = PRIMARY) ->
     fig, (by_epoch, by_second) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     lines = {}
     for arm, runs in by_arm.items():
-        colour = COLOURS.get(arm, None)
+        colour = COLOURS.get(arm)  # None: matplotlib picks one
         epochs = [[e["epoch"] for e in run["evals"]] for run in runs]
         seconds = [[e["seconds"] for e in run["evals"]] for run in runs]
         values = [[e[key] for e in run["evals"]] for run in runs]
