@@ -217,6 +217,8 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
     for run in _load(out / "sweep"):
         by_arm.setdefault(run["name"], []).append(run)
     if by_arm:
+        from _evidence_cost import cost_lines
+
         nft = {arm: by_arm[arm] for arm in (BASELINE, "nft") if arm in by_arm}
         by_arm = {arm: by_arm[arm] for arm in protocol["arms"] if arm in by_arm}
         missing = [f"{a}_s{s}" for a in protocol["arms"] for s in protocol["seeds"]
@@ -231,6 +233,8 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
             seed_table(by_arm),
             "",
             f"Runs not finished: {', '.join(missing) or 'none'}.",
+            "",
+            cost_lines(out / "sweep", {**by_arm, **nft}),
         ]
         if "nft" in nft:  # DiffusionNFT against outcome: its own protocol, its own Holm family
             parts += ["", "## DiffusionNFT (its own protocol)", "", arm_table(nft), "",

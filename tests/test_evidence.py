@@ -104,6 +104,26 @@ def test_the_figure_draws_every_seed_and_the_mean_of_each_arm(bench, tmp_path):
     assert (tmp_path / "fig.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_runs_wall_time_counts_epochs_and_evaluations_but_not_the_time_it_lay_killed(bench, tmp_path):
+    import json
+
+    cost = importlib.import_module("_evidence_cost")
+    run = tmp_path / "sweep" / "consistent_s3"
+    run.mkdir(parents=True)
+    lines = [  # epoch 0 took 50 s; epoch 1 60 s plus an 80 s evaluation; killed, resumed 5 hours later: epoch 2
+        {"epoch": 0, "time": 1000.0, "epoch_s": 50.0},
+        {"epoch": 1, "time": 1140.0, "epoch_s": 60.0},
+        {"epoch": 2, "time": 1140.0 + 5 * 3600, "epoch_s": 55.0},
+        {"epoch": 3, "time": 1140.0 + 5 * 3600 + 70.0},  # the final evaluation: no epoch_s
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert cost.run_wall_s(run) == pytest.approx(50 + 140 + 55 + 70)
+    assert cost.run_wall_s(tmp_path / "nowhere") is None
+    text = cost.cost_lines(tmp_path / "sweep", {"consistent": [{"seed": 3}], "outcome": [{"seed": 3}]}, jobs=2)
+    assert "consistent 315 s (1 run)" in text and "outcome" not in text  # outcome_s3 has no metrics here
+    assert f"{315 / 2 / 3600:.2f} h of sweep at --jobs 2" in text
+
+
 def test_every_arm_is_a_valid_recipe_differing_only_in_credit_and_completions(bench):
     ev, _ = bench
     from tpflow.recipe import validate_recipe
