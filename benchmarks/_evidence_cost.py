@@ -33,6 +33,31 @@ def run_wall_s(run_dir: Path) -> float | None:
     return total
 
 
+def phase_seconds(run_dir: Path) -> tuple[float, float] | None:
+    """Median seconds per epoch of sampling (rollouts, completions and the scoring they wait for) and of the update,
+    over the run's epochs; None without a metrics file."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in lines if "sample_s" in line and "update_s" in line]
+    if not lines:
+        return None
+    return statistics.median(x["sample_s"] for x in lines), statistics.median(x["update_s"] for x in lines)
+
+
+def phase_line(out: Path, runs: dict[str, list[dict]]) -> str:
+    """Markdown: per arm, the median over its runs of their median sampling and update seconds per epoch."""
+    parts = []
+    for arm, arm_runs in runs.items():
+        split = [phase_seconds(out / f"{arm}_s{r['seed']}") for r in arm_runs]
+        split = [s for s in split if s is not None]
+        if split:
+            sample, update = (statistics.median(s[k] for s in split) for k in (0, 1))
+            parts.append(f"{arm} {sample:.1f} + {update:.1f}")
+    return "Seconds per epoch, sampling + update (medians): " + ("; ".join(parts) or "no metrics files here") + "."
+
+
 def cost_lines(out: Path, runs: dict[str, list[dict]], jobs: int = 2) -> str:
     """Markdown: mean wall seconds of a run per arm, and the whole sweep's wall time at ``jobs`` runs at once."""
     per_arm, total, counted = [], 0.0, 0
