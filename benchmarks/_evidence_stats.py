@@ -219,6 +219,9 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
     if by_arm:
         from _evidence_cost import cost_lines, phase_line
 
+        # the round-2 outcome pilots, run with two seeds each: the spread the protocol's seed count was planned on
+        outcome_pilots = [r for r in every["pilots2"] if not r["name"].startswith("nft")]
+
         nft = {arm: by_arm[arm] for arm in (BASELINE, "nft") if arm in by_arm}
         by_arm = {arm: by_arm[arm] for arm in protocol["arms"] if arm in by_arm}
         missing = [f"{a}_s{s}" for a in protocol["arms"] for s in protocol["seeds"]
@@ -235,6 +238,8 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
             f"Runs not finished: {', '.join(missing) or 'none'}.",
             "",
             per_seed_lines(by_arm),
+            "",
+            spread_line(by_arm, sweep_analysis(by_arm, protocol["primary_arm"]), outcome_pilots),
             "",
             phase_line(out / "sweep", {**by_arm, **nft}),
             "",
@@ -389,6 +394,45 @@ def pilot_spread(runs: list[dict]) -> tuple[float, int]:
     if not dof:
         return math.nan, 0
     return math.sqrt(sum(np.var(v, ddof=1) * (len(v) - 1) for v in groups) / dof), dof
+
+
+def _power(sd: float, effect: float, n: int, alpha: float = 0.05) -> float:
+    """Power of a two-sided paired t test over ``n`` seeds at mean difference ``effect``, differences' sd ``sd``."""
+    crit = stats.t.ppf(1 - alpha / 2, n - 1)
+    nc = effect / (sd / math.sqrt(n))
+    return float(1 - stats.nct.cdf(crit, n - 1, nc) + stats.nct.cdf(-crit, n - 1, nc))
+
+
+def detectable_effect(sd: float, n: int, power: float = 0.8) -> float:
+    """The smallest mean difference a two-sided 5% paired t test over ``n`` seeds detects with ``power``, given the
+    sd of the per-seed differences (bisection: power rises with the effect)."""
+    low, high = 0.0, 20 * sd
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if _power(sd, mid, n) < power else (low, mid)
+    return high
+
+
+def spread_line(runs: dict[str, list[dict]], analysis: dict, pilot_runs: list[dict]) -> str:
+    """Markdown: the spread the protocol's seed count was planned on (the pilots') against the sweep's own, and what
+    the sweep's seeds can detect at that spread: a sensitivity statement, not a post-hoc power of the result."""
+    planned, dof = pilot_spread(pilot_runs)
+    row = analysis["rows"].get(analysis["primary"])
+    if row is None or row["n"] < 3:
+        return ""
+    sd = statistics.stdev(row["values"])
+    per_arm = ", ".join(
+        f"{arm} {statistics.stdev([auc(r) for r in rs]):.4f}" for arm, rs in runs.items() if len(rs) > 1
+    )
+    n, mean = row["n"], row["mean"]
+    needed = seeds_needed(sd, abs(mean)) if mean else math.inf
+    return (
+        f"Spread, planned and observed: the seed count was planned on a paired AUC difference sd of "
+        f"{math.sqrt(2) * planned:.4f} (√2 × the pilots' {planned:.4f} per run, {dof} degrees of freedom). Observed "
+        f"sd of a run's AUC over its seeds: {per_arm}; of the primary's paired differences: {sd:.4f}. At that spread "
+        f"{n} seeds detect an AUC difference of {detectable_effect(sd, n):.4f} with 80% power (two-sided 5%); the "
+        f"observed {mean:+.4f} would need {needed} seeds."
+    )
 
 
 def power_note(runs: list[dict], effect: float, budget_seeds: int) -> str:

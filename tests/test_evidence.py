@@ -207,3 +207,28 @@ def test_the_nft_arm_is_its_pilot_on_the_same_task_and_budget(bench, monkeypatch
         outcome = ev.recipe_data(ev.arm_overrides("outcome"), 11, "cpu")
         for section in ("reward", "dataset", "eval", "train"):  # the same task, eval set and budget as every arm
             assert data[section] == outcome[section], (pilot, section)
+
+
+def test_detectable_effect_inverts_the_seed_count(bench):
+    """The smallest effect 8 seeds detect at 80% is the effect for which the seed count comes out at 8."""
+    _, st = bench
+    effect = st.detectable_effect(0.01, 8)
+    assert st._power(0.01, effect, 8) == pytest.approx(0.8, abs=1e-6)
+    assert st.seeds_needed(0.01, effect * 1.001) == 8
+    assert st.seeds_needed(0.01, effect * 0.99) == 9
+    assert st.detectable_effect(0.02, 8) == pytest.approx(2 * effect, rel=1e-6)  # linear in the spread
+
+
+def test_spread_line_states_the_planned_and_the_observed_spread(bench):
+    _, st = bench
+    runs = {
+        "outcome": [_run(s, [0.5, 0.5 + d, 0.5 + d]) for s, d in enumerate([0.00, 0.02, 0.04])],
+        "consistent": [_run(s, [0.5, 0.5 + d, 0.5 + d]) for s, d in enumerate([0.02, 0.02, 0.08])],
+    }
+    pilots = [{**_run(0, [0.5, 0.5, 0.5]), "name": "p"}, {**_run(1, [0.5, 0.52, 0.52]), "name": "p"}]
+    line = st.spread_line(runs, st.sweep_analysis(runs, "consistent"), pilots)
+    # AUC = 0.5 + 0.75 d; paired differences 0.015, 0, 0.03: sd 0.015; the pilots' run sd 0.015 / sqrt(2)
+    assert "sd of 0.0150 (√2 × the pilots' 0.0106 per run, 1 degrees of freedom)" in line
+    assert "outcome 0.0150, consistent 0.0260" in line
+    assert "of the primary's paired differences: 0.0150" in line
+    assert f"detect an AUC difference of {st.detectable_effect(0.015, 3):.4f}" in line
