@@ -11,7 +11,8 @@ import torch
 
 import tpflow
 from tpflow.interfaces import Optimizer
-from tpflow.optim.nft import NFT, implicit_velocities, nft_loss, old_decay, optimality
+from tpflow.optim.nft import NFT
+from tpflow.optim.nft_loss import implicit_velocities, nft_loss, old_decay, optimality
 from tpflow.rollout import Window, rollout
 
 PROMPTS = ["a photo of a red circle", "a photo of a red circle", "a photo of two squares", "a photo of two squares"]
