@@ -35,6 +35,14 @@ if TYPE_CHECKING:
     from tpflow.recipe import Recipe
 
 
+# Tags whose per-tag figure eval_reward_<tag> would be another figure of the evaluation (tpflow.train.evaluation)
+RESERVED_TAGS = {
+    "tags": "eval_reward_tags is the mean over tags",
+    "held_out": "eval_reward_held_out is the held-out prompts' mean",
+    "seen": "eval_reward_seen is the other prompts' mean",
+}
+
+
 @dataclass
 class MachineReport:
     """What ``check_machine`` found on a machine where the recipe can run: what to print before anything loads."""
@@ -141,6 +149,14 @@ def dataset_problems(recipe: Recipe) -> list[str]:
             bad = next((it for it in items if not isinstance(getattr(it, "prompt", None), str)), None)
             if bad is not None:
                 return [f"[dataset] ({recipe.dataset.name}): a {split} prompt is not a string: {bad!r:.120}."]
+            tags = {(getattr(it, "metadata", None) or {}).get("tag") for it in items}
+            clash = sorted(tag for tag in tags if isinstance(tag, str) and tag in RESERVED_TAGS)
+            if clash:
+                return [
+                    f"[dataset] ({recipe.dataset.name}): the {split} split has prompts tagged {clash[0]!r}, a name "
+                    f"the evaluation's figures use: eval_reward_{clash[0]} would be both that tag's mean and "
+                    f"another figure ({', '.join(RESERVED_TAGS[t] for t in clash)}). Rename the tag."
+                ]
     except UserError as exc:
         return [f"[dataset] ({recipe.dataset.name}): {exc}"]
     return []
