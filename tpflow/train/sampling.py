@@ -46,6 +46,7 @@ class EpochSampler:
         """Roll out each local batch (window and noise from its seed) and score it in the background worker."""
         train, rollout = self.train, self.rollout
         start = time.perf_counter()
+        phase(f"epoch {epoch}: sampling", len(batches))  # the text encoding below is part of it
         z0_seeds = {i: noise_seed(train, epoch, i) for b in batches for i in b.items} if rollout.same_noise else None
         # The rollout produces what the optimizer consumes (Optimizer.consumes), and completions only when the
         # credit assigner reads them: final samples need neither stored transitions nor completions.
@@ -58,7 +59,6 @@ class EpochSampler:
         encoded, text_row = self.backbone.encode(texts), {text: k for k, text in enumerate(texts)}
         worker = ScoringWorker(self.backbone.decode, self.reward, chunk=train.score_batch, policy=recipe_policy(train))
         rollouts, jobs = [], []
-        phase(f"epoch {epoch}: sampling", len(batches))
         try:
             for b in batches:
                 items = [self.items[i] for i in b.items]

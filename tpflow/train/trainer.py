@@ -58,6 +58,7 @@ from tpflow.train.checkpoint import (
 from tpflow.train.ema import EMA
 from tpflow.train.epoch import EpochRows, Sampled, combine_update_metrics, prompt_groups
 from tpflow.train.evaluation import eval_seed, eval_split, evaluate, no_test_split
+from tpflow.train.out_of_memory import out_of_memory_message
 from tpflow.train.prompt_sampler import check_layout, layout_line, plan_epoch
 from tpflow.train.resume import checkpoint_to_resume, restoring
 from tpflow.train.run_lock import RunDirLock
@@ -155,6 +156,7 @@ class Trainer:
         self.epoch = 0  # the next epoch to run
         self.last_eval: dict[str, float] = {}  # the newest eval's figures and epoch, repeated on each epoch's line
         self._progress: Progress | None = None
+        self._description = ""  # the phase the progress bar shows
         self._task: TaskID | None = None
         self.nonfinite_epochs = 0
         self._weights_ahead = False  # True from an epoch's update until self.epoch counts it
@@ -216,6 +218,9 @@ class Trainer:
                 metrics.update(final)
             if self._saved != (self.epoch, self.optimizer.global_step):  # a finished run resumed: written already
                 self.save()
+        except torch.cuda.OutOfMemoryError as exc:  # one paragraph naming the phase's batch setting, no checkpoint
+            resume = f"tpflow train {self.recipe.path or 'RECIPE'} --resume --run-dir {self.run_dir}"
+            raise UserError(out_of_memory_message(self._description, exc, resume)) from None
         except KeyboardInterrupt:
             if self._weights_ahead:  # updated (part-way, or wholly but not yet counted): not a state to resume from
                 self.console.print(
@@ -361,6 +366,7 @@ class Trainer:
     # ---- private -----------------------------------------------------------------------------------------------
 
     def _phase(self, description: str, total: int | None) -> None:
+        self._description = description  # what an out-of-memory error names
         if self._progress is not None:
             self._progress.update(self._task, description=description, total=total, completed=0)
 
