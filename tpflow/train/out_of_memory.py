@@ -18,7 +18,7 @@ from __future__ import annotations
 
 KNOBS = {  # phase -> what to lower, and what that costs
     "sampling": "set rollout.max_batch (rows per velocity call, e.g. 8: the rollout is chunked, its samples the "
-    "same), or put the text encoders on the CPU (backbone.text_encoders_device = \"cpu\", where the backbone has "
+    'same), or put the text encoders on the CPU (backbone.text_encoders_device = "cpu", where the backbone has '
     "it)",
     "scoring": "lower train.score_batch (images decoded and scored at once; it changes no result)",
     "updating": "lower optimizer.micro_batch_size and raise optimizer.gradient_accumulation_steps by the same "
