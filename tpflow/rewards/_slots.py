@@ -118,9 +118,9 @@ class Slots:
     def settle(self, reader: DeadlineReader, headers_in: bool = False) -> bool:
         """The headers are in (``headers_in``) or the connection ends: it can no longer be closed. False if it was
         already."""
-        reader.watch(False)
         with self.lock:
             was_waiting = self.waiting.pop(reader, None) is not None
+            reader.watch(False)  # under the lock: _evict never sees it registered with what it read forgotten
             if headers_in and was_waiting and not reader.evicted:
                 self.headers_in += 1
             return not reader.evicted
