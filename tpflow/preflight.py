@@ -75,9 +75,7 @@ def check_machine(recipe: Recipe, run_dir: Path | None = None, where: str | None
     return report
 
 
-def check_component(
-    kind: str, name: str, options: BaseModel, settings: dict
-) -> tuple[list[str], list[WeightSource]]:
+def check_component(kind: str, name: str, options: BaseModel, settings: dict) -> tuple[list[str], list[WeightSource]]:
     """One component on this machine: its problems (a sentence each, prefixed by its section: a ``device`` option
     this machine lacks, its ``check_machine`` hook, a weight not on disk) and the weights it will read. What
     ``check_machine`` runs for every component of a recipe, and ``tpflow serve-reward`` for the reward it serves."""
