@@ -217,6 +217,8 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
     for run in _load(out / "sweep"):
         by_arm.setdefault(run["name"], []).append(run)
     if by_arm:
+        from _evidence_cost import cost_lines, phase_line
+
         nft = {arm: by_arm[arm] for arm in (BASELINE, "nft") if arm in by_arm}
         by_arm = {arm: by_arm[arm] for arm in protocol["arms"] if arm in by_arm}
         missing = [f"{a}_s{s}" for a in protocol["arms"] for s in protocol["seeds"]
@@ -231,6 +233,12 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
             seed_table(by_arm),
             "",
             f"Runs not finished: {', '.join(missing) or 'none'}.",
+            "",
+            per_seed_lines(by_arm),
+            "",
+            phase_line(out / "sweep", {**by_arm, **nft}),
+            "",
+            cost_lines(out / "sweep", {**by_arm, **nft}),
         ]
         if "nft" in nft:  # DiffusionNFT against outcome: its own protocol, its own Holm family
             parts += ["", "## DiffusionNFT (its own protocol)", "", arm_table(nft), "",
@@ -335,6 +343,22 @@ def comparison_table(analysis: dict) -> str:
             f" | {'—' if holm_p is None else f'{holm_p:.3g}'} |"
         )
     return "\n".join(rows)
+
+
+def per_seed_lines(runs: dict[str, list[dict]]) -> str:
+    """Markdown: for each arm, every seed's AUC beside outcome's of the same seed, and how many seeds favour it."""
+    base = {r["seed"]: auc(r) for r in runs.get(BASELINE, [])}
+    lines = []
+    for arm, arm_runs in runs.items():
+        if arm == BASELINE:
+            continue
+        pairs = [(r["seed"], auc(r), base[r["seed"]]) for r in sorted(arm_runs, key=lambda r: r["seed"])
+                 if r["seed"] in base]  # fmt: skip
+        if pairs:
+            favour = sum(a > o for _, a, o in pairs)
+            cells = ", ".join(f"s{seed} {a:.4f} / {o:.4f}" for seed, a, o in pairs)
+            lines.append(f"- AUC per seed, {arm} / outcome: {cells} ({favour} of {len(pairs)} favour {arm}).")
+    return "\n".join(lines)
 
 
 def seed_table(runs: dict[str, list[dict]]) -> str:

@@ -104,6 +104,54 @@ def test_the_figure_draws_every_seed_and_the_mean_of_each_arm(bench, tmp_path):
     assert (tmp_path / "fig.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_runs_wall_time_counts_epochs_and_evaluations_but_not_the_time_it_lay_killed(bench, tmp_path):
+    import json
+
+    cost = importlib.import_module("_evidence_cost")
+    run = tmp_path / "sweep" / "consistent_s3"
+    run.mkdir(parents=True)
+    lines = [  # epoch 0 took 50 s; epoch 1 60 s plus an 80 s evaluation; killed, resumed 5 hours later: epoch 2
+        {"epoch": 0, "time": 1000.0, "epoch_s": 50.0},
+        {"epoch": 1, "time": 1140.0, "epoch_s": 60.0},
+        {"epoch": 2, "time": 1140.0 + 5 * 3600, "epoch_s": 55.0},
+        {"epoch": 3, "time": 1140.0 + 5 * 3600 + 70.0},  # the final evaluation: no epoch_s
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert cost.run_wall_s(run) == pytest.approx(50 + 140 + 55 + 70)
+    assert cost.run_wall_s(tmp_path / "nowhere") is None
+    text = cost.cost_lines(tmp_path / "sweep", {"consistent": [{"seed": 3}], "outcome": [{"seed": 3}]}, jobs=2)
+    assert "consistent 315 s (1 run)" in text and "outcome" not in text  # outcome_s3 has no metrics here
+    assert f"{315 / 2 / 3600:.2f} h of sweep at --jobs 2" in text
+
+
+def test_phase_seconds_and_per_seed_lines(bench, tmp_path):
+    import json
+
+    _, st = bench
+    cost = importlib.import_module("_evidence_cost")
+    run = tmp_path / "outcome_s0"
+    run.mkdir()
+    lines = [
+        {"epoch": e, "time": 10.0 * e, "sample_s": s, "update_s": u}
+        for e, (s, u) in enumerate([(5, 9), (7, 11), (6, 30)])
+    ]
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps(line) + "\n" for line in [*lines, {"epoch": 3, "time": 40.0}])
+    )
+    assert cost.phase_seconds(run) == (6, 11)  # medians over the epochs; the final eval line has neither
+    assert (
+        cost.phase_line(tmp_path, {"outcome": [{"seed": 0}]})
+        == "Seconds per epoch, sampling + update (medians): outcome 6.0 + 11.0."
+    )
+    runs = {
+        "outcome": [_run(0, [0.5, 0.5, 0.5]), _run(1, [0.5, 0.6, 0.6])],
+        "consistent": [_run(1, [0.5, 0.6, 0.7]), _run(0, [0.5, 0.4, 0.5])],
+    }
+    assert st.per_seed_lines(runs) == (
+        "- AUC per seed, consistent / outcome: s0 0.4500 / 0.5000, s1 0.6000 / 0.5750 (1 of 2 favour consistent)."
+    )
+
+
 def test_every_arm_is_a_valid_recipe_differing_only_in_credit_and_completions(bench):
     ev, _ = bench
     from tpflow.recipe import validate_recipe
