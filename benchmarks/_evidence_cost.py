@@ -17,13 +17,17 @@ from pathlib import Path
 RESTART_GAP_S = 600.0  # a gap this much longer than its epoch's own seconds is a kill and a later resume
 
 
-def run_wall_s(run_dir: Path) -> float | None:
-    """Seconds the run took, restarts excluded (see the module docstring); None without a metrics file."""
+def metrics_lines(run_dir: Path) -> list[dict]:
+    """The run's ``metrics.jsonl`` lines ([] without the file)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        return None
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    lines = [line for line in lines if "time" in line]
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_wall_s(run_dir: Path) -> float | None:
+    """Seconds the run took, restarts excluded (see the module docstring); None without a metrics file."""
+    lines = [line for line in metrics_lines(run_dir) if "time" in line]
     if not lines:
         return None
     total = float(lines[0].get("epoch_s", 0.0))
@@ -36,11 +40,7 @@ def run_wall_s(run_dir: Path) -> float | None:
 def phase_seconds(run_dir: Path) -> tuple[float, float] | None:
     """Median seconds per epoch of sampling (rollouts, completions and the scoring they wait for) and of the update,
     over the run's epochs; None without a metrics file."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    lines = [line for line in lines if "sample_s" in line and "update_s" in line]
+    lines = [line for line in metrics_lines(run_dir) if "sample_s" in line and "update_s" in line]
     if not lines:
         return None
     return statistics.median(x["sample_s"] for x in lines), statistics.median(x["update_s"] for x in lines)
