@@ -140,7 +140,7 @@ def test_an_error_in_the_processes_exits_2_with_its_message(two_process_run, tmp
     safetensors.torch.save_file({"x": torch.zeros(1)}, tmp_path / "other.safetensors")
     shutil.copy(tiny_weights.with_suffix(".json"), tmp_path / "other.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
-    for weights, expected in (("other", "a training process exited with status 2"), ("missing", "are missing")):
+    for weights, expected in (("other", "one of the processes exited with status 2"), ("missing", "are missing")):
         command = [sys.executable, "-m", "tpflow.cli", "train", str(root / "tiny.toml"), "--num-processes", "2"]
         command += ["--run-dir", str(tmp_path / "run"), "--set", f"backbone.weights={tmp_path / weights}.safetensors"]
         command += [a for o in SMALL_BATCHES for a in ("--set", o)]

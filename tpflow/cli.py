@@ -179,6 +179,7 @@ def train(
         if trainer.dist.is_main:
             console.print(f"Resume with: tpflow train {recipe} --resume --run-dir {trainer.run_dir}")
         raise typer.Exit(130) from None
+    trainer.dist.close()  # the run is saved: the processes part here
     if not trainer.dist.is_main:
         return
     first = _first_eval(trainer.run_dir / "metrics.jsonl")
