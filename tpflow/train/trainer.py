@@ -44,6 +44,7 @@ from rich.progress import (
 from tpflow.devices import resolve_device
 from tpflow.distributed import Distributed, make_accelerator
 from tpflow.errors import UserError
+from tpflow.interfaces import RewardModel
 from tpflow.preflight import check_machine
 from tpflow.recipe import Recipe
 from tpflow.rewards.call import recipe_policy
@@ -129,7 +130,7 @@ class Trainer:
         random.seed(train.seed)
         self.backbone = recipe.build("backbone")
         self.sampler = recipe.build("sampler")
-        self.reward = recipe.build("reward")
+        reward = recipe.build("reward")
         self.credit = recipe.build("credit")
         self.optimizer = recipe.build("optimizer")
         dataset = recipe.build("dataset")
@@ -143,7 +144,7 @@ class Trainer:
         self.epoch_sampler = EpochSampler(
             self.backbone,
             self.sampler,
-            self.reward,
+            reward,
             self.optimizer,
             self.credit,
             self.accelerator,
@@ -306,6 +307,16 @@ class Trainer:
             total, count = (sum(x) for x in zip(*(part[name] for part in merged if name in part), strict=True))
             out[f"reward_{name}"] = total / count
         return out
+
+    @property
+    def reward(self) -> RewardModel:
+        """The run's reward model, held by the epoch sampler; replacing it here (a wrapper, a probe) replaces it for
+        training and evaluation alike."""
+        return self.epoch_sampler.reward
+
+    @reward.setter
+    def reward(self, model: RewardModel) -> None:
+        self.epoch_sampler.reward = model
 
     def evaluate(self, epoch: int) -> dict[str, float]:
         """ODE samples of the held-out prompts (EMA weights when enabled): mean reward and per-tag accuracy
