@@ -1,10 +1,18 @@
-"""The command line, run as a user runs it: a subprocess, exit codes, no traceback on user errors."""
+"""The command line as a user meets it: exit codes, stdout and stderr, no traceback on user errors.
+
+Most commands run in this process (``tpflow``): a new interpreter spends about 5 s importing torch on the 2-core CI
+machine, which the suite's 10-minute budget cannot pay for every command. The console-script entry point itself
+runs as a subprocess (``tpflow_process``), as do the launched and killed runs elsewhere (test_distributed_train.py,
+test_train.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -12,19 +20,64 @@ import pytest
 from tests.test_recipe import BASE
 
 
-def tpflow(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def tpflow_process(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m tpflow.cli ARGS`` in a new process."""
     env = {**os.environ, "COLUMNS": "200"}
     return subprocess.run(
         [sys.executable, "-m", "tpflow.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=120
     )
 
 
+def tpflow(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``tpflow ARGS`` in this process, with what a process would give: its exit status, stdout and stderr. An
+    exception that escapes the command is printed to stderr with status 1, as the interpreter does, so a test that
+    asserts "no traceback" still sees one."""
+    from tpflow.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    previous = os.environ.get("COLUMNS"), os.getcwd()
+    os.environ["COLUMNS"] = "200"
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(list(args))
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                if isinstance(exc.code, str):
+                    print(exc.code, file=sys.stderr)
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.chdir(previous[1])
+        if previous[0] is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = previous[0]
+    return subprocess.CompletedProcess(["tpflow", *args], code, out.getvalue(), err.getvalue())
+
+
 def test_help_and_version():
-    out = tpflow("--help")
+    out = tpflow_process("--help")  # the real entry point, in a new interpreter
     assert out.returncode == 0
     for command in ("components", "validate", "credit"):
         assert command in out.stdout
     assert tpflow("--version").stdout.startswith("tpflow ")
+
+
+def test_in_process_runs_report_an_escaped_exception_as_a_traceback(monkeypatch):
+    """``tpflow`` (the in-process helper) must not hide a crash that a real process would print."""
+    from tpflow import cli as cli_module
+
+    def crash(argv=None):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(cli_module, "main", crash)
+    out = tpflow("validate", "x.toml")
+    assert out.returncode == 1 and "Traceback" in out.stderr and "RuntimeError: boom" in out.stderr
 
 
 def test_components_credit_lists_the_four_assigners():

@@ -124,10 +124,12 @@ def test_a_two_process_checkpoint_resumes_on_one_process(two_process_run, tiny_w
 
 
 def test_a_process_count_that_cannot_share_the_epoch_is_refused(two_process_run):
+    from tests.test_cli import tpflow
+
     root, _ = two_process_run
-    command = [sys.executable, "-m", "tpflow.cli", "train", str(root / "tiny.toml"), "--num-processes", "3"]
+    command = ["train", str(root / "tiny.toml"), "--num-processes", "3"]
     command += [a for o in SMALL_BATCHES for a in ("--set", o)]
-    out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    out = tpflow(*command)  # refused before any process starts
     assert out.returncode == 2
     assert "3 processes cannot share the epoch" in out.stderr and "[1, 2, 4]" in out.stderr
     assert "Traceback" not in out.stderr
@@ -139,12 +141,19 @@ def test_an_error_in_the_processes_exits_2_with_its_message(two_process_run, tmp
     # fails to load in the processes (a missing file is refused before any process starts).
     safetensors.torch.save_file({"x": torch.zeros(1)}, tmp_path / "other.safetensors")
     shutil.copy(tiny_weights.with_suffix(".json"), tmp_path / "other.json")
+    from tests.test_cli import tpflow
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
-    for weights, expected in (("other", "a training process exited with status 2"), ("missing", "are missing")):
-        command = [sys.executable, "-m", "tpflow.cli", "train", str(root / "tiny.toml"), "--num-processes", "2"]
+    for weights, expected in (("other", "one of the processes exited with status 2"), ("missing", "are missing")):
+        command = ["train", str(root / "tiny.toml"), "--num-processes", "2"]
         command += ["--run-dir", str(tmp_path / "run"), "--set", f"backbone.weights={tmp_path / weights}.safetensors"]
         command += [a for o in SMALL_BATCHES for a in ("--set", o)]
-        out = subprocess.run(command, capture_output=True, text=True, env=env)
+        if weights == "missing":  # refused before any process starts: checked in this process
+            out = tpflow(*command)
+        else:
+            out = subprocess.run(
+                [sys.executable, "-m", "tpflow.cli", *command], capture_output=True, text=True, env=env
+            )
         assert out.returncode == 2, out.stderr
         assert f"{weights}.safetensors" in out.stderr and expected in out.stderr, out.stderr
         assert "Traceback" not in out.stderr
@@ -178,23 +187,19 @@ def test_eval_on_two_processes_equals_one_process(two_process_run, tmp_path):
     """`tpflow eval --num-processes 2` deals the images to two processes and gathers: the same figures as one."""
     import json
 
+    from tests.test_cli import tpflow
+
     root, _ = two_process_run
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
-    command = [
-        sys.executable,
-        "-m",
-        "tpflow.cli",
-        "eval",
-        str(root / "run"),
-        "--steps",
-        "3",
-        "--images-per-prompt",
-        "2",
-    ]
-    for name, extra in (("one", []), ("two", ["--num-processes", "2"])):
-        out = subprocess.run(
-            [*command, "--out", str(tmp_path / name), *extra], capture_output=True, text=True, env=env
-        )
+    command = ["eval", str(root / "run"), "--steps", "3", "--images-per-prompt", "2"]
+    one_process = tpflow(*command, "--out", str(tmp_path / "one"))  # in this process
+    two_processes = subprocess.run(  # the launcher starts two new ones
+        [sys.executable, "-m", "tpflow.cli", *command, "--out", str(tmp_path / "two"), "--num-processes", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    for out in (one_process, two_processes):
         assert out.returncode == 0, out.stderr[-3000:]
         assert out.stdout.count("overall") == 1  # one process prints the table
     one, two = (json.loads((tmp_path / n / "eval.json").read_text())["target"] for n in ("one", "two"))

@@ -11,7 +11,8 @@ import torch
 
 import tpflow
 from tpflow.interfaces import Optimizer
-from tpflow.optim.nft import NFT, implicit_velocities, nft_loss, old_decay, optimality
+from tpflow.optim.nft import NFT
+from tpflow.optim.nft_loss import implicit_velocities, nft_loss, old_decay, optimality
 from tpflow.rollout import Window, rollout
 
 PROMPTS = ["a photo of a red circle", "a photo of a red circle", "a photo of two squares", "a photo of two squares"]
@@ -214,7 +215,7 @@ def test_update_trains_the_adapter_and_soft_updates_the_old_policy(tiny_weights)
     assert all(torch.equal(a, b) for a, b in zip(twin.old, optimizer.old, strict=True))
 
 
-def test_a_grpo_state_is_refused(tiny_weights):
+def test_a_state_of_the_other_optimizer_is_refused(tiny_weights):
     from tpflow.errors import UserError
 
     backbone = build_backbone("shapes-dit", tiny_weights)
@@ -222,6 +223,11 @@ def test_a_grpo_state_is_refused(tiny_weights):
     optimizer.bind(backbone)
     with pytest.raises(UserError, match="not written by the nft optimizer"):
         optimizer.load_state_dict({"optimizer": {}, "global_step": 3})
+    # and the other way round: an nft state does not continue as grpo
+    grpo = tpflow.build("optimizer", "grpo")
+    grpo.bind(backbone)
+    with pytest.raises(UserError, match="written by the nft optimizer"):
+        grpo.load_state_dict(optimizer.state_dict())
 
 
 def test_final_samples_are_the_trajectory_that_transitions_store(tiny_weights):

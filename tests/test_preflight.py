@@ -65,6 +65,7 @@ def _files(tmp_path: Path) -> dict[str, Path]:
         "broken": tmp_path / "broken.jsonl",
         "not_string": tmp_path / "not_string.jsonl",
         "deep": tmp_path / "deep.jsonl",
+        "reserved_tag": tmp_path / "reserved_tag.jsonl",
         "random_weights": tmp_path / "random.safetensors",
         "regular_file": tmp_path / "a_file",
     }
@@ -73,6 +74,7 @@ def _files(tmp_path: Path) -> dict[str, Path]:
     files["broken"].write_text('{"prompt": "a red circle"}\n{"prompt": "a blue\n')
     files["not_string"].write_text('{"prompt": "a red circle"}\n{"prompt": 3}\n')
     files["deep"].write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    files["reserved_tag"].write_text('{"prompt": "a red box", "tag": "colors"}\n{"prompt": "cats", "tag": "tags"}\n')
     files["random_weights"].write_bytes(os.urandom(4096))
     files["regular_file"].write_text("not a directory")
     return files
@@ -109,6 +111,10 @@ CASES = {
         ["{not_string}:2", '"prompt" string'],
     ),
     "deeply nested json": (["dataset.name=jsonl", "dataset.path={deep}"], ["{deep}:1", "too deeply"]),
+    "tag named like a figure": (
+        ["dataset.name=jsonl", "dataset.path={reserved_tag}"],
+        ["tagged 'tags'", "eval_reward_tags is the mean over tags", "Rename the tag"],
+    ),
     "prompts from /dev/zero": (["dataset.name=text-file", "dataset.path=/dev/zero"], ["/dev/zero", "regular file"]),
     "prompts a directory": (["dataset.name=text-file", "dataset.path=/"], ["is a directory"]),
     "run_dir is a file": (["train.run_dir={regular_file}"], ["{regular_file}", "not a directory"]),

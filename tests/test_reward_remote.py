@@ -255,6 +255,12 @@ def test_serve_reward_user_errors(server, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["serve-reward", "--reward", "shapes-geneval", "--set", "scor=strict"])
     assert exit_info.value.code == 2 and "'scor'" in capsys.readouterr().err
+    # What train checks before anything loads, serve-reward checks before it listens: every problem, one paragraph.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve-reward", "--reward", "pickscore", "--set", "model=/nonexistent/ps", "--set", "device=cuda:7"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Cannot serve reward 'pickscore' on this machine" in err
+    assert "/nonexistent/ps" in err and "cuda:7" in err and "Traceback" not in err
     port = int(server.url.rsplit(":", 1)[1])
     with pytest.raises(UserError, match=f"Cannot listen on 127.0.0.1:{port}"):
         make_server("shapes-geneval", {}, "127.0.0.1", port)
@@ -262,6 +268,16 @@ def test_serve_reward_user_errors(server, capsys):
         tpflow.build("reward", "remote")
     with pytest.raises(UserError, match="http://"):
         tpflow.build("reward", "remote", url="ftp://example.org")
+
+
+def test_serve_reward_says_where_its_weights_come_from():
+    """The server lists the weights it read, as train does (the CLI prints them above the URL)."""
+    httpd = make_server("shapes-clip", {}, "127.0.0.1", 0)
+    try:
+        assert [source.what for source in httpd.weights] == ["reward 'shapes-clip' weights (option weights)"]
+        assert httpd.weights[0].where.startswith("shipped file ")
+    finally:
+        httpd.server_close()
 
 
 @dataclass

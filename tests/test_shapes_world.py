@@ -207,6 +207,19 @@ def test_relative_position_margin():
     assert relative_position(_box(0, 0, 10), _box(12, 12, 10)) == {"left of", "above"}
 
 
+def test_the_renderer_places_with_a_wider_margin_than_the_scorer_checks():
+    """The renderer's rule is GenEval's (tpflow.boxes) at margin 0.2 / threshold 0.6 instead of 0.1 / 0.5: a pair it
+    accepts is one GenEval accepts, and a pair GenEval barely accepts the renderer refuses (room for a pixel)."""
+    from tpflow.boxes import relation_holds
+    from tpflow.shapes.render import _relation_holds
+
+    near, far = (_box(0, 0, 10), _box(5, 0, 10)), (_box(0, 0, 10), _box(20, 0, 10))
+    assert relative_position(*near) == {"left of"} and not _relation_holds(*near, "left of")  # dx -0.6 vs -0.2
+    assert relative_position(*far) == {"left of"} and _relation_holds(*far, "left of")  # dx -0.9 vs -0.8
+    assert _relation_holds(far[1], far[0], "right of") and not _relation_holds(*far, "above")
+    assert relation_holds(*near, "left of", margin=0.1, threshold=0.5)  # GenEval's own values: the scorer's verdict
+
+
 def test_scorer_confidence_thresholds_and_cap():
     include = [{"class": "circle", "count": 1}]
     sure, unsure = Det("circle", "red", _box(1, 1), 0.95), Det("circle", "red", _box(20, 1), 0.5)

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -172,17 +169,16 @@ def test_failing_reward_stops_with_a_clear_message(tmp_path, tiny_weights, plugi
 
 
 def test_cli_train_and_resume(tmp_path, tiny_weights):
+    from tests.test_cli import tpflow  # in this process: the real entry point runs in test_distributed_train.py
+
     recipe = tiny_recipe(tmp_path, tiny_weights, credit="outcome", reward="shapes-geneval")
-    env = {**os.environ, "COLUMNS": "200"}
-    run = [sys.executable, "-m", "tpflow.cli", "train", str(recipe), "--epochs", "1", "--set", "eval.every=1"]
-    out = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
+    run = ["train", str(recipe), "--epochs", "1", "--set", "eval.every=1"]
+    out = tpflow(*run)
     assert out.returncode == 0, out.stderr
     assert "done." in out.stdout and "samples:" in out.stdout
-    again = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
+    again = tpflow(*run)
     assert again.returncode == 2 and "--resume" in again.stderr and "Traceback" not in again.stderr
-    resumed = subprocess.run(
-        [*run[:6], "2", *run[7:], "--resume"], capture_output=True, text=True, env=env, timeout=300
-    )
+    resumed = tpflow(*run[:3], "2", *run[4:], "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout
     lines = read_jsonl(tmp_path / "run" / "metrics.jsonl")

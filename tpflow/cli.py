@@ -179,6 +179,7 @@ def train(
         if trainer.dist.is_main:
             console.print(f"Resume with: tpflow train {recipe} --resume --run-dir {trainer.run_dir}")
         raise typer.Exit(130) from None
+    trainer.dist.close()  # the run is saved: the processes part here
     if not trainer.dist.is_main:
         return
     first = _first_eval(trainer.run_dir / "metrics.jsonl")
@@ -305,7 +306,8 @@ def serve_reward(
 
     Example: tpflow serve-reward --reward shapes-geneval --port 18085 --set score=strict
     """
-    from tpflow.rewards.serve import Limits, parse_options, serve
+    from tpflow.preflight import MachineReport
+    from tpflow.rewards.serve import Limits, RewardServer, parse_options, serve
 
     console = make_console()
     limits = Limits(
@@ -318,7 +320,9 @@ def serve_reward(
         timeout_s=timeout_s,
     )
 
-    def announce(url: str) -> None:
+    def announce(server: RewardServer) -> None:
+        print_report(MachineReport(weights=[("reward", source) for source in server.weights]))
+        url = server.url
         console.print(
             f"Serving reward {reward!r} at {url} (GET /health, POST /score). Ctrl-C or SIGTERM stops.", highlight=False
         )

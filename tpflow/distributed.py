@@ -80,6 +80,17 @@ class Distributed:
         if self.enabled:
             self.accelerator.wait_for_everyone()
 
+    def close(self) -> None:
+        """End the process group, in every process, once a command has succeeded.
+
+        A process that leaves with gloo's group alive can abort at interpreter shutdown ("terminate called without an
+        active exception", exit status -6): gloo's worker threads outlive the Python objects they hold. Only after
+        success: after a failure another process may still wait inside a collective, and the barrier here would hang
+        (the launcher stops the others instead)."""
+        if self.enabled and torch.distributed.is_initialized():
+            self.barrier()
+            torch.distributed.destroy_process_group()
+
     def sync_gradients(self, params: Sequence[torch.nn.Parameter], num_losses: int) -> int:
         """Turn each process's summed gradients into the mean over all processes' losses; returns that total count.
 

@@ -92,6 +92,6 @@ def launch(args: list[str]) -> int:
     except ChildFailedError as exc:
         codes = [failure.exitcode for failure in exc.failures.values()]
         code = next((c for c in codes if c > 0), 1)  # negative: killed by a signal
-        print(f"tpflow: a training process exited with status {codes[0]}; the others were stopped.", file=sys.stderr)
+        print(f"tpflow: one of the processes exited with status {codes[0]}; the others were stopped.", file=sys.stderr)
         return code
     return 0

@@ -27,12 +27,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pydantic import BaseModel
+
 from tpflow import registry
 from tpflow.errors import RecipeError, UserError
 from tpflow.weights import WeightSource
 
 if TYPE_CHECKING:
     from tpflow.recipe import Recipe
+
+
+# Tags whose per-tag figure eval_reward_<tag> would be another figure of the evaluation (tpflow.train.evaluation)
+RESERVED_TAGS = {
+    "tags": "eval_reward_tags is the mean over tags",
+    "held_out": "eval_reward_held_out is the held-out prompts' mean",
+    "seen": "eval_reward_seen is the other prompts' mean",
+}
 
 
 @dataclass
@@ -58,21 +68,12 @@ def check_machine(recipe: Recipe, run_dir: Path | None = None, where: str | None
     weight comes from, the backbone's device, warnings.
     """
     where = where or (str(recipe.path) if recipe.path else "recipe")
-    problems = device_problems(recipe)
+    problems: list[str] = []
     report = MachineReport()
     for spec in recipe.components.values():
-        factory = registry.get(spec.kind, spec.name).factory
-        hook = getattr(factory, "check_machine", None)
-        if callable(hook):
-            try:
-                problems += list(hook(spec.options, recipe.settings))
-            except UserError as exc:  # a hook may raise its one problem instead of returning it
-                problems.append(f"[{spec.kind}] {exc}")
-        for source in component_weights(factory, spec.options, recipe.settings):
-            if source.problem:
-                problems.append(f"[{spec.kind}] {source.problem}")
-            else:
-                report.weights.append((spec.kind, source))
+        found, weights = check_component(spec.kind, spec.name, spec.options, recipe.settings)
+        problems += found
+        report.weights += [(spec.kind, source) for source in weights]
     problems += dataset_problems(recipe)
     if run_dir is not None:
         problems += run_dir_problems(Path(run_dir))
@@ -80,6 +81,27 @@ def check_machine(recipe: Recipe, run_dir: Path | None = None, where: str | None
         raise RecipeError(f"{where}: " + " ".join(problems))
     report.device, report.warnings = device_report(recipe)
     return report
+
+
+def check_component(kind: str, name: str, options: BaseModel, settings: dict) -> tuple[list[str], list[WeightSource]]:
+    """One component on this machine: its problems (a sentence each, prefixed by its section: a ``device`` option
+    this machine lacks, its ``check_machine`` hook, a weight not on disk) and the weights it will read. What
+    ``check_machine`` runs for every component of a recipe, and ``tpflow serve-reward`` for the reward it serves."""
+    problems = [f"[{kind}] {problem}" for problem in device_problems(options)]
+    factory = registry.get(kind, name).factory
+    hook = getattr(factory, "check_machine", None)
+    if callable(hook):
+        try:
+            problems += list(hook(options, settings))
+        except UserError as exc:  # a hook may raise its one problem instead of returning it
+            problems.append(f"[{kind}] {exc}")
+    weights = []
+    for source in component_weights(factory, options, settings):
+        if source.problem:
+            problems.append(f"[{kind}] {source.problem}")
+        else:
+            weights.append(source)
+    return problems, weights
 
 
 def component_weights(factory: object, options: object, settings: dict) -> list[WeightSource]:
@@ -114,19 +136,18 @@ def device_report(recipe: Recipe) -> tuple[str, list[str]]:
     return text, warnings
 
 
-def device_problems(recipe: Recipe) -> list[str]:
-    """A sentence per ``device`` option this machine cannot serve (``tpflow.devices.resolve_device``'s message)."""
+def device_problems(options: BaseModel) -> list[str]:
+    """A sentence per ``device`` option of a component this machine cannot serve (``resolve_device``'s message)."""
     from tpflow.devices import resolve_device, torch_device_fields
 
     problems = []
-    for kind, spec in recipe.components.items():
-        for name, value in torch_device_fields(spec.options):
-            if value is None or not isinstance(value, str):
-                continue
-            try:
-                resolve_device(value)
-            except UserError as exc:
-                problems.append(f"[{kind}] {name}: {exc}")
+    for name, value in torch_device_fields(options):
+        if value is None or not isinstance(value, str):
+            continue
+        try:
+            resolve_device(value)
+        except UserError as exc:
+            problems.append(f"{name}: {exc}")
     return problems
 
 
@@ -141,6 +162,14 @@ def dataset_problems(recipe: Recipe) -> list[str]:
             bad = next((it for it in items if not isinstance(getattr(it, "prompt", None), str)), None)
             if bad is not None:
                 return [f"[dataset] ({recipe.dataset.name}): a {split} prompt is not a string: {bad!r:.120}."]
+            tags = {(getattr(it, "metadata", None) or {}).get("tag") for it in items}
+            clash = sorted(tag for tag in tags if isinstance(tag, str) and tag in RESERVED_TAGS)
+            if clash:
+                return [
+                    f"[dataset] ({recipe.dataset.name}): the {split} split has prompts tagged {clash[0]!r}, a name "
+                    f"the evaluation's figures use: eval_reward_{clash[0]} would be both that tag's mean and "
+                    f"another figure ({', '.join(RESERVED_TAGS[t] for t in clash)}). Rename the tag."
+                ]
     except UserError as exc:
         return [f"[dataset] ({recipe.dataset.name}): {exc}"]
     return []

@@ -254,12 +254,16 @@ def build(kind: str, name: str, /, **options: Any) -> Any:
         UnknownComponentError: no such name (the message lists the available ones).
         UserError: the options do not validate (the message names each bad field and the allowed ones).
     """
+    return get(kind, name).factory(checked_options(kind, name, options))
+
+
+def checked_options(kind: str, name: str, options: dict[str, Any]) -> BaseModel:
+    """The component's options, validated; a UserError naming each bad field and the allowed ones otherwise."""
     entry = get(kind, name)
     try:
-        validated = entry.options.model_validate(options)
+        return entry.options.model_validate(options)
     except ValidationError as exc:
         raise UserError(describe_validation_error(exc, f"{_KIND_WORDS[kind]} {name!r}", entry.options)) from None
-    return entry.factory(validated)
 
 
 def preflight(kind: str, name: str, options: BaseModel) -> None:

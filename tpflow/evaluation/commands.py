@@ -149,6 +149,7 @@ def eval_(
     for which in [resolved, *([other] if other is not None else [])]:
         with _progress(console, f"eval {which.label}") as advance:
             results.append(evaluate_target(which, options, dist, accelerator.autocast, advance))
+    dist.close()  # every image is gathered: the processes part here
     if not dist.is_main:
         return
     result, base = results[0], (results[1] if len(results) > 1 else None)

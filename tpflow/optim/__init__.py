@@ -3,7 +3,8 @@ them."""
 
 from tpflow.optim.advantages import group_advantages, informative_trajectories
 from tpflow.optim.grpo import GRPOOptions, clipped_surrogate, kl_to_reference
-from tpflow.optim.nft import NFTOptions, nft_loss, optimality
+from tpflow.optim.nft import NFTOptions
+from tpflow.optim.nft_loss import nft_loss, optimality
 
 __all__ = [
     "GRPOOptions",

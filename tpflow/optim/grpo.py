@@ -290,6 +290,12 @@ class GRPO:
                 f"the optimizer state lacks {', '.join(map(repr, missing))}: it was not written by the grpo "
                 "optimizer's state_dict."
             )
+        if "old" in state:  # the nft optimizer's: its AdamW moments are of another loss, and its old policy has no use
+            raise UserError(
+                "the optimizer state was written by the nft optimizer (it holds an old policy): a checkpoint of "
+                "another optimizer cannot continue as grpo. Start a new run, or resume with [optimizer] name = "
+                '"nft".'
+            )
         self._optimizer.load_state_dict(state["optimizer"])
         o = self.options
         for group in self._optimizer.param_groups:

@@ -1,18 +1,10 @@
 """DiffusionNFT: policy optimisation on the forward (noising) process, from final samples only.
 
 Zheng et al., "DiffusionNFT: Online Diffusion Reinforcement with Forward Process" (arXiv 2509.16117), docs/nft.md.
-Each final latent x₀ of the epoch is noised again, x_t = (1 − t)·x₀ + t·ε (σ = t = 1 is pure noise, tpflow's
-convention), and the trained velocity v_θ is pulled towards an implicit positive policy and away from an implicit
-negative one, both defined around a frozen "old" velocity v_old:
-
-    v⁺ = β·v_θ + (1 − β)·v_old,        v⁻ = (1 + β)·v_old − β·v_θ
-    x̂± = x_t − t·v±,                   L± = mean_elems((x̂± − x₀)²) / sg(mean_elems|x̂± − x₀|)
-    L  = (adv_clip_max / β) · mean_b [ r_b·L⁺_b + (1 − r_b)·L⁻_b ]  +  kl_weight · mean_b mean_elems((v_θ − v_ref)²)
-
-where r = clip(clip(A, ±adv_clip_max) / adv_clip_max / 2 + 1/2, 0, 1) is the sample's "optimality probability"
-from its group-normalised advantage A, sg stops the gradient (the paper's adaptive weight), and v_ref is the
-adapter-disabled model. The factor adv_clip_max / β is the public code's: it sets the gradient's size, which the
-norm clip sees. The old policy is a copy of the adapter, soft-updated after each epoch's update
+Each final latent x₀ of the epoch is noised again and the trained velocity is pulled towards an implicit positive
+policy and away from an implicit negative one around a frozen "old" velocity: the loss is ``tpflow.optim.nft_loss``.
+The factor adv_clip_max / β in it is the public code's: it sets the gradient's size, which the norm clip sees. The
+old policy is a copy of the adapter, soft-updated after each epoch's update
 (θ_old ← η·θ_old + (1 − η)·θ with η = min(max(step − flat, 0)·rate, cap)), and the rollouts sample with it.
 """
 
@@ -20,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -32,96 +23,12 @@ from tpflow.distributed import Distributed
 from tpflow.errors import UserError
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.optim.advantages import group_advantages
+from tpflow.optim.nft_loss import NFTLoss, forward_noising, nft_loss, old_decay, optimality
 from tpflow.optim.step import optimizer_step
 from tpflow.registry import register
 from tpflow.types import Rollout
 
 SEED_LIMIT = 2**62  # the base seed of the forward-process draws is below this
-
-
-@dataclass(frozen=True)
-class NFTLoss:
-    """The NFT loss of one micro-batch at one draw of (t, ε), with its detached parts."""
-
-    loss: Tensor  # [] differentiable: policy + kl_weight·KL
-    policy: Tensor  # [] detached (adv_clip_max / β)·mean_b(r·L⁺ + (1 − r)·L⁻)
-    positive: Tensor  # [N] detached L⁺
-    negative: Tensor  # [N] detached L⁻
-    kl: Tensor  # [] detached mean_b mean_elems((v_θ − v_ref)²); 0 without a reference
-
-
-def optimality(advantages: Tensor, adv_clip_max: float) -> Tensor:
-    """r = clip(clip(A, ±c) / c / 2 + 1/2, 0, 1): A = +c gives 1 (train towards v⁺ only), A = −c gives 0."""
-    if not adv_clip_max > 0:
-        raise ValueError(f"adv_clip_max must be > 0, got {adv_clip_max!r}.")
-    clipped = advantages.clamp(-adv_clip_max, adv_clip_max)
-    return (clipped / adv_clip_max / 2.0 + 0.5).clamp(0.0, 1.0)
-
-
-def forward_noising(x0: Tensor, t: Tensor, noise: Tensor) -> Tensor:
-    """x_t = (1 − t)·x₀ + t·ε for x₀, ε [N, ...] and t [N] (t = 1: pure noise), in the dtype of ``x0``."""
-    tt = t.to(x0.dtype).reshape(-1, *([1] * (x0.dim() - 1)))
-    return (1 - tt) * x0 + tt * noise.to(x0.dtype)
-
-
-def implicit_velocities(v: Tensor, v_old: Tensor, beta: float) -> tuple[Tensor, Tensor]:
-    """(v⁺, v⁻) = (β·v + (1 − β)·v_old, (1 + β)·v_old − β·v); v_old is a constant (detached)."""
-    v_old = v_old.detach()
-    return beta * v + (1 - beta) * v_old, (1 + beta) * v_old - beta * v
-
-
-def nft_loss(
-    x0: Tensor,
-    x_t: Tensor,
-    t: Tensor,
-    v: Tensor,
-    v_old: Tensor,
-    r: Tensor,
-    beta: float,
-    adv_clip_max: float,
-    v_ref: Tensor | None = None,
-    kl_weight: float = 0.0,
-) -> NFTLoss:
-    """The NFT loss (module docstring) of N samples; every input [N, ...] except t and r [N].
-
-    The x₀ errors and their adaptive weights are computed in float32 or wider; the weights in float64 and detached
-    (floored at 1e-5, as the public code does, so a perfect prediction does not divide by 0).
-    """
-    if not beta > 0:
-        raise ValueError(f"beta must be > 0 (the loss is scaled by 1/β), got {beta!r}.")
-    for name, value in (("x_t", x_t), ("v", v), ("v_old", v_old)):
-        if value.shape != x0.shape:
-            raise ValueError(f"{name} must have the shape of x0 {tuple(x0.shape)}, got {tuple(value.shape)}.")
-    n = x0.shape[0]
-    if t.shape != (n,) or r.shape != (n,):
-        raise ValueError(f"t and r must be [N] = [{n}], got {tuple(t.shape)} and {tuple(r.shape)}.")
-    dtype = torch.promote_types(v.dtype, torch.float32)
-    x0, x_t, v, v_old = x0.to(dtype).detach(), x_t.to(dtype).detach(), v.to(dtype), v_old.to(dtype)
-    tt = t.to(dtype).reshape(-1, *([1] * (x0.dim() - 1)))
-    v_pos, v_neg = implicit_velocities(v, v_old, beta)
-    positive = _weighted_error(x_t - tt * v_pos, x0)  # [N]
-    negative = _weighted_error(x_t - tt * v_neg, x0)  # [N]
-    r = r.detach().to(dtype)
-    policy = (adv_clip_max / beta) * (r * positive + (1 - r) * negative).mean()
-    loss, kl = policy, policy.new_zeros(())
-    if v_ref is not None and kl_weight > 0:
-        kl = (v - v_ref.detach().to(dtype)).square().reshape(n, -1).mean(dim=1).mean()
-        loss = policy + kl_weight * kl
-    return NFTLoss(loss, policy.detach(), positive.detach(), negative.detach(), kl.detach())
-
-
-def _weighted_error(x0_pred: Tensor, x0: Tensor) -> Tensor:
-    """[N] mean((x̂ − x₀)²) / sg(mean|x̂ − x₀|), the paper's adaptive weighting of the x₀ error."""
-    err = (x0_pred - x0).reshape(x0.shape[0], -1)
-    with torch.no_grad():
-        weight = err.double().abs().mean(dim=1).clamp(min=1e-5).to(err.dtype)
-    return err.square().mean(dim=1) / weight
-
-
-def old_decay(step: int, flat: int, rate: float, cap: float) -> float:
-    """η of the old policy's soft update after ``step`` optimizer steps: 0 before ``flat``, then rising by ``rate``
-    per step up to ``cap`` (the public code's schedules: (0, 0.001, 0.5) for GenEval, (75, 0.0075, 0.999) for OCR)."""
-    return 0.0 if step < flat else min((step - flat) * rate, cap)
 
 
 class NFTOptions(BaseModel):

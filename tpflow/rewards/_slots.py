@@ -8,15 +8,25 @@ client sends its headers at once, so it is past them a moment after it connects,
 always still waiting and always the one closed. To close a new honest connection an attacker must open N
 connections within that moment, a flood no slot policy absorbs. A connection past its headers (its body being read,
 its request scored) is never closed; when every slot holds one, a new connection is refused (the server's 503).
+
+"Past its headers" is what has arrived, not what its thread has parsed: under load a connection's thread may run
+late, and a connection whose blank line ending the headers is already in the kernel's buffer, or already read by its
+thread, is an honest client whose request is about to be parsed, never the one closed. The kernel's buffer is
+peeked at (``MSG_PEEK | MSG_DONTWAIT``: nothing consumed, no wait); a slowloris never has that blank line in it.
 """
 
 from __future__ import annotations
 
 import io
+import os
+import re
 import socket
 import threading
 import time
 from typing import Any
+
+END_OF_HEADERS = re.compile(rb"\n\r?\n")  # the blank line after the headers (http.server also takes bare LF)
+PEEK_BYTES = 65536  # a header block longer than this (no real client's) is judged from its first 64 KiB
 
 
 class DeadlineReader(io.RawIOBase):
@@ -27,6 +37,9 @@ class DeadlineReader(io.RawIOBase):
     def __init__(self, sock: socket.socket, timeout_s: float):
         self.sock, self.timeout_s, self.deadline = sock, timeout_s, time.monotonic() + timeout_s
         self.evicted = False  # closed by the server to make room (Slots.take)
+        self.watching = False  # waiting for headers (Slots.await_headers): look for the blank line that ends them
+        self.headers_read = False  # that blank line has been read from the socket (its thread parses it next)
+        self._tail = b""  # the last bytes read while watching: a blank line may straddle two reads
 
     def readable(self) -> bool:
         return True
@@ -39,7 +52,34 @@ class DeadlineReader(io.RawIOBase):
         got = self.sock.recv_into(buffer)
         if self.evicted:  # its socket was shut down: end the connection quietly, not as a truncated request
             raise ConnectionAbortedError("closed to make room for a new connection")
+        if self.watching and got:
+            seen = self._tail + bytes(buffer[:got])
+            self.headers_read = self.headers_read or END_OF_HEADERS.search(seen) is not None
+            self._tail = seen[-2:]
         return got
+
+    def watch(self, on: bool) -> None:
+        """Start (a request's line and headers are awaited) or stop looking for the end of the headers."""
+        self.watching, self.headers_read, self._tail = on, False, b""
+
+    def headers_arrived(self) -> bool:
+        """Whether the blank line ending the headers has arrived: read by the connection's thread, or waiting in the
+        kernel's buffer (peeked at without consuming or waiting). Safe from another thread."""
+        return self.headers_read or END_OF_HEADERS.search(self._tail + self._pending()) is not None
+
+    def _pending(self) -> bytes:
+        """The bytes the kernel holds for this connection, unread; b"" where they cannot be peeked at. Through a
+        duplicate descriptor: a peek through ``self.sock`` would wait up to its timeout, which its thread sets."""
+        flags = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
+        if flags == socket.MSG_PEEK:  # no MSG_DONTWAIT (Windows): judged from what its thread read
+            return b""
+        try:
+            with socket.socket(fileno=os.dup(self.sock.fileno())) as view:
+                if view.gettimeout() is not None:  # socket.setdefaulttimeout was called: Python would poll first
+                    view.settimeout(0.0)  # the descriptor is non-blocking already (init did it for that timeout)
+                return view.recv(PEEK_BYTES, flags)
+        except OSError:  # BlockingIOError: nothing pending; or the connection is already closed
+            return b""
 
 
 class Slots:
@@ -71,6 +111,7 @@ class Slots:
 
     def await_headers(self, reader: DeadlineReader) -> None:
         """The connection of ``reader`` waits for a request line and headers: it can be closed until ``settle``."""
+        reader.watch(True)
         with self.lock:
             self.waiting[reader] = time.monotonic()
 
@@ -79,15 +120,18 @@ class Slots:
         already."""
         with self.lock:
             was_waiting = self.waiting.pop(reader, None) is not None
+            reader.watch(False)  # under the lock: _evict never sees it registered with what it read forgotten
             if headers_in and was_waiting and not reader.evicted:
                 self.headers_in += 1
             return not reader.evicted
 
     def _evict(self) -> bool:
+        """Close the connection that has waited longest for headers that have not arrived; False if none has."""
         with self.lock:
-            if not self.waiting:
+            oldest_first = sorted(self.waiting, key=self.waiting.__getitem__)
+            reader = next((r for r in oldest_first if not r.headers_arrived()), None)
+            if reader is None:
                 return False
-            reader = min(self.waiting, key=self.waiting.__getitem__)
             del self.waiting[reader]
             reader.evicted = True
         try:

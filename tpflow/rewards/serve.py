@@ -16,12 +16,14 @@ request line and headers must arrive within ``header_timeout_s`` and the whole r
 client or a Content-Length larger than the body is dropped); at most ``max_connections`` connections are served at
 once. When they are all taken, a new connection closes the one that has waited longest for its request line and
 headers (a slowloris client, or an idle keep-alive connection) and takes its place; only when every connection is
-past its headers does it get 503, closed at once. So trickling headers cannot lock an honest client out, however
-often the attacker reconnects, from however many addresses (issue 24). Every error, including a garbage request
-line, is a JSON ``{"error": ...}``, never an HTML page or a dropped connection.
+past its headers (they have arrived, parsed or not: ``tpflow.rewards._slots``) does it get 503, closed at once. So
+trickling headers cannot lock an honest client out, however often the attacker reconnects, from however many
+addresses (issue 24). Every error, including a garbage request line, is a JSON ``{"error": ...}``, never an HTML
+page or a dropped connection.
 With a token (``--token`` or ``TPFLOW_REWARD_TOKEN``) /score needs ``Authorization: Bearer TOKEN`` (401 otherwise,
 compared in constant time) and /health shows the reward's options only to a client that sends it. The token is not
-encryption: across untrusted networks put the server behind TLS (an SSH tunnel or a reverse proxy).
+encryption: across untrusted networks put the server behind TLS (an SSH tunnel or a reverse proxy). Before it
+listens the server runs the reward's machine checks, as ``tpflow train`` does (``check_reward``).
 
 Why the standard library (``http.server``) and not an ASGI stack: the service has two routes and one model, the
 limits above fit in a subclass of ``ThreadingHTTPServer``, and the server then runs in any environment that can
@@ -46,11 +48,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
+from pydantic import BaseModel
 
 from tpflow import __version__, registry
 from tpflow.errors import UserError
 from tpflow.rewards._slots import DeadlineReader, Slots
 from tpflow.rewards.remote import PROTOCOL, decode_images
+from tpflow.weights import WeightSource
 
 MAX_JSON_DEPTH = 32  # metadata nests a few levels; deeper is an attack on some recursive consumer
 
@@ -102,8 +106,10 @@ class RewardServer(ThreadingHTTPServer):
         token: str | None = None,
     ):
         self.reward_name = reward_name
-        self.reward = registry.build("reward", reward_name, **options)  # validates the options (UserError)
-        self.options = registry.validate_options("reward", reward_name, options).model_dump(mode="json")
+        validated = registry.checked_options("reward", reward_name, options)  # UserError naming each bad field
+        self.weights = check_reward(reward_name, validated)  # before the reward is built and the port bound
+        self.reward = registry.get("reward", reward_name).factory(validated)
+        self.options = validated.model_dump(mode="json")
         self.limits = limits or Limits()
         self.token = token.encode() if token else None
         self.lock = threading.Lock()  # one scoring call at a time
@@ -365,6 +371,20 @@ def parse_options(items: Sequence[str]) -> dict[str, Any]:
     return data.get("reward", {})
 
 
+def check_reward(reward_name: str, options: BaseModel) -> list[WeightSource]:
+    """What ``tpflow train`` checks of a recipe's reward before anything loads (``tpflow.preflight``): ``device``
+    options this machine has, the reward's own machine check, every weight on disk, then the services it needs (its
+    ``preflight`` hook). One UserError lists the problems (exit status 2), so a server missing a weight stops at once
+    instead of answering every client's first request with the error. Returns where each weight is read from."""
+    from tpflow.preflight import check_component
+
+    problems, weights = check_component("reward", reward_name, options, {})
+    if problems:
+        raise UserError(f"Cannot serve reward {reward_name!r} on this machine: " + " ".join(problems))
+    registry.preflight("reward", reward_name, options)
+    return weights
+
+
 def make_server(
     reward_name: str,
     options: dict[str, Any],
@@ -387,18 +407,18 @@ def serve(
     options: dict[str, Any],
     host: str = "127.0.0.1",
     port: int = 18085,
-    announce: Callable[[str], None] = print,
+    announce: Callable[[RewardServer], None] = lambda server: print(server.url),
     limits: Limits | None = None,
     token: str | None = None,
 ) -> None:
-    """Serve until Ctrl-C or SIGTERM (what systemd and ``docker stop`` send); ``announce`` receives the URL once the
-    socket listens. An inherited ignored SIGINT (``tpflow serve-reward &`` in a script) stays ignored, as a
-    background job's should."""
+    """Serve until Ctrl-C or SIGTERM (what systemd and ``docker stop`` send); ``announce`` receives the server (its
+    ``url``, its ``weights``) once the socket listens. An inherited ignored SIGINT (``tpflow serve-reward &`` in a
+    script) stays ignored, as a background job's should."""
     server = make_server(reward_name, options, host, port, limits, token)
     main = threading.current_thread() is threading.main_thread()  # signal handlers: main thread only
     previous = signal.signal(signal.SIGTERM, _interrupt) if main else None  # before the URL: a stop may follow it
     try:
-        announce(server.url)
+        announce(server)
         server.serve_forever()
     except KeyboardInterrupt:
         pass

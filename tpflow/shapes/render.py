@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from tpflow.boxes import relation_holds
 from tpflow.shapes.vocab import BACKGROUND, COLORS, SHAPES
 
 SCALE = 4  # drawing resolution / final resolution
@@ -87,22 +88,10 @@ def draw_scene(objects: Sequence[SceneObject], size: int = 32) -> torch.Tensor:
 
 
 def _relation_holds(a: tuple, b: tuple, relation: str, margin: float = 0.2, threshold: float = 0.6) -> bool:
-    """GenEval's relative-position test of box ``a`` against ``b``, with a wider margin and threshold.
-
-    GenEval itself uses margin 0.1 and threshold 0.5; the stricter values here leave room for the detector's boxes
-    to differ from the drawn ones by a pixel.
-    """
-    ca = np.array([(a[0] + a[2]) / 2, (a[1] + a[3]) / 2])
-    cb = np.array([(b[0] + b[2]) / 2, (b[1] + b[3]) / 2])
-    dims = np.array([a[2] - a[0] + b[2] - b[0], a[3] - a[1] + b[3] - b[1]])
-    offset = ca - cb
-    norm = float(np.linalg.norm(offset))
-    if norm == 0:
-        return False
-    dx, dy = np.maximum(np.abs(offset) - margin * dims, 0) * np.sign(offset) / norm
-    return {"left of": dx < -threshold, "right of": dx > threshold, "above": dy < -threshold, "below": dy > threshold}[
-        relation
-    ]
+    """GenEval's relative-position test of box ``a`` against ``b`` (``tpflow.boxes``), with a wider margin and
+    threshold: GenEval itself uses margin 0.1 and threshold 0.5; the stricter values here leave room for the
+    detector's boxes to differ from the drawn ones by a pixel."""
+    return relation_holds(a, b, relation, margin, threshold)
 
 
 def _apart(a: tuple, b: tuple) -> bool:

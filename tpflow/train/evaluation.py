@@ -179,6 +179,9 @@ def summarize(scored: Scored, everything: list[PromptItem]) -> dict[str, float]:
     - when every prompt's metadata has ``held_out`` (the shapes world's unseen colour-shape pairs):
       ``eval_reward_held_out`` / ``eval_reward_seen`` (mean score of the images of held-out / other prompts) and,
       with a ``strict`` detail, ``eval_strict_held_out`` / ``eval_strict_seen``; a side with no images is left out.
+
+    A tag named like one of these figures (``tags``, ``held_out``, ``seen``) is refused before a run starts
+    (``tpflow.preflight.RESERVED_TAGS``): its figure would overwrite another.
     """
     count = len(scored.scores)
     metrics = {"eval_reward": sum(scored.scores) / count}

@@ -20,8 +20,10 @@ resumes on any P that divides the number of batches. ``prompts_per_round = None`
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from tpflow.errors import UserError
 from tpflow.settings import TrainSettings
@@ -100,3 +102,23 @@ def noise_seed(train: TrainSettings, epoch: int, item: int) -> int:
 def _draw(num_items: int, k: int, rng: random.Random) -> list[int]:
     """k distinct item indices when the split has that many, else k draws with repetition."""
     return rng.sample(range(num_items), k) if k <= num_items else rng.choices(range(num_items), k=k)
+
+
+def layout_line(plan: EpochPlan, options: Any, processes: int) -> str:
+    """How an epoch is shared, printed when a run starts on several processes: batches, trajectories and optimizer
+    steps per process (``options``: the optimizer's, when it has micro-batches and accumulation)."""
+    mine = plan.local(0, processes)
+    n = sum(len(b.items) for b in mine)
+    line = (
+        f"{processes} processes: each samples {len(mine)} of the epoch's {len(plan.batches)} rollout batches "
+        f"({n} of {plan.num_trajectories} trajectories)"
+    )
+    micro = getattr(options, "micro_batch_size", None)
+    accumulation = getattr(options, "gradient_accumulation_steps", None)
+    if micro and accumulation:
+        steps = math.ceil(math.ceil(n / micro) / accumulation)
+        line += (
+            f"; up to {steps} optimizer steps per epoch, each averaging {micro * accumulation * processes} "
+            f"trajectories ({micro} x {accumulation} accumulation x {processes} processes)"
+        )
+    return line

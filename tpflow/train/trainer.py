@@ -22,9 +22,7 @@ uninterrupted one, and the trajectories an epoch samples do not depend on the nu
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import math
 import random
 import time
 from pathlib import Path
@@ -43,13 +41,13 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from tpflow.devices import cpu_generator, resolve_device
+from tpflow.devices import resolve_device
 from tpflow.distributed import Distributed, make_accelerator
 from tpflow.errors import UserError
+from tpflow.interfaces import RewardModel
 from tpflow.preflight import check_machine
 from tpflow.recipe import Recipe
 from tpflow.rewards.call import recipe_policy
-from tpflow.rollout import draw_window, rollout_from_settings
 from tpflow.train.allocator import keep_freed_memory
 from tpflow.train.checkpoint import (
     Checkpoint,
@@ -61,11 +59,12 @@ from tpflow.train.checkpoint import (
 from tpflow.train.ema import EMA
 from tpflow.train.epoch import EpochRows, Sampled, combine_update_metrics, prompt_groups
 from tpflow.train.evaluation import eval_seed, eval_split, evaluate, no_test_split
-from tpflow.train.prompt_sampler import check_layout, noise_seed, plan_epoch
+from tpflow.train.out_of_memory import out_of_memory_message
+from tpflow.train.prompt_sampler import check_layout, layout_line, plan_epoch
 from tpflow.train.resume import checkpoint_to_resume, restoring
 from tpflow.train.run_lock import RunDirLock
 from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, truncate_after
-from tpflow.train.scoring import ScoringWorker
+from tpflow.train.sampling import EpochSampler
 from tpflow.train.trackers import Trackers, tracker_dir
 from tpflow.types import PromptItem, Rollout
 
@@ -131,7 +130,7 @@ class Trainer:
         random.seed(train.seed)
         self.backbone = recipe.build("backbone")
         self.sampler = recipe.build("sampler")
-        self.reward = recipe.build("reward")
+        reward = recipe.build("reward")
         self.credit = recipe.build("credit")
         self.optimizer = recipe.build("optimizer")
         dataset = recipe.build("dataset")
@@ -142,11 +141,23 @@ class Trainer:
         if self.eval_split != "test":
             self.console.print(f"[yellow]warning:[/] {escape(no_test_split(recipe.dataset.name))}", soft_wrap=True)
         self.optimizer.bind(self.backbone, self.accelerator)
+        self.epoch_sampler = EpochSampler(
+            self.backbone,
+            self.sampler,
+            reward,
+            self.optimizer,
+            self.credit,
+            self.accelerator,
+            self.train_items,
+            train,
+            recipe.rollout,
+        )
         params = self.backbone.trainable_parameters()
         self.ema = EMA(params, train.ema_decay, train.ema_every) if train.ema else None
         self.epoch = 0  # the next epoch to run
         self.last_eval: dict[str, float] = {}  # the newest eval's figures and epoch, repeated on each epoch's line
         self._progress: Progress | None = None
+        self._description = ""  # the phase the progress bar shows
         self._task: TaskID | None = None
         self.nonfinite_epochs = 0
         self._weights_ahead = False  # True from an epoch's update until self.epoch counts it
@@ -171,7 +182,8 @@ class Trainer:
             f" | device {escape(self.machine.device)}"
         )
         if self.dist.enabled:
-            self.console.print(self._layout_line())
+            plan = plan_epoch(len(self.train_items), self.settings, self.epoch)
+            self.console.print(layout_line(plan, self.optimizer.options, self.dist.world_size))
         metrics: dict[str, Any] = {}
         progress = Progress(
             SpinnerColumn(),
@@ -207,6 +219,9 @@ class Trainer:
                 metrics.update(final)
             if self._saved != (self.epoch, self.optimizer.global_step):  # a finished run resumed: written already
                 self.save()
+        except torch.cuda.OutOfMemoryError as exc:  # one paragraph naming the phase's batch setting, no checkpoint
+            resume = f"tpflow train {self.recipe.path or 'RECIPE'} --resume --run-dir {self.run_dir}"
+            raise UserError(out_of_memory_message(self._description, exc, resume)) from None
         except KeyboardInterrupt:
             if self._weights_ahead:  # updated (part-way, or wholly but not yet counted): not a state to resume from
                 self.console.print(
@@ -268,58 +283,8 @@ class Trainer:
         return metrics
 
     def _sample_and_score(self, epoch: int, batches: list) -> Sampled:
-        """Roll out each local batch (window, noise from its seed) and score it in the background worker."""
-        train, rollout = self.settings, self.recipe.rollout
-        start = time.perf_counter()
-        z0_seeds = {i: noise_seed(train, epoch, i) for b in batches for i in b.items} if rollout.same_noise else None
-        # The rollout produces what the optimizer consumes (Optimizer.consumes), and completions only when the
-        # credit assigner reads them: final samples need neither stored transitions nor completions.
-        transitions = self.optimizer.consumes == "transitions"
-        completions = rollout.completions if self.credit.needs_completions and transitions else None
-        # The text encoders run once per epoch, on every distinct prompt of the epoch's plan (all processes alike, so
-        # the embeddings do not depend on the number of processes); each rollout batch indexes its rows.
-        plan = plan_epoch(len(self.train_items), train, epoch)
-        texts = sorted({self.train_items[i].prompt for b in plan.batches for i in b.items})
-        encoded, text_row = self.backbone.encode(texts), {text: k for k, text in enumerate(texts)}
-        worker = ScoringWorker(self.backbone.decode, self.reward, chunk=train.score_batch, policy=recipe_policy(train))
-        rollouts, jobs = [], []
-        self._phase(f"epoch {epoch}: sampling", len(batches))
-        try:
-            for b in batches:
-                items = [self.train_items[i] for i in b.items]
-                window = draw_window(
-                    rollout.num_steps, rollout.window_size, rollout.window_range, random.Random(b.seed)
-                )
-                generator = cpu_generator(b.seed)  # noise drawn on the CPU, moved to the model (tpflow.devices)
-                cond = encoded.index([text_row[it.prompt] for it in items])
-                # sampling_policy: the weights that collect the data (GRPO: the live adapter; NFT: its old policy)
-                with self.optimizer.sampling_policy(), self.accelerator.autocast():
-                    out = rollout_from_settings(
-                        self.backbone,
-                        self.sampler,
-                        cond,
-                        list(b.items),
-                        window,
-                        rollout,
-                        completions,
-                        generator,
-                        z0_seeds,
-                        transitions,
-                    )
-                prompts, metadata = [i.prompt for i in items], [i.metadata for i in items]
-                jobs.append(worker.submit(out.final, out.completions, prompts, metadata, rollout.window_size))
-                rollouts.append(dataclasses.replace(out, completions=None))  # scored already; the update needs none
-                self._advance()
-            self._phase(f"epoch {epoch}: scoring", len(jobs))
-            wait_start = time.perf_counter()  # the scoring tail: decode + reward the sampling did not hide
-            scored = []
-            for job in jobs:
-                scored.append(job.result())
-                self._advance()
-            wait_s = time.perf_counter() - wait_start
-        finally:
-            worker.close()
-        return Sampled(list(batches), rollouts, scored, time.perf_counter() - start, wait_s)
+        """Roll out and score this process's batches of the epoch (``tpflow.train.sampling``)."""
+        return self.epoch_sampler(epoch, batches, self._phase, self._advance)
 
     def _update(self, epoch: int, batch: Rollout, advantages: torch.Tensor) -> dict[str, float]:
         """The optimizer's pass over this process's trajectories, the EMA, and the finiteness check."""
@@ -342,6 +307,16 @@ class Trainer:
             total, count = (sum(x) for x in zip(*(part[name] for part in merged if name in part), strict=True))
             out[f"reward_{name}"] = total / count
         return out
+
+    @property
+    def reward(self) -> RewardModel:
+        """The run's reward model, held by the epoch sampler; replacing it here (a wrapper, a probe) replaces it for
+        training and evaluation alike."""
+        return self.epoch_sampler.reward
+
+    @reward.setter
+    def reward(self, model: RewardModel) -> None:
+        self.epoch_sampler.reward = model
 
     def evaluate(self, epoch: int) -> dict[str, float]:
         """ODE samples of the held-out prompts (EMA weights when enabled): mean reward and per-tag accuracy
@@ -402,6 +377,7 @@ class Trainer:
     # ---- private -----------------------------------------------------------------------------------------------
 
     def _phase(self, description: str, total: int | None) -> None:
+        self._description = description  # what an out-of-memory error names
         if self._progress is not None:
             self._progress.update(self._task, description=description, total=total, completed=0)
 
@@ -440,29 +416,6 @@ class Trainer:
 
     def _named_trainable(self) -> list[tuple[str, torch.Tensor]]:
         return [(str(k), p) for k, p in enumerate(self.backbone.trainable_parameters())]
-
-    def _layout_line(self) -> str:
-        """How the epoch is shared: batches, trajectories and optimizer steps per process."""
-        options, processes = self.optimizer.options, self.dist.world_size
-        plan = plan_epoch(len(self.train_items), self.settings, self.epoch)
-        mine = plan.local(0, processes)
-        n = sum(len(b.items) for b in mine)
-        line = (
-            f"{processes} processes: each samples {len(mine)} of the epoch's {len(plan.batches)} rollout batches "
-            f"({n} of {plan.num_trajectories} trajectories)"
-        )
-        micro, accumulation = (
-            getattr(options, "micro_batch_size", None),
-            getattr(options, "gradient_accumulation_steps", None),
-        )
-        if micro and accumulation:
-            steps = math.ceil(math.ceil(n / micro) / accumulation)
-            line += (
-                f"; up to {steps} optimizer steps per epoch, each averaging {micro * accumulation * processes} "
-                "trajectories "
-                f"({micro} x {accumulation} accumulation x {processes} processes)"
-            )
-        return line
 
     def _check_finite(self, update: dict[str, float]) -> None:
         if update.get("nonfinite_losses", 0) > 0:

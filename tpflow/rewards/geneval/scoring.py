@@ -30,10 +30,11 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from tpflow.boxes import POSITION_MARGIN, direction
+
 THRESHOLD = 0.3  # detection confidence kept by GenEval
 COUNTING_THRESHOLD = 0.9  # ... for prompts tagged "counting"
 MAX_OBJECTS = 16  # detections kept per class
-POSITION_MARGIN = 0.1  # fraction of the summed box sizes an offset must exceed to count as a relation
 
 
 class DetectionLike(Protocol):
@@ -53,19 +54,6 @@ class GenevalResult:
     strict_correct: bool  # exact counts, colours and positions
     score: float  # partial credit, the training reward (docs/algorithm.md §7, without the upstream position bug)
     reason: str  # why it is not strictly correct ("" when it is)
-
-
-def direction(box_a: Sequence[float], box_b: Sequence[float], margin: float = POSITION_MARGIN) -> np.ndarray:
-    """GenEval's direction of box a from box b: the centre offset a − b, reduced by ``margin`` × (size of a + size
-    of b) along each axis (not below 0), divided by the length of the full offset; [2] (x, y), y grows downwards.
-    Zero when the boxes are too close to tell."""
-    a, b = np.asarray(box_a[:4], dtype=np.float64), np.asarray(box_b[:4], dtype=np.float64)
-    offset = (a[:2] + a[2:]) / 2 - (b[:2] + b[2:]) / 2  # [2] centre of a − centre of b
-    sizes = np.abs(a[2:] - a[:2]) + np.abs(b[2:] - b[:2])  # [2] summed widths, summed heights
-    reduced = np.maximum(np.abs(offset) - margin * sizes, 0) * np.sign(offset)
-    if np.all(np.abs(reduced) < 1e-3):
-        return np.zeros(2)
-    return reduced / np.linalg.norm(offset)
 
 
 def relative_position(box_a: Sequence[float], box_b: Sequence[float], margin: float = POSITION_MARGIN) -> set[str]:

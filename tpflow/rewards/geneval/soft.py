@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from tpflow.rewards.geneval.scoring import DetectionLike, _clip, direction
+from tpflow.boxes import direction
+from tpflow.rewards.geneval.scoring import DetectionLike, _clip
 
 RAMP = (0.3, 0.6)  # direction ratio at which the position term starts to rise, and where it reaches 1
 _AXES = {"left of": (0, -1.0), "right of": (0, 1.0), "above": (1, -1.0), "below": (1, 1.0)}  # axis, sign (y down)

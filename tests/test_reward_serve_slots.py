@@ -1,0 +1,53 @@
+"""Connection slots of ``tpflow serve-reward`` (``tpflow.rewards._slots``) on socket pairs, without a server: which
+connection makes room for a new one is decided here, and must never be an honest client whose thread runs late."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from tpflow.rewards._slots import DeadlineReader, Slots
+
+
+def test_a_connection_whose_headers_arrived_unparsed_is_not_evicted():
+    """Under load a connection's thread may run late: its headers have arrived (in the kernel's buffer, or read but
+    not yet parsed) while it is still registered as waiting. It is an honest client, not a slowloris: a new
+    connection closes the trickler instead, and when only such connections wait, the new one is refused (503)."""
+    slots = Slots(3)
+    pairs = [socket.socketpair() for _ in range(3)]
+    readers = [DeadlineReader(server_end, timeout_s=10) for server_end, _ in pairs]
+    for reader in readers:  # oldest first: registered in this order
+        assert slots.take()
+        slots.await_headers(reader)
+        time.sleep(0.01)
+    head = b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+    pairs[0][1].sendall(head)  # the oldest: every header byte in the kernel's buffer, none read
+    split = head.index(b"\r\n\r\n") + 2  # the blank line straddles what its thread read and what is still to come
+    pairs[1][1].sendall(head[:split])
+    assert readers[1].readinto(bytearray(8192)) == split and not readers[1].headers_arrived()
+    pairs[1][1].sendall(head[split:])
+    assert readers[1].headers_arrived()  # from the bytes read and the bytes in the kernel's buffer
+    assert readers[1].readinto(bytearray(8192)) == len(head) - split and readers[1].headers_arrived()  # all read
+    pairs[2][1].sendall(head[:32])  # the youngest: still trickling its headers
+
+    def trickler_thread() -> None:  # what the handler does: read until closed, then give the slot back
+        try:
+            while readers[2].readinto(bytearray(8192)):
+                pass
+        except ConnectionAbortedError:
+            pass
+        finally:
+            slots.release()
+
+    thread = threading.Thread(target=trickler_thread, daemon=True)
+    thread.start()
+    assert slots.take()  # room made by closing the trickler, though the other two have waited longer
+    thread.join(timeout=5)
+    assert readers[2].evicted and not readers[0].evicted and not readers[1].evicted
+    assert pairs[0][0].recv(len(head), socket.MSG_PEEK) == head  # looking consumed nothing
+    assert not slots.take()  # only connections whose headers arrived wait: refused, none closed
+    assert not readers[0].evicted and not readers[1].evicted
+    for pair in pairs:
+        for sock in pair:
+            sock.close()
