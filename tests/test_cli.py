@@ -1,63 +1,14 @@
-"""The command line as a user meets it: exit codes, stdout and stderr, no traceback on user errors.
-
-Most commands run in this process (``tpflow``): a new interpreter spends about 5 s importing torch on the 2-core CI
-machine, which the suite's 10-minute budget cannot pay for every command. The console-script entry point itself
-runs as a subprocess (``tpflow_process``), as do the launched and killed runs elsewhere (test_distributed_train.py,
-test_train.py)."""
+"""The command line as a user meets it: exit codes, stdout and stderr, no traceback on user errors. Commands run in
+this process (tests/cli_run.py says why); the entry point itself runs as a subprocess once here."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import os
-import subprocess
-import sys
-import traceback
 from pathlib import Path
 
 import pytest
 
+from tests.cli_run import tpflow, tpflow_process
 from tests.test_recipe import BASE
-
-
-def tpflow_process(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m tpflow.cli ARGS`` in a new process."""
-    env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run(
-        [sys.executable, "-m", "tpflow.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=120
-    )
-
-
-def tpflow(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """``tpflow ARGS`` in this process, with what a process would give: its exit status, stdout and stderr. An
-    exception that escapes the command is printed to stderr with status 1, as the interpreter does, so a test that
-    asserts "no traceback" still sees one."""
-    from tpflow.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    previous = os.environ.get("COLUMNS"), os.getcwd()
-    os.environ["COLUMNS"] = "200"
-    try:
-        if cwd is not None:
-            os.chdir(cwd)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main(list(args))
-                code = 0
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-                if isinstance(exc.code, str):
-                    print(exc.code, file=sys.stderr)
-            except Exception:
-                traceback.print_exc()
-                code = 1
-    finally:
-        os.chdir(previous[1])
-        if previous[0] is None:
-            os.environ.pop("COLUMNS", None)
-        else:
-            os.environ["COLUMNS"] = previous[0]
-    return subprocess.CompletedProcess(["tpflow", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_help_and_version():
@@ -199,25 +150,20 @@ def test_every_train_option_reaches_the_launched_processes(plugin, tmp_path, mon
     assert pairs == list(zip(child[2::2], child[3::2], strict=True)), (forwarded, child)
 
 
-def run_here(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """``tpflow ARGS`` in this process (faster than a subprocess): (exit status, stdout, stderr)."""
-    from tpflow.cli import main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as done:
-        main(list(args))
-    captured = capsys.readouterr()
-    return int(done.value.code or 0), captured.out, captured.err
+def run_here(*args: str) -> tuple[int, str, str]:
+    """``tpflow ARGS`` at the terminal width the test set: (exit status, stdout, stderr)."""
+    done = tpflow(*args, columns=None)
+    return done.returncode, done.stdout, done.stderr
 
 
 K10 = ("0.5,0.75,0.25,0.75,0.25,0,0,0,0,0", "0,0.25,0.75,0,0.5,1,0,1,0,0")  # K = 10, as the shipped recipes
 
 
 @pytest.mark.parametrize("columns", ["80", "60"])
-def test_credit_table_wraps_and_never_cuts_at_80_columns(capsys, monkeypatch, columns):
+def test_credit_table_wraps_and_never_cuts_at_80_columns(monkeypatch, columns):
     """At 80 columns the K = 10 table once dropped a column and cut rewards short with '…'."""
     monkeypatch.setenv("COLUMNS", columns)
-    code, out, err = run_here(capsys, "credit", *K10)
+    code, out, err = run_here("credit", *K10)
     assert code == 0, err
     assert "…" not in out
     assert max(len(line) for line in out.splitlines()) <= int(columns)
@@ -230,51 +176,51 @@ def test_credit_table_wraps_and_never_cuts_at_80_columns(capsys, monkeypatch, co
         assert "0.25 -0.75* 0.5 -0.75* -0.25 0 0 0 0" in out
 
 
-def test_credit_accepts_negative_rewards_and_refuses_non_finite_ones(capsys):
-    code, out, err = run_here(capsys, "credit", "-1,2,-3", "-0.5,1,-2", "-a", "outcome")
+def test_credit_accepts_negative_rewards_and_refuses_non_finite_ones():
+    code, out, err = run_here("credit", "-1,2,-3", "-0.5,1,-2", "-a", "outcome")
     assert code == 0, err
     assert "-1 2 -3" in out and "-3 -3" in out and "-2 -2" in out
     for bad in ("1,nan,3", "1,inf,3", "-inf,0,1"):
-        code, out, err = run_here(capsys, "credit", bad)
+        code, out, err = run_here("credit", bad)
         assert code == 2 and "finite" in err and bad in err and "Traceback" not in err, err
-    code, _, err = run_here(capsys, "credit", "1,2", "--balancd")
+    code, _, err = run_here("credit", "1,2", "--balancd")
     assert code == 2 and "'--balancd' is not an option" in err
 
 
-def test_a_check_across_options_does_not_print_the_whole_options_dict(capsys):
+def test_a_check_across_options_does_not_print_the_whole_options_dict():
     recipe = str(Path(__file__).resolve().parent.parent / "recipes" / "shapes_tp.toml")
-    code, _, err = run_here(capsys, "validate", recipe, "--set", "rollout.window_size=12", "--no-machine")
+    code, _, err = run_here("validate", recipe, "--set", "rollout.window_size=12", "--no-machine")
     assert code == 2
     assert "window_size=12 exceeds num_steps=10" in err
     assert "{" not in err and "noise_level" not in err and "Value error" not in err, err
 
 
-def test_a_missing_relative_prompt_file_says_where_it_was_looked_for(plugin, capsys, tmp_path, monkeypatch):
+def test_a_missing_relative_prompt_file_says_where_it_was_looked_for(plugin, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "r.toml").write_text(BASE.replace('path = "prompts.txt"', 'path = "data/pickscore/train.txt"'))
-    code, _, err = run_here(capsys, "validate", "r.toml")
+    code, _, err = run_here("validate", "r.toml")
     assert code == 2 and "Traceback" not in err
     assert "relative path is read from the working directory" in err
     assert str(tmp_path / "data" / "pickscore" / "train.txt") in err and "header comment" in err
 
 
-def test_export_refuses_a_folder_that_holds_files(capsys, tmp_path):
+def test_export_refuses_a_folder_that_holds_files(tmp_path):
     """Before any checkpoint is read: an --out with files in it is kept unless --overwrite."""
     out = tmp_path / "exports"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    code, _, err = run_here(capsys, "export", str(tmp_path / "no-run"), "--out", str(out))
+    code, _, err = run_here("export", str(tmp_path / "no-run"), "--out", str(out))
     assert code == 2 and "already exists and is not empty" in err and "--overwrite" in err, err
     assert (out / "notes.txt").read_text() == "mine"
-    code, _, err = run_here(capsys, "export", str(tmp_path / "no-run"), "--out", str(out), "--overwrite")
+    code, _, err = run_here("export", str(tmp_path / "no-run"), "--out", str(out), "--overwrite")
     assert code == 2 and "No valid checkpoint" in err  # past the check, to the missing checkpoint
 
 
-def test_components_show_allowed_values_limits_and_descriptions(capsys, monkeypatch):
+def test_components_show_allowed_values_limits_and_descriptions(monkeypatch):
     """`score: Literal = 'partial'` once hid the choices, no option had its description, and weighted's parts were
     `rewards: list = required` only."""
     monkeypatch.setenv("COLUMNS", "200")
-    code, out, err = run_here(capsys, "components", "reward")
+    code, out, err = run_here("components", "reward")
     assert code == 0, err
     text = _column(out, 3)
     assert "score: 'partial' | 'strict' | 'soft' = 'partial'" in text
@@ -282,7 +228,7 @@ def test_components_show_allowed_values_limits_and_descriptions(capsys, monkeypa
     assert "scale: float = 2.5 (> 0)" in text  # clipscore's limit
     assert "rewards: list[WeightedPart] = required (at least 1 item)" in text
     assert "weight: float = 1.0 Multiplies this reward's scores in the sum." in text  # a part's own options
-    code, out, err = run_here(capsys, "components", "backbone")
+    code, out, err = run_here("components", "backbone")
     assert code == 0, err
     assert "dtype: 'fp32' | 'fp16' | 'bf16' = 'bf16'" in _column(out, 3)
 

@@ -124,7 +124,7 @@ def test_a_two_process_checkpoint_resumes_on_one_process(two_process_run, tiny_w
 
 
 def test_a_process_count_that_cannot_share_the_epoch_is_refused(two_process_run):
-    from tests.test_cli import tpflow
+    from tests.cli_run import tpflow
 
     root, _ = two_process_run
     command = ["train", str(root / "tiny.toml"), "--num-processes", "3"]
@@ -141,7 +141,7 @@ def test_an_error_in_the_processes_exits_2_with_its_message(two_process_run, tmp
     # fails to load in the processes (a missing file is refused before any process starts).
     safetensors.torch.save_file({"x": torch.zeros(1)}, tmp_path / "other.safetensors")
     shutil.copy(tiny_weights.with_suffix(".json"), tmp_path / "other.json")
-    from tests.test_cli import tpflow
+    from tests.cli_run import tpflow
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
     for weights, expected in (("other", "one of the processes exited with status 2"), ("missing", "are missing")):
@@ -187,7 +187,7 @@ def test_eval_on_two_processes_equals_one_process(two_process_run, tmp_path):
     """`tpflow eval --num-processes 2` deals the images to two processes and gathers: the same figures as one."""
     import json
 
-    from tests.test_cli import tpflow
+    from tests.cli_run import tpflow
 
     root, _ = two_process_run
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}

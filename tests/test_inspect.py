@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 import tpflow
-from tests.test_cli import tpflow as run_cli
+from tests.cli_run import tpflow as run_cli
 from tests.test_train import tiny_recipe
 from tpflow.inspect import inspect_run, inspect_sampled
 from tpflow.recipe import load_recipe

@@ -64,16 +64,16 @@ def _comparable(run: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.endswith(TIMING)} for row in read_jsonl(run / "metrics.jsonl")]
 
 
-def test_validate_refuses_per_step_credit(tmp_path, tiny_weights, capsys):
+def test_validate_refuses_per_step_credit(tmp_path, tiny_weights):
     recipe = nft_recipe(tmp_path, tiny_weights, credit="consistent")
-    code, err = run_cli(capsys, "validate", str(recipe), "--no-machine")
+    code, err = run_cli("validate", str(recipe), "--no-machine")
     assert_one_paragraph(code, err, '[credit] name = "consistent"', "final samples only", 'name = "outcome"')
-    code, err = run_cli(capsys, "validate", str(nft_recipe(tmp_path, tiny_weights)), "--no-machine")
+    code, err = run_cli("validate", str(nft_recipe(tmp_path, tiny_weights)), "--no-machine")
     assert code == 0, err
 
 
-def test_components_lists_both_optimizers(capsys):
-    code, out = run_cli(capsys, "components", "optimizer")
+def test_components_lists_both_optimizers():
+    code, out = run_cli("components", "optimizer")
     assert code == 0, out
     assert "grpo" in out and "nft" in out and "timesteps_per_sample" in out and "clip_range" in out
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cli_run import tpflow
 from tpflow import recipe as recipe_module
-from tpflow.cli import main
 from tpflow.errors import RecipeError
 from tpflow.preflight import run_dir_problems
 
@@ -35,13 +35,10 @@ def no_weights(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return built
 
 
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+def run_cli(*args: str) -> tuple[int, str]:
     """``tpflow ARGS`` in this process: (exit status, its stderr and stdout)."""
-    capsys.readouterr()  # drop what the test printed before
-    with pytest.raises(SystemExit) as done:
-        main(list(args))
-    captured = capsys.readouterr()
-    return int(done.value.code or 0), captured.err + captured.out
+    done = tpflow(*args, columns=None)
+    return done.returncode, done.stderr + done.stdout
 
 
 def assert_one_paragraph(code: int, err: str, *expected: str) -> None:
@@ -129,10 +126,10 @@ def _case(tmp_path: Path, name: str) -> tuple[list[str], list[str]]:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_validate_refuses_without_loading_weights(name, tmp_path, capsys, no_weights):
+def test_validate_refuses_without_loading_weights(name, tmp_path, no_weights):
     overrides, expected = _case(tmp_path, name)
     sets = [arg for o in overrides for arg in ("--set", o)]
-    code, err = run_cli(capsys, "validate", str(SHAPES), *sets)
+    code, err = run_cli("validate", str(SHAPES), *sets)
     assert_one_paragraph(code, err, *expected)
 
 
@@ -142,42 +139,40 @@ TRAIN_CASES = ["cps noise level", "seed beyond 64 bits", "group of one", "noise 
 
 
 @pytest.mark.parametrize("name", TRAIN_CASES)
-def test_train_refuses_before_loading_weights(name, tmp_path, capsys, no_weights):
+def test_train_refuses_before_loading_weights(name, tmp_path, no_weights):
     overrides, expected = _case(tmp_path, name)
     run_dir = [] if any(o.startswith("train.run_dir") for o in overrides) else ["--run-dir", str(tmp_path / "run")]
     sets = [arg for o in overrides for arg in ("--set", o)]
-    code, err = run_cli(capsys, "train", str(SHAPES), *run_dir, *sets)
+    code, err = run_cli("train", str(SHAPES), *run_dir, *sets)
     assert_one_paragraph(code, err, *expected)
     assert "backbone" not in no_weights and "reward" not in no_weights
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_cuda_on_a_machine_without_it(tmp_path, capsys, no_weights):
+def test_cuda_on_a_machine_without_it(tmp_path, no_weights):
     for command in ("validate", "train"):
-        code, err = run_cli(capsys, command, str(SHAPES), "--set", "backbone.device=cuda")
+        code, err = run_cli(command, str(SHAPES), "--set", "backbone.device=cuda")
         assert_one_paragraph(code, err, "[backbone] device", "'cuda'", "no CUDA GPU")
 
 
-def test_fifo_is_not_a_prompt_file(tmp_path, capsys, no_weights):
+def test_fifo_is_not_a_prompt_file(tmp_path, no_weights):
     fifo = tmp_path / "prompts.fifo"
     os.mkfifo(fifo)  # reading it would block for ever
-    code, err = run_cli(
-        capsys, "validate", str(SHAPES), "--set", "dataset.name=text-file", "--set", f"dataset.path={fifo}"
-    )
+    code, err = run_cli("validate", str(SHAPES), "--set", "dataset.name=text-file", "--set", f"dataset.path={fifo}")
     assert_one_paragraph(code, err, str(fifo), "not a regular file")
 
 
-def test_no_machine_checks_the_values_only(tmp_path, capsys, no_weights):
+def test_no_machine_checks_the_values_only(tmp_path, no_weights):
     """A recipe for another machine (its prompt files, its GPUs) validates its values with --no-machine."""
     sets = ["--set", "dataset.name=text-file", "--set", "dataset.path=/elsewhere/prompts.txt"]
-    code, err = run_cli(capsys, "validate", str(SHAPES), *sets, "--no-machine")
+    code, err = run_cli("validate", str(SHAPES), *sets, "--no-machine")
     assert code == 0, err
-    code, err = run_cli(capsys, "validate", str(SHAPES), *sets)
+    code, err = run_cli("validate", str(SHAPES), *sets)
     assert_one_paragraph(code, err, "/elsewhere/prompts.txt", "was not found")
 
 
-def test_shipped_shapes_recipe_passes_the_machine_checks(capsys, no_weights):
-    code, err = run_cli(capsys, "validate", str(SHAPES))
+def test_shipped_shapes_recipe_passes_the_machine_checks(no_weights):
+    code, err = run_cli("validate", str(SHAPES))
     assert code == 0, err
     assert no_weights == ["dataset"]  # the prompts were read; nothing with weights was built
 
@@ -205,12 +200,12 @@ def test_check_machine_joins_every_problem_into_one_error(tmp_path):
     assert "\n" not in message
 
 
-def test_diffusers_weights_folder_is_checked_without_loading(tmp_path, capsys, no_weights):
+def test_diffusers_weights_folder_is_checked_without_loading(tmp_path, no_weights):
     recipe = ROOT / "recipes" / "geneval_tp.toml"
     sets = ["--set", f"backbone.pretrained={tmp_path}", "--set", f"train.run_dir={tmp_path / 'run'}"]
-    code, err = run_cli(capsys, "validate", str(recipe), *sets)
+    code, err = run_cli("validate", str(recipe), *sets)
     assert_one_paragraph(code, err, "[backbone]", f"SD3.5-Medium weights folder {tmp_path}", "model_index.json")
-    code, err = run_cli(capsys, "train", str(recipe), *sets)
+    code, err = run_cli("train", str(recipe), *sets)
     assert_one_paragraph(code, err, "model_index.json")
 
 
@@ -225,12 +220,12 @@ def test_random_bytes_as_weights_fail_at_load_too(tmp_path):
     assert str(weights) in str(err.value) and "safetensors file" in str(err.value)
 
 
-def test_shapes_weights_without_their_config_are_refused_before_loading(tmp_path, capsys, no_weights):
+def test_shapes_weights_without_their_config_are_refused_before_loading(tmp_path, no_weights):
     import safetensors.torch
 
     weights = tmp_path / "other.safetensors"
     safetensors.torch.save_file({"x": torch.zeros(1)}, weights)  # a safetensors file, but no shapes-dit config
-    code, err = run_cli(capsys, "validate", str(SHAPES), "--set", f"backbone.weights={weights}")
+    code, err = run_cli("validate", str(SHAPES), "--set", f"backbone.weights={weights}")
     assert_one_paragraph(code, err, str(weights), "no readable model config", "other.json")
 
 
@@ -251,21 +246,21 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("recipe", [SHAPES, TINY], ids=["shapes-dit", "tiny-sd3"])
 @pytest.mark.parametrize("command", ["validate", "train"])
 def test_a_lora_target_that_names_no_layer_is_refused_before_loading(
-    recipe, command, tmp_path, capsys, no_weights, no_loading
+    recipe, command, tmp_path, no_weights, no_loading
 ):
     """Issue 24: peft ignores a target that matches nothing when another matches, and fails only after the weights
     have loaded when none does; the target is checked against the model built on the meta device instead."""
     sets = ["--set", 'backbone.lora_targets=["attn.to_q", "attn.to_qq"]']
     run_dir = ["--run-dir", str(tmp_path / "run")] if command == "train" else []
-    code, err = run_cli(capsys, command, str(recipe), *sets, *run_dir)
+    code, err = run_cli(command, str(recipe), *sets, *run_dir)
     assert_one_paragraph(code, err, "[backbone]", "'attn.to_qq' names no layer", "did you mean 'attn.to_q'")
     assert "attn.to_k" in err and "more" in err  # the model's adaptable layers, abbreviated
     assert "'attn.to_q' names" not in err  # the valid target is not blamed
     assert not (tmp_path / "run").exists()
 
 
-def test_a_lora_target_that_names_a_block_is_refused(capsys, no_weights, no_loading):
-    code, err = run_cli(capsys, "validate", str(SHAPES), "--set", 'backbone.lora_targets=["attn"]')
+def test_a_lora_target_that_names_a_block_is_refused(no_weights, no_loading):
+    code, err = run_cli("validate", str(SHAPES), "--set", 'backbone.lora_targets=["attn"]')
     assert_one_paragraph(code, err, "'attn' names Attention modules", "cannot adapt", "Linear layers inside")
 
 
@@ -273,9 +268,9 @@ def test_a_lora_target_that_names_a_block_is_refused(capsys, no_weights, no_load
     ("recipe", "targets"),
     [(SHAPES, None), (SHAPES, '["to_q", "mlp.net.0", "ff.net.2"]'), (TINY, None), (TINY, '["to_q", "ff.net.2"]')],
 )
-def test_lora_targets_that_name_layers_pass_without_loading(recipe, targets, capsys, no_weights, no_loading):
+def test_lora_targets_that_name_layers_pass_without_loading(recipe, targets, no_weights, no_loading):
     sets = ["--set", f"backbone.lora_targets={targets}"] if targets else []
-    code, err = run_cli(capsys, "validate", str(recipe), *sets)
+    code, err = run_cli("validate", str(recipe), *sets)
     assert code == 0, err
     assert no_weights == ["dataset"]
 

@@ -48,11 +48,11 @@ def _holder(run: Path) -> subprocess.Popen[str]:
     return proc
 
 
-def test_second_train_on_a_held_run_dir_is_refused_before_weights_load(tmp_path, capsys, no_weights):  # noqa: F811
+def test_second_train_on_a_held_run_dir_is_refused_before_weights_load(tmp_path, no_weights):  # noqa: F811
     run = tmp_path / "run"
     holder = _holder(run)
     try:
-        code, err = run_cli(capsys, "train", str(SHAPES), "--run-dir", str(run), "--epochs", "1")
+        code, err = run_cli("train", str(SHAPES), "--run-dir", str(run), "--epochs", "1")
     finally:
         holder.communicate("", timeout=30)  # closes its stdin: it exits and the OS drops its lock
     assert_one_paragraph(code, err, str(run), "in use by another tpflow train", f"PID {holder.pid} on host")
@@ -129,11 +129,11 @@ def _forge(checkpoint: Path, name: str, data: bytes) -> None:
     (checkpoint / MANIFEST).write_text(json.dumps(manifest))
 
 
-def test_forged_checkpoints_are_user_errors_naming_them(tmp_path, tiny_weights, plugin, capsys):
+def test_forged_checkpoints_are_user_errors_naming_them(tmp_path, tiny_weights, plugin):
     checkpoint, recipe_path = _trained_run(tmp_path, tiny_weights, "forged")
     state = json.loads((checkpoint / "state.json").read_text())
     _forge(checkpoint, "state.json", json.dumps({**state, "epoch": "abc"}).encode())
-    code, err = run_cli(capsys, "train", str(recipe_path), "--resume", "--set", "eval.every=0")
+    code, err = run_cli("train", str(recipe_path), "--resume", "--set", "eval.every=0")
     assert_one_paragraph(code, err, str(checkpoint), "epoch = 'abc'")
 
     _forge(checkpoint, "state.json", json.dumps(state).encode())
@@ -141,7 +141,7 @@ def test_forged_checkpoints_are_user_errors_naming_them(tmp_path, tiny_weights, 
     tensors = safetensors.torch.load_file(checkpoint / adapter)
     wrong = {k: v.new_zeros((v.shape[0] + 1, *v.shape[1:])) for k, v in tensors.items()}
     _forge(checkpoint, adapter, safetensors.torch.save(wrong))
-    code, err = run_cli(capsys, "train", str(recipe_path), "--resume", "--set", "eval.every=0")
+    code, err = run_cli("train", str(recipe_path), "--resume", "--set", "eval.every=0")
     assert_one_paragraph(code, err, str(checkpoint), "does not fit")
 
 
@@ -151,7 +151,7 @@ def _torch_bytes(obj: object) -> bytes:
     return buffer.getvalue()
 
 
-def test_a_checkpoint_missing_a_key_is_a_user_error_naming_it(tmp_path, tiny_weights, plugin, capsys):
+def test_a_checkpoint_missing_a_key_is_a_user_error_naming_it(tmp_path, tiny_weights, plugin):
     checkpoint, recipe_path = _trained_run(tmp_path, tiny_weights, "missing")
     files = {name: (checkpoint / name).read_bytes() for name in ("optimizer.pt", "rng.pt", "state.json")}
     optimizer = torch.load(checkpoint / "optimizer.pt", weights_only=True)
@@ -164,7 +164,7 @@ def test_a_checkpoint_missing_a_key_is_a_user_error_naming_it(tmp_path, tiny_wei
     }
     for name, (data, expected) in forged.items():
         _forge(checkpoint, name, data)
-        code, err = run_cli(capsys, "train", str(recipe_path), "--resume", "--set", "eval.every=0")
+        code, err = run_cli("train", str(recipe_path), "--resume", "--set", "eval.every=0")
         assert_one_paragraph(code, err, str(checkpoint), expected)
         _forge(checkpoint, name, files[name])
 
@@ -178,8 +178,10 @@ def test_a_bug_while_restoring_keeps_its_traceback(tmp_path, tiny_weights, plugi
         return {}["lora_scale"]
 
     monkeypatch.setattr(ShapesBackbone, "load_adapter", load_adapter)
-    with pytest.raises(KeyError) as err:
-        run_cli(capsys, "train", str(recipe_path), "--resume", "--set", "eval.every=0")
+    from tpflow.cli import main
+
+    with pytest.raises(KeyError) as err:  # called directly: the exception itself, not its printout
+        main(["train", str(recipe_path), "--resume", "--set", "eval.every=0"])
     assert "load_adapter" in [frame.name for frame in traceback.extract_tb(err.value.__traceback__)]
     notes = "\n".join(getattr(err.value, "__notes__", []))
     assert str(checkpoint) in notes and "not a checkpoint that does not fit" in notes
@@ -229,13 +231,13 @@ def broken_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     registry.refresh_plugins()
 
 
-def test_a_plugin_that_exits_or_raises_at_import_is_reported_by_name(broken_plugins, capsys):
-    code, out = run_cli(capsys, "components", "reward")
+def test_a_plugin_that_exits_or_raises_at_import_is_reported_by_name(broken_plugins):
+    code, out = run_cli("components", "reward")
     assert code == 0, out
     assert "exits-reward" in out and "sys.exit(3)" in out
     assert "raises-reward" in out and "RuntimeError: model hub unreachable" in out
     assert "shapes-geneval" in out  # the built-ins are all there
-    code, out = run_cli(capsys, "validate", str(SHAPES), "--no-machine")
+    code, out = run_cli("validate", str(SHAPES), "--no-machine")
     assert code == 0 and "valid" in out and "warning: plugin failed to load exits-reward" in out
-    code, out = run_cli(capsys, "validate", str(SHAPES), "--no-machine", "--set", "reward.name=exits-reward")
+    code, out = run_cli("validate", str(SHAPES), "--no-machine", "--set", "reward.name=exits-reward")
     assert code == 2 and "'exits-reward' is not a registered reward model" in out and "sys.exit(3)" in out

@@ -169,7 +169,7 @@ def test_failing_reward_stops_with_a_clear_message(tmp_path, tiny_weights, plugi
 
 
 def test_cli_train_and_resume(tmp_path, tiny_weights):
-    from tests.test_cli import tpflow  # in this process: the real entry point runs in test_distributed_train.py
+    from tests.cli_run import tpflow  # in this process: the real entry point runs in test_distributed_train.py
 
     recipe = tiny_recipe(tmp_path, tiny_weights, credit="outcome", reward="shapes-geneval")
     run = ["train", str(recipe), "--epochs", "1", "--set", "eval.every=1"]

@@ -97,10 +97,10 @@ def flat(text: str) -> str:
 # ---------------------------------------------------------------------------------------------- item 2: weights
 
 
-def test_validate_and_train_refuse_a_reward_whose_weights_are_absent(empty_hub, no_network, tmp_path, capsys, built):
+def test_validate_and_train_refuse_a_reward_whose_weights_are_absent(empty_hub, no_network, tmp_path, built):
     run = ["--run-dir", str(tmp_path / "run")]
     for command in (["validate"], ["train", *run]):
-        code, err = run_cli(capsys, *command, str(SHAPES), "--set", "reward.name=pickscore")
+        code, err = run_cli(*command, str(SHAPES), "--set", "reward.name=pickscore")
         assert_one_paragraph(
             code, err, "[reward]", "option model", download_command(PICKSCORE), "option processor",
             download_command(PROCESSOR), str(empty_hub),
@@ -109,10 +109,10 @@ def test_validate_and_train_refuse_a_reward_whose_weights_are_absent(empty_hub, 
     assert no_network == []
 
 
-def test_validate_and_train_refuse_a_backbone_whose_weights_are_absent(empty_hub, no_network, tmp_path, capsys, built):
+def test_validate_and_train_refuse_a_backbone_whose_weights_are_absent(empty_hub, no_network, tmp_path, built):
     sets = ["--set", "backbone.device=cpu", "--set", "reward.detector=shapes", "--set", f"train.run_dir={tmp_path}/r"]
     for command in ("validate", "train"):
-        code, err = run_cli(capsys, command, str(GENEVAL), *sets)
+        code, err = run_cli(command, str(GENEVAL), *sets)
         assert_one_paragraph(
             code, err, "[backbone]", f"'{SD3}' are not in the Hugging Face cache", download_command(SD3)
         )
@@ -120,7 +120,7 @@ def test_validate_and_train_refuse_a_backbone_whose_weights_are_absent(empty_hub
     assert no_network == []
 
 
-def test_validate_says_where_each_weight_comes_from(empty_hub, no_network, tmp_path, capsys, built):
+def test_validate_says_where_each_weight_comes_from(empty_hub, no_network, tmp_path, built):
     model, processor = cache_pickscore(empty_hub)
     clip_file = tmp_path / "clip.safetensors"
     clip_file.write_text("not read")
@@ -132,7 +132,7 @@ def test_validate_says_where_each_weight_comes_from(empty_hub, no_network, tmp_p
             f'{{ model = "ViT-B-32", pretrained = "{clip_file}" }} }}, {{ name = "shapes-geneval" }}]',
         )
     )
-    code, out = run_cli(capsys, "validate", str(recipe))
+    code, out = run_cli("validate", str(recipe))
     assert code == 0, out
     text = flat(out)
     assert flat(f"Hugging Face cache {model}") in text and flat(f"Hugging Face cache {processor}") in text, out
@@ -142,28 +142,28 @@ def test_validate_says_where_each_weight_comes_from(empty_hub, no_network, tmp_p
     assert built == ["dataset"] and no_network == []
 
 
-def test_a_partial_download_names_the_missing_file(empty_hub, capsys, built):
+def test_a_partial_download_names_the_missing_file(empty_hub, built):
     cache_repo(empty_hub, PICKSCORE, {"config.json": "{}"})  # the weights never arrived
     cache_repo(empty_hub, PROCESSOR, {"preprocessor_config.json": "{}", "tokenizer.json": "{}"})
-    code, err = run_cli(capsys, "validate", str(SHAPES), "--set", "reward.name=pickscore")
+    code, err = run_cli("validate", str(SHAPES), "--set", "reward.name=pickscore")
     assert_one_paragraph(code, err, f"'{PICKSCORE}' lacks model.safetensors or", download_command(PICKSCORE))
     assert PROCESSOR not in err  # found: not a problem
 
 
-def test_a_cached_backbone_is_found_and_a_partial_one_refused(empty_hub, no_network, tmp_path, capsys, built):
+def test_a_cached_backbone_is_found_and_a_partial_one_refused(empty_hub, no_network, tmp_path, built):
     snapshot = cache_sd3(empty_hub)
     sets = ["--set", "backbone.device=cpu", "--set", "reward.detector=shapes", "--set", f"train.run_dir={tmp_path}/r"]
-    code, out = run_cli(capsys, "validate", str(GENEVAL), *sets)
+    code, out = run_cli("validate", str(GENEVAL), *sets)
     assert code == 0, out
     assert flat(f"Hugging Face cache {snapshot}") in flat(out), out
     (snapshot / "vae" / "config.json").unlink()  # an interrupted download: the vae folder is empty
     (snapshot / "vae").rmdir()
-    code, err = run_cli(capsys, "validate", str(GENEVAL), *sets)
+    code, err = run_cli("validate", str(GENEVAL), *sets)
     assert_one_paragraph(code, err, "lacks vae", "partial", download_command(SD3))
     assert set(built) == {"dataset"} and no_network == []
 
 
-def test_other_rewards_name_their_weights(empty_hub, tmp_path, capsys, built):
+def test_other_rewards_name_their_weights(empty_hub, tmp_path, built):
     """aesthetic without its head, clipscore and geneval's colour classifier with an uncached tag, ocr's shipped
     models, remote's server: each says so before anything loads."""
     cases = {
@@ -180,20 +180,20 @@ def test_other_rewards_name_their_weights(empty_hub, tmp_path, capsys, built):
     }  # fmt: skip
     for overrides, expected in cases.values():
         sets = [arg for o in overrides for arg in ("--set", o)]
-        code, err = run_cli(capsys, "validate", str(SHAPES), *sets)
+        code, err = run_cli("validate", str(SHAPES), *sets)
         assert_one_paragraph(code, err, "[reward]", *expected)
-    code, out = run_cli(capsys, "validate", str(SHAPES), "--set", "reward.name=ocr")
+    code, out = run_cli("validate", str(SHAPES), "--set", "reward.name=ocr")
     assert code == 0 and flat("shipped in the rapidocr_onnxruntime wheel") in flat(out), out
     url = "http://127.0.0.1:9"
-    code, out = run_cli(capsys, "validate", str(SHAPES), "--offline", "--set", "reward.name=remote",
+    code, out = run_cli("validate", str(SHAPES), "--offline", "--set", "reward.name=remote",
                         "--set", f"reward.url={url}")  # fmt: skip
     assert code == 0 and flat(f"the reward server {url}") in flat(out), out
     assert "reward" not in built
 
 
-def test_sample_says_where_the_weights_come_from_before_it_loads(tmp_path, capsys):
+def test_sample_says_where_the_weights_come_from_before_it_loads(tmp_path):
     out = tmp_path / "s.png"
-    code, text = run_cli(capsys, "sample", str(SHAPES), "--prompt", "a red circle", "--n", "1", "--steps", "2",
+    code, text = run_cli("sample", str(SHAPES), "--prompt", "a red circle", "--n", "1", "--steps", "2",
                          "--out", str(out))  # fmt: skip
     assert code == 0 and out.is_file(), text
     lines = text.splitlines()
@@ -220,11 +220,11 @@ def test_download_command_follows_the_installed_huggingface_hub(monkeypatch):
 # --------------------------------------------------------------------------- item 3: the cache first, no network
 
 
-def test_train_without_hf_hub_offline_is_one_quiet_paragraph(empty_hub, no_network, tmp_path, capsys, built):
+def test_train_without_hf_hub_offline_is_one_quiet_paragraph(empty_hub, no_network, tmp_path, built):
     """geneval_tp.toml on a machine with no weights and no network, HF_HUB_OFFLINE unset: one paragraph naming every
     missing weight, nothing from the hub libraries, no connection tried, no stall."""
     start = time.monotonic()
-    code, err = run_cli(capsys, "train", str(GENEVAL), "--set", "backbone.device=cpu",
+    code, err = run_cli("train", str(GENEVAL), "--set", "backbone.device=cpu",
                         "--run-dir", str(tmp_path / "run"))  # fmt: skip
     took = time.monotonic() - start
     assert_one_paragraph(
@@ -275,14 +275,14 @@ def test_a_cached_pipeline_loads_from_its_snapshot_quietly(empty_hub, no_network
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_a_paper_backbone_needs_a_gpu_or_device_cpu(empty_hub, tmp_path, capsys, built):
+def test_a_paper_backbone_needs_a_gpu_or_device_cpu(empty_hub, tmp_path, built):
     cache_sd3(empty_hub)
     sets = ["--set", "reward.detector=shapes", "--set", f"train.run_dir={tmp_path}/r"]
-    code, err = run_cli(capsys, "validate", str(GENEVAL), *sets)
+    code, err = run_cli("validate", str(GENEVAL), *sets)
     assert_one_paragraph(code, err, "[backbone] device", "no CUDA GPU", "SD3.5-Medium", "device = 'cpu'")
-    code, err = run_cli(capsys, "train", str(GENEVAL), *sets)
+    code, err = run_cli("train", str(GENEVAL), *sets)
     assert_one_paragraph(code, err, "no CUDA GPU")
-    code, out = run_cli(capsys, "validate", str(GENEVAL), *sets, "--set", "backbone.device=cpu")
+    code, out = run_cli("validate", str(GENEVAL), *sets, "--set", "backbone.device=cpu")
     assert code == 0, out
     assert "device: cpu (backbone device = 'cpu')" in out, out
     assert "mixed_precision = 'fp16' is ignored on the CPU" in " ".join(out.split()), out

@@ -1,0 +1,57 @@
+"""Running the ``tpflow`` command line from a test.
+
+``tpflow`` runs a command in this process: a new interpreter spends about 5 s importing torch on the 2-core CI
+machine, which the suite's 10-minute budget cannot pay for every command. ``tpflow_process`` runs the console-script
+entry point in a new interpreter, for what only a real process shows (the entry point itself, launched and killed
+runs)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+
+def tpflow_process(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m tpflow.cli ARGS`` in a new process."""
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "tpflow.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=120
+    )
+
+
+def tpflow(*args: str, cwd: Path | None = None, columns: str | None = "200") -> subprocess.CompletedProcess[str]:
+    """``tpflow ARGS`` in this process, with what a process would give: its exit status, stdout and stderr. An
+    exception that escapes the command is printed to stderr with status 1, as the interpreter does, so a test that
+    asserts "no traceback" still sees one. ``columns``: the terminal width the command sees (None: as set)."""
+    from tpflow import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    previous = os.environ.get("COLUMNS"), os.getcwd()
+    if columns is not None:
+        os.environ["COLUMNS"] = columns
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                cli.main(list(args))
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                if isinstance(exc.code, str):
+                    print(exc.code, file=sys.stderr)
+            except Exception:
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.chdir(previous[1])
+        if previous[0] is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = previous[0]
+    return subprocess.CompletedProcess(["tpflow", *args], code, out.getvalue(), err.getvalue())
