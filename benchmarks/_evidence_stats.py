@@ -224,6 +224,7 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
 
         nft = {arm: by_arm[arm] for arm in (BASELINE, "nft") if arm in by_arm}
         by_arm = {arm: by_arm[arm] for arm in protocol["arms"] if arm in by_arm}
+        analysis = sweep_analysis(by_arm, protocol["primary_arm"])
         missing = [f"{a}_s{s}" for a in protocol["arms"] for s in protocol["seeds"]
                    if s not in {r["seed"] for r in by_arm.get(a, [])}]  # fmt: skip
         parts = [
@@ -231,7 +232,7 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
             "",
             arm_table(by_arm),
             "",
-            comparison_table(sweep_analysis(by_arm, protocol["primary_arm"])),
+            comparison_table(analysis),
             "",
             seed_table(by_arm),
             "",
@@ -239,7 +240,7 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
             "",
             per_seed_lines(by_arm),
             "",
-            spread_line(by_arm, sweep_analysis(by_arm, protocol["primary_arm"]), outcome_pilots),
+            spread_line(by_arm, analysis, outcome_pilots),
             "",
             phase_line(out / "sweep", {**by_arm, **nft}),
             "",
