@@ -97,7 +97,7 @@ def collectives_worker(rank: int, out: Path) -> dict:
     c = torch.nn.Parameter(torch.zeros(1))  # no gradient anywhere
     a.grad = torch.full((3,), 1.0 + rank) * (rank + 1)  # rank 0: 1 loss summing to 1; rank 1: 2 losses summing to 4
     b.grad = torch.ones(2) * 6.0 if rank == 1 else None
-    losses = dist.sync_gradients([a, b, c], num_losses=rank + 1)
+    losses = dist.sync_gradients([a, b, c], rows=rank + 1)
 
     diverged = None
     dist.check_in_sync([("w", torch.ones(2))])

@@ -35,7 +35,9 @@ def test_update_trains_lora_only_and_starts_on_policy(backbone, sampler_name, be
     assert metrics["first_ratio_max_deviation"] == 0.0  # exactly on policy before the first step
     assert metrics["optimizer_steps"] == 2 and optimizer.global_step == 2  # 3 micro-batches, accumulation 2
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
-    # cps at σ⁺ = 0 (the last step) has zero std and is never trained: 4 trained steps per micro-batch.
+    # cps at σ⁺ = 0 (the last step) has zero std and is never trained: 4 trained steps of each of the 6 trajectories;
+    # flow-sde trains all 5.
+    assert metrics["rows_trained"] == 6 * (4 if sampler_name == "cps" else 5)
     assert (metrics["kl"] > 0) == (beta > 0)
     for name, before in lora.items():
         assert not torch.equal(before, dict(backbone.model.named_parameters())[name]), name
@@ -108,24 +110,25 @@ def test_zero_std_rows_are_masked_per_row(backbone, beta):
     mixed = tpflow.types.Rollout.cat([early, late])  # rows 0-1: live at i = 2; rows 2-3: std 0 at i = 2
     optimizer = tpflow.build("optimizer", "grpo", beta=beta)
     adv = torch.tensor([1.5, -0.5, 3.0, 2.0])  # mean over all rows 1.5, over the live rows 0.5
-    loss_mixed, info_mixed = optimizer._step_loss(backbone, sampler, mixed, adv, 2)
-    loss_live, info_live = optimizer._step_loss(backbone, sampler, early, adv[:2], 2)
-    assert loss_mixed.item() == pytest.approx(loss_live.item(), rel=1e-6, abs=1e-9)
-    assert info_mixed["policy_loss"] == pytest.approx(-0.5, rel=1e-5)  # on policy: −mean(A) over rows 0-1 only
-    assert info_mixed["kl"] == pytest.approx(info_live["kl"], rel=1e-6, abs=1e-12)
-    # all rows at std 0: the step is skipped outright
-    assert optimizer._step_loss(backbone, sampler, late, adv[2:], 2) is None
+    mixed_loss = optimizer._step_loss(backbone, sampler, mixed, adv, 2)
+    live_loss = optimizer._step_loss(backbone, sampler, early, adv[:2], 2)
+    assert mixed_loss.rows.item() == live_loss.rows.item() == 2  # only rows 0-1 train at i = 2
+    assert mixed_loss.total.item() == pytest.approx(live_loss.total.item(), rel=1e-6, abs=1e-9)
+    # on policy the surrogate's row sum is −ΣA over rows 0-1 only: −1.0, mean −0.5
+    assert mixed_loss.sums["policy_loss"].item() == pytest.approx(-1.0, rel=1e-5)
+    assert mixed_loss.sums["kl"].item() == pytest.approx(live_loss.sums["kl"].item(), rel=1e-6, abs=1e-12)
+    mixed_loss.total.backward()  # the masked rows contribute a finite, zero gradient
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in backbone.trainable_parameters())
+    # all rows at std 0: nothing to train, so the loop back-propagates nothing
+    assert optimizer._step_loss(backbone, sampler, late, adv[2:], 2).rows.item() == 0
 
 
 def test_a_step_the_fp16_scaler_skips_is_not_counted(backbone):
     """Under fp16 the gradient scaler skips a step whose gradients hold inf/NaN; that step must not count as an
-    optimizer step (global_step names checkpoints and drives the EMA) nor reach ``on_step``. Accelerate builds no
-    scaler on the CPU, so the test wraps AdamW the way Accelerate does on a GPU, with torch's CPU GradScaler."""
-    from accelerate.optimizer import AcceleratedOptimizer
+    optimizer step (global_step names checkpoints and drives the EMA) nor reach ``on_step``. tpflow's own fp16
+    precision (torch's CPU autocast and GradScaler) runs here exactly as on a GPU."""
+    from tpflow.precision import Precision
 
-    from tpflow.distributed import make_accelerator
-
-    make_accelerator(cpu=True, mixed_precision="no")  # Accelerate's state, as the trainer sets it up
     sampler = tpflow.build("sampler", "cps")
     prompts = ["a photo of a red circle"] * 4 + ["a photo of two squares"] * 4
     cond = backbone.encode(prompts)
@@ -136,28 +139,26 @@ def test_a_step_the_fp16_scaler_skips_is_not_counted(backbone):
     optimizer = tpflow.build(
         "optimizer", "grpo", learning_rate=1e-2, micro_batch_size=4, gradient_accumulation_steps=1
     )  # 2 optimizer steps
-    optimizer.bind(backbone)
-    scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(torch.zeros(()))  # initialises the scale (Accelerate's backward scales each loss)
-    optimizer._optimizer = AcceleratedOptimizer(optimizer._optimizer, device_placement=False, scaler=scaler)
+    precision = Precision("fp16", "cpu")
+    optimizer.bind(backbone, precision=precision)
     first_param = backbone.trainable_parameters()[0]
     poison = {"on": True}  # inf gradients until the first optimizer step has been attempted
     first_param.register_hook(lambda g: g * float("inf") if poison["on"] else g)
     attempted = []
-    accelerated_step = optimizer._optimizer.step
+    scaler_step = precision.scaler.step
 
-    def counted_step(*args, **kwargs):
-        out = accelerated_step(*args, **kwargs)
-        attempted.append(optimizer._optimizer.step_was_skipped)
+    def counted_step(opt, *args, **kwargs):
+        attempted.append(not all(torch.isfinite(p.grad).all() for p in backbone.trainable_parameters()))
         poison["on"] = False
-        return out
+        return scaler_step(opt, *args, **kwargs)
 
-    optimizer._optimizer.step = counted_step
+    precision.scaler.step = counted_step
     before = {id(p): p.detach().clone() for p in backbone.trainable_parameters()}
     taken = []
     metrics = optimizer.update(backbone, sampler, batch, advantages, on_step=taken.append)
-    assert attempted == [True, False]  # the scaler skipped the first step, took the second
+    assert attempted == [True, False]  # inf gradients at the first step (skipped), finite at the second
     assert optimizer.global_step == 1 and metrics["optimizer_steps"] == 1 and metrics["skipped_steps"] == 1
     assert taken == [0]  # the EMA hook saw one step, index 0
+    assert precision.scaler.get_scale() == 2.0**15  # backed off once from 2**16
     assert all(torch.isfinite(p).all() for p in backbone.trainable_parameters())
     assert any(not torch.equal(before[id(p)], p) for p in backbone.trainable_parameters())

@@ -42,7 +42,9 @@ def test_out_of_memory_names_the_phase_and_its_setting(phase, tmp_path: Path, ti
         trainer.fit()
     message = str(info.value)
     assert message.startswith("Out of GPU memory while ") and "\n" not in message
-    assert "Tried to allocate 2.00 GiB" in message and KNOBS[phase] in message
+    options = {"micro": "optimizer.micro_batch_size", "accumulation": "optimizer.gradient_accumulation_steps"}
+    knob = KNOBS[phase].format(**options)
+    assert "Tried to allocate 2.00 GiB" in message and knob in message
     assert f"--resume --run-dir {trainer.run_dir}" in message
     checkpoints = trainer.run_dir / "checkpoints"
     assert not checkpoints.exists() or not any(checkpoints.iterdir())  # nothing written after the failure

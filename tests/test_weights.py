@@ -285,7 +285,7 @@ def test_a_paper_backbone_needs_a_gpu_or_device_cpu(empty_hub, tmp_path, built):
     code, out = run_cli("validate", str(GENEVAL), *sets, "--set", "backbone.device=cpu")
     assert code == 0, out
     assert "device: cpu (backbone device = 'cpu')" in out, out
-    assert "mixed_precision = 'fp16' is ignored on the CPU" in " ".join(out.split()), out
+    assert "ignored on the CPU" not in " ".join(out.split()), out  # fp16 is honoured on the CPU too (tpflow.precision)
     assert "backbone" not in built
 
 

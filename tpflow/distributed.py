@@ -10,8 +10,8 @@ collective is the identity and costs nothing). Why tpflow does not wrap the tran
 * only the adapter is trained, so its gradients are small: one flat all-reduce per optimizer step is what DDP does
   at a synchronising step, minus the hooks.
 
-``sync_gradients`` sums the accumulated gradients and the number of losses over the processes and divides, so each
-step's gradient is the mean over every loss of every process, whatever their split.
+``sync_gradients`` sums the accumulated gradients and the number of rows they cover over the processes and divides, so
+each step's gradient is the mean over every row of every process, whatever their split (docs/algorithm.md §8 D16).
 """
 
 from __future__ import annotations
@@ -91,24 +91,25 @@ class Distributed:
             self.barrier()
             torch.distributed.destroy_process_group()
 
-    def sync_gradients(self, params: Sequence[torch.nn.Parameter], num_losses: int) -> int:
-        """Turn each process's summed gradients into the mean over all processes' losses; returns that total count.
+    def sync_gradients(self, params: Sequence[torch.nn.Parameter], rows: float) -> float:
+        """Turn each process's summed gradients into the mean over all processes' rows; returns that total count.
 
-        ``num_losses`` is how many losses this process back-propagated since the last step (0 is fine: its
-        gradients count as zero). Afterwards every process holds the same gradient, bit for bit."""
+        The losses back-propagated since the last step are sums over rows (``tpflow.optim.loop``); ``rows`` is how
+        many this process's covered (0 is fine: its gradients count as zero). Afterwards every process holds the
+        same gradient, bit for bit."""
         if not self.enabled:
-            if num_losses:
+            if rows:
                 for p in params:
                     if p.grad is not None:
-                        p.grad.div_(num_losses)
-            return num_losses
+                        p.grad.div_(rows)
+            return rows
         from accelerate.utils import reduce
 
         device = self.accelerator.device
         has_grad = [float(p.grad is not None) for p in params]
         flat = torch.cat([_grad_or_zeros(p).reshape(-1).to(device, torch.float32) for p in params])
-        flat = reduce(torch.cat([flat, torch.tensor([*has_grad, float(num_losses)], device=device)]), "sum")
-        total = int(round(float(flat[-1])))
+        flat = reduce(torch.cat([flat, torch.tensor([*has_grad, float(rows)], device=device)]), "sum")
+        total = float(flat[-1])
         used = flat[-1 - len(params) : -1].tolist()  # how many processes had a gradient for each parameter
         grads = flat[: -1 - len(params)] / max(total, 1)
         offset = 0

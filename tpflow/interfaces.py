@@ -16,7 +16,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from tpflow.types import Conditioning, Credit, PromptItem, RewardOutput, Rollout, StepOutput
+from tpflow.types import BatchLayout, Conditioning, Credit, PromptItem, RewardOutput, Rollout, StepOutput
 
 
 @runtime_checkable
@@ -138,8 +138,17 @@ class Optimizer(Protocol):
         (a no-op), the old policy for DiffusionNFT. The trainer samples inside it; the live values return on exit."""
         ...
 
-    def bind(self, backbone: Backbone, accelerator: Any = None) -> None:
-        """Create the parameter optimizer over ``backbone.trainable_parameters()``; called once before training."""
+    def bind(self, backbone: Backbone, accelerator: Any = None, precision: Any = None) -> None:
+        """Create the parameter optimizer over ``backbone.trainable_parameters()``; called once before training.
+        ``accelerator`` gives the processes' collectives (None: one process); ``precision`` (a
+        ``tpflow.precision.Precision``; None: float32) gives the autocast region of each loss's forward passes and
+        the fp16 scaler. ``update`` must not change a weight inside an autocast region and runs backward outside
+        one; ``tpflow.optim.loop.AdamWLoop`` does all of this for an optimizer that supplies only its loss."""
+        ...
+
+    def batch_layout(self) -> BatchLayout | None:
+        """How ``update`` batches rows (rows per micro-batch, micro-batches per step, the options that set them),
+        for the run's layout line and its out-of-memory advice; None when it has no micro-batches."""
         ...
 
     def advantages(self, step_rewards: Tensor, groups: Sequence[Hashable]) -> Tensor:

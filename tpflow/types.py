@@ -155,3 +155,13 @@ class PromptItem(NamedTuple):
 
     prompt: str
     metadata: dict[str, Any]
+
+
+class BatchLayout(NamedTuple):
+    """How an optimizer's update batches the epoch's rows (``Optimizer.batch_layout``): the run's layout line and the
+    out-of-memory advice read it, so that train/ names no optimizer's options."""
+
+    micro_batch_size: int  # rows per forward/backward pass
+    accumulation: int  # micro-batches per optimizer step
+    micro_batch_option: str  # the recipe key that sets micro_batch_size, e.g. "optimizer.micro_batch_size"
+    accumulation_option: str  # the recipe key that sets accumulation

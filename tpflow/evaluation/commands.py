@@ -60,12 +60,16 @@ ResolutionOption = Annotated[
 ]
 
 
-def _eval_accelerator(recipe: Any) -> Any:
+def _eval_accelerator(recipe: Any) -> tuple[Any, Any]:
+    """The processes' accelerator and the forward precision of the recipe's training (``tpflow.precision``), on
+    the backbone's device: an eval samples as the run's own evals did."""
     from tpflow.devices import resolve_device
     from tpflow.distributed import make_accelerator
+    from tpflow.precision import Precision
 
-    cpu = resolve_device(getattr(recipe.backbone.options, "device", None)).type != "cuda"
-    return make_accelerator(cpu=cpu, mixed_precision="no" if cpu else recipe.train.mixed_precision)
+    device = resolve_device(getattr(recipe.backbone.options, "device", None))
+    accelerator = make_accelerator(cpu=device.type != "cuda", mixed_precision="no")
+    return accelerator, Precision(recipe.train.mixed_precision, device)
 
 
 @user_errors
@@ -142,13 +146,13 @@ def eval_(
         raise UserError(f"--prompts {prompts!r} is neither test, train, geneval, ocr nor an existing prompt file.")
     print_report(*reports)  # every check passed: the device, where each weight comes from
     launch_if_asked(ctx, num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
-    accelerator = _eval_accelerator(resolved.recipe)
+    accelerator, precision = _eval_accelerator(resolved.recipe)
     dist = Distributed(accelerator)
     console = make_console() if dist.is_main else Console(quiet=True)
     results = []
     for which in [resolved, *([other] if other is not None else [])]:
         with _progress(console, f"eval {which.label}") as advance:
-            results.append(evaluate_target(which, options, dist, accelerator.autocast, advance))
+            results.append(evaluate_target(which, options, dist, precision.autocast, advance))
     dist.close()  # every image is gathered: the processes part here
     if not dist.is_main:
         return
@@ -195,10 +199,10 @@ def sample(
     from tpflow.preflight import check_machine
 
     print_report(check_machine(resolved.recipe, where=str(resolved.path)))  # devices, model files: before loading
-    accelerator = _eval_accelerator(resolved.recipe)
+    accelerator, precision = _eval_accelerator(resolved.recipe)
     scale = resolved.recipe.eval.guidance if guidance is None else guidance
     batch = resolved.recipe.eval.batch_size
-    images = sample_images(resolved, prompt, n, steps, scale, seed, accelerator.autocast, ema, batch)
+    images = sample_images(resolved, prompt, n, steps, scale, seed, precision.autocast, ema, batch)
     tiles = [Tile(image, text, info={"index": r}) for r, (image, text) in
              enumerate(zip(images, [p for p in prompt for _ in range(n)], strict=True))]  # fmt: skip
     grid = captioned_grid(tiles, n, out)

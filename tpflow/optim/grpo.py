@@ -4,14 +4,16 @@ docs/algorithm.md §6 is the specification. For one micro-batch of trajectories 
 
     L = mean_b max(−Â_b·κ_b, −Â_b·clip(κ_b, 1 − ε, 1 + ε))  +  β · mean_b KL_b,    κ_b = exp(ℓ_θ,b − ℓ_old,b)
 
-(:func:`clipped_surrogate` and :func:`kl_to_reference`). The registered optimizer ``grpo`` holds the options
-(:class:`GRPOOptions`, the SD3.5-M paper settings of docs/algorithm.md §6.3).
+(:func:`clipped_surrogate` and :func:`kl_to_reference`). The update sums these per-row terms and divides each
+optimizer step's gradient by its number of trained rows over every process (``tpflow.optim.loop``,
+docs/algorithm.md §8 D16), so that every (trajectory, window step) of a step weighs the same. The registered
+optimizer ``grpo`` holds the options (:class:`GRPOOptions`, the SD3.5-M paper settings of docs/algorithm.md §6.3).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Hashable, Sequence
+import functools
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -19,11 +21,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
-from tpflow.distributed import Distributed
 from tpflow.errors import UserError
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.optim.advantages import group_advantages, informative_trajectories
-from tpflow.optim.step import optimizer_step
+from tpflow.optim.loop import AdamWLoop, LossThunk, RowLoss
 from tpflow.registry import register
 from tpflow.types import Rollout
 
@@ -32,7 +33,8 @@ from tpflow.types import Rollout
 class PolicyLoss:
     """The clipped surrogate of one (micro-batch, window position) and its diagnostics."""
 
-    loss: Tensor  # [] differentiable policy loss
+    loss: Tensor  # [] differentiable policy loss: the mean of row_losses
+    row_losses: Tensor  # [N] differentiable max(−A·κ, −A·clip(κ)) per row (the optimizer sums them, loop.py)
     ratio: Tensor  # [N] detached κ = exp(ℓ_θ − ℓ_old)
     approx_kl: Tensor  # [] detached ½·mean((ℓ_θ − ℓ_old)²)
     clip_fraction: Tensor  # [] detached fraction with |κ − 1| > ε
@@ -72,7 +74,8 @@ def clipped_surrogate(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = torch.maximum(unclipped, clipped).mean()
+    row_losses = torch.maximum(unclipped, clipped)
+    loss = row_losses.mean()
 
     with torch.no_grad():
         ratio_d = ratio.detach()
@@ -80,6 +83,7 @@ def clipped_surrogate(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor
         low = (ratio_d < 1.0 - clip_range).to(log_prob.dtype)
         return PolicyLoss(
             loss=loss,
+            row_losses=row_losses,
             ratio=ratio_d,
             approx_kl=0.5 * log_ratio.detach().square().mean(),
             clip_fraction=((ratio_d - 1.0).abs() > clip_range).to(log_prob.dtype).mean(),
@@ -174,8 +178,9 @@ class GRPOOptions(BaseModel):
         2,
         ge=1,
         description="Micro-batches per optimizer step; each micro-batch contributes one backward per window step, "
-        "so a step averages gradients over this × W losses (the reference's Accelerate accumulation is this × W). "
-        "SD3.5-M: 2, giving 2 optimizer steps per epoch (docs/algorithm.md §6.1, §6.3).",
+        "and a step's gradient is the mean over every trained (trajectory, window step) row of its micro-batches "
+        "(the reference's Accelerate accumulation is this × W). SD3.5-M: 2, giving 2 optimizer steps per epoch "
+        "(docs/algorithm.md §6.1, §6.3, §8 D16).",
     )
     micro_batch_size: int = Field(
         9,
@@ -198,7 +203,7 @@ class GRPOOptions(BaseModel):
 
 
 @register("optimizer", "grpo", options=GRPOOptions)
-class GRPO:
+class GRPO(AdamWLoop):
     """GRPO update (implements ``tpflow.interfaces.Optimizer``); every option is a field of :class:`GRPOOptions`.
 
     Options: learning_rate, adam_betas, weight_decay, adam_eps, clip_range, adv_clip_max, beta, max_grad_norm,
@@ -207,25 +212,18 @@ class GRPO:
     One ``update`` walks the epoch's trajectories in micro-batches of ``micro_batch_size`` (in order, as the
     reference), and for each micro-batch the W window steps in order: recompute the velocity with grad, re-score the
     stored transition (``Sampler.log_prob``), take the clipped surrogate and, when β > 0, the KL to the
-    adapter-disabled model (``Backbone.reference``). Gradients are averaged over the losses of
-    ``gradient_accumulation_steps`` micro-batches × their trained steps, then norm-clipped, before each AdamW
-    step. A window step's rows whose transition std is 0 (cps at σ⁺ = 0) carry no likelihood ratio and are never
-    trained: they are left out of that step's surrogate, KL and means, row by row.
-
-    On several processes (``bind`` with a distributed accelerator) each walks its own trajectories, all take the
-    same number of optimizer steps, and each step's gradient is the mean over every process's losses
-    (``Distributed.sync_gradients``), so the copies of the adapter stay identical.
+    adapter-disabled model (``Backbone.reference``). A window step's rows whose transition std is 0 (cps at σ⁺ = 0)
+    carry no likelihood ratio and are never trained: they are masked out, row by row. The loop, the uniform row
+    weights of each optimizer step (every trained (trajectory, window step) row of every process weighs the same),
+    precision and AdamW are ``tpflow.optim.loop``'s.
     """
 
     consumes: Literal["transitions", "final_samples"] = "transitions"  # the window's stored SDE steps
+    registered_name = "grpo"
 
     def __init__(self, options: GRPOOptions | None = None) -> None:
+        super().__init__()
         self.options = options if options is not None else GRPOOptions()
-        self.global_step = 0  # optimizer steps taken
-        self._params: list[torch.nn.Parameter] = []
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._accelerator = None
-        self._dist = Distributed()
 
     @staticmethod
     def check_recipe(options: GRPOOptions, settings: dict) -> list[str]:
@@ -248,23 +246,6 @@ class GRPO:
             )
         return problems
 
-    def bind(self, backbone: Backbone, accelerator=None) -> None:
-        """Create AdamW over the backbone's trainable parameters (through ``accelerator.prepare`` when given)."""
-        o = self.options
-        self._params = list(backbone.trainable_parameters())
-        if not self._params:
-            raise ValueError("The backbone has no trainable parameters: attach an adapter before training.")
-        optimizer = torch.optim.AdamW(
-            self._params, lr=o.learning_rate, betas=o.adam_betas, weight_decay=o.weight_decay, eps=o.adam_eps
-        )
-        self._accelerator = accelerator
-        self._dist = Distributed(accelerator)
-        self._optimizer = accelerator.prepare(optimizer) if accelerator is not None else optimizer
-
-    def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
-        """GRPO samples with the live adapter: nothing to swap."""
-        return contextlib.nullcontext()
-
     def advantages(self, step_rewards: Tensor, groups: Sequence[Hashable]) -> Tensor:
         """Group-normalised advantages [N, W] float64 of step rewards [N, W] (docs/algorithm.md §5), with this
         optimizer's ``global_std`` and ``adv_clip_max``: the one place either option is applied. ``groups`` holds one
@@ -272,35 +253,13 @@ class GRPO:
         o = self.options
         return group_advantages(step_rewards, groups, global_std=o.global_std, clip=o.adv_clip_max)
 
-    def state_dict(self) -> dict:
-        """Optimizer state and step count, for checkpoints."""
-        return {"optimizer": self._optimizer.state_dict() if self._optimizer else {}, "global_step": self.global_step}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what ``state_dict`` returned (``bind`` first): the AdamW moments and the step count.
-
-        The hyper-parameters stay this optimizer's own options (torch's ``load_state_dict`` would bring back the
-        checkpoint's learning rate, betas, weight decay and epsilon): a run resumed with
-        ``--set optimizer.learning_rate=...`` trains with the new value, which is also what its checkpoints record."""
-        if self._optimizer is None:
-            raise RuntimeError("Call bind(backbone) before load_state_dict.")
-        missing = [key for key in ("optimizer", "global_step") if not isinstance(state, dict) or key not in state]
-        if missing:
-            raise UserError(
-                f"the optimizer state lacks {', '.join(map(repr, missing))}: it was not written by the grpo "
-                "optimizer's state_dict."
-            )
+    def load_extra_state(self, state: dict) -> None:
         if "old" in state:  # the nft optimizer's: its AdamW moments are of another loss, and its old policy has no use
             raise UserError(
                 "the optimizer state was written by the nft optimizer (it holds an old policy): a checkpoint of "
                 "another optimizer cannot continue as grpo. Start a new run, or resume with [optimizer] name = "
                 '"nft".'
             )
-        self._optimizer.load_state_dict(state["optimizer"])
-        o = self.options
-        for group in self._optimizer.param_groups:
-            group.update(lr=o.learning_rate, betas=tuple(o.adam_betas), weight_decay=o.weight_decay, eps=o.adam_eps)
-        self.global_step = int(state["global_step"])
 
     def update(
         self,
@@ -324,111 +283,58 @@ class GRPO:
         if advantages.shape != (n, width):
             raise ValueError(f"advantages must be [N, W] = [{n}, {width}], got {tuple(advantages.shape)}.")
         # Advantages are host bookkeeping (float64, CPU); they join the stored transitions on the rollout's device
-        # here, once (tpflow.devices, rule 2), so every index and loss below stays on one device.
+        # here, once (tpflow.devices, rule 2), so every index and loss below stays on one device. The noise levels
+        # stay on the host too: the sampler checks them there, without a device read per step.
         adv = advantages.to(device=batch.device, dtype=torch.float32)  # [N, W], clipped by self.advantages
-        if o.filter_zero_advantage:
-            keep = informative_trajectories(adv)
-        else:
-            keep = torch.ones(n, dtype=torch.bool, device=batch.device)
-        rows = keep.nonzero().squeeze(1)  # [M] on the rollout's device
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-
-        def add(name: str, value: float) -> None:
-            sums[name] = sums.get(name, 0.0) + value
-            counts[name] = counts.get(name, 0) + 1
-
-        first_ratio_dev = 0.0  # the largest |ratio - 1| before the first optimizer step: on-policy, exactly 0
-        steps_before = self.global_step
-        skipped = 0  # steps the fp16 gradient scaler skipped
+        sigmas = batch.sigmas.cpu()  # [N, W + 1]
+        keep = informative_trajectories(adv) if o.filter_zero_advantage else None
+        rows = keep.nonzero().squeeze(1) if keep is not None else torch.arange(n, device=batch.device)  # [M]
         micro_batches = list(rows.split(o.micro_batch_size)) if rows.numel() else []
-        accumulation = o.gradient_accumulation_steps
-        # Every process takes the same number of optimizer steps (the gradients are all-reduced at each); one whose
-        # filtered share is smaller contributes no loss to the last steps.
-        num_steps = int(self._dist.max(-(-len(micro_batches) // accumulation)))
-        for _ in range(o.num_inner_epochs):
-            for step in range(num_steps):
-                losses = 0
-                for mb in micro_batches[step * accumulation : (step + 1) * accumulation]:
-                    part = batch.index(mb)
-                    for i in range(width):
-                        out = self._step_loss(backbone, sampler, part, adv[mb, i], i)
-                        if out is None:  # zero-std step: no likelihood ratio, nothing to train
-                            continue
-                        loss, info = out
-                        if not torch.isfinite(loss):
-                            add("nonfinite_losses", 1.0)
-                            continue
-                        if self._accelerator is not None:
-                            self._accelerator.backward(loss)
-                        else:
-                            loss.backward()
-                        losses += 1
-                        for name, value in info.items():
-                            add(name, value)
-                        if self.global_step == steps_before:
-                            first_ratio_dev = max(first_ratio_dev, info["ratio_max_deviation"])
-                outcome = self._optimizer_step(losses)
-                if outcome == "skipped":
-                    skipped += 1
-                elif outcome is not None:
-                    add("grad_norm", outcome)
-                    if on_step is not None:
-                        on_step(self.global_step - 1)
-        result = {name: sums[name] / counts[name] for name in sums if name != "nonfinite_losses"}
-        result["nonfinite_losses"] = sums.get("nonfinite_losses", 0.0)
+
+        def losses(mb: Tensor) -> Iterator[LossThunk]:
+            part, host = batch.index(mb), sigmas[mb.cpu()]
+            for i in range(width):
+                yield functools.partial(self._step_loss, backbone, sampler, part, adv[mb, i], i, host[:, i : i + 2])
+
+        result = self.run([micro_batches] * o.num_inner_epochs, losses, on_step)
         result["trajectories_trained"] = float(rows.numel())
-        result["first_ratio_max_deviation"] = first_ratio_dev
-        result["optimizer_steps"] = float(self.global_step - steps_before)
-        result["skipped_steps"] = float(skipped)
         return result
 
     def _step_loss(
-        self, backbone: Backbone, sampler: Sampler, part: Rollout, adv: Tensor, i: int
-    ) -> tuple[Tensor, dict[str, float]] | None:
-        """Loss of window step i for one micro-batch and its diagnostics, over the rows whose transition std is
-        not 0; None when no row's is."""
+        self, backbone: Backbone, sampler: Sampler, part: Rollout, adv: Tensor, i: int, sigmas: Tensor | None = None
+    ) -> RowLoss:
+        """Loss of window step i for one micro-batch, summed over its rows whose transition std is not 0, and its
+        diagnostics as row sums. ``sigmas`` [n, 2]: (σ, σ⁺) of the step on the host (default: read from ``part``)."""
         o = self.options
-        sigma, sigma_next = part.sigmas[:, i], part.sigmas[:, i + 1]
+        sigmas = part.sigmas[:, i : i + 2] if sigmas is None else sigmas
+        sigma, sigma_next = sigmas[:, 0], sigmas[:, 1]
         z, z_next = part.latents[:, i], part.next_latents[:, i]
-        v = backbone.velocity(z, sigma, part.cond, part.guidance)
+        v = backbone.velocity(z, sigma.to(z.device), part.cond, part.guidance)
         out = sampler.log_prob(z_next, z, v, sigma, sigma_next, part.noise_level)
         # Rows whose transition has std 0 (cps at σ⁺ = 0) carry no likelihood ratio and are never trained, row by
         # row: a micro-batch can mix rollout batches whose windows start differently, so some rows of step i may be
-        # at σ⁺ = 0 while others are not. The surrogate and the KL are means over the live rows only.
-        dead = out.std.reshape(-1) == 0  # [N] bool, on the rollout's device
-        if bool(dead.all()):
-            return None
-        rows = dead.logical_not().nonzero().squeeze(1) if bool(dead.any()) else None  # None: every row (no copy)
-
-        def pick(t: Tensor) -> Tensor:
-            return t if rows is None else t[rows]
-
-        policy = clipped_surrogate(pick(out.log_prob), pick(part.log_probs[:, i]), pick(adv), o.clip_range)
-        loss = policy.loss
-        kl = loss.new_zeros(())
+        # at σ⁺ = 0 while others are not. Their weight is 0 (their placeholder log-prob and KL are finite).
+        live = (out.std.reshape(-1) != 0).float()  # [n] on the rollout's device
+        policy = clipped_surrogate(out.log_prob, part.log_probs[:, i], adv, o.clip_range)
+        row = policy.row_losses
+        kl = torch.zeros_like(row)
         if o.beta > 0:
             with torch.no_grad(), backbone.reference():
-                v_ref = backbone.velocity(z, sigma, part.cond, part.guidance)
+                v_ref = backbone.velocity(z, sigma.to(z.device), part.cond, part.guidance)
                 ref = sampler.log_prob(z_next, z, v_ref, sigma, sigma_next, part.noise_level)
-            kl = kl_to_reference(pick(out.mean), pick(ref.mean), pick(out.std_dev_t)).mean()
-            loss = loss + o.beta * kl
-        info = {
-            "loss": float(loss.detach()),
-            "policy_loss": float(policy.loss.detach()),
-            "kl": float(kl.detach()),
-            "approx_kl": float(policy.approx_kl),
-            "clip_fraction": float(policy.clip_fraction),
-            "ratio_mean": float(policy.ratio.mean()),
-            "ratio_max_deviation": float((policy.ratio - 1).abs().max()),
-        }
-        return loss, info
-
-    def _optimizer_step(self, num_losses: int) -> float | str | None:
-        """``tpflow.optim.step.optimizer_step`` on this optimizer's state; counts a step taken in ``global_step``."""
-        out = optimizer_step(
-            self._dist, self._params, self._optimizer, self._accelerator, self.options.max_grad_norm, num_losses
-        )
-        if out is not None and out != "skipped":
-            self.global_step += 1
-        return out
+            kl = kl_to_reference(out.mean, ref.mean, out.std_dev_t)
+            row = row + o.beta * kl
+        with torch.no_grad():
+            deviation = (policy.ratio - 1).abs()
+            log_ratio = out.log_prob.detach() - part.log_probs[:, i].float()
+            sums = {
+                "loss": row.detach(),
+                "policy_loss": policy.row_losses.detach(),
+                "kl": kl.detach(),
+                "approx_kl": 0.5 * log_ratio.square(),
+                "clip_fraction": (deviation > o.clip_range).float(),
+                "ratio_mean": policy.ratio,
+            }
+            sums = {name: (value * live).sum() for name, value in sums.items()}
+            maxima = {"ratio_max_deviation": (deviation * live).max()}
+        return RowLoss((row * live).sum(), live.sum(), sums, maxima)

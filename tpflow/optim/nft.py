@@ -11,6 +11,7 @@ old policy is a copy of the adapter, soft-updated after each epoch's update
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Literal
 
@@ -19,12 +20,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
 from tpflow.devices import cpu_generator, randn
-from tpflow.distributed import Distributed
 from tpflow.errors import UserError
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.optim.advantages import group_advantages
+from tpflow.optim.loop import AdamWLoop, LossThunk, RowLoss
 from tpflow.optim.nft_loss import NFTLoss, forward_noising, nft_loss, old_decay, optimality
-from tpflow.optim.step import optimizer_step
+from tpflow.optim.swap import swapped
 from tpflow.registry import register
 from tpflow.types import Rollout
 
@@ -91,8 +92,8 @@ class NFTOptions(BaseModel):
     gradient_accumulation_steps: int = Field(
         1,
         ge=1,
-        description="Micro-batches per optimizer step; a step averages the gradients of this × timesteps_per_sample "
-        "losses (× the processes).",
+        description="Micro-batches per optimizer step; a step's gradient is the mean over every (sample, time t) row "
+        "of its micro-batches, on every process (docs/algorithm.md §8 D16).",
     )
     num_inner_epochs: int = Field(1, ge=1, description="Passes over the epoch's samples per update.")
     seed: int | None = Field(
@@ -114,7 +115,7 @@ class NFTOptions(BaseModel):
 
 
 @register("optimizer", "nft", options=NFTOptions)
-class NFT:
+class NFT(AdamWLoop):
     """DiffusionNFT update (implements ``tpflow.interfaces.Optimizer``); every option is a field of
     :class:`NFTOptions`.
 
@@ -125,24 +126,21 @@ class NFT:
     It consumes final samples (``consumes``): the rollout stores no transitions, log-probs or completions, and the
     credit must be ``outcome`` (one reward per image). The rollouts sample with the old policy (``sampling_policy``).
     One ``update`` shuffles the samples, cuts micro-batches, and trains each at ``timesteps_per_sample`` times
-    drawn from the backbone's schedule, each with fresh noise; AdamW steps every ``gradient_accumulation_steps``
-    micro-batches after norm clipping, with gradients averaged over every process's losses. After the pass the
-    old policy moves towards the adapter (:func:`old_decay`). The old copy, the base seed and the number of updates
-    are part of ``state_dict``, so a resumed run continues exactly.
+    drawn from the backbone's schedule, each with fresh noise; the loop, its uniform row weights (every (sample, t)
+    of an optimizer step weighs the same), precision and AdamW are ``tpflow.optim.loop``'s. After the pass the old
+    policy moves towards the adapter (:func:`old_decay`). The old copy, the base seed and the number of updates are
+    part of ``state_dict``, so a resumed run continues exactly.
     """
 
     consumes: Literal["transitions", "final_samples"] = "final_samples"
+    registered_name = "nft"
 
     def __init__(self, options: NFTOptions | None = None) -> None:
+        super().__init__()
         self.options = options if options is not None else NFTOptions()
-        self.global_step = 0  # optimizer steps taken
         self.updates = 0  # update() calls finished: with the base seed, what the next update draws
         self.old: list[Tensor] = []  # the old policy's adapter values, in trainable_parameters() order
         self._seed: int | None = self.options.seed
-        self._params: list[torch.nn.Parameter] = []
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._accelerator = None
-        self._dist = Distributed()
 
     @staticmethod
     def check_recipe(options: NFTOptions, settings: dict) -> list[str]:
@@ -158,19 +156,10 @@ class NFT:
             ]
         return []
 
-    def bind(self, backbone: Backbone, accelerator=None) -> None:
-        """AdamW over the adapter, the old policy as a copy of it, and the base seed (from the global RNG, which the
-        trainer seeds with the run's seed, unless the ``seed`` option is set)."""
-        o = self.options
-        self._params = list(backbone.trainable_parameters())
-        if not self._params:
-            raise ValueError("The backbone has no trainable parameters: attach an adapter before training.")
-        optimizer = torch.optim.AdamW(
-            self._params, lr=o.learning_rate, betas=o.adam_betas, weight_decay=o.weight_decay, eps=o.adam_eps
-        )
-        self._accelerator = accelerator
-        self._dist = Distributed(accelerator)
-        self._optimizer = accelerator.prepare(optimizer) if accelerator is not None else optimizer
+    def bind(self, backbone: Backbone, accelerator=None, precision=None) -> None:
+        """AdamW over the adapter (``AdamWLoop.bind``), the old policy as a copy of it, and the base seed (from the
+        global RNG, which the trainer seeds with the run's seed, unless the ``seed`` option is set)."""
+        super().bind(backbone, accelerator, precision)
         self.old = [p.detach().clone() for p in self._params]
         if self._seed is None:
             self._seed = int(torch.randint(SEED_LIMIT, (1,), device="cpu"))
@@ -183,24 +172,14 @@ class NFT:
 
     def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
         """The rollouts collect data with the old policy v_old, as the paper's algorithm does."""
-        return self._old_weights()
+        return swapped(self._params, self.old) if self._params else contextlib.nullcontext()
 
-    def state_dict(self) -> dict:
-        """AdamW state, step and update counts, the base seed and the old policy (CPU copies)."""
-        return {
-            "optimizer": self._optimizer.state_dict() if self._optimizer else {},
-            "global_step": self.global_step,
-            "updates": self.updates,
-            "seed": self._seed,
-            "old": [t.detach().cpu().clone() for t in self.old],
-        }
+    def extra_state(self) -> dict:
+        """The update count, the base seed and the old policy (CPU copies)."""
+        return {"updates": self.updates, "seed": self._seed, "old": [t.detach().cpu().clone() for t in self.old]}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore ``state_dict`` (after ``bind``); the hyper-parameters stay this optimizer's own options."""
-        if self._optimizer is None:
-            raise RuntimeError("Call bind(backbone) before load_state_dict.")
-        keys = ("optimizer", "global_step", "updates", "seed", "old")
-        missing = [key for key in keys if not isinstance(state, dict) or key not in state]
+    def load_extra_state(self, state: dict) -> None:
+        missing = [key for key in ("updates", "seed", "old") if key not in state]
         if missing:
             raise UserError(
                 f"the optimizer state lacks {', '.join(map(repr, missing))}: it was not written by the nft "
@@ -213,12 +192,8 @@ class NFT:
                 f"the checkpoint's old policy has {len(old)} tensors that do not match the {len(shapes)} trained "
                 "parameters; was the LoRA rank or target list changed since it was written?"
             )
-        self._optimizer.load_state_dict(state["optimizer"])
-        o = self.options
-        for group in self._optimizer.param_groups:
-            group.update(lr=o.learning_rate, betas=tuple(o.adam_betas), weight_decay=o.weight_decay, eps=o.adam_eps)
         self.old = [t.to(device=p.device, dtype=p.dtype).clone() for t, p in zip(old, self._params, strict=True)]
-        self.global_step, self.updates = int(state["global_step"]), int(state["updates"])
+        self.updates = int(state["updates"])
         self._seed = int(state["seed"]) if self.options.seed is None else self.options.seed
 
     def update(
@@ -244,60 +219,29 @@ class NFT:
         r = optimality(advantages[:, -1].to(device=device, dtype=torch.float32), o.adv_clip_max)  # [N]
         schedule = backbone.sigmas(o.num_timesteps)[: o.num_timesteps].to(device=device, dtype=torch.float32)
         generator = cpu_generator(self._draw_seed())  # sample order, times and noise (tpflow.devices, rule 1)
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
+        times: list[Tensor] = []  # the current pass's [N, T] schedule indices
 
-        def add(name: str, value: float) -> None:
-            sums[name] = sums.get(name, 0.0) + value
-            counts[name] = counts.get(name, 0) + 1
+        def passes() -> Iterator[list[Tensor]]:
+            for _ in range(o.num_inner_epochs):
+                order = torch.randperm(n, generator=generator, device="cpu").to(device)
+                # [N, T] indices into the schedule: distinct times per sample, in a random order per sample
+                drawn = torch.rand((n, o.num_timesteps), generator=generator, device="cpu").argsort(dim=1)
+                times[:] = [drawn[:, : o.timesteps_per_sample].to(device)]
+                yield list(order.split(o.micro_batch_size)) if n else []
 
-        steps_before, skipped = self.global_step, 0
-        accumulation = o.gradient_accumulation_steps
-        num_micro = -(-n // o.micro_batch_size)
-        num_steps = int(self._dist.max(-(-num_micro // accumulation)))  # the same on every process
-        for _ in range(o.num_inner_epochs):
-            order = torch.randperm(n, generator=generator, device="cpu").to(device)
-            micro_batches = list(order.split(o.micro_batch_size)) if n else []
-            # [N, T] indices into the schedule: distinct times per sample, in a random order per sample
-            times = torch.rand((n, o.num_timesteps), generator=generator, device="cpu").argsort(dim=1)
-            times = times[:, : o.timesteps_per_sample].to(device)
-            for step in range(num_steps):
-                losses = 0
-                for mb in micro_batches[step * accumulation : (step + 1) * accumulation]:
-                    for j in range(o.timesteps_per_sample):
-                        t = schedule[times[mb, j]]  # [M]
-                        noise = randn(batch.final[mb].shape, generator, device, torch.float32)
-                        out = self.loss(backbone, batch, mb, r[mb], t, noise)
-                        if not torch.isfinite(out.loss):
-                            add("nonfinite_losses", 1.0)
-                            continue
-                        if self._accelerator is not None:
-                            self._accelerator.backward(out.loss)
-                        else:
-                            out.loss.backward()
-                        losses += 1
-                        add("loss", float(out.loss.detach()))
-                        add("policy_loss", float(out.policy))
-                        add("positive_loss", float(out.positive.mean()))
-                        add("negative_loss", float(out.negative.mean()))
-                        add("kl", float(out.kl))
-                outcome = self._optimizer_step(losses)
-                if outcome == "skipped":
-                    skipped += 1
-                elif outcome is not None:
-                    add("grad_norm", outcome)
-                    if on_step is not None:
-                        on_step(self.global_step - 1)
+        def losses(mb: Tensor) -> Iterator[LossThunk]:
+            for j in range(o.timesteps_per_sample):
+                t = schedule[times[0][mb, j]]  # [M]
+                noise = randn(batch.final[mb].shape, generator, device, torch.float32)
+                yield functools.partial(self._row_loss, backbone, batch, mb, r[mb], t, noise)
+
+        result = self.run(passes(), losses, on_step)
         decay = old_decay(self.global_step, o.old_decay_flat, o.old_decay_rate, o.old_decay_max)
         self._update_old(decay)
         self.updates += 1
-        result = {name: sums[name] / counts[name] for name in sums if name != "nonfinite_losses"}
-        result["nonfinite_losses"] = sums.get("nonfinite_losses", 0.0)
         result["trajectories_trained"] = float(n)
         result["optimality_mean"] = float(r.mean()) if n else 0.5
         result["old_decay"] = decay
-        result["optimizer_steps"] = float(self.global_step - steps_before)
-        result["skipped_steps"] = float(skipped)
         return result
 
     def loss(self, backbone: Backbone, batch: Rollout, rows: Tensor, r: Tensor, t: Tensor, noise: Tensor) -> NFTLoss:
@@ -308,9 +252,9 @@ class NFT:
         cond = batch.cond.index(rows)
         x_t = forward_noising(x0.float(), t, noise).to(x0.dtype)
         # The no-grad passes come first: the old policy's values are swapped into the adapter and back, which must
-        # not touch tensors that the graph of v_θ has saved.
+        # not touch tensors that the graph of v_θ has saved (and no autocast cache holds a cast: tpflow.precision).
         with torch.no_grad():
-            with self._old_weights():
+            with swapped(self._params, self.old):
                 v_old = backbone.velocity(x_t, t, cond, batch.guidance)
             v_ref = None
             if o.kl_weight > 0:
@@ -321,22 +265,19 @@ class NFT:
 
     # ---- private -----------------------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _old_weights(self) -> Iterator[None]:
-        """The adapter holds the old policy inside; its own values come back on exit, exactly."""
-        if not self._params:
-            yield
-            return
-        with torch.no_grad():
-            backup = [p.detach().clone() for p in self._params]
-            for param, old in zip(self._params, self.old, strict=True):
-                param.copy_(old)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for param, saved in zip(self._params, backup, strict=True):
-                    param.copy_(saved)
+    def _row_loss(
+        self, backbone: Backbone, batch: Rollout, rows: Tensor, r: Tensor, t: Tensor, noise: Tensor
+    ) -> RowLoss:
+        """:meth:`loss` as the loop takes it: summed over the M samples, with its parts as row sums."""
+        out = self.loss(backbone, batch, rows, r, t, noise)
+        sums = {
+            "loss": out.rows.detach().sum(),
+            "policy_loss": out.policy_rows.sum(),
+            "positive_loss": out.positive.sum(),
+            "negative_loss": out.negative.sum(),
+            "kl": out.kl_rows.sum(),
+        }
+        return RowLoss(out.rows.sum(), out.rows.new_tensor(float(out.rows.shape[0])), sums)
 
     @torch.no_grad()
     def _update_old(self, decay: float) -> None:
@@ -349,12 +290,3 @@ class NFT:
         if self._seed is None:
             self._seed = int(torch.randint(SEED_LIMIT, (1,), device="cpu"))
         return (self._seed + 1_000_003 * self.updates + 7919 * self._dist.rank) % SEED_LIMIT
-
-    def _optimizer_step(self, num_losses: int) -> float | str | None:
-        """``tpflow.optim.step.optimizer_step`` on this optimizer's state; counts a step taken in ``global_step``."""
-        out = optimizer_step(
-            self._dist, self._params, self._optimizer, self._accelerator, self.options.max_grad_norm, num_losses
-        )
-        if out is not None and out != "skipped":
-            self.global_step += 1
-        return out

@@ -26,11 +26,14 @@ from torch import Tensor
 class NFTLoss:
     """The NFT loss of one micro-batch at one draw of (t, ε), with its detached parts."""
 
-    loss: Tensor  # [] differentiable: policy + kl_weight·KL
+    loss: Tensor  # [] differentiable: policy + kl_weight·KL, the mean of ``rows``
     policy: Tensor  # [] detached (adv_clip_max / β)·mean_b(r·L⁺ + (1 − r)·L⁻)
     positive: Tensor  # [N] detached L⁺
     negative: Tensor  # [N] detached L⁻
     kl: Tensor  # [] detached mean_b mean_elems((v_θ − v_ref)²); 0 without a reference
+    rows: Tensor  # [N] differentiable per-sample loss (the optimizer sums them: tpflow.optim.loop)
+    policy_rows: Tensor  # [N] detached per-sample policy part
+    kl_rows: Tensor  # [N] detached per-sample KL (zeros without a reference)
 
 
 def optimality(advantages: Tensor, adv_clip_max: float) -> Tensor:
@@ -85,12 +88,21 @@ def nft_loss(
     positive = _weighted_error(x_t - tt * v_pos, x0)  # [N]
     negative = _weighted_error(x_t - tt * v_neg, x0)  # [N]
     r = r.detach().to(dtype)
-    policy = (adv_clip_max / beta) * (r * positive + (1 - r) * negative).mean()
-    loss, kl = policy, policy.new_zeros(())
+    policy_rows = (adv_clip_max / beta) * (r * positive + (1 - r) * negative)  # [N]
+    rows, kl_rows = policy_rows, torch.zeros_like(policy_rows)
     if v_ref is not None and kl_weight > 0:
-        kl = (v - v_ref.detach().to(dtype)).square().reshape(n, -1).mean(dim=1).mean()
-        loss = policy + kl_weight * kl
-    return NFTLoss(loss, policy.detach(), positive.detach(), negative.detach(), kl.detach())
+        kl_rows = (v - v_ref.detach().to(dtype)).square().reshape(n, -1).mean(dim=1)
+        rows = policy_rows + kl_weight * kl_rows
+    return NFTLoss(
+        rows.mean(),
+        policy_rows.detach().mean(),
+        positive.detach(),
+        negative.detach(),
+        kl_rows.detach().mean(),
+        rows,
+        policy_rows.detach(),
+        kl_rows.detach(),
+    )
 
 
 def _weighted_error(x0_pred: Tensor, x0: Tensor) -> Tensor:

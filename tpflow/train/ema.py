@@ -10,13 +10,13 @@ weights are swapped in for evaluation and saving only; rollouts use the live wei
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
 from torch import Tensor, nn
 
 from tpflow.errors import UserError
+from tpflow.optim.swap import swapped
 
 
 class EMA:
@@ -59,19 +59,16 @@ class EMA:
             shadow.add_(param.detach().to(torch.float32) - shadow, alpha=one_minus_decay)
         return True
 
-    @contextmanager
-    def swapped(self) -> Iterator[None]:
+    def swapped(self) -> AbstractContextManager[None]:
         """Context in which the live parameters hold the EMA values; the live values come back on exit, exactly."""
-        with torch.no_grad():
-            backup = [p.detach().clone() for p in self.params]
-            for param, shadow in zip(self.params, self.shadow, strict=True):
-                param.copy_(shadow)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for param, saved in zip(self.params, backup, strict=True):
-                    param.copy_(saved)
+        return swapped(self.params, self.shadow)
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Shadow ← the live parameters: a resumed or warm-started run whose checkpoint holds no EMA state starts
+        its average from the restored adapter, not from the adapter's initialisation."""
+        for shadow, param in zip(self.shadow, self.params, strict=True):
+            shadow.copy_(param.detach())
 
     def state_dict(self) -> dict[str, Tensor]:
         """The shadow values as CPU float32 tensors, keyed by ``names``."""

@@ -7,7 +7,8 @@ phase the trainer was in does. Each phase holds a different batch on the GPU:
 * sampling: a rollout batch's rows (trajectories, their ODE baselines and completions) through the transformer,
   in calls of at most ``rollout.max_batch`` rows, after the text encoders;
 * scoring: ``train.score_batch`` latents through the VAE decoder and the reward model;
-* updating: ``optimizer.micro_batch_size`` trajectories through the transformer with gradients;
+* updating: a micro-batch of rows through the transformer with gradients (the optimizer names the option that
+  sizes it: ``Optimizer.batch_layout``);
 * evaluation: ``eval.batch_size`` images sampled by ODE.
 
 The run stops there without writing a checkpoint (an update may be half applied); ``--resume`` continues from the
@@ -16,14 +17,16 @@ newest one, which holds whatever was written before.
 
 from __future__ import annotations
 
+from tpflow.types import BatchLayout
+
 KNOBS = {  # phase -> what to lower, and what that costs
     "sampling": "set rollout.max_batch (rows per velocity call, e.g. 8: the rollout is chunked, its samples the "
     'same), or put the text encoders on the CPU (backbone.text_encoders_device = "cpu", where the backbone has '
     "it)",
     "scoring": "lower train.score_batch (images decoded and scored at once; it changes no result)",
-    "updating": "lower optimizer.micro_batch_size and raise optimizer.gradient_accumulation_steps by the same "
-    "factor (the same trajectories per optimizer step), or set backbone.gradient_checkpointing = true where the "
-    "backbone has it",
+    "updating": "lower {micro} and raise {accumulation} by the same factor (the same rows per optimizer step, "
+    "each weighing the same: the gradient does not change), or set backbone.gradient_checkpointing = true where "
+    "the backbone has it",
     "eval": "lower eval.batch_size (images sampled at once; it changes no result)",
 }
 
@@ -35,16 +38,20 @@ def phase_of(description: str) -> str | None:
     return next((phase for phase in KNOBS if description.endswith(phase)), None)
 
 
-def out_of_memory_message(description: str, error: BaseException, resume: str) -> str:
+def out_of_memory_message(
+    description: str, error: BaseException, resume: str, layout: BatchLayout | None = None
+) -> str:
     """One paragraph for an out-of-memory error raised while the trainer was at ``description``; ``resume`` is the
-    command that continues the run."""
+    command that continues the run; ``layout`` is the optimizer's ``batch_layout()`` (None: it has none)."""
     phase = phase_of(description)
+    micro = layout.micro_batch_option if layout is not None else "the optimizer's micro-batch size"
+    accumulation = layout.accumulation_option if layout is not None else "its gradient accumulation"
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     where = f"while {description}" if description else "before the first epoch"
     advice = (
-        f"To fit, {KNOBS[phase]}."
+        f"To fit, {KNOBS[phase].format(micro=micro, accumulation=accumulation)}."
         if phase
-        else "Lower rollout.max_batch, train.score_batch, optimizer.micro_batch_size or eval.batch_size."
+        else f"Lower rollout.max_batch, train.score_batch, {micro} or eval.batch_size."
     )
     return (
         f"Out of GPU memory {where} ({first_line}). {advice} Other processes on the GPU count too (nvidia-smi); "

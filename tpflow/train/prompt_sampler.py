@@ -23,10 +23,10 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Any
 
 from tpflow.errors import UserError
 from tpflow.settings import TrainSettings
+from tpflow.types import BatchLayout
 
 
 @dataclass(frozen=True)
@@ -104,18 +104,17 @@ def _draw(num_items: int, k: int, rng: random.Random) -> list[int]:
     return rng.sample(range(num_items), k) if k <= num_items else rng.choices(range(num_items), k=k)
 
 
-def layout_line(plan: EpochPlan, options: Any, processes: int) -> str:
+def layout_line(plan: EpochPlan, layout: BatchLayout | None, processes: int) -> str:
     """How an epoch is shared, printed when a run starts on several processes: batches, trajectories and optimizer
-    steps per process (``options``: the optimizer's, when it has micro-batches and accumulation)."""
+    steps per process (``layout``: the optimizer's ``batch_layout()``, None when it has no micro-batches)."""
     mine = plan.local(0, processes)
     n = sum(len(b.items) for b in mine)
     line = (
         f"{processes} processes: each samples {len(mine)} of the epoch's {len(plan.batches)} rollout batches "
         f"({n} of {plan.num_trajectories} trajectories)"
     )
-    micro = getattr(options, "micro_batch_size", None)
-    accumulation = getattr(options, "gradient_accumulation_steps", None)
-    if micro and accumulation:
+    if layout is not None:
+        micro, accumulation = layout.micro_batch_size, layout.accumulation
         steps = math.ceil(math.ceil(n / micro) / accumulation)
         line += (
             f"; up to {steps} optimizer steps per epoch, each averaging {micro * accumulation * processes} "

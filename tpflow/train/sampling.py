@@ -13,10 +13,10 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from tpflow.devices import cpu_generator
 from tpflow.interfaces import Backbone, CreditAssigner, Optimizer, RewardModel, Sampler
+from tpflow.precision import Precision
 from tpflow.rewards.call import recipe_policy
 from tpflow.rollout import draw_window, rollout_from_settings
 from tpflow.settings import RolloutSettings, TrainSettings
@@ -37,7 +37,7 @@ class EpochSampler:
     reward: RewardModel
     optimizer: Optimizer
     credit: CreditAssigner
-    accelerator: Any  # accelerate.Accelerator: its autocast
+    precision: Precision  # the autocast region of each rollout batch
     items: list[PromptItem]  # the training split, indexed by the epoch plan
     train: TrainSettings
     rollout: RolloutSettings
@@ -68,7 +68,8 @@ class EpochSampler:
                 generator = cpu_generator(b.seed)  # noise drawn on the CPU, moved to the model (tpflow.devices)
                 cond = encoded.index([text_row[it.prompt] for it in items])
                 # sampling_policy: the weights that collect the data (GRPO: the live adapter; NFT: its old policy)
-                with self.optimizer.sampling_policy(), self.accelerator.autocast():
+                # (the swap happens outside the autocast region: tpflow.precision)
+                with self.optimizer.sampling_policy(), self.precision.autocast():
                     out = rollout_from_settings(
                         self.backbone,
                         self.sampler,

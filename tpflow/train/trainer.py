@@ -45,6 +45,7 @@ from tpflow.devices import resolve_device
 from tpflow.distributed import Distributed, make_accelerator
 from tpflow.errors import UserError
 from tpflow.interfaces import RewardModel
+from tpflow.precision import Precision
 from tpflow.preflight import check_machine
 from tpflow.recipe import Recipe
 from tpflow.rewards.call import recipe_policy
@@ -105,15 +106,15 @@ class Trainer:
         # devices, files, weights, prompts, run dir: a UserError before anything loads; else what was found
         self.machine = check_machine(recipe, self.run_dir)
         # The accelerator follows the backbone's device (a CPU backbone on a GPU machine gets no CUDA autocast);
-        # a device this machine lacks is a UserError here, before anything loads.
-        cpu = resolve_device(getattr(recipe.backbone.options, "device", None)).type != "cuda"
+        # a device this machine lacks is a UserError here, before anything loads. Mixed precision is tpflow's own,
+        # on every device (tpflow.precision): the accelerator runs the processes and the trackers only.
+        device = resolve_device(getattr(recipe.backbone.options, "device", None))
+        cpu = device.type != "cuda"
         if cpu:
             keep_freed_memory()  # batched rollouts on CPU: avoid a page fault per 4 KiB of every big tensor
+        self.precision = Precision(train.mixed_precision, device)
         self.accelerator = make_accelerator(
-            cpu=cpu,
-            mixed_precision="no" if cpu else train.mixed_precision,
-            log_with=recipe.log.trackers,
-            logging_dir=tracker_dir(self.run_dir),
+            cpu=cpu, mixed_precision="no", log_with=recipe.log.trackers, logging_dir=tracker_dir(self.run_dir)
         )
         self.dist = Distributed(self.accelerator)
         self.run_lock = RunDirLock(self.run_dir)  # one writer per run dir (tpflow.train.run_lock), held until fit ends
@@ -140,14 +141,14 @@ class Trainer:
         self.test_items = test[: recipe.eval.num_prompts] if recipe.eval.num_prompts else test
         if self.eval_split != "test":
             self.console.print(f"[yellow]warning:[/] {escape(no_test_split(recipe.dataset.name))}", soft_wrap=True)
-        self.optimizer.bind(self.backbone, self.accelerator)
+        self.optimizer.bind(self.backbone, self.accelerator, self.precision)
         self.epoch_sampler = EpochSampler(
             self.backbone,
             self.sampler,
             reward,
             self.optimizer,
             self.credit,
-            self.accelerator,
+            self.precision,
             self.train_items,
             train,
             recipe.rollout,
@@ -183,7 +184,7 @@ class Trainer:
         )
         if self.dist.enabled:
             plan = plan_epoch(len(self.train_items), self.settings, self.epoch)
-            self.console.print(layout_line(plan, self.optimizer.options, self.dist.world_size))
+            self.console.print(layout_line(plan, self.optimizer.batch_layout(), self.dist.world_size))
         metrics: dict[str, Any] = {}
         progress = Progress(
             SpinnerColumn(),
@@ -221,7 +222,8 @@ class Trainer:
                 self.save()
         except torch.cuda.OutOfMemoryError as exc:  # one paragraph naming the phase's batch setting, no checkpoint
             resume = f"tpflow train {self.recipe.path or 'RECIPE'} --resume --run-dir {self.run_dir}"
-            raise UserError(out_of_memory_message(self._description, exc, resume)) from None
+            layout = self.optimizer.batch_layout()
+            raise UserError(out_of_memory_message(self._description, exc, resume, layout)) from None
         except KeyboardInterrupt:
             if self._weights_ahead:  # updated (part-way, or wholly but not yet counted): not a state to resume from
                 self.console.print(
@@ -287,12 +289,14 @@ class Trainer:
         return self.epoch_sampler(epoch, batches, self._phase, self._advance)
 
     def _update(self, epoch: int, batch: Rollout, advantages: torch.Tensor) -> dict[str, float]:
-        """The optimizer's pass over this process's trajectories, the EMA, and the finiteness check."""
+        """The optimizer's pass over this process's trajectories, the EMA, and the finiteness check.
+
+        No autocast region around it: the optimizer opens one per loss (``Optimizer.bind``'s precision), so no cast
+        outlives the weight changes of its steps, of the EMA or of an old-policy swap (``tpflow.precision``)."""
         self._phase(f"epoch {epoch}: updating", None)
         self._weights_ahead = True  # until fit() counts the epoch as done
         on_step = self.ema.step if self.ema is not None else None  # right after each optimizer step taken
-        with self.accelerator.autocast():
-            update = self.optimizer.update(self.backbone, self.sampler, batch, advantages, on_step=on_step)
+        update = self.optimizer.update(self.backbone, self.sampler, batch, advantages, on_step=on_step)
         update = combine_update_metrics(self.dist.gather_objects([update]))
         self._check_finite(update)
         return update
@@ -333,7 +337,7 @@ class Trainer:
                 self.recipe.eval,
                 seed=eval_seed(self.settings.seed, self.recipe.eval.seed),  # the same noise at every eval
                 dist=self.dist,
-                autocast=self.accelerator.autocast,
+                autocast=self.precision.autocast,
                 grid=grid,
                 policy=recipe_policy(self.settings, self.recipe.eval),
             )
@@ -395,6 +399,8 @@ class Trainer:
             self.optimizer.load_state_dict(ckpt.optimizer_state)
             if self.ema is not None and ckpt.ema_state is not None:
                 self.ema.load_state_dict(ckpt.ema_state)
+            elif self.ema is not None:  # no EMA in the checkpoint: average from the restored adapter, not its init
+                self.ema.reset()
             restore_rng_state(ckpt.rng_state)
             self.epoch = int(ckpt.train_state["epoch"])
         self.last_eval = dict(ckpt.train_state.get("last_eval") or {})
@@ -424,8 +430,8 @@ class Trainer:
             if self.nonfinite_epochs >= MAX_NONFINITE_EPOCHS:
                 raise UserError(
                     f"Non-finite losses in {MAX_NONFINITE_EPOCHS} epochs in a row: the run stops. Lower "
-                    "optimizer.learning_rate (with grpo, or raise optimizer.clip_range), then resume from the last "
-                    "checkpoint."
+                    "optimizer.learning_rate (or another of the optimizer's step sizes: `tpflow components "
+                    "optimizer` lists them), then resume from the last checkpoint."
                 )
         else:
             self.nonfinite_epochs = 0

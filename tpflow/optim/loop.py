@@ -1,0 +1,233 @@
+"""The skeleton GRPO and NFT share: AdamW over the adapter, and one update loop around a per-micro-batch loss.
+
+A subclass (``tpflow.optim.grpo.GRPO``, ``tpflow.optim.nft.NFT``; a plugin optimizer alike) supplies only its
+options (the AdamW and batching fields of :class:`LoopOptions`), the micro-batches of a pass and, per micro-batch,
+its losses as thunks returning :class:`RowLoss`. The loop does the rest, the same for every optimizer:
+
+* **Uniform weights** (docs/algorithm.md §8 D16). Each loss is a *sum* over the rows it trains (a row: one
+  trajectory at one window step for GRPO, one sample at one time t for NFT); the gradients of an optimizer step are
+  divided by the number of rows trained in that step over every process (``Distributed.sync_gradients``). Every row
+  of a step therefore weighs the same, however the rows fall into micro-batches (ragged ones after the zero-std
+  filter, masked rows, several processes); with equal micro-batches and no masked row this is the reference's
+  mean of per-micro-batch means. Lowering ``micro_batch_size`` and raising ``gradient_accumulation_steps`` by the
+  same factor leaves each step's gradient unchanged.
+* **Precision** (``tpflow.precision``): each loss's forward passes run in their own autocast region, which never
+  caches a cast; backward (scaled under fp16) and the optimizer step run outside any region.
+* **Few host reads**: one per loss (does it train any row, is it finite: together), one per optimizer step (its
+  row count), the fp16 scaler's; the metrics stay on the device and are read once per update.
+* Every process takes the same number of optimizer steps (one collective per update); a step the fp16 scaler skips
+  is not counted and does not call ``on_step``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from tpflow.distributed import Distributed
+from tpflow.errors import UserError
+from tpflow.interfaces import Backbone
+from tpflow.precision import FP32, Precision
+from tpflow.types import BatchLayout
+
+
+@dataclass
+class RowLoss:
+    """The loss of one unit of a micro-batch (GRPO: one window step; NFT: one draw of t and ε)."""
+
+    total: Tensor  # [] differentiable: the sum over the trained rows of their per-row loss
+    rows: Tensor  # [] how many rows it trains (float, on the loss's device); 0: nothing to back-propagate
+    sums: dict[str, Tensor] = field(default_factory=dict)  # [] detached sums over the trained rows -> row means
+    maxima: dict[str, Tensor] = field(default_factory=dict)  # [] detached maxima over the trained rows
+
+
+LossThunk = Callable[[], "RowLoss"]
+
+
+class LoopOptions:
+    """The option fields the loop reads (a pydantic options model of the subclass provides them)."""
+
+    learning_rate: float
+    adam_betas: tuple[float, float]
+    weight_decay: float
+    adam_eps: float
+    max_grad_norm: float
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    num_inner_epochs: int
+
+
+class AdamWLoop:
+    """AdamW over ``backbone.trainable_parameters()`` and the update loop (module docstring).
+
+    Subclasses set ``self.options`` and implement ``update`` by calling :meth:`run`; they add their own state
+    through :meth:`extra_state` / :meth:`load_extra_state`."""
+
+    options: LoopOptions
+
+    def __init__(self) -> None:
+        self.global_step = 0  # optimizer steps taken
+        self._params: list[torch.nn.Parameter] = []
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._dist = Distributed()
+        self.precision: Precision = FP32
+
+    # ---- binding and state -------------------------------------------------------------------------------------
+
+    def bind(self, backbone: Backbone, accelerator=None, precision: Precision | None = None) -> None:
+        """AdamW over the backbone's trainable parameters; collectives from ``accelerator`` (None: one process),
+        forward precision and loss scaling from ``precision`` (None: float32)."""
+        o = self.options
+        self._params = list(backbone.trainable_parameters())
+        if not self._params:
+            raise ValueError("The backbone has no trainable parameters: attach an adapter before training.")
+        self._optimizer = torch.optim.AdamW(
+            self._params, lr=o.learning_rate, betas=o.adam_betas, weight_decay=o.weight_decay, eps=o.adam_eps
+        )
+        self._dist = Distributed(accelerator)
+        self.precision = precision if precision is not None else FP32
+
+    def batch_layout(self) -> BatchLayout:
+        """How ``update`` batches its rows (``Optimizer.batch_layout``)."""
+        o = self.options
+        return BatchLayout(
+            o.micro_batch_size, o.gradient_accumulation_steps, "optimizer.micro_batch_size",
+            "optimizer.gradient_accumulation_steps",
+        )  # fmt: skip
+
+    def state_dict(self) -> dict:
+        """AdamW moments, the step count, the fp16 scaler and the subclass's ``extra_state``."""
+        return {
+            "optimizer": self._optimizer.state_dict() if self._optimizer else {},
+            "global_step": self.global_step,
+            "scaler": self.precision.state_dict(),
+            **self.extra_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict`` (after ``bind``). The hyper-parameters stay this optimizer's own options (torch's
+        ``load_state_dict`` would bring back the checkpoint's learning rate, betas, weight decay and epsilon): a run
+        resumed with ``--set optimizer.learning_rate=...`` trains with the new value."""
+        if self._optimizer is None:
+            raise RuntimeError("Call bind(backbone) before load_state_dict.")
+        missing = [key for key in ("optimizer", "global_step") if not isinstance(state, dict) or key not in state]
+        if missing:
+            raise UserError(
+                f"the optimizer state lacks {', '.join(map(repr, missing))}: it was not written by the "
+                f"{self.registered_name} optimizer's state_dict."
+            )
+        self.load_extra_state(state)  # first: it refuses another optimizer's state before anything changes
+        self._optimizer.load_state_dict(state["optimizer"])
+        o = self.options
+        for group in self._optimizer.param_groups:
+            group.update(lr=o.learning_rate, betas=tuple(o.adam_betas), weight_decay=o.weight_decay, eps=o.adam_eps)
+        self.precision.load_state_dict(state.get("scaler") or {})
+        self.global_step = int(state["global_step"])
+
+    registered_name = "this"  # the subclass's registry name, for messages only
+
+    def extra_state(self) -> dict:
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        """Check and restore the subclass's part of ``state`` (raise ``UserError`` for another optimizer's)."""
+
+    # ---- the loop ----------------------------------------------------------------------------------------------
+
+    def run(
+        self,
+        passes: Iterable[list[Tensor]],
+        losses: Callable[[Tensor], Iterable[LossThunk]],
+        on_step: Callable[[int], object] | None,
+    ) -> dict[str, float]:
+        """Train over ``passes`` (per inner epoch, its micro-batches in order: row indices) with the losses that
+        ``losses(micro_batch)`` yields; ``on_step(n)`` after each optimizer step taken. Returns the update's
+        metrics: row means of every ``RowLoss.sums`` entry, maxima (overall and, as ``first_<name>``, before the
+        first optimizer step), ``grad_norm``, ``nonfinite_losses``, ``rows_trained``, ``optimizer_steps``,
+        ``skipped_steps``."""
+        accumulation = self.options.gradient_accumulation_steps
+        totals = _Totals()
+        steps_before, skipped, num_steps = self.global_step, 0, None
+        for micro_batches in passes:
+            if num_steps is None:  # every process takes as many steps as the one with the most micro-batches
+                num_steps = int(self._dist.max(-(-len(micro_batches) // accumulation)))
+            for step in range(num_steps):
+                rows = 0.0
+                for mb in micro_batches[step * accumulation : (step + 1) * accumulation]:
+                    for thunk in losses(mb):
+                        rows += self._backward(thunk, totals, first=self.global_step == steps_before)
+                taken = self._step(rows, totals)
+                if taken is False:
+                    skipped += 1
+                elif taken and on_step is not None:
+                    on_step(self.global_step - 1)
+        result = totals.result()
+        result.update(optimizer_steps=float(self.global_step - steps_before), skipped_steps=float(skipped))
+        return result
+
+    def _backward(self, thunk: LossThunk, totals: _Totals, first: bool) -> float:
+        """Forward one loss in its autocast region and back-propagate it outside; returns the rows it trained."""
+        with self.precision.autocast():
+            out = thunk()
+        flags = torch.stack([out.rows.detach().float(), torch.isfinite(out.total.detach()).float()])
+        rows, finite = flags.tolist()  # the loss's one host read
+        if rows == 0:
+            return 0.0
+        if not finite:
+            totals.nonfinite += 1
+            return 0.0
+        self.precision.backward(out.total)
+        totals.add(out, rows, first)
+        return rows
+
+    def _step(self, rows: float, totals: _Totals) -> bool | None:
+        """Divide the step's gradients by its rows over every process, clip, step. True: taken; False: skipped by
+        the fp16 scaler; None: no process trained a row (no step)."""
+        if self._dist.sync_gradients(self._params, rows) == 0:
+            self._optimizer.zero_grad(set_to_none=True)
+            return None
+        norm, skipped = self.precision.step(self._optimizer, self._params, self.options.max_grad_norm)
+        if skipped:
+            return False
+        totals.add_step("grad_norm", norm)
+        self.global_step += 1
+        return True
+
+    def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
+        """The live adapter collects the rollouts unless a subclass says otherwise."""
+        return contextlib.nullcontext()
+
+
+class _Totals:
+    """Metric sums and maxima of one update, kept on the device and read once, at the end."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, Tensor] = {}  # row sums -> row means
+        self.maxima: dict[str, Tensor] = {}  # -> maxima (and, as first_<name>, before the first step)
+        self.steps: dict[str, list[Tensor]] = {}  # one value per optimizer step -> means over the steps
+        self.rows = 0.0
+        self.nonfinite = 0
+
+    def add(self, out: RowLoss, rows: float, first: bool) -> None:
+        self.rows += rows
+        for name, value in out.sums.items():
+            self.sums[name] = self.sums[name] + value.detach() if name in self.sums else value.detach()
+        for name, value in out.maxima.items():
+            for key in (name, f"first_{name}") if first else (name,):
+                value = value.detach()
+                self.maxima[key] = torch.maximum(self.maxima[key], value) if key in self.maxima else value
+
+    def add_step(self, name: str, value: Tensor) -> None:
+        self.steps.setdefault(name, []).append(value.detach())
+
+    def result(self) -> dict[str, float]:
+        values = [*self.sums.values(), *self.maxima.values(), *(torch.stack(v).mean() for v in self.steps.values())]
+        read = torch.stack([v.double().reshape(()) for v in values]).tolist() if values else []  # one read
+        means = [v / self.rows for v in read[: len(self.sums)]] if self.rows else read[: len(self.sums)]
+        out = dict(zip([*self.sums, *self.maxima, *self.steps], [*means, *read[len(self.sums) :]], strict=True))
+        out.update(nonfinite_losses=float(self.nonfinite), rows_trained=self.rows)
+        return out

@@ -1,0 +1,100 @@
+"""Mixed precision on the training path: autocast regions that never outlive a weight change, and the fp16 scaler.
+
+``train.mixed_precision`` ("no", "fp16", "bf16") is honoured on every device, the CPU included, so the CPU test suite
+runs the recipes' precision too. tpflow owns it rather than accelerate (whose ``Accelerator`` is built with
+``mixed_precision = "no"``): accelerate gives a CPU fp16 run neither autocast nor a gradient scaler, and its
+``autocast()`` caches casts, which is the hazard below.
+
+Why the regions are small and never cache (docs/training.md, "Mixed precision"): autocast keeps the low-precision
+cast of every float32 leaf that requires grad (the LoRA matrices) until the *outermost* region exits, keyed by the
+tensor, not by its version. An optimizer step, an EMA swap or the NFT old-policy swap writes those tensors in place;
+inside one long region every later forward would still use the cast of the old values (an update that trained on
+the epoch-start weights: a GRPO ratio of exactly 1 after every step, NFT's v_θ = v_old). So:
+
+* every region is opened with ``cache_enabled=False``: a cast is never reused, whatever runs inside;
+* the optimizer skeleton (``tpflow.optim.loop``) opens one region per loss (its forward passes) and runs backward
+  and the optimizer step outside any region, as PyTorch recommends; rollout and evaluation open one per batch.
+
+Without the cache each use of a LoRA matrix casts it again; a forward uses each once, so this costs nothing
+measurable (``benchmarks/autocast_scope.py``, docs/training.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from tpflow.errors import UserError
+
+Mode = Literal["no", "fp16", "bf16"]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Precision:
+    """The precision of one run's forward passes and, under fp16, the gradient scaler of its backward passes.
+
+    Args:
+        mode: ``train.mixed_precision``.
+        device: the backbone's device (its type picks the autocast backend and the scaler's).
+    """
+
+    def __init__(self, mode: Mode = "no", device: torch.device | str = "cpu") -> None:
+        if mode not in ("no", *DTYPES):
+            raise UserError(f"train.mixed_precision must be 'no', 'fp16' or 'bf16', got {mode!r}.")
+        self.mode = mode
+        self.device_type = torch.device(device).type
+        if mode != "no" and not torch.amp.is_autocast_available(self.device_type):
+            raise UserError(
+                f"train.mixed_precision = {mode!r} needs torch autocast on {self.device_type!r}, which this torch "
+                f"({torch.__version__}) lacks; set train.mixed_precision = 'no'."
+            )
+        # fp16 gradients underflow without loss scaling; bf16 has float32's range and needs none
+        self.scaler = torch.amp.GradScaler(self.device_type) if mode == "fp16" else None
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The autocast dtype, None without mixed precision."""
+        return DTYPES.get(self.mode)
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """A region of forward passes: autocast to ``dtype`` without the weight cache (module docstring)."""
+        if self.mode == "no":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False)
+
+    def backward(self, loss: Tensor) -> None:
+        """Back-propagate ``loss``, scaled under fp16 (outside any autocast region)."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter], max_norm: float):
+        """Unscale (fp16), clip to ``max_norm``, step and zero the gradients. Returns ``(norm, skipped)``: the
+        pre-clip norm (a 0-d tensor, not read here) and whether the scaler skipped the step for inf/NaN gradients
+        (one host read, fp16 only)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        skipped = False
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale  # the scale backs off exactly when the step was skipped
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm, skipped
+
+    def state_dict(self) -> dict:
+        """The scaler's state (its scale and growth tracker), for exact resume; empty without one."""
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)
+
+
+FP32 = Precision("no")  # what an optimizer bound without a trainer uses
