@@ -227,8 +227,12 @@ def test_completion_steps_settings():
 
 
 def test_independent_baseline_uses_fresh_noise(backbone):
+    """The independent baseline is the ODE image of noise from its own stream (``baseline_generator``, seeded by the
+    generator's first draw): neither z_0 nor the generator's next draws, so it is no copy of the main trajectory."""
+    from tpflow.rollout import baseline_generator
+
     sigmas = backbone.sigmas(6)
-    cond, z0 = _setup(backbone)
+    cond, z0 = _setup(backbone, seed=4)  # z_0 from a generator seeded like the SDE one: still not the fresh noise
     gen = torch.Generator().manual_seed(4)
     out = rollout(
         backbone,
@@ -242,9 +246,87 @@ def test_independent_baseline_uses_fresh_noise(backbone):
         baseline_noise="independent",
         generator=gen,
     )
-    fresh = backbone.initial_noise(z0.shape[0], torch.Generator().manual_seed(4))
+    fresh = backbone.initial_noise(z0.shape[0], baseline_generator(torch.Generator().manual_seed(4)))
     assert close(out.completions[:, 0], _ode(backbone, fresh, cond, sigmas, 0, 1.0), atol=1e-5)
+    assert not torch.allclose(fresh, z0, atol=0.5)
+    assert not torch.allclose(fresh, backbone.initial_noise(z0.shape[0], torch.Generator().manual_seed(4)), atol=0.5)
     assert not torch.allclose(out.completions[:, 0], out.final, atol=1e-3)
+
+
+@pytest.mark.parametrize("sampler_name", ["cps", "flow-sde"])
+def test_main_trajectory_does_not_depend_on_baseline_or_completions(backbone, sampler_name):
+    """Same seed and z_0: the main trajectory (window transitions, log-probs, final latents) is the same whatever
+    ``baseline_noise``, ``completions``, ``completion_steps`` or ``transitions`` (docs/algorithm.md §1.6), so arms
+    that differ in them are paired on ξ. The window leaves ODE steps before and after it, which draw ξ too."""
+    sampler = tpflow.build("sampler", sampler_name)
+    sigmas = backbone.sigmas(6)
+    cond, z0 = _setup(backbone)
+    window = Window(1, 3)
+
+    def run(**kwargs):
+        return rollout(
+            backbone, sampler, cond, z0, sigmas, window, 0.7, 2.0, generator=torch.Generator().manual_seed(8), **kwargs
+        )
+
+    reference = run(completions="ode", baseline_noise="shared")
+    arms = {
+        "ode, independent": run(completions="ode", baseline_noise="independent"),
+        "x0, shared": run(completions="x0", baseline_noise="shared"),
+        "x0, independent": run(completions="x0", baseline_noise="independent"),
+        "none, shared": run(completions=None, baseline_noise="shared"),
+        "none, independent": run(completions=None, baseline_noise="independent"),
+        "ode, 2 steps, independent": run(completions="ode", baseline_noise="independent", completion_steps=2),
+    }
+    for name, out in arms.items():
+        assert close(out.final, reference.final, atol=0, rtol=0), name
+        assert close(out.latents, reference.latents, atol=0, rtol=0), name
+        assert close(out.next_latents, reference.next_latents, atol=0, rtol=0), name
+        assert close(out.log_probs, reference.log_probs, atol=0, rtol=0), name
+    final_only = run(completions=None, transitions=False)
+    assert close(final_only.final, reference.final, atol=0, rtol=0)
+    # the baselines do differ: R_0 from z_0 against R_0 from fresh noise
+    assert not torch.allclose(arms["ode, independent"].completions[:, 0], reference.completions[:, 0], atol=1e-3)
+
+
+@torch.no_grad()
+def _window_xi(backbone, sampler, out, start: int, cond, sigmas, k: int) -> torch.Tensor:
+    """The ξ of generation step k recovered from a rollout (window start ``start``, α 0.7, guidance 2) from its stored
+    transition at window position k − start: (z_{k+1} − μ) / std."""
+    z, z_next = out.latents[:, k - start], out.next_latents[:, k - start]
+    v = backbone.velocity(z, sigmas[k].expand(z.shape[0]), cond, 2.0)
+    step = sampler.log_prob(z_next, z, v, sigmas[k], sigmas[k + 1], 0.7)
+    return (z_next.float() - step.mean) / step.std.view(-1, *([1] * (z.ndim - 1)))
+
+
+@pytest.mark.parametrize("sampler_name", ["cps", "flow-sde"])
+def test_a_step_common_to_two_windows_gets_the_same_xi(backbone, sampler_name):
+    """ξ_k is a function of (generator seed, k) only: windows [0, 4) and [2, 5) (different baselines too) give
+    steps 2 and 3 the same ξ, recovered from each stored transition as (z_{k+1} − μ) / std: the generator's draw
+    k + 2 (after the baseline generator's seed and one [N, ...] draw per earlier step, window or not)."""
+    from tpflow.rollout import baseline_generator
+
+    sampler = tpflow.build("sampler", sampler_name)
+    sigmas = backbone.sigmas(6)
+    cond, z0 = _setup(backbone)
+
+    def run(window, baseline_noise):
+        gen = torch.Generator().manual_seed(12)
+        return rollout(
+            backbone, sampler, cond, z0, sigmas, window, 0.7, 2.0, baseline_noise=baseline_noise, generator=gen
+        )
+
+    early, late = run(Window(0, 4), "shared"), run(Window(2, 3), "independent")
+    stream = torch.Generator().manual_seed(12)
+    baseline_generator(stream)
+    draws = [torch.randn(z0.shape, generator=stream) for _ in range(6)]  # ξ_0 .. ξ_5
+    for k in (2, 3):
+        xi_early = _window_xi(backbone, sampler, early, 0, cond, sigmas, k)
+        xi_late = _window_xi(backbone, sampler, late, 2, cond, sigmas, k)
+        assert close(xi_early, xi_late, atol=1e-5, rtol=1e-5), k  # float32 recovery: ~5e-7
+        assert close(xi_late, draws[k].to(xi_late.device), atol=1e-5, rtol=1e-5), k
+        assert 0.8 < float(xi_early.std()) < 1.2  # a standard normal draw, not a degenerate quotient
+    xi = [_window_xi(backbone, sampler, early, 0, cond, sigmas, k) for k in (2, 3)]
+    assert not torch.allclose(xi[0], xi[1], atol=0.5)  # each step its own draw
 
 
 def test_draw_window():

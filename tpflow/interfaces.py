@@ -86,7 +86,8 @@ class Sampler(Protocol):
         generator: torch.Generator | None = None,
         noise: Tensor | None = None,
     ) -> StepOutput:
-        """Advance z from ``sigma`` to ``sigma_next`` ([] or [N] each); ``noise`` replaces the generator's draw ξ."""
+        """Advance z from ``sigma`` to ``sigma_next`` ([] or [N] each); ``noise`` replaces the generator's draw ξ
+        (the rollout engine always passes its own ξ: docs/algorithm.md §1.6)."""
         ...
 
     def log_prob(

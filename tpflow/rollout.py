@@ -18,6 +18,12 @@ Cheaper completions: with ``completion_steps = c`` an ODE completion integrates 
 steps instead of one per remaining step. Its nodes are c + 1 grid indices spread evenly from its start to K
 (:func:`completion_nodes`), so each of its velocity calls still falls on a step of the main schedule and rides in that
 step's batched call. c = 1 is the one-step x0 estimate z − σ·v; c ≥ the remaining steps is the exact completion.
+
+Noise (docs/algorithm.md §1.6): the generator's first draw seeds the independent baseline's own CPU generator
+(:func:`baseline_generator`, drawn whatever ``baseline_noise`` is); then the main trajectory takes one ξ of shape
+[N, ...] per generation step k = 0..K-1, in order, whether or not step k is in the window (outside it the draw is
+discarded). So ξ_k depends on the generator's state at the call and on k only, not on the window, the baseline, the
+completions or ``completion_steps``: arms that differ in those are paired on ξ.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from tpflow.devices import cpu_generator
+from tpflow.devices import cpu_generator, randn
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.samplers.euler import euler_step
 from tpflow.settings import RolloutSettings
@@ -86,6 +92,35 @@ def completion_nodes(start: int, num_steps: int, steps: int | None) -> list[int]
     return sorted({start + round(i * left / steps) for i in range(steps + 1)})
 
 
+def baseline_generator(generator: torch.Generator | None) -> torch.Generator:
+    """The independent baseline's CPU generator, seeded by one 63-bit draw from ``generator`` (the CPU's global RNG
+    when None): a stream of its own, so its fresh noise is not the main trajectory's ξ nor z_0, and a rollout's first
+    draw, made whatever ``baseline_noise`` is, keeps the ξ that follow the same in every arm."""
+    device = generator.device if generator is not None else torch.device("cpu")
+    seed = torch.randint(0, 2**63 - 1, (1,), generator=generator, device=device, dtype=torch.int64)
+    return cpu_generator(int(seed))
+
+
+class _MainNoise:
+    """The main trajectory's ξ: one [N, ...] standard-normal draw per generation step k = 0..K-1, taken in order
+    from ``generator`` whether or not step k is in the window, so ξ_k is a function of the generator's state and k
+    only. A window step's ξ is moved to ``device`` (``tpflow.devices.randn``); any other step's draw only advances
+    the stream (on the generator's device, nothing moved, nothing kept)."""
+
+    def __init__(self, generator: torch.Generator | None, shape: tuple[int, ...], device: torch.device):
+        self.generator, self.shape, self.device = generator, shape, device
+        self.source = generator.device if generator is not None else torch.device("cpu")
+        self.k = 0  # the step whose ξ is drawn next
+
+    def draw(self, k: int, keep: bool) -> Tensor | None:
+        """ξ_k [N, ...] float32 on ``device`` when ``keep``, else None (the draw made and discarded)."""
+        if k != self.k:
+            raise RuntimeError(f"ξ of step {self.k} is due, not of step {k}: the draws must follow the steps.")
+        self.k += 1
+        xi = randn(self.shape, self.generator, self.device if keep else self.source)
+        return xi if keep else None
+
+
 @torch.no_grad()
 def rollout(
     backbone: Backbone,
@@ -119,10 +154,12 @@ def rollout(
         completions: "ode" completes every j = 0..W-1 by Euler ODE (exact); "x0" takes the one-step estimate
             z_{s+j} − σ_{s+j}·v from the velocity already computed (no extra NFE); None computes neither (outcome
             credit needs only R_W).
-        baseline_noise: R_0 from the trajectory's own z_0 ("shared", the paper) or from fresh noise drawn with
-            ``generator`` ("independent", the reference code; always completed by ODE).
+        baseline_noise: R_0 from the trajectory's own z_0 ("shared", the paper) or from fresh noise
+            ("independent", the reference code; always completed by ODE), drawn from :func:`baseline_generator`,
+            a stream apart from the main trajectory's ξ.
         source: [N] long index into z0 (default: z0 has N rows, one per trajectory).
-        generator: RNG of the SDE noise (and of the independent baseline's noise).
+        generator: RNG of the SDE noise ξ, one [N, ...] draw per step k = 0..K-1 whatever the window (module
+            docstring), after one draw that seeds :func:`baseline_generator`; the CPU's global RNG when None.
         max_batch: the largest number of rows in one velocity call.
         reuse_main_velocity: start each ODE branch with the main trajectory's velocity at the same latent (exact,
             one evaluation less per branch); False evaluates it again, as the reference does.
@@ -150,13 +187,16 @@ def rollout(
         raise ValueError("completions need the stored window (transitions=True); pass completions=None.")
     first = torch.stack([(source == p).nonzero()[0, 0] for p in range(z0.shape[0])])  # [P] a trajectory per noise row
     engine = _Velocity(backbone, cond, sigmas, guidance, max_batch)
+    fresh_generator = baseline_generator(generator)  # drawn in every arm, so the ξ below are the same in each
+    noise = _MainNoise(generator, (n, *z0.shape[1:]), z0.device)
     independent = None  # the reference's baseline from fresh noise: ODE from step 0, alongside everything else
     if completions is not None and baseline_noise == "independent":
-        fresh = backbone.initial_noise(n, generator).to(z0.device, z0.dtype)
+        fresh = backbone.initial_noise(n, fresh_generator).to(z0.device, z0.dtype)
         independent = _Branch(fresh, torch.arange(n, device=z0.device))
     # The prefix: every noise row by Euler ODE up to the window (shared by the trajectories of one row).
     prefix = _Branch(z0.clone(), first)
     for k in range(s):
+        noise.draw(k, keep=False)
         live = [prefix] + ([independent] if independent is not None else [])
         for branch, v in zip(live, engine(live, k), strict=True):
             branch.z = euler_step(branch.z, v, sigmas[k], sigmas[k + 1])
@@ -174,7 +214,7 @@ def rollout(
     )
     main = _Branch(prefix.z[source], torch.arange(n, device=z0.device))
     for k in range(s, num_steps):  # the window's SDE steps, then the ODE tail; live branches ride along
-        loop.step(main, k, generator, independent)
+        loop.step(main, k, noise, independent)
     completed = None if completions is None else loop.completed(source, independent)  # [N, W, ...]
     if not transitions:  # final samples only: an empty window (W = 0), σ of the final latent
         empty = main.z.new_zeros((n, 0, *main.z.shape[1:]))
@@ -250,7 +290,7 @@ class _WindowLoop:
         self.log_probs: list[Tensor] = []
         self.store = store  # keep the window's transitions (False: final samples only)
 
-    def step(self, main: _Branch, k: int, generator, independent: _Branch | None) -> None:
+    def step(self, main: _Branch, k: int, noise: _MainNoise, independent: _Branch | None) -> None:
         others = [b for b in self.branches if b.live(k)] + ([independent] if independent is not None else [])
         live = [main, *others]
         vs = self.engine(live, k)
@@ -258,11 +298,13 @@ class _WindowLoop:
         for branch, v in zip(others, vs[1:], strict=True):
             self._advance(branch, v, k)
         v_main, s = vs[0], self.window.start
-        if not s <= k < s + self.window.size:
+        inside = s <= k < s + self.window.size
+        xi = noise.draw(k, keep=inside)  # ξ_k is drawn at every step, kept inside the window only
+        if not inside:
             main.z = euler_step(main.z, v_main, sigma, sigma_next)
             return
         self._start_completion(main, v_main, k - s, k, sigma, sigma_next)
-        out = self.sampler.step(main.z, v_main, sigma, sigma_next, self.noise_level, generator=generator)
+        out = self.sampler.step(main.z, v_main, sigma, sigma_next, self.noise_level, noise=xi)
         if self.store:
             self.latents.append(main.z)
             self.next_latents.append(out.prev)

@@ -87,8 +87,9 @@ class CpsSampler:
             sigma: current noise level, float, 0-d or [N].
             sigma_next: next noise level (<= sigma), float, 0-d or [N].
             noise_level: α in [0, 1]; 1 puts all of σ⁺ into fresh noise.
-            generator: RNG for ξ (on z's device); the global RNG when None. ξ is drawn even when α = 0, as the
-                reference does (docs/algorithm.md §1.6), so the RNG stream does not depend on the window.
+            generator: RNG for ξ (``tpflow.devices.randn``: drawn on the generator's device, moved to z's); the
+                CPU's global RNG when None. ξ is drawn even when α = 0. The rollout engine passes ``noise``
+                instead, its own draw for the step (docs/algorithm.md §1.6).
             noise: explicit standard-normal ξ [N, ...] replacing the draw.
 
         Returns:
