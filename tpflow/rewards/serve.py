@@ -180,7 +180,7 @@ class RewardServer(ThreadingHTTPServer):
         return {"scores": scores.tolist(), "details": details}
 
     # Connection bound: the accept loop hands a connection to a thread only while a slot is free, or can be freed at
-    # once; otherwise it refuses it at once. It never waits, so /health is answered however busy the slots are.
+    # once; otherwise it refuses it at once. It never waits, so /health (accepted here too) is answered at once.
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.take():
             self._refuse(request)
