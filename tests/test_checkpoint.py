@@ -270,3 +270,94 @@ def test_keep_checkpoints_is_a_train_option():
     assert TrainSettings(keep_checkpoints=0).keep_checkpoints == 0
     with pytest.raises(ValueError, match="keep_checkpoints"):
         TrainSettings(keep_checkpoints=-1)
+
+
+def test_the_folder_is_fsynced_after_the_rename_and_before_pruning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A power cut right after the save must not lose the new checkpoint and the pruned one both: the rename into
+    ``checkpoints/`` reaches the disk (the folder fsynced) before anything older is deleted."""
+    import tpflow.train.checkpoint as ck
+
+    _save(tmp_path, 1, keep_last=1)
+    root = tmp_path / "checkpoints"
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename, real_rmtree = os.fsync, os.rename, ck.shutil.rmtree
+
+    def fsync(fd: int) -> None:
+        if os.fstat(fd).st_ino == root.stat().st_ino:
+            events.append(("fsync", root.name))
+        real_fsync(fd)
+
+    def rename(src, dst) -> None:
+        events.append(("rename", f"{Path(src).name} -> {Path(dst).name}"))
+        real_rename(src, dst)
+
+    def rmtree(path, *args, **kwargs) -> None:
+        if Path(path).exists():
+            events.append(("delete", Path(path).name))
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(ck.shutil, "rmtree", rmtree)
+    _save(tmp_path, 2, keep_last=1)
+    monkeypatch.undo()
+    installed = events.index(("rename", f".tmp-2-{os.getpid()} -> 00000002"))
+    pruning = next(i for i, (kind, what) in enumerate(events) if "00000001" in what)
+    assert installed < events.index(("fsync", "checkpoints"), installed) < pruning, events
+    assert _names(tmp_path) == ["00000002"]
+
+
+def _kill_while_deleting(path, *args, **kwargs) -> None:
+    """shutil.rmtree killed part-way (kill -9): some files of the folder gone, the rest left behind."""
+    path = Path(path)
+    if path.exists():
+        (path / "manifest.json").unlink(missing_ok=True)
+        (path / "optimizer.pt").unlink(missing_ok=True)
+        raise KeyboardInterrupt
+
+
+def test_a_kill_mid_prune_leaves_no_half_deleted_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Pruning renames a checkpoint out of the step numbers before deleting it: a kill during the deletion leaves a
+    ``.pruned-*`` folder, which the next start removes, never a half-deleted ``<step>`` that stays for good."""
+    import tpflow.train.checkpoint as ck
+
+    for step in (1, 2, 3):
+        _save(tmp_path, step, keep_last=3)
+    monkeypatch.setattr(ck.shutil, "rmtree", _kill_while_deleting)
+    with pytest.raises(KeyboardInterrupt):
+        _save(tmp_path, 4, keep_last=3)  # the final save, killed while it prunes 00000001
+    monkeypatch.undo()
+    assert _steps(tmp_path) == ["00000002", "00000003", "00000004"]
+    assert [name.rsplit("-", 1)[0] for name in _names(tmp_path) if not name.isdigit()] == [".pruned-00000001"]
+    assert find_checkpoint(tmp_path) == (tmp_path / "checkpoints" / "00000004", [])  # no warning: nothing skipped
+    assert _names(tmp_path) == ["00000002", "00000003", "00000004"]  # the leftover removed at the next start
+
+
+def test_a_resume_completes_a_prune_that_a_kill_interrupted(tmp_path: Path):
+    """The state a kill mid-prune leaves (an older checkpoint half-deleted in place, as before pruning renamed
+    first, and a ``.pruned-*`` folder of a dead process) is cleaned by any resume from the run's own checkpoints,
+    pruned to ``train.keep_checkpoints``: a finished run resumes and saves nothing, so nothing else would prune it.
+    A warm start from another run's checkpoint prunes nothing of that run."""
+    from rich.console import Console
+
+    from tpflow.recipe import load_recipe
+    from tpflow.train.resume import checkpoint_to_resume
+
+    root = Path(__file__).resolve().parent.parent
+    recipe = load_recipe(root / "recipes" / "tiny_smoke.toml", ["train.keep_checkpoints=2"])
+    run, other = tmp_path / "run", tmp_path / "other"
+    for step in (1, 2, 3, 4):
+        _save(run, step, keep_last=0, recipe=recipe.data)
+        _save(other, step, keep_last=0, recipe=recipe.data)
+    checkpoints = run / "checkpoints"
+    (checkpoints / "00000001" / ADAPTER_FILE).unlink()  # half-deleted where it lies
+    os.rename(checkpoints / "00000002", checkpoints / ".pruned-00000002-999999999")  # renamed, then killed
+    (checkpoints / ".pruned-00000002-999999999" / "manifest.json").unlink()
+    console = Console(quiet=True)
+    assert checkpoint_to_resume(run, True, recipe, console, is_main=False).step == 4  # only the main process prunes
+    assert _steps(run) == ["00000001", "00000003", "00000004"]
+    ckpt = checkpoint_to_resume(run, True, recipe, console)
+    assert ckpt is not None and ckpt.step == 4
+    assert _names(run) == ["00000003", "00000004"]
+    warm = checkpoint_to_resume(tmp_path / "new", other / "checkpoints" / "00000004", recipe, console)
+    assert warm.step == 4 and _steps(other) == [f"{s:08d}" for s in (1, 2, 3, 4)]

@@ -18,7 +18,7 @@ import torch
 
 from tests.test_train import tiny_recipe
 from tpflow import registry
-from tpflow.errors import RewardError
+from tpflow.errors import RewardError, UserError
 from tpflow.recipe import load_recipe
 from tpflow.rewards.call import RewardPolicy, call_reward, recipe_policy
 from tpflow.train.trainer import Trainer
@@ -357,3 +357,41 @@ def test_cli_exits_2_on_a_bug_in_a_reward_and_shows_its_traceback(tmp_path, tiny
     assert exc.value.code == 2, err
     assert "'misbehaving' (MisbehavingReward) failed twice" in err and "KeyError: 'missing'" in err
     assert "misbehaving_mod.py" in err and "in lookup" in err and 'return table["missing"]' in err
+
+
+class OutOfMemory:
+    """A reward whose model does not fit on the GPU: every call runs out of memory."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, images, prompts, metadata):
+        self.calls += 1
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 79.10 GiB")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_out_of_memory_is_not_retried_and_names_the_reward_and_its_batch(policy):
+    """Retrying the same images runs out of memory again: the reward is called once, and what it raises is both a
+    RewardError (one paragraph from any command) and torch's out-of-memory error (the trainer's paragraph, next
+    test), naming the reward, its batch and the settings that size it."""
+    reward = OutOfMemory()
+    with pytest.raises(torch.cuda.OutOfMemoryError) as err:
+        call_reward(reward, IMAGES, PROMPTS, META, RewardPolicy(policy.timeout_s, retries=3))
+    message = str(err.value)
+    assert reward.calls == 1 and isinstance(err.value, RewardError) and "\n" not in message
+    assert isinstance(err.value.__cause__, torch.cuda.OutOfMemoryError)
+    assert message.startswith("Reward 'OutOfMemory' ran out of GPU memory on a batch of 4 images, not retried")
+    assert "train.score_batch" in message and "eval.batch_size" in message
+    assert message.endswith("fewer at once: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 79.10 GiB")
+
+
+def test_out_of_memory_in_a_reward_reaches_the_trainers_out_of_memory_paragraph(tmp_path, tiny_weights, plugin):
+    trainer = _trainer(tmp_path, tiny_weights, "eval.every=0", "log.trackers=[]")
+    trainer.reward = reward = OutOfMemory()
+    with pytest.raises(UserError) as err:
+        trainer.fit()
+    message = str(err.value)
+    assert reward.calls == 1 and "\n" not in message
+    assert message.startswith("Out of GPU memory while epoch 0: scoring (Reward 'OutOfMemory' ran out of GPU memory")
+    assert "lower train.score_batch (images decoded and scored at once" in message and "--resume" in message

@@ -336,3 +336,27 @@ def test_loading_rapidocr_leaves_the_library_path_as_it_was():
         assert out.returncode == 0, out.stderr
         before, after = out.stdout.split()
         assert before == after == repr(value)
+
+
+def test_weight_sources_say_where_each_backends_models_come_from(tmp_path, monkeypatch):
+    """The preflight hook, read from the registered class as ``tpflow.preflight`` reads it: rapidocr's models ship
+    in its wheel; paddleocr's are the given folders, each checked, else its own cache."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from tpflow import registry
+
+    hook = registry.get("reward", "ocr").factory.weight_sources
+    [rapid] = hook(OcrOptions(), {})
+    assert rapid.problem is None and rapid.where.startswith("shipped in the rapidocr_onnxruntime wheel")
+    find_spec = importlib.util.find_spec
+    installed = SimpleNamespace(submodule_search_locations=[str(tmp_path / "paddleocr")])
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: installed if name == "paddleocr" else find_spec(name)
+    )
+    options = OcrOptions(backend="paddleocr", det_model_dir=str(tmp_path), rec_model_dir=str(tmp_path / "missing"))
+    det, rec = hook(options, {})
+    assert det.problem is None and det.where == f"local folder {tmp_path}"
+    assert rec.where is None and f"{tmp_path / 'missing'} is not a directory" in rec.problem
+    [unset, _] = hook(OcrOptions(backend="paddleocr"), {})
+    assert unset.name == "(unset)" and "PaddleOCR's own cache" in unset.where

@@ -404,17 +404,28 @@ def test_slowloris_cannot_lock_out_an_honest_client():
             sock.close()
 
 
+def _upload(httpd: RewardServer, head: str, body: bytes) -> socket.socket:
+    """A connection past its headers, with its body under way. It sends ``Expect: 100-continue`` and waits for the
+    server's "100 Continue": its thread has registered it and parsed its headers, so it no longer waits for them once
+    nothing does (waited on after the 100, since before its thread registers it nothing waits either)."""
+    sock = _connect(httpd)
+    sock.sendall(head.replace("\r\n\r\n", "\r\nExpect: 100-continue\r\n\r\n").encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(1)  # byte by byte: the final response must stay in the socket for _response
+    assert data.startswith(b"HTTP/1.1 100"), data
+    _until(lambda: not httpd.slots.waiting)
+    sock.sendall(body)
+    return sock
+
+
 def test_a_request_whose_headers_are_in_is_never_evicted():
     """Only connections still waiting for their headers make room: a slow upload in progress is not cut off."""
     raw = _payload([SMALL])
     head = f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
     with serving(Limits(max_connections=2, timeout_s=30)) as httpd:
-        # Waited on: headers_in, not "nothing waiting", which also holds before a new connection's thread has
-        # registered it (under load, the thread then registers it late, as waiting, and it can be evicted).
-        seen = httpd.slots.headers_in
-        with _connect(httpd) as upload:
-            upload.sendall(head.encode() + raw[:10])  # headers in, the body under way
-            _until(lambda: httpd.slots.connections == 1 and httpd.slots.headers_in == seen + 1)
+        with _upload(httpd, head, raw[:10]) as upload:  # headers in, the body under way
+            assert httpd.slots.connections == 1
             with _trickler(httpd) as slow:
                 _until(lambda: httpd.slots.connections == 2 and len(httpd.slots.waiting) == 1)
                 assert _send(httpd, _payload([SMALL]))[0] == 200  # the trickler made room
@@ -423,15 +434,38 @@ def test_a_request_whose_headers_are_in_is_never_evicted():
             assert _response(upload)[0] == 200
         # Every connection past its headers: a further one is refused (503), none is cut off.
         _until(lambda: httpd.slots.connections == 0)
-        uploads, seen = [], httpd.slots.headers_in
-        for k in (1, 2):
-            uploads.append(_connect(httpd))
-            uploads[-1].sendall(head.encode() + raw[:10])
-            _until(lambda k=k: httpd.slots.connections == k and httpd.slots.headers_in == seen + k)
+        uploads = [_upload(httpd, head, raw[:10]) for _ in range(2)]
+        assert httpd.slots.connections == 2
         with _connect(httpd, timeout=3) as extra:
             status, body = _response(extra)
             assert status == 503 and "2 requests are in progress (--max-connections)" in body["error"]
         for sock in uploads:
             sock.sendall(raw[10:])
             assert _response(sock)[0] == 200
+            sock.close()
+
+
+def test_health_is_answered_at_once_while_tricklers_hold_every_slot(monkeypatch):
+    """The accept loop never waits for a slot: with every slot held by a connection still sending its headers,
+    /health closes one of them and is answered at once, even when the closed connection's thread runs late (under
+    load): its slot is /health's there and then, not once that thread has ended."""
+    from tpflow.rewards import serve
+
+    finish = serve._Handler.finish
+
+    def late_finish(self) -> None:  # a closed connection's thread that takes 1.5 s to end
+        if self._input.evicted:
+            time.sleep(1.5)
+        finish(self)
+
+    monkeypatch.setattr(serve._Handler, "finish", late_finish)
+    with serving(Limits(max_connections=2, timeout_s=10)) as httpd:
+        slow = [_trickler(httpd) for _ in range(2)]
+        _until(lambda: httpd.slots.connections == len(httpd.slots.waiting) == 2)
+        with _connect(httpd) as sock:
+            start = time.monotonic()
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, health = _response(sock)
+            assert status == 200 and health["reward"] == "image-stat" and time.monotonic() - start < 1.0
+        for sock in slow:
             sock.close()

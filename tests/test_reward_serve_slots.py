@@ -38,7 +38,7 @@ def test_a_connection_whose_headers_arrived_unparsed_is_not_evicted():
         except ConnectionAbortedError:
             pass
         finally:
-            slots.release()
+            slots.release(readers[2].sock)
 
     thread = threading.Thread(target=trickler_thread, daemon=True)
     thread.start()
@@ -51,3 +51,32 @@ def test_a_connection_whose_headers_arrived_unparsed_is_not_evicted():
     for pair in pairs:
         for sock in pair:
             sock.close()
+
+
+def test_take_never_waits_and_hands_the_closed_connections_slot_to_the_new_one():
+    """``take`` runs in the accept loop, which also accepts /health: it returns at once. When the connection closed
+    to make room has a thread that runs late (it has not ended, so has given nothing back), the new connection gets
+    that slot all the same; at most ``n`` closed connections may be still ending, beyond which a new one is refused at
+    once, and none is closed."""
+    slots = Slots(1)
+    a, a_client = socket.socketpair()
+    c, c_client = socket.socketpair()
+    reader_a, reader_c = DeadlineReader(a, timeout_s=10), DeadlineReader(c, timeout_s=10)
+    assert slots.take()
+    slots.await_headers(reader_a)  # A: a trickler; its thread never gets to run before the end of this test
+    start = time.monotonic()
+    assert slots.take()  # C: A is closed and its slot is C's, without waiting for A's thread
+    assert time.monotonic() - start < 0.2 and reader_a.evicted and a_client.recv(10) == b""
+    slots.await_headers(reader_c)
+    start = time.monotonic()
+    assert not slots.take()  # A's thread is still ending: refused at once, C kept
+    assert time.monotonic() - start < 0.2 and not reader_c.evicted
+    slots.release(a)  # A's thread ends: it had no slot to give back
+    assert slots.connections == 1
+    assert slots.take() and reader_c.evicted  # D: C made room
+    slots.release(c)
+    assert slots.connections == 1
+    slots.release(socket.socket())  # D ends (it never registered)
+    assert slots.connections == 0 and slots.take() and slots.connections == 1
+    for sock in (a, a_client, c, c_client):
+        sock.close()

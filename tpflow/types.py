@@ -72,13 +72,11 @@ class Conditioning:
 
 @dataclass(frozen=True)
 class RolloutCost:
-    """What one rollout cost: network evaluations and where the time went (seconds)."""
+    """What one rollout cost: network evaluations and the time in the velocity calls. Decoding and scoring are
+    timed where they happen, after the rollout (``tpflow.train.scoring.ScoredBatch.decode_s`` / ``reward_s``)."""
 
     nfe: float  # velocity evaluations per trajectory (a CFG-doubled row counts once)
-    model_s: float = 0.0
-    decode_s: float = 0.0
-    reward_s: float = 0.0
-    other_s: float = 0.0
+    model_s: float = 0.0  # seconds in the velocity calls
 
 
 @dataclass(frozen=True)
@@ -143,9 +141,6 @@ class Rollout:
             cost=RolloutCost(
                 nfe=sum(r.cost.nfe * len(r) for r in rollouts) / sum(len(r) for r in rollouts),
                 model_s=sum(r.cost.model_s for r in rollouts),
-                decode_s=sum(r.cost.decode_s for r in rollouts),
-                reward_s=sum(r.cost.reward_s for r in rollouts),
-                other_s=sum(r.cost.other_s for r in rollouts),
             ),
         )
 

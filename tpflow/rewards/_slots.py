@@ -9,6 +9,11 @@ always still waiting and always the one closed. To close a new honest connection
 connections within that moment, a flood no slot policy absorbs. A connection past its headers (its body being read,
 its request scored) is never closed; when every slot holds one, a new connection is refused (the server's 503).
 
+None of this waits: ``Slots.take`` runs in the accept loop, which accepts /health too. The slot of a connection
+closed to make room passes to the new connection there and then, rather than being awaited from the closed one's
+thread (a wait of up to 1 s per accept stalled every connection behind it, /health included, and still refused the
+new one when that thread ran late; issue 33).
+
 "Past its headers" is what has arrived, not what its thread has parsed: under load a connection's thread may run
 late, and a connection whose blank line ending the headers is already in the kernel's buffer, or already read by its
 thread, is an honest client whose request is about to be parsed, never the one closed. The kernel's buffer is
@@ -83,31 +88,50 @@ class DeadlineReader(io.RawIOBase):
 
 
 class Slots:
-    """``n`` connection slots; the connections waiting for their headers are registered, and can be closed."""
+    """``n`` connection slots; the connections waiting for their headers are registered, and can be closed.
+
+    ``take`` runs in the server's accept loop, which also accepts /health: it never waits. A slot is free at once,
+    or the connection that has waited longest for its headers is closed and its slot passes to the new connection
+    there and then (its thread, seeing the closed socket, ends without giving a slot back), or the new connection is
+    refused. Closed connections whose threads have not ended yet are bounded too (at most ``n``), so the server never
+    runs more than 2n connection threads."""
 
     def __init__(self, n: int) -> None:
-        self.free = threading.BoundedSemaphore(n)
+        self.n = n
         self.lock = threading.Lock()  # guards the three fields below
         self.connections = 0  # connections holding a slot
         self.waiting: dict[DeadlineReader, float] = {}  # connections waiting for their headers -> since when
-        self.headers_in = 0  # requests whose headers arrived, ever: what a test waits on (waiting is empty both
-        # before a new connection's thread registers it and after its headers are in)
+        self.closing: set[socket.socket] = set()  # closed to make room, their threads not yet ended: no slot
 
     def take(self) -> bool:
-        """A slot for a new connection: a free one, or the one of the connection that has waited longest for its
-        headers, closed to make room (its thread sees the closed socket and ends). False when every connection is
-        past its headers."""
-        if not self.free.acquire(blocking=False) and not (self._evict() and self.free.acquire(timeout=1.0)):
-            return False
+        """A slot for a new connection, at once: a free one, or the one of the connection that has waited longest for
+        headers that have not arrived, closed to make room. False when every connection is past its headers (or
+        ``n`` closed ones have not ended yet)."""
         with self.lock:
-            self.connections += 1
+            if self.connections < self.n:
+                self.connections += 1
+                return True
+            oldest_first = sorted(self.waiting, key=self.waiting.__getitem__)
+            reader = next((r for r in oldest_first if not r.headers_arrived()), None)
+            if reader is None or len(self.closing) >= self.n:
+                return False
+            del self.waiting[reader]
+            reader.evicted = True
+            self.closing.add(reader.sock)  # its slot is the new connection's now
+        try:
+            reader.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         return True
 
-    def release(self) -> None:
-        """The connection ended."""
+    def release(self, sock: socket.socket) -> None:
+        """The connection of ``sock`` ended: its slot is free again, unless it was closed to make room (its slot
+        went to the connection that closed it)."""
         with self.lock:
-            self.connections -= 1
-        self.free.release()
+            if sock in self.closing:
+                self.closing.discard(sock)
+            else:
+                self.connections -= 1
 
     def await_headers(self, reader: DeadlineReader) -> None:
         """The connection of ``reader`` waits for a request line and headers: it can be closed until ``settle``."""
@@ -115,27 +139,9 @@ class Slots:
         with self.lock:
             self.waiting[reader] = time.monotonic()
 
-    def settle(self, reader: DeadlineReader, headers_in: bool = False) -> bool:
-        """The headers are in (``headers_in``) or the connection ends: it can no longer be closed. False if it was
-        already."""
+    def settle(self, reader: DeadlineReader) -> bool:
+        """The headers are in or the connection ends: it can no longer be closed. False if it was already."""
         with self.lock:
-            was_waiting = self.waiting.pop(reader, None) is not None
-            reader.watch(False)  # under the lock: _evict never sees it registered with what it read forgotten
-            if headers_in and was_waiting and not reader.evicted:
-                self.headers_in += 1
+            self.waiting.pop(reader, None)
+            reader.watch(False)  # under the lock: take never sees it registered with what it read forgotten
             return not reader.evicted
-
-    def _evict(self) -> bool:
-        """Close the connection that has waited longest for headers that have not arrived; False if none has."""
-        with self.lock:
-            oldest_first = sorted(self.waiting, key=self.waiting.__getitem__)
-            reader = next((r for r in oldest_first if not r.headers_arrived()), None)
-            if reader is None:
-                return False
-            del self.waiting[reader]
-            reader.evicted = True
-        try:
-            reader.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        return True

@@ -10,7 +10,11 @@ reward and what went wrong, followed by the reward's last traceback frames when 
   tensor, the wrong length, integer scores) is a bug in the reward: it stops at once, without a retry;
 - an exception is retried ``retries`` times on the same images (a flaky server or model), then stops; the
   RewardError is chained to the last exception (``__cause__``) and its message ends with the reward's own last
-  frames, so a bug in a reward (an OOM, a plugin's KeyError) is found from the message alone;
+  frames, so a bug in a reward (a plugin's KeyError) is found from the message alone;
+- out of GPU memory is not retried (the same images would run out again): it stops at once with
+  ``RewardOutOfMemoryError``, naming the reward and how many images it was given, both a RewardError and torch's
+  out-of-memory error, so the trainer's out-of-memory paragraph (``tpflow.train.out_of_memory``) reports it with
+  the phase's setting, and any other command prints it as one paragraph;
 - non-finite scores (NaN, ±inf) are retried likewise, then stop, or are kept (``nonfinite = "keep"``: the caller
   reports them; evaluation warns, see ``eval.nonfinite_rewards``);
 - ``sys.exit`` inside a reward stops with a RewardError instead of ending the process silently; ``KeyboardInterrupt``
@@ -58,6 +62,15 @@ class RewardPolicy:
 
 DEFAULT_POLICY = RewardPolicy()
 
+# torch.OutOfMemoryError (torch >= 2.5; torch.cuda's is the same class there) and torch.cuda.OutOfMemoryError before
+OUT_OF_MEMORY = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError), torch.cuda.OutOfMemoryError)
+
+
+class RewardOutOfMemoryError(RewardError, torch.cuda.OutOfMemoryError):
+    """A reward that ran out of GPU memory, not retried. Both kinds on purpose: as torch's out-of-memory error it
+    reaches the trainer's out-of-memory paragraph, which names the phase's batch setting; as a RewardError any other
+    command (``tpflow eval``, ``inspect-trajectory``) prints it as one paragraph, exit status 2."""
+
 
 def recipe_policy(train: TrainSettings, evaluation: EvalSettings | None = None) -> RewardPolicy:
     """The policy a recipe sets for its training rollouts and inspect-trajectory (``evaluation`` None: non-finite
@@ -95,6 +108,8 @@ def call_reward(
             out = _timed_call(reward, images, prompts, metadata, policy.timeout_s)
         except UserError:  # a RewardError of its own (a remote server that stays down), a time limit, sys.exit
             raise
+        except OUT_OF_MEMORY as exc:  # not retried: the same images would run out again
+            raise RewardOutOfMemoryError(_out_of_memory(reward, n, exc)) from exc
         except Exception as exc:  # a flaky reward server or model: try again
             problem, cause = f"it raised {type(exc).__name__}: {_one_line(str(exc))}", exc
             continue
@@ -205,6 +220,16 @@ def _guarded(reward: Any, images: Tensor, prompts: Sequence[str], metadata: Sequ
         return reward(images, prompts, metadata)
     except SystemExit as exc:
         raise _exited(reward, exc) from None
+
+
+def _out_of_memory(reward: Any, n: int, exc: BaseException) -> str:
+    """One line (the trainer's out-of-memory paragraph quotes an error's first line, in parentheses) naming the
+    reward, its batch and the settings that size that batch, then torch's own words."""
+    return (
+        f"Reward {reward_name(reward)} ran out of GPU memory on a batch of {n} images, not retried as the same "
+        "images would run out again; lower train.score_batch (training) or eval.batch_size (evaluation) to score "
+        f"fewer at once: {_one_line(str(exc)) or type(exc).__name__}"
+    )
 
 
 def _exited(reward: Any, exc: SystemExit) -> RewardError:

@@ -164,6 +164,37 @@ class OcrReward:
     on the first call; a lock serialises its use, so the reward is safe to call from several threads.
     """
 
+    @staticmethod
+    def weight_sources(options: OcrOptions, settings: dict) -> list[WeightSource]:
+        """Where the OCR models come from (``tpflow.weights``): rapidocr's ship in its wheel; paddleocr's are the model
+        directories when given, else PaddleOCR's own cache (which it fills from the network on first use)."""
+        import importlib.util
+
+        package = "rapidocr_onnxruntime" if options.backend == "rapidocr" else "paddleocr"
+        what = f"reward 'ocr' {options.backend} models (option backend)"
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            install = '`pip install "rapidocr_onnxruntime>=1.3"`' if package != "paddleocr" else PADDLE_INSTALL
+            return [
+                WeightSource(what, package, None, f"{what}: {package} is not installed; install it with {install}.")
+            ]
+        folder = Path(spec.submodule_search_locations[0])
+        if options.backend == "rapidocr":
+            return [WeightSource(what, package, f"shipped in the {package} wheel {folder / 'models'}")]
+        sources = []
+        for option in ("det_model_dir", "rec_model_dir"):
+            value = getattr(options, option)
+            label = f"reward 'ocr' paddleocr {option[:3]} model (option {option})"
+            if value is None:
+                where = "PaddleOCR's own cache ~/.paddlex/official_models (it downloads a missing model on first use)"
+                sources.append(WeightSource(label, "(unset)", where))
+            elif not Path(value).expanduser().is_dir():
+                problem = f"{label}: {Path(value).expanduser()} is not a directory; give a PP-OCR model directory."
+                sources.append(WeightSource(label, value, None, problem))
+            else:
+                sources.append(WeightSource(label, value, f"local folder {Path(value).expanduser()}"))
+        return sources
+
     def __init__(self, options: OcrOptions | None = None):
         self.options = options or OcrOptions()
         self._engine: Any = None
@@ -235,35 +266,6 @@ class OcrReward:
         return _load_rapidocr(self.options) if self.options.backend == "rapidocr" else _load_paddleocr(self.options)
 
 
-def weight_sources(options: OcrOptions, settings: dict) -> list[WeightSource]:
-    """Where the OCR models come from (``tpflow.weights``): rapidocr's ship in its wheel; paddleocr's are the model
-    directories when given, else PaddleOCR's own cache (which it fills from the network on first use)."""
-    import importlib.util
-
-    package = "rapidocr_onnxruntime" if options.backend == "rapidocr" else "paddleocr"
-    what = f"reward 'ocr' {options.backend} models (option backend)"
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        install = '`pip install "rapidocr_onnxruntime>=1.3"`' if package != "paddleocr" else PADDLE_INSTALL
-        return [WeightSource(what, package, None, f"{what}: {package} is not installed; install it with {install}.")]
-    folder = Path(spec.submodule_search_locations[0])
-    if options.backend == "rapidocr":
-        return [WeightSource(what, package, f"shipped in the {package} wheel {folder / 'models'}")]
-    sources = []
-    for option in ("det_model_dir", "rec_model_dir"):
-        value = getattr(options, option)
-        label = f"reward 'ocr' paddleocr {option[:3]} model (option {option})"
-        if value is None:
-            where = "PaddleOCR's own cache ~/.paddlex/official_models (it downloads a missing model on first use)"
-            sources.append(WeightSource(label, "(unset)", where))
-        elif not Path(value).expanduser().is_dir():
-            problem = f"{label}: {Path(value).expanduser()} is not a directory; give a PP-OCR model directory."
-            sources.append(WeightSource(label, value, None, problem))
-        else:
-            sources.append(WeightSource(label, value, f"local folder {Path(value).expanduser()}"))
-    return sources
-
-
 def _restore(name: str, value: str | None) -> None:
     """Put an environment variable back as it was (unset if it was)."""
     if value is None:
@@ -319,6 +321,3 @@ def _load_paddleocr(options: OcrOptions) -> Any:
             f"Could not load PaddleOCR ({type(exc).__name__}: {exc}). Without network access, download the PP-OCR "
             "detection and recognition models elsewhere and set [reward] det_model_dir and rec_model_dir."
         ) from None
-
-
-OcrReward.weight_sources = staticmethod(weight_sources)  # type: ignore[attr-defined]

@@ -179,7 +179,8 @@ class RewardServer(ThreadingHTTPServer):
         details = {k: v.detach().float().cpu().reshape(-1).tolist() for k, v in out.details.items()}
         return {"scores": scores.tolist(), "details": details}
 
-    # Connection bound: the accept loop hands a connection to a thread only while a slot is free, or can be freed.
+    # Connection bound: the accept loop hands a connection to a thread only while a slot is free, or can be freed at
+    # once; otherwise it refuses it at once. It never waits, so /health (accepted here too) is answered at once.
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.take():
             self._refuse(request)
@@ -187,14 +188,14 @@ class RewardServer(ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)  # starts process_request_thread
         except BaseException:
-            self.slots.release()
+            self.slots.release(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            self.slots.release(request)
 
     def _refuse(self, sock: socket.socket) -> None:
         """503 without reading the request, then close: a full server costs an excess client one write."""
@@ -239,7 +240,7 @@ class _Handler(BaseHTTPRequestHandler):
         """Read the headers (under the header deadline); then the body has the rest of the request deadline and
         the connection can no longer be evicted."""
         parsed = super().parse_request()
-        if not self.server.slots.settle(self._input, headers_in=True):  # evicted as its last header bytes came
+        if not self.server.slots.settle(self._input):  # evicted as its last header bytes came
             self.close_connection = True
             return False
         self._input.deadline = self._started + self.server.limits.timeout_s

@@ -2,10 +2,14 @@
 
 A checkpoint is written into ``checkpoints/.tmp-<step>-<pid>/`` (adapter, optimizer, EMA, RNG states, train state,
 recipe), every file is fsynced, ``manifest.json`` (size and sha256 of every file) is written last, and only then is
-the directory renamed to its final name. A crash or a full disk therefore never leaves a half-written ``<step>``
-directory, and a checkpoint damaged later (truncated copy, flipped bytes) fails its manifest check: ``find_checkpoint``
-reports it and falls back to the previous one. Everything is read back with ``torch.load(weights_only=True)``,
-safetensors or JSON; no arbitrary object is ever unpickled.
+the directory renamed to its final name; the ``checkpoints`` folder is then fsynced before anything older is pruned
+(a power cut cannot lose the new checkpoint and the pruned ones both). A crash or a full disk therefore never leaves
+a half-written ``<step>`` directory, and a checkpoint damaged later (truncated copy, flipped bytes) fails its manifest
+check: ``find_checkpoint`` reports it and falls back to the previous one. Pruning renames a checkpoint out of the
+step-numbered names before deleting it, so a kill mid-prune leaves a ``.pruned-*`` folder (removed at the next start),
+never a half-deleted ``<step>``; and a resume prunes as its save would have (``prune_checkpoints``), so a prune that a
+kill interrupted is completed even when the resumed run has nothing left to train. Everything is read back with
+``torch.load(weights_only=True)``, safetensors or JSON; no arbitrary object is ever unpickled.
 """
 
 from __future__ import annotations
@@ -126,16 +130,8 @@ def save_checkpoint(
             _sync(f)
         for name, data in small.items():
             _write(tmp / name, data)
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        for p in files:  # files written by save_adapter; ours are synced already (cheap to repeat)
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-        digests = {p.relative_to(tmp).as_posix(): _digest(p) for p in files}
-        manifest = {"step": step, "created": time.time(), "files": digests}
-        _write(tmp / MANIFEST, json.dumps(manifest, indent=2).encode())
-        for d in [*sorted({p.parent for p in files}), tmp]:
-            _fsync_dir(d)
-        _install(tmp, final)
+        _seal(tmp, step)
+        _install(tmp, final)  # renamed in and the folder fsynced: durable before any older one is pruned
     except (OSError, SafetensorError) as err:  # safetensors reports I/O errors (a full disk) as its own type
         shutil.rmtree(tmp, ignore_errors=True)
         previous, _ = find_checkpoint(Path(run_dir))
@@ -147,9 +143,41 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if keep_last:
-        _prune(root, step, keep_last)
+    prune_checkpoints(run_dir, step, keep_last)
     return final
+
+
+def prune_checkpoints(run_dir: Path, step: int, keep_last: int) -> None:
+    """Keep checkpoint ``step`` and the newest ``keep_last - 1`` valid ones before it; delete the older or invalid
+    ones before it (``keep_last = 0``: delete none). Later steps are never touched (a rewind parks them instead).
+
+    ``save_checkpoint`` calls it after each save, and a resume from one of the run's own checkpoints calls it too
+    (``tpflow.train.resume``): a kill while the final save pruned would otherwise leave the old checkpoints for good,
+    since a finished run that resumes saves nothing and so never prunes again. Crash-safe: each checkpoint to delete
+    is first renamed to ``.pruned-<step>-<pid>`` (atomic, and no longer a step number, so never picked to resume
+    from), the folder is fsynced, and only then is it deleted; a kill during the deletion leaves a ``.pruned-*``
+    folder that the next start removes (``_tidy``)."""
+    if keep_last <= 0:  # 0: keep every checkpoint (a negative value is refused by save_checkpoint and the recipe)
+        return
+    root = Path(run_dir) / "checkpoints"
+    kept, doomed = 1, []
+    for s, p in reversed(_numbered(root)):
+        if s >= step:
+            continue
+        if kept < keep_last and _verify(p) is None:
+            kept += 1
+        else:
+            doomed.append(p)
+    marked = []
+    for p in doomed:
+        target = root / f".pruned-{p.name}-{os.getpid()}"
+        with contextlib.suppress(OSError):  # gone already (another tidy): nothing to delete
+            os.rename(p, target)
+            marked.append(target)
+    if marked:
+        _fsync_dir(root)
+    for p in marked:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def park_newer(run_dir: Path, step: int) -> list[Path]:
@@ -321,6 +349,20 @@ def _verify(path: Path) -> str | None:
     return None
 
 
+def _seal(tmp: Path, step: int) -> None:
+    """Fsync every file under ``tmp``, then write the manifest (size and sha256 of each) and fsync the folders: the
+    manifest is the last thing written, so a checkpoint that has one was complete on disk."""
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    for p in files:  # files written by save_adapter; ours are synced already (cheap to repeat)
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    digests = {p.relative_to(tmp).as_posix(): _digest(p) for p in files}
+    manifest = {"step": step, "created": time.time(), "files": digests}
+    _write(tmp / MANIFEST, json.dumps(manifest, indent=2).encode())
+    for d in [*sorted({p.parent for p in files}), tmp]:
+        _fsync_dir(d)
+
+
 def _numbered(root: Path) -> list[tuple[int, Path]]:
     """Checkpoint directories under ``root``, oldest first."""
     if not root.is_dir():
@@ -329,9 +371,11 @@ def _numbered(root: Path) -> list[tuple[int, Path]]:
 
 
 def _install(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final``; an existing ``final`` is moved aside first and deleted only once replaced."""
+    """Rename ``tmp`` to ``final`` and fsync their folder, so the new name is on disk before anything is deleted; an
+    existing ``final`` is moved aside first and deleted only once replaced."""
     if not final.exists():
         os.rename(tmp, final)
+        _fsync_dir(final.parent)
         return
     old = final.with_name(f".old-{final.name}-{os.getpid()}")
     os.rename(final, old)
@@ -340,6 +384,7 @@ def _install(tmp: Path, final: Path) -> None:
     except BaseException:
         os.rename(old, final)
         raise
+    _fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -355,28 +400,17 @@ def _alive(pid: int) -> bool:
 
 
 def _tidy(root: Path) -> None:
-    """Remove temp dirs of dead writers; put back a checkpoint moved aside by a replace that did not finish."""
+    """Remove temp dirs and half-pruned checkpoints of dead writers; put back a checkpoint moved aside by a replace
+    that did not finish."""
     if not root.is_dir():
         return
     for p in root.iterdir():
         kind, _, rest = p.name.partition("-")
         name, _, pid = rest.rpartition("-")
-        if kind not in (".tmp", ".old") or not pid.isdigit() or _alive(int(pid)):
+        if kind not in (".tmp", ".old", ".pruned") or not pid.isdigit() or _alive(int(pid)):
             continue
         with contextlib.suppress(OSError):
             if kind == ".old" and not (root / name).exists():
                 os.rename(p, root / name)
             else:
                 shutil.rmtree(p)
-
-
-def _prune(root: Path, step: int, keep_last: int) -> None:
-    """Keep checkpoint ``step`` and the newest ``keep_last - 1`` valid ones before it; delete older or invalid ones."""
-    kept = 1
-    for s, p in reversed(_numbered(root)):
-        if s >= step:
-            continue
-        if kept < keep_last and _verify(p) is None:
-            kept += 1
-        else:
-            shutil.rmtree(p, ignore_errors=True)

@@ -21,7 +21,13 @@ from safetensors import SafetensorError
 
 from tpflow.errors import UserError
 from tpflow.recipe import FIXED_ON_RESUME, Recipe, recipe_changes
-from tpflow.train.checkpoint import Checkpoint, CheckpointError, find_checkpoint, load_checkpoint
+from tpflow.train.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    find_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+)
 from tpflow.train.run_logger import start_clean
 
 
@@ -30,7 +36,9 @@ def checkpoint_to_resume(
 ) -> Checkpoint | None:
     """The checkpoint ``resume`` names, verified and read (small files, CPU tensors), with the recipe changes
     checked against it; None for a fresh start (whose run dir must hold no checkpoint). Runs before any model is
-    built, so a refused resume costs no weight loading. ``is_main``: this process tidies a dead attempt's logs."""
+    built, so a refused resume costs no weight loading. ``is_main``: this process tidies a dead attempt's logs, and
+    prunes the run's checkpoints older than the one resumed to ``train.keep_checkpoints``, as its save did (a save
+    killed while it pruned is completed here, also for a finished run, which saves nothing more)."""
     existing, _ = find_checkpoint(run_dir) if run_dir.exists() else (None, [])
     if not resume:
         if existing is not None:
@@ -59,6 +67,8 @@ def checkpoint_to_resume(
         )
     ckpt = load_checkpoint(path)
     report_changes(ckpt, recipe, console)
+    if is_main and path.resolve().parent == own:  # the run's own checkpoint (not a warm start from another run's)
+        prune_checkpoints(run_dir, ckpt.step, recipe.train.keep_checkpoints)  # completes a prune a kill interrupted
     return ckpt
 
 

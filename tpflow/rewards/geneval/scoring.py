@@ -92,7 +92,7 @@ def score(detections: Sequence[DetectionLike], metadata: dict[str, Any], image_s
         image_size: (H, W) of the image; boxes are clipped to it.
     """
     h, w = image_size
-    clipped = [_clip(d, w, h) for d in detections]
+    clipped = [clip_to_image(d, w, h) for d in detections]
     objects = kept_detections(clipped, metadata.get("tag"))
     include, exclude = metadata.get("include", []), metadata.get("exclude", [])
     correct = _official(objects, include)
@@ -118,7 +118,7 @@ def accuracy_by_tag(results: Sequence[GenevalResult], tags: Sequence[str], stric
     return accuracy
 
 
-class _Clipped(NamedTuple):
+class ClippedDetection(NamedTuple):
     """A detection with its box clipped to the image."""
 
     cls: str
@@ -127,10 +127,13 @@ class _Clipped(NamedTuple):
     score: float
 
 
-def _clip(det: DetectionLike, width: int, height: int) -> _Clipped:
+def clip_to_image(det: DetectionLike, width: int, height: int) -> ClippedDetection:
+    """``det`` with its box clipped to a ``width`` x ``height`` image: a box reaching past the border must not count
+    area or position outside the image. Public because both scorers clip alike (``score`` here, ``soft.soft_score``),
+    so the strict and the soft score judge the same boxes."""
     x0, y0, x1, y1 = (float(v) for v in det.box[:4])
     box = (min(max(x0, 0.0), width), min(max(y0, 0.0), height), min(max(x1, 0.0), width), min(max(y1, 0.0), height))
-    return _Clipped(det.cls, det.color, box, float(det.score))
+    return ClippedDetection(det.cls, det.color, box, float(det.score))
 
 
 def _pairs_hold(found: list[DetectionLike], targets: list[DetectionLike], relation: str) -> str | None:

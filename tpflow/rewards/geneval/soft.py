@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from tpflow.boxes import direction
-from tpflow.rewards.geneval.scoring import DetectionLike, _clip
+from tpflow.rewards.geneval.scoring import DetectionLike, clip_to_image
 
 RAMP = (0.3, 0.6)  # direction ratio at which the position term starts to rise, and where it reaches 1
 _AXES = {"left of": (0, -1.0), "right of": (0, 1.0), "above": (1, -1.0), "below": (1, 1.0)}  # axis, sign (y down)
@@ -37,7 +37,7 @@ _AXES = {"left of": (0, -1.0), "right of": (0, 1.0), "above": (1, -1.0), "below"
 def soft_score(detections: Sequence[DetectionLike], metadata: dict[str, Any], image_size: tuple[int, int]) -> float:
     """The continuous score in [0, 1] of one image's detections against its GenEval metadata (module docstring);
     boxes are clipped to ``image_size`` = (H, W) as ``scoring.score`` clips them."""
-    detections = [_clip(d, image_size[1], image_size[0]) for d in detections]
+    detections = [clip_to_image(d, image_size[1], image_size[0]) for d in detections]
     terms: list[float] = []
     for clause in metadata.get("include", []):
         cls, n = clause["class"], int(clause["count"])
