@@ -43,30 +43,42 @@ def sigma_vector(sigma: Tensor | float, z: Tensor, name: str) -> Tensor:
     return s
 
 
-def checked_sigmas(sigma: Tensor | float, sigma_next: Tensor | float, z: Tensor) -> tuple[Tensor, Tensor]:
+def checked_sigmas(
+    sigma: Tensor | float, sigma_next: Tensor | float, z: Tensor, leave_one: bool = False
+) -> tuple[Tensor, Tensor]:
     """Both noise levels as [N] float32 vectors on z's device, checked by ``check_sigmas``. Values that arrive on
-    the host (floats, CPU tensors: what the rollout engine passes) are checked there, before the copy, so a step
-    on a GPU waits for nothing; values already on the device are checked there (one synchronisation)."""
+    the host (floats, CPU tensors: what the rollout engine and the GRPO update pass) are checked there, before the
+    copy, so a step on a GPU waits for nothing; values already on the device are checked there (one read)."""
     host = [x if isinstance(x, Tensor) else torch.tensor(x, device="cpu") for x in (sigma, sigma_next)]
     if all(x.device.type == "cpu" for x in host):
         s, s_next = sigma_vector(host[0], z, "sigma"), sigma_vector(host[1], z, "sigma_next")  # shapes checked
-        check_sigmas(host[0].float().reshape(-1), host[1].float().reshape(-1))  # broadcasts a scalar against [N]
+        check_sigmas(host[0].float().reshape(-1), host[1].float().reshape(-1), leave_one)  # a scalar broadcasts
         return s, s_next
     s, s_next = sigma_vector(sigma, z, "sigma"), sigma_vector(sigma_next, z, "sigma_next")
-    check_sigmas(s, s_next)
+    check_sigmas(s, s_next, leave_one)
     return s, s_next
 
 
-def check_sigmas(sigma: Tensor, sigma_next: Tensor) -> None:
-    """Raise ValueError unless 0 <= sigma_next <= sigma <= 1 elementwise ([N] float32 each)."""
-    if bool(((sigma < 0) | (sigma > 1) | (sigma_next < 0)).any()):
+def check_sigmas(sigma: Tensor, sigma_next: Tensor, leave_one: bool = False) -> None:
+    """Raise ValueError unless 0 <= sigma_next <= sigma <= 1 elementwise ([N] float32 each) and, with
+    ``leave_one``, no step goes from σ = 1 to σ⁺ = 1 (flow-sde's σ = 1 guard needs σ⁺ < 1). One host read."""
+    out_of_range = ((sigma < 0) | (sigma > 1) | (sigma_next < 0)).any()
+    reversed_pair = (sigma_next > sigma).any()
+    stuck = ((sigma == 1) & (sigma_next == 1)).any() if leave_one else torch.zeros_like(out_of_range)
+    out_of_range, reversed_pair, stuck = torch.stack([out_of_range, reversed_pair, stuck]).tolist()
+    if out_of_range:
         raise ValueError(
             f"Noise levels must lie in [0, 1]; got sigma={sigma.tolist()}, sigma_next={sigma_next.tolist()}."
         )
-    if bool((sigma_next > sigma).any()):
+    if reversed_pair:
         raise ValueError(
             f"sigma_next must not exceed sigma (the reverse process goes from noise, σ=1, to data, σ=0); got "
             f"sigma={sigma.tolist()}, sigma_next={sigma_next.tolist()}. Pass the pair in generation order."
+        )
+    if stuck:
+        raise ValueError(
+            "flow-sde: a step starting at sigma = 1 must end below 1, because the σ = 1 guard of "
+            "docs/algorithm.md §1.4 takes σ̄ from sigma_next to avoid dividing by 1 − σ = 0."
         )
 
 

@@ -115,13 +115,9 @@ class FlowSdeSampler:
         alpha = float(noise_level)
         if not alpha >= 0:
             raise ValueError(f"noise_level (α) of flow-sde must be >= 0; got {noise_level!r}.")
-        s, s_next = checked_sigmas(sigma, sigma_next, z)  # [N] each; checked on the host when they come from there
+        # [N] each, checked on the host when they come from there (σ = 1 -> 1 included: the guard below needs σ⁺ < 1)
+        s, s_next = checked_sigmas(sigma, sigma_next, z, leave_one=True)
         s_bar = torch.where(s == 1, s_next, s)  # σ = 1 guard: σ̄ = σ_1 = sigma_next
-        if bool((s_bar == 1).any()):
-            raise ValueError(
-                "flow-sde: a step starting at sigma = 1 must end below 1, because the σ = 1 guard of "
-                "docs/algorithm.md §1.4 takes σ̄ from sigma_next to avoid dividing by 1 − σ = 0."
-            )
         h = s - s_next  # [N] step length, >= 0
         eps = alpha * torch.sqrt(s / (1 - s_bar))  # [N]
         s_safe = torch.where(s > 0, s, torch.ones_like(s))  # σ = 0 forces ε = 0 and h = 0: avoid 0/0
