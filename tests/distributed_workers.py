@@ -131,3 +131,56 @@ def train_worker(rank: int, out: Path, recipe: str, overrides: list[str]) -> dic
         "end": [p.detach().clone() for p in trainer.backbone.trainable_parameters()],
         "world_size": trainer.dist.world_size,
     }
+
+
+def layout_gradient(weights: str, share: list[int], micro: int, accumulation: int, accelerator=None) -> torch.Tensor:
+    """The gradient of one GRPO optimizer step over ``share`` (this process's rows of one fixed 8-row batch) cut
+    into micro-batches of ``micro``, ``accumulation`` per step: the flat gradient the step is taken with.
+
+    The batch mixes two rollouts whose windows differ, so that at window step 2 the rows of the later window have
+    std 0 (cps at σ⁺ = 0) and are masked: the rows a step trains differ between steps and micro-batches."""
+    import tpflow
+    from tpflow.precision import Precision
+    from tpflow.rollout import Window, rollout
+    from tpflow.types import Rollout
+
+    torch.manual_seed(0)  # the LoRA init: the same adapter on every call and process
+    backbone = tpflow.build("backbone", "shapes-dit", weights=weights, lora_init="gaussian")
+    sampler = tpflow.build("sampler", "cps")
+    prompts = ["a photo of a red circle", "a photo of two squares"] * 2
+    sigmas = backbone.sigmas(4)
+    parts = [
+        rollout(backbone, sampler, backbone.encode(prompts), backbone.initial_noise(4, cpu_generator(s)), sigmas,
+                Window(s, 3), 0.7, 2.0, None, generator=cpu_generator(10 + s))
+        for s in (0, 1)
+    ]  # fmt: skip
+    batch = Rollout.cat(parts).index(torch.tensor(share))
+    advantages = torch.randn(8, 3, generator=cpu_generator(3), dtype=torch.float64)[share]
+    optimizer = tpflow.build(
+        "optimizer", "grpo", beta=1e-2, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
+        max_grad_norm=1e9,
+    )  # fmt: skip
+    precision = Precision("no")
+    optimizer.bind(backbone, accelerator, precision)
+    seen = []
+
+    def recorded(opt, params, max_norm):
+        seen.append(torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in params]))
+        return Precision.step(precision, opt, params, max_norm)
+
+    precision.step = recorded
+    metrics = optimizer.update(backbone, sampler, batch, advantages)
+    assert metrics["optimizer_steps"] == 1 and len(seen) == 1, metrics
+    return seen[0]
+
+
+def cpu_generator(seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def layout_worker(rank: int, out: Path, weights: str, layouts: dict[str, list[tuple[list[int], int, int]]]) -> dict:
+    """For each layout (rank -> (rows, micro, accumulation)), the gradient of its one optimizer step here."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    return {name: layout_gradient(weights, *layout[rank], accelerator=accelerator) for name, layout in layouts.items()}

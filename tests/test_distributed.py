@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.distributed_workers import collectives_worker, group_stats_worker, spawn
+from tests.distributed_workers import collectives_worker, group_stats_worker, layout_gradient, layout_worker, spawn
 from tpflow.optim.advantages import group_advantages
 
 
@@ -42,3 +42,19 @@ def test_collectives_on_two_processes(tmp_path):
         assert result["grad_c_is_none"], "a parameter no process trained keeps grad None, as on one process"
         assert result["diverged"] is not None and "ranks [1] disagree" in result["diverged"]
     assert torch.equal(zero["grad_a"], one["grad_a"]), "every process holds the same gradient, bit for bit"
+
+
+def test_a_steps_gradient_is_the_same_on_two_processes_whatever_the_split(tmp_path, tiny_weights):
+    """One optimizer step over 8 rows split over 2 processes (4 + 4 as one micro-batch each, 2 + 2 on each, and
+    3 + 3 on one with 2 on the other) gives the 1-process gradient: every row of every process weighs the same."""
+    everything = list(range(8))
+    layouts = {
+        "4 + 4": [(everything[:4], 4, 1), (everything[4:], 4, 1)],
+        "2 + 2 each": [(everything[:4], 2, 2), (everything[4:], 2, 2)],
+        "3 + 3 | 2": [(everything[:6], 3, 2), (everything[6:], 3, 2)],
+    }
+    zero, one = spawn(layout_worker, tmp_path, str(tiny_weights), layouts)
+    reference = layout_gradient(str(tiny_weights), everything, 8, 1)
+    for name in layouts:
+        assert torch.equal(zero[name], one[name]), f"{name}: every process steps with the same gradient"
+        torch.testing.assert_close(zero[name], reference, rtol=1e-5, atol=1e-7, msg=name)

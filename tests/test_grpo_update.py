@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tpflow
+from tests.distributed_workers import layout_gradient
 from tpflow.optim.advantages import group_advantages
 from tpflow.rollout import Window, rollout
 
@@ -121,6 +122,18 @@ def test_zero_std_rows_are_masked_per_row(backbone, beta):
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in backbone.trainable_parameters())
     # all rows at std 0: nothing to train, so the loop back-propagates nothing
     assert optimizer._step_loss(backbone, sampler, late, adv[2:], 2).rows.item() == 0
+
+
+@pytest.mark.parametrize("micro,accumulation", [(2, 4), (3, 3)])
+def test_a_steps_gradient_does_not_depend_on_its_micro_batches(tiny_weights, micro, accumulation):
+    """Every trained (trajectory, window step) row of an optimizer step weighs the same (docs/algorithm.md §8 D16):
+    8 rows as one micro-batch of 8, as 2 + 2 + 2 + 2 and as 3 + 3 + 2 give one gradient, although the micro-batches
+    train different numbers of rows (ragged, and rows masked at std 0). With a mean per micro-batch, the last
+    micro-batch of 3 + 3 + 2 weighed its rows 3/2 as much as the others."""
+    whole = layout_gradient(str(tiny_weights), list(range(8)), 8, 1)
+    split = layout_gradient(str(tiny_weights), list(range(8)), micro, accumulation)
+    assert whole.abs().max() > 0
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-7)
 
 
 def test_a_step_the_fp16_scaler_skips_is_not_counted(backbone):
