@@ -115,3 +115,25 @@ def test_trainer_updates_the_ema_after_each_optimizer_step(tmp_path, tiny_weight
         shadow = [s + (1 - d) * (w - s) for s, w in zip(shadow, weights, strict=True)]
     for expected, got in zip(shadow, trainer.ema.shadow, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_a_resume_without_ema_state_averages_from_the_restored_adapter(tmp_path, tiny_weights, plugin):
+    """A checkpoint written with train.ema = false holds no EMA state; resuming (here: warm-starting another run
+    dir) with the EMA on must start the shadow at the restored adapter, not at the freshly built adapter's
+    initialisation (0.02 apart in the review's reproduction)."""
+    from tests.test_train import tiny_recipe
+    from tpflow.recipe import load_recipe
+    from tpflow.train.trainer import Trainer
+
+    sets = ["train.epochs=1", "eval.every=0", "train.ema=false"]
+    first = Trainer(load_recipe(tiny_recipe(tmp_path, tiny_weights), sets))
+    init = [p.detach().clone() for p in first.backbone.trainable_parameters()]  # what a fresh build starts from
+    first.fit()
+    trained = [p.detach().clone() for p in first.backbone.trainable_parameters()]
+    assert any(not torch.equal(p, q) for p, q in zip(trained, init, strict=True))  # a shadow of the init would fail
+    sets = ["train.epochs=2", "eval.every=0", "train.ema=true", f"train.run_dir={tmp_path / 'warm'}"]
+    warm = Trainer(load_recipe(tiny_recipe(tmp_path, tiny_weights), sets), resume=first.run_dir / "checkpoints")
+    restored = warm.backbone.trainable_parameters()
+    assert all(torch.equal(p, q) for p, q in zip(restored, trained, strict=True))
+    for shadow, param in zip(warm.ema.shadow, restored, strict=True):
+        assert torch.equal(shadow, param.detach().float())
