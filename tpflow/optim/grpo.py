@@ -285,16 +285,22 @@ class GRPO(AdamWLoop):
         # Advantages are host bookkeeping (float64, CPU); they join the stored transitions on the rollout's device
         # here, once (tpflow.devices, rule 2), so every index and loss below stays on one device. The noise levels
         # stay on the host too: the sampler checks them there, without a device read per step.
+        # Which rows train, and the micro-batches' indices, are decided on the host (from the host advantages):
+        # one copy of the indices to the device per update, no read back.
         adv = advantages.to(device=batch.device, dtype=torch.float32)  # [N, W], clipped by self.advantages
         sigmas = batch.sigmas.cpu()  # [N, W + 1]
-        keep = informative_trajectories(adv) if o.filter_zero_advantage else None
-        rows = keep.nonzero().squeeze(1) if keep is not None else torch.arange(n, device=batch.device)  # [M]
-        micro_batches = list(rows.split(o.micro_batch_size)) if rows.numel() else []
+        host_adv = advantages.detach().cpu()
+        rows = informative_trajectories(host_adv).nonzero().squeeze(1) if o.filter_zero_advantage else None
+        rows = torch.arange(n, device="cpu") if rows is None else rows  # [M] on the host
+        on_device = rows.to(batch.device).split(o.micro_batch_size)
+        micro_batches = list(zip(on_device, rows.split(o.micro_batch_size), strict=True)) if rows.numel() else []
 
-        def losses(mb: Tensor) -> Iterator[LossThunk]:
-            part, host = batch.index(mb), sigmas[mb.cpu()]
+        def losses(mb: tuple[Tensor, Tensor]) -> Iterator[LossThunk]:
+            device_rows, host_rows = mb
+            part, host = batch.index(device_rows), sigmas[host_rows]
             for i in range(width):
-                yield functools.partial(self._step_loss, backbone, sampler, part, adv[mb, i], i, host[:, i : i + 2])
+                step_adv = adv[device_rows, i]
+                yield functools.partial(self._step_loss, backbone, sampler, part, step_adv, i, host[:, i : i + 2])
 
         result = self.run([micro_batches] * o.num_inner_epochs, losses, on_step)
         result["trajectories_trained"] = float(rows.numel())

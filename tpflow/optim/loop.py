@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -140,15 +141,15 @@ class AdamWLoop:
 
     def run(
         self,
-        passes: Iterable[list[Tensor]],
-        losses: Callable[[Tensor], Iterable[LossThunk]],
+        passes: Iterable[list[Any]],
+        losses: Callable[[Any], Iterable[LossThunk]],
         on_step: Callable[[int], object] | None,
     ) -> dict[str, float]:
-        """Train over ``passes`` (per inner epoch, its micro-batches in order: row indices) with the losses that
-        ``losses(micro_batch)`` yields; ``on_step(n)`` after each optimizer step taken. Returns the update's
-        metrics: row means of every ``RowLoss.sums`` entry, maxima (overall and, as ``first_<name>``, before the
-        first optimizer step), ``grad_norm``, ``nonfinite_losses``, ``rows_trained``, ``optimizer_steps``,
-        ``skipped_steps``."""
+        """Train over ``passes`` (per inner epoch, its micro-batches in order: row indices, in whatever form the
+        subclass's ``losses`` takes) with the losses that ``losses(micro_batch)`` yields; ``on_step(n)`` after each
+        optimizer step taken. Returns the update's metrics: row means of every ``RowLoss.sums`` entry, maxima
+        (overall and, as ``first_<name>``, before the first optimizer step), ``grad_norm``, ``nonfinite_losses``,
+        ``rows_trained``, ``optimizer_steps``, ``skipped_steps``."""
         accumulation = self.options.gradient_accumulation_steps
         totals = _Totals()
         steps_before, skipped, num_steps = self.global_step, 0, None
