@@ -184,3 +184,10 @@ def layout_worker(rank: int, out: Path, weights: str, layouts: dict[str, list[tu
 
     accelerator = Accelerator(cpu=True)
     return {name: layout_gradient(weights, *layout[rank], accelerator=accelerator) for name, layout in layouts.items()}
+
+
+def minimal_optimizer_worker(rank: int, out: Path, recipe: str, overrides: list[str]) -> dict:
+    """``train_worker`` with the protocol-only test optimizer registered in this process."""
+    import tests.minimal_optimizer  # noqa: F401  (registers "test-minimal")
+
+    return train_worker(rank, out, recipe, overrides)

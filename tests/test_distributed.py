@@ -3,9 +3,17 @@ not depend on where a prompt's copies sit (docs/algorithm.md §5 item 1, §6.3).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from tests.distributed_workers import collectives_worker, group_stats_worker, layout_gradient, layout_worker, spawn
+from tests.distributed_workers import (
+    collectives_worker,
+    group_stats_worker,
+    layout_gradient,
+    layout_worker,
+    minimal_optimizer_worker,
+    spawn,
+)
 from tpflow.optim.advantages import group_advantages
 
 
@@ -58,3 +66,25 @@ def test_a_steps_gradient_is_the_same_on_two_processes_whatever_the_split(tmp_pa
     for name in layouts:
         assert torch.equal(zero[name], one[name]), f"{name}: every process steps with the same gradient"
         torch.testing.assert_close(zero[name], reference, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_an_optimizer_of_the_protocol_alone_trains_on_one_and_two_processes(tmp_path, tiny_weights, processes):
+    """train/ needs nothing of an optimizer beyond ``tpflow.interfaces.Optimizer``: a plugin that implements the
+    protocol and nothing else (no ``options`` the trainer reads, no tpflow optimizer base) trains an epoch."""
+    from tests.test_train import tiny_recipe
+
+    recipe = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
+    text = recipe.read_text().replace('[optimizer]\nname = "grpo"', '[optimizer]\nname = "test-minimal"')
+    text = "\n".join(line for line in text.splitlines() if not _grpo_only(line))
+    recipe.write_text(text)
+    sets = ["train.epochs=1", "eval.every=0", "log.trackers=[]", "train.ema=false"]
+    ranks = spawn(minimal_optimizer_worker, tmp_path, str(recipe), sets, world_size=processes)
+    assert all(r["world_size"] == processes for r in ranks)
+    for rank in ranks:
+        assert any(not torch.equal(a, b) for a, b in zip(rank["start"], rank["end"], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(rank["end"], ranks[0]["end"], strict=True))
+
+
+def _grpo_only(line: str) -> bool:
+    return line.split("=")[0].strip() in ("learning_rate", "beta", "micro_batch_size", "gradient_accumulation_steps")

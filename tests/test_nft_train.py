@@ -3,6 +3,7 @@ killed with SIGKILL that resumes bitwise (docs/nft.md)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import signal
@@ -78,19 +79,51 @@ def test_components_lists_both_optimizers():
     assert "grpo" in out and "nft" in out and "timesteps_per_sample" in out and "clip_range" in out
 
 
+def _optimizer_specific_uses(source: str, filename: str) -> list[str]:
+    """Code (not comments or docstrings) of ``source`` that names an optimizer or reads what is not in the
+    ``Optimizer`` protocol: the names grpo / nft in identifiers or strings, ``optimizer.name``, ``<...>optimizer
+    .options``, and GRPO's or NFT's option names."""
+    tree = ast.parse(source, filename)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+    }  # fmt: skip
+    words = re.compile(r"\b(grpo|nft)\b", re.IGNORECASE)
+    options = {"clip_range", "gradient_accumulation_steps", "adv_clip_max", "kl_weight", "timesteps_per_sample"}
+    hits = []
+    for node in ast.walk(tree):
+        text = None
+        if isinstance(node, ast.Name) and words.search(node.id):
+            text = node.id
+        elif isinstance(node, ast.Attribute):
+            chain = ast.unparse(node)
+            if words.search(node.attr) or node.attr in options or re.search(r"optimizer\.(name|options)$", chain):
+                text = chain
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if words.search(node.value) or any(option in node.value for option in options):
+                text = repr(node.value)
+        if text is not None:
+            hits.append(f"{Path(filename).name}:{node.lineno}: {text}")
+    return hits
+
+
 def test_the_trainer_never_branches_on_the_optimizers_name():
-    """What the trainer does for an optimizer follows from what the optimizer declares (``consumes``,
-    ``sampling_policy``), never from its registered name."""
+    """What the trainer does for an optimizer follows from what the optimizer declares (the ``Optimizer``
+    protocol: ``consumes``, ``sampling_policy``, ``batch_layout``...), never from its registered name or options."""
     train = Path(__file__).resolve().parent.parent / "tpflow" / "train"
-    names = re.compile(r"""["'](grpo|nft)["']|optimizer\.name|recipe\.optimizer""")
-    hits = [
-        f"{path.name}:{number}: {line.strip()}"
-        for path in sorted(train.glob("*.py"))
-        for number, line in enumerate(path.read_text().splitlines(), 1)
-        if names.search(line)
-    ]
+    paths = sorted(train.glob("*.py"))
+    hits = [hit for path in paths for hit in _optimizer_specific_uses(path.read_text(), str(path))]
     assert not hits, hits
-    assert names.search('if self.recipe.optimizer.name == "nft":')  # the check can fail
+    # the check can fail: quoted and unquoted names, option reads, user-facing strings
+    bad = (
+        'if self.recipe.optimizer.name == "nft":\n    pass\n'
+        "steps = self.optimizer.options.micro_batch_size\n"
+        "eps = GRPOOptions().clip_range\n"
+        'message = "lower optimizer.gradient_accumulation_steps"\n'
+    )
+    assert len(_optimizer_specific_uses(bad, "example.py")) == 5, _optimizer_specific_uses(bad, "example.py")
 
 
 def test_kill_9_then_resume_continues_exactly(tmp_path, tiny_weights):
