@@ -16,8 +16,10 @@ import torch
 
 import tpflow
 import tpflow.optim.grpo as grpo_module
+from tests.conftest import cuda_or_skip
 from tests.test_train import tiny_recipe
 from tpflow.optim.advantages import group_advantages
+from tpflow.optim.swap import swapped
 from tpflow.precision import Precision
 from tpflow.recipe import load_recipe
 from tpflow.rollout import Window, rollout
@@ -31,10 +33,10 @@ RATIO_TOLERANCE = {"bf16": 1e-3, "fp16": 5e-5}
 DELTA_COSINE = {"bf16": 0.97, "fp16": 0.999}
 
 
-def tiny_sd3():
+def tiny_sd3(device: str = "cpu"):
     """tiny-sd3 with a random (trained-looking) adapter: B = 0 at init would hide the LoRA path's casts."""
     torch.manual_seed(0)
-    backbone = tpflow.build("backbone", "tiny-sd3", lora_init="gaussian", resolution=8)  # 64 latent tokens
+    backbone = tpflow.build("backbone", "tiny-sd3", lora_init="gaussian", resolution=8, device=device)  # 64 tokens
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in backbone.trainable_parameters():
@@ -42,12 +44,15 @@ def tiny_sd3():
     return backbone
 
 
-def grpo_update(mode: str, old_scope: bool = False) -> dict:
-    """A GRPO update of 8 trajectories x 3 window steps in micro-batches of 2 (4 optimizer steps), sampled and
-    trained under ``mode``; ``old_scope`` runs it as the trainer used to: one cached bf16 region around it all.
-    Returns the largest |ratio − 1| seen at each optimizer step and the update's metrics."""
-    backbone, sampler = tiny_sd3(), tpflow.build("sampler", "flow-sde")
-    precision = Precision(mode, "cpu")
+def grpo_update(mode: str, device: str = "cpu", old_scope: bool = False) -> dict:
+    """A GRPO update of 8 trajectories x 3 window steps in micro-batches of 2 (4 optimizer steps, micro-batch k at
+    step k), sampled and trained under ``mode``; ``old_scope`` runs it as the trainer used to: one cached bf16 region
+    around it all. Returns the largest |ratio − 1| of each step, the metrics, and for each step whether its
+    log-probs are bitwise those of the epoch-start weights (recomputed afterwards in the same precision and shape:
+    true at step 0 by construction, false after it unless the forwards used stale casts)."""
+    backbone, sampler = tiny_sd3(device), tpflow.build("sampler", "flow-sde")
+    start = [p.detach().clone() for p in backbone.trainable_parameters()]
+    precision = Precision(mode, device)
     z0 = backbone.initial_noise(8, torch.Generator().manual_seed(1))
     with precision.autocast():
         batch = rollout(backbone, sampler, backbone.encode(PROMPTS), z0, backbone.sigmas(4), Window(0, 3), 0.7, 1.0,
@@ -59,51 +64,70 @@ def grpo_update(mode: str, old_scope: bool = False) -> dict:
     )  # fmt: skip
     optimizer.bind(backbone, precision=None if old_scope else precision)
     per_step: dict[int, float] = {}
+    seen: list[tuple[int, torch.Tensor]] = []  # (step, log-prob) of each loss, in order: micro-batch k, step i
     surrogate = grpo_module.clipped_surrogate
 
     def recorded(log_prob, old_log_prob, adv, clip_range):
         out = surrogate(log_prob, old_log_prob, adv, clip_range)
         step = optimizer.global_step
         per_step[step] = max(per_step.get(step, 0.0), float((out.ratio - 1).abs().max()))
+        seen.append((step, log_prob.detach().clone()))
         return out
 
     grpo_module.clipped_surrogate = recorded
-    region = torch.autocast("cpu", dtype=torch.bfloat16) if old_scope else contextlib.nullcontext()
+    region = torch.autocast(device, dtype=torch.bfloat16) if old_scope else contextlib.nullcontext()
     try:
         with region:
             metrics = optimizer.update(backbone, sampler, batch, advantages)
     finally:
         grpo_module.clipped_surrogate = surrogate
-    return {"per_step": per_step, "metrics": metrics}
+    stale = {}
+    with torch.no_grad(), swapped(backbone.trainable_parameters(), start):
+        for k, (step, log_prob) in enumerate(seen):
+            part, i = batch.index(torch.arange(2 * (k // 3), 2 * (k // 3) + 2, device=batch.device)), k % 3
+            with region if old_scope else precision.autocast():
+                v = backbone.velocity(part.latents[:, i], part.sigmas[:, i], part.cond, part.guidance)
+            at_start = sampler.log_prob(part.next_latents[:, i], part.latents[:, i], v, part.sigmas[:, i],
+                                        part.sigmas[:, i + 1], part.noise_level).log_prob  # fmt: skip
+            stale[step] = stale.get(step, True) and torch.equal(at_start, log_prob)
+    return {"per_step": per_step, "metrics": metrics, "stale": stale}
 
 
-@pytest.fixture(scope="module")
-def updates() -> dict[str, dict]:
-    return {mode: grpo_update(mode) for mode in ("no", "bf16", "fp16")} | {"old": grpo_update("bf16", old_scope=True)}
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def updates(request) -> dict[str, dict]:
+    device = cuda_or_skip() if request.param == "cuda" else "cpu"
+    runs = {mode: grpo_update(mode, device) for mode in ("no", "bf16", "fp16")}
+    return runs | {"old": grpo_update("bf16", device, old_scope=True), "device": device}
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp16"])
 def test_the_ratio_moves_after_each_step_as_in_fp32(updates, mode):
     fp32, low = updates["no"]["per_step"], updates[mode]["per_step"]
     assert sorted(low) == [0, 1, 2, 3] and updates[mode]["metrics"]["optimizer_steps"] == 4
-    assert low[0] == 0.0  # on policy before the first step: the rollout ran in the same precision
+    assert updates[mode]["stale"] == {0: True, 1: False, 2: False, 3: False}, "later steps saw the new weights"
+    if updates["device"] == "cpu":  # CUDA: kernels chosen by batch shape move step 0 too (docs/training.md)
+        assert low[0] == 0.0  # on policy before the first step: the rollout ran in the same precision
     for step in (1, 2, 3):
         assert low[step] > 0, f"step {step}: the forward used the casts of the epoch-start weights"
-        assert abs(low[step] - fp32[step]) <= RATIO_TOLERANCE[mode], (step, low[step], fp32[step])
+        tolerance = RATIO_TOLERANCE[mode] * (1 if updates["device"] == "cpu" else 10)
+        assert abs(low[step] - fp32[step]) <= tolerance, (step, low[step], fp32[step])
 
 
 def test_the_old_scope_trained_on_stale_casts(updates):
-    """The check above can fail: one cached autocast region around the whole update gives exactly 0 after every
-    step, although the weights moved (fp32 moves the ratio by ~1e-4 at each)."""
+    """The checks above can fail: under one cached autocast region around the whole update, every step's forwards
+    are bitwise those of the epoch-start weights (on the CPU the ratio stays exactly 1), although the weights moved
+    (fp32 moves the ratio by ~1e-4 at each step)."""
     old = updates["old"]
-    assert old["metrics"]["optimizer_steps"] == 4 and all(old["per_step"][step] == 0.0 for step in (1, 2, 3))
+    assert old["metrics"]["optimizer_steps"] == 4 and old["stale"] == {0: True, 1: True, 2: True, 3: True}
+    if updates["device"] == "cpu":
+        assert all(old["per_step"][step] == 0.0 for step in (1, 2, 3))
     assert all(updates["no"]["per_step"][step] > 1e-5 for step in (1, 2, 3))
 
 
-def nft_update(mode: str, old_scope: bool = False) -> dict:
-    """An NFT update of 8 final samples, 2 times each, in micro-batches of 4 (4 optimizer steps)."""
-    backbone = tiny_sd3()
-    precision = Precision(mode, "cpu")
+def nft_update(mode: str, device: str = "cpu", old_scope: bool = False) -> dict:
+    """An NFT update of 8 final samples, 2 times each, in micro-batches of 4 (2 optimizer steps)."""
+    backbone = tiny_sd3(device)
+    precision = Precision(mode, device)
     z0 = backbone.initial_noise(8, torch.Generator().manual_seed(1))
     with precision.autocast():
         batch = rollout(backbone, tpflow.build("sampler", "flow-sde"), backbone.encode(PROMPTS), z0,
@@ -114,26 +138,26 @@ def nft_update(mode: str, old_scope: bool = False) -> dict:
         kl_weight=0.0, seed=7,
     )  # fmt: skip
     optimizer.bind(backbone, precision=None if old_scope else precision)
-    region = torch.autocast("cpu", dtype=torch.bfloat16) if old_scope else contextlib.nullcontext()
+    region = torch.autocast(device, dtype=torch.bfloat16) if old_scope else contextlib.nullcontext()
     with region:
         return optimizer.update(backbone, None, batch, advantages)
 
 
 @pytest.mark.parametrize("mode", ["no", "bf16"])
-def test_nft_trains_away_from_its_old_policy_under_bf16(mode):
+def test_nft_trains_away_from_its_old_policy_under_bf16(device, mode):
     """The old policy is the adapter at bind, so L⁺ = L⁻ at the first step; after it v_θ ≠ v_old and the positive
     and negative losses differ (in fp32 and bf16 alike). Under the old scope v_θ reused v_old's casts: equal."""
-    metrics = nft_update(mode)
+    metrics = nft_update(mode, device)
     assert metrics["optimizer_steps"] == 2 and metrics["rows_trained"] == 16
     assert metrics["positive_loss"] != metrics["negative_loss"]
     if mode == "bf16":
-        stale = nft_update("bf16", old_scope=True)
+        stale = nft_update("bf16", device, old_scope=True)
         assert stale["optimizer_steps"] == 2 and stale["positive_loss"] == stale["negative_loss"]
 
 
-def _lora_delta(run_dir: Path, mode: str, tiny_dir: Path) -> torch.Tensor:
+def _lora_delta(run_dir: Path, mode: str, tiny_dir: Path, device: str) -> torch.Tensor:
     """The adapter's change over a 2-epoch train of tiny-sd3 under ``mode`` (the same recipe and seeds)."""
-    backbone = 'name = "tiny-sd3"\nlora_init = "gaussian"\nresolution = 8'
+    backbone = f'name = "tiny-sd3"\nlora_init = "gaussian"\nresolution = 8\ndevice = "{device}"'
     recipe = tiny_recipe(tiny_dir, None, credit="outcome", reward="image-stat", backbone=backbone)
     sets = [f"train.mixed_precision={mode}", f"train.run_dir={run_dir}", "eval.every=0", "log.trackers=[]"]
     trainer = Trainer(load_recipe(recipe, sets))
@@ -141,13 +165,13 @@ def _lora_delta(run_dir: Path, mode: str, tiny_dir: Path) -> torch.Tensor:
     metrics = trainer.fit()
     assert metrics["optimizer_steps"] >= 1 and metrics["nonfinite_losses"] == 0
     after = trainer.backbone.trainable_parameters()
-    return torch.cat([(p.detach() - q).flatten() for p, q in zip(after, before, strict=True)])
+    return torch.cat([(p.detach() - q).flatten() for p, q in zip(after, before, strict=True)]).cpu()
 
 
-def test_two_epochs_under_bf16_and_fp16_train_as_fp32(tmp_path):
+def test_two_epochs_under_bf16_and_fp16_train_as_fp32(tmp_path, device):
     """A 2-epoch train under each precision moves the adapter the way the fp32 run does: the cosine of its LoRA
     delta with fp32's is at least ``DELTA_COSINE`` (rollouts, rewards and advantages differ slightly too)."""
-    deltas = {mode: _lora_delta(tmp_path / mode, mode, tmp_path) for mode in ("no", "bf16", "fp16")}
+    deltas = {mode: _lora_delta(tmp_path / mode, mode, tmp_path, device) for mode in ("no", "bf16", "fp16")}
     assert deltas["no"].norm() > 0
     for mode in ("bf16", "fp16"):
         cosine = torch.nn.functional.cosine_similarity(deltas[mode], deltas["no"], dim=0)
