@@ -160,8 +160,8 @@ class EpochProbe:
         t.backbone.encode = self._timed("encode", t.backbone.encode)
         velocity = t.backbone.velocity
         t.backbone.velocity = self._velocity(velocity)
-        accelerator = t.optimizer._accelerator
-        accelerator.backward = self._timed("update_backward", accelerator.backward)
+        precision = t.optimizer.precision  # the loop's backward (tpflow.optim.loop), scaled under fp16
+        precision.backward = self._timed("update_backward", precision.backward)
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)

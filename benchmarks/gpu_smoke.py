@@ -155,7 +155,7 @@ def recipe_data(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
             "save_every": 0,
             "ema": False,
             "run_dir": str(run_dir),
-            "mixed_precision": "no" if args.tiny else args.dtype,
+            "mixed_precision": args.dtype,  # --tiny: torch's CPU autocast (tpflow.precision), the same code path
         },  # fmt: skip
         "eval": {"every": 0},
     }
@@ -208,6 +208,11 @@ def main() -> None:
                 "epoch_s",
                 "nfe_per_traj",
                 "first_ratio_max_deviation",
+                "ratio_max_deviation",
+                "clip_fraction",
+                "rows_trained",
+                "optimizer_steps",
+                "skipped_steps",
                 "nonfinite_losses",
                 "loss",
                 "kl",
@@ -216,7 +221,11 @@ def main() -> None:
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
     }
     for key, value in report.items():
-        print(f"{key:>20}: {value:.3f}" if isinstance(value, float) else f"{key:>20}: {value}")
+        print(f"{key:>26}: {value:.3g}" if isinstance(value, float) else f"{key:>26}: {value}")
+    # first_ratio_max_deviation: rollout against update before any step (batch shapes and precision only);
+    # ratio_max_deviation includes the steps after it, which must move the ratio (docs/training.md, "Mixed precision")
+    if report["nonfinite_losses"] or report["optimizer_steps"] < 1:
+        raise SystemExit(f"gpu_smoke: no finite optimizer step ({report['nonfinite_losses']:g} non-finite losses).")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

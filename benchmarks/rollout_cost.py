@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _timing and gpu_smok
 import _timing  # noqa: E402
 
 import tpflow  # noqa: E402
-from tpflow.rollout import Window, rollout  # noqa: E402
+from tpflow.devices import randn  # noqa: E402
+from tpflow.rollout import Window, baseline_generator, rollout  # noqa: E402
 from tpflow.samplers import euler_step  # noqa: E402
 from tpflow.types import Conditioning  # noqa: E402
 
@@ -137,11 +138,13 @@ def sequential_reference(b: Bench, z0: Tensor, source: Tensor | None, gen: torch
     s, width = b.window.start, b.window.size
     z = z0 if source is None else z0[source]
     entering = []  # z_{s+j}: the latent entering window step j, j = 0..W-1
-    for k in range(b.sigmas.shape[0] - 1):
+    baseline_generator(gen)  # the engine's noise stream (docs/algorithm.md §1.6): the baseline's seed first,
+    for k in range(b.sigmas.shape[0] - 1):  # then one ξ per step k, drawn inside the window or not
         v = _velocity(b, z, k)
+        xi = randn(tuple(z.shape), gen, z.device)
         if s <= k < s + width:
             entering.append(z)
-            z = b.sampler.step(z, v, b.sigmas[k], b.sigmas[k + 1], b.alpha, generator=gen).prev
+            z = b.sampler.step(z, v, b.sigmas[k], b.sigmas[k + 1], b.alpha, noise=xi).prev
         else:
             z = euler_step(z, v, b.sigmas[k], b.sigmas[k + 1])
     branches = [_ode(b, entering[j], s + j) for j in range(1, width)]
