@@ -178,13 +178,7 @@ def rollout(
     n = len(cond)
     num_steps = sigmas.shape[0] - 1
     s, width = window.start, window.size
-    if not (width >= 1 and 0 <= s and s + width <= num_steps):
-        raise ValueError(f"Window {window} does not fit in {num_steps} steps.")
-    source = torch.arange(n, device=z0.device) if source is None else source.to(z0.device)
-    if source.shape != (n,) or int(source.max()) >= z0.shape[0]:
-        raise ValueError(f"source must be [N] = [{n}] indices into z0's {z0.shape[0]} rows.")
-    if not transitions and completions is not None:
-        raise ValueError("completions need the stored window (transitions=True); pass completions=None.")
+    source = _checked_source(n, window, num_steps, z0, source, ok=transitions or completions is None)
     first = torch.stack([(source == p).nonzero()[0, 0] for p in range(z0.shape[0])])  # [P] a trajectory per noise row
     engine = _Velocity(backbone, cond, sigmas, guidance, max_batch)
     fresh_generator = baseline_generator(generator)  # drawn in every arm, so the ξ below are the same in each
@@ -193,48 +187,24 @@ def rollout(
     if completions is not None and baseline_noise == "independent":
         fresh = backbone.initial_noise(n, fresh_generator).to(z0.device, z0.dtype)
         independent = _Branch(fresh, torch.arange(n, device=z0.device))
-    # The prefix: every noise row by Euler ODE up to the window (shared by the trajectories of one row).
-    prefix = _Branch(z0.clone(), first)
-    for k in range(s):
-        noise.draw(k, keep=False)
-        live = [prefix] + ([independent] if independent is not None else [])
-        for branch, v in zip(live, engine(live, k), strict=True):
-            branch.z = euler_step(branch.z, v, sigmas[k], sigmas[k + 1])
-    loop = _WindowLoop(
-        engine,
-        sampler,
-        window,
-        noise_level,
-        completions,
-        baseline_noise,
-        first,
-        reuse_main_velocity,
-        steps=completion_steps,
-        store=transitions,
-    )
+    prefix = _prefix(engine, _Branch(z0.clone(), first), independent, noise, s)
+    loop = _WindowLoop(engine, sampler, window, noise_level, completions, baseline_noise, first, reuse_main_velocity,
+                       steps=completion_steps, store=transitions)  # fmt: skip
     main = _Branch(prefix.z[source], torch.arange(n, device=z0.device))
     for k in range(s, num_steps):  # the window's SDE steps, then the ODE tail; live branches ride along
         loop.step(main, k, noise, independent)
     completed = None if completions is None else loop.completed(source, independent)  # [N, W, ...]
-    if not transitions:  # final samples only: an empty window (W = 0), σ of the final latent
+    if transitions:
+        stored = [torch.stack(part, dim=1) for part in (loop.latents, loop.next_latents, loop.log_probs)]
+        grid = sigmas[s : s + width + 1]
+    else:  # final samples only: an empty window (W = 0), σ of the final latent
         empty = main.z.new_zeros((n, 0, *main.z.shape[1:]))
-        return Rollout(
-            latents=empty,
-            next_latents=empty,
-            log_probs=torch.zeros((n, 0), dtype=torch.float32, device=z0.device),
-            sigmas=sigmas[-1:].float().to(z0.device).expand(n, 1).clone(),
-            noise_level=float(noise_level),
-            guidance=float(guidance),
-            cond=cond,
-            final=main.z,
-            completions=None,
-            cost=RolloutCost(nfe=round(engine.rows_evaluated / n, 2), model_s=engine.model_s),
-        )
+        stored, grid = [empty, empty, torch.zeros((n, 0), dtype=torch.float32, device=z0.device)], sigmas[-1:]
     return Rollout(
-        latents=torch.stack(loop.latents, dim=1),
-        next_latents=torch.stack(loop.next_latents, dim=1),
-        log_probs=torch.stack(loop.log_probs, dim=1),
-        sigmas=sigmas[s : s + width + 1].float().to(z0.device).expand(n, width + 1).clone(),
+        latents=stored[0],
+        next_latents=stored[1],
+        log_probs=stored[2],
+        sigmas=grid.float().to(z0.device).expand(n, grid.shape[0]).clone(),
         noise_level=float(noise_level),
         guidance=float(guidance),
         cond=cond,
@@ -242,6 +212,31 @@ def rollout(
         completions=completed,
         cost=RolloutCost(nfe=round(engine.rows_evaluated / n, 2), model_s=engine.model_s),
     )
+
+
+def _checked_source(n: int, window: Window, num_steps: int, z0: Tensor, source: Tensor | None, ok: bool) -> Tensor:
+    """``source`` [N] on z0's device (default: one noise row per trajectory), after checking the window, the
+    indices and that completions come with stored transitions (``ok``)."""
+    if not (window.size >= 1 and 0 <= window.start and window.start + window.size <= num_steps):
+        raise ValueError(f"Window {window} does not fit in {num_steps} steps.")
+    source = torch.arange(n, device=z0.device) if source is None else source.to(z0.device)
+    if source.shape != (n,) or int(source.max()) >= z0.shape[0]:
+        raise ValueError(f"source must be [N] = [{n}] indices into z0's {z0.shape[0]} rows.")
+    if not ok:
+        raise ValueError("completions need the stored window (transitions=True); pass completions=None.")
+    return source
+
+
+def _prefix(engine: _Velocity, prefix: _Branch, independent: _Branch | None, noise: _MainNoise, s: int) -> _Branch:
+    """Every noise row by Euler ODE up to the window start s (shared by the trajectories of one row), the
+    independent baseline riding along; each step's ξ is drawn (and dropped) all the same."""
+    sigmas = engine.sigmas
+    for k in range(s):
+        noise.draw(k, keep=False)
+        live = [prefix] + ([independent] if independent is not None else [])
+        for branch, v in zip(live, engine(live, k), strict=True):
+            branch.z = euler_step(branch.z, v, sigmas[k], sigmas[k + 1])
+    return prefix
 
 
 class _Velocity:

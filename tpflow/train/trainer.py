@@ -127,32 +127,7 @@ class Trainer:
         checkpoint = checkpoint_to_resume(self.run_dir, resume, self.recipe, self.console, self.dist.is_main)
         for line in self.machine.lines():  # every check passed: where each weight comes from, before any loads
             self.console.print(escape(line), style="yellow" if line.startswith("warning:") else "dim", soft_wrap=True)
-        torch.manual_seed(train.seed)  # the same on every process: the adapters start equal
-        random.seed(train.seed)
-        self.backbone = recipe.build("backbone")
-        self.sampler = recipe.build("sampler")
-        reward = recipe.build("reward")
-        self.credit = recipe.build("credit")
-        self.optimizer = recipe.build("optimizer")
-        dataset = recipe.build("dataset")
-        self.train_items: list[PromptItem] = list(dataset.split("train"))
-        self.eval_split = eval_split(dataset)  # "train" for a dataset without a test split: said, and in the metrics
-        test = list(dataset.split("test")) if self.eval_split == "test" else self.train_items
-        self.test_items = test[: recipe.eval.num_prompts] if recipe.eval.num_prompts else test
-        if self.eval_split != "test":
-            self.console.print(f"[yellow]warning:[/] {escape(no_test_split(recipe.dataset.name))}", soft_wrap=True)
-        self.optimizer.bind(self.backbone, self.accelerator, self.precision)
-        self.epoch_sampler = EpochSampler(
-            self.backbone,
-            self.sampler,
-            reward,
-            self.optimizer,
-            self.credit,
-            self.precision,
-            self.train_items,
-            train,
-            recipe.rollout,
-        )
+        self._build_components()
         params = self.backbone.trainable_parameters()
         self.ema = EMA(params, train.ema_decay, train.ema_every) if train.ema else None
         self.epoch = 0  # the next epoch to run
@@ -170,6 +145,28 @@ class Trainer:
             if self.dist.is_main
             else NullLogger()
         )
+
+    def _build_components(self) -> None:
+        """The recipe's components, seeded alike on every process (the adapters start equal), the prompt splits and
+        the epoch sampler; the optimizer bound to the adapter, the processes and the precision."""
+        recipe, train = self.recipe, self.settings
+        torch.manual_seed(train.seed)
+        random.seed(train.seed)
+        self.backbone = recipe.build("backbone")
+        self.sampler = recipe.build("sampler")
+        reward = recipe.build("reward")
+        self.credit = recipe.build("credit")
+        self.optimizer = recipe.build("optimizer")
+        dataset = recipe.build("dataset")
+        self.train_items: list[PromptItem] = list(dataset.split("train"))
+        self.eval_split = eval_split(dataset)  # "train" for a dataset without a test split: said, and in the metrics
+        test = list(dataset.split("test")) if self.eval_split == "test" else self.train_items
+        self.test_items = test[: recipe.eval.num_prompts] if recipe.eval.num_prompts else test
+        if self.eval_split != "test":
+            self.console.print(f"[yellow]warning:[/] {escape(no_test_split(recipe.dataset.name))}", soft_wrap=True)
+        self.optimizer.bind(self.backbone, self.accelerator, self.precision)
+        parts = (self.backbone, self.sampler, reward, self.optimizer, self.credit, self.precision, self.train_items)
+        self.epoch_sampler = EpochSampler(*parts, train, recipe.rollout)
 
     # ---- public ------------------------------------------------------------------------------------------------
 
@@ -225,28 +222,32 @@ class Trainer:
             layout = self.optimizer.batch_layout()
             raise UserError(out_of_memory_message(self._description, exc, resume, layout)) from None
         except KeyboardInterrupt:
-            if self._weights_ahead:  # updated (part-way, or wholly but not yet counted): not a state to resume from
-                self.console.print(
-                    f"[yellow]Interrupted during epoch {self.epoch}'s update: no checkpoint is written (it would "
-                    "mix two weight states); --resume continues from the newest one.[/]"
-                )
-            elif self._saved is not None and self._saved[1] == self.optimizer.global_step:
-                # No optimizer step since that checkpoint: rewriting it would change a written step's content (the
-                # newer eval figures, the RNG state), and resuming from it repeats the same epochs exactly.
-                self.console.print(
-                    f"[yellow]Interrupted: checkpoint {self.optimizer.global_step:08d} (epoch {self._saved[0]}) "
-                    "already holds these weights; --resume continues from it.[/]"
-                )
-            else:
-                self.console.print(f"[yellow]Interrupted: saving epoch {self.epoch}; --resume continues here.[/]")
-                if self.dist.is_main:
-                    self.save(collective=False)  # the other processes may be stopped anywhere: no collective here
+            self._interrupted()
             raise
         finally:
             progress.stop()
             self.logger.close()
             self.run_lock.release()
         return metrics
+
+    def _interrupted(self) -> None:
+        """Ctrl-C: save the state if it is one to resume from, and say what --resume will do."""
+        if self._weights_ahead:  # updated (part-way, or wholly but not yet counted): not a state to resume from
+            self.console.print(
+                f"[yellow]Interrupted during epoch {self.epoch}'s update: no checkpoint is written (it would "
+                "mix two weight states); --resume continues from the newest one.[/]"
+            )
+        elif self._saved is not None and self._saved[1] == self.optimizer.global_step:
+            # No optimizer step since that checkpoint: rewriting it would change a written step's content (the
+            # newer eval figures, the RNG state), and resuming from it repeats the same epochs exactly.
+            self.console.print(
+                f"[yellow]Interrupted: checkpoint {self.optimizer.global_step:08d} (epoch {self._saved[0]}) "
+                "already holds these weights; --resume continues from it.[/]"
+            )
+        else:
+            self.console.print(f"[yellow]Interrupted: saving epoch {self.epoch}; --resume continues here.[/]")
+            if self.dist.is_main:
+                self.save(collective=False)  # the other processes may be stopped anywhere: no collective here
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
         """One epoch, stage by stage (docs/architecture.md, "An epoch"); returns its metrics over every process."""
