@@ -303,6 +303,8 @@ class GRPO(AdamWLoop):
                 yield functools.partial(self._step_loss, backbone, sampler, part, step_adv, i, host[:, i : i + 2])
 
         result = self.run([micro_batches] * o.num_inner_epochs, losses, on_step)
+        for name in ("ratio_max_deviation", "first_ratio_max_deviation"):  # 0 when no row trained: on policy
+            result.setdefault(name, 0.0)
         result["trajectories_trained"] = float(rows.numel())
         return result
 

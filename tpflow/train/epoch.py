@@ -118,9 +118,9 @@ class EpochRows:
         )
 
 
-SUMMED = ("nonfinite_losses", "trajectories_trained")  # update metrics added over the processes
+SUMMED = ("nonfinite_losses", "trajectories_trained", "rows_trained")  # update metrics added over the processes
 # the largest over the processes (every process takes, or skips, the same steps); the other metrics are means
-MAXED = ("first_ratio_max_deviation", "optimizer_steps", "skipped_steps")
+MAXED = ("first_ratio_max_deviation", "ratio_max_deviation", "optimizer_steps", "skipped_steps")
 
 
 def combine_update_metrics(per_process: list[dict[str, float]]) -> dict[str, float]:
