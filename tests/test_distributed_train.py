@@ -1,7 +1,9 @@
 """Training on 2 CPU processes (gloo): one model, the same trajectories and advantages as one process, exact resume.
 
-The 2-process run is started once per module (``two_process_run``, through ``torch.multiprocessing.spawn`` so that
-each rank can hand back its own adapter); the resume is run through ``tpflow train --num-processes 2``.
+The 2-process runs are started once per module (``two_process_runs``, through ``torch.multiprocessing.spawn`` so
+that each rank can hand back its own adapter): starting a process costs more than these tiny trainings, so the same
+two processes train the recipe (2 epochs) and then its DiffusionNFT variant (1 epoch). The resume is run through
+``tpflow train --num-processes 2``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from tests.distributed_workers import spawn, train_worker
+from tests.distributed_workers import spawn, train_recipes_worker
+from tests.test_nft_train import nft_recipe
 from tests.test_train import tiny_recipe
 from tpflow.optim.advantages import group_advantages
 from tpflow.recipe import load_recipe
@@ -37,11 +40,27 @@ def recipe(tmp_path: Path, weights: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory, tiny_weights) -> tuple[Path, list[dict]]:
-    """The recipe trained for 2 epochs by 2 processes: (its directory, what each rank returned)."""
+def two_process_runs(tmp_path_factory, tiny_weights) -> dict[str, tuple[Path, list[dict]]]:
+    """Two processes that train, in turn, the recipe for 2 epochs ("grpo") and its DiffusionNFT variant for 1 epoch
+    without evaluations ("nft"): for each, (its directory, what each rank returned)."""
     root = tmp_path_factory.mktemp("two-process")
-    ranks = spawn(train_worker, root, str(recipe(root, tiny_weights)), SMALL_BATCHES)
-    return root, ranks
+    nft = root / "nft"
+    nft.mkdir()
+    runs = [
+        (str(recipe(root, tiny_weights)), SMALL_BATCHES),
+        (str(nft_recipe(nft, tiny_weights)), [*SMALL_BATCHES, "eval.every=0", "train.epochs=1"]),
+    ]
+    zero, one = spawn(train_recipes_worker, root, runs)
+    return {
+        name: (folder, [zero["runs"][i], one["runs"][i]])
+        for i, (name, folder) in enumerate([("grpo", root), ("nft", nft)])
+    }
+
+
+@pytest.fixture(scope="module")
+def two_process_run(two_process_runs) -> tuple[Path, list[dict]]:
+    """The recipe trained for 2 epochs by 2 processes: (its directory, what each rank returned)."""
+    return two_process_runs["grpo"]
 
 
 def _epoch_traces(run: Path, epoch: int) -> list[dict]:
@@ -209,16 +228,13 @@ def test_eval_on_two_processes_equals_one_process(two_process_run, tmp_path):
     assert two["metrics"]["eval_reward"] == pytest.approx(one["metrics"]["eval_reward"], abs=1e-6)
 
 
-def test_nft_on_two_processes_trains_one_model(tmp_path, tiny_weights):
+def test_nft_on_two_processes_trains_one_model(two_process_runs):
     """DiffusionNFT's update on 2 processes: each re-noises its own final samples (its own draws), the gradients are
     averaged, and both ranks end with the same adapter, bit for bit (the old policy follows from it)."""
-    from tests.test_nft_train import nft_recipe
-
-    path = nft_recipe(tmp_path, tiny_weights)
-    zero, one = spawn(train_worker, tmp_path, str(path), [*SMALL_BATCHES, "eval.every=0", "train.epochs=1"])
+    folder, (zero, one) = two_process_runs["nft"]
     assert zero["world_size"] == one["world_size"] == 2
     assert all(torch.equal(a, b) for a, b in zip(zero["end"], one["end"], strict=True))
     moved = [not torch.equal(a, b) for a, b in zip(zero["start"], zero["end"], strict=True)]
     assert sum(moved) >= len(moved) - 1, "the adapter is trained"
-    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    metrics = read_jsonl(folder / "run" / "metrics.jsonl")
     assert metrics[-1]["trajectories_trained"] == 8 and metrics[-1]["optimizer_steps"] >= 1
