@@ -457,8 +457,7 @@ def measure(setup: Setup, fake: bool = True) -> dict[str, Any]:
         grpo, sampler = GRPO(o), build("sampler", "cps")
 
         def train_step() -> None:
-            loss, _ = grpo._step_loss(backbone, sampler, part, torch.ones(b), 0)
-            loss.backward()
+            grpo._step_loss(backbone, sampler, part, torch.ones(b), 0).total.backward()
 
         for ckpt in (False, True):
             if ckpt:

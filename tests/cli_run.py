@@ -2,14 +2,17 @@
 
 ``tpflow`` runs a command in this process: a new interpreter spends about 5 s importing torch on the 2-core CI
 machine, which the suite's 10-minute budget cannot pay for every command. ``tpflow_process`` runs the console-script
-entry point in a new interpreter, for what only a real process shows (the entry point itself, launched and killed
-runs)."""
+entry point in a new interpreter, for what only a real process shows (the entry point itself, killed runs, and one
+launched run of real launcher processes in test_distributed_train.py). ``tpflow_launching`` runs a command that
+launches processes (``--num-processes 2``) with its launcher, torchrun's agent, in this process: the processes it
+starts are real, the launcher's own interpreter (about 4 s) is saved."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import os
+import signal
 import subprocess
 import sys
 import traceback
@@ -55,3 +58,26 @@ def tpflow(*args: str, cwd: Path | None = None, columns: str | None = "200") -> 
         else:
             os.environ["COLUMNS"] = previous[0]
     return subprocess.CompletedProcess(["tpflow", *args], code, out.getvalue(), err.getvalue())
+
+
+# torchrun's agent takes these signals over in the process it runs in, and names them in the environment
+# (torch.distributed.elastic's PContext.start, launcher/api.py), without putting anything back.
+LAUNCHER_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+def tpflow_launching(capfd, monkeypatch, *args: str) -> subprocess.CompletedProcess[str]:
+    """``tpflow ARGS`` in this process, for a command that launches processes: what they print goes to this
+    process's file descriptors, read back through ``capfd`` after the launcher's own output; they run with
+    OMP_NUM_THREADS=1 (two processes on two cores). The signal handlers and the variable that torchrun's agent sets
+    are restored (the variable when ``monkeypatch`` is undone)."""
+    handlers = {name: signal.getsignal(getattr(signal, name)) for name in LAUNCHER_SIGNALS}
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", ",".join(LAUNCHER_SIGNALS))
+    capfd.readouterr()  # what came before
+    try:
+        out = tpflow(*args)
+    finally:
+        for name, handler in handlers.items():
+            signal.signal(getattr(signal, name), handler)
+    launched = capfd.readouterr()
+    return subprocess.CompletedProcess(out.args, out.returncode, out.stdout + launched.out, out.stderr + launched.err)

@@ -191,3 +191,11 @@ def minimal_optimizer_worker(rank: int, out: Path, recipe: str, overrides: list[
     import tests.minimal_optimizer  # noqa: F401  (registers "test-minimal")
 
     return train_worker(rank, out, recipe, overrides)
+
+
+def train_recipes_worker(rank: int, out: Path, runs: list[tuple[str, list[str]]]) -> dict:
+    """``train_worker`` on each (recipe, overrides) of ``runs`` in turn, in the same processes: ``{"runs": [...]}``.
+
+    Starting the processes costs more than training the tests' tiny recipes (about 10 s of imports, torch and peft,
+    per process on the 2-core CI machine): one start serves several runs."""
+    return {"runs": [train_worker(rank, out, recipe, overrides) for recipe, overrides in runs]}

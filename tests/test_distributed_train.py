@@ -1,7 +1,11 @@
 """Training on 2 CPU processes (gloo): one model, the same trajectories and advantages as one process, exact resume.
 
-The 2-process run is started once per module (``two_process_run``, through ``torch.multiprocessing.spawn`` so that
-each rank can hand back its own adapter); the resume is run through ``tpflow train --num-processes 2``.
+The 2-process runs are started once per module (``two_process_runs``, through ``torch.multiprocessing.spawn`` so
+that each rank can hand back its own adapter): starting a process costs more than these tiny trainings, so the same
+two processes train the recipe (2 epochs) and then its DiffusionNFT variant (1 epoch). The resume, the error in the
+processes and the 2-process eval are launched by ``tpflow ... --num-processes 2`` with the launcher in this process
+(``tpflow_launching``: the processes are real); the two "machines" are two real ``tpflow train`` processes, each
+launching its own.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from tests.distributed_workers import spawn, train_worker
+from tests.cli_run import tpflow_launching
+from tests.distributed_workers import spawn, train_recipes_worker
+from tests.test_nft_train import nft_recipe
 from tests.test_train import tiny_recipe
 from tpflow.optim.advantages import group_advantages
 from tpflow.recipe import load_recipe
@@ -37,11 +43,27 @@ def recipe(tmp_path: Path, weights: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory, tiny_weights) -> tuple[Path, list[dict]]:
-    """The recipe trained for 2 epochs by 2 processes: (its directory, what each rank returned)."""
+def two_process_runs(tmp_path_factory, tiny_weights) -> dict[str, tuple[Path, list[dict]]]:
+    """Two processes that train, in turn, the recipe for 2 epochs ("grpo") and its DiffusionNFT variant for 1 epoch
+    without evaluations ("nft"): for each, (its directory, what each rank returned)."""
     root = tmp_path_factory.mktemp("two-process")
-    ranks = spawn(train_worker, root, str(recipe(root, tiny_weights)), SMALL_BATCHES)
-    return root, ranks
+    nft = root / "nft"
+    nft.mkdir()
+    runs = [
+        (str(recipe(root, tiny_weights)), SMALL_BATCHES),
+        (str(nft_recipe(nft, tiny_weights)), [*SMALL_BATCHES, "eval.every=0", "train.epochs=1"]),
+    ]
+    zero, one = spawn(train_recipes_worker, root, runs)
+    return {
+        name: (folder, [zero["runs"][i], one["runs"][i]])
+        for i, (name, folder) in enumerate([("grpo", root), ("nft", nft)])
+    }
+
+
+@pytest.fixture(scope="module")
+def two_process_run(two_process_runs) -> tuple[Path, list[dict]]:
+    """The recipe trained for 2 epochs by 2 processes: (its directory, what each rank returned)."""
+    return two_process_runs["grpo"]
 
 
 def _epoch_traces(run: Path, epoch: int) -> list[dict]:
@@ -92,16 +114,15 @@ def test_gathered_advantages_equal_a_single_process_computation(two_process_run,
     assert len({r["group"] for r in two[:4]} | {r["group"] for r in two[4:]}) == 2
 
 
-def test_two_process_run_resumes_identically(two_process_run, tmp_path):
+def test_two_process_run_resumes_identically(two_process_run, tmp_path, capfd, monkeypatch):
     root, _ = two_process_run
     run = tmp_path / "run"
     shutil.copytree(root / "run", run)
     last, _ = find_checkpoint(run)
     shutil.rmtree(last)  # as if killed after epoch 0's checkpoint
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
-    command = [sys.executable, "-m", "tpflow.cli", "train", str(root / "tiny.toml"), "--run-dir", str(run)]
+    command = ["train", str(root / "tiny.toml"), "--run-dir", str(run)]
     command += [a for o in SMALL_BATCHES for a in ("--set", o)]
-    out = subprocess.run([*command, "--num-processes", "2", "--resume"], capture_output=True, text=True, env=env)
+    out = tpflow_launching(capfd, monkeypatch, *command, "--num-processes", "2", "--resume")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from" in out.stdout and "2 processes" in out.stdout
     straight = _final_adapter(root / "run")
@@ -135,25 +156,19 @@ def test_a_process_count_that_cannot_share_the_epoch_is_refused(two_process_run)
     assert "Traceback" not in out.stderr
 
 
-def test_an_error_in_the_processes_exits_2_with_its_message(two_process_run, tmp_path, tiny_weights):
+def test_an_error_in_the_processes_exits_2_with_its_message(
+    two_process_run, tmp_path, tiny_weights, capfd, monkeypatch
+):
     root, _ = two_process_run
     # A shapes-dit config beside tensors that are not the model's: the file passes the checks before the launch and
     # fails to load in the processes (a missing file is refused before any process starts).
     safetensors.torch.save_file({"x": torch.zeros(1)}, tmp_path / "other.safetensors")
     shutil.copy(tiny_weights.with_suffix(".json"), tmp_path / "other.json")
-    from tests.cli_run import tpflow
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
     for weights, expected in (("other", "one of the processes exited with status 2"), ("missing", "are missing")):
         command = ["train", str(root / "tiny.toml"), "--num-processes", "2"]
         command += ["--run-dir", str(tmp_path / "run"), "--set", f"backbone.weights={tmp_path / weights}.safetensors"]
         command += [a for o in SMALL_BATCHES for a in ("--set", o)]
-        if weights == "missing":  # refused before any process starts: checked in this process
-            out = tpflow(*command)
-        else:
-            out = subprocess.run(
-                [sys.executable, "-m", "tpflow.cli", *command], capture_output=True, text=True, env=env
-            )
+        out = tpflow_launching(capfd, monkeypatch, *command)  # "missing": refused here, before any process starts
         assert out.returncode == 2, out.stderr
         assert f"{weights}.safetensors" in out.stderr and expected in out.stderr, out.stderr
         assert "Traceback" not in out.stderr
@@ -183,22 +198,17 @@ def test_two_machines_of_one_process_each_train_the_same_model(two_process_run, 
     assert all(torch.equal(expected[k], got[k]) for k in expected), "the same model as the 2-process run"
 
 
-def test_eval_on_two_processes_equals_one_process(two_process_run, tmp_path):
+def test_eval_on_two_processes_equals_one_process(two_process_run, tmp_path, capfd, monkeypatch):
     """`tpflow eval --num-processes 2` deals the images to two processes and gathers: the same figures as one."""
     import json
 
     from tests.cli_run import tpflow
 
     root, _ = two_process_run
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
     command = ["eval", str(root / "run"), "--steps", "3", "--images-per-prompt", "2"]
     one_process = tpflow(*command, "--out", str(tmp_path / "one"))  # in this process
-    two_processes = subprocess.run(  # the launcher starts two new ones
-        [sys.executable, "-m", "tpflow.cli", *command, "--out", str(tmp_path / "two"), "--num-processes", "2"],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    two_out = ["--out", str(tmp_path / "two"), "--num-processes", "2"]
+    two_processes = tpflow_launching(capfd, monkeypatch, *command, *two_out)  # the launcher starts two new ones
     for out in (one_process, two_processes):
         assert out.returncode == 0, out.stderr[-3000:]
         assert out.stdout.count("overall") == 1  # one process prints the table
@@ -209,16 +219,13 @@ def test_eval_on_two_processes_equals_one_process(two_process_run, tmp_path):
     assert two["metrics"]["eval_reward"] == pytest.approx(one["metrics"]["eval_reward"], abs=1e-6)
 
 
-def test_nft_on_two_processes_trains_one_model(tmp_path, tiny_weights):
+def test_nft_on_two_processes_trains_one_model(two_process_runs):
     """DiffusionNFT's update on 2 processes: each re-noises its own final samples (its own draws), the gradients are
     averaged, and both ranks end with the same adapter, bit for bit (the old policy follows from it)."""
-    from tests.test_nft_train import nft_recipe
-
-    path = nft_recipe(tmp_path, tiny_weights)
-    zero, one = spawn(train_worker, tmp_path, str(path), [*SMALL_BATCHES, "eval.every=0", "train.epochs=1"])
+    folder, (zero, one) = two_process_runs["nft"]
     assert zero["world_size"] == one["world_size"] == 2
     assert all(torch.equal(a, b) for a, b in zip(zero["end"], one["end"], strict=True))
     moved = [not torch.equal(a, b) for a, b in zip(zero["start"], zero["end"], strict=True)]
     assert sum(moved) >= len(moved) - 1, "the adapter is trained"
-    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    metrics = read_jsonl(folder / "run" / "metrics.jsonl")
     assert metrics[-1]["trajectories_trained"] == 8 and metrics[-1]["optimizer_steps"] >= 1

@@ -151,7 +151,7 @@ def test_nft_trains_on_cuda(tmp_path, tiny_weights, cuda, name, precision):
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_mixed_precision_trains_on_cuda(tmp_path, cuda, precision):
-    """Half-precision base weights under tpflow's autocast (tpflow.precision) (the paper's fp16 SD3.5-M, bf16 FLUX): finite losses,
+    """Half-precision base weights under tpflow's autocast (the paper's fp16 SD3.5-M, bf16 FLUX): finite losses,
     the LoRA kept in float32 and trained. Two epochs (4 optimizer steps): under fp16 the GradScaler skips a
     step whose scaled gradients overflow and halves its scale (65536 at first), so the first steps may be skipped."""
     name = "tiny-sd3" if precision == "fp16" else "tiny-flux"
