@@ -12,8 +12,9 @@ inside one long region every later forward would still use the cast of the old v
 the epoch-start weights: a GRPO ratio of exactly 1 after every step, NFT's v_θ = v_old). So:
 
 * every region is opened with ``cache_enabled=False``: a cast is never reused, whatever runs inside;
-* the optimizer skeleton (``tpflow.optim.loop``) opens one region per loss (its forward passes) and runs backward
-  and the optimizer step outside any region, as PyTorch recommends; rollout and evaluation open one per batch.
+* the optimizer skeleton (``tpflow.optim.loop``) opens one region per loss (its forward passes; NFT one per forward,
+  its old-policy swap between them) and runs backward and the optimizer step outside any region, as PyTorch
+  recommends; rollout and evaluation open one per batch; the EMA and old-policy swaps happen outside every region.
 
 Without the cache each use of a LoRA matrix casts it again; a forward uses each once, so this costs nothing
 measurable (``benchmarks/autocast_scope.py``, docs/training.md).

@@ -12,7 +12,8 @@ its losses as thunks returning :class:`RowLoss`. The loop does the rest, the sam
   mean of per-micro-batch means. Lowering ``micro_batch_size`` and raising ``gradient_accumulation_steps`` by the
   same factor leaves each step's gradient unchanged.
 * **Precision** (``tpflow.precision``): each loss's forward passes run in their own autocast region, which never
-  caches a cast; backward (scaled under fp16) and the optimizer step run outside any region.
+  caches a cast (or, with ``autocast_each_loss = False``, each forward in its own, opened by the subclass); backward
+  (scaled under fp16), the optimizer step and any weight swap run outside every region.
 * **Few host reads**: one per loss (does it train any row, is it finite: together), one per optimizer step (its
   row count), the fp16 scaler's; the metrics stay on the device and are read once per update.
 * Every process takes the same number of optimizer steps (one collective per update); a step the fp16 scaler skips
@@ -130,6 +131,10 @@ class AdamWLoop:
         self.global_step = int(state["global_step"])
 
     registered_name = "this"  # the subclass's registry name, for messages only
+    # True: the loop runs each loss thunk in one autocast region. False: the subclass opens its own regions, one per
+    # forward pass, because it changes weights between its forwards (NFT swaps in its old policy for v_old), and no
+    # weight may change inside a region.
+    autocast_each_loss = True
 
     def extra_state(self) -> dict:
         return {}
@@ -172,7 +177,7 @@ class AdamWLoop:
 
     def _backward(self, thunk: LossThunk, totals: _Totals, first: bool) -> float:
         """Forward one loss in its autocast region and back-propagate it outside; returns the rows it trained."""
-        with self.precision.autocast():
+        with self.precision.autocast() if self.autocast_each_loss else contextlib.nullcontext():
             out = thunk()
         flags = torch.stack([out.rows.detach().float(), torch.isfinite(out.total.detach()).float()])
         rows, finite = flags.tolist()  # the loss's one host read

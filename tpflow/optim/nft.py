@@ -134,6 +134,7 @@ class NFT(AdamWLoop):
 
     consumes: Literal["transitions", "final_samples"] = "final_samples"
     registered_name = "nft"
+    autocast_each_loss = False  # loss() opens a region per forward: the old-policy swap happens between them
 
     def __init__(self, options: NFTOptions | None = None) -> None:
         super().__init__()
@@ -252,15 +253,18 @@ class NFT(AdamWLoop):
         cond = batch.cond.index(rows)
         x_t = forward_noising(x0.float(), t, noise).to(x0.dtype)
         # The no-grad passes come first: the old policy's values are swapped into the adapter and back, which must
-        # not touch tensors that the graph of v_θ has saved (and no autocast cache holds a cast: tpflow.precision).
+        # not touch tensors that the graph of v_θ has saved. Each forward has its own autocast region, entered after
+        # the swap and left before the values come back: no weight changes inside a region (tpflow.precision).
+        autocast = self.precision.autocast
         with torch.no_grad():
-            with swapped(self._params, self.old):
+            with swapped(self._params, self.old), autocast():
                 v_old = backbone.velocity(x_t, t, cond, batch.guidance)
             v_ref = None
             if o.kl_weight > 0:
-                with backbone.reference():
+                with backbone.reference(), autocast():
                     v_ref = backbone.velocity(x_t, t, cond, batch.guidance)
-        v = backbone.velocity(x_t, t, cond, batch.guidance)
+        with autocast():
+            v = backbone.velocity(x_t, t, cond, batch.guidance)
         return nft_loss(x0, x_t, t, v, v_old, r, o.beta, o.adv_clip_max, v_ref, o.kl_weight)
 
     # ---- private -----------------------------------------------------------------------------------------------
