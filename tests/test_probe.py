@@ -1,0 +1,117 @@
+"""The probe's core (tpflow/probe): the first-step gradient an optimizer takes, and the count-sketch projection.
+
+A probe that measured a re-implementation, or a gradient from a step that was not on policy, would rank credit
+methods on something training never does; these tests pin the measured gradient to a hand computation."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import tpflow
+from tpflow.optim.advantages import group_advantages
+from tpflow.probe.gradient import first_step_gradient
+from tpflow.probe.projection import CountSketch, measured_distortion
+from tpflow.rollout import Window, rollout
+from tpflow.types import Conditioning
+
+
+class LinearPolicy:
+    """v(z) = W·z + c (one trainable matrix, float64): small enough to differentiate by hand."""
+
+    def __init__(self, dim: int = 3) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.weight = torch.nn.Parameter(0.3 * torch.randn(dim, dim, generator=generator, dtype=torch.float64))
+        self.offset = torch.randn(dim, generator=generator, dtype=torch.float64)
+
+    def velocity(self, z, sigma, cond, guidance):
+        return z @ self.weight.T + self.offset
+
+    def trainable_parameters(self):
+        return [self.weight]
+
+    def reference(self):
+        return contextlib.nullcontext()
+
+
+def linear_batch(policy: LinearPolicy, n: int = 2):
+    sampler = tpflow.build("sampler", "flow-sde")
+    cond = Conditioning({"rows": torch.arange(n)})
+    z0 = torch.randn(n, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    sigmas = torch.tensor([1.0, 0.7, 0.4, 0.0])
+    batch = rollout(policy, sampler, cond, z0, sigmas, Window(0, 2), 0.7, 1.0, None,
+                    generator=torch.Generator().manual_seed(2))  # fmt: skip
+    return sampler, batch
+
+
+def test_the_first_step_gradient_is_minus_the_mean_of_a_grad_log_pi():
+    """On policy (ratio 1, inside the clip range) the GRPO gradient is −(1/rows) Σ_b Σ_i A_bi ∇ log π(x_{i+1} | x_i),
+    rows = trajectories × trained steps: here 2 × 2, computed by autograd on the formula in float64."""
+    policy = LinearPolicy()
+    sampler, batch = linear_batch(policy)
+    advantages = torch.tensor([[1.5, -0.5], [-1.0, 2.0]], dtype=torch.float64)
+    grpo = tpflow.build("optimizer", "grpo", beta=0.0, micro_batch_size=1, adv_clip_max=10.0)
+    grpo.bind(policy)
+    before = policy.weight.detach().clone()
+    measured = first_step_gradient(grpo, policy, sampler, batch, advantages)
+    assert torch.equal(policy.weight.detach(), before) and grpo.global_step == 0  # no step taken
+    total = 0
+    for i in range(2):
+        sigma, sigma_next = batch.sigmas[:, i], batch.sigmas[:, i + 1]
+        v = policy.velocity(batch.latents[:, i], sigma, None, 1.0)
+        log_prob = sampler.log_prob(batch.next_latents[:, i], batch.latents[:, i], v, sigma, sigma_next, 0.7).log_prob
+        total = total + (advantages[:, i] * log_prob).sum()
+    (expected,) = torch.autograd.grad(-total / 4, [policy.weight])
+    assert expected.abs().max() > 0
+    torch.testing.assert_close(measured, expected.reshape(-1).float(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("filter_zero_advantage", [True, False])
+def test_zero_advantages_give_a_zero_gradient(filter_zero_advantage):
+    policy = LinearPolicy()
+    sampler, batch = linear_batch(policy)
+    grpo = tpflow.build("optimizer", "grpo", beta=0.0, filter_zero_advantage=filter_zero_advantage)
+    grpo.bind(policy)
+    gradient = first_step_gradient(grpo, policy, sampler, batch, torch.zeros(2, 2, dtype=torch.float64))
+    assert gradient.shape == (9,) and torch.equal(gradient, torch.zeros(9))
+
+
+def test_the_optimizers_state_is_left_as_it_was(tiny_weights):
+    """A probe between training steps must not move the run: weights, AdamW moments, step count, NFT's old policy and
+    update count are as before."""
+    backbone = tpflow.build("backbone", "shapes-dit", weights=str(tiny_weights), lora_init="gaussian")
+    prompts = ["a photo of a red circle"] * 2 + ["a photo of two squares"] * 2
+    z0 = backbone.initial_noise(4, torch.Generator().manual_seed(0))
+    batch = rollout(backbone, tpflow.build("sampler", "flow-sde"), backbone.encode(prompts), z0, backbone.sigmas(4),
+                    Window(0, 3), 0.7, 2.0, None, transitions=False)  # fmt: skip
+    nft = tpflow.build("optimizer", "nft", micro_batch_size=2, num_timesteps=4, timesteps_per_sample=2, seed=3)
+    nft.bind(backbone)
+    adv = group_advantages(torch.randn(4, 1, generator=torch.Generator().manual_seed(1)), prompts)
+    nft.update(backbone, None, batch, adv)  # a real step first: moments and an old policy that lags
+    state = nft.state_dict()
+    weights = [p.detach().clone() for p in backbone.trainable_parameters()]
+    gradient = first_step_gradient(nft, backbone, None, batch, adv)
+    assert gradient.abs().max() > 0
+    after = nft.state_dict()
+    assert after["global_step"] == state["global_step"] and after["updates"] == state["updates"]
+    assert all(torch.equal(a, b) for a, b in zip(after["old"], state["old"], strict=True))
+    assert all(torch.equal(p, w) for p, w in zip(backbone.trainable_parameters(), weights, strict=True))
+    moments = [s["exp_avg"] for s in nft._optimizer.state.values()]
+    assert moments and all(torch.equal(m, state["optimizer"]["state"][k]["exp_avg"]) for k, m in enumerate(moments))
+    # the same draws again: the measured gradient does not depend on having been measured before
+    assert torch.equal(first_step_gradient(nft, backbone, None, batch, adv), gradient)
+
+
+def test_the_sketch_keeps_inner_products_within_its_bound():
+    """E⟨Sx, Sy⟩ = ⟨x, y⟩ with a standard deviation of at most ‖x‖‖y‖·√(2/d): measured over 8 random vectors of
+    10⁴ coordinates sketched to d = 512, the largest distortion stays within 4 of those standard deviations."""
+    vectors = torch.randn(8, 10_000, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    vectors[1] = vectors[0] + 0.1 * vectors[1]  # a nearly parallel pair, as gradients of two arms are
+    sketch = CountSketch(10_000, 512, seed=7)
+    distortion = measured_distortion(sketch, vectors)
+    assert 0 < distortion <= 4 * (2 / 512) ** 0.5, distortion
+    assert torch.equal(CountSketch(10_000, 512, seed=7)(vectors), sketch(vectors))  # fixed by its seed
+    exact = CountSketch(10_000, 10_000, seed=7)  # d = P: still a sketch, distortion from collisions only
+    assert measured_distortion(exact, vectors) < distortion
