@@ -115,3 +115,37 @@ def test_the_sketch_keeps_inner_products_within_its_bound():
     assert torch.equal(CountSketch(10_000, 512, seed=7)(vectors), sketch(vectors))  # fixed by its seed
     exact = CountSketch(10_000, 10_000, seed=7)  # d = P: still a sketch, distortion from collisions only
     assert measured_distortion(exact, vectors) < distortion
+
+
+def test_leave_one_out_advantages_by_hand():
+    from tpflow.probe.reference import leave_one_out_advantages
+
+    rewards = torch.tensor([1.0, 2.0, 6.0, 5.0, 3.0])
+    advantages = leave_one_out_advantages(rewards, ["a", "a", "a", "b", "b"], width=2)
+    expected = torch.tensor([1 - 4.0, 2 - 3.5, 6 - 1.5, 5 - 3.0, 3 - 5.0], dtype=torch.float64)
+    assert advantages.shape == (5, 2) and torch.equal(advantages, expected[:, None].expand(5, 2))
+    with pytest.raises(ValueError, match="at least 2"):
+        leave_one_out_advantages(torch.tensor([1.0, 2.0, 3.0]), ["a", "a", "b"], width=1)
+
+
+def test_the_reference_gradient_is_the_loo_reinforce_estimate():
+    """Through the GRPO loss code, the leave-one-out advantages give −(1/rows)·Σ A ∇log π exactly: the reference
+    gradient is the same code path as every arm's, differing only in its advantages."""
+    from tpflow.probe.reference import leave_one_out_advantages
+
+    policy = LinearPolicy()
+    sampler, batch = linear_batch(policy, n=4)
+    rewards = torch.tensor([0.2, 0.9, 0.4, 0.1])
+    advantages = leave_one_out_advantages(rewards, ["p", "p", "q", "q"], width=2)
+    grpo = tpflow.build("optimizer", "grpo", beta=0.0, micro_batch_size=3, adv_clip_max=10.0)
+    grpo.bind(policy)
+    measured = first_step_gradient(grpo, policy, sampler, batch, advantages)
+    score = 0
+    for i in range(2):
+        sigma, sigma_next = batch.sigmas[:, i], batch.sigmas[:, i + 1]
+        v = policy.velocity(batch.latents[:, i], sigma, None, 1.0)
+        score = score + sampler.log_prob(batch.next_latents[:, i], batch.latents[:, i], v, sigma, sigma_next,
+                                         0.7).log_prob  # fmt: skip
+    a = torch.tensor([0.2 - 0.9, 0.9 - 0.2, 0.4 - 0.1, 0.1 - 0.4], dtype=torch.float64)
+    (expected,) = torch.autograd.grad(-(a * score).sum() / 8, [policy.weight])
+    torch.testing.assert_close(measured, expected.reshape(-1).float(), rtol=1e-5, atol=1e-7)

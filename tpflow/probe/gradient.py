@@ -32,7 +32,7 @@ class _Capture(Precision):
         flat = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params]
         self.gradients.append(torch.cat(flat).detach().float().cpu())
         optimizer.zero_grad(set_to_none=True)
-        return torch.zeros(()), False
+        return torch.zeros((), device="cpu"), False  # no norm: nothing was clipped
 
 
 def first_step_gradient(
@@ -58,6 +58,6 @@ def first_step_gradient(
         optimizer.options, optimizer.precision = saved_options, saved_precision
         optimizer.load_state_dict(saved_state)
     if not capture.gradients:  # no process trained a row: the loop took no step
-        return torch.zeros(sum(p.numel() for p in backbone.trainable_parameters()))
+        return torch.zeros(sum(p.numel() for p in backbone.trainable_parameters()), device="cpu")
     (gradient,) = capture.gradients
     return gradient
