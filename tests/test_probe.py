@@ -149,3 +149,46 @@ def test_the_reference_gradient_is_the_loo_reinforce_estimate():
     a = torch.tensor([0.2 - 0.9, 0.9 - 0.2, 0.4 - 0.1, 0.1 - 0.4], dtype=torch.float64)
     (expected,) = torch.autograd.grad(-(a * score).sum() / 8, [policy.weight])
     torch.testing.assert_close(measured, expected.reshape(-1).float(), rtol=1e-5, atol=1e-7)
+
+
+def test_paired_arms_share_their_main_trajectories_bitwise(tmp_path, tiny_weights):
+    """Arms drawn from one seed sample the same main trajectories (final latents and the stored window, bit for
+    bit) although one computes ODE completions and the other none; each is charged its own NFE, and each gradient
+    is its own credit's."""
+    from tests.test_train import tiny_recipe
+    from tpflow.precision import Precision
+    from tpflow.probe.arms import draw_arm, parse_arm
+
+    recipe = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
+    outcome = parse_arm("outcome:credit.name=outcome", recipe)
+    consistent = parse_arm("tp:credit.name=consistent", recipe)
+    torch.manual_seed(0)
+    backbone = outcome.recipe.build("backbone")
+    sampler, reward = outcome.recipe.build("sampler"), outcome.recipe.build("reward")
+    items = list(outcome.recipe.build("dataset").split("train"))[:2] * 4  # 2 prompts x 4 copies
+    draws = {
+        arm.name: draw_arm(arm, backbone, sampler, reward, items, 11, Precision()) for arm in (outcome, consistent)
+    }
+    a, b = draws["outcome"].rollout, draws["tp"].rollout
+    for field in ("final", "latents", "next_latents", "log_probs", "sigmas"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+    assert torch.equal(draws["outcome"].trace[:, -1], draws["tp"].trace[:, -1])  # the same final rewards
+    assert draws["tp"].nfe > draws["outcome"].nfe  # completions cost TP-GRPO its own evaluations
+    assert draws["outcome"].gradient.abs().max() > 0 and draws["tp"].gradient.abs().max() > 0
+    assert not torch.equal(draws["outcome"].gradient, draws["tp"].gradient)
+    again = draw_arm(outcome, backbone, sampler, reward, items, 11, Precision())
+    assert torch.equal(again.gradient, draws["outcome"].gradient)  # a draw is a function of its seed
+
+
+def test_an_arm_may_change_credit_rollout_and_optimizer_only(tmp_path, tiny_weights):
+    from tests.test_train import tiny_recipe
+    from tpflow.errors import UserError
+    from tpflow.probe.arms import parse_arm
+
+    recipe = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
+    arm = parse_arm("k2:credit.name=consistent, rollout.completion_steps=2", recipe)
+    assert arm.name == "k2" and arm.recipe.rollout.completion_steps == 2 and arm.recipe.credit.name == "consistent"
+    with pytest.raises(UserError, match="shared by every arm"):
+        parse_arm("big:reward.name=brightness", recipe)
+    with pytest.raises(UserError, match="NAME:KEY=VALUE"):
+        parse_arm("credit.name=outcome", recipe)
