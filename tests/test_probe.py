@@ -192,3 +192,31 @@ def test_an_arm_may_change_credit_rollout_and_optimizer_only(tmp_path, tiny_weig
         parse_arm("big:reward.name=brightness", recipe)
     with pytest.raises(UserError, match="NAME:KEY=VALUE"):
         parse_arm("credit.name=outcome", recipe)
+
+
+def test_the_noise_free_figures_on_a_toy_whose_answer_is_known():
+    """Draws g = m + noise with ‖m‖² = 1 and noise of total variance 16 (SNR 1/16 per draw). The plain cosine of a
+    mean of 64 draws to the true mean is far below 1; the bias ceiling of an unbiased estimator is ≈ 1 whatever its
+    noise, and ≈ cos(m, m') for a biased one; the SNR estimate recovers 1/16."""
+    from tpflow.probe.stats import bias_ceiling, cosine, mean_of, signal_to_noise, split_half_reliability
+
+    generator = torch.Generator().manual_seed(5)
+    d = 400
+    m = torch.zeros(d, dtype=torch.float64)
+    m[0] = 1.0
+    tilted = torch.zeros(d, dtype=torch.float64)
+    tilted[0], tilted[1] = 0.6, 0.8  # cos(m, tilted) = 0.6
+
+    def draws(mean, n):
+        return [mean + 4.0 * torch.randn(d, generator=generator, dtype=torch.float64) / d**0.5 for _ in range(n)]
+
+    unbiased_a, unbiased_b = mean_of(draws(m, 2000)), mean_of(draws(m, 2000))
+    ref_a, ref_b = mean_of(draws(m, 2000)), mean_of(draws(m, 2000))
+    biased_a, biased_b = mean_of(draws(tilted, 2000)), mean_of(draws(tilted, 2000))
+    assert cosine(mean_of(draws(m, 64)), m) < 0.95  # the plain cosine carries the estimate's noise
+    assert bias_ceiling(unbiased_a, unbiased_b, ref_a, ref_b) == pytest.approx(1.0, abs=0.05)
+    assert bias_ceiling(biased_a, biased_b, ref_a, ref_b) == pytest.approx(0.6, abs=0.05)
+    assert signal_to_noise(torch.stack(draws(m, 4000))) == pytest.approx(1 / 16, rel=0.25)
+    r, whole = split_half_reliability(ref_a, ref_b)
+    assert 0.9 < r < 1 and r < whole < 1
+    assert cosine(torch.zeros(3), torch.ones(3)) == 0.0
