@@ -126,7 +126,7 @@ def test_zero_std_rows_are_masked_per_row(backbone, beta):
 
 @pytest.mark.parametrize("micro,accumulation", [(2, 4), (3, 3)])
 def test_a_steps_gradient_does_not_depend_on_its_micro_batches(tiny_weights, micro, accumulation):
-    """Every trained (trajectory, window step) row of an optimizer step weighs the same (docs/algorithm.md §8 D16):
+    """Every trained (trajectory, window step) row of an optimizer step weighs the same (docs/algorithm.md §8 D10):
     8 rows as one micro-batch of 8, as 2 + 2 + 2 + 2 and as 3 + 3 + 2 give one gradient, although the micro-batches
     train different numbers of rows (ragged, and rows masked at std 0). With a mean per micro-batch, the last
     micro-batch of 3 + 3 + 2 weighed its rows 3/2 as much as the others."""

@@ -11,7 +11,7 @@ collective is the identity and costs nothing). Why tpflow does not wrap the tran
   at a synchronising step, minus the hooks.
 
 ``sync_gradients`` sums the accumulated gradients and the number of rows they cover over the processes and divides, so
-each step's gradient is the mean over every row of every process, whatever their split (docs/algorithm.md §8 D16).
+each step's gradient is the mean over every row of every process, whatever their split (docs/algorithm.md §8 D10).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ the epoch-start weights: a GRPO ratio of exactly 1 after every step, NFT's v_θ 
   recommends; rollout and evaluation open one per batch; the EMA and old-policy swaps happen outside every region.
 
 Without the cache each use of a LoRA matrix casts it again; a forward uses each once, so this costs nothing
-measurable (``benchmarks/autocast_scope.py``, docs/training.md).
+measurable (``benchmarks/precision_ratio.py``, docs/training.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ docs/algorithm.md §6 is the specification. For one micro-batch of trajectories 
 
 (:func:`clipped_surrogate` and :func:`kl_to_reference`). The update sums these per-row terms and divides each
 optimizer step's gradient by its number of trained rows over every process (``tpflow.optim.loop``,
-docs/algorithm.md §8 D16), so that every (trajectory, window step) of a step weighs the same. The registered
+docs/algorithm.md §8 D10), so that every (trajectory, window step) of a step weighs the same. The registered
 optimizer ``grpo`` holds the options (:class:`GRPOOptions`, the SD3.5-M paper settings of docs/algorithm.md §6.3).
 """
 
@@ -36,6 +36,7 @@ class PolicyLoss:
     loss: Tensor  # [] differentiable policy loss: the mean of row_losses
     row_losses: Tensor  # [N] differentiable max(−A·κ, −A·clip(κ)) per row (the optimizer sums them, loop.py)
     ratio: Tensor  # [N] detached κ = exp(ℓ_θ − ℓ_old)
+    log_ratio: Tensor  # [N] detached ℓ_θ − ℓ_old
     approx_kl: Tensor  # [] detached ½·mean((ℓ_θ − ℓ_old)²)
     clip_fraction: Tensor  # [] detached fraction with |κ − 1| > ε
     clip_fraction_high: Tensor  # [] detached fraction with κ > 1 + ε
@@ -85,6 +86,7 @@ def clipped_surrogate(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor
             loss=loss,
             row_losses=row_losses,
             ratio=ratio_d,
+            log_ratio=log_ratio.detach(),
             approx_kl=0.5 * log_ratio.detach().square().mean(),
             clip_fraction=((ratio_d - 1.0).abs() > clip_range).to(log_prob.dtype).mean(),
             clip_fraction_high=high.mean(),
@@ -180,7 +182,7 @@ class GRPOOptions(BaseModel):
         description="Micro-batches per optimizer step; each micro-batch contributes one backward per window step, "
         "and a step's gradient is the mean over every trained (trajectory, window step) row of its micro-batches "
         "(the reference's Accelerate accumulation is this × W). SD3.5-M: 2, giving 2 optimizer steps per epoch "
-        "(docs/algorithm.md §6.1, §6.3, §8 D16).",
+        "(docs/algorithm.md §6.1, §6.3, §8 D10).",
     )
     micro_batch_size: int = Field(
         9,
@@ -317,7 +319,8 @@ class GRPO(AdamWLoop):
         sigmas = part.sigmas[:, i : i + 2] if sigmas is None else sigmas
         sigma, sigma_next = sigmas[:, 0], sigmas[:, 1]
         z, z_next = part.latents[:, i], part.next_latents[:, i]
-        v = backbone.velocity(z, sigma.to(z.device), part.cond, part.guidance)
+        sigma_on_device = sigma.to(z.device)  # the host σ (checked there by the sampler) for the model
+        v = backbone.velocity(z, sigma_on_device, part.cond, part.guidance)
         out = sampler.log_prob(z_next, z, v, sigma, sigma_next, part.noise_level)
         # Rows whose transition has std 0 (cps at σ⁺ = 0) carry no likelihood ratio and are never trained, row by
         # row: a micro-batch can mix rollout batches whose windows start differently, so some rows of step i may be
@@ -328,18 +331,17 @@ class GRPO(AdamWLoop):
         kl = torch.zeros_like(row)
         if o.beta > 0:
             with torch.no_grad(), backbone.reference():
-                v_ref = backbone.velocity(z, sigma.to(z.device), part.cond, part.guidance)
+                v_ref = backbone.velocity(z, sigma_on_device, part.cond, part.guidance)
                 ref = sampler.log_prob(z_next, z, v_ref, sigma, sigma_next, part.noise_level)
             kl = kl_to_reference(out.mean, ref.mean, out.std_dev_t)
             row = row + o.beta * kl
         with torch.no_grad():
             deviation = (policy.ratio - 1).abs()
-            log_ratio = out.log_prob.detach() - part.log_probs[:, i].float()
             sums = {
                 "loss": row.detach(),
                 "policy_loss": policy.row_losses.detach(),
                 "kl": kl.detach(),
-                "approx_kl": 0.5 * log_ratio.square(),
+                "approx_kl": 0.5 * policy.log_ratio.square(),
                 "clip_fraction": (deviation > o.clip_range).float(),
                 "ratio_mean": policy.ratio,
             }

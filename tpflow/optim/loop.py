@@ -4,7 +4,7 @@ A subclass (``tpflow.optim.grpo.GRPO``, ``tpflow.optim.nft.NFT``; a plugin optim
 options (the AdamW and batching fields of :class:`LoopOptions`), the micro-batches of a pass and, per micro-batch,
 its losses as thunks returning :class:`RowLoss`. The loop does the rest, the same for every optimizer:
 
-* **Uniform weights** (docs/algorithm.md §8 D16). Each loss is a *sum* over the rows it trains (a row: one
+* **Uniform weights** (docs/algorithm.md §8 D10). Each loss is a *sum* over the rows it trains (a row: one
   trajectory at one window step for GRPO, one sample at one time t for NFT); the gradients of an optimizer step are
   divided by the number of rows trained in that step over every process (``Distributed.sync_gradients``). Every row
   of a step therefore weighs the same, however the rows fall into micro-batches (ragged ones after the zero-std

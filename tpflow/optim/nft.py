@@ -93,7 +93,7 @@ class NFTOptions(BaseModel):
         1,
         ge=1,
         description="Micro-batches per optimizer step; a step's gradient is the mean over every (sample, time t) row "
-        "of its micro-batches, on every process (docs/algorithm.md §8 D16).",
+        "of its micro-batches, on every process (docs/algorithm.md §8 D10).",
     )
     num_inner_epochs: int = Field(1, ge=1, description="Passes over the epoch's samples per update.")
     seed: int | None = Field(

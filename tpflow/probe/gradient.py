@@ -24,8 +24,7 @@ class _Capture(Precision):
     """A precision whose optimizer step records the (row-averaged, all-reduced) gradient and takes no step."""
 
     def __init__(self, like: Precision) -> None:
-        super().__init__("no")
-        self.mode, self.device_type, self.scaler = like.mode, like.device_type, None  # forwards as ``like``'s
+        super().__init__(like.mode, like.device_type)  # forwards as ``like``'s ("no" or "bf16": no scaler)
         self.gradients: list[Tensor] = []
 
     def step(self, optimizer, params, max_norm):
