@@ -399,3 +399,31 @@ def test_sigterm_stops_the_server_cleanly():
     """What a service manager (systemd, docker stop) sends: the same clean stop as Ctrl-C, exit status 0."""
     output = _stopped(_spawn("--reward", "image-stat"), signal.SIGTERM)
     assert output.rstrip().endswith("stopped.") and "Traceback" not in output
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_that_lands_while_the_url_is_printed_lets_the_printing_finish(sig):
+    """The CI flake this pins: a stop that arrived between the URL line and the next one raised KeyboardInterrupt
+    inside rich's print, left its buffer open, and "stopped." was never written. The signal is sent from inside
+    ``announce`` itself, so the timing is not left to chance; the stop must wait for ``announce`` to return."""
+    previous = signal.getsignal(sig)
+    printed: list[str] = []
+
+    def announce(server) -> None:
+        printed.append(server.url)
+        signal.raise_signal(sig)  # the handler runs here, in the middle of announcing
+        time.sleep(0.05)  # bytecode after the handler: where a KeyboardInterrupt would have landed
+        printed.append("recipe line")
+
+    from tpflow.rewards.serve import serve
+
+    done = threading.Event()
+    watchdog = threading.Timer(30, lambda: done.is_set() or signal.raise_signal(signal.SIGINT))
+    watchdog.start()
+    try:
+        serve("image-stat", {}, port=0, announce=announce)
+    finally:
+        done.set()
+        watchdog.cancel()
+    assert printed[-1] == "recipe line" and printed[0].startswith("http://")
+    assert signal.getsignal(sig) is previous  # the handlers are put back

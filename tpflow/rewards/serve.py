@@ -417,17 +417,26 @@ def serve(
     script) stays ignored, as a background job's should."""
     server = make_server(reward_name, options, host, port, limits, token)
     main = threading.current_thread() is threading.main_thread()  # signal handlers: main thread only
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None  # before the URL: a stop may follow it
+    # A stop asks the serve loop to end rather than raising where the signal lands: raised inside ``announce``, a
+    # KeyboardInterrupt once left rich's console buffer open, and "stopped." was never written (a CI flake). Installed
+    # before the URL is printed, since a stop may follow it at once; serve_forever ends at once if asked before it
+    # starts. An inherited ignored SIGINT (``tpflow serve-reward &`` in a script) stays ignored.
+    previous = {}
+    if main:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                previous[signum] = signal.signal(signum, lambda *_: _request_shutdown(server))
     try:
         announce(server)
         server.serve_forever()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a Ctrl-C the handler above did not own (serve called off the main thread)
         pass
     finally:
         server.server_close()
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # the same clean stop as Ctrl-C
+def _request_shutdown(server: RewardServer) -> None:
+    """``shutdown`` waits for the serve loop to end, so it cannot run on the thread that the signal interrupted."""
+    threading.Thread(target=server.shutdown, name="tpflow-serve-stop", daemon=True).start()
