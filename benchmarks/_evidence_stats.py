@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
+from tpflow.intervals import holm, t_interval  # noqa: F401  (re-exported: the sweep reports import them from here)
+
 PRIMARY = "eval_reward_tags"  # soft reward, per-tag mean then mean over the six tags, on the distinct prompts
 STRICT = "eval_strict_tags"
 BASELINE = "outcome"
@@ -89,33 +91,12 @@ def gain(run: dict, key: str = PRIMARY) -> float:
 # ---- across seeds ----------------------------------------------------------------------------------------------
 
 
-def t_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float, float]:
-    """(mean, low, high, two-sided p of mean = 0) of a one-sample Student t interval; NaNs when n < 2."""
-    v = np.asarray(values, dtype=np.float64)
-    if len(v) < 2:
-        return (float(v.mean()) if len(v) else math.nan, math.nan, math.nan, math.nan)
-    mean, sem = float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v)))
-    half = float(stats.t.ppf(0.5 + level / 2, len(v) - 1)) * sem
-    p = float(stats.ttest_1samp(v, 0.0).pvalue) if sem > 0 else (0.0 if mean != 0 else 1.0)
-    return mean, mean - half, mean + half, p
-
-
 def bootstrap(values: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
     """95% percentile bootstrap interval of the mean (the cross-check; too narrow at small n)."""
     v = np.asarray(values, dtype=np.float64)
     rng = np.random.default_rng(seed)
     means = v[rng.integers(0, len(v), size=(resamples, len(v)))].mean(axis=1)
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
-
-
-def holm(pvalues: dict[str, float]) -> dict[str, float]:
-    """Holm-adjusted p values (step-down, monotone, capped at 1)."""
-    order = sorted(pvalues, key=lambda k: pvalues[k])
-    adjusted, running = {}, 0.0
-    for i, name in enumerate(order):
-        running = max(running, min(1.0, (len(order) - i) * pvalues[name]))
-        adjusted[name] = running
-    return adjusted
 
 
 def seeds_needed(sd: float, effect: float, alpha: float = 0.05, power: float = 0.8) -> int:

@@ -152,28 +152,32 @@ def test_the_reference_gradient_is_the_loo_reinforce_estimate():
 
 
 def test_paired_arms_share_their_main_trajectories_bitwise(tmp_path, tiny_weights):
-    """Arms drawn from one seed sample the same main trajectories (final latents and the stored window, bit for
+    """Blocks sampled from one seed hold the same main trajectories (final latents and the stored window, bit for
     bit) although one computes ODE completions and the other none; each is charged its own NFE, and each gradient
     is its own credit's."""
     from tests.test_train import tiny_recipe
     from tpflow.precision import Precision
-    from tpflow.probe.arms import draw_arm, parse_arm
+    from tpflow.probe.arms import arm_gradient, draw_arm, parse_arm, sample_block
 
     recipe = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
     outcome = parse_arm("outcome:credit.name=outcome", recipe)
     consistent = parse_arm("tp:credit.name=consistent", recipe)
+    assert outcome.sampling != consistent.sampling  # the two need different rollouts
     torch.manual_seed(0)
     backbone = outcome.recipe.build("backbone")
     sampler, reward = outcome.recipe.build("sampler"), outcome.recipe.build("reward")
     items = list(outcome.recipe.build("dataset").split("train"))[:2] * 4  # 2 prompts x 4 copies
-    draws = {
-        arm.name: draw_arm(arm, backbone, sampler, reward, items, 11, Precision()) for arm in (outcome, consistent)
+    prompts = [item.prompt for item in items]
+    blocks = {
+        arm.name: sample_block(arm, backbone, sampler, reward, items, 11, Precision()) for arm in (outcome, consistent)
     }
-    a, b = draws["outcome"].rollout, draws["tp"].rollout
+    a, b = blocks["outcome"].rollout, blocks["tp"].rollout
     for field in ("final", "latents", "next_latents", "log_probs", "sigmas"):
         assert torch.equal(getattr(a, field), getattr(b, field)), field
-    assert torch.equal(draws["outcome"].trace[:, -1], draws["tp"].trace[:, -1])  # the same final rewards
-    assert draws["tp"].nfe > draws["outcome"].nfe  # completions cost TP-GRPO its own evaluations
+    assert torch.equal(blocks["outcome"].trace[:, -1], blocks["tp"].trace[:, -1])  # the same final rewards
+    assert blocks["tp"].nfe > blocks["outcome"].nfe  # completions cost TP-GRPO its own evaluations
+    draws = {arm.name: arm_gradient(arm, backbone, sampler, [blocks[arm.name]], prompts, Precision())
+             for arm in (outcome, consistent)}  # fmt: skip
     assert draws["outcome"].gradient.abs().max() > 0 and draws["tp"].gradient.abs().max() > 0
     assert not torch.equal(draws["outcome"].gradient, draws["tp"].gradient)
     again = draw_arm(outcome, backbone, sampler, reward, items, 11, Precision())

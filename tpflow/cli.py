@@ -9,6 +9,7 @@
     tpflow export RUN --out DIR [--merge]    # the trained LoRA (or merged transformer) for diffusers
     tpflow eval TARGET [--baseline TARGET]   # a run / checkpoint / exported LoRA / base model on a prompt set
     tpflow sample TARGET --prompt TEXT       # a captioned grid of a few images
+    tpflow probe RECIPE --arm NAME:K=V ...   # each credit's first-step gradient against the policy gradient
 
 Commands are thin wrappers over library functions. A user error (bad recipe, unknown name, missing file) prints
 one paragraph on stderr and exits with status 2, without a traceback.
@@ -41,6 +42,7 @@ from tpflow.cli_common import (
 from tpflow.cli_listing import register as register_listing
 from tpflow.errors import UserError
 from tpflow.evaluation.commands import register as register_evaluation
+from tpflow.probe.command import register as register_probe
 
 app = typer.Typer(
     name="tpflow",
@@ -361,6 +363,7 @@ def export(
 
 
 register_evaluation(app)  # tpflow eval, tpflow sample (after export in the help)
+register_probe(app)  # tpflow probe
 
 
 def _format_values(model: Any) -> str:

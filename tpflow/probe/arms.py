@@ -1,13 +1,15 @@
-"""Arms of a gradient probe and one paired draw of an arm: the same trajectories for every arm, each its own credit.
+"""Arms of a gradient probe, and one paired draw of them: the same main trajectories for every arm, each its credit.
 
 An arm is the probe's recipe with overrides of the sections that decide credit and the update (``[credit]``,
 ``[rollout]``, ``[optimizer]``), written ``name:key=value,key=value`` (``k3:credit.name=consistent,
-rollout.completion_steps=3``). A draw of an arm from a seed samples as training does (the window and the SDE noise
-from the seed, z_0 per prompt group from the seed), scores its reward trace, assigns its credit, normalises its
-advantages and measures its optimizer's first-step gradient (``tpflow.probe.gradient``). The rollout engine's main
-trajectory depends on the seed only, not on completions or baseline settings (docs/algorithm.md §1.6), so arms
-drawn from one seed share their main trajectories bit for bit and differ only in what their credit adds; each arm
-is charged its own rollout's NFE and seconds.
+rollout.completion_steps=3``); the extra key ``group_sizes=4/8/16/32`` gives the arm its own group sizes (else the
+probe's). A draw samples, from one seed, ``blocks`` of copies of each prompt: block b is one rollout batch (every
+prompt × ``block`` copies) whose window, SDE noise and z_0 come from the seed and b alone. The rollout engine's
+main trajectory depends on those only, not on completions or baseline settings (docs/algorithm.md §1.6), so every
+arm's block b holds the same main trajectories bit for bit, and an arm at group size G trains on the first
+G / block blocks: arms, and group sizes, are paired. Each distinct rollout setting (completions or none, their
+steps) is sampled once per block and shared by the arms that use it; each arm is charged that rollout's NFE and
+seconds in full (its cost were it run alone) plus its own credit and gradient.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from tpflow.devices import cpu_generator
@@ -39,39 +42,129 @@ class Arm:
     name: str
     overrides: tuple[str, ...]
     recipe: Recipe
+    group_sizes: tuple[int, ...] = ()  # () = the probe's
+
+    @property
+    def sampling(self) -> str:
+        """The key of the rollout this arm needs: arms with equal keys share one rollout per block."""
+        credit = self.recipe.build("credit")
+        completions = self.recipe.rollout.completions if credit.needs_completions else None
+        return f"{completions}:{self.recipe.rollout.model_dump_json()}" if completions else "none"
+
+
+@dataclass
+class Sampled:
+    """One block's rollout under one setting, scored."""
+
+    rollout: Rollout  # with completions removed (the optimizer re-scores the window only)
+    trace: Tensor  # [n, W+1] reward trace (NaN where no completion was computed)
+    nfe: float  # velocity evaluations per trajectory
+    seconds: float  # rollout and scoring
 
 
 @dataclass
 class ArmDraw:
-    """One draw of one arm."""
+    """One draw of one arm at one group size."""
 
-    rollout: Rollout  # the stored window (its main trajectories are every arm's of this seed)
-    trace: Tensor  # [n, W+1] reward trace (NaN where the arm computes no completions)
     gradient: Tensor  # [P] float32 CPU: the arm's first-step gradient
     nfe: float  # velocity evaluations per trajectory of the arm's rollout
-    seconds: float  # its rollout, scoring, credit and gradient
+    seconds: float  # its rollouts and scoring (in full), credit and gradient
+    reward: float  # mean final reward of the trajectories it trained on
 
 
 def parse_arm(spec: str, recipe_path: Path, base: Sequence[str] = ()) -> Arm:
     """``name:key=value,...`` -> an Arm whose recipe is the probe's (``recipe_path`` with ``base`` overrides) with
-    the arm's; a key outside ``ARM_SECTIONS`` is a UserError (an arm that changed the model or the reward would not
-    be paired with the others)."""
+    the arm's; a key outside ``ARM_SECTIONS`` (and ``group_sizes``) is a UserError (an arm that changed the model
+    or the reward would not be paired with the others)."""
     name, sep, body = spec.partition(":")
     if not sep or not name.strip() or not body.strip():
         raise UserError(
             f"--arm {spec!r}: write an arm as NAME:KEY=VALUE[,KEY=VALUE...], e.g. "
             "'k3:credit.name=consistent,rollout.completion_steps=3'."
         )
-    overrides = tuple(part.strip() for part in body.split(",") if part.strip())
-    for item in overrides:
-        section = item.partition("=")[0].strip().partition(".")[0]
-        if "=" not in item or section not in ARM_SECTIONS:
+    overrides, sizes = [], ()
+    for item in (part.strip() for part in body.split(",") if part.strip()):
+        key, _, value = item.partition("=")
+        if key.strip() == "group_sizes":
+            sizes = _group_sizes(f"--arm {name}: group_sizes", value)
+            continue
+        if "=" not in item or key.strip().partition(".")[0] not in ARM_SECTIONS:
             raise UserError(
-                f"--arm {name}: {item!r} is not a KEY=VALUE override of [{'], ['.join(ARM_SECTIONS)}]; the "
-                "backbone, reward, dataset and training settings are the probe's, shared by every arm (pass them "
-                "with --set)."
+                f"--arm {name}: {item!r} is not a KEY=VALUE override of [{'], ['.join(ARM_SECTIONS)}] (or "
+                "group_sizes=4/8/16); the backbone, reward, dataset and training settings are the probe's, shared by "
+                "every arm (pass them with --set)."
             )
-    return Arm(name.strip(), overrides, load_recipe(recipe_path, [*base, *overrides]))
+        overrides.append(item)
+    return Arm(name.strip(), tuple(overrides), load_recipe(recipe_path, [*base, *overrides]), sizes)
+
+
+def _group_sizes(what: str, text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.replace("/", ",").split(",") if x.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 2:
+        raise UserError(f"{what} = {text!r}: give group sizes of at least 2, e.g. 4/8/16 (a baseline needs two).")
+    return tuple(sorted(set(sizes)))
+
+
+def block_seed(seed: int, block: int) -> int:
+    """The seed of block ``block`` of a draw: its window, SDE noise and z_0, whatever the arm."""
+    return random.Random(f"{seed}/block/{block}").getrandbits(62)
+
+
+def sample_block(
+    arm: Arm,
+    backbone: Backbone,
+    sampler: Sampler,
+    reward: RewardModel,
+    items: Sequence[PromptItem],
+    seed: int,
+    precision: Precision,
+) -> Sampled:
+    """Sample ``items`` (one trajectory each; copies of a prompt form its group) as ``arm``'s recipe trains, from
+    ``seed``: its window, SDE noise and z_0; its completions when its credit needs them."""
+    settings = arm.recipe.rollout
+    credit, optimizer = arm.recipe.build("credit"), arm.recipe.build("optimizer")
+    start = time.perf_counter()
+    prompts = [item.prompt for item in items]
+    groups = sorted(set(prompts))
+    window = draw_window(settings.num_steps, settings.window_size, settings.window_range, random.Random(seed))
+    completions = settings.completions if credit.needs_completions else None
+    optimizer.bind(backbone, None, precision)
+    with optimizer.sampling_policy(), precision.autocast():
+        out = rollout_from_settings(backbone, sampler, backbone.encode(prompts), [groups.index(p) for p in prompts],
+                                    window, settings, completions, cpu_generator(seed))  # fmt: skip
+    metadata = [item.metadata for item in items]
+    scored = score_rollout(backbone.decode, reward, out.final, out.completions, prompts, metadata, window.size)
+    rollout = dataclasses.replace(out, completions=None)
+    return Sampled(rollout, scored.trace, float(out.cost.nfe), time.perf_counter() - start)
+
+
+def arm_gradient(
+    arm: Arm,
+    backbone: Backbone,
+    sampler: Sampler,
+    blocks: Sequence[Sampled],
+    prompts: Sequence[str],
+    precision: Precision,
+) -> ArmDraw:
+    """The arm's first-step gradient on the blocks (concatenated: one batch, its groups the copies of a prompt
+    across them), its credit assigned and its advantages normalised by its own optimizer (``prompts`` [n] per row)."""
+    if len({b.rollout.latents.shape[1] for b in blocks}) != 1:
+        raise UserError(f"--arm {arm.name}: its blocks have different window sizes.")
+    credit, optimizer = arm.recipe.build("credit"), arm.recipe.build("optimizer")
+    if optimizer.consumes != "transitions":
+        raise UserError(f"--arm {arm.name}: the probe measures optimizers that train SDE transitions (grpo).")
+    start = time.perf_counter()
+    optimizer.bind(backbone, None, precision)
+    trace = torch.cat([b.trace for b in blocks])  # [n, W+1]
+    batch = Rollout.cat([b.rollout for b in blocks]) if len(blocks) > 1 else blocks[0].rollout
+    advantages = optimizer.advantages(credit(trace).step_rewards, prompts)
+    gradient = first_step_gradient(optimizer, backbone, sampler, batch, advantages)
+    seconds = sum(b.seconds for b in blocks) + time.perf_counter() - start
+    nfe = sum(b.nfe for b in blocks) / len(blocks)
+    return ArmDraw(gradient, nfe, seconds, float(trace[:, -1].double().mean()))
 
 
 def draw_arm(
@@ -83,25 +176,6 @@ def draw_arm(
     seed: int,
     precision: Precision,
 ) -> ArmDraw:
-    """Sample ``items`` (one trajectory each; copies of a prompt form its group) as the arm's recipe trains, from
-    ``seed``, and measure the arm's first-step gradient (module docstring)."""
-    credit, optimizer = arm.recipe.build("credit"), arm.recipe.build("optimizer")
-    if optimizer.consumes != "transitions":
-        raise UserError(f"--arm {arm.name}: the probe measures optimizers that train SDE transitions (grpo).")
-    settings = arm.recipe.rollout
-    start = time.perf_counter()
-    optimizer.bind(backbone, None, precision)
-    prompts = [item.prompt for item in items]
-    groups = sorted(set(prompts))
-    window = draw_window(settings.num_steps, settings.window_size, settings.window_range, random.Random(seed))
-    seeds = {g: random.Random(f"{seed}/z0/{text}").getrandbits(63) for g, text in enumerate(groups)}
-    completions = settings.completions if credit.needs_completions else None
-    with optimizer.sampling_policy(), precision.autocast():
-        out = rollout_from_settings(backbone, sampler, backbone.encode(prompts), [groups.index(p) for p in prompts],
-                                    window, settings, completions, cpu_generator(seed), seeds)  # fmt: skip
-    metadata = [item.metadata for item in items]
-    scored = score_rollout(backbone.decode, reward, out.final, out.completions, prompts, metadata, window.size)
-    advantages = optimizer.advantages(credit(scored.trace).step_rewards, prompts)
-    batch = dataclasses.replace(out, completions=None)
-    gradient = first_step_gradient(optimizer, backbone, sampler, batch, advantages)
-    return ArmDraw(batch, scored.trace, gradient, out.cost.nfe, time.perf_counter() - start)
+    """One block of ``items`` sampled from ``seed`` and the arm's gradient on it (module docstring)."""
+    block = sample_block(arm, backbone, sampler, reward, items, seed, precision)
+    return arm_gradient(arm, backbone, sampler, [block], [item.prompt for item in items], precision)

@@ -1,0 +1,111 @@
+"""Evidence III (docs/results.md §3): which credit gives the better first-step gradient, measured by ``tpflow probe``.
+
+    .venv/bin/python benchmarks/probe_study.py prepare     # the task recipe, and the mid-training state
+    .venv/bin/python benchmarks/probe_study.py pilot       # the pilot that sizes the repeats (outcome, consistent)
+    .venv/bin/python benchmarks/probe_study.py run         # the committed protocol (resumable)
+    .venv/bin/python benchmarks/probe_study.py report      # docs/results/probe_*.md from the finished probes
+
+The task is Evidence II's (§2.1, ``benchmarks/evidence.py``: shapes-geneval, soft score, the regime of §2.4); the
+probe's states are the shipped model (epoch 0) and the outcome (Flow-GRPO) run of seed 10 trained 8 epochs in that
+regime (§2.4 seed 10's outcome arm, retrained here since the sweep's run dirs are not kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import tomli_w
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import evidence  # noqa: E402
+
+OUT = ROOT / "runs" / "probe"
+MID_SEED, MID_EPOCHS = 10, 8
+
+
+def task_recipe(out: Path = OUT) -> Path:
+    """Evidence II's outcome recipe in the §2.4 regime, written as a TOML the probe reads (arms override it)."""
+    data = evidence.recipe_data(evidence.REGIME, MID_SEED, "cpu")
+    path = out / "task.toml"
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(tomli_w.dumps(data))
+    return path
+
+
+def prepare(threads: int) -> None:
+    """The task recipe, and the mid-training state: outcome, seed 10, 8 epochs (resumes if killed)."""
+    import torch
+    from rich.console import Console
+
+    from tpflow.recipe import validate_recipe
+    from tpflow.train.checkpoint import find_checkpoint
+    from tpflow.train.trainer import Trainer
+
+    torch.set_num_threads(threads)
+    task_recipe()
+    data = evidence.recipe_data({**evidence.REGIME, "train.epochs": MID_EPOCHS}, MID_SEED, "cpu")
+    recipe = validate_recipe(data, where="probe/mid", path=evidence.BASE_RECIPE)
+    run_dir = OUT / f"outcome_s{MID_SEED}_e{MID_EPOCHS}"
+    resume = run_dir.exists() and find_checkpoint(run_dir)[0] is not None
+    with open(OUT / "mid.log", "a") as log:
+        Trainer(recipe, run_dir=run_dir, resume=resume, console=Console(file=log, force_terminal=False)).fit()
+    print(f"mid-training state: {run_dir}")
+
+
+ARMS = {  # docs/results.md §2.4's arms, as probe arms; outcome also at the group sizes its equal-NFE curve needs
+    "outcome": "outcome:credit.name=outcome,group_sizes=4/8/16/32",
+    "consistent": "consistent:credit.name=consistent,credit.balanced=true",
+    "incremental": "incremental:credit.name=incremental",
+    "consistent_x0": "consistent_x0:credit.name=consistent,credit.balanced=true,rollout.completions=x0",
+    "consistent_k3": "consistent_k3:credit.name=consistent,credit.balanced=true,rollout.completion_steps=3",
+}
+PILOT = {
+    "arms": ["outcome:credit.name=outcome", ARMS["consistent"]],
+    "group_sizes": [8],
+    "repeats": 4,
+    "reference_draws": 4,
+    "seed": 1000,
+}  # fmt: skip  (seed 1000: draws disjoint from the protocol's seed 0)
+PROMPTS, REFERENCE_G = 6, 32
+
+
+def probe(name: str, arms: list[str], group_sizes: list[int], repeats: int, reference_draws: int, seed: int,
+          checkpoint: Path | None, threads: int) -> Path:  # fmt: skip
+    """Run (or continue) one probe into ``OUT/NAME`` through the ``tpflow probe`` command itself."""
+    import torch
+
+    from tpflow.cli import main as tpflow_main
+
+    torch.set_num_threads(threads)
+    args = ["probe", str(task_recipe()), "--prompts", str(PROMPTS), "--group-sizes", ",".join(map(str, group_sizes)),
+            "--repeats", str(repeats), "--reference-draws", str(reference_draws), "--reference-group-size",
+            str(REFERENCE_G), "--seed", str(seed), "--out", str(OUT / name)]  # fmt: skip
+    for arm in arms:
+        args += ["--arm", arm]
+    if checkpoint is not None:
+        args += ["--checkpoint", str(checkpoint)]
+    try:
+        tpflow_main(args)
+    except SystemExit as stop:
+        if stop.code:
+            raise
+    return OUT / name
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["prepare", "pilot"])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.command == "prepare":
+        prepare(args.threads)
+    elif args.command == "pilot":
+        probe("pilot", threads=args.threads, checkpoint=None, **PILOT)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""``tpflow probe``: how well each credit method's first update estimates the policy gradient (docs/probe.md).
+
+    tpflow probe recipes/shapes_flowgrpo.toml --arm outcome:credit.name=outcome \\
+        --arm consistent:credit.name=consistent --repeats 12 --out runs/probe/demo
+
+A thin wrapper over ``tpflow.probe.run`` (the draws, resumable) and ``tpflow.probe.report`` (the figures).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from tpflow.cli_common import Overrides, make_console, print_report, user_errors
+from tpflow.errors import UserError
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(probe)
+
+
+def _sizes(text: str) -> list[int]:
+    from tpflow.probe.arms import _group_sizes
+
+    return list(_group_sizes("--group-sizes", text))
+
+
+@user_errors
+def probe(
+    recipe: Annotated[Path, typer.Argument(help="The probe's recipe: model, reward, prompts (arms override it).")],
+    arm: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--arm",
+            help="NAME:KEY=VALUE[,KEY=VALUE] over [credit], [rollout], [optimizer], or "
+            "group_sizes=4/8/16 (repeatable).",
+            show_default=False,
+        ),
+    ] = None,  # fmt: skip
+    prompts: Annotated[int, typer.Option(min=1, help="P: prompts of the train split, balanced over its tags.")] = 6,
+    group_sizes: Annotated[str, typer.Option(help="Group sizes of every arm (comma-separated).")] = "4,8",
+    repeats: Annotated[int, typer.Option(min=2, help="Independent paired draws of every arm.")] = 8,
+    reference_draws: Annotated[int, typer.Option(min=2, help="Independent draws of the reference gradient.")] = 8,
+    reference_group_size: Annotated[
+        int, typer.Option(min=2, help="Trajectories per prompt in a reference draw.")
+    ] = 32,
+    checkpoint: Annotated[
+        Path | None, typer.Option(help="The policy: this run dir's (or checkpoint's) adapter.", show_default=False)
+    ] = None,
+    seed: Annotated[int, typer.Option(min=0, help="Seeds the prompt pick and every draw.")] = 0,
+    sketch_dim: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Project gradients to this many numbers (0: keep them whole). Default: "
+            "whole up to 2^20 parameters, else 65536.",
+            show_default=False,
+        ),
+    ] = None,  # fmt: skip
+    baseline: Annotated[
+        str | None, typer.Option(help="The arm others are compared with (default: the first).")
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Output folder (a rerun continues the probe in it).")] = Path("runs/probe"),
+    set_: Overrides = None,
+) -> None:
+    """Paired first-step gradients of each arm against the policy gradient, from a fixed policy and prompt set.
+
+    Example: tpflow probe recipes/shapes_flowgrpo.toml --arm outcome:credit.name=outcome --arm
+    tp:credit.name=consistent --repeats 8 --out runs/probe/tp
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tpflow.preflight import check_machine
+    from tpflow.probe.report import comparisons, figures, markdown, plot
+    from tpflow.probe.run import ProbeConfig, build_probe, load_units, run_probe
+    from tpflow.recipe import load_recipe
+
+    if not recipe.is_file():
+        raise UserError(f"Recipe {recipe} is not a file.")
+    print_report(check_machine(load_recipe(recipe, set_ or [])))
+    config = ProbeConfig(
+        recipe=str(recipe), overrides=list(set_ or []), arms=list(arm or []), prompts=prompts,
+        group_sizes=_sizes(group_sizes), repeats=repeats, reference_draws=reference_draws,
+        reference_group_size=reference_group_size, seed=seed,
+        checkpoint=None if checkpoint is None else str(checkpoint), sketch_dim=sketch_dim,
+    )  # fmt: skip
+    built = build_probe(config, out)
+    names = [a.name for a in built.arms]
+    if baseline is not None and baseline not in names:
+        raise UserError(f"--baseline {baseline!r} is not an arm ({', '.join(names)}).")
+    console = make_console()
+    console.print(f"probe: {len(built.items)} prompts ({', '.join(escape(i.prompt) for i in built.items)})",
+                  highlight=False, soft_wrap=True)  # fmt: skip
+    units = built.units()
+    todo = [u for u in units if not (out / "draws" / f"{u}.json").exists()]
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=not console.is_terminal) as progress:  # fmt: skip
+        task = progress.add_task("probe draws", total=len(units), completed=len(units) - len(todo))
+        run_probe(built, lambda unit: progress.advance(task))
+    tensors, meta = load_units(out)
+    result = figures(tensors, meta, len(built.items), reference_group_size)
+    compared = comparisons(result, baseline or names[0])
+    header = (f"# Probe of {recipe}" + (f" at {checkpoint}" if checkpoint else "") +
+              f"\n\nP = {len(built.items)} prompts: " + "; ".join(i.prompt for i in built.items))  # fmt: skip
+    text = markdown(result, compared, header)
+    (out / "report.md").write_text(text)
+    (out / "report.json").write_text(json.dumps({**result, "comparisons": [c.__dict__ for c in compared]}, indent=1))
+    figure = plot(result, out / "cosine_nfe.png", f"{recipe.name}: cosine to g★ against NFE per prompt")
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+    console.print(f"wrote {out / 'report.md'}, {out / 'report.json'}, {figure}", highlight=False)
