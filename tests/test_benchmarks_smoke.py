@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import tpflow
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 SMALL = ["--prompts", "2", "--copies", "2", "--steps", "4", "--window", "2", "--window-start", "1"]
 
@@ -121,3 +123,70 @@ def test_completion_fidelity_at_toy_size(tmp_path):
     assert exact.split("|")[2].strip() == "10.0"  # K + W·K − W(W − 1)/2 − W (reused velocities), K = 4, W = 3
     assert one.split("|")[2].strip() == "4.0"  # K: every completion reuses the main velocity and jumps to σ = 0
     assert exact.split("|")[4].strip() == "1.000"  # the exact completions agree with themselves
+
+
+@pytest.fixture()
+def value_fidelity():
+    spec = importlib.util.spec_from_file_location("value_fidelity_bench", BENCHMARKS / "value_fidelity.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    yield module
+    torch.set_num_threads(threads)  # its --threads 1 holds for the test only
+    for name in (spec.name, "completion_fidelity", "evidence"):  # imported from benchmarks/ by the script
+        sys.modules.pop(name, None)
+
+
+def test_value_fidelity_at_toy_size(value_fidelity, tmp_path, tiny_weights, monkeypatch):
+    """benchmarks/value_fidelity.py on a tiny shapes-dit, 2 prompts x 2 copies, M = 3: the variants' NFE, the MC's
+    M·Σ_j (K − s − j) evaluations per trajectory, and a rerun that reads every MC value from the cache (none is
+    computed again) and writes the same table."""
+    from .test_train import tiny_recipe
+
+    recipe = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
+    out, cache = tmp_path / "value.md", tmp_path / "cache"
+    argv = ["--recipe", str(recipe), "--prompts", "2", "--copies", "2", "--M", "3", "--ks", "1", "--cache",
+            str(cache), "--set", "rollout.window_range=[0,3]", "--threads", "1", "--out", str(out)]  # fmt: skip
+    assert value_fidelity.main(argv) == 0
+    text = out.read_text()
+    rows = {line.split("|")[1].strip(): line.split("|") for line in text.splitlines() if line.startswith("| ")}
+    assert rows["exact"][2].strip() == "10.0" and rows["k=1"][2].strip() == "4.0"  # K = 4, W = 3, s = 0
+    assert "x0" not in rows and "x0 row left out" in text  # the x0 estimate is the one-step completion
+    assert "12 states" in text and "27 NFE per trajectory" in text  # 3·(4 + 3 + 2)
+    assert "4 of 4 trajectories computed" in text and len(list(cache.glob("*.json"))) == 4
+
+    def fail(*args, **kwargs):
+        raise AssertionError("computed again although cached")
+
+    monkeypatch.setattr(value_fidelity, "mc_values", fail)
+    assert value_fidelity.main(argv) == 0
+    again = out.read_text()
+    assert "0 of 4 trajectories computed" in again
+
+    def numbers(markdown: str) -> list[list[str]]:  # every table cell but the rollout seconds
+        return [line.split("|")[:3] + line.split("|")[4:] for line in markdown.splitlines() if line.startswith("| ")]
+
+    assert numbers(again) == numbers(text)
+
+
+def test_value_fidelity_scores_a_trace_against_its_values(value_fidelity):
+    """The comparison by hand: a completion trace equal to the MC values agrees everywhere; one with a state off flips
+    one increment's sign and adds a turning point; only increments the MC resolves (|ΔV| > 2·SE) count as resolved."""
+    from tpflow.probe.value import Values
+
+    values = torch.tensor([[0.5, 0.2, 0.6, 0.9], [0.4, 0.45, 0.1, 0.3]], dtype=torch.float64)
+    se = torch.tensor([[0.01, 0.01, 0.01, 0.0], [0.01, 0.2, 0.01, 0.0]], dtype=torch.float64)
+    mc = [Values(values, se, torch.zeros_like(se), 4)]
+    assigner = tpflow.build("credit", "consistent", balanced=False)
+    same = value_fidelity.compare([values.clone()], mc, assigner)
+    assert same["sign_agreement"] == same["resolved_agreement"] == 1.0 and same["mae"] == 0.0
+    assert same["spearman_values"] == pytest.approx(1.0) and same["tp_precision"] == same["tp_recall"] == 1.0
+    assert same["tp"] == same["tp_mc"] == 1  # trajectory 0: a dip (d_0 < 0), then the recovery at i = 1
+    off = values.clone()
+    off[1, 2] = 0.35  # 0.1 -> 0.35: d_2 of trajectory 1 turns negative, and i = 1 becomes a turning point
+    got = value_fidelity.compare([off], mc, assigner)
+    assert got["sign_agreement"] == pytest.approx(5 / 6) and got["mae"] == pytest.approx(0.25 / 6)
+    # resolved: all of trajectory 0's and trajectory 1's ΔV_2 = 0.2 > 2·0.01; not ΔV_0, ΔV_1 (SE 0.2 at j = 1)
+    assert got["resolved"] == 4 and got["resolved_agreement"] == pytest.approx(3 / 4)
+    assert got["tp"] == 2 and got["tp_mc"] == 1 and got["tp_precision"] == 0.5 and got["tp_recall"] == 1.0
