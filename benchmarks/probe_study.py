@@ -71,6 +71,17 @@ PILOT = {
     "seed": 1000,
 }  # fmt: skip  (seed 1000: draws disjoint from the protocol's seed 0)
 PROMPTS, REFERENCE_G = 6, 32
+# The protocol (docs/results.md §3.3), committed after the pilot and before the first run of the study.
+PROTOCOL: dict = {
+    "states": {"epoch0": None, "epoch8": f"outcome_s{MID_SEED}_e{MID_EPOCHS}"},  # probe name -> run dir under OUT
+    "arms": list(ARMS),
+    "group_sizes": [4, 8],  # every arm but outcome (whose own sizes are in its spec)
+    "repeats": 20,  # by the 2-hour budget: the pilot's sd (0.203) would need ~400 for ±0.02 (docs/results.md §3.2)
+    "reference_draws": 16,
+    "seed": 0,
+    "primary": ("epoch0", "consistent@8 − outcome@8"),  # cos to g★, paired over repeats, two-sided 95% t
+    "half_width": 0.02,  # the primary's planned interval: ±0.02
+}
 
 
 def probe(name: str, arms: list[str], group_sizes: list[int], repeats: int, reference_draws: int, seed: int,
@@ -96,15 +107,48 @@ def probe(name: str, arms: list[str], group_sizes: list[int], repeats: int, refe
     return OUT / name
 
 
+def plan_repeats(pilot: Path, primary: str, half_width: float) -> dict:
+    """Repeats for the primary's t interval to be at most ±half_width, from the pilot's spread of the paired
+    difference, taken at its one-sided 80% upper confidence bound (a pilot of few repeats underestimates spread)."""
+    import json
+    import math
+
+    from scipy import stats
+
+    from tpflow.intervals import repeats_for_half_width
+
+    arm, _, base = (part.strip() for part in primary.partition("−"))
+    cos = json.loads((pilot / "report.json").read_text())["per_repeat_cosine"]
+    diffs = [a - b for a, b in zip(cos[arm], cos[base], strict=True)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+    upper = sd * math.sqrt((n - 1) / stats.chi2.ppf(0.2, n - 1))
+    return {"pilot_differences": diffs, "sd": sd, "sd_upper80": upper,
+            "repeats": repeats_for_half_width(upper, half_width)}  # fmt: skip
+
+
+def run(threads: int) -> None:
+    """Every state of the protocol, in order; resumable (finished draws are kept)."""
+    for name, run_dir in PROTOCOL["states"].items():
+        arms = [ARMS[a] for a in PROTOCOL["arms"]]
+        probe(name, arms, PROTOCOL["group_sizes"], PROTOCOL["repeats"], PROTOCOL["reference_draws"],
+              PROTOCOL["seed"], None if run_dir is None else OUT / run_dir, threads)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["prepare", "pilot"])
+    parser.add_argument("command", choices=["prepare", "pilot", "plan", "run"])
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     if args.command == "prepare":
         prepare(args.threads)
     elif args.command == "pilot":
         probe("pilot", threads=args.threads, checkpoint=None, **PILOT)
+    elif args.command == "plan":
+        print(plan_repeats(OUT / "pilot", "consistent@8 − outcome@8", PROTOCOL["half_width"]))
+    elif args.command == "run":
+        run(args.threads)
 
 
 if __name__ == "__main__":

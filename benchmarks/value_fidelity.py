@@ -46,6 +46,7 @@ from scipy.stats import spearmanr
 
 import tpflow
 from tpflow.devices import cpu_generator
+from tpflow.probe.arms import paired_max_batch
 from tpflow.probe.value import Values, mc_values
 from tpflow.recipe import apply_overrides, load_recipe, validate_recipe
 from tpflow.rewards.call import recipe_policy
@@ -89,18 +90,6 @@ def pick_prompts(items: list, count: int, seed: int) -> list[int]:
     pools = [rng.sample(by_tag[t], len(by_tag[t])) for t in rng.sample(sorted(by_tag), len(by_tag))]
     picks = [pool[r] for r in range(max(map(len, pools))) for pool in pools if r < len(pool)]
     return picks[:count]
-
-
-def paired_max_batch(copies: int, max_batch: int | None) -> int:
-    """The velocity call size that keeps the main trajectories bitwise the same in every variant: the largest divisor
-    of ``copies`` not above the recipe's ``max_batch``.
-
-    The engine puts the main trajectory's rows first in each step's call, with the live completions after them; on
-    the CPU a row's rounding depends on the size of the call it is in (the shipped shapes-dit: a call of 2 rows and
-    one of 8 differ by ~1e-5), so the variants, whose calls hold different numbers of completion rows, drift apart.
-    With calls of a divisor of ``copies`` rows the main rows always fill calls of their own, of the same sizes."""
-    limit = copies if max_batch is None else min(copies, max_batch)
-    return max(d for d in range(1, limit + 1) if copies % d == 0)
 
 
 def sample(recipe, backbone, sampler, reward, items, picks, copies, ks, seed):

@@ -56,6 +56,7 @@ def test_a_probe_reports_every_arm_and_resumes_without_redrawing(tmp_path, tiny_
     nfe = {a["key"]: a["nfe_per_prompt"] for a in report["arms"]}
     assert nfe["outcome@4"] == 2 * nfe["outcome@2"] and nfe["tp@2"] > nfe["outcome@2"]  # completions are charged
     assert [c["name"] for c in report["comparisons"]][0] == "tp@2 − outcome@2"
+    assert report["paired_bitwise"] is True
     assert (out / "cosine_nfe.png").stat().st_size > 0 and "cos to g★" in (out / "report.md").read_text()
     kept = load_file(str(out / "draws" / "arms_r001.safetensors"))
     (out / "draws" / "arms_r001.json").unlink()  # as a kill before repeat 1 was recorded leaves it

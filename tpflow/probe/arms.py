@@ -108,6 +108,19 @@ def _group_sizes(what: str, text: str) -> tuple[int, ...]:
     return tuple(sorted(set(sizes)))
 
 
+def paired_max_batch(copies: int, max_batch: int | None) -> int:
+    """The velocity call size that keeps the main trajectories bitwise the same in every variant: the largest divisor
+    of ``copies`` (the rows of the main trajectories) not above the recipe's ``max_batch``.
+
+    The engine puts the main trajectory's rows first in each step's call, with the live completions after them; on
+    the CPU a row's rounding depends on the size of the call it is in (the shipped shapes-dit: a call of 2 rows and
+    one of 8 differ by ~1e-5), so the variants, whose calls hold different numbers of completion rows, drift apart.
+    With calls of a divisor of ``copies`` (the main trajectories' rows) the main rows always fill calls of
+    their own, of the same sizes."""
+    limit = copies if max_batch is None else min(copies, max_batch)
+    return max(d for d in range(1, limit + 1) if copies % d == 0)
+
+
 def block_seed(seed: int, block: int) -> int:
     """The seed of block ``block`` of a draw: its window, SDE noise and z_0, whatever the arm."""
     return random.Random(f"{seed}/block/{block}").getrandbits(62)
@@ -125,6 +138,7 @@ def sample_block(
     """Sample ``items`` (one trajectory each; copies of a prompt form its group) as ``arm``'s recipe trains, from
     ``seed``: its window, SDE noise and z_0; its completions when its credit needs them."""
     settings = arm.recipe.rollout
+    settings = settings.model_copy(update={"max_batch": paired_max_batch(len(items), settings.max_batch)})
     credit, optimizer = arm.recipe.build("credit"), arm.recipe.build("optimizer")
     start = time.perf_counter()
     prompts = [item.prompt for item in items]

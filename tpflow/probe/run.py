@@ -187,13 +187,29 @@ def _arms_unit(probe: Probe, r: int) -> tuple[dict[str, Tensor], dict[str, Any]]
             if (arm.sampling, b) not in cache:
                 cache[arm.sampling, b] = sample_block(arm, probe.backbone, probe.sampler, probe.reward, block_items,
                                                       block_seed(seed, b), probe.precision)  # fmt: skip
-        for g in sizes:
+    meta["paired_bitwise"] = _paired(cache)
+    for arm in probe.arms:
+        for g in probe.sizes(arm):
             blocks = [cache[arm.sampling, b] for b in range(g // probe.block)]
             prompts = [item.prompt for item in block_items] * len(blocks)
             drawn = arm_gradient(arm, probe.backbone, probe.sampler, blocks, prompts, probe.precision)
             tensors[f"{arm.name}@{g}"] = drawn.gradient
             meta[f"{arm.name}@{g}"] = {"nfe": drawn.nfe, "seconds": drawn.seconds, "reward": drawn.reward}
     return tensors, meta
+
+
+def _paired(cache: dict[tuple[str, int], Sampled]) -> bool:
+    """Whether every rollout setting's block b holds the same main trajectories, bit for bit (final latents and
+    stored window): what pairs the arms; the report states it."""
+    firsts: dict[int, Sampled] = {}
+    same = True
+    for (_, b), sampled in cache.items():
+        first = firsts.setdefault(b, sampled)
+        same = same and all(
+            torch.equal(getattr(first.rollout, name), getattr(sampled.rollout, name))
+            for name in ("final", "latents", "next_latents")
+        )
+    return same
 
 
 def _reference_unit(probe: Probe, r: int) -> tuple[dict[str, Tensor], dict[str, Any]]:

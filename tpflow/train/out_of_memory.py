@@ -1,6 +1,6 @@
 """What to do when training runs out of GPU memory: one paragraph naming the phase and the setting that sizes it.
 
-Out-of-memory is the most common first failure of a flow-GRPO run on a new GPU (docs/results.md §4 estimates the
+Out-of-memory is the most common first failure of a flow-GRPO run on a new GPU (docs/results.md §5 estimates the
 paper recipes' memory). A CUDA traceback says where the allocation failed, not which recipe value to lower; the
 phase the trainer was in does. Each phase holds a different batch on the GPU:
 
