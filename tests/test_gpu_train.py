@@ -249,3 +249,25 @@ def test_num_processes_1_over_nccl(tmp_path, tiny_weights, cuda):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (tmp_path / "run" / "run" / "checkpoints").is_dir()
     assert [row["epoch"] for row in read_jsonl(tmp_path / "run" / "run" / "metrics.jsonl")][:1] == [0]
+
+
+def test_a_probe_on_cuda_measures_the_cpu_probes_gradients(tmp_path, tiny_weights, cuda):
+    """The same probe (seed, prompts, arms) on the CPU and on CUDA: the draws use CPU generators, so the two see the
+    same trajectories up to float rounding, and their first-step gradients agree in direction (each arm's, and the
+    reference's): a probe on a GPU measures what one on a CPU does."""
+    from tpflow.probe.run import ProbeConfig, build_probe, load_units, run_probe
+    from tpflow.probe.stats import cosine
+
+    gradients = {}
+    for device in ("cpu", cuda):
+        recipe = gpu_recipe(tmp_path, backbone_section("shapes-dit", device, tiny_weights), run=f"probe-{device}")
+        config = ProbeConfig(recipe=str(recipe), overrides=[], arms=["outcome:credit.name=outcome",
+                             "tp:credit.name=consistent"], prompts=2, group_sizes=[2], repeats=2,
+                             reference_draws=2, reference_group_size=2)  # fmt: skip
+        probe = build_probe(config, tmp_path / f"out-{device}")
+        run_probe(probe)
+        gradients[device] = load_units(tmp_path / f"out-{device}")[0]
+    for unit, tensors in gradients["cpu"].items():
+        for key, cpu_gradient in tensors.items():
+            assert cpu_gradient.abs().max() > 0, (unit, key)
+            assert cosine(cpu_gradient, gradients[cuda][unit][key]) > 0.99, (unit, key)
