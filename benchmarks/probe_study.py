@@ -136,9 +136,81 @@ def run(threads: int) -> None:
               PROTOCOL["seed"], None if run_dir is None else OUT / run_dir, threads)  # fmt: skip
 
 
+def _sweep_ranking() -> dict[str, dict[str, float]]:
+    """Per arm of the §2.5 sweep: mean eval reward at epochs 0, 8, 16, the AUC, and the gains of each half."""
+    import json
+
+    import numpy as np
+    from _evidence_stats import auc, curve
+
+    runs = json.loads((ROOT / "docs" / "results" / "evidence_runs.json").read_text())["sweep"]
+    out: dict[str, dict[str, float]] = {}
+    for name in ARMS:
+        mine = [r for r in runs if r["name"] == name]
+        evals = np.array([curve(r)[1] for r in mine])  # [seeds, 3] at epochs 0, 8, 16
+        out[name] = {"seeds": len(mine), "auc": float(np.mean([auc(r) for r in mine])),
+                     "eval8": float(evals[:, 1].mean()), "eval16": float(evals[:, 2].mean()),
+                     "gain_0_8": float((evals[:, 1] - evals[:, 0]).mean()),
+                     "gain_8_16": float((evals[:, 2] - evals[:, 1]).mean())}  # fmt: skip
+    return out
+
+
+def report() -> Path:
+    """docs/results/probe_study.md from the finished probes: each state's table, the primary, the Holm family of
+    the secondary comparisons over both states, and the probe's ranking beside the sweep's."""
+    import json
+    import shutil
+
+    from tpflow.intervals import holm
+
+    results = ROOT / "docs" / "results"
+    primary_state, primary = PROTOCOL["primary"]
+    lines = [
+        "# Evidence III: the probe study (docs/results.md §3)",
+        "",
+        "Rebuilt by `.venv/bin/python benchmarks/probe_study.py report` from `runs/probe/*/report.json`.",
+        "",
+    ]
+    family, primary_row, tables = {}, None, {}
+    for state in PROTOCOL["states"]:
+        data = json.loads((OUT / state / "report.json").read_text())
+        tables[state] = data
+        shutil.copyfile(OUT / state / "cosine_nfe.png", results / f"probe_cosine_nfe_{state}.png")
+        for c in data["comparisons"]:
+            key = f"{state}: {c['name']}"
+            if state == primary_state and c["name"] == primary:
+                primary_row = c
+            else:
+                family[key] = c
+    adjusted = holm({k: c["p"] for k, c in family.items()})
+    c = primary_row
+    lines += [f"**Primary** ({primary_state}, {primary}, {c['repeats']} repeats): {c['mean']:+.4f}, 95% t "
+              f"[{c['low']:+.4f}, {c['high']:+.4f}], p = {c['p']:.3g}.", ""]  # fmt: skip
+    for state in tables:
+        lines += [f"## {state}", "", (OUT / state / "report.md").read_text().split("\n", 3)[-1], ""]
+    lines += ["## Secondary comparisons, one Holm family over both states", "",
+              "| comparison | difference in cos to g★ [95% t] | p | Holm p |", "|---|---|---|---|"]  # fmt: skip
+    for key, c in family.items():
+        lines.append(f"| {key} | {c['mean']:+.4f} [{c['low']:+.4f}, {c['high']:+.4f}] | {c['p']:.3g} | "
+                     f"{adjusted[key]:.3g} |")  # fmt: skip
+    sweep = _sweep_ranking()
+    lines += ["", "## The probe's ranking beside the sweep's (§2.5)", "",
+              "| arm | probe cos to g★ at G = 8, epoch 0 | at epoch 8 | sweep AUC | sweep gain 0→8 | "
+              "sweep gain 8→16 |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for name, row in sweep.items():
+        cos = [next((a["cosine"][0] for a in tables[s]["arms"] if a["key"] == f"{name}@8"), float("nan"))
+               for s in PROTOCOL["states"]]  # fmt: skip
+        lines.append(f"| {name} | {cos[0]:.3f} | {cos[1]:.3f} | {row['auc']:.4f} | {row['gain_0_8']:+.4f} | "
+                     f"{row['gain_8_16']:+.4f} |")  # fmt: skip
+    path = results / "probe_study.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["prepare", "pilot", "plan", "run"])
+    parser.add_argument("command", choices=["prepare", "pilot", "plan", "run", "report"])
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     if args.command == "prepare":
@@ -149,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
         print(plan_repeats(OUT / "pilot", "consistent@8 − outcome@8", PROTOCOL["half_width"]))
     elif args.command == "run":
         run(args.threads)
+    elif args.command == "report":
+        print(report())
 
 
 if __name__ == "__main__":

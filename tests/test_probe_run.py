@@ -131,3 +131,38 @@ def test_the_outcome_estimate_tends_to_the_reference_as_the_group_grows():
     star = gradient(20000, 0, reference=True)
     cosines = {g: sum(cosine(gradient(g, 100 + r, False), star) for r in range(24)) / 24 for g in (4, 32, 512)}
     assert cosines[4] < cosines[32] < cosines[512] and cosines[512] > 0.9, cosines
+
+
+def test_comparisons_pair_repeats_and_interpolate_the_baseline_only_inside_its_range():
+    """Hand-made per-repeat cosines: the equal-G difference is the repeat-wise one; at equal NFE the baseline's
+    cosine is interpolated in log NFE between its sizes (40 and 160 NFE: at 80, halfway in log), and an arm beyond
+    the baseline's range gets no equal-NFE row."""
+    from tpflow.probe.report import comparisons
+
+    def arm(name, g, nfe_per_traj):
+        return {"key": f"{name}@{g}", "arm": name, "group_size": g, "nfe_per_prompt": nfe_per_traj * g}
+
+    result = {
+        "arms": [arm("outcome", 4, 10), arm("outcome", 16, 10), arm("tp", 4, 20), arm("tp", 16, 20)],
+        "per_repeat_cosine": {
+            "outcome@4": [0.1, 0.2, 0.3],
+            "outcome@16": [0.3, 0.4, 0.5],
+            "tp@4": [0.25, 0.3, 0.5],
+            "tp@16": [0.0, 0.0, 0.0],
+        },
+    }
+    rows = {c.name: c for c in comparisons(result, "outcome")}
+    assert set(rows) == {"tp@4 − outcome@4", "tp@4 − outcome at equal NFE (80/prompt)", "tp@16 − outcome@16"}
+    assert rows["tp@4 − outcome@4"].mean == pytest.approx((0.15 + 0.1 + 0.2) / 3)
+    assert rows["tp@4 − outcome at equal NFE (80/prompt)"].mean == pytest.approx((0.05 + 0.0 + 0.1) / 3)
+    assert all(0 <= c.p <= c.p_holm <= 1 for c in rows.values())
+
+
+def test_repeats_for_a_half_width():
+    from scipy import stats
+
+    from tpflow.intervals import repeats_for_half_width
+
+    n = repeats_for_half_width(0.2, 0.02)
+    half = lambda k: stats.t.ppf(0.975, k - 1) * 0.2 / k**0.5  # noqa: E731
+    assert half(n) <= 0.02 < half(n - 1)

@@ -178,31 +178,35 @@ def markdown(result: dict[str, Any], compared: list[Comparison], header: str) ->
 
 
 def plot(result: dict[str, Any], path: Path, title: str) -> Path:
-    """Cosine to g★ against NFE per prompt, one line per arm over its group sizes (t intervals as bars)."""
+    """Cosine to g★ against NFE per prompt (left) and seconds per draw (right), one line per arm over its group
+    sizes (95% t intervals as bars)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
     by_arm: dict[str, list[dict]] = {}
     for a in result["arms"]:
         by_arm.setdefault(a["arm"], []).append(a)
-    for name, rows in by_arm.items():
-        rows.sort(key=lambda a: a["nfe_per_prompt"])
-        x = [a["nfe_per_prompt"] for a in rows]
-        y = [a["cosine"][0] for a in rows]
-        err = [[a["cosine"][0] - a["cosine"][1] for a in rows], [a["cosine"][2] - a["cosine"][0] for a in rows]]
-        ax.errorbar(x, y, yerr=np.nan_to_num(np.array(err)), marker="o", capsize=3, label=name)
-        for a in rows:
-            ax.annotate(f"G={a['group_size']}", (a["nfe_per_prompt"], a["cosine"][0]), fontsize=7,
-                        textcoords="offset points", xytext=(4, -8))  # fmt: skip
-    ax.set_xscale("log")
-    ax.set_xlabel("model evaluations (NFE) per prompt")
-    ax.set_ylabel("cos(first-step gradient, g★)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    panels = [(axes[0], "nfe_per_prompt", "model evaluations (NFE) per prompt"),
+              (axes[1], "seconds", "seconds per draw (its rollouts, scoring, credit, gradient)")]  # fmt: skip
+    for ax, axis, label in panels:
+        for name, rows in by_arm.items():
+            rows = sorted(rows, key=lambda a: a[axis])
+            x, y = [a[axis] for a in rows], [a["cosine"][0] for a in rows]
+            err = [[a["cosine"][0] - a["cosine"][1] for a in rows], [a["cosine"][2] - a["cosine"][0] for a in rows]]
+            ax.errorbar(x, y, yerr=np.nan_to_num(np.array(err)), marker="o", capsize=3, label=name)
+            for a in rows:
+                ax.annotate(f"G={a['group_size']}", (a[axis], a["cosine"][0]), fontsize=7,
+                            textcoords="offset points", xytext=(4, -8))  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("cos(first-step gradient, g★)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
