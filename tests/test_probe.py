@@ -224,3 +224,29 @@ def test_the_noise_free_figures_on_a_toy_whose_answer_is_known():
     r, whole = split_half_reliability(ref_a, ref_b)
     assert 0.9 < r < 1 and r < whole < 1
     assert cosine(torch.zeros(3), torch.ones(3)) == 0.0
+
+
+def test_the_all_pairs_noise_free_cosine_and_its_jackknife_on_the_toy():
+    """The all-pairs form of the bias ceiling: ≈ 1 for an unbiased estimator however noisy, ≈ cos(m, m') = 0.6 for a
+    biased one; its jackknife interval covers the true value; a delete-one jackknife of a mean is the t interval."""
+    from tpflow.intervals import t_interval
+    from tpflow.probe.stats import jackknife, noise_free_cosine
+
+    generator = torch.Generator().manual_seed(6)
+    d = 400
+    m = torch.zeros(d, dtype=torch.float64)
+    m[0] = 1.0
+    tilted = torch.zeros(d, dtype=torch.float64)
+    tilted[0], tilted[1] = 0.6, 0.8
+
+    def draws(mean, n):
+        return mean + 4.0 * torch.randn(n, d, generator=generator, dtype=torch.float64) / d**0.5
+
+    reference = draws(m, 400)
+    assert noise_free_cosine(draws(m, 400), reference) == pytest.approx(1.0, abs=0.06)
+    estimate, low, high = jackknife(lambda x: noise_free_cosine(x, reference), draws(tilted, 400))
+    assert estimate == pytest.approx(0.6, abs=0.06) and low < 0.6 < high and high - low < 0.3
+    values = torch.randn(12, generator=generator, dtype=torch.float64)
+    mean, lo, hi = jackknife(lambda x: float(x.mean()), values)
+    expected = t_interval(values.tolist())
+    assert mean == pytest.approx(expected[0]) and lo == pytest.approx(expected[1]) and hi == pytest.approx(expected[2])

@@ -16,12 +16,12 @@ import torch
 import tpflow
 from tpflow.devices import cpu_generator
 from tpflow.interfaces import Sampler
-from tpflow.samplers import CpsSampler, FlowSdeSampler, euler_step
+from tpflow.samplers import CpsSampler, DanceSdeSampler, FlowSdeSampler, euler_step
 from tpflow.samplers._common import draw_noise
 
 SD3_K10 = torch.tensor([1.0, 0.96013, 0.91335, 0.85769, 0.79037, 0.70728, 0.60215, 0.46488, 0.27805, 0.00893, 0.0])
 FLUX_K6 = torch.tensor([1.0, 0.90374, 0.78970, 0.65249, 0.48422, 0.27300, 0.0])
-SAMPLERS = [FlowSdeSampler, CpsSampler]
+SAMPLERS = [FlowSdeSampler, CpsSampler, DanceSdeSampler]
 SIGMA_PAIRS = [(1.0, 0.96013), (0.79037, 0.70728), (0.27805, 0.00893), (0.00893, 0.0)]
 
 
@@ -229,7 +229,9 @@ def test_flow_sde_ode_rows_have_finite_zero_log_prob_and_gradient():
     assert torch.isfinite(v_train.grad).all() and v_train.grad[1].abs().sum() == 0
 
 
-@pytest.mark.parametrize("name,cls", [("cps", CpsSampler), ("flow-sde", FlowSdeSampler)])
+@pytest.mark.parametrize(
+    "name,cls", [("cps", CpsSampler), ("flow-sde", FlowSdeSampler), ("dance-sde", DanceSdeSampler)]
+)
 def test_build_by_name(name, cls):
     sampler = tpflow.build("sampler", name)
     assert isinstance(sampler, cls) and isinstance(sampler, Sampler)
@@ -269,3 +271,42 @@ def test_cps_rejects_noise_level_above_one_and_flow_sde_a_step_stuck_at_one():
         CpsSampler().log_prob(z[:2], z, v, 0.5, 0.4, 0.7)
     with pytest.raises(ValueError, match="batched"):
         euler_step(z[0, 0, 0], v[0, 0, 0], 0.5, 0.4)
+
+
+@pytest.mark.parametrize("sigma,sigma_next", [(1.0, 0.90374), *SIGMA_PAIRS[1:]])
+def test_dance_sde_is_danceGRPOs_flux_step(sigma, sigma_next):
+    """DanceGRPO's ``flux_step`` as ../shared/RIVALS.md §6(a) transcribes it, in float64: the Euler mean plus the
+    score term, std η·√(σ − σ⁺), the full Gaussian log-density averaged over the latent; no guard at σ = 1."""
+    eta = 0.3
+    z, v = _latents(seed=4)
+    xi = torch.randn(z.shape, generator=torch.Generator().manual_seed(9))
+    x, u = z.double(), v.double()
+    dsigma = sigma_next - sigma
+    mean = x + dsigma * u
+    x0hat = x - sigma * u
+    score = -(x - x0hat * (1 - sigma)) / sigma**2
+    mean = mean + (-0.5 * eta**2 * score) * dsigma
+    std = eta * math.sqrt(sigma - sigma_next)
+    prev = mean + std * xi.double()
+    logp = (-((prev - mean) ** 2) / (2 * std**2) - math.log(std) - math.log(math.sqrt(2 * math.pi))).mean(
+        dim=(1, 2, 3)
+    )
+    out = DanceSdeSampler().step(z, v, sigma, sigma_next, eta, noise=xi)
+    torch.testing.assert_close(out.mean.double(), mean, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.prev.double(), prev, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.std.double(), torch.full((3,), std, dtype=torch.float64), rtol=1e-6, atol=0)
+    torch.testing.assert_close(out.log_prob.double(), logp, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.std_dev_t, torch.full((3,), eta))  # what the KL divides by: the constant η
+    rescored = DanceSdeSampler().log_prob(out.prev, z, v, sigma, sigma_next, eta)
+    torch.testing.assert_close(rescored.log_prob, out.log_prob, rtol=0, atol=1e-6)
+
+
+def test_dance_sde_and_flow_sde_differ_only_in_the_diffusion_coefficient():
+    """At σ = 0.5, flow-sde's ε = α·sqrt(σ / (1 − σ)) = α: the two steps are then the same, bit for bit; elsewhere
+    they differ (DanceGRPO's g(σ) = η is constant)."""
+    z, v = _latents(seed=2)
+    xi = torch.randn(z.shape, generator=torch.Generator().manual_seed(3))
+    same = [s.step(z, v, 0.5, 0.4, 0.7, noise=xi) for s in (FlowSdeSampler(), DanceSdeSampler())]
+    assert torch.equal(same[0].prev, same[1].prev) and torch.equal(same[0].log_prob, same[1].log_prob)
+    apart = [s.step(z, v, 0.8, 0.7, 0.7, noise=xi) for s in (FlowSdeSampler(), DanceSdeSampler())]
+    assert (apart[0].std > apart[1].std).all()  # ε = 0.7·2 at σ = 0.8 against 0.7

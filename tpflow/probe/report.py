@@ -5,9 +5,10 @@ g★ is the mean of the reference draws' leave-one-out REINFORCE gradients (the 
 J = E[R(x_0)], which the eval reward measures), g★ₙ that of their group-normalised outcome gradients (the objective
 that GRPO's std normalisation optimises instead). A repeat's cosine is cos(ĝ_r, g★): it carries both estimates'
 noise, the same g★ for every arm, so arms compare paired over repeats. The bias ceiling frees it of both noises
-(``tpflow.probe.stats.bias_ceiling`` on even/odd halves). "At equal NFE" interpolates the baseline arm's repeat-r
-cosine, linearly in log NFE per prompt between its group sizes, at the other arm's NFE per prompt (only inside the
-baseline's range; never extrapolated).
+(``tpflow.probe.stats.noise_free_cosine``: every pair of independent draws), with a delete-one-repeat jackknife
+interval (the reference held fixed); the SNR per trajectory has the same kind of interval. "At equal NFE"
+interpolates the baseline arm's repeat-r cosine, linearly in log NFE per prompt between its group sizes, at the other
+arm's NFE per prompt (only inside the baseline's range; never extrapolated).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 from tpflow.intervals import holm, t_interval
-from tpflow.probe.stats import bias_ceiling, cosine, mean_of, signal_to_noise, split_half_reliability
+from tpflow.probe.stats import cosine, jackknife, mean_of, noise_free_cosine, signal_to_noise, split_half_reliability
 
 
 @dataclass
@@ -37,9 +38,9 @@ class ArmFigures:
     reward: float  # mean final reward of its trajectories
     cosine: tuple[float, float, float]  # to g★: mean, 95% t interval over repeats
     cosine_normalised: tuple[float, float, float]  # to g★ₙ
-    bias_ceiling: float
-    bias_ceiling_normalised: float
-    snr_per_trajectory: float
+    bias_ceiling: tuple[float, float, float]  # noise-free cos(E ĝ, g★), jackknife 95% t interval over repeats
+    bias_ceiling_normalised: tuple[float, float, float]  # against g★ₙ
+    snr_per_trajectory: tuple[float, float, float]  # jackknife 95% t interval over repeats
 
 
 @dataclass
@@ -73,6 +74,7 @@ def figures(
     loo = [tensors[u]["loo"] for u in ref_units]
     normalised = [tensors[u]["normalised"] for u in ref_units]
     star, star_n = mean_of(loo), mean_of(normalised)
+    loo_stack, normalised_stack = torch.stack(loo).double(), torch.stack(normalised).double()  # [draws, d]
     keys = list(tensors[arm_units[0]])
     per_repeat = {key: [cosine(tensors[u][key], star) for u in arm_units] for key in keys}
     arms = []
@@ -80,16 +82,17 @@ def figures(
         name, _, g = key.rpartition("@")
         draws = [tensors[u][key] for u in arm_units]
         nfe = float(np.mean([meta[u][key]["nfe"] for u in arm_units]))
-        snr = signal_to_noise(torch.stack([d.double() for d in draws])) if len(draws) > 1 else math.nan
+        stack = torch.stack([d.double() for d in draws])  # [repeats, d]
+        trajectories = prompts * int(g)
         arms.append(ArmFigures(
             key=key, arm=name, group_size=int(g), repeats=len(draws), nfe_per_traj=nfe,
             nfe_per_prompt=nfe * int(g), seconds=float(np.mean([meta[u][key]["seconds"] for u in arm_units])),
             reward=float(np.mean([meta[u][key]["reward"] for u in arm_units])),
             cosine=_interval(per_repeat[key]),
             cosine_normalised=_interval([cosine(d, star_n) for d in draws]),
-            bias_ceiling=bias_ceiling(*_halves(draws), *_halves(loo)),
-            bias_ceiling_normalised=bias_ceiling(*_halves(draws), *_halves(normalised)),
-            snr_per_trajectory=snr / (prompts * int(g)),
+            bias_ceiling=jackknife(lambda x: noise_free_cosine(x, loo_stack), stack),
+            bias_ceiling_normalised=jackknife(lambda x: noise_free_cosine(x, normalised_stack), stack),
+            snr_per_trajectory=jackknife(lambda x, n=trajectories: signal_to_noise(x) / n, stack),
         ))  # fmt: skip
     reliability = split_half_reliability(*_halves(loo))
     reliability_n = split_half_reliability(*_halves(normalised))
@@ -140,16 +143,22 @@ def _fmt(interval: tuple[float, float, float] | list[float]) -> str:
     return f"{mean:.3f} [{low:.3f}, {high:.3f}]" if not math.isnan(low) else f"{mean:.3f}"
 
 
+def _snr(interval: tuple[float, float, float] | list[float]) -> str:
+    mean, low, high = interval
+    return f"{mean:.2e} [{low:.1e}, {high:.1e}]" if not math.isnan(low) else f"{mean:.2e}"
+
+
 def markdown(result: dict[str, Any], compared: list[Comparison], header: str) -> str:
     """The report as markdown: the arms table, the comparisons, the reference's reliability."""
     ref = result["reference"]
     lines = [header, "", "| arm | G | repeats | NFE/traj | NFE/prompt | s/draw | reward | cos to g★ [95% t] | "
-             "cos to g★ₙ [95% t] | bias ceiling (g★ / g★ₙ) | SNR/traj |", "|" + "---|" * 11]  # fmt: skip
+             "cos to g★ₙ [95% t] | bias ceiling to g★ [jackknife] | to g★ₙ | SNR/traj [jackknife] |",
+             "|" + "---|" * 12]  # fmt: skip
     for a in result["arms"]:
         lines.append(
             f"| {a['arm']} | {a['group_size']} | {a['repeats']} | {a['nfe_per_traj']:.1f} | {a['nfe_per_prompt']:.0f} "
             f"| {a['seconds']:.1f} | {a['reward']:.3f} | {_fmt(a['cosine'])} | {_fmt(a['cosine_normalised'])} | "
-            f"{a['bias_ceiling']:.3f} / {a['bias_ceiling_normalised']:.3f} | {a['snr_per_trajectory']:.2e} |"
+            f"{_fmt(a['bias_ceiling'])} | {_fmt(a['bias_ceiling_normalised'])} | {_snr(a['snr_per_trajectory'])} |"
         )
     lines += [
         "",

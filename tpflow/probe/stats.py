@@ -53,3 +53,48 @@ def split_half_reliability(half_a: Tensor, half_b: Tensor) -> tuple[float, float
 def mean_of(draws: list[Tensor]) -> Tensor:
     """The mean [d] of equal-shaped draws."""
     return torch.stack([d.double() for d in draws]).mean(dim=0)
+
+
+def _noise_free_square(draws: Tensor) -> float:
+    """U-statistic of ‖E x‖² from independent draws [n, d]: the mean of ⟨x_i, x_j⟩ over pairs i ≠ j."""
+    n = draws.shape[0]
+    total = draws.sum(dim=0)
+    return (float(total @ total) - float(draws.square().sum())) / (n * (n - 1))
+
+
+def noise_free_cosine(arm: Tensor, reference: Tensor) -> float:
+    """cos(E ĝ, E g★) from independent draws of each ([n, d] and [m, d], n, m ≥ 2), every pair used: the mean
+    of ⟨ĝ_i, g★_k⟩ over all (i, k) over √(U(ĝ)·U(g★)), U the pairwise U-statistic of the squared norm. Unbiased
+    numerator and denominator terms (a ratio, so consistent rather than unbiased); NaN when a U-statistic is ≤ 0
+    (too few draws to see the mean through the noise, or fewer than 2 of either). The all-pairs
+    form of :func:`bias_ceiling`."""
+    g, r = arm.double(), reference.double()
+    if g.shape[0] < 2 or r.shape[0] < 2:
+        return math.nan  # no pair of independent draws (a jackknife of 2 repeats leaves one)
+    signal, ref = _noise_free_square(g), _noise_free_square(r)
+    if signal <= 0 or ref <= 0:
+        return math.nan
+    return float(g.mean(dim=0) @ r.mean(dim=0)) / math.sqrt(signal * ref)
+
+
+def jackknife(statistic, draws: Tensor, level: float = 0.95) -> tuple[float, float, float]:
+    """(estimate, low, high): ``statistic(draws)`` with a delete-one jackknife t interval over the draws [n, ...]
+    (n − 1 degrees of freedom); NaN bounds when a leave-one-out value is NaN."""
+    from scipy import stats
+
+    n = draws.shape[0]
+    full = statistic(draws)
+    if n < 3:  # a leave-one-out sample of one draw has no spread: no interval
+        return full, math.nan, math.nan
+    keep = torch.ones(n, dtype=torch.bool, device=draws.device)
+    leave = []
+    for i in range(n):
+        keep[i] = False
+        leave.append(statistic(draws[keep]))
+        keep[i] = True
+    values = torch.tensor(leave, dtype=torch.float64, device="cpu")
+    if not torch.isfinite(values).all() or math.isnan(full):
+        return full, math.nan, math.nan
+    se = math.sqrt((n - 1) / n * float((values - values.mean()).square().sum()))
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * se
+    return full, full - half, full + half

@@ -55,6 +55,8 @@ class FlowSdeSampler:
     Everything is computed in float32; ``prev`` is cast back to the latent dtype, the other fields stay float32.
     """
 
+    registered_name = "flow-sde"
+
     def __init__(self, options: FlowSdeOptions | None = None) -> None:
         self.options = options or FlowSdeOptions()
 
@@ -108,18 +110,25 @@ class FlowSdeSampler:
         mean, std, eps = self._transition(z, v, sigma, sigma_next, noise_level)
         return StepOutput(z_next, mean, std, _log_prob(z_next.detach().float(), mean, std), eps)
 
+    guards_sigma_one = True  # ε has 1/(1 − σ): a step from σ = 1 must end below 1 (``diffusion``)
+
+    @staticmethod
+    def diffusion(s: Tensor, s_next: Tensor, alpha: float) -> Tensor:
+        """The diffusion coefficient ε [N] of steps from σ = ``s`` [N]: α·sqrt(σ / (1 − σ̄)), σ̄ = σ⁺ at σ = 1."""
+        s_bar = torch.where(s == 1, s_next, s)  # σ = 1 guard: σ̄ = σ_1 = sigma_next
+        return alpha * torch.sqrt(s / (1 - s_bar))
+
     def _transition(
         self, z: Tensor, v: Tensor, sigma: Tensor | float, sigma_next: Tensor | float, noise_level: float
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(mean [N, ...], std [N], ε [N]), all float32."""
         alpha = float(noise_level)
         if not alpha >= 0:
-            raise ValueError(f"noise_level (α) of flow-sde must be >= 0; got {noise_level!r}.")
+            raise ValueError(f"noise_level (α) of {self.registered_name} must be >= 0; got {noise_level!r}.")
         # [N] each, checked on the host when they come from there (σ = 1 -> 1 included: the guard below needs σ⁺ < 1)
-        s, s_next = checked_sigmas(sigma, sigma_next, z, leave_one=True)
-        s_bar = torch.where(s == 1, s_next, s)  # σ = 1 guard: σ̄ = σ_1 = sigma_next
+        s, s_next = checked_sigmas(sigma, sigma_next, z, leave_one=self.guards_sigma_one)
         h = s - s_next  # [N] step length, >= 0
-        eps = alpha * torch.sqrt(s / (1 - s_bar))  # [N]
+        eps = self.diffusion(s, s_next, alpha)  # [N]
         s_safe = torch.where(s > 0, s, torch.ones_like(s))  # σ = 0 forces ε = 0 and h = 0: avoid 0/0
         drift = eps**2 / (2 * s_safe)  # [N] ε²/(2σ)
         z32, v32 = z.float(), v.float()
