@@ -46,7 +46,7 @@ from scipy.stats import spearmanr
 
 import tpflow
 from tpflow.devices import cpu_generator
-from tpflow.probe.arms import paired_max_batch
+from tpflow.probe.arms import paired_max_batch, same_main_trajectories
 from tpflow.probe.value import Values, mc_values
 from tpflow.recipe import apply_overrides, load_recipe, validate_recipe
 from tpflow.rewards.call import recipe_policy
@@ -114,7 +114,7 @@ def sample(recipe, backbone, sampler, reward, items, picks, copies, ks, seed):
             rollout_s = time.perf_counter() - start
             if name == "exact":
                 batches.append(Batch(roll, window.start, item.prompt, dict(item.metadata)))
-            elif not _same_main(roll, batches[-1].rollout):
+            elif not same_main_trajectories(roll, batches[-1].rollout):
                 raise RuntimeError(f"variant {name}: the main trajectories differ from the exact variant's.")
             scored = score_rollout(backbone.decode, reward, roll.final, roll.completions, [item.prompt] * copies,
                                    [item.metadata] * copies, window.size, chunk=recipe.train.score_batch,
@@ -126,11 +126,6 @@ def sample(recipe, backbone, sampler, reward, items, picks, copies, ks, seed):
     if 1 in ks and all(torch.equal(a, b) for a, b in zip(out["x0"]["traces"], out["k=1"]["traces"], strict=True)):
         del out["x0"]  # the x0 estimate is the one-step completion: its row would repeat k=1's
     return batches, out
-
-
-def _same_main(a: Rollout, b: Rollout) -> bool:
-    return all(torch.equal(x, y) for x, y in ((a.latents, b.latents), (a.next_latents, b.next_latents),
-                                               (a.final, b.final), (a.log_probs, b.log_probs)))  # fmt: skip
 
 
 def values(recipe, backbone, sampler, reward, batches, samples, seed, cache, tag) -> tuple[list[Values], dict]:

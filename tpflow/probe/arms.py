@@ -121,6 +121,13 @@ def paired_max_batch(copies: int, max_batch: int | None) -> int:
     return max(d for d in range(1, limit + 1) if copies % d == 0)
 
 
+def same_main_trajectories(a: Rollout, b: Rollout) -> bool:
+    """Whether two rollouts hold the same main trajectories, bit for bit (stored window, log-probs, final latents):
+    what pairs two arms, or two completion variants, drawn from one seed."""
+    fields = ("latents", "next_latents", "log_probs", "final")
+    return all(torch.equal(getattr(a, name), getattr(b, name)) for name in fields)
+
+
 def block_seed(seed: int, block: int) -> int:
     """The seed of block ``block`` of a draw: its window, SDE noise and z_0, whatever the arm."""
     return random.Random(f"{seed}/block/{block}").getrandbits(62)

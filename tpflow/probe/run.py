@@ -25,15 +25,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save
 from torch import Tensor
 
 from tpflow.errors import UserError
 from tpflow.precision import Precision
-from tpflow.probe.arms import Arm, Sampled, arm_gradient, block_seed, parse_arm, sample_block
+from tpflow.probe.arms import (
+    Arm,
+    Sampled,
+    arm_gradient,
+    block_seed,
+    parse_arm,
+    same_main_trajectories,
+    sample_block,
+)
 from tpflow.probe.gradient import first_step_gradient
 from tpflow.probe.projection import CountSketch, measured_distortion
 from tpflow.probe.reference import leave_one_out_advantages
+from tpflow.recipe import load_recipe
 from tpflow.types import PromptItem
 
 SKETCH_ABOVE = 1 << 20  # adapters with more parameters are sketched by default (about 4 MB per stored gradient)
@@ -69,6 +78,7 @@ class Probe:
     config: ProbeConfig
     out: Path
     arms: list[Arm]
+    reference: Arm  # the probe's recipe itself (outcome credit: no completions), for the reference draws
     backbone: Any
     sampler: Any
     reward: Any
@@ -117,7 +127,9 @@ def build_probe(config: ProbeConfig, out: Path) -> Probe:
     arms = [parse_arm(spec, recipe_path, config.overrides) for spec in config.arms]
     if len({arm.name for arm in arms}) != len(arms):
         raise UserError(f"--arm names must differ: {[arm.name for arm in arms]}.")
-    base = arms[0].recipe
+    reference = Arm("reference", ("credit.name=outcome",),
+                    load_recipe(recipe_path, [*config.overrides, "credit.name=outcome"]))  # fmt: skip
+    base = reference.recipe  # the probe's recipe, whatever an arm overrides
     if base.train.mixed_precision == "fp16":
         raise UserError("The probe measures fp32 or bf16 gradients: fp16's loss scale would enter them (--set "
                         "train.mixed_precision=bf16).")  # fmt: skip
@@ -132,7 +144,7 @@ def build_probe(config: ProbeConfig, out: Path) -> Probe:
     dim = config.sketch_dim if config.sketch_dim is not None else (0 if numel <= SKETCH_ABOVE else 1 << 16)
     sketch = CountSketch(numel, dim, seed=config.seed) if dim else None
     precision = Precision(base.train.mixed_precision, backbone.device.type)
-    probe = Probe(config, out, arms, backbone, sampler, reward, items, precision, sketch)
+    probe = Probe(config, out, arms, reference, backbone, sampler, reward, items, precision, sketch)
     for arm in arms:
         if any(g % probe.block for g in probe.sizes(arm)):
             raise UserError(f"--arm {arm.name}: every group size must be a multiple of the smallest, {probe.block}.")
@@ -199,17 +211,13 @@ def _arms_unit(probe: Probe, r: int) -> tuple[dict[str, Tensor], dict[str, Any]]
 
 
 def _paired(cache: dict[tuple[str, int], Sampled]) -> bool:
-    """Whether every rollout setting's block b holds the same main trajectories, bit for bit (final latents and
-    stored window): what pairs the arms; the report states it."""
+    """Whether every rollout setting's block b holds the same main trajectories, bit for bit: what pairs the arms;
+    the report states it."""
     firsts: dict[int, Sampled] = {}
-    same = True
     for (_, b), sampled in cache.items():
-        first = firsts.setdefault(b, sampled)
-        same = same and all(
-            torch.equal(getattr(first.rollout, name), getattr(sampled.rollout, name))
-            for name in ("final", "latents", "next_latents")
-        )
-    return same
+        if not same_main_trajectories(firsts.setdefault(b, sampled).rollout, sampled.rollout):
+            return False
+    return True
 
 
 def _reference_unit(probe: Probe, r: int) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -220,10 +228,9 @@ def _reference_unit(probe: Probe, r: int) -> tuple[dict[str, Tensor], dict[str, 
 
     start = time.perf_counter()
     seed = random.Random(f"{probe.config.seed}/reference/{r}").getrandbits(62)
-    reference = Arm("reference", (), probe.arms[0].recipe)
     items = [item for item in probe.items for _ in range(probe.config.reference_group_size)]
-    sampled = _sampled_without_completions(probe, reference, items, seed)
-    optimizer = reference.recipe.build("optimizer")
+    sampled = sample_block(probe.reference, probe.backbone, probe.sampler, probe.reward, items, seed, probe.precision)
+    optimizer = probe.reference.recipe.build("optimizer")
     optimizer.bind(probe.backbone, None, probe.precision)
     prompts = [item.prompt for item in items]
     width = sampled.rollout.latents.shape[1]
@@ -239,13 +246,6 @@ def _reference_unit(probe: Probe, r: int) -> tuple[dict[str, Tensor], dict[str, 
     return tensors, meta
 
 
-def _sampled_without_completions(probe: Probe, arm: Arm, items: list[PromptItem], seed: int) -> Sampled:
-    from tpflow.recipe import load_recipe
-
-    plain = Arm(arm.name, (), load_recipe(probe.config.recipe, [*probe.config.overrides, "credit.name=outcome"]))
-    return sample_block(plain, probe.backbone, probe.sampler, probe.reward, items, seed, probe.precision)
-
-
 def _save_unit(probe: Probe, unit: str, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
     """Sketch (when the probe does), then write the tensors and the JSON atomically, the JSON last: a unit is done
     when its JSON exists."""
@@ -256,10 +256,10 @@ def _save_unit(probe: Probe, unit: str, tensors: dict[str, Tensor], meta: dict[s
             meta["sketch_distortion"] = measured_distortion(probe.sketch, torch.stack(list(tensors.values())))
         tensors = {k: probe.sketch(v).float() for k, v in tensors.items()}
     path = folder / f"{unit}.safetensors"
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path.with_suffix(".tmp")))
+    data = save({k: v.contiguous() for k, v in tensors.items()})  # the file's bytes: hashed as written
+    path.with_suffix(".tmp").write_bytes(data)
     os.replace(path.with_suffix(".tmp"), path)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    _write_json(folder / f"{unit}.json", {"meta": meta, "sha256": digest})
+    _write_json(folder / f"{unit}.json", {"meta": meta, "sha256": hashlib.sha256(data).hexdigest()})
 
 
 def load_units(out: Path) -> tuple[dict[str, dict[str, Tensor]], dict[str, dict[str, Any]]]:
@@ -268,10 +268,11 @@ def load_units(out: Path) -> tuple[dict[str, dict[str, Tensor]], dict[str, dict[
     tensors, meta = {}, {}
     for path in sorted((out / "draws").glob("*.json")):
         record = json.loads(path.read_text())
-        data = path.with_suffix(".safetensors")
-        if not data.exists() or hashlib.sha256(data.read_bytes()).hexdigest() != record["sha256"]:
-            raise UserError(f"{data} is missing or does not match {path}: delete both and rerun to redraw it.")
-        tensors[path.stem], meta[path.stem] = load_file(str(data)), record["meta"]
+        file = path.with_suffix(".safetensors")
+        data = file.read_bytes() if file.exists() else b""  # read once: hashed, then parsed
+        if hashlib.sha256(data).hexdigest() != record["sha256"]:
+            raise UserError(f"{file} is missing or does not match {path}: delete both and rerun to redraw it.")
+        tensors[path.stem], meta[path.stem] = load(data), record["meta"]
     return tensors, meta
 
 
