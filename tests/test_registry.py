@@ -72,7 +72,7 @@ def test_unknown_name_lists_available_and_suggests():
 
 
 def test_unknown_kind():
-    with pytest.raises(UserError, match="Kinds are: backbone, sampler, reward, credit, optimizer, dataset"):
+    with pytest.raises(UserError, match="Kinds are: backbone, sampler, plan, reward, credit, optimizer, dataset"):
         registry.names("rewards")
 
 

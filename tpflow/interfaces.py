@@ -98,6 +98,20 @@ class Sampler(Protocol):
 
 
 @runtime_checkable
+class RolloutPlan(Protocol):
+    """Which steps of each trajectory of a rollout batch are SDE (the window; Euler ODE elsewhere) and which of the
+    stored window steps the update trains (``tpflow.plans``)."""
+
+    per_row_windows: bool
+    """Whether the trajectories of one batch may start their windows at different steps (then no completions)."""
+
+    def plan(self, rollout: Any, n: int, epoch: int, batch_seed: int, run_seed: int) -> Any:
+        """The ``tpflow.plans.BatchPlan`` of one rollout batch of n trajectories from the ``[rollout]`` settings;
+        every draw comes from ``batch_seed`` or (``run_seed``, ``epoch``), never from a process's RNG."""
+        ...
+
+
+@runtime_checkable
 class RewardModel(Protocol):
     """Scores images; safe to call from a worker thread; heavy models load lazily on the first call."""
 

@@ -38,7 +38,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 # Component sections a recipe may omit, and the component used then.
-DEFAULT_COMPONENTS: dict[str, str] = {"sampler": "cps", "credit": "consistent", "optimizer": "grpo"}
+DEFAULT_COMPONENTS: dict[str, str] = {"sampler": "cps", "plan": "window", "credit": "consistent", "optimizer": "grpo"}
 SECTIONS: tuple[str, ...] = (*registry.KINDS, *SETTINGS)
 
 
@@ -88,6 +88,10 @@ class Recipe:
     @property
     def sampler(self) -> ComponentSpec:
         return self.components["sampler"]
+
+    @property
+    def plan(self) -> ComponentSpec:
+        return self.components["plan"]
 
     @property
     def reward(self) -> ComponentSpec:

@@ -32,12 +32,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tpflow.errors import DuplicateComponentError, UnknownComponentError, UserError
 
-KINDS: tuple[str, ...] = ("backbone", "sampler", "reward", "credit", "optimizer", "dataset")
+KINDS: tuple[str, ...] = ("backbone", "sampler", "plan", "reward", "credit", "optimizer", "dataset")
 
 # Modules whose import registers the built-in components of each kind.
 _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "backbone": ("tpflow.backbones",),
     "sampler": ("tpflow.samplers",),
+    "plan": ("tpflow.plans",),
     "reward": ("tpflow.rewards",),
     "credit": ("tpflow.credit",),
     "optimizer": ("tpflow.optim",),
@@ -47,6 +48,7 @@ _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
 _KIND_WORDS = {
     "backbone": "backbone",
     "sampler": "sampler",
+    "plan": "rollout plan",
     "reward": "reward model",
     "credit": "credit assigner",
     "optimizer": "optimizer",

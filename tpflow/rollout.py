@@ -28,10 +28,9 @@ completions or ``completion_steps``: arms that differ in those are paired on ξ.
 
 from __future__ import annotations
 
-import random
+import dataclasses
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -39,25 +38,10 @@ from torch import Tensor
 
 from tpflow.devices import cpu_generator, randn
 from tpflow.interfaces import Backbone, Sampler
+from tpflow.plans.base import BatchPlan, Window, draw_window  # noqa: F401 (Window, draw_window: tpflow.rollout names)
 from tpflow.samplers.euler import euler_step
 from tpflow.settings import RolloutSettings
 from tpflow.types import Conditioning, Rollout, RolloutCost
-
-
-@dataclass(frozen=True)
-class Window:
-    """The SDE window: generation steps start .. start + size - 1 are stochastic and trained."""
-
-    start: int
-    size: int
-
-
-def draw_window(num_steps: int, size: int, window_range: tuple[int, int], rng: random.Random) -> Window:
-    """s uniform in lo..hi-size, both ends included (docs/algorithm.md §2), one draw per rollout batch."""
-    lo, hi = window_range
-    if not (0 <= lo <= hi - size and hi <= num_steps):
-        raise ValueError(f"window_range {window_range} cannot hold {size} steps within {num_steps}.")
-    return Window(rng.randint(lo, hi - size), size)
 
 
 class _Branch:
@@ -139,6 +123,8 @@ def rollout(
     reuse_main_velocity: bool = True,
     completion_steps: int | None = None,
     transitions: bool = True,
+    starts: Sequence[int] | None = None,
+    store_means: bool = False,
 ) -> Rollout:
     """Sample N trajectories and, when asked, the latents whose rewards form the trace R_0..R_{W-1}.
 
@@ -170,6 +156,12 @@ def rollout(
             keeps the final latents only (one that consumes final samples, ``Optimizer.consumes``): the trajectory is
             the same, the stored window is empty (W = 0 in ``latents``, ``next_latents``, ``log_probs``), and
             ``completions`` must be None.
+        starts: [N] per-trajectory window starts (a rollout plan's, ``tpflow.plans``), each s_n + W <= K, their
+            minimum ``window.start``: trajectory n is SDE on steps s_n .. s_n + W - 1 and Euler elsewhere, every row
+            still in one velocity call per step, and its stored steps and ``sigmas`` are its own window's. Needs
+            ``completions`` None. None (or equal starts) is the one window ``window``, bitwise.
+        store_means: also store each window step's transition mean μ_old (``Rollout.means``, for GRPO-Guard's
+            RatioNorm).
 
     Returns:
         Rollout with the W stored transitions (none without ``transitions``), the final latents and (unless
@@ -179,6 +171,7 @@ def rollout(
     num_steps = sigmas.shape[0] - 1
     s, width = window.start, window.size
     source = _checked_source(n, window, num_steps, z0, source, ok=transitions or completions is None)
+    row_starts = _checked_starts(starts, n, window, num_steps, completions)  # [N] host long, or None: one window
     first = torch.stack([(source == p).nonzero()[0, 0] for p in range(z0.shape[0])])  # [P] a trajectory per noise row
     engine = _Velocity(backbone, cond, sigmas, guidance, max_batch)
     fresh_generator = baseline_generator(generator)  # drawn in every arm, so the ξ below are the same in each
@@ -189,28 +182,35 @@ def rollout(
         independent = _Branch(fresh, torch.arange(n, device=z0.device))
     prefix = _prefix(engine, _Branch(z0.clone(), first), independent, noise, s)
     loop = _WindowLoop(engine, sampler, window, noise_level, completions, baseline_noise, first, reuse_main_velocity,
-                       steps=completion_steps, store=transitions)  # fmt: skip
+                       steps=completion_steps, store=transitions, starts=row_starts, means=store_means)  # fmt: skip
     main = _Branch(prefix.z[source], torch.arange(n, device=z0.device))
     for k in range(s, num_steps):  # the window's SDE steps, then the ODE tail; live branches ride along
         loop.step(main, k, noise, independent)
     completed = None if completions is None else loop.completed(source, independent)  # [N, W, ...]
-    if transitions:
+    means = None
+    if transitions and row_starts is not None:  # each row's own window steps, gathered from the steps taken
+        stored, means = loop.gathered(row_starts)
+        grid = torch.stack([sigmas[a : a + width + 1] for a in row_starts.tolist()])  # [N, W + 1]
+    elif transitions:
         stored = [torch.stack(part, dim=1) for part in (loop.latents, loop.next_latents, loop.log_probs)]
-        grid = sigmas[s : s + width + 1]
+        means = torch.stack(loop.means, dim=1) if store_means else None
+        grid = sigmas[s : s + width + 1].expand(n, width + 1)
     else:  # final samples only: an empty window (W = 0), σ of the final latent
         empty = main.z.new_zeros((n, 0, *main.z.shape[1:]))
         stored, grid = [empty, empty, torch.zeros((n, 0), dtype=torch.float32, device=z0.device)], sigmas[-1:]
+        grid = grid.expand(n, 1)
     return Rollout(
         latents=stored[0],
         next_latents=stored[1],
         log_probs=stored[2],
-        sigmas=grid.float().to(z0.device).expand(n, grid.shape[0]).clone(),
+        sigmas=grid.float().to(z0.device).clone(),
         noise_level=float(noise_level),
         guidance=float(guidance),
         cond=cond,
         final=main.z,
         completions=completed,
         cost=RolloutCost(nfe=round(engine.rows_evaluated / n, 2), model_s=engine.model_s),
+        means=means,
     )
 
 
@@ -225,6 +225,22 @@ def _checked_source(n: int, window: Window, num_steps: int, z0: Tensor, source: 
     if not ok:
         raise ValueError("completions need the stored window (transitions=True); pass completions=None.")
     return source
+
+
+def _checked_starts(
+    starts: Sequence[int] | None, n: int, window: Window, num_steps: int, completions: str | None
+) -> Tensor | None:
+    """Per-row window starts [N] on the host (None when there are none or all are equal: the one window)."""
+    if starts is None or len(set(starts)) == 1 and (len(starts) == n and starts[0] == window.start):
+        return None
+    if len(starts) != n or min(starts) != window.start or max(starts) + window.size > num_steps:
+        raise ValueError(
+            f"starts must be N = {n} window starts whose minimum is window.start = {window.start} and whose "
+            f"windows of {window.size} steps fit in {num_steps}; got {list(starts)}."
+        )
+    if completions is not None:
+        raise ValueError("completions need one window for the whole batch; per-row starts take completions=None.")
+    return torch.tensor(list(starts), dtype=torch.long, device="cpu")  # host bookkeeping (tpflow.devices)
 
 
 def _prefix(engine: _Velocity, prefix: _Branch, independent: _Branch | None, noise: _MainNoise, s: int) -> _Branch:
@@ -273,7 +289,19 @@ class _WindowLoop:
     started at each (or an x0 estimate), Euler after it; every live ODE branch advances in the same call."""
 
     def __init__(
-        self, engine, sampler, window, noise_level, completions, baseline_noise, first, reuse, steps=None, store=True
+        self,
+        engine,
+        sampler,
+        window,
+        noise_level,
+        completions,
+        baseline_noise,
+        first,
+        reuse,
+        steps=None,
+        store=True,
+        starts=None,
+        means=False,
     ):
         self.engine, self.sampler, self.window, self.noise_level = engine, sampler, window, noise_level
         self.completions, self.baseline_noise, self.first, self.reuse = completions, baseline_noise, first, reuse
@@ -284,6 +312,10 @@ class _WindowLoop:
         self.next_latents: list[Tensor] = []
         self.log_probs: list[Tensor] = []
         self.store = store  # keep the window's transitions (False: final samples only)
+        self.store_means = means  # keep each window step's transition mean μ_old too
+        self.means: list[Tensor] = []
+        self.starts: Tensor | None = starts  # [N] host per-row window starts, or None: one window
+        self.taken: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # per-row windows: k -> (z, z', ℓ, μ)
 
     def step(self, main: _Branch, k: int, noise: _MainNoise, independent: _Branch | None) -> None:
         others = [b for b in self.branches if b.live(k)] + ([independent] if independent is not None else [])
@@ -293,6 +325,9 @@ class _WindowLoop:
         for branch, v in zip(others, vs[1:], strict=True):
             self._advance(branch, v, k)
         v_main, s = vs[0], self.window.start
+        if self.starts is not None:
+            self._row_window_step(main, v_main, k, noise)
+            return
         inside = s <= k < s + self.window.size
         xi = noise.draw(k, keep=inside)  # ξ_k is drawn at every step, kept inside the window only
         if not inside:
@@ -304,7 +339,40 @@ class _WindowLoop:
             self.latents.append(main.z)
             self.next_latents.append(out.prev)
             self.log_probs.append(out.log_prob)
+            if self.store_means:
+                self.means.append(out.mean)
         main.z = out.prev
+
+    def _row_window_step(self, main: _Branch, v_main: Tensor, k: int, noise: _MainNoise) -> None:
+        """Step k with per-row windows: rows inside their window take the SDE step, the others the Euler step,
+        both from the one velocity call (each row's values are those of a batch with its window for all)."""
+        inside = (self.starts <= k) & (k < self.starts + self.window.size)  # [N] host bool
+        xi = noise.draw(k, keep=bool(inside.any()))  # ξ_k drawn at every step, as with one window
+        sigma, sigma_next = self.engine.sigmas[k], self.engine.sigmas[k + 1]
+        ode = euler_step(main.z, v_main, sigma, sigma_next)
+        if xi is None:
+            main.z = ode
+            return
+        out = self.sampler.step(main.z, v_main, sigma, sigma_next, self.noise_level, noise=xi)
+        on = inside.to(main.z.device).reshape(-1, *([1] * (main.z.dim() - 1)))
+        prev = torch.where(on, out.prev, ode)
+        if self.store:
+            self.taken[k] = (main.z, prev, out.log_prob, out.mean)
+        main.z = prev
+
+    def gathered(self, starts: Tensor) -> tuple[list[Tensor], Tensor | None]:
+        """Each row's own W window steps from the steps taken: ([latents, next_latents, log_probs] [N, W, ...],
+        means [N, W, ...] or None)."""
+        steps = sorted(self.taken)
+        rows = torch.arange(starts.shape[0], device="cpu")
+        picks = [[steps.index(int(a) + i) for i in range(self.window.size)] for a in starts.tolist()]
+        at = torch.tensor(picks, dtype=torch.long, device="cpu")  # [N, W] position of each row's step in `steps`
+        parts = []
+        for field in range(4 if self.store_means else 3):
+            taken = torch.stack([self.taken[k][field] for k in steps])  # [len(steps), N, ...]
+            index = (at.to(taken.device), rows.to(taken.device)[:, None])
+            parts.append(taken[index])  # [N, W, ...]
+        return parts[:3], parts[3] if self.store_means else None
 
     def _start_completion(self, main: _Branch, v_main: Tensor, j: int, k: int, sigma, sigma_next) -> None:
         """Completion j from the main latent z_{s+j}: an x0 estimate, or an ODE branch whose first step is taken."""
@@ -365,12 +433,13 @@ def rollout_from_settings(
     sampler: Sampler,
     cond: Conditioning,
     groups: list[int],
-    window: Window,
+    window: Window | BatchPlan,
     settings: RolloutSettings,
     completions: Literal["ode", "x0"] | None,
     generator: torch.Generator,
     group_seeds: Mapping[int, int] | None = None,
     transitions: bool = True,
+    store_means: bool = False,
 ) -> Rollout:
     """``rollout`` as a recipe's ``[rollout]`` section asks: draws z_0 (one per group with ``same_noise``, else one
     per trajectory; ``groups`` [N] names each trajectory's prompt group) and passes the section's options on.
@@ -378,7 +447,12 @@ def rollout_from_settings(
     With ``same_noise``, ``group_seeds`` (group -> seed) makes a group's z_0 independent of the batch it is in, so
     copies of one prompt in different rollout batches (or processes) still share it; without it, z_0 is drawn from
     ``generator`` per distinct group of this batch. ``transitions`` False keeps the final latents only (an
-    optimizer that consumes final samples)."""
+    optimizer that consumes final samples). ``window`` is one window for the batch, or a rollout plan's
+    ``BatchPlan`` (per-row starts and the trained steps, which the returned ``Rollout.trained`` carries; its ``[N, W]``
+    mask moves to the rollout's device). ``store_means`` keeps the window's transition means (``Rollout.means``)."""
+    plan = window if isinstance(window, BatchPlan) else None
+    if plan is not None:
+        window = Window(min(plan.starts), plan.size)
     if settings.same_noise:
         unique = sorted(set(groups))
         if group_seeds is not None:
@@ -388,7 +462,7 @@ def rollout_from_settings(
         source = torch.tensor([unique.index(g) for g in groups], device=z0.device)
     else:
         z0, source = backbone.initial_noise(len(groups), generator), None
-    return rollout(
+    out = rollout(
         backbone,
         sampler,
         cond,
@@ -404,4 +478,9 @@ def rollout_from_settings(
         max_batch=settings.max_batch,
         completion_steps=None if settings.completion_steps == "all" else settings.completion_steps,
         transitions=transitions,
+        starts=None if plan is None or plan.uniform else plan.starts,
+        store_means=store_means,
     )
+    if plan is None or plan.trained is None or not transitions:
+        return out
+    return dataclasses.replace(out, trained=plan.trained.to(out.device))

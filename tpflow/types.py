@@ -93,6 +93,8 @@ class Rollout:
     final: Tensor  # [N, ...] final latent z_K (its image scores R_W)
     completions: Tensor | None  # [N, W, ...] latents completed after j = 0..W-1 SDE steps (j = 0: R_0), or None
     cost: RolloutCost
+    trained: Tensor | None = None  # [N, W] bool, the stored steps the update trains (a rollout plan's); None: all
+    means: Tensor | None = None  # [N, W, ...] float32 transition means μ_old at rollout time (RatioNorm), or None
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -115,6 +117,8 @@ class Rollout:
             final=self.final[rows],
             completions=None if self.completions is None else self.completions[rows],
             cost=self.cost,
+            trained=None if self.trained is None else self.trained[rows],
+            means=None if self.means is None else self.means[rows],
         )
 
     @staticmethod
@@ -127,7 +131,13 @@ class Rollout:
             for r in rollouts
         ):
             raise ValueError("Rollouts to concatenate need the same window size, noise level and guidance.")
+        if len({r.means is None for r in rollouts}) > 1:
+            raise ValueError("Rollouts to concatenate must all store their transition means, or none of them.")
         completions = None if first.completions is None else torch.cat([r.completions for r in rollouts])
+        trained = None  # a batch without a mask trains every stored step
+        if any(r.trained is not None for r in rollouts):
+            trained = torch.cat([r.trained if r.trained is not None else r.log_probs.new_ones(
+                r.log_probs.shape, dtype=torch.bool) for r in rollouts])  # fmt: skip
         return Rollout(
             latents=torch.cat([r.latents for r in rollouts]),
             next_latents=torch.cat([r.next_latents for r in rollouts]),
@@ -142,6 +152,8 @@ class Rollout:
                 nfe=sum(r.cost.nfe * len(r) for r in rollouts) / sum(len(r) for r in rollouts),
                 model_s=sum(r.cost.model_s for r in rollouts),
             ),
+            trained=trained,
+            means=None if first.means is None else torch.cat([r.means for r in rollouts]),
         )
 
 

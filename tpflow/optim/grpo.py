@@ -21,10 +21,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
+from tpflow import registry
 from tpflow.errors import UserError
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.optim.advantages import group_advantages, informative_trajectories
 from tpflow.optim.loop import AdamWLoop, LossThunk, RowLoss
+from tpflow.optim.ratio_norm import normalised_log_ratio
+from tpflow.optim.step_weights import noise_aware_weights, transition_std
 from tpflow.registry import register
 from tpflow.types import Rollout
 
@@ -193,6 +196,22 @@ class GRPOOptions(BaseModel):
     num_inner_epochs: int = Field(
         1, ge=1, description="Passes over each epoch's rollouts (docs/algorithm.md §6.1; 1 in every published config)."
     )
+    ratio_norm: bool = Field(
+        False,
+        description="GRPO-Guard's RatioNorm: log r = s·(Δlog p + mean (μ_θ − μ_old)²/(2s²)), s the step's std "
+        "(tpflow.optim.ratio_norm; needs a Gaussian sampler: flow-sde or dance-sde).",
+    )
+    ratio_norm_reweight: bool = Field(
+        False,
+        description="GRPO-Guard's gradient reweight: each step's policy loss divided by its Δσ = σ − σ⁺ "
+        "(tpflow.optim.ratio_norm; GRPO-Guard uses it with RatioNorm, Flow-Factory does not).",
+    )
+    step_weight: Literal["uniform", "noise-aware"] = Field(
+        "uniform",
+        description="Weight of each step's policy loss: 'uniform' (Flow-GRPO, TP-GRPO), or 'noise-aware' "
+        "(TempFlow-GRPO: w = c·std, c making the mean weight over a trajectory's trained steps 1; "
+        "tpflow.optim.step_weights). The KL term is not weighted.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> GRPOOptions:
@@ -223,6 +242,11 @@ class GRPO(AdamWLoop):
     consumes: Literal["transitions", "final_samples"] = "transitions"  # the window's stored SDE steps
     registered_name = "grpo"
 
+    @property
+    def needs_old_means(self) -> bool:
+        """Whether the rollout must store each step's transition mean μ_old (``Rollout.means``): RatioNorm."""
+        return self.options.ratio_norm
+
     def __init__(self, options: GRPOOptions | None = None) -> None:
         super().__init__()
         self.options = options if options is not None else GRPOOptions()
@@ -245,6 +269,14 @@ class GRPO(AdamWLoop):
                 f"[rollout] noise_level = {noise_level:g}: the SDE window is then the deterministic ODE, every "
                 "transition has std 0 and no likelihood ratio, and GRPO never trains such a step, so nothing trains. "
                 "Use the paper's 0.7 (any value > 0; at most 1 for the cps sampler)."
+            )
+        sampler = settings["sampler"].name
+        if options.ratio_norm and not getattr(registry.get("sampler", sampler).factory, "gaussian_log_prob", False):
+            problems.append(
+                f"[optimizer] ratio_norm = true needs a log-probability that is the Gaussian density the sampler "
+                f"draws from (RatioNorm rescales it by the step's std), and sampler {sampler!r} has none (cps scores "
+                'a surrogate without 1/(2·std²)). Use [sampler] name = "flow-sde" (GRPO-Guard) or "dance-sde", or '
+                "drop ratio_norm."
             )
         return problems
 
@@ -296,13 +328,27 @@ class GRPO(AdamWLoop):
         rows = torch.arange(n, device="cpu") if rows is None else rows  # [M] on the host
         on_device = rows.to(batch.device).split(o.micro_batch_size)
         micro_batches = list(zip(on_device, rows.split(o.micro_batch_size), strict=True)) if rows.numel() else []
+        trained = None if batch.trained is None else batch.trained.cpu()  # [N, W] host: a rollout plan's subset
+        weights = self._step_weights(sampler, sigmas, batch.noise_level, trained)  # [N, W] host, or None: all 1
+        weights = None if weights is None else weights.to(batch.device)
 
         def losses(mb: tuple[Tensor, Tensor]) -> Iterator[LossThunk]:
             device_rows, host_rows = mb
             part, host = batch.index(device_rows), sigmas[host_rows]
             for i in range(width):
-                step_adv = adv[device_rows, i]
-                yield functools.partial(self._step_loss, backbone, sampler, part, step_adv, i, host[:, i : i + 2])
+                step_part, step_rows, step_host = part, device_rows, host
+                if trained is not None:  # only the (row, step) pairs the plan trains are computed at all
+                    keep = trained[host_rows, i].nonzero().squeeze(1)  # [m] positions in the micro-batch
+                    if keep.numel() == 0:
+                        continue
+                    if keep.numel() < host_rows.numel():
+                        on = keep.to(batch.device)
+                        step_part, step_rows, step_host = part.index(on), device_rows[on], host[keep]
+                step_adv = adv[step_rows, i]
+                weight = None if weights is None else weights[step_rows, i]
+                yield functools.partial(
+                    self._step_loss, backbone, sampler, step_part, step_adv, i, step_host[:, i : i + 2], weight
+                )
 
         result = self.run([micro_batches] * o.num_inner_epochs, losses, on_step)
         for name in ("ratio_max_deviation", "first_ratio_max_deviation"):  # 0 when no row trained: on policy
@@ -310,11 +356,32 @@ class GRPO(AdamWLoop):
         result["trajectories_trained"] = float(rows.numel())
         return result
 
+    def _step_weights(self, sampler: Sampler, sigmas: Tensor, alpha: float, trained: Tensor | None) -> Tensor | None:
+        """The per-(row, step) weights [N, W] of the policy loss on the host (None: all 1): TempFlow-GRPO's
+        noise-aware weight and GRPO-Guard's 1/Δσ reweight, as the options ask (``sigmas`` [N, W + 1] host)."""
+        o = self.options
+        weights = None
+        if o.step_weight == "noise-aware":
+            weights = noise_aware_weights(transition_std(sampler, sigmas, alpha), trained)
+        if o.ratio_norm_reweight:
+            length = (sigmas[:, :-1] - sigmas[:, 1:]).float()  # [N, W] Δσ
+            inverse = torch.where(length > 0, 1 / torch.where(length > 0, length, torch.ones_like(length)), 0.0)
+            weights = inverse if weights is None else weights * inverse
+        return weights
+
     def _step_loss(
-        self, backbone: Backbone, sampler: Sampler, part: Rollout, adv: Tensor, i: int, sigmas: Tensor | None = None
+        self,
+        backbone: Backbone,
+        sampler: Sampler,
+        part: Rollout,
+        adv: Tensor,
+        i: int,
+        sigmas: Tensor | None = None,
+        weight: Tensor | None = None,
     ) -> RowLoss:
         """Loss of window step i for one micro-batch, summed over its rows whose transition std is not 0, and its
-        diagnostics as row sums. ``sigmas`` [n, 2]: (σ, σ⁺) of the step on the host (default: read from ``part``)."""
+        diagnostics as row sums. ``sigmas`` [n, 2]: (σ, σ⁺) of the step on the host (default: read from ``part``);
+        ``weight`` [n] multiplies each row's policy loss (not its KL; None: 1)."""
         o = self.options
         sigmas = part.sigmas[:, i : i + 2] if sigmas is None else sigmas
         sigma, sigma_next = sigmas[:, 0], sigmas[:, 1]
@@ -326,8 +393,14 @@ class GRPO(AdamWLoop):
         # row: a micro-batch can mix rollout batches whose windows start differently, so some rows of step i may be
         # at σ⁺ = 0 while others are not. Their weight is 0 (their placeholder log-prob and KL are finite).
         live = (out.std.reshape(-1) != 0).float()  # [n] on the rollout's device
-        policy = clipped_surrogate(out.log_prob, part.log_probs[:, i], adv, o.clip_range)
-        row = policy.row_losses
+        if o.ratio_norm:  # GRPO-Guard: the normalised log-ratio in place of ℓ_θ − ℓ_old
+            if part.means is None:
+                raise ValueError("ratio_norm needs the rollout's transition means (Rollout.means, store_means=True).")
+            log_ratio = normalised_log_ratio(out.log_prob, part.log_probs[:, i], out.mean, part.means[:, i], out.std)
+            policy = clipped_surrogate(log_ratio, torch.zeros_like(log_ratio), adv, o.clip_range)
+        else:
+            policy = clipped_surrogate(out.log_prob, part.log_probs[:, i], adv, o.clip_range)
+        row = policy.row_losses if weight is None else policy.row_losses * weight
         kl = torch.zeros_like(row)
         if o.beta > 0:
             with torch.no_grad(), backbone.reference():
@@ -339,7 +412,7 @@ class GRPO(AdamWLoop):
             deviation = (policy.ratio - 1).abs()
             sums = {
                 "loss": row.detach(),
-                "policy_loss": policy.row_losses.detach(),
+                "policy_loss": (policy.row_losses if weight is None else policy.row_losses * weight).detach(),
                 "kl": kl.detach(),
                 "approx_kl": 0.5 * policy.log_ratio.square(),
                 "clip_fraction": (deviation > o.clip_range).float(),

@@ -30,7 +30,7 @@ from tpflow.interfaces import Backbone, RewardModel, Sampler
 from tpflow.precision import Precision
 from tpflow.probe.gradient import first_step_gradient
 from tpflow.recipe import Recipe, load_recipe
-from tpflow.rollout import draw_window, rollout_from_settings
+from tpflow.rollout import rollout_from_settings
 from tpflow.train.scoring import score_rollout
 from tpflow.types import PromptItem, Rollout
 
@@ -150,12 +150,14 @@ def sample_block(
     start = time.perf_counter()
     prompts = [item.prompt for item in items]
     groups = sorted(set(prompts))
-    window = draw_window(settings.num_steps, settings.window_size, settings.window_range, random.Random(seed))
+    # the arm's rollout plan at epoch 0 (a window schedule's first window), from the block's seed
+    window = arm.recipe.build("plan").plan(settings, len(items), 0, seed, arm.recipe.train.seed)
     completions = settings.completions if credit.needs_completions else None
     optimizer.bind(backbone, None, precision)
+    means = getattr(optimizer, "needs_old_means", False)
     with optimizer.sampling_policy(), precision.autocast():
         out = rollout_from_settings(backbone, sampler, backbone.encode(prompts), [groups.index(p) for p in prompts],
-                                    window, settings, completions, cpu_generator(seed))  # fmt: skip
+                                    window, settings, completions, cpu_generator(seed), store_means=means)  # fmt: skip
     metadata = [item.metadata for item in items]
     scored = score_rollout(backbone.decode, reward, out.final, out.completions, prompts, metadata, window.size)
     rollout = dataclasses.replace(out, completions=None)

@@ -55,6 +55,8 @@ class CpsSampler:
     Everything is computed in float32; ``prev`` is cast back to the latent dtype, the other fields stay float32.
     """
 
+    gaussian_log_prob = False  # log_prob is the reference's surrogate −mean (z' − μ)², no 1/(2ρ²): no RatioNorm
+
     def __init__(self, options: CpsOptions | None = None) -> None:
         self.options = options or CpsOptions()
 

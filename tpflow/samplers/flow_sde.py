@@ -56,6 +56,7 @@ class FlowSdeSampler:
     """
 
     registered_name = "flow-sde"
+    gaussian_log_prob = True  # log_prob is the density ``step`` samples from (GRPO-Guard's RatioNorm needs it)
 
     def __init__(self, options: FlowSdeOptions | None = None) -> None:
         self.options = options or FlowSdeOptions()

@@ -9,16 +9,16 @@ the run lock). Randomness comes from each batch's seed only, so what it samples 
 from __future__ import annotations
 
 import dataclasses
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from tpflow.devices import cpu_generator
-from tpflow.interfaces import Backbone, CreditAssigner, Optimizer, RewardModel, Sampler
+from tpflow.interfaces import Backbone, CreditAssigner, Optimizer, RewardModel, RolloutPlan, Sampler
+from tpflow.plans import WindowPlan
 from tpflow.precision import Precision
 from tpflow.rewards.call import recipe_policy
-from tpflow.rollout import draw_window, rollout_from_settings
+from tpflow.rollout import rollout_from_settings
 from tpflow.settings import RolloutSettings, TrainSettings
 from tpflow.train.epoch import Sampled
 from tpflow.train.prompt_sampler import RolloutBatch, noise_seed, plan_epoch
@@ -41,9 +41,10 @@ class EpochSampler:
     items: list[PromptItem]  # the training split, indexed by the epoch plan
     train: TrainSettings
     rollout: RolloutSettings
+    plan: RolloutPlan = dataclasses.field(default_factory=WindowPlan)  # each batch's windows and trained steps
 
     def __call__(self, epoch: int, batches: list[RolloutBatch], phase: Phase, advance: Callable[[], None]) -> Sampled:
-        """Roll out each local batch (window and noise from its seed) and score it in the background worker."""
+        """Roll out each local batch (its plan and noise from its seed) and score it in the background worker."""
         train, rollout = self.train, self.rollout
         start = time.perf_counter()
         phase(f"epoch {epoch}: sampling", len(batches))  # the text encoding below is part of it
@@ -52,6 +53,7 @@ class EpochSampler:
         # credit assigner reads them: final samples need neither stored transitions nor completions.
         transitions = self.optimizer.consumes == "transitions"
         completions = rollout.completions if self.credit.needs_completions and transitions else None
+        store_means = transitions and getattr(self.optimizer, "needs_old_means", False)  # e.g. GRPO's RatioNorm
         # The text encoders run once per epoch, on every distinct prompt of the epoch's plan (all processes alike,
         # so the embeddings do not depend on the number of processes); each rollout batch indexes its rows.
         plan = plan_epoch(len(self.items), train, epoch)
@@ -62,9 +64,8 @@ class EpochSampler:
         try:
             for b in batches:
                 items = [self.items[i] for i in b.items]
-                window = draw_window(
-                    rollout.num_steps, rollout.window_size, rollout.window_range, random.Random(b.seed)
-                )
+                # the plan: each trajectory's SDE window and the steps the update trains, from the batch's seed
+                window = self.plan.plan(rollout, len(items), epoch, b.seed, train.seed)
                 generator = cpu_generator(b.seed)  # noise drawn on the CPU, moved to the model (tpflow.devices)
                 cond = encoded.index([text_row[it.prompt] for it in items])
                 # sampling_policy: the weights that collect the data (GRPO: the live adapter; NFT: its old policy)
@@ -81,6 +82,7 @@ class EpochSampler:
                         generator,
                         z0_seeds,
                         transitions,
+                        store_means,
                     )
                 prompts, metadata = [i.prompt for i in items], [i.metadata for i in items]
                 jobs.append(worker.submit(out.final, out.completions, prompts, metadata, rollout.window_size))

@@ -166,7 +166,7 @@ class Trainer:
             self.console.print(f"[yellow]warning:[/] {escape(no_test_split(recipe.dataset.name))}", soft_wrap=True)
         self.optimizer.bind(self.backbone, self.accelerator, self.precision)
         parts = (self.backbone, self.sampler, reward, self.optimizer, self.credit, self.precision, self.train_items)
-        self.epoch_sampler = EpochSampler(*parts, train, recipe.rollout)
+        self.epoch_sampler = EpochSampler(*parts, train, recipe.rollout, recipe.build("plan"))
 
     # ---- public ------------------------------------------------------------------------------------------------
 

@@ -1,0 +1,257 @@
+"""Rollout plans (tpflow.plans) against the rival methods as ../shared/RIVALS.md transcribes their code.
+
+The rollout structure is checked in float64 against a sequential re-implementation written out here (which steps
+are SDE, where ξ comes from), and bitwise against the one-window engine; the schedules and subsets against the
+reference's rules, over 100 iterations where the rule moves with training.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import tpflow
+from tpflow.devices import cpu_generator, randn
+from tpflow.plans import BatchPlan
+from tpflow.plans.schedule import WindowScheduleOptions, schedule_start
+from tpflow.plans.trained_fraction import TrainedFractionOptions
+from tpflow.rollout import Window, baseline_generator, draw_window, rollout, rollout_from_settings
+from tpflow.settings import RolloutSettings
+from tpflow.types import Conditioning
+
+
+class LinearFlow:
+    """A float64 toy backbone: v = a·z + b·σ (per row), enough to tell an SDE step from an ODE step."""
+
+    def __init__(self, dim: int = 6):
+        g = cpu_generator(7)
+        self.a = torch.randn(dim, dim, generator=g, dtype=torch.float64) * 0.3
+        self.b = torch.randn(dim, generator=g, dtype=torch.float64)
+        self.dim = dim
+
+    def velocity(self, z, sigma, cond, guidance):
+        return z @ self.a.T + sigma.to(z.dtype)[:, None] * self.b
+
+    def initial_noise(self, n, generator=None):
+        return randn((n, self.dim), generator, "cpu").double()
+
+    def sigmas(self, num_steps):
+        return torch.linspace(1, 0, num_steps + 1, dtype=torch.float64)
+
+
+def flow_sde_formula(z, v, s, s_next, alpha, xi):
+    """RIVALS.md's header: σ^sde = α·sqrt(σ/(1−σ)) (σ = 1: sqrt(1/(1−σ_1))), μ and std = σ^sde·sqrt(Δσ)."""
+    h = s - s_next
+    sde = alpha * math.sqrt(s / (1 - (s_next if s == 1 else s)))
+    mean = z * (1 - sde**2 * h / (2 * s)) - v * (1 + sde**2 * (1 - s) / (2 * s)) * h
+    return mean + sde * math.sqrt(h) * xi
+
+
+def test_per_row_windows_match_the_sequential_formula_in_float64():
+    """Flow-GRPO-Fast's layout: each trajectory SDE on its own window, Euler ODE elsewhere, ξ_k the engine's k-th
+    draw after the baseline seed's (docs/algorithm.md §1.6), every row's stored steps its own."""
+    backbone, sampler = LinearFlow(), tpflow.build("sampler", "flow-sde")
+    n, num_steps, width, alpha = 4, 6, 2, 0.7
+    starts = (1, 3, 0, 3)
+    sigmas = backbone.sigmas(num_steps)
+    z0 = backbone.initial_noise(n, cpu_generator(0))
+    cond = Conditioning({"row": torch.arange(n)})
+    out = rollout(backbone, sampler, cond, z0, sigmas, Window(0, width), alpha, 1.0, None,
+                  generator=cpu_generator(5), starts=starts)  # fmt: skip
+    gen = cpu_generator(5)
+    baseline_generator(gen)  # the engine's first draw
+    xis = [randn((n, backbone.dim), gen, "cpu").double() for _ in range(num_steps)]
+    for row, a in enumerate(starts):
+        z = z0[row : row + 1]
+        seen = []
+        for k in range(num_steps):
+            v = backbone.velocity(z, sigmas[k : k + 1], cond, 1.0)
+            s, s_next = float(sigmas[k]), float(sigmas[k + 1])
+            if a <= k < a + width:
+                nxt = flow_sde_formula(z, v, s, s_next, alpha, xis[k][row : row + 1])
+                seen.append((z, nxt))
+            else:
+                nxt = z - (s - s_next) * v
+            z = nxt
+        torch.testing.assert_close(out.final[row], z[0], atol=1e-5, rtol=1e-5)
+        for i, (before, after) in enumerate(seen):
+            torch.testing.assert_close(out.latents[row, i], before[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out.next_latents[row, i], after[0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(out.sigmas[row], sigmas[a : a + width + 1].float())
+    assert out.cost.nfe == num_steps  # K per image: no completions
+
+
+def test_per_row_windows_equal_one_window_rollouts_bitwise(tiny_weights):
+    """On the shapes model, a row of a per-row-window rollout is bit for bit that row of a one-window rollout with
+    its start: the same velocity calls (all N rows each), the same ξ."""
+    backbone = tpflow.build("backbone", "shapes-dit", weights=str(tiny_weights))
+    sampler = tpflow.build("sampler", "cps")
+    prompts = ["a photo of a red circle", "a photo of two squares"] * 2
+    cond, sigmas = backbone.encode(prompts), backbone.sigmas(5)
+    z0 = backbone.initial_noise(4, cpu_generator(0))
+    starts = (2, 0, 1, 2)
+    mixed = rollout(backbone, sampler, cond, z0, sigmas, Window(0, 2), 0.7, 2.0, None,
+                    generator=cpu_generator(3), starts=starts)  # fmt: skip
+    for a in set(starts):
+        one = rollout(backbone, sampler, cond, z0, sigmas, Window(a, 2), 0.7, 2.0, None, generator=cpu_generator(3))
+        for row in (r for r, s in enumerate(starts) if s == a):
+            for name in ("latents", "next_latents", "log_probs", "sigmas", "final"):
+                assert torch.equal(getattr(mixed, name)[row], getattr(one, name)[row]), (name, row)
+
+
+def test_per_row_windows_refuse_completions_and_bad_starts():
+    backbone, sampler = LinearFlow(), tpflow.build("sampler", "flow-sde")
+    z0, cond = backbone.initial_noise(2, cpu_generator(0)), Conditioning({"row": torch.arange(2)})
+    sigmas = backbone.sigmas(4)
+    with pytest.raises(ValueError, match="per-row starts take completions=None"):
+        rollout(backbone, sampler, cond, z0, sigmas, Window(0, 2), 0.7, 1.0, "ode", starts=(0, 1))
+    with pytest.raises(ValueError, match="minimum is window.start"):
+        rollout(backbone, sampler, cond, z0, sigmas, Window(1, 2), 0.7, 1.0, None, starts=(0, 2))
+    with pytest.raises(ValueError, match="fit in 4"):
+        rollout(backbone, sampler, cond, z0, sigmas, Window(0, 2), 0.7, 1.0, None, starts=(0, 3))
+
+
+def test_the_window_plan_draws_what_tpflow_always_drew():
+    """Recipes without a [plan] section keep their windows: the start of draw_window with the batch seed."""
+    plan = tpflow.build("plan", "window")
+    settings = RolloutSettings(num_steps=10, window_size=3, window_range=(0, 8))
+    for seed in range(50):
+        expected = draw_window(10, 3, (0, 8), random.Random(seed)).start
+        got = plan.plan(settings, 5, epoch=seed % 3, batch_seed=seed, run_seed=1)
+        assert got.starts == (expected,) * 5 and got.size == 3 and got.trained is None
+
+
+def test_window_per_image_draws_a_start_per_row_from_the_range():
+    """Flow-GRPO-Fast's current code (RIVALS.md §2(a)): a = randint(lo, hi − w) per image, both ends included."""
+    plan = tpflow.build("plan", "window-per-image")
+    settings = RolloutSettings(num_steps=10, window_size=3, window_range=(0, 5))
+    starts = [a for seed in range(40) for a in plan.plan(settings, 6, 0, seed, 0).starts]
+    assert set(starts) == {0, 1, 2}  # lo .. hi − w = 0 .. 2, every one reached
+    assert plan.plan(settings, 6, 0, 11, 0) == plan.plan(settings, 6, 3, 11, 99)  # the batch seed's, nothing else
+    assert not all(plan.plan(settings, 6, 0, seed, 0).uniform for seed in range(5))
+
+
+def test_window_schedule_follows_mixgrpo_over_100_iterations():
+    """MixGRPO's GRPOTrainingStates (RIVALS.md §3(a)): l moves by the stride every iters_per_group iterations and
+    rolls back to the first start past the last (or stays there without roll_back); random: seeded per epoch."""
+    progressive = WindowScheduleOptions(strategy="progressive", iters_per_group=5, stride=2, roll_back=True)
+    assert [schedule_start(progressive, 0, 7, e, 0) for e in range(100)] == [2 * ((e // 5) % 4) for e in range(100)]
+    clipped = progressive.model_copy(update={"roll_back": False})
+    assert [schedule_start(clipped, 0, 7, e, 0) for e in range(100)] == [min(2 * (e // 5), 7) for e in range(100)]
+    script = WindowScheduleOptions()  # the script's 25 iterations per group, stride 1: l = 0..11 over 300 steps
+    assert [schedule_start(script, 0, 19, e, 0) for e in range(300)] == [e // 25 for e in range(300)]
+    rand = WindowScheduleOptions(strategy="random")
+    draws = [schedule_start(rand, 1, 6, e, 42) for e in range(100)]
+    assert set(draws) == set(range(1, 7)) and draws == [schedule_start(rand, 1, 6, e, 42) for e in range(100)]
+    assert draws != [schedule_start(rand, 1, 6, e, 43) for e in range(100)]
+    plan = tpflow.build("plan", "window-schedule", iters_per_group=5, stride=2)
+    settings = RolloutSettings(num_steps=10, window_size=3, window_range=(0, 10))
+    assert [plan.plan(settings, 2, e, e * 7, 0).starts for e in (0, 5, 10, 15, 20)] == [
+        (0, 0), (2, 2), (4, 4), (6, 6), (0, 0)]  # fmt: skip
+
+
+@pytest.mark.parametrize("steps,fraction,count", [(16, 0.6, 9), (10, 0.6, 5), (12, 1.0, 11)])
+def test_trained_fraction_draws_dancegrpo_subsets(steps, fraction, count):
+    """DanceGRPO (RIVALS.md §6(b)): the last step dropped, int((K − 1)·f) of the others trained per trajectory, a
+    uniform subset that differs between trajectories (FLUX K = 16, f = 0.6: 9 steps)."""
+    plan = tpflow.build("plan", "trained-fraction", fraction=fraction)
+    settings = RolloutSettings(num_steps=steps, window_size=steps, window_range=(0, steps))
+    got = plan.plan(settings, 64, 0, 3, 0)
+    assert got.starts == (0,) * 64 and got.trained.shape == (64, steps)
+    assert (got.trained.sum(dim=1) == count).all() and not got.trained[:, -1].any()
+    if count < steps - 1:
+        assert len({tuple(r.tolist()) for r in got.trained}) > 1
+        frequency = got.trained[:, :-1].float().mean(dim=0)  # uniform: every eligible step near count / (K − 1)
+        assert (frequency - count / (steps - 1)).abs().max() < 0.25
+    assert torch.equal(plan.plan(settings, 64, 5, 3, 9).trained, got.trained)  # the batch seed's alone
+
+
+def test_a_plans_trained_steps_reach_the_rollout(tiny_weights):
+    backbone = tpflow.build("backbone", "shapes-dit", weights=str(tiny_weights))
+    sampler = tpflow.build("sampler", "dance-sde")
+    settings = RolloutSettings(num_steps=4, window_size=4, window_range=(0, 4), noise_level=0.3, same_noise=True)
+    batch_plan = tpflow.build("plan", "trained-fraction").plan(settings, 4, 0, 1, 0)
+    prompts = ["a photo of a red circle"] * 2 + ["a photo of two squares"] * 2
+    out = rollout_from_settings(backbone, sampler, backbone.encode(prompts), [0, 0, 1, 1], batch_plan, settings,
+                                None, cpu_generator(1))  # fmt: skip
+    assert torch.equal(out.trained.cpu(), batch_plan.trained)
+    assert torch.equal(out.latents[0, 0], out.latents[1, 0])  # DanceGRPO's shared z_0 per group
+    assert not torch.equal(out.final[0], out.final[1])  # the SDE noise alone tells them apart
+
+
+def test_batch_plan_checks_its_shape():
+    with pytest.raises(ValueError, match=r"\[N, W\] = \[2, 3\]"):
+        BatchPlan((0, 0), 3, torch.ones(2, 2, dtype=torch.bool))
+    assert TrainedFractionOptions().fraction == 0.6
+
+
+def test_train_names_no_method():
+    """Every method is components a recipe selects: train/ holds no component's name as a string, nor a method's."""
+    import re
+    from pathlib import Path
+
+    from tpflow import registry
+
+    train = Path(tpflow.__file__).parent / "train"
+    source = "\n".join(path.read_text() for path in sorted(train.glob("*.py")))
+    for kind in ("sampler", "plan", "credit", "optimizer"):
+        for name in registry.names(kind):
+            assert not re.search(rf"[\"']{re.escape(name)}[\"']", source), (kind, name)
+    for method in ("tempflow", "dancegrpo", "dance-sde", "mixgrpo", "grpo-guard", "grpo_guard", "ratio_norm", "fast"):
+        assert method not in source.lower(), method
+
+
+METHOD_RECIPES = [
+    "shapes_dancegrpo.toml",
+    "shapes_flowgrpo_fast.toml",
+    "shapes_mixgrpo.toml",
+    "shapes_grpo_guard.toml",
+]
+
+
+def _method_run(recipe: str, tmp_path, tiny_weights, epochs: int, extra=(), resume=False):
+    from pathlib import Path
+
+    from tpflow.recipe import load_recipe
+    from tpflow.train.trainer import Trainer
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / recipe
+    overrides = [
+        f"backbone.weights={tiny_weights}", "backbone.lora_init=gaussian", "reward.name=brightness",
+        "dataset.test_size=4", "train.prompts_per_epoch=2", "train.group_size=4", "train.rollout_batch=8",
+        f"train.epochs={epochs}", "train.save_every=1", f"train.run_dir={tmp_path / 'run'}", "eval.every=100",
+        "eval.num_prompts=4", "eval.batch_size=4", "optimizer.micro_batch_size=4", *extra,
+    ]  # fmt: skip
+    return Trainer(load_recipe(path, overrides), resume=resume)
+
+
+@pytest.mark.parametrize("recipe", METHOD_RECIPES)
+def test_each_methods_shapes_recipe_trains(recipe, tmp_path, tiny_weights, plugin):
+    """Each rival's shapes recipe (its plan, sampler and loss options) runs the trainer and moves the adapter."""
+    trainer = _method_run(recipe, tmp_path, tiny_weights, epochs=1)
+    before = {n: p.detach().clone() for n, p in trainer.backbone.model.named_parameters() if "lora_" in n}
+    metrics = trainer.fit()
+    after = dict(trainer.backbone.model.named_parameters())
+    assert metrics["optimizer_steps"] >= 1 and metrics["first_ratio_max_deviation"] == 0.0, metrics
+    assert any(not torch.equal(before[n], after[n]) for n in before), recipe
+    assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
+
+
+def test_a_window_schedule_resumes_exactly(tmp_path, tiny_weights, plugin):
+    """MixGRPO's moving window is part of the run's state: 2 epochs straight equal 1 + a resumed 1, bitwise, with
+    the window moving between them."""
+    moving = ["plan.iters_per_group=1"]
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    straight = _method_run("shapes_mixgrpo.toml", tmp_path / "a", tiny_weights, 2, moving)
+    straight.fit()
+    first = _method_run("shapes_mixgrpo.toml", tmp_path / "b", tiny_weights, 1, moving)
+    first.fit()
+    second = _method_run("shapes_mixgrpo.toml", tmp_path / "b", tiny_weights, 2, moving, resume=True)
+    assert second.epoch == 1
+    second.fit()
+    a = {n: p for n, p in straight.backbone.model.named_parameters() if "lora_" in n}
+    b = dict(second.backbone.model.named_parameters())
+    assert all(torch.equal(a[n], b[n]) for n in a)

@@ -1,0 +1,69 @@
+"""What a rollout plan decides for one rollout batch, and the seeds its draws come from.
+
+A plan answers, for the N trajectories of one rollout batch: where each one's SDE window of W steps starts (the
+steps before and after it are Euler ODE, the window's steps are sampled by the recipe's sampler and stored), and
+which of those W stored steps the update trains (all of them unless the plan says otherwise). Everything a plan
+draws comes from the batch's own seed or from (run seed, epoch), never from a process's RNG, so every process and
+every resumed run agrees (docs/architecture.md, "Randomness").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tpflow.devices import cpu_generator
+
+
+@dataclass(frozen=True)
+class Window:
+    """The SDE window: generation steps start .. start + size - 1 are stochastic and trained."""
+
+    start: int
+    size: int
+
+
+def draw_window(num_steps: int, size: int, window_range: tuple[int, int], rng: random.Random) -> Window:
+    """s uniform in lo..hi-size, both ends included (docs/algorithm.md §2), one draw per rollout batch."""
+    lo, hi = window_range
+    if not (0 <= lo <= hi - size and hi <= num_steps):
+        raise ValueError(f"window_range {window_range} cannot hold {size} steps within {num_steps}.")
+    return Window(rng.randint(lo, hi - size), size)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """One rollout batch's plan: per-trajectory window starts, the window size and the trained steps."""
+
+    starts: tuple[int, ...]  # N window starts s_n: trajectory n is SDE on steps s_n .. s_n + W - 1
+    size: int  # W, the same for every trajectory (the stored transitions are [N, W, ...])
+    trained: Tensor | None = None  # [N, W] bool on the host, the stored steps the update trains; None: all
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not self.starts or min(self.starts) < 0:
+            raise ValueError(f"A plan needs N >= 1 window starts >= 0 and W >= 1, got {self.starts}, {self.size}.")
+        if self.trained is not None and tuple(self.trained.shape) != (len(self.starts), self.size):
+            raise ValueError(
+                f"trained must be [N, W] = [{len(self.starts)}, {self.size}], got {tuple(self.trained.shape)}."
+            )
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every trajectory of the batch has the same window (the only layout completions support)."""
+        return len(set(self.starts)) == 1
+
+
+def derived_rng(*parts: int | str) -> random.Random:
+    """A ``random.Random`` seeded by a hash of ``parts`` (e.g. the batch seed and the draw's name): a stream apart
+    from every other draw of the same seed, the same on every process and platform."""
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "little"))
+
+
+def derived_generator(*parts: int | str) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded like :func:`derived_rng` (for ``torch.randperm`` draws)."""
+    return cpu_generator(derived_rng(*parts).getrandbits(63))
