@@ -184,7 +184,30 @@ def test_paired_arms_share_their_main_trajectories_bitwise(tmp_path, tiny_weight
     assert torch.equal(again.gradient, draws["outcome"].gradient)  # a draw is a function of its seed
 
 
-def test_an_arm_may_change_credit_rollout_and_optimizer_only(tmp_path, tiny_weights):
+def test_a_rival_arm_samples_with_its_own_sampler_and_plan(tmp_path, tiny_weights):
+    """An arm may change how it samples (sampler, plan, window: DanceGRPO's here, its array value's commas kept):
+    it gets a rollout of its own, in a pairing class of its own, and its gradient is its plan's subset's."""
+    from tests.test_train import tiny_recipe
+    from tpflow.precision import Precision
+    from tpflow.probe.arms import arm_gradient, parse_arm, sample_block
+
+    recipe = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
+    outcome = parse_arm("outcome:credit.name=outcome", recipe)
+    consistent = parse_arm("tp:credit.name=consistent", recipe)
+    dance = parse_arm("dance:credit.name=outcome,sampler.name=dance-sde,plan.name=trained-fraction,"
+                      "rollout.window_size=4,rollout.window_range=[0, 4],rollout.noise_level=0.3", recipe)  # fmt: skip
+    assert dance.recipe.rollout.window_range == (0, 4) and dance.sampler().registered_name == "dance-sde"
+    assert outcome.pairing == consistent.pairing != dance.pairing and dance.sampling != outcome.sampling
+    torch.manual_seed(0)
+    backbone, reward = dance.recipe.build("backbone"), dance.recipe.build("reward")
+    items = list(dance.recipe.build("dataset").split("train"))[:2] * 4
+    block = sample_block(dance, backbone, dance.sampler(), reward, items, 11, Precision())
+    assert block.rollout.trained is not None and (block.rollout.trained.sum(dim=1) == 1).all()  # int(3 · 0.6)
+    drawn = arm_gradient(dance, backbone, dance.sampler(), [block], [i.prompt for i in items], Precision())
+    assert drawn.gradient.abs().max() > 0 and drawn.nfe == 4
+
+
+def test_an_arm_may_change_how_it_samples_and_trains_only(tmp_path, tiny_weights):
     from tests.test_train import tiny_recipe
     from tpflow.errors import UserError
     from tpflow.probe.arms import parse_arm

@@ -6,6 +6,7 @@ work: ``register`` adds them to the app.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from pathlib import Path
@@ -47,6 +48,16 @@ def _where(entry: registry.Entry) -> str:
     return "built-in " + origin.removeprefix(package_root)
 
 
+def _summary(factory: object) -> str:
+    """The first paragraph of a component's docstring, on one line, up to its "Implements"/"Options" sentence: what
+    the component does, for the listing."""
+    doc = inspect.getdoc(factory) or ""
+    text = " ".join(doc.split("\n\n")[0].split())
+    for marker in (" Implements ", " Options:"):
+        text = text.split(marker)[0]
+    return text.replace(" (module docstring)", "").replace("``", "`").strip()
+
+
 @user_errors
 def components(
     kind: Annotated[str | None, typer.Argument(help=f"One of: {', '.join(registry.KINDS)}. All when omitted.")] = None,
@@ -56,12 +67,13 @@ def components(
     table = Table(title="tpflow components", show_lines=True)
     table.add_column("kind", no_wrap=True)
     table.add_column("name", no_wrap=True, style="bold cyan")
-    table.add_column("options", overflow="fold", ratio=3)
+    table.add_column("what it does · options", overflow="fold", ratio=3)
     table.add_column("from", overflow="fold", ratio=1)
     broken = []
     for k in kinds:
         for entry in registry.entries(k):
-            table.add_row(k, entry.name, _indented(describe_options(entry.options)), _where(entry))
+            summary = Text(_summary(entry.factory), style="italic")  # what it does, above its options
+            table.add_row(k, entry.name, Group(summary, _indented(describe_options(entry.options))), _where(entry))
         broken += [f"{k}: {e}" for e in registry.plugin_errors(k)]
     console = make_console()
     console.print(table)

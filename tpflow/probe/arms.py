@@ -34,7 +34,8 @@ from tpflow.rollout import rollout_from_settings
 from tpflow.train.scoring import score_rollout
 from tpflow.types import PromptItem, Rollout
 
-ARM_SECTIONS = ("credit", "rollout", "optimizer")  # what an arm may change; the model, reward and prompts are shared
+# What an arm may change: how it samples and what it trains on; the model, reward and prompts are shared.
+ARM_SECTIONS = ("sampler", "plan", "credit", "rollout", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,28 @@ class Arm:
 
     @property
     def sampling(self) -> str:
-        """The key of the rollout this arm needs: arms with equal keys share one rollout per block."""
-        credit = self.recipe.build("credit")
+        """The key of the rollout this arm needs: arms with equal keys share one rollout per block (the same sampler,
+        plan, ``[rollout]`` settings, completions and stored means)."""
+        credit, optimizer = self.recipe.build("credit"), self.recipe.build("optimizer")
         completions = self.recipe.rollout.completions if credit.needs_completions else None
-        return f"{completions}:{self.recipe.rollout.model_dump_json()}" if completions else "none"
+        means = getattr(optimizer, "needs_old_means", False)
+        parts = [self.recipe.sampler, self.recipe.plan]
+        specs = ":".join(f"{spec.name}{spec.options.model_dump_json()}" for spec in parts)
+        return f"{completions}:{means}:{specs}:{self.recipe.rollout.model_dump_json()}"
+
+    @property
+    def pairing(self) -> str:
+        """What decides the arm's main trajectories (its sampler, plan and window, noise level, guidance, z_0):
+        arms with equal keys hold the same main trajectories bitwise; completions and the baseline do not enter."""
+        rollout = self.recipe.rollout.model_dump(exclude={"completions", "completion_steps", "baseline_noise"})
+        parts = [self.recipe.sampler, self.recipe.plan]
+        return (
+            ":".join(f"{spec.name}{spec.options.model_dump_json()}" for spec in parts) + f":{sorted(rollout.items())}"
+        )
+
+    def sampler(self) -> Sampler:
+        """The arm's sampler (the probe's unless the arm overrides ``[sampler]``): its rollouts' and its loss's."""
+        return self.recipe.build("sampler")
 
 
 @dataclass
@@ -83,7 +102,7 @@ def parse_arm(spec: str, recipe_path: Path, base: Sequence[str] = ()) -> Arm:
             "'k3:credit.name=consistent,rollout.completion_steps=3'."
         )
     overrides, sizes = [], ()
-    for item in (part.strip() for part in body.split(",") if part.strip()):
+    for item in (part.strip() for part in _split_overrides(body) if part.strip()):
         key, _, value = item.partition("=")
         if key.strip() == "group_sizes":
             sizes = _group_sizes(f"--arm {name}: group_sizes", value)
@@ -96,6 +115,19 @@ def parse_arm(spec: str, recipe_path: Path, base: Sequence[str] = ()) -> Arm:
             )
         overrides.append(item)
     return Arm(name.strip(), tuple(overrides), load_recipe(recipe_path, [*base, *overrides]), sizes)
+
+
+def _split_overrides(body: str) -> list[str]:
+    """``a=1,b=[0, 5],c=x`` -> ``["a=1", "b=[0, 5]", "c=x"]``: commas inside brackets belong to a TOML array."""
+    parts, depth, current = [], 0, []
+    for char in body:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    return [*parts, "".join(current)]
 
 
 def _group_sizes(what: str, text: str) -> tuple[int, ...]:

@@ -110,6 +110,7 @@ def figures(
             "sketch_distortion": meta[arm_units[0]].get("sketch_distortion"),
         },
         "paired_bitwise": all(meta[u].get("paired_bitwise", False) for u in arm_units),
+        "pairing_classes": max((meta[u].get("pairing_classes", 1) for u in arm_units), default=1),
     }
 
 
@@ -175,11 +176,20 @@ def markdown(result: dict[str, Any], compared: list[Comparison], header: str) ->
         f"{ref['seconds']:.1f} s per draw). Split-half cosine of g★ {r:.3f} (Spearman-Brown {whole:.3f}); of g★ₙ "
         f"{rn:.3f} ({whole_n:.3f}); cos(g★, g★ₙ) = {ref['cos_loo_normalised']:.3f}.",
     ]
-    lines.append(
-        "Every arm's main trajectories were the same, bit for bit, in every repeat."
-        if result["paired_bitwise"]
-        else "**Not paired bitwise:** in some repeat the arms' main trajectories differed (docs/probe.md)."
-    )
+    classes = result.get("pairing_classes", 1)
+    if classes > 1:  # arms with their own sampler, plan or window: paired by repeat (seeds), not by trajectory
+        held = "the same, bit for bit, in every repeat" if result["paired_bitwise"] else "NOT the same in some repeat"
+        lines.append(
+            f"The arms sample in {classes} ways (their own sampler, plan or window): within each, the main "
+            f"trajectories were {held}; across them, repeat r draws from the same seeds but not the same "
+            "trajectories (docs/probe.md)."
+        )
+    else:
+        lines.append(
+            "Every arm's main trajectories were the same, bit for bit, in every repeat."
+            if result["paired_bitwise"]
+            else "**Not paired bitwise:** in some repeat the arms' main trajectories differed (docs/probe.md)."
+        )
     if ref.get("sketch_distortion") is not None:
         lines.append(f"Gradients sketched; measured inner-product distortion {ref['sketch_distortion']:.2e} "
                      "(largest |⟨Sx,Sy⟩ − ⟨x,y⟩| / ‖x‖‖y‖ over repeat 0's gradients).")  # fmt: skip

@@ -197,25 +197,29 @@ def _arms_unit(probe: Probe, r: int) -> tuple[dict[str, Tensor], dict[str, Any]]
         sizes = probe.sizes(arm)
         for b in range(max(sizes) // probe.block):
             if (arm.sampling, b) not in cache:
-                cache[arm.sampling, b] = sample_block(arm, probe.backbone, probe.sampler, probe.reward, block_items,
+                cache[arm.sampling, b] = sample_block(arm, probe.backbone, arm.sampler(), probe.reward, block_items,
                                                       block_seed(seed, b), probe.precision)  # fmt: skip
-    meta["paired_bitwise"] = _paired(cache)
+    pairing = {arm.sampling: arm.pairing for arm in probe.arms}
+    meta["paired_bitwise"] = _paired(cache, pairing)
+    meta["pairing_classes"] = len(set(pairing.values()))
     for arm in probe.arms:
         for g in probe.sizes(arm):
             blocks = [cache[arm.sampling, b] for b in range(g // probe.block)]
             prompts = [item.prompt for item in block_items] * len(blocks)
-            drawn = arm_gradient(arm, probe.backbone, probe.sampler, blocks, prompts, probe.precision)
+            drawn = arm_gradient(arm, probe.backbone, arm.sampler(), blocks, prompts, probe.precision)
             tensors[f"{arm.name}@{g}"] = drawn.gradient
             meta[f"{arm.name}@{g}"] = {"nfe": drawn.nfe, "seconds": drawn.seconds, "reward": drawn.reward}
     return tensors, meta
 
 
-def _paired(cache: dict[tuple[str, int], Sampled]) -> bool:
-    """Whether every rollout setting's block b holds the same main trajectories, bit for bit: what pairs the arms;
-    the report states it."""
-    firsts: dict[int, Sampled] = {}
-    for (_, b), sampled in cache.items():
-        if not same_main_trajectories(firsts.setdefault(b, sampled).rollout, sampled.rollout):
+def _paired(cache: dict[tuple[str, int], Sampled], pairing: dict[str, str]) -> bool:
+    """Whether, within each pairing class (``Arm.pairing``: arms that sample alike), every rollout setting's block b
+    holds the same main trajectories, bit for bit: what pairs those arms; the report states it. Arms of different
+    classes (their own sampler, plan or window) draw from the same seeds but are not the same trajectories."""
+    firsts: dict[tuple[str, int], Sampled] = {}
+    for (setting, b), sampled in cache.items():
+        first = firsts.setdefault((pairing[setting], b), sampled)
+        if not same_main_trajectories(first.rollout, sampled.rollout):
             return False
     return True
 
