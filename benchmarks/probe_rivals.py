@@ -92,6 +92,12 @@ def report() -> Path:
         lines.append(f"| {key} | {c['mean']:+.4f} [{c['low']:+.4f}, {c['high']:+.4f}] | {c['p']:.3g} | "
                      f"{adjusted[key]:.3g} |")  # fmt: skip
     lines += ["", (OUT / NAME / "report.md").read_text().split("\n", 3)[-1]]
+    cos = data["per_repeat_cosine"]  # every repeat, none dropped
+    keys = [f"{a}@8" for a in PROTOCOL["arms"]]
+    lines += ["## Every repeat: cos to g★", "", "| repeat | " + " | ".join(keys) + " |",
+              "|---" * (len(keys) + 1) + "|"]  # fmt: skip
+    for r in range(len(cos[keys[0]])):
+        lines.append(f"| {r} | " + " | ".join(f"{cos[k][r]:+.4f}" for k in keys) + " |")
     path = results / "probe_rivals.md"
     path.write_text("\n".join(lines) + "\n")
     return path
