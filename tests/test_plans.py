@@ -255,3 +255,122 @@ def test_a_window_schedule_resumes_exactly(tmp_path, tiny_weights, plugin):
     a = {n: p for n, p in straight.backbone.model.named_parameters() if "lora_" in n}
     b = dict(second.backbone.model.named_parameters())
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_branching_matches_tempflows_rollout_in_float64():
+    """TempFlow-GRPO's rollout (RIVALS.md §1(a)): each noise row's path is pure ODE; at every window step each of
+    its C copies takes one flow-sde step from that ODE state with its own ξ_k, and the child is ODE-completed; the
+    stored transition is (ODE state -> child), the final latent the ODE image; NFE K·P + Σ children's steps."""
+    backbone, sampler = LinearFlow(), tpflow.build("sampler", "flow-sde")
+    p, c, num_steps, width, alpha = 2, 3, 5, 4, 0.7
+    n = p * c
+    sigmas = backbone.sigmas(num_steps)
+    z0 = backbone.initial_noise(p, cpu_generator(0))
+    source = torch.arange(p).repeat_interleave(c)  # rows 0..2 share z0[0], rows 3..5 z0[1]
+    cond = Conditioning({"row": torch.arange(n)})
+    out = rollout(backbone, sampler, cond, z0, sigmas, Window(0, width), alpha, 1.0, "ode", source=source,
+                  generator=cpu_generator(5), branch=True)  # fmt: skip
+    gen = cpu_generator(5)
+    baseline_generator(gen)
+    xis = [randn((n, backbone.dim), gen, "cpu").double() for _ in range(num_steps)]
+
+    def ode(z, start):
+        for k in range(start, num_steps):
+            z = z - (float(sigmas[k]) - float(sigmas[k + 1])) * backbone.velocity(z, sigmas[k : k + 1], cond, 1.0)
+        return z
+
+    for row in range(n):
+        x = z0[source[row] : source[row] + 1]
+        for k in range(num_steps):
+            v = backbone.velocity(x, sigmas[k : k + 1], cond, 1.0)
+            s, s_next = float(sigmas[k]), float(sigmas[k + 1])
+            if k < width:
+                child = flow_sde_formula(x, v, s, s_next, alpha, xis[k][row : row + 1])
+                torch.testing.assert_close(out.latents[row, k], x[0], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(out.next_latents[row, k], child[0], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(out.completions[row, k], ode(child, k + 1)[0], atol=1e-5, rtol=1e-5)
+            x = x - (s - s_next) * v
+        torch.testing.assert_close(out.final[row], x[0], atol=1e-5, rtol=1e-5)
+    children_steps = sum(num_steps - k - 1 for k in range(width))
+    assert out.cost.nfe == round((p * num_steps + n * children_steps) / n, 2)
+    assert torch.equal(out.latents[0], out.latents[1]) and not torch.equal(out.next_latents[0], out.next_latents[1])
+
+
+def test_branch_credit_gives_tempflows_sibling_advantages():
+    """RIVALS.md §1(b): A^b_k = (R^b_k − mean_b R_k) / (std_b R_k + 1e-4) per step over the siblings (population
+    std), with R^b_k the reward of child b's completion at step k: branch credit, then GRPO's group advantages."""
+    rows = [[0.2, 0.5, 0.9, 0.7], [0.4, 0.1, 0.6, 0.7], [0.9, 0.3, 0.2, 0.7],
+            [0.1, 0.2, 0.3, 0.1], [0.6, 0.2, 0.1, 0.1], [0.3, 0.8, 0.4, 0.1]]  # fmt: skip
+    trace = torch.tensor(rows, dtype=torch.float64)
+    credit = tpflow.build("credit", "branch")(trace)
+    assert torch.equal(credit.step_rewards, trace[:, :3]) and not credit.turning_points.any()
+    got = tpflow.build("optimizer", "grpo").advantages(credit.step_rewards, ["a"] * 3 + ["b"] * 3)
+    for lo in (0, 3):
+        r = trace[lo : lo + 3, :3]
+        want = (r - r.mean(dim=0)) / (r.std(dim=0, unbiased=False) + 1e-4)
+        torch.testing.assert_close(got[lo : lo + 3], want)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # diffusers' own numpy 2 notice
+def test_dpm_solver_steps_match_diffusers_scheduler():
+    """MixGRPO-Flash's solver (RIVALS.md §3): DPM-Solver++(2M), midpoint, data prediction x̂_0 = z − σv, first order
+    at the start and at σ = 0, step for step against diffusers' DPMSolverMultistepScheduler on flow sigmas."""
+    from diffusers import DPMSolverMultistepScheduler
+
+    from tpflow.samplers.dpm_solver import dpm_solver_2m_step
+
+    scheduler = DPMSolverMultistepScheduler(use_flow_sigmas=True, flow_shift=3.0, prediction_type="flow_prediction",
+                                            algorithm_type="dpmsolver++", solver_order=2, solver_type="midpoint",
+                                            final_sigmas_type="zero")  # fmt: skip
+    scheduler.set_timesteps(7)
+    backbone = LinearFlow()
+    z = ours = backbone.initial_noise(3, cpu_generator(2))
+    sig = scheduler.sigmas.double().tolist()
+    x0_prev = sigma_prev = None
+    for j, t in enumerate(scheduler.timesteps):
+        v = backbone.velocity(z, torch.full((3,), sig[j], dtype=torch.float64), None, 1.0)
+        z = scheduler.step(v, t, z).prev_sample
+        v_ours = backbone.velocity(ours, torch.full((3,), sig[j], dtype=torch.float64), None, 1.0)
+        x0 = ours - sig[j] * v_ours
+        ours = dpm_solver_2m_step(ours, x0, sig[j], sig[j + 1], x0_prev, sigma_prev)
+        x0_prev, sigma_prev = x0, sig[j]
+        torch.testing.assert_close(ours, z, rtol=1e-5, atol=1e-5)
+
+
+def test_flash_tail_follows_mixgrpo_flash():
+    """RIVALS.md §3: after the window [0, 4) of K = 25 (e = 3), n = int((25 − 3)·0.4) = 8 nodes linear in unshifted
+    t from t_4 to 0, shifted (σ = 3t/(1 + 2t)); 7 DPM-Solver++(2M) steps, the first seeded with the last window step's
+    x̂_0: 4 + 7 = 11 NFE."""
+    from tpflow.samplers.dpm_solver import compressed_tail, dpm_solver_2m_step, post_window_nodes
+
+    def shift(t):
+        return 3 * t / (1 + 2 * t)
+
+    nodes = post_window_nodes(25, 4, 0.4)
+    assert nodes == 8
+    fine = shift(torch.linspace(1, 0, 25 * 7 + 1, dtype=torch.float64))
+    t = torch.linspace(1, 0, 26, dtype=torch.float64)
+    want = shift(torch.linspace(float(t[4]), 0, 8, dtype=torch.float64))
+    torch.testing.assert_close(torch.tensor(compressed_tail(fine, 25, 4, 8), dtype=torch.float64), want)
+
+    class Shifted(LinearFlow):
+        def sigmas(self, num_steps):
+            return shift(torch.linspace(1, 0, num_steps + 1, dtype=torch.float64))
+
+    backbone, sampler = Shifted(), tpflow.build("sampler", "flow-sde")
+    plan = tpflow.build("plan", "window-schedule", after_window="dpm-solver++")
+    settings = RolloutSettings(num_steps=25, window_size=4, window_range=(0, 23), guidance=1.0)
+    batch_plan = plan.plan(settings, 2, 0, 1, 0)
+    cond = Conditioning({"row": torch.arange(2)})
+    out = rollout_from_settings(backbone, sampler, cond, [0, 1], batch_plan, settings, None, cpu_generator(4))
+    assert out.cost.nfe == 11
+    sigmas = backbone.sigmas(25)
+    z, x0_prev = out.next_latents[:, -1], out.latents[:, -1] - float(sigmas[3]) * backbone.velocity(
+        out.latents[:, -1], sigmas[3:4].expand(2), cond, 1.0)  # fmt: skip
+    tail = [float(sigmas[4]), *want[1:].tolist()]
+    sigma_prev = float(sigmas[3])
+    for sigma, sigma_next in zip(tail, tail[1:], strict=False):
+        x0 = z - sigma * backbone.velocity(z, torch.full((2,), sigma, dtype=torch.float64), cond, 1.0)
+        z = dpm_solver_2m_step(z, x0, sigma, sigma_next, x0_prev, sigma_prev)
+        x0_prev, sigma_prev = x0, sigma
+    torch.testing.assert_close(out.final, z, rtol=1e-5, atol=1e-5)

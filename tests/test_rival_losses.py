@@ -177,6 +177,9 @@ def test_ratio_norm_on_policy_is_the_plain_gradient_times_the_std(backbone, rewe
         (["optimizer.ratio_norm=true"], "sampler 'cps' has none"),
         (["plan.name=window-per-image"], "credit 'consistent' needs them"),
         (["plan.name=trained-fraction"], "trains on final samples"),
+        (["plan.name=branch"], "reads the trace as one SDE path's completions"),
+        (["plan.name=branch", "credit.name=branch", "flowgrpo"], "same_noise = false"),
+        (["credit.name=branch", "flowgrpo"], "plan 'window' does not branch"),
         (
             [
                 "plan.name=trained-fraction",
@@ -189,8 +192,9 @@ def test_ratio_norm_on_policy_is_the_plain_gradient_times_the_std(backbone, rewe
     ],
 )
 def test_impossible_combinations_are_refused_in_one_paragraph(overrides, message):
-    sets = [arg for o in overrides for arg in ("--set", o)]
+    sets = [arg for o in overrides if "=" in o for arg in ("--set", o)]
     recipe = "shapes_nft.toml" if message == "trains on final samples" else "shapes_tp.toml"
+    recipe = "shapes_flowgrpo.toml" if "flowgrpo" in overrides else recipe  # credit without options
     out = tpflow_cli("validate", str(RECIPES / recipe), *sets)
     text = " ".join((out.stdout + out.stderr).split())
     assert out.returncode == 2 and message in text and "Traceback" not in text, text

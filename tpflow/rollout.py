@@ -39,6 +39,7 @@ from torch import Tensor
 from tpflow.devices import cpu_generator, randn
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.plans.base import BatchPlan, Window, draw_window  # noqa: F401 (Window, draw_window: tpflow.rollout names)
+from tpflow.samplers.dpm_solver import compressed_tail, dpm_solver_2m_step, post_window_nodes
 from tpflow.samplers.euler import euler_step
 from tpflow.settings import RolloutSettings
 from tpflow.types import Conditioning, Rollout, RolloutCost
@@ -125,6 +126,8 @@ def rollout(
     transitions: bool = True,
     starts: Sequence[int] | None = None,
     store_means: bool = False,
+    branch: bool = False,
+    tail_sigmas: Sequence[float] | None = None,
 ) -> Rollout:
     """Sample N trajectories and, when asked, the latents whose rewards form the trace R_0..R_{W-1}.
 
@@ -162,6 +165,14 @@ def rollout(
             ``completions`` None. None (or equal starts) is the one window ``window``, bitwise.
         store_means: also store each window step's transition mean μ_old (``Rollout.means``, for GRPO-Guard's
             RatioNorm).
+        branch: branch at every window step instead of following one SDE path (TempFlow-GRPO, :class:`_BranchLoop`):
+            the main path of each noise row is pure ODE; at window step s + i every trajectory n takes one SDE step
+            from its noise row's ODE state with its own ξ, stored as transition i, and that child is ODE-completed
+            (``completion_steps`` as for completions) into ``completions[:, i]``; ``final`` is the ODE image. Needs
+            ``completions="ode"`` and one window for the batch.
+        tail_sigmas: after the window, DPM-Solver++(2M) over these σ nodes (from σ_{s+W} down to 0) instead of the
+            Euler steps of the schedule (MixGRPO-Flash, ``tpflow.samplers.dpm_solver``), its history seeded with the
+            last window step's x̂_0 = z − σ·v. Needs ``completions`` None and one window.
 
     Returns:
         Rollout with the W stored transitions (none without ``transitions``), the final latents and (unless
@@ -181,11 +192,17 @@ def rollout(
         fresh = backbone.initial_noise(n, fresh_generator).to(z0.device, z0.dtype)
         independent = _Branch(fresh, torch.arange(n, device=z0.device))
     prefix = _prefix(engine, _Branch(z0.clone(), first), independent, noise, s)
+    if branch:
+        return _branched(engine, sampler, prefix, noise, source, window, noise_level, completion_steps, store_means,
+                         guidance, cond, completions, row_starts)  # fmt: skip
     loop = _WindowLoop(engine, sampler, window, noise_level, completions, baseline_noise, first, reuse_main_velocity,
                        steps=completion_steps, store=transitions, starts=row_starts, means=store_means)  # fmt: skip
     main = _Branch(prefix.z[source], torch.arange(n, device=z0.device))
-    for k in range(s, num_steps):  # the window's SDE steps, then the ODE tail; live branches ride along
+    tail = _checked_tail(tail_sigmas, sigmas, s + width, completions, row_starts)
+    for k in range(s, num_steps if tail is None else s + width):  # the window, then the ODE tail; branches ride along
         loop.step(main, k, noise, independent)
+    if tail is not None:  # a solver of its own after the window, on its own nodes
+        main.z = _dpm_tail(engine, main, loop.last_x0, float(sigmas[s + width - 1]), tail)
     completed = None if completions is None else loop.completed(source, independent)  # [N, W, ...]
     means = None
     if transitions and row_starts is not None:  # each row's own window steps, gathered from the steps taken
@@ -212,6 +229,106 @@ def rollout(
         cost=RolloutCost(nfe=round(engine.rows_evaluated / n, 2), model_s=engine.model_s),
         means=means,
     )
+
+
+def _branched(
+    engine, sampler, prefix, noise, source, window, noise_level, completion_steps, store_means, guidance, cond,
+    completions, row_starts,
+) -> Rollout:  # fmt: skip
+    """The ``branch`` rollout from the prefix at the window start: the loop, then the Rollout it stored."""
+    if completions != "ode" or row_starts is not None:
+        raise ValueError("branch needs completions='ode' and one window for the batch (no per-row starts).")
+    n, num_steps, s, width = source.shape[0], engine.sigmas.shape[0] - 1, window.start, window.size
+    loop = _BranchLoop(engine, sampler, window, noise_level, completion_steps, store_means)
+    for k in range(s, num_steps):
+        loop.step(prefix, k, noise, source)
+    parts = [torch.stack(part, dim=1) for part in (loop.latents, loop.next_latents, loop.log_probs)]
+    grid = engine.sigmas[s : s + width + 1].float().to(prefix.z.device).expand(n, width + 1).clone()
+    return Rollout(
+        latents=parts[0],
+        next_latents=parts[1],
+        log_probs=parts[2],
+        sigmas=grid,
+        noise_level=float(noise_level),
+        guidance=float(guidance),
+        cond=cond,
+        final=prefix.z[source],  # each trajectory's noise row's ODE image
+        completions=loop.completed(),
+        cost=RolloutCost(nfe=round(engine.rows_evaluated / n, 2), model_s=engine.model_s),
+        means=torch.stack(loop.means, dim=1) if store_means else None,
+    )
+
+
+class _BranchLoop:
+    """Steps k ≥ s of a branching rollout (TempFlow-GRPO, ../shared/RIVALS.md §1(a)): the noise rows' main path by
+    Euler ODE; at each window step every trajectory branches once from its row's ODE state by the sampler's SDE step
+    (its own ξ_k, so the copies of a prompt sharing z_0 are siblings of one state), and each child rides along by ODE
+    to σ_K. All of them share one velocity call per step; a child's first ODE step is at k + 1."""
+
+    def __init__(self, engine, sampler, window, noise_level, steps, means):
+        self.engine, self.sampler, self.window, self.noise_level = engine, sampler, window, noise_level
+        self.completion_steps, self.store_means = steps, means
+        self.children: list[_Branch] = []  # child i, born at window step s + i, in order
+        self.latents: list[Tensor] = []
+        self.next_latents: list[Tensor] = []
+        self.log_probs: list[Tensor] = []
+        self.means: list[Tensor] = []
+
+    def step(self, main: _Branch, k: int, noise: _MainNoise, source: Tensor) -> None:
+        others = [c for c in self.children if c.live(k) and c.at < self.engine.sigmas.shape[0] - 1]
+        vs = self.engine([main, *others], k)
+        sigmas, num_steps = self.engine.sigmas, self.engine.sigmas.shape[0] - 1
+        for child, v in zip(others, vs[1:], strict=True):
+            nxt = child.target(k)
+            child.z, child.at = euler_step(child.z, v, sigmas[k], sigmas[nxt]), nxt
+        v_main, s = vs[0], self.window.start
+        inside = s <= k < s + self.window.size
+        xi = noise.draw(k, keep=inside)  # [N, ...] one ξ per trajectory: the siblings' own noise
+        if inside:
+            z, v = main.z[source], v_main[source]  # [N, ...] each trajectory's ODE state and its velocity
+            out = self.sampler.step(z, v, sigmas[k], sigmas[k + 1], self.noise_level, noise=xi)
+            self.latents.append(z)
+            self.next_latents.append(out.prev)
+            self.log_probs.append(out.log_prob)
+            if self.store_means:
+                self.means.append(out.mean)
+            rows = torch.arange(z.shape[0], device=z.device)
+            nodes = completion_nodes(k + 1, num_steps, self.completion_steps)
+            self.children.append(_Branch(out.prev, rows, nodes, at=k + 1))  # at σ_K already when k + 1 = K
+        main.z = euler_step(main.z, v_main, sigmas[k], sigmas[k + 1])
+
+    def completed(self) -> Tensor:
+        """The children's ODE completions [N, W, ...], child i born at window step s + i."""
+        return torch.stack([c.z for c in self.children], dim=1)
+
+
+def _checked_tail(tail, sigmas: Tensor, end: int, completions, row_starts) -> list[float] | None:
+    """The post-window σ nodes as floats, checked: from σ_end (the window's end) strictly down to 0."""
+    if tail is None:
+        return None
+    nodes = [float(x) for x in tail]
+    if completions is not None or row_starts is not None:
+        raise ValueError("tail_sigmas (a solver after the window) need completions=None and one window.")
+    if (
+        len(nodes) < 2
+        or nodes[0] != float(sigmas[end])
+        or nodes[-1] != 0
+        or any(a <= b for a, b in zip(nodes, nodes[1:], strict=False))
+    ):
+        raise ValueError(f"tail_sigmas must run strictly down from σ_{end} = {float(sigmas[end])} to 0; got {nodes}.")
+    return nodes
+
+
+def _dpm_tail(engine: _Velocity, main: _Branch, last_x0: Tensor, last_sigma: float, nodes: list[float]) -> Tensor:
+    """DPM-Solver++(2M) from nodes[0] (the window's end) to 0, one velocity call per node but the last; the first
+    step is second order with the last window step's x̂_0 (at σ = ``last_sigma``) as its history."""
+    z, x0_prev, sigma_prev = main.z, last_x0, last_sigma
+    for sigma, sigma_next in zip(nodes, nodes[1:], strict=False):
+        (v,) = engine.at([main], sigma)
+        x0 = z.float() - sigma * v.float()
+        z = dpm_solver_2m_step(z, x0, sigma, sigma_next, x0_prev, sigma_prev)
+        main.z, x0_prev, sigma_prev = z, x0, sigma
+    return z
 
 
 def _checked_source(n: int, window: Window, num_steps: int, z0: Tensor, source: Tensor | None, ok: bool) -> Tensor:
@@ -270,6 +387,10 @@ class _Velocity:
         self.rows_evaluated = 0
 
     def __call__(self, branches: list[_Branch], k: int) -> list[Tensor]:
+        return self.at(branches, self.sigmas[k])
+
+    def at(self, branches: list[_Branch], sigma: Tensor | float) -> list[Tensor]:
+        """The velocities of ``branches`` at noise level σ (off the schedule's grid too)."""
         z = torch.cat([b.z for b in branches])
         rows = torch.cat([b.rows for b in branches])
         chunk = self.max_batch or z.shape[0]
@@ -277,8 +398,9 @@ class _Velocity:
         out = []
         for lo in range(0, z.shape[0], chunk):
             part = slice(lo, lo + chunk)
-            sigma = self.sigmas[k].expand(z[part].shape[0]).to(z.device, torch.float32)
-            out.append(self.backbone.velocity(z[part], sigma, self.cond.index(rows[part]), self.guidance))
+            level = sigma if isinstance(sigma, Tensor) else torch.tensor(sigma, device="cpu")  # off-grid: a float
+            level = level.to(torch.float32).expand(z[part].shape[0]).to(z.device)
+            out.append(self.backbone.velocity(z[part], level, self.cond.index(rows[part]), self.guidance))
         self.model_s += time.perf_counter() - start
         self.rows_evaluated += z.shape[0]
         return list(torch.cat(out).split([b.z.shape[0] for b in branches]))
@@ -316,6 +438,7 @@ class _WindowLoop:
         self.means: list[Tensor] = []
         self.starts: Tensor | None = starts  # [N] host per-row window starts, or None: one window
         self.taken: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # per-row windows: k -> (z, z', ℓ, μ)
+        self.last_x0: Tensor | None = None  # [N, ...] float32 x̂_0 of the last window step
 
     def step(self, main: _Branch, k: int, noise: _MainNoise, independent: _Branch | None) -> None:
         others = [b for b in self.branches if b.live(k)] + ([independent] if independent is not None else [])
@@ -333,6 +456,8 @@ class _WindowLoop:
         if not inside:
             main.z = euler_step(main.z, v_main, sigma, sigma_next)
             return
+        if k == s + self.window.size - 1:  # the last window step's x̂_0: a post-window solver's history
+            self.last_x0 = main.z.float() - float(sigma) * v_main.float()
         self._start_completion(main, v_main, k - s, k, sigma, sigma_next)
         out = self.sampler.step(main.z, v_main, sigma, sigma_next, self.noise_level, noise=xi)
         if self.store:
@@ -480,7 +605,18 @@ def rollout_from_settings(
         transitions=transitions,
         starts=None if plan is None or plan.uniform else plan.starts,
         store_means=store_means,
+        branch=plan is not None and plan.branch,
+        tail_sigmas=None if plan is None or plan.tail_ratio is None else _tail(backbone, settings, window, plan),
     )
     if plan is None or plan.trained is None or not transitions:
         return out
     return dataclasses.replace(out, trained=plan.trained.to(out.device))
+
+
+def _tail(backbone: Backbone, settings: RolloutSettings, window: Window, plan: BatchPlan) -> list[float]:
+    """MixGRPO-Flash's σ nodes after the window, on the backbone's own schedule (``compressed_tail``)."""
+    num_steps, end = settings.num_steps, window.start + window.size
+    nodes = post_window_nodes(num_steps, end, plan.tail_ratio)
+    tail = compressed_tail(backbone.sigmas(num_steps * (nodes - 1)), num_steps, end, nodes)
+    tail[0] = float(backbone.sigmas(num_steps)[end])  # the latent's own σ, bit for bit
+    return tail

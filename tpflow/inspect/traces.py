@@ -13,7 +13,6 @@ step i is the paper's step t = K − s − i, the transition x_t → x_{t−1}.
 
 from __future__ import annotations
 
-import random
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,8 +25,9 @@ from torch import Tensor
 from tpflow import registry
 from tpflow.devices import cpu_generator
 from tpflow.errors import UserError
+from tpflow.plans.base import BatchPlan
 from tpflow.recipe import Recipe, validate_recipe
-from tpflow.rollout import draw_window, rollout_from_settings
+from tpflow.rollout import rollout_from_settings
 from tpflow.types import Credit
 
 BUILTIN_CREDIT = ("outcome", "incremental", "turning_point", "consistent")
@@ -123,7 +123,9 @@ def sample_trajectories(
             raise UserError(f"No valid checkpoint in {checkpoint}: pass a run dir or a checkpoints/<step> dir.")
         backbone.load_adapter(load_checkpoint(path).adapter_dir)
     sampler, reward = recipe.build("sampler"), recipe.build("reward")
-    window = draw_window(r.num_steps, r.window_size, r.window_range, random.Random(seed))
+    window = recipe.build("plan").plan(r, n, 0, seed, recipe.train.seed)  # the recipe's plan (epoch 0's window)
+    if not window.uniform:  # a window per trajectory leaves no step for completions: one window, the first's
+        window = BatchPlan((window.starts[0],) * n, window.size, window.trained)
     generator = cpu_generator(seed)  # the same trajectories on the CPU and on a GPU (tpflow.devices)
     sigmas = backbone.sigmas(r.num_steps)
     cond = backbone.encode([prompt] * n)

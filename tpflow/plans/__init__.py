@@ -4,9 +4,10 @@ Importing this package registers them. docs/credit.md's method table says which 
 """
 
 from tpflow.plans.base import BatchPlan
+from tpflow.plans.branch import BranchPlan
 from tpflow.plans.per_image import WindowPerImagePlan
 from tpflow.plans.schedule import WindowSchedulePlan
 from tpflow.plans.trained_fraction import TrainedFractionPlan
 from tpflow.plans.window import WindowPlan
 
-__all__ = ["BatchPlan", "TrainedFractionPlan", "WindowPerImagePlan", "WindowPlan", "WindowSchedulePlan"]
+__all__ = ["BatchPlan", "BranchPlan", "TrainedFractionPlan", "WindowPerImagePlan", "WindowPlan", "WindowSchedulePlan"]

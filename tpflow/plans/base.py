@@ -42,6 +42,8 @@ class BatchPlan:
     starts: tuple[int, ...]  # N window starts s_n: trajectory n is SDE on steps s_n .. s_n + W - 1
     size: int  # W, the same for every trajectory (the stored transitions are [N, W, ...])
     trained: Tensor | None = None  # [N, W] bool on the host, the stored steps the update trains; None: all
+    branch: bool = False  # branch at every window step from the ODE path instead of one SDE path (``rollout``)
+    tail_ratio: float | None = None  # DPM-Solver++(2M) after the window on int((K − e)·ρ) nodes (None: Euler steps)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not self.starts or min(self.starts) < 0:
@@ -50,6 +52,11 @@ class BatchPlan:
             raise ValueError(
                 f"trained must be [N, W] = [{len(self.starts)}, {self.size}], got {tuple(self.trained.shape)}."
             )
+
+    @property
+    def start(self) -> int:
+        """The earliest window start of the batch (the one window's start when ``uniform``)."""
+        return min(self.starts)
 
     @property
     def uniform(self) -> bool:

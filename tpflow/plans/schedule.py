@@ -23,6 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tpflow import registry
 from tpflow.plans.base import BatchPlan, derived_rng
 from tpflow.registry import register
 from tpflow.settings import MAX_COUNT, RolloutSettings
@@ -44,6 +45,14 @@ class WindowScheduleOptions(BaseModel):
     )
     roll_back: bool = Field(
         True, description="Past the last start, go back to the first (MixGRPO) instead of staying at the last."
+    )
+    after_window: Literal["euler", "dpm-solver++"] = Field(
+        "euler",
+        description="After the window: the schedule's Euler steps (MixGRPO), or DPM-Solver++(2M) on a compressed "
+        "schedule of int((K − e)·post_ratio) nodes (MixGRPO-Flash; outcome credit only).",
+    )
+    post_ratio: float = Field(
+        0.4, gt=0, le=1, description="ρ of MixGRPO-Flash's compressed schedule (Flash: 0.4, Flash*: 0.2)."
     )
 
 
@@ -73,4 +82,18 @@ class WindowSchedulePlan:
     def plan(self, rollout: RolloutSettings, n: int, epoch: int, batch_seed: int, run_seed: int) -> BatchPlan:
         lo, hi = rollout.window_range
         start = schedule_start(self.options, lo, hi - rollout.window_size, epoch, run_seed)
-        return BatchPlan((start,) * n, rollout.window_size)
+        flash = self.options.after_window == "dpm-solver++"
+        return BatchPlan((start,) * n, rollout.window_size, tail_ratio=self.options.post_ratio if flash else None)
+
+    @staticmethod
+    def check_recipe(options: WindowScheduleOptions, settings: dict) -> list[str]:
+        """A solver after the window leaves the schedule's grid, where completions cannot branch."""
+        credit = settings["credit"].name
+        needs = getattr(registry.get("credit", credit).factory, "needs_completions", False)
+        if options.after_window == "dpm-solver++" and needs:
+            return [
+                f"after_window = 'dpm-solver++' steps off the schedule's grid after the window, where no completion "
+                f'can ride along, and credit {credit!r} needs completions. Use [credit] name = "outcome" '
+                "(MixGRPO-Flash's own), or after_window = 'euler'."
+            ]
+        return []
