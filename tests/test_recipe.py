@@ -79,7 +79,7 @@ def test_unknown_component_lists_names(plugin, tmp_path):
         load_recipe(path)
     message = str(info.value)
     assert "[credit]" in message and "Did you mean 'turning_point'?" in message
-    assert "Available: consistent, incremental, outcome, turning_point." in message
+    assert "Available: branch, consistent, incremental, outcome, turning_point." in message
 
 
 def test_missing_required_section_and_unknown_section(plugin, tmp_path):

@@ -24,9 +24,10 @@ def scratch_names():
 
 
 def test_builtin_kinds_are_registered():
-    assert registry.names("credit") == ["consistent", "incremental", "outcome", "turning_point"]
+    assert registry.names("credit") == ["branch", "consistent", "incremental", "outcome", "turning_point"]
     assert {"cps", "flow-sde"} <= set(registry.names("sampler"))
     assert "grpo" in registry.names("optimizer")
+    assert registry.names("plan") == ["branch", "trained-fraction", "window", "window-per-image", "window-schedule"]
     assert {"text-file", "jsonl"} <= set(registry.names("dataset"))
     entry = registry.get("credit", "turning_point")
     assert entry.source == "tpflow"
@@ -65,7 +66,7 @@ def test_unknown_name_lists_available_and_suggests():
         tpflow.build("credit", "turning-point")
     message = str(info.value)
     assert "Did you mean 'turning_point'?" in message
-    assert "Available: consistent, incremental, outcome, turning_point." in message
+    assert "Available: branch, consistent, incremental, outcome, turning_point." in message
     with pytest.raises(UnknownComponentError) as info:
         registry.get("sampler", "zzz")
     assert "Did you mean" not in str(info.value) and "cps" in str(info.value)

@@ -336,18 +336,17 @@ class GRPO(AdamWLoop):
             device_rows, host_rows = mb
             part, host = batch.index(device_rows), sigmas[host_rows]
             for i in range(width):
-                step_part, step_rows, step_host = part, device_rows, host
-                if trained is not None:  # only the (row, step) pairs the plan trains are computed at all
-                    keep = trained[host_rows, i].nonzero().squeeze(1)  # [m] positions in the micro-batch
-                    if keep.numel() == 0:
-                        continue
-                    if keep.numel() < host_rows.numel():
-                        on = keep.to(batch.device)
-                        step_part, step_rows, step_host = part.index(on), device_rows[on], host[keep]
-                step_adv = adv[step_rows, i]
-                weight = None if weights is None else weights[step_rows, i]
+                # A plan's subset: a step no row of the micro-batch trains is skipped; otherwise the whole
+                # micro-batch is computed and the untrained rows weigh 0, because a velocity call over a subset of
+                # the rows rounds differently on the CPU (a row's result depends on the call's size), which would
+                # move the on-policy ratio off exactly 1.
+                mask = None if trained is None else trained[host_rows, i]  # [n] host bool
+                if mask is not None and not bool(mask.any()):
+                    continue
+                mask = None if mask is None or bool(mask.all()) else mask.to(batch.device)
+                weight = None if weights is None else weights[device_rows, i]
                 yield functools.partial(
-                    self._step_loss, backbone, sampler, step_part, step_adv, i, step_host[:, i : i + 2], weight
+                    self._step_loss, backbone, sampler, part, adv[device_rows, i], i, host[:, i : i + 2], weight, mask
                 )
 
         result = self.run([micro_batches] * o.num_inner_epochs, losses, on_step)
@@ -378,10 +377,12 @@ class GRPO(AdamWLoop):
         i: int,
         sigmas: Tensor | None = None,
         weight: Tensor | None = None,
+        trained: Tensor | None = None,
     ) -> RowLoss:
         """Loss of window step i for one micro-batch, summed over its rows whose transition std is not 0, and its
         diagnostics as row sums. ``sigmas`` [n, 2]: (σ, σ⁺) of the step on the host (default: read from ``part``);
-        ``weight`` [n] multiplies each row's policy loss (not its KL; None: 1)."""
+        ``weight`` [n] multiplies each row's policy loss (not its KL; None: 1); ``trained`` [n] bool (a rollout plan's
+        subset; None: all) leaves the other rows out like rows of std 0."""
         o = self.options
         sigmas = part.sigmas[:, i : i + 2] if sigmas is None else sigmas
         sigma, sigma_next = sigmas[:, 0], sigmas[:, 1]
@@ -393,6 +394,8 @@ class GRPO(AdamWLoop):
         # row: a micro-batch can mix rollout batches whose windows start differently, so some rows of step i may be
         # at σ⁺ = 0 while others are not. Their weight is 0 (their placeholder log-prob and KL are finite).
         live = (out.std.reshape(-1) != 0).float()  # [n] on the rollout's device
+        if trained is not None:
+            live = live * trained.float()
         if o.ratio_norm:  # GRPO-Guard: the normalised log-ratio in place of ℓ_θ − ℓ_old
             if part.means is None:
                 raise ValueError("ratio_norm needs the rollout's transition means (Rollout.means, store_means=True).")
