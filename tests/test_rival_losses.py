@@ -198,4 +198,3 @@ def test_impossible_combinations_are_refused_in_one_paragraph(overrides, message
     out = tpflow_cli("validate", str(RECIPES / recipe), *sets)
     text = " ".join((out.stdout + out.stderr).split())
     assert out.returncode == 2 and message in text and "Traceback" not in text, text
-
