@@ -56,7 +56,7 @@ def plot_curves(results: dict, tasks: list[str], arms: list[str], path: Path, la
         axes[row, 1].set_xlabel("training seconds (mean over seeds, eval excluded)")
         axes[row, 2].set_xlabel("epochs")
         for ax in axes[row]:
-            ax.set_ylabel("eval reward (held-out prompts)")
+            ax.set_ylabel("eval reward (eval set: mostly training prompts)")
             ax.set_title(labels[task], fontsize=10)
             ax.grid(alpha=0.3)
         axes[row, 2].set_ylabel("eval reward − same seed's outcome run")

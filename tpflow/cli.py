@@ -10,6 +10,8 @@
     tpflow eval TARGET [--baseline TARGET]   # a run / checkpoint / exported LoRA / base model on a prompt set
     tpflow sample TARGET --prompt TEXT       # a captioned grid of a few images
     tpflow probe RECIPE --arm NAME:K=V ...   # each credit's first-step gradient against the policy gradient
+    tpflow sweep EXPERIMENT [--jobs N]       # every (arm, seed) run of a pre-registered experiment, resumable
+    tpflow compare EXPERIMENT [--json]       # its primary endpoint (paired t), secondary family (Holm), every seed
 
 Commands are thin wrappers over library functions. A user error (bad recipe, unknown name, missing file) prints
 one paragraph on stderr and exits with status 2, without a traceback.
@@ -42,6 +44,7 @@ from tpflow.cli_common import (
 from tpflow.cli_listing import register as register_listing
 from tpflow.errors import UserError
 from tpflow.evaluation.commands import register as register_evaluation
+from tpflow.experiments.command import register as register_experiments
 from tpflow.probe.command import register as register_probe
 
 app = typer.Typer(
@@ -93,9 +96,15 @@ def validate(
     ] = True,
 ) -> None:
     """Check every section of a recipe against its component, without loading any weights."""
+    from tpflow.experiments.spec import is_experiment_file
     from tpflow.preflight import check_machine, default_run_dir
     from tpflow.recipe import load_recipe
 
+    if is_experiment_file(recipe):  # an experiment: the file and every (arm, seed) recipe (docs/experiments.md)
+        from tpflow.experiments.command import validate as validate_experiment
+
+        validate_experiment(recipe)
+        return
     loaded = load_recipe(recipe, set_ or [])
     warn_broken_plugins()
     report = check_machine(loaded, default_run_dir(loaded)) if machine else None
@@ -364,6 +373,7 @@ def export(
 
 register_evaluation(app)  # tpflow eval, tpflow sample (after export in the help)
 register_probe(app)  # tpflow probe
+register_experiments(app)  # tpflow sweep, tpflow compare
 
 
 def _format_values(model: Any) -> str:

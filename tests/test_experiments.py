@@ -1,0 +1,154 @@
+"""Experiments (tpflow/experiments): the file, pre-registration, the resumable sweep and the paired comparison."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.cli_run import tpflow
+from tests.test_train import tiny_recipe
+from tpflow.errors import UserError
+from tpflow.experiments import lock
+from tpflow.experiments.compare import compare, detectable_effect, markdown
+from tpflow.experiments.spec import load_experiment
+from tpflow.experiments.sweep import DONE, commands, state, sweep
+
+
+def _experiment(tmp_path, tiny_weights, arms: str | None = None, primary_arm: str = "consistent") -> object:
+    recipe = tiny_recipe(tmp_path, tiny_weights)
+    arms = arms or '[arms.outcome]\ncredit.name = "outcome"\n[arms.consistent]\ncredit.name = "consistent"\n'
+    text = f"""
+[experiment]
+name = "tiny"
+recipe = "{recipe.name}"
+seeds = [0, 1]
+out = "{tmp_path / "exp"}"
+[task]
+train.epochs = 1
+train.save_every = 1
+eval.every = 1
+{arms}
+[primary]
+arm = "{primary_arm}"
+baseline = "outcome"
+statistic = "final"
+"""
+    path = tmp_path / "experiment.toml"
+    path.write_text(text)
+    return path
+
+
+def _in_process(calls: list):
+    def launch(args, env, log):
+        calls.append(args)
+        return tpflow(*args).returncode
+
+    return launch
+
+
+def test_validate_checks_the_file_and_every_arm(tmp_path, tiny_weights, plugin):
+    path = _experiment(tmp_path, tiny_weights)
+    out = tpflow("validate", str(path))
+    assert out.returncode == 0 and "valid experiment, 4 runs" in " ".join(out.stdout.split()), out.stderr
+    bad = _experiment(tmp_path, tiny_weights, arms='[arms.outcome]\ncredit.name = "outcome"\n'
+                      '[arms.consistent]\ncredit.name = "consistnt"\n')  # fmt: skip
+    out = tpflow("validate", str(bad))
+    assert out.returncode == 2 and "arm 'consistent' (seed 0)" in out.stderr and "Traceback" not in out.stderr
+    wrong = _experiment(tmp_path, tiny_weights, primary_arm="tp")
+    out = tpflow("validate", str(wrong))
+    assert out.returncode == 2 and "'tp' is not an arm" in out.stderr, out.stderr
+
+
+def test_a_sweep_runs_skips_finished_runs_and_resumes_a_killed_one(tmp_path, tiny_weights, plugin):
+    experiment = load_experiment(_experiment(tmp_path, tiny_weights))
+    calls: list = []
+    result = sweep(experiment, launch=_in_process(calls))
+    assert sorted(result["done"]) == ["consistent/seed_0", "consistent/seed_1", "outcome/seed_0", "outcome/seed_1"]
+    seeds = [next(a for a in c if a.startswith("train.seed=")) for c in calls]
+    assert seeds == ["train.seed=0", "train.seed=0", "train.seed=1", "train.seed=1"]  # seed-major
+    assert all(state(run) == "done" for run in experiment.runs()) and commands(experiment) == []
+    again: list = []
+    assert sweep(experiment, launch=_in_process(again))["skipped"] and again == []  # nothing left to run
+    killed = experiment.runs()[1]
+    (killed.run_dir / DONE).unlink()  # killed after its checkpoint, before the sweep marked it done
+    (line,) = commands(experiment)
+    assert str(killed.run_dir) in line and "--resume" in line
+    resumed: list = []
+    result = sweep(experiment, launch=_in_process(resumed))
+    assert result["done"] == [f"{killed.arm}/seed_{killed.seed}"] and "--resume" in resumed[0]
+
+
+def test_a_changed_file_is_refused_unless_amended(tmp_path, tiny_weights, plugin):
+    path = _experiment(tmp_path, tiny_weights)
+    out = tmp_path / "exp"
+    lock.register(path, out, [])
+    assert lock.register(path, out, ["outcome/seed_0"])["amendments"] == []  # unchanged: fine
+    path.write_text(path.read_text().replace("seeds = [0, 1]", "seeds = [0, 1, 2]"))
+    with pytest.raises(UserError, match="changed after its runs began"):
+        lock.register(path, out, ["outcome/seed_0"])
+    record = lock.register(path, out, ["outcome/seed_0"], amend="a third seed for power")
+    (amendment,) = record["amendments"]
+    assert amendment["reason"] == "a third seed for power" and amendment["runs_existing"] == ["outcome/seed_0"]
+    cli = tpflow("sweep", str(path), "--amend", "again")
+    assert cli.returncode == 2 and "nothing to amend" in cli.stderr
+    report = markdown(compare(load_experiment(path, check_arms=False)))
+    assert "**Amendment**" in report and "a third seed for power" in report and "outcome/seed_0" in report
+
+
+def _fake_run(run_dir, values):
+    run_dir.mkdir(parents=True)
+    lines = [{"epoch": e, "last_eval_epoch": e, "eval_reward": v, "epoch_s": 2.0, "nfe_per_traj": 10.0,
+              "optimizer_steps": 1.0} for e, v in enumerate(values)]  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    (run_dir / DONE).write_text("{}")
+
+
+def test_compare_against_hand_computed_intervals(tmp_path, tiny_weights, plugin):
+    """The primary's paired t interval, Holm over the secondaries and the detectable effect, by hand (scipy's t)."""
+    from scipy import stats
+
+    arms = (
+        '[arms.outcome]\ncredit.name = "outcome"\n[arms.consistent]\ncredit.name = "consistent"\n'
+        '[arms.incremental]\ncredit.name = "incremental"\n[secondary]\narms = ["consistent", "incremental"]\n'
+    )
+    path = _experiment(tmp_path, tiny_weights, arms=arms)
+    text = path.read_text().replace("seeds = [0, 1]", "seeds = [0, 1, 2]").replace('statistic = "final"',
+                                                                                     'statistic = "auc"')  # fmt: skip
+    path.write_text(text)
+    experiment = load_experiment(path, check_arms=False)
+    curves = {"outcome": [[0.5, 0.6, 0.7], [0.5, 0.55, 0.6], [0.5, 0.62, 0.64]],
+              "consistent": [[0.5, 0.64, 0.75], [0.5, 0.6, 0.61], [0.5, 0.66, 0.7]],
+              "incremental": [[0.5, 0.58, 0.69], [0.5, 0.57, 0.62], [0.5, 0.6, 0.66]]}  # fmt: skip
+    for run in experiment.runs():
+        _fake_run(run.run_dir, curves[run.arm][run.seed])
+
+    def auc(c):  # trapezoid over epochs 0, 1, 2, divided by the span 2
+        return ((c[0] + c[1]) / 2 + (c[1] + c[2]) / 2) / 2
+
+    result = compare(experiment)
+    diffs = [auc(curves["consistent"][s]) - auc(curves["outcome"][s]) for s in range(3)]
+    mean = sum(diffs) / 3
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / 2)
+    half = stats.t.ppf(0.975, 2) * sd / math.sqrt(3)
+    p = result["primary"]
+    assert p["differences"] == pytest.approx(diffs) and p["mean"] == pytest.approx(mean)
+    assert (p["low"], p["high"]) == pytest.approx((mean - half, mean + half))
+    assert p["p"] == pytest.approx(2 * stats.t.sf(abs(mean) / (sd / math.sqrt(3)), 2))
+    assert p["detectable"] == pytest.approx((stats.t.ppf(0.975, 2) + stats.t.ppf(0.8, 2)) * sd / math.sqrt(3))
+    assert detectable_effect(sd, 3) == pytest.approx(p["detectable"])
+    raw = sorted((c["p"], c["name"]) for c in result["secondary"])
+    holm = {raw[0][1]: min(1.0, 2 * raw[0][0]), raw[1][1]: min(1.0, max(2 * raw[0][0], raw[1][0]))}
+    assert {c["name"]: c["holm_p"] for c in result["secondary"]} == pytest.approx(holm)
+    assert result["missing"] == [] and "every" not in result  # every seed is in the report
+    report = markdown(result)
+    assert all(f"| {arm} | {seed} |" in report for arm in curves for seed in range(3))
+
+
+def test_the_worked_example_validates():
+    """docs/experiments.md's example: the file and its 6 runs' recipes."""
+    from pathlib import Path
+
+    experiment = load_experiment(Path(__file__).resolve().parents[1] / "experiments" / "shapes_credit.toml")
+    assert len(experiment.runs()) == 6 and experiment.spec.primary.statistic == "auc"

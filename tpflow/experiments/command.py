@@ -1,0 +1,123 @@
+"""The command line of experiments: ``tpflow sweep``, ``tpflow compare``; ``tpflow validate`` calls ``validate``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from tpflow.cli_common import make_console, user_errors
+from tpflow.errors import UserError
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(sweep)
+    app.command()(compare)
+
+
+def validate(path: Path) -> None:
+    """``tpflow validate EXPERIMENT.toml``: the file and every (arm, seed) recipe, nothing loaded or run."""
+    from tpflow.experiments.spec import load_experiment
+
+    experiment = load_experiment(path)
+    spec = experiment.spec
+    table = Table(title=f"{path}: valid experiment ({len(experiment.runs())} runs)", show_lines=True)
+    table.add_column("arm", no_wrap=True, style="bold cyan")
+    table.add_column("overrides (after the task's)", overflow="fold")
+    from tpflow.experiments.spec import flatten
+
+    for arm, overrides in spec.arms.items():
+        table.add_row(arm, escape(", ".join(f"{k} = {v!r}" for k, v in flatten(overrides).items())))
+    console = make_console()
+    console.print(table)
+    e = spec.primary
+    text = (
+        f"valid experiment, {len(experiment.runs())} runs: recipe {escape(str(experiment.recipe))}; seeds "
+        f"{spec.experiment.seeds}; runs in "
+        f"{escape(str(experiment.out))}; primary: {e.statistic} of {e.metric}, {e.arm} − {e.baseline}; "
+        f"secondary: {', '.join(spec.secondary.arms) or 'none'}."
+    )
+    console.print(text, highlight=False, soft_wrap=True)
+
+
+@user_errors
+def sweep(
+    experiment_file: Annotated[Path, typer.Argument(help="Experiment TOML file (docs/experiments.md).")],
+    jobs: Annotated[int, typer.Option(min=1, help="Runs at once.")] = 1,
+    gpus: Annotated[str | None, typer.Option(help="GPUs to share out, one per job, e.g. 0,1,2,3.")] = None,
+    print_commands: Annotated[
+        bool, typer.Option("--print-commands", help="Print one line per missing run (for a scheduler); run none.")
+    ] = False,
+    amend: Annotated[
+        str | None, typer.Option(help="Declare a change to the file after its runs began, with the reason.")
+    ] = None,
+) -> None:
+    """Run every missing (arm, seed) run of an experiment, resuming killed ones; pre-registered on the first run."""
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    from tpflow.experiments import lock
+    from tpflow.experiments.spec import load_experiment
+    from tpflow.experiments.sweep import commands, state
+    from tpflow.experiments.sweep import sweep as run_sweep
+
+    experiment = load_experiment(experiment_file)
+    existing = [f"{r.arm}/seed_{r.seed}" for r in experiment.runs() if state(r) != "missing"]
+    if print_commands:
+        for line in commands(experiment):
+            typer.echo(line)
+        return
+    devices = [g.strip() for g in gpus.split(",") if g.strip()] if gpus else None
+    if devices is not None and len(devices) < jobs:
+        raise UserError(f"--gpus {gpus} names {len(devices)} GPUs for --jobs {jobs}: give one GPU per job.")
+    record = lock.register(experiment_file, experiment.out, existing, amend)
+    console = make_console()
+    runs = experiment.runs()
+    console.print(f"{experiment.spec.experiment.name}: {len(runs)} runs, seed-major (a slow-down hits every arm of a "
+                  f"seed alike), {jobs} at once, into {escape(str(experiment.out))}; registered "
+                  f"{record['registered']}.", highlight=False, soft_wrap=True)  # fmt: skip
+    with Progress(TextColumn("{task.description}"), BarColumn(), console=console,
+                  disable=not console.is_terminal) as progress:  # fmt: skip
+        task = progress.add_task("runs", total=len(runs))
+
+        def show(counts: dict[str, int], eta: float | None) -> None:
+            done = counts["done"] + counts.get("failed", 0)
+            text = f"runs: {counts['done']} done, {counts['running']} running, {counts['left']} left"
+            text += f", ETA {eta / 60:.0f} min" if eta is not None else ""
+            progress.update(task, completed=done, description=text)
+
+        result = run_sweep(experiment, jobs, devices, on_change=show)
+    console.print(f"{len(result['done'])} runs done now, {len(result['skipped'])} were done already.",
+                  highlight=False)  # fmt: skip
+    if result["failed"]:
+        logs = ", ".join(f"{experiment.out / name.split('/')[0] / (name.split('/')[1] + '.log')}" for name in
+                         result["failed"])  # fmt: skip
+        raise UserError(
+            f"{len(result['failed'])} runs failed: {', '.join(result['failed'])}. Their logs: {logs}. Fix the "
+            "cause and run tpflow sweep again: finished runs are skipped, killed ones resume."
+        )
+
+
+@user_errors
+def compare(
+    experiment_file: Annotated[Path, typer.Argument(help="Experiment TOML file (docs/experiments.md).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON.")] = False,
+) -> None:
+    """The experiment's primary endpoint (paired t, bootstrap beside), secondary family (Holm), every seed, cost."""
+    from tpflow.experiments.compare import compare as run_compare
+    from tpflow.experiments.compare import markdown
+    from tpflow.experiments.spec import load_experiment
+
+    experiment = load_experiment(experiment_file, check_arms=False)
+    result = run_compare(experiment)
+    text = markdown(result)
+    if experiment.out.exists():
+        (experiment.out / "report.md").write_text(text)
+        (experiment.out / "report.json").write_text(json.dumps(result, indent=1))
+    if as_json:
+        typer.echo(json.dumps(result, indent=1))
+    else:
+        make_console().print(text, markup=False, highlight=False, soft_wrap=True)

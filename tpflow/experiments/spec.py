@@ -1,0 +1,184 @@
+"""The experiment file: a base recipe, shared overrides, named arms, seeds and the endpoints, validated up front.
+
+    [experiment]
+    name = "credit-on-shapes"
+    recipe = "../recipes/shapes_flowgrpo.toml"   # relative to this file
+    seeds = [0, 1, 2]
+
+    [task]                                        # every run's overrides (nested tables or dotted keys)
+    train.epochs = 2
+
+    [arms.outcome]
+    credit.name = "outcome"
+    [arms.consistent]
+    credit.name = "consistent"
+
+    [primary]                                     # one endpoint: arm − baseline, paired over seeds
+    arm = "consistent"
+    baseline = "outcome"
+    metric = "eval_reward"
+    statistic = "auc"                             # "auc" over the evaluations, or "final"
+
+    [secondary]                                   # one Holm family: each arm − the primary's baseline
+    arms = []
+
+Each arm's recipe is the base recipe with the task's overrides, then the arm's, then ``train.seed``; every one of
+them is validated (as ``tpflow validate`` would) before anything runs, and a fault is one paragraph naming the arm.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tpflow.errors import RecipeError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ExperimentSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, description="The experiment's name (its runs' folder under runs/experiments/).")
+    recipe: str = Field(min_length=1, description="The base recipe, relative to the experiment file.")
+    seeds: list[int] = Field(min_length=2, description="train.seed of each run; every arm runs every seed (paired).")
+    out: str | None = Field(None, description="Where the runs go (default runs/experiments/<name>, from the cwd).")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> ExperimentSection:
+        if len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
+            raise ValueError(f"seeds must be distinct and >= 0, got {self.seeds}.")
+        return self
+
+
+class Endpoint(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    arm: str
+    baseline: str
+    metric: str = Field("eval_reward", description="A metric of the runs' metrics.jsonl evaluation lines.")
+    statistic: Literal["auc", "final"] = Field(
+        "auc", description="auc: the mean of the trapezoid curve over the evaluations; final: the last evaluation."
+    )
+
+
+class Secondary(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    arms: list[str] = Field(default_factory=list, description="Each arm − the primary's baseline, one Holm family.")
+
+
+class ExperimentFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    experiment: ExperimentSection
+    task: dict[str, Any] = Field(default_factory=dict)
+    arms: dict[str, dict[str, Any]] = Field(min_length=2)
+    primary: Endpoint
+    secondary: Secondary = Field(default_factory=Secondary)
+
+    @model_validator(mode="after")
+    def _arms_named(self) -> ExperimentFile:
+        names = set(self.arms)
+        for where, arm in [("primary.arm", self.primary.arm), ("primary.baseline", self.primary.baseline)] + [
+            (f"secondary.arms[{i}]", a) for i, a in enumerate(self.secondary.arms)
+        ]:
+            if arm not in names:
+                raise ValueError(f"{where} = {arm!r} is not an arm; the arms are: {', '.join(sorted(names))}.")
+        if self.primary.arm == self.primary.baseline:
+            raise ValueError("primary.arm and primary.baseline are the same arm: the endpoint is their difference.")
+        return self
+
+
+@dataclass(frozen=True)
+class Run:
+    """One (arm, seed) run of an experiment."""
+
+    arm: str
+    seed: int
+    overrides: tuple[str, ...]  # ``--set key=value`` of the base recipe: the task's, the arm's, the seed
+    run_dir: Path
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """A validated experiment file."""
+
+    path: Path
+    spec: ExperimentFile
+    recipe: Path  # the base recipe, resolved
+    out: Path  # the folder of its runs
+
+    def runs(self) -> list[Run]:
+        """Every (arm, seed), seed-major (a slow-down during the sweep hits every arm of a seed alike)."""
+        out = []
+        for seed in self.spec.experiment.seeds:
+            for arm, table in self.spec.arms.items():
+                overrides = [*_sets(self.spec.task), *_sets(table), f"train.seed={seed}"]
+                out.append(Run(arm, seed, tuple(overrides), self.out / arm / f"seed_{seed}"))
+        return out
+
+
+def flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"epochs": 2}}`` and ``{"train.epochs": 2}`` -> ``{"train.epochs": 2}``."""
+    flat: dict[str, Any] = {}
+    for key, value in table.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _sets(table: dict[str, Any]) -> list[str]:
+    """A table of overrides as ``--set`` strings; values written as JSON, which TOML reads the same for strings,
+    numbers, booleans and arrays."""
+    return [f"{key}={json.dumps(value)}" for key, value in flatten(table).items()]
+
+
+def is_experiment_file(path: Path) -> bool:
+    """Whether a TOML file is an experiment (it has an ``[experiment]`` table) rather than a recipe."""
+    try:
+        return "experiment" in tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        return False
+
+
+def load_experiment(path: Path, check_arms: bool = True) -> Experiment:
+    """Read and validate an experiment file and, with ``check_arms``, every (arm, seed) recipe; RecipeError (one
+    paragraph, exit 2) otherwise."""
+    from tpflow import registry
+    from tpflow.recipe import load_recipe
+
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise RecipeError(f"Experiment file {path} not found.") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeError(f"{path} is not valid TOML: {exc}.") from None
+    try:
+        spec = ExperimentFile.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(registry.describe_validation_error(exc, str(path), ExperimentFile)) from None
+    recipe = (path.parent / spec.experiment.recipe).resolve()
+    if not recipe.is_file():
+        raise RecipeError(f"{path}: [experiment] recipe = {spec.experiment.recipe!r} is not a file ({recipe}).")
+    out = Path(spec.experiment.out) if spec.experiment.out else Path("runs") / "experiments" / spec.experiment.name
+    experiment = Experiment(path, spec, recipe, out)
+    if check_arms:
+        for run in experiment.runs():
+            try:
+                load_recipe(recipe, list(run.overrides))
+            except RecipeError as exc:
+                raise RecipeError(f"{path}: arm {run.arm!r} (seed {run.seed}): {exc}") from None
+    return experiment
