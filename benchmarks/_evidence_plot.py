@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from _evidence_stats import PRIMARY
 
 COLOURS = {
     "outcome": "#444444",
@@ -22,7 +21,7 @@ COLOURS = {
 }
 
 
-def plot_sweep(by_arm: dict[str, list[dict]], path: Path, key: str = PRIMARY) -> dict[str, tuple]:
+def plot_sweep(by_arm: dict[str, list[dict]], path: Path, key: str) -> dict[str, tuple]:
     """Two panels (x = epoch, x = training seconds) of ``key`` for every run of every arm in ``by_arm``. Returns
     each arm's thick line: (epochs, mean seconds, mean value) at the evaluations every run of the arm has."""
     import matplotlib

@@ -236,7 +236,7 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
         (docs / "evidence_sweep.md").write_text(text)
         from _evidence_plot import plot_sweep
 
-        plot_sweep({**by_arm, **nft}, docs / "evidence_sweep.png")
+        plot_sweep({**by_arm, **nft}, docs / "evidence_sweep.png", PRIMARY)
 
 
 def at_seconds(run: dict, seconds: float, key: str = PRIMARY) -> float:

@@ -15,12 +15,11 @@ COLORS = {
 }
 
 
-def _band(curves: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Mean [T] and 95% bootstrap band [T] of per-seed curves [S, T] (resampling seeds)."""
-    from _learning_stats import RESAMPLES
-
+def _band(curves: np.ndarray, seed: int = 0, resamples: int = 10_000) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean [T] and 95% bootstrap band [T] of per-seed curves [S, T] (resampling seeds; ``resamples`` draws, as
+    _learning_stats.RESAMPLES: a parameter, not an import, so the two modules do not import each other)."""
     rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(curves), size=(RESAMPLES, len(curves)))
+    picks = rng.integers(0, len(curves), size=(resamples, len(curves)))
     means = curves[picks].mean(axis=1)  # [R, T]
     return curves.mean(axis=0), np.percentile(means, 2.5, axis=0), np.percentile(means, 97.5, axis=0)
 

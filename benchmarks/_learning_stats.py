@@ -181,13 +181,12 @@ def markdown(task_label: str, table: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
-def report(results: dict, tasks: list[str], arms: list[str], docs: Path, protocol: dict) -> dict:
-    """Write docs/results/learning_curves.{md,json,png} and turning_points.png; return the tables."""
-    from learning_curves import TASKS
-
+def report(results: dict, tasks: list[str], arms: list[str], docs: Path, protocol: dict, labels: dict) -> dict:
+    """Write docs/results/learning_curves.{md,json,png} and turning_points.png; return the tables. ``labels``: task
+    -> its title (learning_curves.TASKS' labels, passed in so this module does not import its caller)."""
     docs.mkdir(parents=True, exist_ok=True)
     tables = {task: endpoints(results[task]) for task in tasks}
-    text = "\n\n".join(markdown(TASKS[task]["label"], tables[task]) for task in tasks)
+    text = "\n\n".join(markdown(labels[task], tables[task]) for task in tasks)
     print(text)
     (docs / "learning_curves.md").write_text(text + "\n")
     (docs / "learning_curves.json").write_text(
@@ -195,7 +194,7 @@ def report(results: dict, tasks: list[str], arms: list[str], docs: Path, protoco
     )
     from _learning_plots import plot_curves, plot_turning_points
 
-    plot_curves(results, tasks, arms, docs / "learning_curves.png", {t: TASKS[t]["label"] for t in tasks})
-    plot_turning_points(results, tasks, docs / "turning_points.png", {t: TASKS[t]["label"] for t in tasks})
+    plot_curves(results, tasks, arms, docs / "learning_curves.png", labels)
+    plot_turning_points(results, tasks, docs / "turning_points.png", labels)
     print(f"wrote {docs / 'learning_curves.md'}, .json, .png and turning_points.png")
     return tables

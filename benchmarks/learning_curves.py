@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.report_only:
         sweep(args)
     results = load_results(args.out, args.tasks, args.arms, args.seeds)
-    return report(results, args.tasks, args.arms, args.docs, {**PROTOCOL, "device": args.device, "jobs": args.jobs})
+    protocol = {**PROTOCOL, "device": args.device, "jobs": args.jobs}
+    return report(results, args.tasks, args.arms, args.docs, protocol, {t: TASKS[t]["label"] for t in args.tasks})
 
 
 if __name__ == "__main__":

@@ -190,3 +190,35 @@ def test_value_fidelity_scores_a_trace_against_its_values(value_fidelity):
     # resolved: all of trajectory 0's and trajectory 1's ΔV_2 = 0.2 > 2·0.01; not ΔV_0, ΔV_1 (SE 0.2 at j = 1)
     assert got["resolved"] == 4 and got["resolved_agreement"] == pytest.approx(3 / 4)
     assert got["tp"] == 2 and got["tp_mc"] == 1 and got["tp_precision"] == 0.5 and got["tp_recall"] == 1.0
+
+
+def test_benchmarks_import_no_circle():
+    """No module of benchmarks/ imports, directly or through others, one that imports it back (imports inside
+    functions included): shared code lives in the library, or flows one way."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    mods = {p.stem: p for p in root.glob("*.py")}
+    graph = {}
+    for name, path in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps.add(node.module.split(".")[0])
+        graph[name] = {d for d in deps if d in mods and d != name}
+
+    def reaches(start: str, target: str) -> bool:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            node = todo.pop()
+            if node == target:
+                return True
+            if node not in seen:
+                seen.add(node)
+                todo.extend(graph[node])
+        return False
+
+    assert [name for name in graph if reaches(name, name)] == []

@@ -98,7 +98,7 @@ def test_the_figure_draws_every_seed_and_the_mean_of_each_arm(bench, tmp_path):
         "outcome": [_run(0, [0.4, 0.5, 0.6], [0.0, 100.0, 210.0]), _run(1, [0.5, 0.5, 0.5], [0.0, 90.0, 190.0])],
         "nft": [_run(0, [0.4, 0.6, 0.7]), _run(1, [0.5, 0.6])],  # seed 1 evaluated only twice so far
     }
-    lines = plot.plot_sweep(runs, tmp_path / "fig.png")
+    lines = plot.plot_sweep(runs, tmp_path / "fig.png", "eval_reward_tags")
     assert lines["outcome"] == ([0, 8, 16], pytest.approx([0.0, 95.0, 200.0]), pytest.approx([0.45, 0.5, 0.55]))
     assert lines["nft"] == ([0, 8], pytest.approx([0.0, 100.0]), pytest.approx([0.45, 0.6]))
     assert (tmp_path / "fig.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -112,10 +112,11 @@ def test_compare_against_hand_computed_intervals(tmp_path, tiny_weights, plugin)
     arms = (
         '[arms.outcome]\ncredit.name = "outcome"\n[arms.consistent]\ncredit.name = "consistent"\n'
         '[arms.incremental]\ncredit.name = "incremental"\n[secondary]\narms = ["consistent", "incremental"]\n'
+        'endpoints = [{metric = "eval_reward", statistic = "auc"}, {metric = "eval_reward", statistic = "final"}]\n'
     )
     path = _experiment(tmp_path, tiny_weights, arms=arms)
-    text = path.read_text().replace("seeds = [0, 1]", "seeds = [0, 1, 2]").replace('statistic = "final"',
-                                                                                     'statistic = "auc"')  # fmt: skip
+    text = path.read_text().replace("seeds = [0, 1]", "seeds = [0, 1, 2]")
+    text = text.replace('statistic = "final"\n', 'statistic = "auc"\n')  # the primary's (not the inline tables')
     path.write_text(text)
     experiment = load_experiment(path, check_arms=False)
     curves = {"outcome": [[0.5, 0.6, 0.7], [0.5, 0.55, 0.6], [0.5, 0.62, 0.64]],
@@ -136,10 +137,17 @@ def test_compare_against_hand_computed_intervals(tmp_path, tiny_weights, plugin)
     assert p["differences"] == pytest.approx(diffs) and p["mean"] == pytest.approx(mean)
     assert (p["low"], p["high"]) == pytest.approx((mean - half, mean + half))
     assert p["p"] == pytest.approx(2 * stats.t.sf(abs(mean) / (sd / math.sqrt(3)), 2))
-    assert p["detectable"] == pytest.approx((stats.t.ppf(0.975, 2) + stats.t.ppf(0.8, 2)) * sd / math.sqrt(3))
+    crit, nc = stats.t.ppf(0.975, 2), p["detectable"] / (sd / math.sqrt(3))  # power at the detectable effect: 0.8
+    assert 1 - stats.nct.cdf(crit, 2, nc) + stats.nct.cdf(-crit, 2, nc) == pytest.approx(0.8, abs=1e-6)
     assert detectable_effect(sd, 3) == pytest.approx(p["detectable"])
+    names = {c["name"] for c in result["secondary"]}  # every (arm, endpoint) but the primary
+    assert names == {"consistent − outcome: final of eval_reward", "incremental − outcome: auc of eval_reward",
+                     "incremental − outcome: final of eval_reward"}  # fmt: skip
     raw = sorted((c["p"], c["name"]) for c in result["secondary"])
-    holm = {raw[0][1]: min(1.0, 2 * raw[0][0]), raw[1][1]: min(1.0, max(2 * raw[0][0], raw[1][0]))}
+    holm, running = {}, 0.0
+    for rank, (p_value, name) in enumerate(raw):  # Holm by hand: (m − rank)·p, running maximum, capped at 1
+        running = max(running, min(1.0, (len(raw) - rank) * p_value))
+        holm[name] = running
     assert {c["name"]: c["holm_p"] for c in result["secondary"]} == pytest.approx(holm)
     assert result["missing"] == [] and "every" not in result  # every seed is in the report
     report = markdown(result)
@@ -152,3 +160,38 @@ def test_the_worked_example_validates():
 
     experiment = load_experiment(Path(__file__).resolve().parents[1] / "experiments" / "shapes_credit.toml")
     assert len(experiment.runs()) == 6 and experiment.spec.primary.statistic == "auc"
+
+
+def test_compare_reproduces_evidence_ii_from_its_committed_summaries():
+    """experiments/evidence_ii.toml over docs/results/evidence_runs.json gives docs/results.md §2.5's primary (mean,
+    t interval, p, bootstrap, detectable effect) and its 15-comparison secondary table, digit for digit as printed."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = compare(load_experiment(root / "experiments" / "evidence_ii.toml", check_arms=False))
+    doc = (root / "docs" / "results.md").read_text()
+    section = doc[doc.index("**Primary endpoint** (consistent − outcome, paired AUC") :]
+    section = section[: section.index("No secondary comparison survives Holm")]
+
+    def signed(x: float) -> str:
+        return f"{x:+.4f}".replace("-", "−")
+
+    p = result["primary"]
+    assert (f"**{signed(p['mean'])}, 95% t interval [{signed(p['low'])}, {signed(p['high'])}], p = {p['p']:.2f}"
+            in section)  # fmt: skip
+    assert f"Bootstrap cross-check [{signed(p['bootstrap_low'])}, {signed(p['bootstrap_high'])}]" in section
+    assert f"detect an AUC\ndifference of {p['detectable']:.3f}" in doc
+    columns = ["auc of eval_reward_tags", "final of eval_reward_tags", "auc of eval_strict_tags",
+               "at_baseline_seconds of eval_reward_tags"]  # §2.5's column order  # fmt: skip
+    rows = {c["name"]: c for c in result["secondary"]}
+    assert len(rows) == 15
+    for arm in ["consistent", "incremental", "consistent_x0", "consistent_k3"]:
+        (line,) = [row for row in section.splitlines() if row.startswith(f"| {arm} |")]
+        cells = [cell.strip() for cell in line.strip("|").split("|")][1:]
+        for column, cell in zip(columns, cells, strict=True):
+            c = rows.get(f"{arm} − outcome: {column}")
+            expected = "(primary)" if c is None else f"{signed(c['mean'])} [{signed(c['low'])}, {signed(c['high'])}]"
+            assert cell == expected, (arm, column)
+    smallest = min(result["secondary"], key=lambda c: c["p"])  # §2.5's text names it, with both p values
+    assert smallest["name"] == "consistent_x0 − outcome: final of eval_reward_tags"
+    assert f"(p = {smallest['p']:.3f}," in doc and f"Holm-adjusted {smallest['holm_p']:.2f}" in doc

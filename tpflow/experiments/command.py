@@ -65,6 +65,12 @@ def sweep(
     from tpflow.experiments.sweep import sweep as run_sweep
 
     experiment = load_experiment(experiment_file)
+    if experiment.spec.experiment.summaries:
+        raise UserError(
+            f"{experiment_file} compares the committed run summaries {experiment.spec.experiment.summaries}, which "
+            "are its results: there is nothing to sweep. Run tpflow compare on it, or drop [experiment] summaries to "
+            "run the experiment afresh."
+        )
     existing = [f"{r.arm}/seed_{r.seed}" for r in experiment.runs() if state(r) != "missing"]
     if print_commands:
         for line in commands(experiment):

@@ -1,23 +1,26 @@
 """``tpflow compare``: the experiment's primary endpoint and secondary family from its finished runs.
 
-Per run, the evaluation curve of the endpoint's metric (one point per evaluation, from metrics.jsonl: the value at
-each ``last_eval_epoch``) and its statistic: ``auc``, the trapezoid area under the curve over the evaluated epochs
-divided by their span (the mean level over training), or ``final``, the last evaluation. Arms are paired by seed:
-the primary is the mean of the per-seed differences with its two-sided 95% t interval and p value
-(``tpflow.intervals``), a percentile bootstrap of the same differences beside it as a cross-check (too narrow at a
-few seeds: the t interval is the one to read), and the smallest difference these seeds detect at 80% power from the
-spread observed. The secondary comparisons (each arm − the baseline) are one Holm family. Cost per epoch: NFE per
-trajectory, seconds, optimizer steps. Every seed is listed; a run that is missing or unfinished is named and its
-seed left out of the pairs that need it.
+Each run is read as a summary: every evaluation with its epoch and the training seconds before it (from its
+metrics.jsonl, or from the committed summaries the file names). An endpoint is a metric and a statistic (``auc``:
+the trapezoid area under the curve over the evaluated epochs divided by their span, the mean level over training;
+``final``: the last evaluation; ``at_baseline_seconds``: the arm's curve at the training seconds the baseline's run
+took, against the baseline's final value). Arms are paired by seed: the primary is the mean of the per-seed
+differences with its two-sided 95% t interval and p value (``tpflow.intervals``), a percentile bootstrap of the same
+differences beside it as a cross-check (too narrow at a few seeds: the t interval is the one to read), and the
+smallest difference these seeds detect at 80% power from the spread observed (noncentral t). The secondary family,
+every (arm, endpoint) of ``[secondary]`` but the primary, is Holm-adjusted together. Cost per epoch: NFE per
+trajectory, seconds, optimizer steps. Every seed is listed; a run that is missing or unfinished is named and its seed
+left out of the pairs that need it.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import numpy as np
 
 from tpflow.experiments import lock
 from tpflow.experiments.spec import Endpoint, Experiment
@@ -25,64 +28,106 @@ from tpflow.experiments.sweep import DONE
 from tpflow.intervals import holm, t_interval
 
 
-def curve(metrics_path: Path, metric: str) -> tuple[list[int], list[float]]:
-    """(eval epochs, values) of one run's metrics.jsonl."""
-    points: dict[int, float] = {}
-    for line in Path(metrics_path).read_text().splitlines():
-        row = json.loads(line)
-        if metric in row and row.get("last_eval_epoch") is not None and row[metric] is not None:
-            points[int(row["last_eval_epoch"])] = float(row[metric])
-    epochs = sorted(points)
-    return epochs, [points[e] for e in epochs]
-
-
-def statistic(epochs: list[int], values: list[float], kind: str) -> float:
-    """auc: trapezoid area over the span of the evaluated epochs divided by it; final: the last value."""
-    if not values:
-        return math.nan
-    if kind == "final" or len(values) == 1:
-        return values[-1]
-    area = sum((b - a) * (u + w) / 2 for a, b, u, w in zip(epochs, epochs[1:], values, values[1:], strict=False))
-    return area / (epochs[-1] - epochs[0])
-
-
-def cost(metrics_path: Path) -> dict[str, float]:
-    """Mean per epoch: NFE per trajectory, seconds, optimizer steps."""
-    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines()]
-    epochs = [r for r in rows if "epoch_s" in r]
-
-    def mean(key: str) -> float:
-        values = [float(r[key]) for r in epochs if r.get(key) is not None]
-        return sum(values) / len(values) if values else math.nan
-
+def summarise(metrics_path: Path) -> dict:
+    """One finished run's summary from its metrics.jsonl, in the format of committed run summaries
+    (docs/results/evidence_runs.json): every evaluation with its epoch and the training seconds spent before it, and
+    the per-epoch training figures."""
+    lines = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    train = [line for line in lines if "epoch_s" in line]
+    before = [0.0]
+    for line in train:
+        before.append(before[-1] + float(line["epoch_s"]))  # training seconds before epoch e
+    evals = []
+    for line in lines:  # an evaluation is logged on the line of the epoch it preceded, the final one on its own
+        if line.get("last_eval_epoch") is not None and line.get("last_eval_epoch") == line.get("epoch"):
+            e = int(line["epoch"])
+            figures = {k: v for k, v in line.items() if k.startswith("eval_")}
+            evals.append({"epoch": e, "seconds": before[min(e, len(train))], **figures})
+    keys = ("epoch_s", "optimizer_steps", "nfe_per_traj")
     return {
-        "nfe_per_traj": mean("nfe_per_traj"),
-        "epoch_s": mean("epoch_s"),
-        "optimizer_steps": mean("optimizer_steps"),
+        "evals": evals,
+        "train": {k: [line.get(k) for line in train] for k in keys},
+        "nfe_per_traj": train[0].get("nfe_per_traj") if train else None,
     }
 
 
-def detectable_effect(sd: float, n: int, power: float = 0.8, level: float = 0.95) -> float:
-    """The smallest true mean difference a two-sided paired t test at ``level`` detects with ``power`` over n
-    pairs of spread sd: (t_{1−α/2, n−1} + t_{power, n−1})·sd/√n (the usual approximation)."""
+def curve(run: dict, metric: str) -> tuple[list[int], list[float]]:
+    """(eval epochs, values) of one run summary."""
+    points = [(e["epoch"], e[metric]) for e in run["evals"] if e.get(metric) is not None]
+    return [p[0] for p in points], [float(p[1]) for p in points]
+
+
+def auc(run: dict, metric: str) -> float:
+    """The trapezoid area under the curve over its epochs divided by their span (NaN without two evaluations)."""
+    x, y = curve(run, metric)
+    if len(x) < 2:
+        return math.nan
+    return float(np.trapezoid(y, x) / (x[-1] - x[0]))
+
+
+def at_seconds(run: dict, seconds: float, metric: str) -> float:
+    """The curve at ``seconds`` of training, linearly interpolated between evaluations (the last one held after)."""
+    points = [(e["seconds"], e[metric]) for e in run["evals"] if e.get(metric) is not None]
+    return float(np.interp(seconds, [p[0] for p in points], [p[1] for p in points]))
+
+
+def paired_statistic(kind: str, metric: str, arm: dict, base: dict) -> float:
+    """One seed's difference arm − baseline for an endpoint (``STATISTICS`` in tpflow.experiments.spec)."""
+    if kind == "auc":
+        return auc(arm, metric) - auc(base, metric)
+    if kind == "final":
+        return curve(arm, metric)[1][-1] - curve(base, metric)[1][-1]
+    last = base["evals"][-1]["seconds"]  # at_baseline_seconds: equal training seconds
+    return at_seconds(arm, last, metric) - curve(base, metric)[1][-1]
+
+
+def cost(run: dict) -> dict[str, float]:
+    """Mean per epoch: NFE per trajectory, seconds, optimizer steps."""
+
+    def mean(key: str) -> float:
+        values = [float(v) for v in run["train"].get(key, []) if v is not None]
+        return sum(values) / len(values) if values else math.nan
+
+    nfe = run.get("nfe_per_traj")
+    return {"nfe_per_traj": math.nan if nfe is None else float(nfe), "epoch_s": mean("epoch_s"),
+            "optimizer_steps": mean("optimizer_steps")}  # fmt: skip
+
+
+def _power(sd: float, effect: float, n: int, level: float = 0.95) -> float:
+    """Power of a two-sided paired t test over n pairs at mean difference ``effect`` (noncentral t)."""
     from scipy import stats
 
-    if n < 2 or not math.isfinite(sd):
+    crit = stats.t.ppf(1 - (1 - level) / 2, n - 1)
+    nc = effect / (sd / math.sqrt(n))
+    return float(1 - stats.nct.cdf(crit, n - 1, nc) + stats.nct.cdf(-crit, n - 1, nc))
+
+
+def detectable_effect(sd: float, n: int, power: float = 0.8) -> float:
+    """The smallest true mean difference a two-sided 5% paired t test over n pairs of spread sd detects with
+    ``power`` (bisection on the noncentral t power, which rises with the effect); NaN for n < 2 or sd 0."""
+    if n < 2 or not math.isfinite(sd) or sd <= 0:
         return math.nan
-    return (stats.t.ppf(1 - (1 - level) / 2, n - 1) + stats.t.ppf(power, n - 1)) * sd / math.sqrt(n)
+    low, high = 0.0, 20 * sd
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if _power(sd, mid, n) < power else (low, mid)
+    return high
 
 
 def bootstrap(values: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
-    """Percentile 95% interval of the mean by resampling the pairs."""
-    rng = random.Random(seed)
-    n = len(values)
-    means = sorted(sum(rng.choice(values) for _ in range(n)) / n for _ in range(resamples))
-    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+    """95% percentile bootstrap interval of the mean, resampling the pairs (the cross-check; too narrow at small n)."""
+    v = np.asarray(values, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, len(v), size=(resamples, len(v)))].mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
 @dataclass
 class Comparison:
-    name: str
+    name: str  # "arm − baseline: statistic of metric"
+    arm: str
+    metric: str
+    statistic: str
     seeds: list[int]
     differences: list[float]
     mean: float
@@ -96,48 +141,73 @@ class Comparison:
     holm_p: float | None = None
 
 
-def compare(experiment: Experiment) -> dict:
-    """Everything the report shows, as plain data (``--json`` prints it)."""
+def load_runs(experiment: Experiment) -> tuple[dict[str, dict[int, dict]], list[str]]:
+    """{arm: {seed: run summary}} of the finished runs, and the names of the missing or unfinished ones: from the
+    committed summaries when the file names them, else from the run folders."""
     spec = experiment.spec
-    endpoint: Endpoint = spec.primary
-    table: dict[str, dict[int, dict]] = {}
+    runs: dict[str, dict[int, dict]] = {}
     missing = []
+    if spec.experiment.summaries:
+        path = (experiment.path.parent / spec.experiment.summaries).resolve()
+        for run in json.loads(path.read_text())[spec.experiment.summaries_group]:
+            if run["name"] in spec.arms and run["seed"] in spec.experiment.seeds:
+                runs.setdefault(run["name"], {})[run["seed"]] = run
+        missing = [f"{a}/seed_{s}" for s in spec.experiment.seeds for a in spec.arms if s not in runs.get(a, {})]
+        return runs, missing
     for run in experiment.runs():
         metrics = run.run_dir / "metrics.jsonl"
         if not (run.run_dir / DONE).exists() or not metrics.exists():
             missing.append(f"{run.arm}/seed_{run.seed}")
             continue
-        epochs, values = curve(metrics, endpoint.metric)
-        table.setdefault(run.arm, {})[run.seed] = {
-            "epochs": epochs, "values": values, "statistic": statistic(epochs, values, endpoint.statistic),
-            **cost(metrics),
-        }  # fmt: skip
+        runs.setdefault(run.arm, {})[run.seed] = summarise(metrics)
+    return runs, missing
 
-    def paired(arm: str) -> Comparison | None:
-        mine, base = table.get(arm, {}), table.get(endpoint.baseline, {})
+
+def compare(experiment: Experiment) -> dict:
+    """Everything the report shows, as plain data (``--json`` prints it)."""
+    spec = experiment.spec
+    endpoint: Endpoint = spec.primary
+    runs, missing = load_runs(experiment)
+
+    def paired(arm: str, metric: str, kind: str) -> Comparison | None:
+        mine, base = runs.get(arm, {}), runs.get(endpoint.baseline, {})
         seeds = [s for s in spec.experiment.seeds if s in mine and s in base]
         if len(seeds) < 2:
             return None
-        diffs = [mine[s]["statistic"] - base[s]["statistic"] for s in seeds]
+        diffs = [paired_statistic(kind, metric, mine[s], base[s]) for s in seeds]
         mean, low, high, p = t_interval(diffs)
         sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
         b_low, b_high = bootstrap(diffs)
-        return Comparison(f"{arm} − {endpoint.baseline}", seeds, diffs, mean, low, high, p, b_low, b_high, sd,
+        name = f"{arm} − {endpoint.baseline}: {kind} of {metric}"
+        return Comparison(name, arm, metric, kind, seeds, diffs, mean, low, high, p, b_low, b_high, sd,
                           detectable_effect(sd, len(diffs)))  # fmt: skip
 
-    primary = paired(endpoint.arm)
-    secondary = [c for c in (paired(a) for a in spec.secondary.arms) if c is not None]
+    primary = paired(endpoint.arm, endpoint.metric, endpoint.statistic)
+    endpoints = spec.secondary.endpoints or [endpoint]
+    family = [
+        paired(arm, e.metric, e.statistic)
+        for arm in spec.secondary.arms
+        for e in endpoints
+        if (arm, e.metric, e.statistic) != (endpoint.arm, endpoint.metric, endpoint.statistic)
+    ]
+    secondary = [c for c in family if c is not None]
     adjusted = holm({c.name: c.p for c in secondary}) if secondary else {}
     for c in secondary:
         c.holm_p = adjusted[c.name]
+    table = {
+        arm: {str(seed): {"epochs": curve(run, endpoint.metric)[0], "values": curve(run, endpoint.metric)[1],
+                          "statistic": _own(run, endpoint), **cost(run)} for seed, run in sorted(seeds.items())}
+        for arm, seeds in runs.items()
+    }  # fmt: skip
     registration = lock.read(experiment.out)
     return {
         "experiment": spec.experiment.name,
         "endpoint": endpoint.model_dump(),
         "primary": None if primary is None else asdict(primary),
         "secondary": [asdict(c) for c in secondary],
-        "runs": {arm: {str(s): row for s, row in seeds.items()} for arm, seeds in table.items()},
+        "runs": table,
         "missing": missing,
+        "source": spec.experiment.summaries or str(experiment.out),
         "registered": None if registration is None else registration["registered"],
         "git_commit": None if registration is None else registration["git_commit"],
         "amendments": [] if registration is None else [
@@ -145,13 +215,22 @@ def compare(experiment: Experiment) -> dict:
     }  # fmt: skip
 
 
+def _own(run: dict, endpoint: Endpoint) -> float:
+    """A run's own value of the endpoint's statistic (the last evaluation for at_baseline_seconds)."""
+    if endpoint.statistic == "auc":
+        return auc(run, endpoint.metric)
+    values = curve(run, endpoint.metric)[1]
+    return values[-1] if values else math.nan
+
+
 def markdown(result: dict) -> str:
     """The report: the registration, the primary, the secondary family, every seed, the cost, what is missing."""
     e = result["endpoint"]
     lines = [f"# Experiment {result['experiment']}", "",
              f"Endpoint: {e['statistic']} of {e['metric']}, {e['arm']} − {e['baseline']}, paired over seeds.",
-             f"Registered {result['registered'] or '(not yet: no sweep has run)'}"
-             + (f" at commit {result['git_commit']}" if result["git_commit"] else "") + "."]  # fmt: skip
+             (f"Runs: the committed summaries {result['source']}." if result["source"].endswith(".json") else
+              f"Registered {result['registered'] or '(not yet: no sweep has run)'}"
+              + (f" at commit {result['git_commit']}" if result["git_commit"] else "") + ".")]  # fmt: skip
     for a in result["amendments"]:
         lines.append(f"- **Amendment** {a['time']}: {a['reason']} (runs that existed then: "
                      f"{', '.join(a['runs_existing']) or 'none'})")  # fmt: skip

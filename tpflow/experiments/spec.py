@@ -44,6 +44,14 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+Statistic = Literal["auc", "final", "at_baseline_seconds"]
+STATISTICS = (
+    "auc: the trapezoid area under the evaluation curve over its epochs, divided by their span (the mean level over "
+    "training); final: the last evaluation; at_baseline_seconds: the arm's curve at the training seconds the "
+    "baseline's run took, against the baseline's final value (equal compute)."
+)
+
+
 class ExperimentSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -51,6 +59,12 @@ class ExperimentSection(BaseModel):
     recipe: str = Field(min_length=1, description="The base recipe, relative to the experiment file.")
     seeds: list[int] = Field(min_length=2, description="train.seed of each run; every arm runs every seed (paired).")
     out: str | None = Field(None, description="Where the runs go (default runs/experiments/<name>, from the cwd).")
+    summaries: str | None = Field(
+        None,
+        description="A JSON of committed run summaries to compare instead of run folders (relative to this file; "
+        "docs/results/evidence_runs.json's format); such an experiment is not swept.",
+    )
+    summaries_group: str = Field("sweep", description="The key of the summaries JSON that holds the runs.")
 
     @model_validator(mode="after")
     def _distinct(self) -> ExperimentSection:
@@ -65,15 +79,25 @@ class Endpoint(BaseModel):
     arm: str
     baseline: str
     metric: str = Field("eval_reward", description="A metric of the runs' metrics.jsonl evaluation lines.")
-    statistic: Literal["auc", "final"] = Field(
-        "auc", description="auc: the mean of the trapezoid curve over the evaluations; final: the last evaluation."
-    )
+    statistic: Statistic = Field("auc", description=STATISTICS)
+
+
+class SecondaryEndpoint(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    metric: str = "eval_reward"
+    statistic: Statistic = Field("auc", description=STATISTICS)
 
 
 class Secondary(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    arms: list[str] = Field(default_factory=list, description="Each arm − the primary's baseline, one Holm family.")
+    arms: list[str] = Field(default_factory=list, description="Arms compared with the primary's baseline.")
+    endpoints: list[SecondaryEndpoint] = Field(
+        default_factory=list,
+        description="The endpoints of each secondary arm (default: the primary's); the family is every (arm, "
+        "endpoint) but the primary, Holm-adjusted together.",
+    )
 
 
 class ExperimentFile(BaseModel):
