@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
+import tpflow.experiments.compare as experiment_stats
 from tpflow.intervals import holm, t_interval  # noqa: F401  (re-exported: the sweep reports import them from here)
 
 PRIMARY = "eval_reward_tags"  # soft reward, per-tag mean then mean over the six tags, on the distinct prompts
@@ -72,14 +73,13 @@ def _audit(audit, run_dir: Path) -> dict:
 
 
 def curve(run: dict, key: str = PRIMARY) -> tuple[list[int], list[float]]:
-    """(epochs, values) of one eval figure over a run."""
-    return [e["epoch"] for e in run["evals"]], [e[key] for e in run["evals"]]
+    """(epochs, values) of one eval figure over a run (``tpflow.experiments.compare.curve``)."""
+    return experiment_stats.curve(run, key)
 
 
 def auc(run: dict, key: str = PRIMARY) -> float:
-    """Mean of the eval figure over training: trapezoid area under it against epochs, divided by the epochs."""
-    x, y = curve(run, key)
-    return float(np.trapezoid(y, x) / (x[-1] - x[0]))
+    """Mean of the eval figure over training (``tpflow.experiments.compare.auc``)."""
+    return experiment_stats.auc(run, key)
 
 
 def gain(run: dict, key: str = PRIMARY) -> float:
@@ -92,11 +92,8 @@ def gain(run: dict, key: str = PRIMARY) -> float:
 
 
 def bootstrap(values: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile bootstrap interval of the mean (the cross-check; too narrow at small n)."""
-    v = np.asarray(values, dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    means = v[rng.integers(0, len(v), size=(resamples, len(v)))].mean(axis=1)
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+    """95% percentile bootstrap interval of the mean (``tpflow.experiments.compare.bootstrap``)."""
+    return experiment_stats.bootstrap(values, resamples, seed)
 
 
 def seeds_needed(sd: float, effect: float, alpha: float = 0.05, power: float = 0.8) -> int:
@@ -240,11 +237,8 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
 
 
 def at_seconds(run: dict, seconds: float, key: str = PRIMARY) -> float:
-    """The eval figure at ``seconds`` of training, linearly interpolated between evaluations (the last one held
-    beyond the run's end)."""
-    x = [e["seconds"] for e in run["evals"]]
-    y = [e[key] for e in run["evals"]]
-    return float(np.interp(seconds, x, y))
+    """The eval figure at ``seconds`` of training (``tpflow.experiments.compare.at_seconds``)."""
+    return experiment_stats.at_seconds(run, seconds, key)
 
 
 def paired(runs: dict[str, list[dict]], arm: str, statistic) -> list[float]:
@@ -378,21 +372,14 @@ def pilot_spread(runs: list[dict]) -> tuple[float, int]:
     return math.sqrt(sum(np.var(v, ddof=1) * (len(v) - 1) for v in groups) / dof), dof
 
 
-def _power(sd: float, effect: float, n: int, alpha: float = 0.05) -> float:
-    """Power of a two-sided paired t test over ``n`` seeds at mean difference ``effect``, differences' sd ``sd``."""
-    crit = stats.t.ppf(1 - alpha / 2, n - 1)
-    nc = effect / (sd / math.sqrt(n))
-    return float(1 - stats.nct.cdf(crit, n - 1, nc) + stats.nct.cdf(-crit, n - 1, nc))
+def t_test_power(sd: float, effect: float, n: int, alpha: float = 0.05) -> float:
+    """Power of a two-sided paired t test (``tpflow.experiments.compare``'s)."""
+    return experiment_stats.t_test_power(sd, effect, n, level=1 - alpha)
 
 
 def detectable_effect(sd: float, n: int, power: float = 0.8) -> float:
-    """The smallest mean difference a two-sided 5% paired t test over ``n`` seeds detects with ``power``, given the
-    sd of the per-seed differences (bisection: power rises with the effect)."""
-    low, high = 0.0, 20 * sd
-    for _ in range(60):
-        mid = (low + high) / 2
-        low, high = (mid, high) if _power(sd, mid, n) < power else (low, mid)
-    return high
+    """The smallest mean difference the seeds detect with ``power`` (``tpflow.experiments.compare``)."""
+    return experiment_stats.detectable_effect(sd, n, power)
 
 
 def spread_line(runs: dict[str, list[dict]], analysis: dict, pilot_runs: list[dict]) -> str:

@@ -213,7 +213,7 @@ def test_detectable_effect_inverts_the_seed_count(bench):
     """The smallest effect 8 seeds detect at 80% is the effect for which the seed count comes out at 8."""
     _, st = bench
     effect = st.detectable_effect(0.01, 8)
-    assert st._power(0.01, effect, 8) == pytest.approx(0.8, abs=1e-6)
+    assert st.t_test_power(0.01, effect, 8) == pytest.approx(0.8, abs=1e-6)
     assert st.seeds_needed(0.01, effect * 1.001) == 8
     assert st.seeds_needed(0.01, effect * 0.99) == 9
     assert st.detectable_effect(0.02, 8) == pytest.approx(2 * effect, rel=1e-6)  # linear in the spread

@@ -111,6 +111,9 @@ def sweep(
 def compare(
     experiment_file: Annotated[Path, typer.Argument(help="Experiment TOML file (docs/experiments.md).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON.")] = False,
+    figure: Annotated[
+        Path | None, typer.Option(help="Where to draw the curves (default: <out>/report.png when the runs are there).")
+    ] = None,
 ) -> None:
     """The experiment's primary endpoint (paired t, bootstrap beside), secondary family (Holm), every seed, cost."""
     from tpflow.experiments.compare import compare as run_compare
@@ -123,6 +126,16 @@ def compare(
     if experiment.out.exists():
         (experiment.out / "report.md").write_text(text)
         (experiment.out / "report.json").write_text(json.dumps(result, indent=1))
+        figure = figure or experiment.out / "report.png"
+    if figure is not None and result["runs"]:
+        from tpflow.experiments.compare import load_runs
+        from tpflow.experiments.plot import plot_curves
+
+        runs, _ = load_runs(experiment)
+        e = experiment.spec.primary
+        title = f"{experiment.spec.experiment.name}: {e.metric} of every seed (thin) and each arm's mean"
+        plot_curves({arm: list(seeds.values()) for arm, seeds in runs.items()}, Path(figure), e.metric, title)
+        text += f"\nFigure: {figure}\n"
     if as_json:
         typer.echo(json.dumps(result, indent=1))
     else:

@@ -93,7 +93,7 @@ def cost(run: dict) -> dict[str, float]:
             "optimizer_steps": mean("optimizer_steps")}  # fmt: skip
 
 
-def _power(sd: float, effect: float, n: int, level: float = 0.95) -> float:
+def t_test_power(sd: float, effect: float, n: int, level: float = 0.95) -> float:
     """Power of a two-sided paired t test over n pairs at mean difference ``effect`` (noncentral t)."""
     from scipy import stats
 
@@ -110,7 +110,7 @@ def detectable_effect(sd: float, n: int, power: float = 0.8) -> float:
     low, high = 0.0, 20 * sd
     for _ in range(60):
         mid = (low + high) / 2
-        low, high = (mid, high) if _power(sd, mid, n) < power else (low, mid)
+        low, high = (mid, high) if t_test_power(sd, mid, n) < power else (low, mid)
     return high
 
 
