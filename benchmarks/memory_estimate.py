@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_smoke import SD3_VAE, SD35_MEDIUM_TRANSFORMER  # noqa: E402
 
 GIB = 2**30
-RECIPES = ("geneval_tp", "ocr_tp", "pickscore_tp", "flux_pickscore_tp")
+RECIPES = ("geneval_tp", "ocr_tp", "pickscore_tp", "flux_pickscore_tp", "pickscore_sd35large_tp")
 
 # ---- configurations (published config.json values) -----------------------------------------------------------
 
@@ -56,6 +56,13 @@ FLUX_DEV_TRANSFORMER = {  # black-forest-labs/FLUX.1-dev transformer/config.json
     "axes_dims_rope": (16, 56, 56),
 }
 FLUX_VAE = SD3_VAE | {"scaling_factor": 0.3611, "shift_factor": 0.1159}  # FLUX.1-dev vae/config.json
+SD35_LARGE_TRANSFORMER = SD35_MEDIUM_TRANSFORMER | {  # stabilityai/stable-diffusion-3.5-large transformer/config.json
+    "num_layers": 38,
+    "num_attention_heads": 38,
+    "caption_projection_dim": 2432,
+    "pos_embed_max_size": 192,
+    "dual_attention_layers": (),
+}  # 8.1 B parameters
 CLIP_L = {  # openai/clip-vit-large-patch14 text_config (SD3 text_encoder, FLUX text_encoder)
     "hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12, "num_hidden_layers": 12,
     "vocab_size": 49408, "max_position_embeddings": 77, "projection_dim": 768, "hidden_act": "quick_gelu",
@@ -396,7 +403,8 @@ def load_setup(path: Path) -> Setup:
     text_len = options.max_sequence_length + (77 if kind == "sd3" else 0)  # SD3: CLIP 77 tokens + T5, concatenated
     return Setup(
         path.stem, kind, options, recipe.rollout, recipe.train, recipe.optimizer.options,
-        SD35_MEDIUM_TRANSFORMER if kind == "sd3" else FLUX_DEV_TRANSFORMER,
+        {"sd3.5-large": SD35_LARGE_TRANSFORMER}.get(recipe.backbone.name, SD35_MEDIUM_TRANSFORMER)
+        if kind == "sd3" else FLUX_DEV_TRANSFORMER,
         SD3_VAE if kind == "sd3" else FLUX_VAE, text_len,
     )  # fmt: skip
 
@@ -564,7 +572,13 @@ def report(setup: Setup, m: dict[str, Any], world_sizes: tuple[int, ...] = (1, 8
         ("rollout tensors of the epoch", buf["rollout"], f"{total} trajectories"),
         ("`Rollout.cat` copy during the update", buf["rollout_copy"], "while concatenating only"),
     ]
-    model = "SD3.5-Medium" if setup.kind == "sd3" else "FLUX.1-dev"
+    model = (
+        "FLUX.1-dev"
+        if setup.kind != "sd3"
+        else "SD3.5-Large"
+        if setup.transformer_cfg is SD35_LARGE_TRANSFORMER
+        else "SD3.5-Medium"
+    )
     lines = [f"## {setup.name} ({model}, {b.dtype}, {b.resolution} px, mixed_precision = {t.mixed_precision})", ""]
     lines += [f"| component | {u} | note |", "|---|---:|---|"]
     lines += [f"| {n} | {v / unit:.2f} | {note} |" for n, v, note in rows]

@@ -8,6 +8,7 @@ from a float64 one by ~2e-6, while a real mismatch (another schedule, a missing 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -79,10 +80,13 @@ def test_tiny_sd3_has_the_sd35_flags(sd3):
     assert any(name.endswith("attn2.to_q") for name, _ in sd3.transformer.named_modules())
 
 
-@pytest.mark.parametrize("guidance", [1.0, 4.5])
-def test_sd3_rollout_at_noise_0_equals_the_diffusers_pipeline(backbones, device, guidance):
-    sd3 = backbones("tiny-sd3", device)
-    pipe = tiny_sd3_pipeline(seed=0).to(device)  # an independent copy: the backbone's LoRA (B = 0) changes nothing
+@pytest.mark.parametrize("name,guidance", [("tiny-sd3", 1.0), ("tiny-sd3", 4.5), ("tiny-sd3-large", 4.5)])
+def test_sd3_rollout_at_noise_0_equals_the_diffusers_pipeline(backbones, device, name, guidance):
+    """SD3.5-Medium's layout and SD3.5-Large's (no second attention): the same backbone, the pipeline's samples."""
+    sd3 = backbones(name, device)
+    large = name == "tiny-sd3-large"
+    assert any(n.endswith("attn2.to_q") for n, _ in sd3.transformer.named_modules()) != large
+    pipe = tiny_sd3_pipeline(seed=0, large=large).to(device)  # an independent copy: the LoRA (B = 0) changes nothing
     z0 = sd3.initial_noise(2, torch.Generator().manual_seed(3))
     assert z0.device.type == torch.device(device).type
     expected = _pipeline_latents(pipe, z0, guidance)
@@ -198,12 +202,12 @@ def test_adapter_load_checks_rank(tmp_path):
         other.load_adapter(tmp_path / "nothing")
 
 
-@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-flux"])
+@pytest.mark.parametrize("name", ["tiny-sd3", "tiny-sd3-large", "tiny-flux"])
 def test_exported_adapter_and_merged_model_load_into_diffusers(tmp_path, device, name):
     """What ``tpflow export`` writes (``save_adapter``, and ``save_merged`` with --merge), read by diffusers on the
     device: ``pipe.load_lora_weights(dir)`` and ``from_pretrained`` of the merged transformer sample what the
     backbone samples, alpha / r included."""
-    sd3 = name == "tiny-sd3"
+    sd3 = name.startswith("tiny-sd3")
     backbone = build("backbone", name, seed=0, resolution=16, device=device)  # its own: its LoRA is changed
     with torch.no_grad():  # a trained-looking adapter (B != 0), drawn on the CPU so both devices get the same
         gen = torch.Generator().manual_seed(0)
@@ -211,7 +215,7 @@ def test_exported_adapter_and_merged_model_load_into_diffusers(tmp_path, device,
             p.add_(0.1 * torch.randn(p.shape, generator=gen).to(p.device))
     backbone.save_adapter(tmp_path / "lora")
     backbone.save_merged(tmp_path / "merged")
-    make_pipe = tiny_sd3_pipeline if sd3 else tiny_flux_pipeline
+    make_pipe = functools.partial(tiny_sd3_pipeline, large=name == "tiny-sd3-large") if sd3 else tiny_flux_pipeline
     pipe = make_pipe(seed=0).to(device)
     pipe.load_lora_weights(tmp_path / "lora")
     theirs, mine = [p for n, p in pipe.transformer.named_parameters() if "lora_" in n], backbone.trainable_parameters()

@@ -15,7 +15,7 @@ Latents stay float32 between steps (the sampler's log-prob needs it); the transf
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -154,3 +154,28 @@ def sd35_medium(options: SD3Options) -> SD3Backbone:
 
 
 attach_preflight(sd35_medium, "SD3Transformer2DModel", "SD3.5-Medium")
+
+
+class SD3LargeOptions(SD3Options):
+    """Options of ``sd3.5-large``: the SD3 backbone with the Large checkpoint's defaults (bf16, its model card's
+    1 megapixel, 1024 px; LoRA on the joint attention projections as for Medium: Large has no second attention)."""
+
+    pretrained: str = Field(
+        "stabilityai/stable-diffusion-3.5-large",
+        description="Hub id (read from the local HF cache) or a local folder in diffusers layout.",
+    )
+    dtype: Literal["fp32", "fp16", "bf16"] = Field("bf16", description="Transformer and text-encoder dtype.")
+    resolution: int = Field(1024, ge=16, description="Image height and width in pixels (the model card's 1024).")
+
+
+@register("backbone", "sd3.5-large", options=SD3LargeOptions)
+def sd35_large(options: SD3LargeOptions) -> SD3Backbone:
+    """SD3.5-Large (8.1 B transformer, 38 joint blocks) from a hub id (local HF cache) or a local folder; the same
+    backbone as SD3.5-Medium, whose code reads everything else from the checkpoint's configs."""
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = load_pipeline(StableDiffusion3Pipeline, options.pretrained, DTYPES[options.dtype], "SD3.5-Large")
+    return SD3Backbone(pipe, options)
+
+
+attach_preflight(sd35_large, "SD3Transformer2DModel", "SD3.5-Large")

@@ -105,8 +105,9 @@ def _vae(latent_channels: int, shift: float, scale: float) -> Any:
     ).eval()
 
 
-def tiny_sd3_transformer() -> Any:
-    """tiny-sd3's ``SD3Transformer2DModel``: one block, SD3.5's dual attention and RMS qk-norm, random weights."""
+def tiny_sd3_transformer(large: bool = False) -> Any:
+    """tiny-sd3's ``SD3Transformer2DModel``: one block, SD3.5-Medium's dual attention and RMS qk-norm, random
+    weights; ``large``: SD3.5-Large's shape, RMS qk-norm and no second attention (tiny-sd3-large)."""
     from diffusers import SD3Transformer2DModel
 
     return SD3Transformer2DModel(
@@ -120,7 +121,7 @@ def tiny_sd3_transformer() -> Any:
         joint_attention_dim=32,
         pooled_projection_dim=64,
         out_channels=4,
-        dual_attention_layers=(0,),
+        dual_attention_layers=() if large else (0,),
         qk_norm="rms_norm",
     )
 
@@ -143,13 +144,14 @@ def tiny_flux_transformer() -> Any:
     )
 
 
-def tiny_sd3_pipeline(seed: int = 0) -> Any:
-    """A ``StableDiffusion3Pipeline`` at test size with SD3.5's dual attention and qk-norm, random weights."""
+def tiny_sd3_pipeline(seed: int = 0, large: bool = False) -> Any:
+    """A ``StableDiffusion3Pipeline`` at test size with SD3.5's dual attention (``large``: without, as SD3.5-Large)
+    and qk-norm, random weights."""
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        transformer = tiny_sd3_transformer()
+        transformer = tiny_sd3_transformer(large)
         encoders = [_clip_encoder(True), _clip_encoder(True)]
         t5_tok = t5_tokenizer()
         t5 = _t5_encoder(len(t5_tok))
@@ -201,6 +203,12 @@ def tiny_flux_pipeline(seed: int = 0) -> Any:
 def tiny_sd3(options: TinySD3Options) -> SD3Backbone:
     """SD3Backbone over ``tiny_sd3_pipeline(seed)``."""
     return SD3Backbone(tiny_sd3_pipeline(options.seed), options)
+
+
+@register("backbone", "tiny-sd3-large", options=TinySD3Options)
+def tiny_sd3_large(options: TinySD3Options) -> SD3Backbone:
+    """SD3Backbone over ``tiny_sd3_pipeline(seed, large=True)``: SD3.5-Large's block layout at test size."""
+    return SD3Backbone(tiny_sd3_pipeline(options.seed, large=True), options)
 
 
 @register("backbone", "tiny-flux", options=TinyFluxOptions)
