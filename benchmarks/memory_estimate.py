@@ -39,7 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_smoke import SD3_VAE, SD35_MEDIUM_TRANSFORMER  # noqa: E402
 
 GIB = 2**30
-RECIPES = ("geneval_tp", "ocr_tp", "pickscore_tp", "flux_pickscore_tp", "pickscore_sd35large_tp")
+RECIPES = (
+    "geneval_tp", "ocr_tp", "pickscore_tp", "flux_pickscore_tp", "pickscore_sd35large_tp", "geneval_qwenimage_tp",
+)  # fmt: skip
 
 # ---- configurations (published config.json values) -----------------------------------------------------------
 
@@ -56,6 +58,22 @@ FLUX_DEV_TRANSFORMER = {  # black-forest-labs/FLUX.1-dev transformer/config.json
     "axes_dims_rope": (16, 56, 56),
 }
 FLUX_VAE = SD3_VAE | {"scaling_factor": 0.3611, "shift_factor": 0.1159}  # FLUX.1-dev vae/config.json
+QWEN_IMAGE_TRANSFORMER = {  # Qwen/Qwen-Image transformer/config.json (20.4 B parameters)
+    "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
+    "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False, "axes_dims_rope": (16, 56, 56),
+}  # fmt: skip
+QWEN_VAE = {  # Qwen/Qwen-Image vae/config.json (the latent mean and std do not change the memory)
+    "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+    "temperal_downsample": [False, True, True], "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16,
+}  # fmt: skip
+QWEN25_VL_7B = {  # Qwen/Qwen-Image text_encoder/config.json (Qwen2.5-VL-7B: 8.29 B parameters with its vision tower)
+    "text_config": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                    "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                    "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"}},
+    "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                      "out_hidden_size": 3584},
+    "vocab_size": 152064, "hidden_size": 3584,
+}  # fmt: skip
 SD35_LARGE_TRANSFORMER = SD35_MEDIUM_TRANSFORMER | {  # stabilityai/stable-diffusion-3.5-large transformer/config.json
     "num_layers": 38,
     "num_attention_heads": 38,
@@ -264,6 +282,12 @@ def text_encoder_params(kind: str) -> dict[str, int]:
     """Parameter counts of the real text encoders, built on the meta device."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
+    if kind == "qwen":
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        with torch.device("meta"):
+            model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**QWEN25_VL_7B))
+        return {"Qwen2.5-VL-7B": sum(p.numel() for p in model.parameters())}
     with torch.device("meta"):
         if kind == "sd3":
             encoders = {
@@ -289,6 +313,8 @@ def build_backbone(kind: str, transformer_cfg: dict, vae_cfg: dict, options: Any
     from tpflow.backbones.flux import FluxBackbone
     from tpflow.backbones.sd3 import SD3Backbone
 
+    if kind == "qwen":
+        return _qwen_backbone(transformer_cfg, vae_cfg, options)
     options = options.model_copy(update={"device": "cpu", "prompt_cache": 0})
     vae = AutoencoderKL(**vae_cfg)
     if kind == "sd3":
@@ -314,6 +340,31 @@ def build_backbone(kind: str, transformer_cfg: dict, vae_cfg: dict, options: Any
         return (SD3Backbone if kind == "sd3" else FluxBackbone)(pipe, options)
 
 
+def _qwen_backbone(transformer_cfg: dict, vae_cfg: dict, options: Any) -> Any:
+    """tpflow's QwenImageBackbone around a transformer and VAE of the given configurations (no text encoder)."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+
+    from tpflow.backbones.qwen_image import QwenImageBackbone
+
+    options = options.model_copy(update={"device": "cpu", "prompt_cache": 0})
+    pipe: Any = types.SimpleNamespace(
+        transformer=QwenImageTransformer2DModel(**transformer_cfg),
+        vae=AutoencoderKLQwenImage(**vae_cfg),
+        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                                  base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02),
+        vae_scale_factor=2 ** len(vae_cfg["temperal_downsample"]),
+        _pack_latents=QwenImagePipeline._pack_latents,
+        _unpack_latents=QwenImagePipeline._unpack_latents,
+    )  # fmt: skip
+    with fake_module_to():
+        return QwenImageBackbone(pipe, options)
+
+
 def fake_module_to() -> Any:
     """A context in which ``Module.to`` converts FakeTensor parameters (see ``_swap_fake``)."""
     return mock.patch.object(torch.utils, "swap_tensors", _swap_fake)
@@ -337,8 +388,12 @@ def conditioning(backbone: Any, kind: str, rows: int, text_len: int, device: str
     from tpflow.types import Conditioning
 
     cfg, dtype = backbone.transformer.config, backbone.dtype
-    pooled_dim = cfg.pooled_projection_dim
     embeds = torch.randn(rows, text_len, cfg.joint_attention_dim, dtype=dtype, device=device)
+    if kind == "qwen":  # prompt embeddings padded to max_sequence_length with their mask, and the negative prompt's
+        mask = torch.ones(rows, text_len, dtype=torch.long, device=device)
+        negative = {"prompt_embeds": embeds[:1].clone(), "mask": mask[:1].clone()}
+        return Conditioning({"prompt_embeds": embeds, "mask": mask}, {"negative": negative})
+    pooled_dim = cfg.pooled_projection_dim
     pooled = torch.randn(rows, pooled_dim, dtype=dtype, device=device)
     if kind == "sd3":
         negative = {"prompt_embeds": embeds[:1].clone(), "pooled": pooled[:1].clone()}
@@ -399,13 +454,14 @@ def load_setup(path: Path) -> Setup:
 
     recipe = load_recipe(path)
     options = recipe.backbone.options
-    kind = "flux" if "flux" in recipe.backbone.name else "sd3"
+    name = recipe.backbone.name
+    kind = "flux" if "flux" in name else "qwen" if "qwen" in name else "sd3"
     text_len = options.max_sequence_length + (77 if kind == "sd3" else 0)  # SD3: CLIP 77 tokens + T5, concatenated
     return Setup(
         path.stem, kind, options, recipe.rollout, recipe.train, recipe.optimizer.options,
-        {"sd3.5-large": SD35_LARGE_TRANSFORMER}.get(recipe.backbone.name, SD35_MEDIUM_TRANSFORMER)
-        if kind == "sd3" else FLUX_DEV_TRANSFORMER,
-        SD3_VAE if kind == "sd3" else FLUX_VAE, text_len,
+        {"sd3.5-large": SD35_LARGE_TRANSFORMER}.get(name, SD35_MEDIUM_TRANSFORMER) if kind == "sd3"
+        else QWEN_IMAGE_TRANSFORMER if kind == "qwen" else FLUX_DEV_TRANSFORMER,
+        {"sd3": SD3_VAE, "qwen": QWEN_VAE}.get(kind, FLUX_VAE), text_len,
     )  # fmt: skip
 
 
@@ -473,7 +529,8 @@ def measure(setup: Setup, fake: bool = True) -> dict[str, Any]:
             else:
                 backbone.transformer.disable_gradient_checkpointing()
             out[f"train_act_ckpt_{ckpt}"] = peak_of(train_step)
-        out["train_rows"] = b * (2 if setup.kind == "sd3" and r.guidance != 1 else 1)
+        cfg_rows = (setup.kind == "sd3" and r.guidance != 1) or (setup.kind == "qwen" and r.guidance > 1)
+        out["train_rows"] = b * (2 if cfg_rows else 1)
         part = None
 
         # (c) one decode chunk of the scoring worker (train.score_batch of the n·W completions + n finals of a rollout
@@ -501,7 +558,7 @@ def epoch_buffers(setup: Setup, m: dict[str, Any], trajectories: int) -> dict[st
     wbytes = {"fp16": 2, "bf16": 2, "fp32": 4}[setup.backbone.dtype]
     w, cfg = setup.rollout.window_size, setup.transformer_cfg
     latent = m["latent_numel"] * 4  # fp32; SD3.5 / FLUX: 16 channels at 1/8 of the resolution (FLUX packed)
-    embeds = (setup.text_len * cfg["joint_attention_dim"] + cfg["pooled_projection_dim"]) * wbytes
+    embeds = (setup.text_len * cfg["joint_attention_dim"] + cfg.get("pooled_projection_dim", 0)) * wbytes
     per_traj = (2 * w + 1) * latent + embeds + (w + 1) * 4 + w * 4  # + sigmas [W+1], log_probs [W] fp32
     return {"rollout": trajectories * per_traj, "rollout_copy": trajectories * per_traj}
 
@@ -546,7 +603,7 @@ def report(setup: Setup, m: dict[str, Any], world_sizes: tuple[int, ...] = (1, 8
     ]
     static = sum(v for _, v, _ in rows)
     ckpt = b.gradient_checkpointing
-    cfg = " (×2 with CFG)" if setup.kind == "sd3" and setup.rollout.guidance != 1 else ""
+    cfg = " (×2 with CFG)" if setup.kind in ("sd3", "qwen") and setup.rollout.guidance != 1 else ""
     rows_t = m["train_rows"]
     act = [
         (f"largest rollout velocity call, {m['rollout_rows']} rows{cfg}", m["rollout_act"], "no_grad"),
@@ -572,12 +629,8 @@ def report(setup: Setup, m: dict[str, Any], world_sizes: tuple[int, ...] = (1, 8
         ("rollout tensors of the epoch", buf["rollout"], f"{total} trajectories"),
         ("`Rollout.cat` copy during the update", buf["rollout_copy"], "while concatenating only"),
     ]
-    model = (
-        "FLUX.1-dev"
-        if setup.kind != "sd3"
-        else "SD3.5-Large"
-        if setup.transformer_cfg is SD35_LARGE_TRANSFORMER
-        else "SD3.5-Medium"
+    model = {"flux": "FLUX.1-dev", "qwen": "Qwen-Image"}.get(setup.kind) or (
+        "SD3.5-Large" if setup.transformer_cfg is SD35_LARGE_TRANSFORMER else "SD3.5-Medium"
     )
     lines = [f"## {setup.name} ({model}, {b.dtype}, {b.resolution} px, mixed_precision = {t.mixed_precision})", ""]
     lines += [f"| component | {u} | note |", "|---|---:|---|"]

@@ -91,7 +91,13 @@ TINY_DIFFUSERS = 'name = "{}"\nseed = 0\nresolution = 16\ndevice = "cpu"'  # tin
 
 @pytest.mark.parametrize(
     ("backbone", "completions"),
-    [("shapes-dit", "ode"), ("shapes-dit", "x0"), ("tiny-sd3", "x0"), ("tiny-flux", "ode")],
+    [
+        ("shapes-dit", "ode"),
+        ("shapes-dit", "x0"),
+        ("tiny-sd3", "x0"),
+        ("tiny-flux", "ode"),
+        ("tiny-qwen-image", "ode"),
+    ],
 )
 def test_training_path_states_every_device(tmp_path, tiny_weights, plugin, backbone, completions):
     """Train (``completions`` as given, KL, EMA, eval, checkpoints), resume, inspect (sampled and a run's traces),

@@ -21,8 +21,9 @@ from pydantic import Field
 
 from tpflow.backbones.diffusers_common import DiffusersBackboneOptions
 from tpflow.backbones.flux import FLUX_LORA_TARGETS, FLUX_LORA_TARGETS_HELP, FluxBackbone
+from tpflow.backbones.qwen_image import QWEN_LORA_TARGETS, QwenImageBackbone
 from tpflow.backbones.sd3 import SD3_LORA_TARGETS, SD3_LORA_TARGETS_HELP, SD3Backbone
-from tpflow.backbones.tiny_tokenizers import clip_tokenizer, t5_tokenizer
+from tpflow.backbones.tiny_tokenizers import QWEN_VOCAB_SIZE, clip_tokenizer, qwen_tokenizer, t5_tokenizer
 from tpflow.registry import register
 
 
@@ -50,6 +51,12 @@ class TinyFluxOptions(TinyOptions):
     lora_targets: list[str] = Field(
         default_factory=lambda: list(FLUX_LORA_TARGETS), description=FLUX_LORA_TARGETS_HELP
     )
+
+
+class TinyQwenImageOptions(TinyOptions):
+    resolution: int = Field(32, ge=16, description="Image side in pixels (the tiny VAE downsamples 4×).")
+    lora_targets: list[str] = Field(default_factory=lambda: list(QWEN_LORA_TARGETS), description="LoRA targets.")
+    negative_prompt: str = Field(" ", description="Prompt of the true-CFG negative branch.")
 
 
 def _clip_encoder(projection: bool) -> Any:
@@ -209,6 +216,59 @@ def tiny_sd3(options: TinySD3Options) -> SD3Backbone:
 def tiny_sd3_large(options: TinySD3Options) -> SD3Backbone:
     """SD3Backbone over ``tiny_sd3_pipeline(seed, large=True)``: SD3.5-Large's block layout at test size."""
     return SD3Backbone(tiny_sd3_pipeline(options.seed, large=True), options)
+
+
+def tiny_qwen_image_pipeline(seed: int = 0) -> Any:
+    """A ``QwenImagePipeline`` at test size: one double-stream block, a 1-layer Qwen2.5-VL text model with its
+    vision tower, a 4× video-style VAE, Qwen-Image's dynamic-shift scheduler config, random weights (the shapes of
+    diffusers' own QwenImage pipeline tests)."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    vocab = QWEN_VOCAB_SIZE + 3  # and the vision marker ids, unused by text
+    text = {"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "rope_theta": 1e6, "vocab_size": vocab, "bos_token_id": None,
+            "eos_token_id": QWEN_VOCAB_SIZE - 3, "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default",
+                                                                  "type": "default"}}  # fmt: skip
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16},
+        hidden_size=16, vocab_size=vocab, bos_token_id=None, eos_token_id=QWEN_VOCAB_SIZE - 3,
+        vision_start_token_id=vocab - 3, vision_end_token_id=vocab - 2, vision_token_id=vocab - 1,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16, num_attention_heads=2,
+            joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+        )  # fmt: skip
+        vae = AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+                                     temperal_downsample=[False, True], latents_mean=[0.1, -0.2, 0.0, 0.3],
+                                     latents_std=[1.5, 0.8, 1.0, 1.2]).eval()  # fmt: skip
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen/Qwen-Image's scheduler_config.json values
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )  # fmt: skip
+    tokenizer = qwen_tokenizer()
+    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                             transformer=transformer)  # fmt: skip
+    # The pipeline drops the chat template's system part, 34 tokens of the real tokenizer; one id per byte makes it
+    # longer, so the drop is set to this tokenizer's count of it (the prompt's tokens start right after, as there).
+    prefix = pipe.prompt_template_encode.split("{}")[0]
+    pipe.prompt_template_encode_start_idx = len(tokenizer(prefix).input_ids)
+    return pipe
+
+
+@register("backbone", "tiny-qwen-image", options=TinyQwenImageOptions)
+def tiny_qwen_image(options: TinyQwenImageOptions) -> QwenImageBackbone:
+    """QwenImageBackbone over ``tiny_qwen_image_pipeline(seed)``."""
+    return QwenImageBackbone(tiny_qwen_image_pipeline(options.seed), options)
 
 
 @register("backbone", "tiny-flux", options=TinyFluxOptions)

@@ -4,6 +4,8 @@ models at test size, offline").
 * CLIP: a byte-level BPE from the real CLIP merges file that open_clip ships (``bpe_simple_vocab_16e6.txt.gz``).
   The vocabulary is built the way CLIP builds it (256 byte symbols, the same with ``</w>``, one token per merge,
   then the two special tokens), so the first 486 merges give exactly 1,000 ids.
+* Qwen2 (Qwen-Image's Qwen2.5-VL): byte-level BPE over the 256 byte symbols, no merges, plus the chat template's
+  special tokens: every text tokenizes, one id per byte.
 * T5: a SentencePiece-style Unigram over an in-memory piece list (letters, digits, punctuation and a few words),
   so every prompt tokenizes without unknown pieces.
 
@@ -20,6 +22,7 @@ from importlib import resources
 
 CLIP_MERGES = 486  # merges kept: 512 byte symbols + 486 merges + 2 specials = 1,000 ids
 CLIP_VOCAB_SIZE = 1000
+QWEN_VOCAB_SIZE = 259  # 256 bytes + <|endoftext|>, <|im_start|>, <|im_end|>
 T5_WORDS = (
     "a an the of and photo on in with is at to red green blue yellow orange purple pink brown black white cat dog "
     "car sign says text that"
@@ -71,4 +74,17 @@ def t5_tokenizer():
     pieces += [("▁" + c, -5.0) for c in chars] + [(c, -6.0) for c in chars]
     tokenizer = T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
     assert len(tokenizer) == len(pieces), f"tiny T5 tokenizer has {len(tokenizer)} ids, expected {len(pieces)}"
+    return tokenizer
+
+
+def qwen_tokenizer():
+    """A Qwen2Tokenizer: byte-level BPE with the 256 byte symbols and no merges (one token per byte), plus the chat
+    template's special tokens, so QwenImagePipeline's template and any prompt tokenize."""
+    from transformers import Qwen2Tokenizer
+
+    vocab = {symbol: i for i, symbol in enumerate(_bytes_to_unicode())}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, bos_token=None, eos_token="<|endoftext|>",
+                               pad_token="<|endoftext|>")  # fmt: skip
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    assert len(tokenizer) == QWEN_VOCAB_SIZE, f"tiny Qwen tokenizer has {len(tokenizer)} ids, expected 259"
     return tokenizer
