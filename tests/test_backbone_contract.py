@@ -1,0 +1,76 @@
+"""One contract for every diffusers backbone tpflow registers, through its tiny twin: a rollout at noise level 0 is
+its pipeline's sampling loop, every LoRA target names layers, an exported adapter loads into the pipeline and
+samples what tpflow samples. A new diffusers backbone adds a row to ``TWINS`` (docs/backbones.md, "Adding a
+backbone"); ``test_every_diffusers_backbone_has_a_twin_here`` fails until it does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpflow import registry
+from tpflow.backbones import tiny
+from tpflow.rollout import Window, rollout, sample_ode
+from tpflow.samplers.cps import CpsSampler
+
+from .conftest import exact_fp32
+
+PROMPTS = ["a photo of a red cat", "two dogs"]
+K = 3
+# real backbone -> (its tiny twin, the twin's pipeline, pipeline call options at the twin's size, guidance)
+TWINS = {
+    "sd3.5-medium": ("tiny-sd3", lambda: tiny.tiny_sd3_pipeline(0), {"height": 16, "width": 16}, 4.5),
+    "sd3.5-large": ("tiny-sd3-large", lambda: tiny.tiny_sd3_pipeline(0, large=True), {"height": 16, "width": 16}, 4.5),
+    "flux.1-dev": ("tiny-flux", lambda: tiny.tiny_flux_pipeline(0), {"height": 16, "width": 16}, 3.5),
+    "qwen-image": ("tiny-qwen-image", lambda: tiny.tiny_qwen_image_pipeline(0),
+                   {"height": 32, "width": 32, "negative_prompt": [" ", " "]}, 4.0),
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    with exact_fp32():
+        yield
+
+
+def _pipeline(pipe, z0: torch.Tensor, options: dict, guidance: float) -> torch.Tensor:
+    scale = {"true_cfg_scale": guidance} if "negative_prompt" in options else {"guidance_scale": guidance}
+    return pipe(prompt=PROMPTS, num_inference_steps=K, latents=z0.clone(), output_type="latent",
+                max_sequence_length=32, **options, **scale).images  # fmt: skip
+
+
+def test_every_diffusers_backbone_has_a_twin_here():
+    real = {n for n in registry.names("backbone") if n not in {"shapes-dit"} and not n.startswith("tiny-")}
+    assert real == set(TWINS)
+
+
+@pytest.mark.parametrize("real", sorted(TWINS))
+def test_the_contract(real, tmp_path):
+    name, make_pipe, options, guidance = TWINS[real]
+    size = options["height"]
+    backbone = registry.build("backbone", name, seed=0, resolution=size)
+    # LoRA targets: each names at least one layer of the transformer (peft's suffix rule), checked on the twin
+    modules = [n for n, _ in backbone.transformer.named_modules()]
+    for target in backbone.options.lora_targets:
+        assert any(n == target or n.endswith("." + target) for n in modules), target
+    # a rollout at noise level 0 is the pipeline's sampling loop
+    z0 = backbone.initial_noise(2, torch.Generator().manual_seed(3))
+    cond, sigmas = backbone.encode(PROMPTS), backbone.sigmas(K)
+    expected = _pipeline(make_pipe(), z0, options, guidance)
+    with torch.no_grad():
+        out = rollout(backbone, CpsSampler(), cond, z0, sigmas, Window(0, K - 1), 0.0, guidance, completions=None)
+    torch.testing.assert_close(out.final, expected, rtol=0, atol=1e-4)
+    assert (expected - z0).abs().max() > 0.1
+    # an exported (trained-looking) adapter loads into the pipeline and samples what tpflow samples
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for p in backbone.trainable_parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    backbone.save_adapter(tmp_path / "lora")
+    pipe = make_pipe()
+    pipe.load_lora_weights(tmp_path / "lora")
+    with torch.no_grad():
+        ours = sample_ode(backbone, cond, z0, sigmas, guidance)
+    theirs = _pipeline(pipe, z0, options, guidance)
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
+    assert (ours - expected).abs().max() > 1e-3  # the adapter changes the samples: the comparison has teeth
