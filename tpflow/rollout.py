@@ -29,81 +29,28 @@ completions or ``completion_steps``: arms that differ in those are paired on ξ.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from tpflow.devices import cpu_generator, randn
+from tpflow.devices import cpu_generator
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.plans.base import BatchPlan, Window, draw_window  # noqa: F401 (Window, draw_window: tpflow.rollout names)
-from tpflow.samplers.dpm_solver import compressed_tail, dpm_solver_2m_step, post_window_nodes
+from tpflow.rollout_branch import branched_rollout
+from tpflow.rollout_parts import (  # baseline_generator, completion_nodes: also tpflow.rollout names
+    Branch,
+    MainNoise,
+    Velocity,
+    baseline_generator,
+    completion_nodes,
+)
+from tpflow.rollout_tail import checked_tail, dpm_tail
+from tpflow.samplers.dpm_solver import compressed_tail, post_window_nodes
 from tpflow.samplers.euler import euler_step
 from tpflow.settings import RolloutSettings
 from tpflow.types import Conditioning, Rollout, RolloutCost
-
-
-class _Branch:
-    """Latents of one group of rows that advance together by ODE: the prefix, the baseline or a completion.
-
-    ``nodes`` are the grid indices the branch visits (None: every step); ``at`` is the one its latents are at, so the
-    branch is evaluated at step k only when ``at == k`` and then jumps to its next node."""
-
-    def __init__(self, z: Tensor, rows: Tensor, nodes: list[int] | None = None, at: int = 0):
-        self.z = z  # [n, ...]
-        self.rows = rows  # [n] long, the trajectory whose conditioning each row uses
-        self.nodes = nodes
-        self.at = at
-
-    def live(self, k: int) -> bool:
-        return self.nodes is None or self.at == k
-
-    def target(self, k: int) -> int:
-        """The grid index an Euler step taken at step k reaches."""
-        return k + 1 if self.nodes is None else self.nodes[self.nodes.index(k) + 1]
-
-
-def completion_nodes(start: int, num_steps: int, steps: int | None) -> list[int] | None:
-    """Grid indices of a completion from step ``start`` to K = ``num_steps`` in ``steps`` Euler steps: ``steps + 1``
-    indices spread evenly (rounded) from start to K, so the schedule's own spacing (its shift) is kept. None (every
-    step, the exact completion) when ``steps`` is None or not smaller than the K − start steps left."""
-    left = num_steps - start
-    if steps is None or steps >= left:
-        return None
-    if steps < 1:
-        raise ValueError(f"completion_steps must be >= 1, got {steps}.")
-    return sorted({start + round(i * left / steps) for i in range(steps + 1)})
-
-
-def baseline_generator(generator: torch.Generator | None) -> torch.Generator:
-    """The independent baseline's CPU generator, seeded by one 63-bit draw from ``generator`` (the CPU's global RNG
-    when None): a stream of its own, so its fresh noise is not the main trajectory's ξ nor z_0, and a rollout's first
-    draw, made whatever ``baseline_noise`` is, keeps the ξ that follow the same in every arm."""
-    device = generator.device if generator is not None else torch.device("cpu")
-    seed = torch.randint(0, 2**63 - 1, (1,), generator=generator, device=device, dtype=torch.int64)
-    return cpu_generator(int(seed))
-
-
-class _MainNoise:
-    """The main trajectory's ξ: one [N, ...] standard-normal draw per generation step k = 0..K-1, taken in order
-    from ``generator`` whether or not step k is in the window, so ξ_k is a function of the generator's state and k
-    only. A window step's ξ is moved to ``device`` (``tpflow.devices.randn``); any other step's draw only advances
-    the stream (on the generator's device, nothing moved, nothing kept)."""
-
-    def __init__(self, generator: torch.Generator | None, shape: tuple[int, ...], device: torch.device):
-        self.generator, self.shape, self.device = generator, shape, device
-        self.source = generator.device if generator is not None else torch.device("cpu")
-        self.k = 0  # the step whose ξ is drawn next
-
-    def draw(self, k: int, keep: bool) -> Tensor | None:
-        """ξ_k [N, ...] float32 on ``device`` when ``keep``, else None (the draw made and discarded)."""
-        if k != self.k:
-            raise RuntimeError(f"ξ of step {self.k} is due, not of step {k}: the draws must follow the steps.")
-        self.k += 1
-        xi = randn(self.shape, self.generator, self.device if keep else self.source)
-        return xi if keep else None
 
 
 @torch.no_grad()
@@ -184,25 +131,25 @@ def rollout(
     source = _checked_source(n, window, num_steps, z0, source, ok=transitions or completions is None)
     row_starts = _checked_starts(starts, n, window, num_steps, completions)  # [N] host long, or None: one window
     first = torch.stack([(source == p).nonzero()[0, 0] for p in range(z0.shape[0])])  # [P] a trajectory per noise row
-    engine = _Velocity(backbone, cond, sigmas, guidance, max_batch)
+    engine = Velocity(backbone, cond, sigmas, guidance, max_batch)
     fresh_generator = baseline_generator(generator)  # drawn in every arm, so the ξ below are the same in each
-    noise = _MainNoise(generator, (n, *z0.shape[1:]), z0.device)
+    noise = MainNoise(generator, (n, *z0.shape[1:]), z0.device)
     independent = None  # the reference's baseline from fresh noise: ODE from step 0, alongside everything else
     if completions is not None and baseline_noise == "independent":
         fresh = backbone.initial_noise(n, fresh_generator).to(z0.device, z0.dtype)
-        independent = _Branch(fresh, torch.arange(n, device=z0.device))
-    prefix = _prefix(engine, _Branch(z0.clone(), first), independent, noise, s)
+        independent = Branch(fresh, torch.arange(n, device=z0.device))
+    prefix = _prefix(engine, Branch(z0.clone(), first), independent, noise, s)
     if branch:
-        return _branched(engine, sampler, prefix, noise, source, window, noise_level, completion_steps, store_means,
-                         guidance, cond, completions, row_starts)  # fmt: skip
+        return branched_rollout(engine, sampler, prefix, noise, source, window, noise_level, completion_steps,
+                                store_means, guidance, cond, completions, row_starts)  # fmt: skip
     loop = _WindowLoop(engine, sampler, window, noise_level, completions, baseline_noise, first, reuse_main_velocity,
                        steps=completion_steps, store=transitions, starts=row_starts, means=store_means)  # fmt: skip
-    main = _Branch(prefix.z[source], torch.arange(n, device=z0.device))
-    tail = _checked_tail(tail_sigmas, sigmas, s + width, completions, row_starts)
+    main = Branch(prefix.z[source], torch.arange(n, device=z0.device))
+    tail = checked_tail(tail_sigmas, sigmas, s + width, completions, row_starts)
     for k in range(s, num_steps if tail is None else s + width):  # the window, then the ODE tail; branches ride along
         loop.step(main, k, noise, independent)
     if tail is not None:  # a solver of its own after the window, on its own nodes
-        main.z = _dpm_tail(engine, main, loop.last_x0, float(sigmas[s + width - 1]), tail)
+        main.z = dpm_tail(engine, main, loop.last_x0, float(sigmas[s + width - 1]), tail)
     completed = None if completions is None else loop.completed(source, independent)  # [N, W, ...]
     means = None
     if transitions and row_starts is not None:  # each row's own window steps, gathered from the steps taken
@@ -229,106 +176,6 @@ def rollout(
         cost=RolloutCost(nfe=round(engine.rows_evaluated / n, 2), model_s=engine.model_s),
         means=means,
     )
-
-
-def _branched(
-    engine, sampler, prefix, noise, source, window, noise_level, completion_steps, store_means, guidance, cond,
-    completions, row_starts,
-) -> Rollout:  # fmt: skip
-    """The ``branch`` rollout from the prefix at the window start: the loop, then the Rollout it stored."""
-    if completions != "ode" or row_starts is not None:
-        raise ValueError("branch needs completions='ode' and one window for the batch (no per-row starts).")
-    n, num_steps, s, width = source.shape[0], engine.sigmas.shape[0] - 1, window.start, window.size
-    loop = _BranchLoop(engine, sampler, window, noise_level, completion_steps, store_means)
-    for k in range(s, num_steps):
-        loop.step(prefix, k, noise, source)
-    parts = [torch.stack(part, dim=1) for part in (loop.latents, loop.next_latents, loop.log_probs)]
-    grid = engine.sigmas[s : s + width + 1].float().to(prefix.z.device).expand(n, width + 1).clone()
-    return Rollout(
-        latents=parts[0],
-        next_latents=parts[1],
-        log_probs=parts[2],
-        sigmas=grid,
-        noise_level=float(noise_level),
-        guidance=float(guidance),
-        cond=cond,
-        final=prefix.z[source],  # each trajectory's noise row's ODE image
-        completions=loop.completed(),
-        cost=RolloutCost(nfe=round(engine.rows_evaluated / n, 2), model_s=engine.model_s),
-        means=torch.stack(loop.means, dim=1) if store_means else None,
-    )
-
-
-class _BranchLoop:
-    """Steps k ≥ s of a branching rollout (TempFlow-GRPO, ../shared/RIVALS.md §1(a)): the noise rows' main path by
-    Euler ODE; at each window step every trajectory branches once from its row's ODE state by the sampler's SDE step
-    (its own ξ_k, so the copies of a prompt sharing z_0 are siblings of one state), and each child rides along by ODE
-    to σ_K. All of them share one velocity call per step; a child's first ODE step is at k + 1."""
-
-    def __init__(self, engine, sampler, window, noise_level, steps, means):
-        self.engine, self.sampler, self.window, self.noise_level = engine, sampler, window, noise_level
-        self.completion_steps, self.store_means = steps, means
-        self.children: list[_Branch] = []  # child i, born at window step s + i, in order
-        self.latents: list[Tensor] = []
-        self.next_latents: list[Tensor] = []
-        self.log_probs: list[Tensor] = []
-        self.means: list[Tensor] = []
-
-    def step(self, main: _Branch, k: int, noise: _MainNoise, source: Tensor) -> None:
-        others = [c for c in self.children if c.live(k) and c.at < self.engine.sigmas.shape[0] - 1]
-        vs = self.engine([main, *others], k)
-        sigmas, num_steps = self.engine.sigmas, self.engine.sigmas.shape[0] - 1
-        for child, v in zip(others, vs[1:], strict=True):
-            nxt = child.target(k)
-            child.z, child.at = euler_step(child.z, v, sigmas[k], sigmas[nxt]), nxt
-        v_main, s = vs[0], self.window.start
-        inside = s <= k < s + self.window.size
-        xi = noise.draw(k, keep=inside)  # [N, ...] one ξ per trajectory: the siblings' own noise
-        if inside:
-            z, v = main.z[source], v_main[source]  # [N, ...] each trajectory's ODE state and its velocity
-            out = self.sampler.step(z, v, sigmas[k], sigmas[k + 1], self.noise_level, noise=xi)
-            self.latents.append(z)
-            self.next_latents.append(out.prev)
-            self.log_probs.append(out.log_prob)
-            if self.store_means:
-                self.means.append(out.mean)
-            rows = torch.arange(z.shape[0], device=z.device)
-            nodes = completion_nodes(k + 1, num_steps, self.completion_steps)
-            self.children.append(_Branch(out.prev, rows, nodes, at=k + 1))  # at σ_K already when k + 1 = K
-        main.z = euler_step(main.z, v_main, sigmas[k], sigmas[k + 1])
-
-    def completed(self) -> Tensor:
-        """The children's ODE completions [N, W, ...], child i born at window step s + i."""
-        return torch.stack([c.z for c in self.children], dim=1)
-
-
-def _checked_tail(tail, sigmas: Tensor, end: int, completions, row_starts) -> list[float] | None:
-    """The post-window σ nodes as floats, checked: from σ_end (the window's end) strictly down to 0."""
-    if tail is None:
-        return None
-    nodes = [float(x) for x in tail]
-    if completions is not None or row_starts is not None:
-        raise ValueError("tail_sigmas (a solver after the window) need completions=None and one window.")
-    if (
-        len(nodes) < 2
-        or nodes[0] != float(sigmas[end])
-        or nodes[-1] != 0
-        or any(a <= b for a, b in zip(nodes, nodes[1:], strict=False))
-    ):
-        raise ValueError(f"tail_sigmas must run strictly down from σ_{end} = {float(sigmas[end])} to 0; got {nodes}.")
-    return nodes
-
-
-def _dpm_tail(engine: _Velocity, main: _Branch, last_x0: Tensor, last_sigma: float, nodes: list[float]) -> Tensor:
-    """DPM-Solver++(2M) from nodes[0] (the window's end) to 0, one velocity call per node but the last; the first
-    step is second order with the last window step's x̂_0 (at σ = ``last_sigma``) as its history."""
-    z, x0_prev, sigma_prev = main.z, last_x0, last_sigma
-    for sigma, sigma_next in zip(nodes, nodes[1:], strict=False):
-        (v,) = engine.at([main], sigma)
-        x0 = z.float() - sigma * v.float()
-        z = dpm_solver_2m_step(z, x0, sigma, sigma_next, x0_prev, sigma_prev)
-        main.z, x0_prev, sigma_prev = z, x0, sigma
-    return z
 
 
 def _checked_source(n: int, window: Window, num_steps: int, z0: Tensor, source: Tensor | None, ok: bool) -> Tensor:
@@ -360,7 +207,7 @@ def _checked_starts(
     return torch.tensor(list(starts), dtype=torch.long, device="cpu")  # host bookkeeping (tpflow.devices)
 
 
-def _prefix(engine: _Velocity, prefix: _Branch, independent: _Branch | None, noise: _MainNoise, s: int) -> _Branch:
+def _prefix(engine: Velocity, prefix: Branch, independent: Branch | None, noise: MainNoise, s: int) -> Branch:
     """Every noise row by Euler ODE up to the window start s (shared by the trajectories of one row), the
     independent baseline riding along; each step's ξ is drawn (and dropped) all the same."""
     sigmas = engine.sigmas
@@ -370,40 +217,6 @@ def _prefix(engine: _Velocity, prefix: _Branch, independent: _Branch | None, noi
         for branch, v in zip(live, engine(live, k), strict=True):
             branch.z = euler_step(branch.z, v, sigmas[k], sigmas[k + 1])
     return prefix
-
-
-class _Velocity:
-    """One velocity call for every live branch at step k (split by ``max_batch``), with the NFE and time count."""
-
-    def __init__(self, backbone: Backbone, cond: Conditioning, sigmas: Tensor, guidance: float, max_batch):
-        self.backbone, self.cond, self.sigmas, self.guidance, self.max_batch = (
-            backbone,
-            cond,
-            sigmas,
-            guidance,
-            max_batch,
-        )
-        self.model_s = 0.0
-        self.rows_evaluated = 0
-
-    def __call__(self, branches: list[_Branch], k: int) -> list[Tensor]:
-        return self.at(branches, self.sigmas[k])
-
-    def at(self, branches: list[_Branch], sigma: Tensor | float) -> list[Tensor]:
-        """The velocities of ``branches`` at noise level σ (off the schedule's grid too)."""
-        z = torch.cat([b.z for b in branches])
-        rows = torch.cat([b.rows for b in branches])
-        chunk = self.max_batch or z.shape[0]
-        start = time.perf_counter()
-        out = []
-        for lo in range(0, z.shape[0], chunk):
-            part = slice(lo, lo + chunk)
-            level = sigma if isinstance(sigma, Tensor) else torch.tensor(sigma, device="cpu")  # off-grid: a float
-            level = level.to(torch.float32).expand(z[part].shape[0]).to(z.device)
-            out.append(self.backbone.velocity(z[part], level, self.cond.index(rows[part]), self.guidance))
-        self.model_s += time.perf_counter() - start
-        self.rows_evaluated += z.shape[0]
-        return list(torch.cat(out).split([b.z.shape[0] for b in branches]))
 
 
 class _WindowLoop:
@@ -428,7 +241,7 @@ class _WindowLoop:
         self.engine, self.sampler, self.window, self.noise_level = engine, sampler, window, noise_level
         self.completions, self.baseline_noise, self.first, self.reuse = completions, baseline_noise, first, reuse
         self.completion_steps: int | None = steps  # Euler steps per ODE completion (None: every remaining step)
-        self.branches: list[_Branch] = []  # ODE branches: the baseline (j = 0) first, then completions j = 1..W-1
+        self.branches: list[Branch] = []  # ODE branches: the baseline (j = 0) first, then completions j = 1..W-1
         self.estimates: list[Tensor] = []  # x0 mode: [n, ...] per j
         self.latents: list[Tensor] = []
         self.next_latents: list[Tensor] = []
@@ -440,7 +253,7 @@ class _WindowLoop:
         self.taken: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # per-row windows: k -> (z, z', ℓ, μ)
         self.last_x0: Tensor | None = None  # [N, ...] float32 x̂_0 of the last window step
 
-    def step(self, main: _Branch, k: int, noise: _MainNoise, independent: _Branch | None) -> None:
+    def step(self, main: Branch, k: int, noise: MainNoise, independent: Branch | None) -> None:
         others = [b for b in self.branches if b.live(k)] + ([independent] if independent is not None else [])
         live = [main, *others]
         vs = self.engine(live, k)
@@ -468,7 +281,7 @@ class _WindowLoop:
                 self.means.append(out.mean)
         main.z = out.prev
 
-    def _row_window_step(self, main: _Branch, v_main: Tensor, k: int, noise: _MainNoise) -> None:
+    def _row_window_step(self, main: Branch, v_main: Tensor, k: int, noise: MainNoise) -> None:
         """Step k with per-row windows: rows inside their window take the SDE step, the others the Euler step,
         both from the one velocity call (each row's values are those of a batch with its window for all)."""
         inside = (self.starts <= k) & (k < self.starts + self.window.size)  # [N] host bool
@@ -499,7 +312,7 @@ class _WindowLoop:
             parts.append(taken[index])  # [N, W, ...]
         return parts[:3], parts[3] if self.store_means else None
 
-    def _start_completion(self, main: _Branch, v_main: Tensor, j: int, k: int, sigma, sigma_next) -> None:
+    def _start_completion(self, main: Branch, v_main: Tensor, j: int, k: int, sigma, sigma_next) -> None:
         """Completion j from the main latent z_{s+j}: an x0 estimate, or an ODE branch whose first step is taken."""
         shared = self.baseline_noise == "shared"
         if self.completions == "x0":
@@ -508,18 +321,18 @@ class _WindowLoop:
         elif self.completions == "ode" and (j > 0 or shared):
             pick = self.first if j == 0 else torch.arange(main.z.shape[0], device=main.z.device)
             num_steps = self.engine.sigmas.shape[0] - 1
-            branch = _Branch(main.z[pick], pick, completion_nodes(k, num_steps, self.completion_steps), at=k)
+            branch = Branch(main.z[pick], pick, completion_nodes(k, num_steps, self.completion_steps), at=k)
             v_branch = v_main[pick] if self.reuse else self.engine([branch], k)[0]
             self._advance(branch, v_branch, k)
             self.branches.append(branch)
 
-    def _advance(self, branch: _Branch, v: Tensor, k: int) -> None:
+    def _advance(self, branch: Branch, v: Tensor, k: int) -> None:
         """One Euler step of an ODE branch from σ_k to its next node's σ (σ_{k+1} for an every-step branch)."""
         nxt = branch.target(k)
         branch.z = euler_step(branch.z, v, self.engine.sigmas[k], self.engine.sigmas[nxt])
         branch.at = nxt
 
-    def completed(self, source: Tensor, independent: _Branch | None) -> Tensor:
+    def completed(self, source: Tensor, independent: Branch | None) -> Tensor:
         """The completed latents [N, W, ...], j = 0..W-1 (j = W is the final image)."""
         ends = self.estimates if self.completions == "x0" else [b.z for b in self.branches]
         if independent is not None:
