@@ -30,19 +30,13 @@ from tpflow.backbones.diffusers_common import (
     setup_pipeline,
 )
 from tpflow.backbones.diffusers_lora import AdapterMethods
+from tpflow.backbones.lora_targets import JOINT_ATTENTION
 from tpflow.devices import randn
 from tpflow.registry import register
 from tpflow.types import Conditioning
 
 FLUX_LORA_TARGETS = (  # docs/algorithm.md §6.3: attention projections plus both feed-forward networks
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
+    *JOINT_ATTENTION,
     "ff.net.0.proj",
     "ff.net.2",
     "ff_context.net.0.proj",

@@ -18,6 +18,16 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+JOINT_ATTENTION = (  # the joint (image + text) attention projections of an MMDiT block: SD3, FLUX, Qwen-Image
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
 ADAPTABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)  # what peft's LoRA wraps, of these models
 SHOWN = 12  # adaptable layer names listed in the error; the rest are counted
 

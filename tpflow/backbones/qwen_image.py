@@ -34,20 +34,13 @@ from tpflow.backbones.diffusers_common import (
     setup_pipeline,
 )
 from tpflow.backbones.diffusers_lora import AdapterMethods
+from tpflow.backbones.lora_targets import JOINT_ATTENTION
 from tpflow.devices import randn
 from tpflow.registry import register
 from tpflow.types import Conditioning
 
-QWEN_LORA_TARGETS = (  # the double-stream blocks' attention projections (Flow-GRPO's and Flow-Factory's default)
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-)
+# the double-stream blocks' attention projections (Flow-GRPO's and Flow-Factory's default)
+QWEN_LORA_TARGETS = JOINT_ATTENTION
 
 
 class QwenImageOptions(DiffusersBackboneOptions):

@@ -31,20 +31,12 @@ from tpflow.backbones.diffusers_common import (
     setup_pipeline,
 )
 from tpflow.backbones.diffusers_lora import AdapterMethods
+from tpflow.backbones.lora_targets import JOINT_ATTENTION
 from tpflow.devices import randn
 from tpflow.registry import register
 from tpflow.types import Conditioning
 
-SD3_LORA_TARGETS = (  # docs/algorithm.md §6.3: the joint attention projections of every block
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-)
+SD3_LORA_TARGETS = JOINT_ATTENTION  # docs/algorithm.md §6.3: the joint attention projections of every block
 SD3_LORA_TARGETS_HELP = (
     "Module names (suffixes) peft adapts; the default is the joint attention projections of every block "
     "(docs/algorithm.md §6.3)."

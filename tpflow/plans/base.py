@@ -74,3 +74,17 @@ def derived_rng(*parts: int | str) -> random.Random:
 def derived_generator(*parts: int | str) -> torch.Generator:
     """A CPU ``torch.Generator`` seeded like :func:`derived_rng` (for ``torch.randperm`` draws)."""
     return cpu_generator(derived_rng(*parts).getrandbits(63))
+
+
+def needs_transition_optimizer(settings: dict, plan: str, why: str) -> list[str]:
+    """The recipe-check sentence of a plan whose steps an optimizer must train as stored transitions (``why``
+    says what it decides about them), or none when the recipe's optimizer consumes transitions."""
+    from tpflow import registry
+
+    optimizer = settings["optimizer"].name
+    if getattr(registry.get("optimizer", optimizer).factory, "consumes", "transitions") == "transitions":
+        return []
+    return [
+        f"optimizer {optimizer!r} trains on final samples, not on stored SDE steps, and {why}. Use [optimizer] "
+        f'name = "grpo", or [plan] name = "window" instead of {plan!r}.'
+    ]

@@ -22,7 +22,7 @@ import random
 from pydantic import BaseModel, ConfigDict
 
 from tpflow import registry
-from tpflow.plans.base import BatchPlan, draw_window
+from tpflow.plans.base import BatchPlan, draw_window, needs_transition_optimizer
 from tpflow.registry import register
 from tpflow.settings import RolloutSettings
 
@@ -67,13 +67,7 @@ class BranchPlan:
                 f"credit {credit!r} reads the trace as one SDE path's completions, but the branch plan's trace "
                 'holds each window step\'s own child. Use [credit] name = "branch" (TempFlow-GRPO).'
             )
-        optimizer = settings["optimizer"].name
-        if getattr(registry.get("optimizer", optimizer).factory, "consumes", "transitions") != "transitions":
-            problems.append(
-                f"optimizer {optimizer!r} trains on final samples; the branch plan's children are transitions to "
-                'train. Use [optimizer] name = "grpo".'
-            )
-        return problems
+        return problems + needs_transition_optimizer(settings, "branch", "the branch plan's children are such steps")
 
     def plan(self, rollout: RolloutSettings, n: int, epoch: int, batch_seed: int, run_seed: int) -> BatchPlan:
         window = draw_window(rollout.num_steps, rollout.window_size, rollout.window_range, random.Random(batch_seed))

@@ -20,8 +20,7 @@ import random
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from tpflow import registry
-from tpflow.plans.base import BatchPlan, derived_generator, draw_window
+from tpflow.plans.base import BatchPlan, derived_generator, draw_window, needs_transition_optimizer
 from tpflow.registry import register
 from tpflow.settings import RolloutSettings
 
@@ -70,13 +69,9 @@ class TrainedFractionPlan:
                 f"window of {width} trains int(...) = 0 steps: nothing would train. Raise fraction or window_size "
                 "(DanceGRPO: fraction 0.6 of K − 1 = 15 steps)."
             )
-        optimizer = settings["optimizer"].name
-        if getattr(registry.get("optimizer", optimizer).factory, "consumes", "transitions") != "transitions":
-            problems.append(
-                f"optimizer {optimizer!r} trains on final samples, not on stored SDE steps, so a subset of steps "
-                'to train means nothing to it. Use [optimizer] name = "grpo", or [plan] name = "window".'
-            )
-        return problems
+        return problems + needs_transition_optimizer(
+            settings, "trained-fraction", "a subset of them means nothing to it"
+        )
 
     def plan(self, rollout: RolloutSettings, n: int, epoch: int, batch_seed: int, run_seed: int) -> BatchPlan:
         width = rollout.window_size
