@@ -141,7 +141,9 @@ def test_resume_with_a_new_learning_rate_uses_and_records_it(straight, tmp_path,
     trainer = Trainer(load_recipe(recipe, overrides), resume=True)
     out = capsys.readouterr().out
     assert "optimizer.learning_rate 0.01 -> 1e-05" in " ".join(out.split())
-    assert "train.epochs" not in out and "group_size" not in out  # unchanged or expected: not reported
+    text = " ".join(out.split())
+    assert "note: train.epochs 6 in the run, 7 now" in text  # expected: said in one line, not warned (issue 38)
+    assert "train.epochs 6 ->" not in text and "group_size" not in out  # unchanged: not reported
     assert [g["lr"] for g in trainer.optimizer._optimizer.param_groups] == [1e-5]  # not the checkpoint's 0.01
     trainer.fit()
     path, _ = find_checkpoint(tmp_path / "run")

@@ -210,3 +210,78 @@ def test_items_with_the_same_text_form_one_prompt_group(tmp_path, tiny_weights, 
     logged = torch.tensor([r["advantages"] for r in traces], dtype=torch.float64)
     assert not torch.allclose(by_text, by_item)  # the test can tell the two groupings apart
     torch.testing.assert_close(logged, by_text, rtol=0, atol=1e-12)
+
+
+def _interrupt_at(monkeypatch, epoch: int) -> None:
+    """Ctrl-C at the start of ``epoch``'s training (after the previous epochs and their checkpoints)."""
+    original = Trainer.train_epoch
+
+    def train_epoch(self, e):
+        if e == epoch:
+            raise KeyboardInterrupt
+        return original(self, e)
+
+    monkeypatch.setattr(Trainer, "train_epoch", train_epoch)
+
+
+def test_the_ctrl_c_hint_reproduces_the_run_as_started(tmp_path, tiny_weights, plugin, monkeypatch):
+    """Issue 38: the printed command keeps --epochs and every --set, so the resumed run ends where the started one
+    would have, with logs equal to an uninterrupted run's (it used to drop them and train to the file's epochs)."""
+    import shlex
+
+    from tests.cli_run import tpflow
+
+    recipe = tiny_recipe(tmp_path, tiny_weights)
+    args = ["--epochs", "3", "--set", "optimizer.learning_rate=2e-2", "--set", "train.save_every=1"]
+    straight = tpflow("train", str(recipe), *args, "--run-dir", str(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr
+    with monkeypatch.context() as patch:
+        _interrupt_at(patch, 2)
+        stopped = tpflow("train", str(recipe), *args, "--run-dir", str(tmp_path / "split"))
+    assert stopped.returncode == 130
+    (hint,) = [line for line in stopped.stdout.splitlines() if line.startswith("Resume with: ")]
+    command = shlex.split(hint.removeprefix("Resume with: "))
+    assert command[:2] == ["tpflow", "train"] and "train.epochs=3" in command and "--resume" in command
+    resumed = tpflow(*command[1:])
+    assert resumed.returncode == 0, resumed.stderr
+
+    def comparable(run):
+        return [{k: v for k, v in row.items() if not k.endswith(TIMING)} for row in read_jsonl(run / "metrics.jsonl")]
+
+    assert comparable(tmp_path / "split") == comparable(tmp_path / "straight")
+    assert max(row["epoch"] for row in read_jsonl(tmp_path / "split" / "metrics.jsonl")) == 3  # not the file's 2
+
+
+def test_ctrl_c_before_any_checkpoint_prints_a_command_that_works(tmp_path, tiny_weights, plugin, monkeypatch):
+    """Interrupted before the first checkpoint: nothing to resume from, so the hint starts the run again."""
+    import shlex
+
+    from tests.cli_run import tpflow
+    from tpflow.optim.grpo import GRPO
+
+    recipe = tiny_recipe(tmp_path, tiny_weights)
+    args = ["--set", "train.save_every=10", "--set", "eval.every=10"]
+
+    def update(*_args, **_kwargs):  # Ctrl-C in epoch 0's update: its weights are not a state to save
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(GRPO, "update", update)
+        stopped = tpflow("train", str(recipe), *args, "--run-dir", str(tmp_path / "run"))
+    assert stopped.returncode == 130
+    text = " ".join(stopped.stdout.split())
+    assert "none was saved before" in text and "Nothing was saved yet" in text, text
+    command = shlex.split(text.split("start the run again with: ", 1)[1])
+    assert "--resume" not in command and "train.save_every=10" in command
+    again = tpflow(*command[1:])
+    assert again.returncode == 0, again.stderr
+
+
+def test_resuming_with_other_epochs_says_so(tmp_path, tiny_weights, plugin):
+    from tests.cli_run import tpflow
+
+    recipe = tiny_recipe(tmp_path, tiny_weights)
+    first = tpflow("train", str(recipe), "--epochs", "1", "--run-dir", str(tmp_path / "run"))
+    assert first.returncode == 0, first.stderr
+    more = tpflow("train", str(recipe), "--epochs", "2", "--resume", "--run-dir", str(tmp_path / "run"))
+    assert more.returncode == 0 and "train.epochs 1 in the run, 2 now" in " ".join(more.stdout.split()), more.stdout

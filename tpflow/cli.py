@@ -188,7 +188,10 @@ def train(
         metrics = trainer.fit()
     except KeyboardInterrupt:
         if trainer.dist.is_main:
-            console.print(f"Resume with: tpflow train {recipe} --resume --run-dir {trainer.run_dir}")
+            from tpflow.train.resume import continue_hint
+
+            extra = [] if num_processes == 1 else ["--num-processes", str(num_processes)]
+            console.print(escape(continue_hint(loaded, trainer.run_dir, extra)), soft_wrap=True, highlight=False)
         raise typer.Exit(130) from None
     trainer.dist.close()  # the run is saved: the processes part here
     if not trainer.dist.is_main:

@@ -19,6 +19,7 @@ one (``3e-4``, ``true``, ``[0, 9]``, ``"text"``) and as a bare string otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import sys
 from collections.abc import Sequence
@@ -63,6 +64,7 @@ class Recipe:
     settings: dict[str, BaseModel]
     data: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
+    overrides: tuple[str, ...] = ()  # the ``--set`` overrides load_recipe applied to the file (what reproduces it)
 
     # Typed sections: recipe.rollout.num_steps is checked by the type checker, recipe.credit.name names the assigner.
     @property
@@ -135,7 +137,7 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     except UnicodeDecodeError as exc:
         raise RecipeError(f"{path} is not a UTF-8 text file: {exc}.") from None
     apply_overrides(data, overrides)
-    return validate_recipe(data, where=str(path), path=path)
+    return dataclasses.replace(validate_recipe(data, where=str(path), path=path), overrides=tuple(overrides))
 
 
 def parse_value(text: str) -> Any:

@@ -39,7 +39,7 @@ def phase_of(description: str) -> str | None:
 
 
 def out_of_memory_message(
-    description: str, error: BaseException, resume: str, layout: BatchLayout | None = None
+    description: str, error: BaseException, resume: str, layout: BatchLayout | None = None, saved: bool = True
 ) -> str:
     """One paragraph for an out-of-memory error raised while the trainer was at ``description``; ``resume`` is the
     command that continues the run; ``layout`` is the optimizer's ``batch_layout()`` (None: it has none)."""
@@ -56,5 +56,9 @@ def out_of_memory_message(
     return (
         f"Out of GPU memory {where} ({first_line}). {advice} Other processes on the GPU count too (nvidia-smi); "
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True helps when the memory is free but fragmented. No "
-        f"checkpoint was written now; `{resume}` continues from the newest one."
+        + (
+            f"checkpoint was written now; `{resume}` continues from the newest one."
+            if saved
+            else f"checkpoint has been written yet; `{resume}` starts the run again."
+        )
     )

@@ -12,7 +12,7 @@ and propagates with its traceback.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -84,7 +84,11 @@ def report_changes(ckpt: Checkpoint, recipe: Recipe, console: Console) -> None:
             f"Cannot resume {path} with this recipe: {listed}. The checkpoint's adapter belongs to the model and "
             "LoRA shape it was trained with; resume with the recipe's original values, or start a new run dir."
         )
-    shown = [(k, a, b) for k, a, b in changes if k != "train.epochs"]  # more epochs is what resuming is for
+    epochs = [(a, b) for k, a, b in changes if k == "train.epochs"]
+    if epochs:  # more epochs is what resuming is for: said in one line, not warned
+        console.print(f"note: train.epochs {epochs[0][0]} in the run, {epochs[0][1]} now: the resumed run trains "
+                      f"to epoch {epochs[0][1]}.", soft_wrap=True, highlight=False)  # fmt: skip
+    shown = [(k, a, b) for k, a, b in changes if k != "train.epochs"]
     if shown:
         listed = "; ".join(f"{k} {a!r} -> {b!r}" for k, a, b in shown)
         console.print(
@@ -136,3 +140,25 @@ def does_not_fit(exc: BaseException) -> bool:
     if isinstance(exc, SafetensorError):  # an adapter file that is not one (re-signed by hand)
         return True
     return isinstance(exc, (RuntimeError, ValueError)) and any(text in str(exc) for text in _MISFIT)
+
+
+def train_command(recipe: Recipe, run_dir: Path, resume: bool, extra: Sequence[str] = ()) -> str:
+    """The ``tpflow train`` command line that runs ``recipe`` as it was started, every ``--set`` included (a
+    dropped ``--epochs`` would resume to the file's epoch count), into ``run_dir``; ``--resume`` to continue it.
+    ``extra``: more arguments (``--num-processes N``)."""
+    import shlex
+
+    sets = [arg for value in recipe.overrides for arg in ("--set", value)]
+    resuming = ["--resume"] if resume else []
+    where = str(recipe.path) if recipe.path is not None else "RECIPE"
+    return shlex.join(["tpflow", "train", where, *sets, *extra, *resuming, "--run-dir", str(run_dir)])
+
+
+def continue_hint(recipe: Recipe, run_dir: Path, extra: Sequence[str] = ()) -> str:
+    """What to run after an interruption: resume from the newest checkpoint, or, when none was written yet, the
+    command that starts the run again (the trainer tidies a dead attempt's logs)."""
+    saved = run_dir.exists() and find_checkpoint(run_dir)[0] is not None
+    if saved:
+        return f"Resume with: {train_command(recipe, run_dir, True, extra)}"
+    return (f"Nothing was saved yet (no checkpoint in {run_dir}); start the run again with: "
+            f"{train_command(recipe, run_dir, False, extra)}")  # fmt: skip

@@ -53,6 +53,7 @@ from tpflow.train.allocator import keep_freed_memory
 from tpflow.train.checkpoint import (
     Checkpoint,
     capture_rng_state,
+    find_checkpoint,
     park_newer,
     restore_rng_state,
     save_checkpoint,
@@ -62,7 +63,7 @@ from tpflow.train.epoch import EpochRows, Sampled, combine_update_metrics, promp
 from tpflow.train.evaluation import eval_seed, eval_split, evaluate, no_test_split
 from tpflow.train.out_of_memory import out_of_memory_message
 from tpflow.train.prompt_sampler import check_layout, layout_line, plan_epoch
-from tpflow.train.resume import checkpoint_to_resume, restoring
+from tpflow.train.resume import checkpoint_to_resume, restoring, train_command
 from tpflow.train.run_lock import RunDirLock
 from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, truncate_after
 from tpflow.train.sampling import EpochSampler
@@ -218,9 +219,10 @@ class Trainer:
             if self._saved != (self.epoch, self.optimizer.global_step):  # a finished run resumed: written already
                 self.save()
         except torch.cuda.OutOfMemoryError as exc:  # one paragraph naming the phase's batch setting, no checkpoint
-            resume = f"tpflow train {self.recipe.path or 'RECIPE'} --resume --run-dir {self.run_dir}"
+            saved = self._saved is not None or find_checkpoint(self.run_dir)[0] is not None
+            command = train_command(self.recipe, self.run_dir, resume=saved)  # every --set of the run included
             layout = self.optimizer.batch_layout()
-            raise UserError(out_of_memory_message(self._description, exc, resume, layout)) from None
+            raise UserError(out_of_memory_message(self._description, exc, command, layout, saved)) from None
         except KeyboardInterrupt:
             self._interrupted()
             raise
@@ -233,9 +235,13 @@ class Trainer:
     def _interrupted(self) -> None:
         """Ctrl-C: save the state if it is one to resume from, and say what --resume will do."""
         if self._weights_ahead:  # updated (part-way, or wholly but not yet counted): not a state to resume from
+            saved = self._saved is not None or find_checkpoint(self.run_dir)[0] is not None
+            after = (
+                "--resume continues from the newest one" if saved else "none was saved before, so the run starts again"
+            )
             self.console.print(
                 f"[yellow]Interrupted during epoch {self.epoch}'s update: no checkpoint is written (it would "
-                "mix two weight states); --resume continues from the newest one.[/]"
+                f"mix two weight states); {after}.[/]"
             )
         elif self._saved is not None and self._saved[1] == self.optimizer.global_step:
             # No optimizer step since that checkpoint: rewriting it would change a written step's content (the
