@@ -22,11 +22,12 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
-# TP-GRPO on the embedded shapes world, on the CPU: 10 of the recipe's 20 epochs, about 4 minutes on 2 cores.
-# runs/demo is the demo's own directory and is started afresh each time.
+# TP-GRPO on the embedded shapes world, on the CPU: 10 of the recipe's 20 epochs, evaluated at epochs 0, 5 and 10 so
+# that learning shows while it runs. Measured on 2 cores: about 3 minutes on a fresh clone (the install included),
+# 1.5 minutes after. runs/demo is the demo's own directory and is started afresh each time.
 demo: $(STAMP)
 	rm -rf runs/demo
-	$(BIN)/tpflow train recipes/shapes_tp.toml --run-dir runs/demo --epochs 10
+	$(BIN)/tpflow train recipes/shapes_tp.toml --run-dir runs/demo --epochs 10 --set eval.every=5
 
 lint: $(STAMP)
 	$(BIN)/ruff check tpflow tests plugins benchmarks
