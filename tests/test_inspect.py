@@ -87,6 +87,15 @@ def test_run_mode_plots_a_training_run(tmp_path, tiny_weights, plugin):
     done = run_cli("inspect-trajectory", "--run", str(tmp_path / "run"), "--epoch", "0", "--out", str(tmp_path / "o2"))
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "o2" / "turning_points.png").is_file()
+    # without --out the two modes write to folders of their own (issue 38: run mode used to land beside the sampled
+    # mode's completions.png in runs/inspect)
+    by_run = run_cli("inspect-trajectory", "--run", str(tmp_path / "run"), "--n", "2", cwd=tmp_path)
+    sampled = run_cli("inspect-trajectory", str(tmp_path / "tiny.toml"), "--prompt", _prompt(), "--n", "2",
+                      cwd=tmp_path)  # fmt: skip
+    assert by_run.returncode == 0 and sampled.returncode == 0, by_run.stderr + sampled.stderr
+    assert (tmp_path / "runs" / "inspect" / "run" / "turning_points.png").is_file()
+    assert (tmp_path / "runs" / "inspect" / "sampled" / "completions.png").is_file()
+    assert not (tmp_path / "runs" / "inspect" / "run" / "completions.png").exists()
 
 
 @pytest.mark.parametrize(

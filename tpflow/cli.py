@@ -236,7 +236,14 @@ def inspect_trajectory(
         list[str] | None,
         typer.Option("--credit", help="Credit assigner to compare (repeatable). Default: the recipe's + built-ins."),
     ] = None,
-    out: Annotated[Path, typer.Option(help="Output directory.")] = Path("runs/inspect"),
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Output directory (default: runs/inspect/sampled, or runs/inspect/<run dir name> with --run: "
+            "the two modes never share a folder).",
+            show_default=False,
+        ),
+    ] = None,
     set_: Overrides = None,
     run: Annotated[
         Path | None, typer.Option(help="Plot the traces a training run logged, not RECIPE.", show_default=False)
@@ -252,6 +259,8 @@ def inspect_trajectory(
     if (recipe is None) == (run is None):
         raise UserError("Give exactly one of RECIPE (sample new trajectories, with --prompt) or --run RUN_DIR.")
     console = make_console()
+    if out is None:  # one folder per mode (and per run), so one mode's plots never sit beside the other's
+        out = Path("runs/inspect") / (Path(run).resolve().name if run is not None else "sampled")
     if run is not None:
         result = inspect_run(run, epoch, n, credit_, out)
     else:
