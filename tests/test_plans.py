@@ -374,3 +374,16 @@ def test_flash_tail_follows_mixgrpo_flash():
         z = dpm_solver_2m_step(z, x0, sigma, sigma_next, x0_prev, sigma_prev)
         x0_prev, sigma_prev = x0, sigma
     torch.testing.assert_close(out.final, z, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("recipe", ["shapes_grpo_guard.toml", "shapes_tempflow.toml", "shapes_dancegrpo.toml"])
+def test_method_recipes_train_under_the_recipes_precisions(recipe, precision, tmp_path, tiny_weights, plugin):
+    """RatioNorm, branching and a trained subset under CPU bf16 autocast and fp16 with its scaler: on policy at the
+    first step, every step taken, the adapter moved."""
+    trainer = _method_run(recipe, tmp_path, tiny_weights, epochs=1, extra=[f"train.mixed_precision={precision}"])
+    before = {n: p.detach().clone() for n, p in trainer.backbone.model.named_parameters() if "lora_" in n}
+    metrics = trainer.fit()
+    after = dict(trainer.backbone.model.named_parameters())
+    assert metrics["first_ratio_max_deviation"] == 0.0 and metrics["skipped_steps"] == 0.0, metrics
+    assert any(not torch.equal(before[n], after[n]) for n in before), (recipe, precision)

@@ -117,21 +117,21 @@ def compare(
 ) -> None:
     """The experiment's primary endpoint (paired t, bootstrap beside), secondary family (Holm), every seed, cost."""
     from tpflow.experiments.compare import compare as run_compare
-    from tpflow.experiments.compare import markdown
+    from tpflow.experiments.compare import load_runs, markdown
     from tpflow.experiments.spec import load_experiment
 
     experiment = load_experiment(experiment_file, check_arms=False)
-    result = run_compare(experiment)
+    loaded = load_runs(experiment)  # read once: the comparison and the figure
+    result = run_compare(experiment, loaded)
     text = markdown(result)
     if experiment.out.exists():
         (experiment.out / "report.md").write_text(text)
         (experiment.out / "report.json").write_text(json.dumps(result, indent=1))
         figure = figure or experiment.out / "report.png"
     if figure is not None and result["runs"]:
-        from tpflow.experiments.compare import load_runs
         from tpflow.experiments.plot import plot_curves
 
-        runs, _ = load_runs(experiment)
+        runs, _ = loaded
         e = experiment.spec.primary
         title = f"{experiment.spec.experiment.name}: {e.metric} of every seed (thin) and each arm's mean"
         plot_curves({arm: list(seeds.values()) for arm, seeds in runs.items()}, Path(figure), e.metric, title)

@@ -163,11 +163,12 @@ def load_runs(experiment: Experiment) -> tuple[dict[str, dict[int, dict]], list[
     return runs, missing
 
 
-def compare(experiment: Experiment) -> dict:
-    """Everything the report shows, as plain data (``--json`` prints it)."""
+def compare(experiment: Experiment, loaded: tuple[dict[str, dict[int, dict]], list[str]] | None = None) -> dict:
+    """Everything the report shows, as plain data (``--json`` prints it); ``loaded``: ``load_runs``' result when
+    the caller has read the runs already (the figure draws from the same summaries)."""
     spec = experiment.spec
     endpoint: Endpoint = spec.primary
-    runs, missing = load_runs(experiment)
+    runs, missing = load_runs(experiment) if loaded is None else loaded
 
     def paired(arm: str, metric: str, kind: str) -> Comparison | None:
         mine, base = runs.get(arm, {}), runs.get(endpoint.baseline, {})

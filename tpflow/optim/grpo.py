@@ -403,7 +403,8 @@ class GRPO(AdamWLoop):
             policy = clipped_surrogate(log_ratio, torch.zeros_like(log_ratio), adv, o.clip_range)
         else:
             policy = clipped_surrogate(out.log_prob, part.log_probs[:, i], adv, o.clip_range)
-        row = policy.row_losses if weight is None else policy.row_losses * weight
+        weighted = policy.row_losses if weight is None else policy.row_losses * weight  # [n] the trained policy term
+        row = weighted
         kl = torch.zeros_like(row)
         if o.beta > 0:
             with torch.no_grad(), backbone.reference():
@@ -415,7 +416,7 @@ class GRPO(AdamWLoop):
             deviation = (policy.ratio - 1).abs()
             sums = {
                 "loss": row.detach(),
-                "policy_loss": (policy.row_losses if weight is None else policy.row_losses * weight).detach(),
+                "policy_loss": weighted.detach(),
                 "kl": kl.detach(),
                 "approx_kl": 0.5 * policy.log_ratio.square(),
                 "clip_fraction": (deviation > o.clip_range).float(),
