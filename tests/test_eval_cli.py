@@ -204,6 +204,34 @@ def test_sample_writes_a_grid_with_one_tile_per_image(run, capsys, tmp_path):
     assert "6 images" in stdout
 
 
+def test_sample_and_eval_warn_about_words_outside_the_vocabulary(run, capsys, tmp_path):
+    from tpflow.shapes.vocab import prompt_warnings
+
+    code, _, stderr = cli(
+        capsys, "sample", str(run), "--prompt", "a photo of a red circle", "--n", "1", "--steps", "2",
+        "--out", str(tmp_path / "known.png"),
+    )  # fmt: skip
+    assert code in (0, None) and "vocabulary" not in stderr
+    unknown = ["a photo of a purple hexagon", "a photo of a red circle " + "and a blue square " * 3]  # 21 words
+    (vocabulary, cut) = prompt_warnings(unknown)
+    assert "'purple', 'hexagon' are not" in vocabulary and "circle, square, triangle" in vocabulary
+    assert "1 prompt(s) have more than 16 words" in cut
+    code, _, stderr = cli(
+        capsys, "sample", str(run), "--prompt", unknown[0], "--prompt", unknown[1], "--n", "1", "--steps", "2",
+        "--out", str(tmp_path / "unknown.png"),
+    )  # fmt: skip
+    assert code in (0, None)
+    flat = " ".join(stderr.split())
+    assert vocabulary in flat and cut in flat
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(unknown) + "\n")
+    code, _, stderr = cli(
+        capsys, "eval", str(run), "--prompts", str(prompts), "--steps", "2", "--images-per-prompt", "1",
+        "--out", str(tmp_path / "eval"),
+    )  # fmt: skip
+    assert code in (0, None) and vocabulary in " ".join(stderr.split())
+
+
 def test_tensorboard_holds_the_logged_scalars_and_the_eval_grid(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -39,6 +39,7 @@ def test_cli_writes_the_plots_and_the_numbers_behind_them(tmp_path, tiny_weights
     )
     assert done.returncode == 0, done.stderr
     assert "turning points of" in done.stdout and "R_0" in done.stdout and "Traceback" not in done.stderr
+    assert "vocabulary" not in done.stderr  # every word of a dataset prompt is the world's
     for name in ("trajectories.png", "completions.png", "credit.png"):
         _check_png(out / name)
     data = json.loads((out / "trace.json").read_text())
@@ -54,6 +55,20 @@ def test_cli_writes_the_plots_and_the_numbers_behind_them(tmp_path, tiny_weights
     d = trace[:, 1:] - trace[:, :-1]
     assert torch.allclose(torch.tensor(data["d"], dtype=torch.float64), d)
     assert data["delta"] == pytest.approx((trace[:, -1] - trace[:, 0]).tolist())
+
+
+def test_words_outside_the_vocabulary_get_the_warning_tpflow_sample_prints(tmp_path, tiny_weights, plugin):
+    from tpflow.shapes.vocab import prompt_warnings
+
+    prompt = "a photo of a purple hexagon"
+    done = run_cli(
+        "inspect-trajectory", str(tiny_recipe(tmp_path, tiny_weights)), "--prompt", prompt, "--n", "1",
+        "--out", str(tmp_path / "o"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (expected,) = prompt_warnings([prompt])  # the one rule: tests/test_eval_cli.py checks sample and eval print it
+    assert "'purple', 'hexagon' are not in the shapes world's vocabulary" in expected
+    assert expected in " ".join(done.stderr.split())
 
 
 def test_library_names_the_assigners_and_warns_about_unknown_prompts(tmp_path, tiny_weights, plugin):

@@ -276,6 +276,10 @@ def inspect_trajectory(
         def warn(text: str) -> None:
             make_console(stderr=True).print(f"[yellow]warning:[/] {escape(text)}", soft_wrap=True, highlight=False)
 
+        from tpflow.preflight import prompt_warnings
+
+        for text in prompt_warnings(loaded, [prompt]):  # tpflow sample and eval say the same
+            warn(text)
         result = inspect_sampled(loaded, prompt, n, seed, checkpoint, credit_, out, warn)
     table = Table(title=f"{escape(result.trajectories.prompt)}: turning points of {result.marked}")
     for column in ("traj", "R_0", "R_W", "Δ", "turning points", "step rewards"):

@@ -83,6 +83,16 @@ def check_machine(recipe: Recipe, run_dir: Path | None = None, where: str | None
     return report
 
 
+def prompt_warnings(recipe: Recipe, prompts: list[str]) -> list[str]:
+    """What the recipe's backbone would lose of these prompts, from its optional ``prompt_warnings(prompts)`` hook
+    (the shapes world's closed vocabulary: unknown words become ``<unk>``); no weights load. One rule for every
+    command that samples a user's prompts: ``tpflow sample``, ``inspect-trajectory``, ``tpflow eval``."""
+    from tpflow import registry
+
+    hook = getattr(registry.get("backbone", recipe.backbone.name).factory, "prompt_warnings", None)
+    return list(hook(prompts)) if callable(hook) else []
+
+
 def check_component(kind: str, name: str, options: BaseModel, settings: dict) -> tuple[list[str], list[WeightSource]]:
     """One component on this machine: its problems (a sentence each, prefixed by its section: a ``device`` option
     this machine lacks, its ``check_machine`` hook, a weight not on disk) and the weights it will read. What

@@ -95,6 +95,11 @@ class ShapesBackbone:
     """
 
     @staticmethod
+    def prompt_warnings(prompts: Sequence[str]) -> list[str]:
+        """What the closed vocabulary loses of these prompts (``vocab.prompt_warnings``); no weights needed."""
+        return vocab.prompt_warnings(list(prompts))
+
+    @staticmethod
     def check_machine(options: ShapesDitOptions, settings: dict) -> list[str]:
         """The weights file exists, is a safetensors file and has its model config (the .json beside it or the
         file's metadata), and the LoRA targets name layers of that model (built from the config, random weights); the

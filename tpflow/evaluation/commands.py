@@ -199,6 +199,10 @@ def sample(
     from tpflow.preflight import check_machine
 
     print_report(check_machine(resolved.recipe, where=str(resolved.path)))  # devices, model files: before loading
+    from tpflow.preflight import prompt_warnings
+
+    for warning in prompt_warnings(resolved.recipe, list(prompt)):  # inspect-trajectory and eval say the same
+        make_console(stderr=True).print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
     accelerator, precision = _eval_accelerator(resolved.recipe)
     scale = resolved.recipe.eval.guidance if guidance is None else guidance
     batch = resolved.recipe.eval.batch_size

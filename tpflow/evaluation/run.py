@@ -23,6 +23,7 @@ from tpflow.distributed import Distributed
 from tpflow.evaluation.prompt_sets import prompt_set
 from tpflow.evaluation.targets import Target, load_model
 from tpflow.grids import EVAL_TILE, Grid, Tile, captioned_grid, columns_for
+from tpflow.preflight import prompt_warnings
 from tpflow.rewards.call import recipe_policy
 from tpflow.train.evaluation import (
     Scored,
@@ -137,7 +138,8 @@ def evaluate_target(
     described = {
         "prompts": options.prompts,
         "split": split,  # the dataset split sampled: "train" for --prompts test of a dataset without a test split
-        "warnings": [no_test_split(recipe.dataset.name)] if options.prompts == "test" and split != "test" else [],
+        "warnings": ([no_test_split(recipe.dataset.name)] if options.prompts == "test" and split != "test" else [])
+        + prompt_warnings(recipe, [item.prompt for item in items]),
         "num_prompts": len(items),
         "images_per_prompt": settings.images_per_prompt,
         "steps": settings.num_steps,

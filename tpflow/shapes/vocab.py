@@ -53,3 +53,22 @@ def tokenize(prompts: list[str], max_tokens: int = MAX_TOKENS) -> tuple[torch.Te
         tokens = [WORD_IDS.get(w, UNK) for w in words(prompt)][:max_tokens]
         ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long, device="cpu")
     return ids, ids != PAD
+
+
+def prompt_warnings(prompts: list[str], max_tokens: int = MAX_TOKENS) -> list[str]:
+    """One warning per kind of loss ``tokenize`` would make silently: words outside ``WORDS`` (they become
+    ``<unk>``, which the model never saw in training) and prompts cut at ``max_tokens`` words. Every command that
+    samples a user's prompt (``tpflow sample``, ``inspect-trajectory``, ``eval --prompts FILE``) prints these."""
+    unknown = dict.fromkeys(w for p in prompts for w in words(p) if w not in WORD_IDS)
+    long = [p for p in prompts if len(words(p)) > max_tokens]
+    out = []
+    if unknown:
+        known = ", ".join(w for w in WORDS if not w.startswith("<"))
+        out.append(
+            f"{', '.join(repr(w) for w in unknown)} {'is' if len(unknown) == 1 else 'are'} not in the shapes world's "
+            f"vocabulary and become <unk>, a token the model never saw in training (docs/shapes.md, 'Vocabulary'). "
+            f"Its words: {known}."
+        )
+    if long:
+        out.append(f"{len(long)} prompt(s) have more than {max_tokens} words and are cut there, e.g. {long[0]!r}.")
+    return out
