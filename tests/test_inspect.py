@@ -113,6 +113,22 @@ def test_run_mode_plots_a_training_run(tmp_path, tiny_weights, plugin):
     assert not (tmp_path / "runs" / "inspect" / "run" / "completions.png").exists()
 
 
+def test_run_mode_on_an_outcome_run_plots_the_final_rewards_and_says_why(tmp_path, tiny_weights, plugin):
+    Trainer(load_recipe(tiny_recipe(tmp_path, tiny_weights, credit="outcome"), ["eval.every=0"])).fit()
+    out = tmp_path / "inspect"
+    (out / "turning_points.png").parent.mkdir(parents=True)
+    (out / "turning_points.png").write_bytes(b"from an earlier inspection")  # stale: must not stay beside
+    done = run_cli("inspect-trajectory", "--run", str(tmp_path / "run"), "--n", "3", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "nan" not in done.stdout  # R_0 and Δ were never logged: shown as unknown, not as nan
+    assert "takes no ODE completions" in done.stdout and "final_rewards.png" in done.stdout
+    assert "--checkpoint" in done.stdout  # the command that shows the reward along denoising
+    assert sorted(p.name for p in out.iterdir()) == ["credit.png", "final_rewards.png", "trace.json"]
+    _check_png(out / "final_rewards.png")
+    data = json.loads((out / "trace.json").read_text())
+    assert all(row[-1] is not None for row in data["trace"])  # R_W of every trajectory is there
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

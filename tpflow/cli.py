@@ -19,6 +19,7 @@ one paragraph on stderr and exits with status 2, without a traceback.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -287,13 +288,15 @@ def inspect_trajectory(
     for row in summary_rows(result.trajectories, result.marked):
         table.add_row(
             str(row["traj"]),
-            f"{row['R_0']:.4g}",
+            "—" if math.isnan(row["R_0"]) else f"{row['R_0']:.4g}",  # not logged: a run without completions
             f"{row['R_W']:.4g}",
-            f"{row['delta']:+.4g}",
+            "—" if math.isnan(row["delta"]) else f"{row['delta']:+.4g}",
             row["turning_points"],
             " ".join(f"{x:.3g}" for x in row["step_rewards"]),
         )
     console.print(table)
+    for text in result.notes:
+        console.print(f"note: {escape(text)}", soft_wrap=True, highlight=False)
     for path in result.files:
         console.print(f"wrote {path}")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ class Inspection:
     trajectories: Trajectories
     marked: str  # the assigner whose turning points the plots mark
     files: list[Path]
+    notes: list[str] = field(default_factory=list)  # what the files leave out, and why (printed by the command)
 
 
 def inspect_sampled(
@@ -111,15 +112,35 @@ def inspect_run(
     apply_credit(t, {f"{k} (recomputed)": a for k, a in built.items() if not (has_nan and a.needs_completions)})
     stats = turning_point_stats(run)
     out = Path(out)
-    files = [
-        plots.plot_trajectories(t, trained, out / "trajectories.png"),
+    if has_nan:  # only R_W was logged: no reward along denoising, no turning points to plot
+        for stale in ("trajectories.png", "turning_points.png"):  # a folder reused from a run with completions
+            (out / stale).unlink(missing_ok=True)
+        files = [plots.plot_final_rewards(t, run.credit_name, out / "final_rewards.png")]
+        notes = [no_completions_note(run.credit_name, run_dir)]
+    else:
+        (out / "final_rewards.png").unlink(missing_ok=True)
+        files = [
+            plots.plot_trajectories(t, trained, out / "trajectories.png"),
+            plots.plot_turning_points(stats, run.credit_name, out / "turning_points.png"),
+        ]
+        notes = []
+    files += [
         plots.plot_credit(t, out / "credit.png"),
-        plots.plot_turning_points(stats, run.credit_name, out / "turning_points.png"),
         _write_json(
             {**to_json(t), "run_dir": str(run_dir), "turning_points_over_training": stats}, out / "trace.json"
         ),
     ]
-    return Inspection(t, trained, files)
+    return Inspection(t, trained, files, notes)
+
+
+def no_completions_note(credit: str, run_dir: Path) -> str:
+    """Why a run's inspection has final rewards only, and the command that shows the reward along denoising."""
+    return (
+        f"this run's credit ({credit}) takes no ODE completions, so the run logged each trajectory's final reward "
+        f"R_W only: R_0, Δ and turning points are not known, and final_rewards.png plots R_W alone. To see the "
+        f"reward along denoising, sample from the run's weights (sampling mode always completes by ODE): tpflow "
+        f"inspect-trajectory RECIPE --checkpoint {run_dir} --prompt TEXT, with the recipe the run was trained with."
+    )
 
 
 def _marked(t: Trajectories) -> str:

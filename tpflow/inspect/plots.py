@@ -106,6 +106,24 @@ def plot_trajectories(t: Trajectories, credit: str, path: Path) -> Path:
         return _save(fig, path)
 
 
+def plot_final_rewards(t: Trajectories, credit: str, path: Path) -> Path:
+    """The final reward R_W of each trajectory, for a run that logged nothing else (credit without completions)."""
+    import matplotlib
+
+    n = t.trace.shape[0]
+    final = t.trace[:, -1].tolist()
+    with matplotlib.rc_context(STYLE):
+        fig = _figure(max(5.0, 0.5 * n + 2.5), 4.2)
+        ax = fig.add_subplot()
+        ax.bar(range(n), final, color=_colors(n), edgecolor="k")
+        ax.set_xticks(range(n))
+        ax.set_xticklabels([f"traj {b}" for b in range(n)], rotation=45 if n > 8 else 0)
+        ax.set_ylabel("final image reward R_W")
+        ax.grid(alpha=0.3, axis="y")
+        fig.suptitle(_title(t, f"final rewards only: credit {credit} logs no ODE completions"))
+        return _save(fig, path)
+
+
 def plot_completions(t: Trajectories, credit: str, path: Path) -> Path:
     """Per trajectory the strip of images after j = 0..W SDE steps, reward under each, turning steps framed."""
     import matplotlib

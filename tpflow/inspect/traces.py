@@ -13,6 +13,7 @@ step i is the paper's step t = K − s − i, the transition x_t → x_{t−1}.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -282,16 +283,17 @@ def summary_rows(t: Trajectories, credit: str) -> list[dict[str, Any]]:
     rows = []
     for b in range(t.trace.shape[0]):
         steps = c.turning_points[b].nonzero().flatten().tolist()
-        delta = float(t.trace[b, -1] - t.trace[b, 0])
+        delta = float(t.trace[b, -1] - t.trace[b, 0])  # NaN where only R_W was logged (no completions)
         kind = "good" if delta > 0 else "bad"
         names = [f"t={labels[i]}" if labels else f"i={i}" for i in steps]
+        unknown = math.isnan(delta)
         rows.append(
             {
                 "traj": b,
                 "R_0": float(t.trace[b, 0]),
                 "R_W": float(t.trace[b, -1]),
                 "delta": delta,
-                "turning_points": f"{', '.join(names)} ({kind})" if steps else "-",
+                "turning_points": "not known" if unknown else f"{', '.join(names)} ({kind})" if steps else "-",
                 "step_rewards": c.step_rewards[b].tolist(),
             }
         )
