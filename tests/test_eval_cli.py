@@ -137,13 +137,18 @@ def test_baseline_prints_and_records_the_differences(run, capsys, tmp_path):
     mine, theirs = data["target"]["categories"], data["baseline"]["categories"]
     for category, delta in data["difference"].items():
         assert delta["reward"] == pytest.approx(mine[category]["reward"] - theirs[category]["reward"])
-    assert "baseline reward" in out and "Δ reward" in out
+    flat = " ".join(out.split())
+    assert "Δ reward [95% t]" in out and "not training's seed-to-seed spread" in flat
     overall = data["difference"]["overall"]["reward"]
-    assert f"{overall:+.4f}" in out
+    span = data["difference_interval"]["categories"]["overall"]["reward"]
+    assert span["prompts"] == 12 and span["mean"] == pytest.approx(overall)  # 1 image per prompt: the same mean
+    assert span["low"] < overall < span["high"]
+    assert f"{overall:+.4f} [{span['low']:+.3f}, {span['high']:+.3f}]" in out
     # one comparison image: per prompt the baseline's image, then the trained one, from the same noise row
     layout = _read_grid(tmp_path / "vs" / "comparison.png", data["target"]["images"], data["baseline"]["images"])
     tiles = layout["tiles"]
-    assert len(tiles) == 24 and layout["columns"] == ["baseline", "trained"] * 4
+    assert len(tiles) == 24 and layout["columns"] == ["shapes_tp (base)", f"run@{data['target']['step']}"] * 4
+    assert layout["headers"] == {"baseline": "shapes_tp (base)", "target": f"run@{data['target']['step']}"}
     assert [t["source"] for t in tiles] == ["baseline", "trained"] * 12
     for before, after in zip(tiles[::2], tiles[1::2], strict=True):
         assert before["index"] == after["index"] and before["prompt"] == after["prompt"]
@@ -381,3 +386,32 @@ def test_baseline_tables_fit_80_columns_without_cutting_a_number():
         for value in figures.values():
             assert f"{value:+.4f}" in text, (category, value, text)
     assert "+0.3333" in text  # overall strict: 2/3 - 1/3
+
+
+def test_the_difference_has_a_paired_interval_over_prompts():
+    """Δ +0.020 had no uncertainty; it gets a 95% t interval over the prompts, paired by prompt, by hand here."""
+    from scipy import stats
+
+    from tpflow.evaluation.paired import paired_intervals
+
+    mine = _result([1.0, 1.0, 0.0], [0.9, 0.8, 0.1], "runs/a")
+    base = _result([0.0, 1.0, 0.0], [0.5, 0.6, 0.2], "runs/b")
+    spans = paired_intervals(mine, base)
+    d = np.array([0.4, 0.2, -0.1])  # per prompt (one image each)
+    half = stats.t.ppf(0.975, 2) * d.std(ddof=1) / np.sqrt(3)
+    overall = spans["overall"]["reward"]
+    assert overall["prompts"] == 3 and overall["mean"] == pytest.approx(d.mean())
+    assert (overall["low"], overall["high"]) == pytest.approx((d.mean() - half, d.mean() + half))
+    single = spans["single_object"]["reward"]  # two prompts: 0.4, 0.2
+    assert single["prompts"] == 2 and single["low"] == pytest.approx(0.3 - stats.t.ppf(0.975, 1) * 0.1)
+    assert np.isnan(spans["color_attr"]["reward"]["low"])  # one prompt: no interval
+    assert spans["overall"]["strict"]["mean"] == pytest.approx(1 / 3)
+    console = Console(width=80, record=True)
+    for table in _eval_tables(mine, base):
+        console.print(table)
+    text = console.export_text()
+    assert f"+0.1667 [{d.mean() - half:+.3f}, {d.mean() + half:+.3f}]" in text
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    other = _result([1.0, 1.0, 0.0], [0.9, 0.8, 0.1], "runs/c")
+    other.items[0] = PromptItem("a bird", {"tag": "single_object"})
+    assert paired_intervals(other, base) == {}  # other prompts: no pairs, and the table says so

@@ -241,6 +241,7 @@ def _eval_tables(result: Any, baseline: Any | None) -> list[Table]:
     """Per category: images, mean reward, GenEval strict accuracy (when the reward has it). The ``overall`` row is
     the mean over images (training's ``eval_*``); GenEval's score, the mean over tags, has a row of its own. With a
     baseline, one table per figure (target, baseline, difference), so that each fits 80 columns."""
+    from tpflow.evaluation.paired import SEEDS_NOTE, paired_intervals
     from tpflow.evaluation.run import OVERALL, difference
 
     mine = result.categories()
@@ -252,6 +253,7 @@ def _eval_tables(result: Any, baseline: Any | None) -> list[Table]:
              f"{result.settings['steps']} steps, {escape(prompts)})")  # fmt: skip
     theirs = baseline.categories() if baseline is not None else {}
     delta = difference(result, baseline) if baseline is not None else {}
+    spans = paired_intervals(result, baseline) if baseline is not None else {}
     groups = [figures] if baseline is None else [[key] for key in figures]
     tables = []
     for keys in groups:
@@ -263,15 +265,16 @@ def _eval_tables(result: Any, baseline: Any | None) -> list[Table]:
         for key in keys:
             table.add_column(key, justify="right", no_wrap=True)
             if baseline is not None:
-                table.add_column(f"baseline {key}", justify="right", no_wrap=True)
-                table.add_column(f"Δ {key}", justify="right", no_wrap=True)
+                table.add_column("baseline", justify="right", no_wrap=True)
+                table.add_column(f"Δ {key} [95% t]" if spans else f"Δ {key}", justify="right", no_wrap=True)
         for category, row in mine.items():
             label = "overall (images)" if category == OVERALL and "strict_tags" in row else category
             cells = [label, str(int(row["images"]))]
             for key in keys:
                 cells += _figures(
-                    row.get(key), theirs.get(category, {}).get(key), delta.get(category, {}).get(key), baseline
-                )
+                    row.get(key), theirs.get(category, {}).get(key), delta.get(category, {}).get(key), baseline,
+                    spans.get(category, {}).get(key),
+                )  # fmt: skip
             table.add_row(*cells, style="bold" if category == OVERALL else None)
         if "strict" in keys and "strict_tags" in mine[OVERALL]:  # GenEval's score: the mean of the tags' accuracies
             row = mine[OVERALL]
@@ -285,13 +288,26 @@ def _eval_tables(result: Any, baseline: Any | None) -> list[Table]:
                 "overall (images): the mean over images (training's eval_strict); overall (tags): GenEval's score, "
                 "the mean of the tags' accuracies (eval_strict_tags)"
             )
+        if baseline is not None:
+            caption = f"Δ: target − baseline. {SEEDS_NOTE}" if spans else (
+                "Δ: target − baseline; no interval: the two evaluated different prompt lists (no pairs)."
+            )  # fmt: skip
+            table.caption = f"{table.caption}. {caption}" if table.caption else caption
         tables.append(table)
     return tables
 
 
-def _figures(value: float | None, other: float | None, change: float | None, baseline: Any | None) -> list[str]:
-    """The cells of one figure: its value, and with a baseline the baseline's and the difference ("-": none)."""
+def _figures(
+    value: float | None, other: float | None, change: float | None, baseline: Any | None, span: dict | None = None
+) -> list[str]:
+    """The cells of one figure: its value, and with a baseline the baseline's and the difference ("-": none), with
+    its paired interval over prompts when there is one."""
+    import math
+
     cells = ["-" if value is None else f"{value:.4f}"]
     if baseline is not None:
-        cells += ["-" if other is None else f"{other:.4f}", "-" if change is None else f"{change:+.4f}"]
+        shown = "-" if change is None else f"{change:+.4f}"
+        if change is not None and span is not None and not math.isnan(span["low"]):
+            shown += f" [{span['low']:+.3f}, {span['high']:+.3f}]"
+        cells += ["-" if other is None else f"{other:.4f}", shown]
     return cells

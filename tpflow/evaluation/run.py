@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from tpflow.distributed import Distributed
+from tpflow.evaluation.paired import SEEDS_NOTE, paired_intervals
 from tpflow.evaluation.prompt_sets import prompt_set
 from tpflow.evaluation.targets import Target, load_model
 from tpflow.grids import EVAL_TILE, Grid, Tile, captioned_grid, columns_for
@@ -170,19 +171,24 @@ def difference(result: EvalResult, baseline: EvalResult) -> dict[str, dict[str, 
 def comparison_grid(result: EvalResult, baseline: EvalResult, path: Path) -> Grid:
     """One image comparing the two: per prompt, the baseline's shown images, then the target's (same image rows).
 
-    The columns are headed "baseline" and "trained" ("target" when the target is a recipe's base model); the tile
-    map names both targets and gives each tile's ``source``."""
-    name = "target" if result.target.kind == "recipe" else "trained"
+    The columns are headed with the two targets' short names (``Target.short_name``: a run's folder and step, an
+    adapter's folder, a recipe's stem); the tile map names both in full and gives each tile's ``source``
+    ("baseline", or "trained" / "target" when the target is a recipe's base model)."""
+    role = "target" if result.target.kind == "recipe" else "trained"  # each tile's source in the tile map
+    name, base_name = result.target.short_name, baseline.target.short_name
+    if name == base_name:  # e.g. two runs' folders of one name: the headers must tell them apart
+        name, base_name = f"{role}: {name}", f"baseline: {base_name}"
     theirs = {t.info["index"]: t for t in grid_tiles(baseline.scored, baseline.items, "baseline")}
-    mine = [t for t in grid_tiles(result.scored, result.items, name) if t.info["index"] in theirs]
+    mine = [t for t in grid_tiles(result.scored, result.items, role) if t.info["index"] in theirs]
     per_prompt: dict[int, list[Tile]] = defaultdict(list)
     for tile in mine:
         per_prompt[result.scored.prompt_index[tile.info["index"]]].append(tile)
     tiles = [t for group in per_prompt.values() for t in [*(theirs[m.info["index"]] for m in group), *group]]
     pair = 2 * max(len(group) for group in per_prompt.values())
     columns = columns_for(pair, len(tiles))
-    headers = (["baseline"] * (pair // 2) + [name] * (pair // 2)) * (columns // pair)
-    about = {"shows": result.scored.grid_rule, "baseline": baseline.target.label, name: result.target.label}
+    headers = ([base_name] * (pair // 2) + [name] * (pair // 2)) * (columns // pair)
+    about = {"shows": result.scored.grid_rule, "baseline": baseline.target.label, "target": result.target.label,
+             "headers": {"baseline": base_name, "target": name}}  # fmt: skip
     return captioned_grid(tiles, columns, path, headers, group=pair, max_tile=EVAL_TILE, about=about)
 
 
@@ -195,6 +201,8 @@ def write_outputs(out: Path, result: EvalResult, baseline: EvalResult | None, em
     if baseline is not None:
         data["baseline"] = baseline.to_json(ema)
         data["difference"] = difference(result, baseline)
+        data["difference_interval"] = {"over": "prompts, paired", "note": SEEDS_NOTE,
+                                       "categories": paired_intervals(result, baseline)}  # fmt: skip
         written.append(comparison_grid(result, baseline, out / "comparison.png").path)
     path = out / "eval.json"
     tmp = path.with_name(f".eval.json.tmp-{os.getpid()}")

@@ -41,6 +41,13 @@ class Target:
             return f"{self.path}@{self.step}"
         return f"{self.path} (base)" if self.kind == "recipe" else str(self.path)
 
+    @property
+    def short_name(self) -> str:
+        """A name short enough for a grid's column header: ``shapes_tp@40`` / ``lora`` / ``shapes_tp (base)``."""
+        if self.kind in ("run", "checkpoint"):  # path is the run dir for both
+            return f"{self.path.name}@{self.step}"
+        return f"{self.path.stem} (base)" if self.kind == "recipe" else self.path.name
+
     def describe(self, ema: bool) -> dict[str, Any]:
         """The target as eval.json records it."""
         return {
