@@ -60,6 +60,33 @@ def test_validate_ok(plugin, tmp_path):
     assert "valid" in out.stdout and "learning_rate = 0.0002" in out.stdout
 
 
+def test_validate_checks_a_multi_process_layout_without_a_gpu():
+    """The paper's 8 x 4 layout could only be checked by `train`, which stops first at the missing GPU."""
+    root = Path(__file__).resolve().parent.parent
+    ok = tpflow("validate", "recipes/geneval_tp.toml", "--no-machine", "--num-processes", "8", "--num-machines", "4",
+                cwd=root)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    flat = " ".join(ok.stdout.split())
+    assert "layout: 32 processes: each samples 4 of the epoch's 128 rollout batches" in flat  # 48 x 24 / 9
+    bad = tpflow("validate", "recipes/geneval_tp.toml", "--no-machine", "--num-processes", "7", cwd=root)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    flat = " ".join(bad.stderr.split())
+    assert "7 processes cannot share the epoch equally" in flat and "[1, 2, 4, 8, 16, 32, 64, 128]" in flat
+    assert "valid" not in bad.stdout  # refused before the table
+    single = tpflow("validate", "recipes/geneval_tp.toml", "--no-machine", cwd=root)
+    assert single.returncode == 0 and "layout:" not in single.stdout
+
+
+def test_recipes_reading_pickscore_prompts_say_where_they_come_from():
+    root = Path(__file__).resolve().parent.parent
+    doc = (root / "docs" / "rewards.md").read_text()
+    assert "### Prompt files of the paper recipes" in doc and "dataset/pickscore_sfw/train.txt" in doc
+    readers = [p for p in sorted((root / "recipes").glob("*.toml")) if "data/pickscore/" in p.read_text()]
+    assert len(readers) >= 9
+    for path in readers:
+        assert "docs/rewards.md" in path.read_text(), path.name
+
+
 def test_validate_misspelt_option_exits_2_with_one_paragraph(plugin, tmp_path):
     (tmp_path / "r.toml").write_text(BASE.replace("balanced = false", "balanse = false"))
     out = tpflow("validate", str(tmp_path / "r.toml"))

@@ -95,8 +95,21 @@ def validate(
             "(--no-machine: the values only, for a recipe meant for another machine)."
         ),
     ] = True,
+    num_processes: Annotated[
+        int,
+        typer.Option(
+            "--num-processes",
+            min=1,
+            help="Also check the epoch's layout on this many processes per machine, as "
+            "`tpflow train --num-processes` would (docs/distributed.md).",
+        ),
+    ] = 1,
+    num_machines: Annotated[int, typer.Option("--num-machines", min=1, help="Machines taking part (with it).")] = 1,
 ) -> None:
-    """Check every section of a recipe against its component, without loading any weights."""
+    """Check every section of a recipe against its component, without loading any weights.
+
+    Example: tpflow validate recipes/geneval_tp.toml --no-machine --num-processes 8 --num-machines 4
+    """
     from tpflow.experiments.spec import is_experiment_file
     from tpflow.preflight import check_machine, default_run_dir
     from tpflow.recipe import load_recipe
@@ -108,6 +121,7 @@ def validate(
         return
     loaded = load_recipe(recipe, set_ or [])
     warn_broken_plugins()
+    layout = layout_report(loaded, num_processes * num_machines) if num_processes * num_machines > 1 else None
     report = check_machine(loaded, default_run_dir(loaded)) if machine else None
     if not offline:
         loaded.preflight()  # the remote reward's server: up, and serving the recipe's reward
@@ -133,6 +147,22 @@ def validate(
         console.print(f"device: {escape(report.device)}", highlight=False, soft_wrap=True)
         for text in report.warnings:
             make_console(stderr=True).print(f"[yellow]warning:[/] {escape(text)}", soft_wrap=True, highlight=False)
+    if layout is not None:
+        console.print(layout, highlight=False, soft_wrap=True)
+
+
+def layout_report(recipe: Any, processes: int) -> str:
+    """How ``processes`` processes would share the recipe's epochs (the line ``tpflow train`` prints when it starts
+    on them), or a UserError (exit 2) naming the process counts that work; no weights, no dataset."""
+    from tpflow import registry
+    from tpflow.train.prompt_sampler import check_layout, layout_line, plan_epoch
+
+    train = recipe.train
+    check_layout(train, processes)
+    layout_of = getattr(registry.get("optimizer", recipe.optimizer.name).factory, "layout_of", None)
+    layout = layout_of(recipe.optimizer.options) if callable(layout_of) else None
+    plan = plan_epoch(train.prompts_per_epoch, train, 0)  # the layout depends on the sizes only, not the prompts
+    return f"layout: {layout_line(plan, layout, processes)}"
 
 
 @app.command()

@@ -47,7 +47,8 @@ def _lines(path: str) -> list[tuple[int, str]]:
         raise UserError(
             f"{problem[:-1]}: a relative path is read from the working directory, so it looked for "
             f"{Path.cwd() / file}. Run from the folder that holds it, set [dataset] path (and test_path) to where the "
-            "prompts are, or make the file (the recipe's header comment says where its prompts come from)."
+            "prompts are, or make the file (the recipe's header comment says where its prompts come from; for the "
+            "paper recipes' PickScore prompts see docs/rewards.md, 'Prompt files of the paper recipes')."
         )
     if problem:
         raise UserError(f"{problem} Set [dataset] path (and test_path) to a text file of prompts.")

@@ -95,7 +95,12 @@ class AdamWLoop:
 
     def batch_layout(self) -> BatchLayout:
         """How ``update`` batches its rows (``Optimizer.batch_layout``)."""
-        o = self.options
+        return self.layout_of(self.options)
+
+    @staticmethod
+    def layout_of(options: Any) -> BatchLayout:
+        """``batch_layout`` from the options alone, before any model exists (``tpflow validate --num-processes``)."""
+        o = options
         return BatchLayout(
             o.micro_batch_size, o.gradient_accumulation_steps, "optimizer.micro_batch_size",
             "optimizer.gradient_accumulation_steps",

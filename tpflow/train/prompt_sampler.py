@@ -90,7 +90,7 @@ def check_layout(train: TrainSettings, world_size: int) -> None:
             f"({batches if full else 'not whole'}) must be a multiple of the process count. "
             + (f"Process counts that work: {divisors}. " if divisors else "")
             + "Change train.prompts_per_epoch, train.prompts_per_round or train.rollout_batch "
-            "(docs/distributed.md, 'How the batch sizes map to GPUs')."
+            "(docs/distributed.md, 'How the recipe's batch sizes map to GPUs')."
         )
 
 
