@@ -47,6 +47,62 @@ def test_components_shows_plugins_and_where_they_come_from(plugin):
     assert "built-in tpflow/credit/turning_point.py" in out.stdout
 
 
+COMMANDS = ("train", "validate", "eval", "sample", "inspect-trajectory", "components", "credit", "sweep", "compare",
+            "probe", "export", "serve-reward")  # fmt: skip
+
+
+@pytest.mark.parametrize("columns", ["80", "200"])
+def test_every_command_help_fits_the_terminal_without_cutting_a_word(columns):
+    """At 80 columns rich's option table left the descriptions ~22 columns and cut longer words with "…"
+    (eval --help: eval.images_per_prom…); narrow terminals get click's plain layout, which wraps words whole."""
+    for command in COMMANDS:
+        out = tpflow(command, "--help", columns=columns)
+        assert out.returncode == 0, (command, out.stderr)
+        assert "…" not in out.stdout, (command, out.stdout)
+        assert max(len(line) for line in out.stdout.splitlines()) <= int(columns), command
+    text = " ".join(tpflow("eval", "--help", columns="80").stdout.split())
+    assert "eval.images_per_prompt; GenEval: 4" in text and "RUN/eval/step<S>_<prompts>_T<steps>" in text
+    assert "Usage: tpflow" in tpflow("--help", columns="80").stdout  # the command list: rich, at any width
+
+
+def test_components_at_80_columns_is_a_list_and_one_component_has_a_view_of_its_own():
+    narrow = tpflow("components", columns="80")
+    assert narrow.returncode == 0, narrow.stderr
+    lines = narrow.stdout.splitlines()
+    assert "┃" not in narrow.stdout and max(len(line) for line in lines) <= 80  # not a table of 4-word columns
+    wide = tpflow("components", columns="200").stdout.splitlines()
+    assert any("┃" in line for line in wide)  # a wide terminal keeps the table
+    for name in ("credit consistent", "plan window-schedule", "sampler cps", "optimizer grpo"):
+        assert name in narrow.stdout  # every component's header line: kind and name
+    assert "tpflow components KIND NAME" in narrow.stdout
+    one = tpflow("components", "credit", "consistent", columns="80")
+    assert one.returncode == 0, one.stderr
+    flat = " ".join(one.stdout.split())
+    assert flat.startswith("credit consistent (built-in tpflow/credit/consistent.py")
+    assert "balanced: bool = True" in flat and "first_step: bool = True" in flat
+    assert "outcome" not in one.stdout.split("(built-in")[0]  # that component only
+    bad = tpflow("components", "credit", "consistant")
+    assert bad.returncode == 2 and "Did you mean 'consistent'?" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_run_header_breaks_between_values_never_inside_one():
+    from tpflow.train.run_logger import fit_segments
+
+    segments = ["tpflow train recipes/shapes_tp.toml -> runs/shapes_tp", "epochs 0..19", "credit consistent",
+                "32 trainable tensors", "device cpu (backbone device = 'cpu')"]  # fmt: skip
+    text = fit_segments(segments, 80)
+    lines = text.splitlines()
+    assert lines == [  # greedy: each line takes the next value while it fits
+        "tpflow train recipes/shapes_tp.toml -> runs/shapes_tp | epochs 0..19",
+        "  credit consistent | 32 trainable tensors",
+        "  device cpu (backbone device = 'cpu')",
+    ]
+    for segment in segments:
+        assert segment in text  # whole, on one line
+    assert fit_segments(segments, 1000) == " | ".join(segments)
+    assert fit_segments(["x" * 90, "a"], 80).splitlines() == ["x" * 90, "  a"]  # too long alone: a line of its own
+
+
 def test_components_unknown_kind_exits_2():
     out = tpflow("components", "rewards")
     assert out.returncode == 2 and "Kinds are" in out.stderr and "Traceback" not in out.stderr

@@ -429,8 +429,29 @@ def _format_values(model: Any) -> str:
     return "\n".join(f"{k} = {v!r}" for k, v in model.model_dump().items()) or "-"
 
 
+NARROW_HELP = 100  # terminal columns below which --help is click's plain layout (rich's cut words with "…")
+
+
+def _help_layout(columns: int) -> None:
+    """Rich's help table gives the descriptions the columns its option, flag and type columns leave; at 80 columns
+    that is about 22, and a longer word (``eval.images_per_prompt``) is cut with "…". Below ``NARROW_HELP`` columns
+    a command's help uses click's plain layout, which wraps every word whole (the command list of ``tpflow --help``
+    has no such columns and stays rich); set per call, as tests run many in one process."""
+    import typer.core
+
+    cls = typer.core.TyperCommand
+    rich = _RICH_HELP.setdefault("command", cls.format_help)
+    cls.format_help = rich if columns >= NARROW_HELP else cls.__bases__[0].format_help  # type: ignore[method-assign]
+
+
+_RICH_HELP: dict[str, Any] = {}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
+    import shutil
+
+    _help_layout(shutil.get_terminal_size((160, 24)).columns)  # not a terminal: COLUMNS, else wide (rich's help)
     args = list(sys.argv[1:] if argv is None else argv)
     for i, arg in enumerate(args):  # a bare `--resume` (no value) means the run dir's newest checkpoint
         if arg == "--resume" and (i + 1 == len(args) or args[i + 1].startswith("-")):

@@ -58,27 +58,65 @@ def _summary(factory: object) -> str:
     return text.replace(" (module docstring)", "").replace("``", "`").strip()
 
 
+WIDE = 120  # columns from which the listing is a table; narrower terminals get the list layout
+
+
 @user_errors
 def components(
     kind: Annotated[str | None, typer.Argument(help=f"One of: {', '.join(registry.KINDS)}. All when omitted.")] = None,
+    name: Annotated[
+        str | None, typer.Argument(help="One component of KIND: its whole description.", show_default=False)
+    ] = None,
 ) -> None:
-    """List the registered components (built-ins and plugins) with their options."""
+    """List the registered components (built-ins and plugins) with their options: a table on a wide terminal, a
+    list on a narrow one (under 120 columns).
+
+    Example: tpflow components credit consistent
+    """
     kinds = registry.KINDS if kind is None else (kind,)
+    entries = [(k, e) for k in kinds for e in registry.entries(k)]
+    if name is not None:
+        entries = [(kind, registry.get(kind, name))]  # an unknown name: the registry's message, with close matches
+    console = make_console()
+    if name is None and console.width >= WIDE:
+        console.print(_table(entries))
+    else:
+        for k, entry in entries:
+            for block in _block(k, entry, full=name is not None):
+                console.print(block)
+        if name is None:
+            console.print(Text("One component, its whole description: tpflow components KIND NAME", style="dim"))
+    for line in [f"{k}: {e}" for k in kinds for e in registry.plugin_errors(k)]:
+        console.print(f"[yellow]plugin failed to load[/] {escape(line)}", soft_wrap=True, highlight=False)
+
+
+def _table(entries: list[tuple[str, registry.Entry]]) -> Table:
+    """The listing as one table: kind, name, what it does and its options, where it comes from."""
     table = Table(title="tpflow components", show_lines=True)
     table.add_column("kind", no_wrap=True)
     table.add_column("name", no_wrap=True, style="bold cyan")
     table.add_column("what it does · options", overflow="fold", ratio=3)
     table.add_column("from", overflow="fold", ratio=1)
-    broken = []
-    for k in kinds:
-        for entry in registry.entries(k):
-            summary = Text(_summary(entry.factory), style="italic")  # what it does, above its options
-            table.add_row(k, entry.name, Group(summary, _indented(describe_options(entry.options))), _where(entry))
-        broken += [f"{k}: {e}" for e in registry.plugin_errors(k)]
-    console = make_console()
-    console.print(table)
-    for line in broken:
-        console.print(f"[yellow]plugin failed to load[/] {escape(line)}", soft_wrap=True, highlight=False)
+    for k, entry in entries:
+        summary = Text(_summary(entry.factory), style="italic")  # what it does, above its options
+        table.add_row(k, entry.name, Group(summary, _indented(describe_options(entry.options))), _where(entry))
+    return table
+
+
+def _block(kind: str, entry: registry.Entry, full: bool) -> list[object]:
+    """One component in the list layout: ``kind name`` and where it comes from on one line, what it does, and its
+    options (one per line, descriptions indented under them); ``full``: the whole docstring, not its summary."""
+    head = Text()
+    head.append(f"{kind} ", style="bold")
+    head.append(entry.name, style="bold cyan")
+    head.append(f"  ({_where(entry)})", style="dim")
+    paragraphs = (inspect.getdoc(entry.factory) or "").split("\n\n")  # reflowed: the terminal wraps them
+    doc = "\n\n".join(" ".join(p.split()) for p in paragraphs).replace("``", "`") if full else _summary(entry.factory)
+    body = Padding(Text(doc, style="italic"), (0, 0, 0, 2))
+    described = describe_options(entry.options)
+    text = "options: none" if described == "-" else "options:\n" + "\n".join("  " + x for x in described.splitlines())
+    options = Padding(_indented(text), (0, 0, 1, 2))
+    return [head, body, options]
 
 
 @user_errors

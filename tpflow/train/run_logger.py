@@ -182,6 +182,19 @@ def epoch_line(epoch: int, metrics: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+def fit_segments(segments: list[str], width: int, sep: str = " | ") -> str:
+    """``segments`` joined by ``sep`` into lines of at most ``width`` columns, breaking only between segments (a
+    value is never split across lines; a segment longer than a line gets a line of its own); continuation lines are
+    indented by two spaces."""
+    lines: list[str] = []
+    for segment in segments:
+        if lines and len(lines[-1]) + len(sep) + len(segment) <= width:
+            lines[-1] += sep + segment
+        else:
+            lines.append(segment if not lines else "  " + segment)
+    return "\n".join(lines)
+
+
 def _append(path: Path, records: list[dict]) -> None:
     with open(path, "a+b") as f:  # end a line cut short by a killed writer, so that the new lines stay separate
         if f.tell() > 0:

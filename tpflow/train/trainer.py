@@ -65,7 +65,7 @@ from tpflow.train.out_of_memory import out_of_memory_message
 from tpflow.train.prompt_sampler import check_layout, layout_line, plan_epoch
 from tpflow.train.resume import checkpoint_to_resume, restoring, train_command
 from tpflow.train.run_lock import RunDirLock
-from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, truncate_after
+from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, fit_segments, truncate_after
 from tpflow.train.sampling import EpochSampler
 from tpflow.train.trackers import Trackers, tracker_dir
 from tpflow.types import PromptItem, Rollout
@@ -174,12 +174,14 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Run the remaining epochs; returns the last epoch's metrics (with the last eval's)."""
         train, evaluation = self.settings, self.recipe.eval
-        self.console.print(
-            f"[bold]tpflow train[/] {self.recipe.path or ''} -> {self.run_dir} | "
-            f"epochs {self.epoch}..{train.epochs - 1}"
-            f" | credit {self.recipe.credit.name} | {len(self.backbone.trainable_parameters())} trainable tensors"
-            f" | device {escape(self.machine.device)}"
-        )
+        header = [
+            f"tpflow train {self.recipe.path or ''} -> {self.run_dir}",
+            f"epochs {self.epoch}..{train.epochs - 1}",
+            f"credit {self.recipe.credit.name}",
+            f"{len(self.backbone.trainable_parameters())} trainable tensors",
+            f"device {self.machine.device}",
+        ]  # at 80 columns the line breaks between these, never inside a value
+        self.console.print(escape(fit_segments(header, self.console.width)), soft_wrap=True, highlight=False)
         if self.dist.enabled:
             plan = plan_epoch(len(self.train_items), self.settings, self.epoch)
             self.console.print(layout_line(plan, self.optimizer.batch_layout(), self.dist.world_size))
