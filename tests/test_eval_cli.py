@@ -86,8 +86,11 @@ def _read_grid(png: Path, images: list[dict], baseline: list[dict] | None = None
         assert right - left >= 160 and pixels[top:bottom, left:right].std() > 1  # an enlarged image
         assert tuple(pixels[top - 1, (left + right) // 2]) == (PASS if image["strict"] == 1 else FAIL)
         assert tile["mark"] == ("pass" if image["strict"] == 1 else "fail")
-        caption = pixels[bottom + FRAME : bottom + FRAME + 14, left:right]
-        assert (caption.max(axis=-1) < 100).any()  # dark text under the frame
+        note = pixels[bottom + FRAME : bottom + FRAME + 14, left:right].astype(int)
+        assert (note[..., 2] - note[..., 0] > 60).sum() > 5  # the image's score, in the note's blue
+        assert tile["score"] == image["score"]
+        caption = pixels[bottom + FRAME + 14 : bottom + FRAME + 30, left:right]
+        assert (caption.max(axis=-1) < 100).any()  # the prompt's dark text under it
     return layout
 
 
@@ -386,6 +389,16 @@ def test_baseline_tables_fit_80_columns_without_cutting_a_number():
         for value in figures.values():
             assert f"{value:+.4f}" in text, (category, value, text)
     assert "+0.3333" in text  # overall strict: 2/3 - 1/3
+
+
+def test_an_exported_adapter_is_evaluated_into_runs_eval_not_into_its_own_folder():
+    """`tpflow eval EXPORT_DIR` wrote eval_test_T10/ inside the folder meant for load_lora_weights."""
+    from tpflow.evaluation.run import EvalOptions, default_out
+
+    lora = _result([1.0, 1.0, 0.0], [0.9, 0.8, 0.1], "exports/shapes_lora").target
+    out = default_out(lora, EvalOptions(prompts="test", steps=10))
+    assert out == Path("runs/eval/shapes_lora_export_test_T10")
+    assert Path("exports/shapes_lora").resolve() not in out.resolve().parents
 
 
 def test_the_difference_has_a_paired_interval_over_prompts():

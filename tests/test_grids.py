@@ -53,6 +53,36 @@ def test_grid_draws_headers_marks_and_captions_where_its_tile_map_says(tmp_path)
         assert (pixels[: first_top - FRAME, tile["box"][0] : tile["box"][2]].max(axis=-1) < 100).any()
 
 
+def test_a_tile_note_is_drawn_between_its_image_and_its_caption(tmp_path):
+    """Eval grids of rewards without a strict verdict showed no figure on their tiles (only eval.json had it)."""
+    from tpflow.grids import NOTE
+
+    image = torch.full((3, 32, 32), 0.5)
+    plain = captioned_grid([Tile(image, "a prompt")], 1, tmp_path / "plain.png")
+    noted = captioned_grid([Tile(image, "a prompt", note="score 0.734")], 1, tmp_path / "noted.png")
+    pixels = np.asarray(Image.open(noted.path).convert("RGB")).astype(int)
+    before = np.asarray(Image.open(plain.path).convert("RGB")).astype(int)
+    assert noted.size[1] > plain.size[1]  # a line more under every tile
+    left, _, right, bottom = noted.boxes[0]
+    band = pixels[bottom + FRAME : bottom + FRAME + 14, left:right]  # the first line under the image
+    blue = (band[..., 2] - band[..., 0] > 60).sum()  # the note's colour, not the black prompt's
+    assert blue > 5 and NOTE[2] - NOTE[0] > 60
+    assert (before[bottom + FRAME : bottom + FRAME + 14, left:right][..., 2] - before[bottom + FRAME : bottom + FRAME
+            + 14, left:right][..., 0] > 60).sum() == 0  # fmt: skip
+    below = pixels[bottom + FRAME + 14 : bottom + FRAME + 30, left:right]
+    assert (below.max(axis=-1) < 100).any()  # the prompt, one line lower
+
+
+def test_eval_tiles_carry_their_score_whatever_the_reward():
+    from tpflow.train.evaluation import Scored, grid_tiles
+    from tpflow.types import PromptItem
+
+    pixels = [torch.zeros(1, 3, 8, 8, dtype=torch.uint8)] * 2
+    scored = Scored([0, 1], [0.25, 0.7341], {}, grid=pixels, grid_rows=[0, 1])  # no strict detail: PickScore-like
+    tiles = grid_tiles(scored, [PromptItem("a", {}), PromptItem("b", {})])
+    assert [t.note for t in tiles] == ["score 0.250", "score 0.734"] and all(t.mark is None for t in tiles)
+
+
 def test_columns_keep_a_prompts_images_or_a_comparisons_pair_on_one_row():
     assert columns_for(1, 64) == 8 and columns_for(4, 64) == 8 and columns_for(3, 60) == 6
     assert columns_for(2, 48) == 8 and columns_for(8, 32) == 8  # pairs of 1 and of 4 images

@@ -73,6 +73,33 @@ def test_wrong_type_names_the_field(plugin, tmp_path):
         load_recipe(path)
 
 
+def test_a_bad_value_does_not_append_every_option_name(plugin, tmp_path):
+    """A type error named the field rightly; the whole list of allowed options after it was noise."""
+    path = write(tmp_path, BASE.replace("learning_rate = 1e-4", 'learning_rate = "fast"'))
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    assert "Allowed options" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("log.trackers=wandb", 'trackers = ["wandb"] in the recipe, on the command line '
+         """--set 'log.trackers=["wandb"]'"""),
+        ("rollout.window_range=0,9", "window_range = [0, 9] in the recipe, on the command line "
+         "--set 'rollout.window_range=[0, 9]'"),
+    ],
+)  # fmt: skip
+def test_a_list_given_without_brackets_gets_the_syntax_that_works(plugin, tmp_path, override, expected):
+    path = write(tmp_path, BASE)
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, [override])
+    message = str(info.value)
+    assert "valid" in message and expected in message and "\n" not in message
+    fixed = expected.split("--set '")[1].rstrip("'")
+    load_recipe(path, [fixed])  # the suggested override is accepted
+
+
 def test_unknown_component_lists_names(plugin, tmp_path):
     path = write(tmp_path, BASE.replace('name = "turning_point"', 'name = "turningpoint"'))
     with pytest.raises(RecipeError) as info:

@@ -28,6 +28,7 @@ PAD = 8  # the white gap between tiles (the mark's frame is drawn inside it)
 FRAME = 3  # width of the pass/fail frame
 GROUP_GAP = 4 * PAD  # the extra gap between column groups (a comparison's pairs)
 CAPTION_LINES = 3
+NOTE = (40, 40, 160)  # a tile's note (its score): dark blue, apart from the black prompt
 FONT_SIZE = 12  # Pillow's own font (no font file needed); below 12 its spacing runs words together
 GRID_IMAGES = 64  # evaluation grids show at most this many images of an eval (``shown_images`` says which)
 EVAL_TILE = 256  # evaluation grids shrink larger images to this side, to keep the PNGs small
@@ -43,6 +44,7 @@ class Tile:
     caption: str  # drawn under the image; the tile map's "prompt"
     mark: bool | None = None  # True: pass (green frame), False: fail (red), None: no frame
     info: dict[str, Any] = field(default_factory=dict)  # more entries of this tile in the tile map
+    note: str = ""  # one short line drawn above the caption, e.g. the image's reward ("score 0.734")
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,8 @@ def captioned_grid(
     font = ImageFont.load_default(size=FONT_SIZE)
     line_h = _line_height(font)
     chars = max(8, int(tile_w / max(1.0, font.getlength("x"))))
-    caption_h = FRAME + CAPTION_LINES * line_h + PAD
+    notes = any(t.note for t in tiles)  # a line above the captions, in every tile's place when any has one
+    caption_h = FRAME + (CAPTION_LINES + notes) * line_h + PAD
     header_h = line_h + PAD if headers else 0
     rows = math.ceil(len(tiles) / columns)
     lefts = [PAD + c * (tile_w + PAD) + (c // group if group else 0) * GROUP_GAP for c in range(columns)]
@@ -128,7 +131,9 @@ def captioned_grid(
         else:
             frame = (left - FRAME, top - FRAME, box[2] + FRAME - 1, box[3] + FRAME - 1)
             draw.rectangle(frame, outline=PASS if tile.mark else FAIL, width=FRAME)
-        for k, line in enumerate(_caption_lines(tile.caption, chars)):
+        if tile.note:
+            draw.text((left, box[3] + FRAME + 2), tile.note[:chars], fill=NOTE, font=font)
+        for k, line in enumerate(_caption_lines(tile.caption, chars), start=int(notes)):
             draw.text((left, box[3] + FRAME + 2 + k * line_h), line, fill="black", font=font)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

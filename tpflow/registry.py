@@ -290,7 +290,31 @@ def describe_validation_error(exc: ValidationError, where: str, model: type[Base
         elif not err["loc"]:  # a check across options (a model validator): its message names the values
             problems.append(err["msg"].removeprefix("Value error, ").rstrip("."))
         else:
-            problems.append(f"option {field!r}: {err['msg']} (got {err.get('input')!r})")
-    if all(not err["loc"] for err in exc.errors()):
+            hint = _list_hint(field, err.get("input"), where) if err["type"] in _SEQUENCE_ERRORS else ""
+            problems.append(f"option {field!r}: {err['msg']} (got {err.get('input')!r}){hint}")
+    if not any(err["type"] == "extra_forbidden" for err in exc.errors()):  # a bad value: the names are right
         return f"{where}: {'; '.join(problems)}."
     return f"{where}: {'; '.join(problems)}. Allowed options: {allowed}."
+
+
+_SEQUENCE_ERRORS = ("list_type", "tuple_type", "set_type", "frozen_set_type")
+
+
+def _list_hint(field: str, value: Any, where: str) -> str:
+    """For a list given as a bare string (``--set log.trackers=wandb``, ``--set rollout.window_range=0,9``): the
+    same value written as a TOML array, in the recipe and on the command line."""
+    import json
+    import re
+
+    if not isinstance(value, str):
+        return ""
+    items = []
+    for part in (p.strip() for p in value.split(",") if p.strip()):
+        try:
+            items.append(json.loads(part))  # numbers, true / false
+        except ValueError:
+            items.append(part)
+    array = "[" + ", ".join(json.dumps(i) for i in items) + "]"
+    section = re.search(r"\[(\w+)\]", where)
+    where_set = f", on the command line --set '{section.group(1)}.{field}={array}'" if section else ""
+    return f"; write a list in TOML's brackets: {field} = {array} in the recipe{where_set} (quoted for the shell)"

@@ -110,7 +110,11 @@ def eval_(
     ema: EmaOption = True,
     out: Annotated[
         Path | None,
-        typer.Option(help="Output folder (default: RUN/eval/step<S>_<prompts>_T<steps>).", show_default=False),
+        typer.Option(
+            help="Output folder (default: RUN/eval/step<S>_<prompts>_T<steps>; under runs/eval/ for an exported "
+            "adapter or a recipe).",
+            show_default=False,
+        ),
     ] = None,
     set_: Overrides = None,
     num_processes: NumProcesses = 1,

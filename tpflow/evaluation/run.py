@@ -212,10 +212,11 @@ def write_outputs(out: Path, result: EvalResult, baseline: EvalResult | None, em
 
 
 def default_out(target: Target, options: EvalOptions) -> Path:
-    """Where results go when ``--out`` is not given: beside the run or adapter, or runs/eval/ for a base model."""
+    """Where results go when ``--out`` is not given: in the run's eval/ folder; runs/eval/ for an exported adapter
+    (its folder is what ``load_lora_weights`` reads: nothing else goes in it) and for a base model."""
     tag = f"{options.prompts if '/' not in options.prompts else Path(options.prompts).stem}_T{options.steps}"
     if target.kind in ("run", "checkpoint"):
         return target.path / "eval" / f"step{target.step}_{tag}"
     if target.kind == "export":
-        return target.path / f"eval_{tag}"
+        return Path("runs") / "eval" / f"{Path(target.path).resolve().name}_export_{tag}"
     return Path("runs") / "eval" / f"{target.path.stem}_base_{tag}"

@@ -143,8 +143,9 @@ def score_prompts(
 
 
 def grid_tiles(scored: Scored, everything: list[PromptItem], source: str | None = None) -> list[Tile]:
-    """The tiles of the images the grid shows: each with its prompt, its strict verdict as the mark (GenEval-style
-    rewards) and, for the tile map, its index r (its line in ``eval.json``'s images), tag, score and ``source``."""
+    """The tiles of the images the grid shows: each with its prompt, its score written above it, its strict verdict
+    as the mark (GenEval-style rewards) and, for the tile map, its index r (its line in ``eval.json``'s images), tag,
+    score and ``source``."""
     strict = scored.details.get("strict")
     tiles = []
     for r, pixels in zip(scored.grid_rows, scored.grid, strict=True):
@@ -155,7 +156,8 @@ def grid_tiles(scored: Scored, everything: list[PromptItem], source: str | None 
             info["strict"] = strict[r]
         if source is not None:
             info["source"] = source
-        tiles.append(Tile(pixels[0].float() / 255, item.prompt, verdict, info))
+        note = f"score {scored.scores[r]:.3f}"  # every reward's figure on its tile, not only in eval.json
+        tiles.append(Tile(pixels[0].float() / 255, item.prompt, verdict, info, note))
     return tiles
 
 
