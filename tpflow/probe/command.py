@@ -36,8 +36,8 @@ def probe(
         list[str] | None,
         typer.Option(
             "--arm",
-            help="NAME:KEY=VALUE[,KEY=VALUE] over [credit], [rollout], [optimizer], or "
-            "group_sizes=4/8/16 (repeatable).",
+            help="NAME:KEY=VALUE[,KEY=VALUE] over the sampler, plan, credit, rollout and optimizer sections "
+            "(e.g. credit.name=consistent), or group_sizes=4/8/16 (repeatable).",
             show_default=False,
         ),
     ] = None,  # fmt: skip
