@@ -7,8 +7,9 @@ TP-GRPO scores the image completed by ODE after every SDE window step (R_0..R_{W
 55 NFE per trajectory against Flow-GRPO's 10. ``[rollout] completion_steps = k`` completes each in k Euler steps on
 nodes of the schedule instead (k = 1 is the x0 estimate). This benchmark samples the same trajectories (the recipe's
 model, sampler, window draw, reward and credit assigners; one rollout batch per prompt, ``--copies`` trajectories
-each) once with exact completions and once per k — the main trajectories are identical, only the completions
-differ — and reports, against the exact ones, pooled over every (trajectory, window step):
+each) once with exact completions and once per k — the same main trajectories (the same noise and steps; equal up to
+the float32 rounding of differently sized batched velocity calls on the CPU, not checked bit for bit), only the
+completions differ — and reports, against the exact ones, pooled over every (trajectory, window step):
 
 * sign agreement of the reward increments d_i = R_{i+1} − R_i (sign 0 counts as its own class);
 * precision and recall of the turning points of ``turning_point`` (Definition 4.1) and of ``consistent``, both with
