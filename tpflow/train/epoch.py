@@ -10,6 +10,7 @@ its own, in its own dtype, so nothing is packed into one float tensor and sliced
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -124,15 +125,23 @@ MAXED = ("first_ratio_max_deviation", "ratio_max_deviation", "optimizer_steps", 
 
 
 def combine_update_metrics(per_process: list[dict[str, float]]) -> dict[str, float]:
-    """The update metrics of every process as one dict: sums, maxima, or means over the processes that have them."""
+    """The update metrics of every process as one dict: sums, maxima, or means over the processes that have them.
+
+    A mean is weighted by each process's ``rows_trained`` when every process reports it (and they trained any): a
+    process that trained fewer rows (its zero-advantage rows dropped, say) weighs less, so the mean is the one a
+    single process training every row would report. Otherwise each process counts once."""
     names = sorted({name for metrics in per_process for name in metrics})
     combined = {}
     for name in names:
-        values = [m[name] for m in per_process if name in m]
+        have = [m for m in per_process if name in m]
+        values = [m[name] for m in have]
+        weights = [float(m.get("rows_trained", math.nan)) for m in have]
         if name in SUMMED:
             combined[name] = float(sum(values))
         elif name in MAXED:
             combined[name] = float(max(values))
+        elif all(math.isfinite(w) for w in weights) and sum(weights) > 0:
+            combined[name] = float(sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights))
         else:
             combined[name] = float(sum(values) / len(values))
     return combined
