@@ -387,3 +387,24 @@ def test_method_recipes_train_under_the_recipes_precisions(recipe, precision, tm
     after = dict(trainer.backbone.model.named_parameters())
     assert metrics["first_ratio_max_deviation"] == 0.0 and metrics["skipped_steps"] == 0.0, metrics
     assert any(not torch.equal(before[n], after[n]) for n in before), (recipe, precision)
+
+
+def test_inspecting_a_branching_run_recomputes_no_trajectory_credit(tmp_path, tiny_weights, plugin):
+    """A TempFlow run's trace columns are sibling children's rewards: consistent or turning-point credit recomputed
+    on them (what inspect-trajectory --run used to show beside the trained credit) reads a trajectory that is not
+    there."""
+    import json
+
+    from tests.cli_run import tpflow
+
+    _method_run("shapes_tempflow.toml", tmp_path, tiny_weights, epochs=1,
+                extra=["train.group_size=4", "optimizer.micro_batch_size=4"]).fit()  # fmt: skip
+    out = tmp_path / "inspect"
+    done = tpflow("inspect-trajectory", "--run", str(tmp_path / "run"), "--n", "4", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "plan branches" in " ".join(done.stdout.split())
+    assert list(json.loads((out / "trace.json").read_text())["credit"]) == ["branch (as trained)"]
+    asked = tpflow("inspect-trajectory", "--run", str(tmp_path / "run"), "--n", "4", "--credit", "outcome",
+                   "--out", str(tmp_path / "asked"))  # fmt: skip
+    assert asked.returncode == 0, asked.stderr
+    assert "outcome (recomputed)" in json.loads((tmp_path / "asked" / "trace.json").read_text())["credit"]

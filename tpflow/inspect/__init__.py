@@ -104,8 +104,9 @@ def inspect_run(
     from tpflow.inspect import plots
 
     run = load_run(Path(run_dir))
-    names = list(credit) if credit else [c for c in BUILTIN_CREDIT if c != run.credit_name]
-    built = assigners(run.recipe, names)
+    branched = branched_run(run.recipe)
+    names = list(credit) if credit else [] if branched else [c for c in BUILTIN_CREDIT if c != run.credit_name]
+    built = assigners(run.recipe, names) if names else {}
     t = run_trajectories(run, epoch, n)
     trained = next(iter(t.credits))
     has_nan = bool(t.trace.isnan().any())  # a run without completions (outcome credit) logs only R_W
@@ -130,7 +131,22 @@ def inspect_run(
             {**to_json(t), "run_dir": str(run_dir), "turning_points_over_training": stats}, out / "trace.json"
         ),
     ]
+    if branched and not credit:
+        notes.append(
+            "this run's plan branches (TempFlow-GRPO): column i of its trace is the completed reward of step i's own "
+            "SDE child, not of one trajectory's states, so the other assigners (which read a trajectory's rewards "
+            "along denoising) are not recomputed on it; --credit NAME recomputes one anyway."
+        )
     return Inspection(t, trained, files, notes)
+
+
+def branched_run(recipe: Recipe | None) -> bool:
+    """Whether the run's rollout plan branches (its trace columns are sibling children's rewards)."""
+    from tpflow import registry
+
+    if recipe is None:
+        return False
+    return bool(getattr(registry.get("plan", recipe.plan.name).factory, "branches", False))
 
 
 def no_completions_note(credit: str, run_dir: Path) -> str:
