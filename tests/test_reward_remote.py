@@ -355,6 +355,38 @@ def test_server_errors_are_retried_then_reported_with_url_and_attempts(stub):
     assert f"{url}/score" in str(info.value) and "3 attempts" in str(info.value) and state.scored == 3
 
 
+def test_a_server_out_of_memory_is_not_retried_and_reaches_the_trainers_paragraph(stub):
+    """The server's OOM was an HTTP 500, retried with the same images; now a 507 the client turns into the error a
+    local reward's OOM raises, so the trainer names train.score_batch."""
+    from tpflow.rewards.call import RewardOutOfMemoryError
+
+    state, url = stub
+    state.status, state.body = 507, {"error": "reward 'x' ran out of GPU memory on the server (CUDA out of memory)"}
+    with pytest.raises(RewardOutOfMemoryError, match="ran out of GPU memory") as info:
+        tpflow.build("reward", "remote", url=url, retries=3, backoff_s=0.01)(*_one_image())
+    assert isinstance(info.value, torch.cuda.OutOfMemoryError) and isinstance(info.value, RewardError)
+    assert "not retried" in str(info.value) and state.scored == 1
+
+
+class _OutOfMemory:
+    def __call__(self, images, prompts, metadata):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_the_server_answers_its_rewards_out_of_memory_with_507():
+    httpd = make_server("shapes-geneval", {}, "127.0.0.1", 0)
+    httpd.reward = _OutOfMemory()
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        images = encode_images(torch.zeros(1, 3, 4, 4))
+        status, reply = _post(httpd.url, {"protocol": 1, "images": images, "prompts": [""], "metadata": [{}]})
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert status == 507, reply
+    assert "ran out of GPU memory on the server" in reply["error"] and "Tried to allocate" in reply["error"]
+
+
 @pytest.mark.parametrize(
     ("status", "body", "headers", "expected"),
     [

@@ -111,7 +111,7 @@ def call_reward(
         except OUT_OF_MEMORY as exc:  # not retried: the same images would run out again
             raise RewardOutOfMemoryError(_out_of_memory(reward, n, exc)) from exc
         except Exception as exc:  # a flaky reward server or model: try again
-            problem, cause = f"it raised {type(exc).__name__}: {_one_line(str(exc))}", exc
+            problem, cause = f"it raised {type(exc).__name__}: {one_line(str(exc))}", exc
             continue
         cause = None
         scores, details = check_output(out, n, reward)
@@ -228,7 +228,7 @@ def _out_of_memory(reward: Any, n: int, exc: BaseException) -> str:
     return (
         f"Reward {reward_name(reward)} ran out of GPU memory on a batch of {n} images, not retried as the same "
         "images would run out again; lower train.score_batch (training) or eval.batch_size (evaluation) to score "
-        f"fewer at once: {_one_line(str(exc)) or type(exc).__name__}"
+        f"fewer at once: {one_line(str(exc)) or type(exc).__name__}"
     )
 
 
@@ -263,7 +263,7 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__module__}.{type(value).__qualname__}".replace("builtins.", "")
 
 
-def _one_line(text: str, limit: int = 300) -> str:
+def one_line(text: str, limit: int = 300) -> str:
     """An exception's message as one line of at most ``limit`` characters (the error stays one paragraph)."""
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."

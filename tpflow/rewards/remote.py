@@ -45,6 +45,7 @@ import urllib.error
 import urllib.request
 import zlib
 from collections.abc import Sequence
+from http import HTTPStatus
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -249,7 +250,8 @@ class RemoteReward:
             self._limits = {k: v for k, v in limits.items() if isinstance(v, int) and v > 0}
 
     def _request(self, path: str, body: bytes | None = None) -> dict[str, Any]:
-        """GET (no body) or POST one JSON request; retries connection errors, timeouts and HTTP 5xx, bounded."""
+        """GET (no body) or POST one JSON request; retries connection errors, timeouts and HTTP 5xx, bounded, but not
+        507 (the server ran out of memory: the same images would again)."""
         url = self.url + path
         attempts = self.options.retries + 1
         headers = {"Content-Type": "application/json"}
@@ -265,6 +267,13 @@ class RemoteReward:
                     raw = response.read()
             except urllib.error.HTTPError as exc:
                 message = _error_message(exc)
+                if exc.code == HTTPStatus.INSUFFICIENT_STORAGE:  # the server's reward ran out of GPU memory
+                    from tpflow.rewards.call import RewardOutOfMemoryError
+
+                    raise RewardOutOfMemoryError(  # the trainer's out-of-memory paragraph names train.score_batch
+                        f"Reward server {url} ran out of GPU memory (HTTP 507, attempt {attempt + 1} of {attempts}, "
+                        f"not retried: the same images would run out again): {message}"
+                    ) from None
                 if exc.code < 500:  # the request or the server's reward configuration is wrong: retrying cannot help
                     hint = ""
                     if exc.code == 401:

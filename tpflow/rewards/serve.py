@@ -53,6 +53,7 @@ from pydantic import BaseModel
 from tpflow import __version__, registry
 from tpflow.errors import UserError
 from tpflow.rewards._slots import DeadlineReader, Slots
+from tpflow.rewards.call import OUT_OF_MEMORY, one_line
 from tpflow.rewards.remote import PROTOCOL, decode_images
 from tpflow.weights import WeightSource
 
@@ -284,7 +285,15 @@ class _Handler(BaseHTTPRequestHandler):
                 "check the prompts and metadata the recipe's dataset sends."
             )
             self._reply(HTTPStatus.UNPROCESSABLE_ENTITY, {"error": error})
-        except Exception as exc:  # the model failed (out of memory...): report it to the client, which retries
+        except OUT_OF_MEMORY as exc:  # the same images would run out again: 507, which the client does not retry
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the next, smaller request starts from the memory this one held
+            error = (
+                f"reward {self.server.reward_name!r} ran out of GPU memory on the server ({one_line(str(exc))}); send "
+                "fewer images per request (train.score_batch, eval.batch_size) or give the server more memory."
+            )
+            self._reply(HTTPStatus.INSUFFICIENT_STORAGE, {"error": error})
+        except Exception as exc:  # the model failed (a flaky dependency...): report it to the client, which retries
             traceback.print_exc(file=sys.stderr)
             error = f"reward {self.server.reward_name!r} raised {type(exc).__name__}: {exc}"
             self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": error})
