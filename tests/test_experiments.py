@@ -154,6 +154,46 @@ def test_compare_against_hand_computed_intervals(tmp_path, tiny_weights, plugin)
     assert all(f"| {arm} | {seed} |" in report for arm in curves for seed in range(3))
 
 
+def test_summaries_written_beside_a_report_reproduce_it_without_the_run_folders(tmp_path, tiny_weights, plugin):
+    import shutil
+
+    path = _experiment(tmp_path, tiny_weights)
+    experiment = load_experiment(path, check_arms=False)
+    curves = {"outcome": [[0.5, 0.6], [0.5, 0.58]], "consistent": [[0.5, 0.63], [0.5, 0.57]]}
+    for run in experiment.runs():
+        _fake_run(run.run_dir, curves[run.arm][run.seed])
+    saved = tmp_path / "committed" / "runs.json"
+    first = tpflow("compare", str(path), "--write-summaries", str(saved))
+    assert first.returncode == 0, first.stderr
+    assert "Summaries of the 4 finished runs" in " ".join(first.stdout.split())
+    shutil.rmtree(experiment.out)  # run folders are not committed: the summaries are
+    again = tpflow("compare", str(path), "--summaries", str(saved))
+    assert again.returncode == 0, again.stderr
+    table = lambda text: text.split("Summaries of")[0].split("Figure:")[0]  # noqa: E731
+    assert table(again.stdout) == table(first.stdout)  # the same primary, secondaries and seeds
+    bad = tpflow("compare", str(path), "--summaries", str(tmp_path / "none.json"))
+    assert bad.returncode == 2 and "Cannot read the run summaries" in bad.stderr
+
+
+def test_a_sweep_without_a_terminal_prints_a_line_per_finished_run(tmp_path, tiny_weights, plugin, monkeypatch):
+    """In a log file (nohup, CI) the progress bar is off: the sweep printed nothing until its end."""
+
+    def fake_sweep(experiment, jobs, devices, on_change):
+        for done in range(3):
+            on_change({"done": done, "running": 1, "left": 3 - done}, 60.0 * (3 - done))
+            on_change({"done": done, "running": 1, "left": 3 - done}, 60.0 * (3 - done))  # no change: no line
+        return {"done": ["a", "b", "c"], "skipped": [], "failed": []}
+
+    monkeypatch.setattr("tpflow.experiments.sweep.sweep", fake_sweep)
+    out = tpflow("sweep", str(_experiment(tmp_path, tiny_weights)))
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if "runs:" in line and "done," in line]
+    assert [line.split(" ", 1)[1] for line in lines] == [
+        "runs: 0 done, 1 running, 3 left, ETA 3 min", "runs: 1 done, 1 running, 2 left, ETA 2 min",
+        "runs: 2 done, 1 running, 1 left, ETA 1 min",
+    ]  # fmt: skip
+
+
 def test_the_worked_example_validates():
     """docs/experiments.md's example: the file and its 6 runs' recipes."""
     from pathlib import Path

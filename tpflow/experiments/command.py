@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -88,12 +89,16 @@ def sweep(
     with Progress(TextColumn("{task.description}"), BarColumn(), console=console,
                   disable=not console.is_terminal) as progress:  # fmt: skip
         task = progress.add_task("runs", total=len(runs))
+        finished = [-1]  # runs finished at the last line printed (no terminal: a line per finished run)
 
         def show(counts: dict[str, int], eta: float | None) -> None:
             done = counts["done"] + counts.get("failed", 0)
             text = f"runs: {counts['done']} done, {counts['running']} running, {counts['left']} left"
             text += f", ETA {eta / 60:.0f} min" if eta is not None else ""
             progress.update(task, completed=done, description=text)
+            if not console.is_terminal and done != finished[0]:  # a log file or a pipe: no bar, so say it in lines
+                finished[0] = done
+                console.print(f"{time.strftime('%H:%M:%S')} {text}", highlight=False, soft_wrap=True)
 
         result = run_sweep(experiment, jobs, devices, on_change=show)
     console.print(f"{len(result['done'])} runs done now, {len(result['skipped'])} were done already.",
@@ -114,17 +119,38 @@ def compare(
     figure: Annotated[
         Path | None, typer.Option(help="Where to draw the curves (default: <out>/report.png when the runs are there).")
     ] = None,
+    summaries: Annotated[
+        Path | None,
+        typer.Option(
+            help="Read the runs from this JSON of summaries (--write-summaries), not from their folders.",
+            show_default=False,
+        ),
+    ] = None,  # fmt: skip
+    write_summaries: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also write the finished runs' summaries to this JSON, to commit beside the report.",
+            show_default=False,
+        ),
+    ] = None,  # fmt: skip
 ) -> None:
-    """The experiment's primary endpoint (paired t, bootstrap beside), secondary family (Holm), every seed, cost."""
+    """The experiment's primary endpoint (paired t, bootstrap beside), secondary family (Holm), every seed, cost.
+
+    Example: tpflow compare experiments/rivals_learning.toml --write-summaries docs/results/rivals_learning_runs.json
+    """
     from tpflow.experiments.compare import compare as run_compare
     from tpflow.experiments.compare import load_runs, markdown
+    from tpflow.experiments.compare import write_summaries as save_summaries
     from tpflow.experiments.spec import load_experiment
 
     experiment = load_experiment(experiment_file, check_arms=False)
-    loaded = load_runs(experiment)  # read once: the comparison and the figure
+    loaded = load_runs(experiment, summaries)  # read once: the comparison and the figure
     result = run_compare(experiment, loaded)
     text = markdown(result)
-    if experiment.out.exists():
+    if write_summaries is not None:
+        text += f"\nSummaries of the {sum(map(len, loaded[0].values()))} finished runs: "
+        text += f"{save_summaries(loaded[0], experiment, write_summaries)}\n"
+    if summaries is None and experiment.out.exists():
         (experiment.out / "report.md").write_text(text)
         (experiment.out / "report.json").write_text(json.dumps(result, indent=1))
         figure = figure or experiment.out / "report.png"

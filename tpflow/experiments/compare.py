@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tpflow.errors import UserError
 from tpflow.experiments import lock
 from tpflow.experiments.spec import Endpoint, Experiment
 from tpflow.experiments.sweep import DONE
@@ -141,15 +142,23 @@ class Comparison:
     holm_p: float | None = None
 
 
-def load_runs(experiment: Experiment) -> tuple[dict[str, dict[int, dict]], list[str]]:
-    """{arm: {seed: run summary}} of the finished runs, and the names of the missing or unfinished ones: from the
-    committed summaries when the file names them, else from the run folders."""
+def load_runs(experiment: Experiment, summaries: Path | None = None) -> tuple[dict[str, dict[int, dict]], list[str]]:
+    """{arm: {seed: run summary}} of the finished runs, and the names of the missing or unfinished ones: from
+    ``summaries`` (a JSON ``write_summaries`` wrote), else from the committed summaries the file names, else from the
+    run folders."""
     spec = experiment.spec
     runs: dict[str, dict[int, dict]] = {}
     missing = []
-    if spec.experiment.summaries:
-        path = (experiment.path.parent / spec.experiment.summaries).resolve()
-        for run in json.loads(path.read_text())[spec.experiment.summaries_group]:
+    if summaries is not None or spec.experiment.summaries:
+        path = Path(summaries) if summaries is not None else (experiment.path.parent / spec.experiment.summaries)
+        try:
+            data = json.loads(path.resolve().read_text())
+        except (OSError, ValueError) as exc:
+            raise UserError(f"Cannot read the run summaries {path}: {exc}.") from None
+        group = spec.experiment.summaries_group if summaries is None else "sweep"
+        if group not in data:
+            raise UserError(f"{path} has no {group!r} list of run summaries (it has: {', '.join(data) or 'none'}).")
+        for run in data[group]:
             if run["name"] in spec.arms and run["seed"] in spec.experiment.seeds:
                 runs.setdefault(run["name"], {})[run["seed"]] = run
         missing = [f"{a}/seed_{s}" for s in spec.experiment.seeds for a in spec.arms if s not in runs.get(a, {})]
@@ -161,6 +170,23 @@ def load_runs(experiment: Experiment) -> tuple[dict[str, dict[int, dict]], list[
             continue
         runs.setdefault(run.arm, {})[run.seed] = summarise(metrics)
     return runs, missing
+
+
+def write_summaries(runs: dict[str, dict[int, dict]], experiment: Experiment, path: Path) -> Path:
+    """The finished runs' summaries as one JSON (docs/results/evidence_runs.json's format, group "sweep"), to commit
+    beside a report: ``tpflow compare EXPERIMENT --summaries PATH`` reproduces the report from it without the run
+    folders. Written atomically."""
+    import os
+
+    rows = [{"group": "sweep", "name": arm, "seed": seed, **summary} for arm, seeds in runs.items()
+            for seed, summary in sorted(seeds.items())]  # fmt: skip
+    data = {"experiment": experiment.spec.experiment.name, "sweep": rows}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def compare(experiment: Experiment, loaded: tuple[dict[str, dict[int, dict]], list[str]] | None = None) -> dict:
