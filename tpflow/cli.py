@@ -285,7 +285,7 @@ def inspect_trajectory(
 
     Example: tpflow inspect-trajectory recipes/shapes_tp.toml --prompt "a photo of a red circle" --n 8
     """
-    from tpflow.inspect import inspect_run, inspect_sampled, summary_rows
+    from tpflow.inspect import inspect_run, inspect_sampled
 
     if (recipe is None) == (run is None):
         raise UserError("Give exactly one of RECIPE (sample new trajectories, with --prompt) or --run RUN_DIR.")
@@ -312,6 +312,14 @@ def inspect_trajectory(
         for text in prompt_warnings(loaded, [prompt]):  # tpflow sample and eval say the same
             warn(text)
         result = inspect_sampled(loaded, prompt, n, seed, checkpoint, credit_, out, warn)
+    _print_inspection(console, result)
+
+
+def _print_inspection(console: Any, result: Any) -> None:
+    """inspect-trajectory's table (a row per trajectory: R_0, R_W, Δ, turning points, step rewards), its notes and
+    the files it wrote."""
+    from tpflow.inspect import summary_rows
+
     table = Table(title=f"{escape(result.trajectories.prompt)}: turning points of {result.marked}")
     for column in ("traj", "R_0", "R_W", "Δ", "turning points", "step rewards"):
         table.add_column(column, no_wrap=column != "step rewards")
