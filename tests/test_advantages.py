@@ -170,3 +170,32 @@ def test_informative_trajectories_drops_all_zero_rows() -> None:
     assert mask.tolist() == [False, True, True]
     with pytest.raises(ValueError, match="2-D"):
         informative_trajectories(torch.zeros(3))
+
+
+def test_dancegrpos_sample_std_and_eps() -> None:
+    """DanceGRPO: A = (r − mean) / (torch.std(r) + 1e-8), the std unbiased (N − 1): ../shared/RIVALS.md §6(c)."""
+    rewards, groups = torch.tensor(EXAMPLE4_REWARDS)[:, None], EXAMPLE4_GROUPS
+    adv = group_advantages(rewards, groups, eps=1e-8, correction=1)
+    p = torch.tensor(EXAMPLE4_REWARDS[:4], dtype=torch.float64)
+    expected = (p - p.mean()) / (statistics.stdev(p.tolist()) + 1e-8)  # statistics.stdev: the sample std
+    torch.testing.assert_close(adv[:4, 0], expected, rtol=0, atol=1e-12)
+    assert torch.equal(adv[4:], torch.zeros(2, 1, dtype=torch.float64))  # constant group: 0, no 0/0
+    population = group_advantages(rewards, groups, eps=1e-8)
+    torch.testing.assert_close(adv[:4], population[:4] * math.sqrt(3 / 4), rtol=1e-9, atol=0)  # √((N−1)/N)
+    column = torch.tensor(EXAMPLE4_REWARDS, dtype=torch.float64)
+    by_column = group_advantages(rewards, groups, global_std=True, eps=1e-8, correction=1)
+    torch.testing.assert_close(by_column[:4, 0], (p - p.mean()) / (column.std() + 1e-8), rtol=0, atol=1e-12)
+    assert torch.equal(group_advantages(torch.tensor([[1.0], [2.0]]), ["a", "b"], correction=1)[:, 0].sign(),
+                       torch.tensor([-1.0, 1.0], dtype=torch.float64))  # singletons: one global group  # fmt: skip
+    with pytest.raises(ValueError, match="correction"):
+        group_advantages(rewards, groups, correction=2)
+
+
+def test_grpo_passes_its_advantage_options_on() -> None:
+    import tpflow
+
+    rewards, groups = torch.tensor(EXAMPLE4_REWARDS)[:, None], EXAMPLE4_GROUPS
+    dance = tpflow.build("optimizer", "grpo", advantage_std="sample", advantage_eps=1e-8)
+    assert torch.equal(dance.advantages(rewards, groups), group_advantages(rewards, groups, eps=1e-8, correction=1))
+    default = tpflow.build("optimizer", "grpo")
+    assert torch.equal(default.advantages(rewards, groups), group_advantages(rewards, groups))

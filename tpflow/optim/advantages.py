@@ -6,7 +6,8 @@ normalised on its own (the reference keeps one ``PerPromptStatTracker`` per wind
     A[n, i] = clamp((r[n, i] − mean_{p(n), i}) / (std_{p(n), i} + eps), −clip, +clip)
 
 where p(n) is the prompt of trajectory n, the mean is over that prompt's samples and the std is their population
-std (ddof = 0), or, with ``global_std``, the population std of column i over all N samples. Everything is float64.
+std (ddof = 0; ``correction = 1``: the sample std, DanceGRPO's), or, with ``global_std``, the std of column i over
+all N samples. Everything is float64.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def group_advantages(
     global_std: bool = False,
     eps: float = 1e-4,
     clip: float = 5.0,
+    correction: int = 0,
 ) -> Tensor:
     """Per-prompt, per-step z-scores of the step rewards (docs/algorithm.md §5 items 2-4 and 7).
 
@@ -46,6 +48,8 @@ def group_advantages(
         global_std: divide by the std of the whole column instead of the prompt's std; the mean stays per prompt.
         eps: added to the std (the reference's 1e-4); must be ≥ 0.
         clip: advantages are clamped to ±clip (the reference's ``adv_clip_max`` = 5); must be > 0.
+        correction: the std's ddof: 0 the population std (Flow-GRPO, TP-GRPO), 1 the sample std (DanceGRPO's
+            ``torch.std``); a group of one keeps advantage 0 either way.
 
     Returns:
         [N, W] float64 advantages on the device of ``step_rewards``.
@@ -67,6 +71,8 @@ def group_advantages(
     eps, clip = float(eps), float(clip)
     if not (eps >= 0 and math.isfinite(eps)):
         raise ValueError(f"eps must be a finite number ≥ 0 (the reference uses 1e-4), got {eps!r}.")
+    if correction not in (0, 1):
+        raise ValueError(f"correction must be 0 (population std) or 1 (sample std), got {correction!r}.")
     if not clip > 0:
         raise ValueError(f"clip must be > 0 (the reference uses 5.0; use math.inf to disable clipping), got {clip!r}.")
 
@@ -95,9 +101,11 @@ def group_advantages(
     centred = torch.where((high == low)[ids], torch.zeros_like(centred), centred)
 
     if global_std:
-        std = rewards.std(dim=0, correction=0)[None, :]  # [1, W]
+        std = rewards.std(dim=0, correction=correction)[None, :] if n > correction else rewards.new_zeros(1, width)
     else:
-        std = _group_mean(centred.square(), ids, num_groups).sqrt()[ids]  # [N, W], population std of the prompt
+        sums = rewards.new_zeros((num_groups, width)).index_add_(0, ids, centred.square())
+        counts = torch.bincount(ids, minlength=num_groups).to(rewards.dtype)
+        std = (sums / (counts - correction).clamp_min(1)[:, None]).sqrt()[ids]  # [N, W], the prompt's std
     denominator = std + eps
     safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
     advantages = torch.where(denominator > 0, centred / safe, torch.zeros_like(centred))

@@ -174,6 +174,16 @@ class GRPOOptions(BaseModel):
         description="Normalise advantages by the std of the whole column instead of the prompt's std; the mean "
         "stays per prompt. False in TP-GRPO, True in upstream Flow-GRPO (docs/algorithm.md §5 item 2).",
     )
+    advantage_std: Literal["population", "sample"] = Field(
+        "population",
+        description="The std that divides the advantages: 'population' (ddof 0: Flow-GRPO, TP-GRPO) or 'sample' "
+        "(ddof 1, torch.std's default: DanceGRPO, ../shared/RIVALS.md §6(c)).",
+    )
+    advantage_eps: float = Field(
+        1e-4,
+        ge=0,
+        description="Added to the std before dividing: 1e-4 in Flow-GRPO and TP-GRPO, 1e-8 in DanceGRPO.",
+    )
     filter_zero_advantage: bool = Field(
         True,
         description="Skip trajectories whose advantages are 0 at every window step, as the reference does "
@@ -228,7 +238,8 @@ class GRPO(AdamWLoop):
     """GRPO update (implements ``tpflow.interfaces.Optimizer``); every option is a field of :class:`GRPOOptions`.
 
     Options: learning_rate, adam_betas, weight_decay, adam_eps, clip_range, adv_clip_max, beta, max_grad_norm,
-    global_std, filter_zero_advantage, gradient_accumulation_steps, micro_batch_size, num_inner_epochs.
+    global_std, advantage_std, advantage_eps, filter_zero_advantage, gradient_accumulation_steps, micro_batch_size,
+    num_inner_epochs.
 
     One ``update`` walks the epoch's trajectories in micro-batches of ``micro_batch_size`` (in order, as the
     reference), and for each micro-batch the W window steps in order: recompute the velocity with grad, re-score the
@@ -282,10 +293,13 @@ class GRPO(AdamWLoop):
 
     def advantages(self, step_rewards: Tensor, groups: Sequence[Hashable]) -> Tensor:
         """Group-normalised advantages [N, W] float64 of step rewards [N, W] (docs/algorithm.md §5), with this
-        optimizer's ``global_std`` and ``adv_clip_max``: the one place either option is applied. ``groups`` holds one
+        optimizer's ``global_std``, ``advantage_std``, ``advantage_eps`` and ``adv_clip_max``: the one place they are
+        applied. ``groups`` holds one
         prompt key per row (equal keys form a group)."""
         o = self.options
-        return group_advantages(step_rewards, groups, global_std=o.global_std, clip=o.adv_clip_max)
+        correction = 1 if o.advantage_std == "sample" else 0
+        return group_advantages(step_rewards, groups, global_std=o.global_std, eps=o.advantage_eps,
+                                clip=o.adv_clip_max, correction=correction)  # fmt: skip
 
     def load_extra_state(self, state: dict) -> None:
         if "old" in state:  # the nft optimizer's: its AdamW moments are of another loss, and its old policy has no use
