@@ -40,6 +40,7 @@ from tpflow.cli_common import (
     make_console,
     print_report,
     user_errors,
+    warn,
     warn_broken_plugins,
 )
 from tpflow.cli_listing import register as register_listing
@@ -146,7 +147,7 @@ def validate(
             console.print(weights)
         console.print(f"device: {escape(report.device)}", highlight=False, soft_wrap=True)
         for text in report.warnings:
-            make_console(stderr=True).print(f"[yellow]warning:[/] {escape(text)}", soft_wrap=True, highlight=False)
+            warn(text)
     if layout is not None:
         console.print(layout, highlight=False, soft_wrap=True)
 
@@ -303,9 +304,6 @@ def inspect_trajectory(
 
         loaded = load_recipe(recipe, set_ or [])
         print_report(check_machine(loaded))  # devices, weight files, prompts: before anything loads
-
-        def warn(text: str) -> None:
-            make_console(stderr=True).print(f"[yellow]warning:[/] {escape(text)}", soft_wrap=True, highlight=False)
 
         from tpflow.preflight import prompt_warnings
 

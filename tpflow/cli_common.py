@@ -76,6 +76,11 @@ def make_console(stderr: bool = False) -> Console:
     return console
 
 
+def warn(text: str) -> None:
+    """One warning on stderr, as every command prints them: ``warning: TEXT``, unwrapped (the terminal wraps it)."""
+    make_console(stderr=True).print(f"[yellow]warning:[/] {escape(text)}", soft_wrap=True, highlight=False)
+
+
 def user_errors(func: F) -> F:
     """Turn UserError into one clear paragraph on stderr and exit status 2."""
 

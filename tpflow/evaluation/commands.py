@@ -22,6 +22,7 @@ from tpflow.cli_common import (
     make_console,
     print_report,
     user_errors,
+    warn,
     warn_broken_plugins,
 )
 from tpflow.errors import UserError
@@ -165,7 +166,7 @@ def eval_(
     for table in _eval_tables(result, base):
         console.print(table)
     for warning in dict.fromkeys(w for r in results for w in r.settings["warnings"]):  # target's, baseline's
-        make_console(stderr=True).print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
+        warn(warning)
     for path in write_outputs(folder, result, base, ema):
         console.print(f"wrote {path}", highlight=False, markup=False)
     console.print(f"the grids show {result.scored.grid_rule}", highlight=False, markup=False)
@@ -206,7 +207,7 @@ def sample(
     from tpflow.preflight import prompt_warnings
 
     for warning in prompt_warnings(resolved.recipe, list(prompt)):  # inspect-trajectory and eval say the same
-        make_console(stderr=True).print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
+        warn(warning)
     accelerator, precision = _eval_accelerator(resolved.recipe)
     scale = resolved.recipe.eval.guidance if guidance is None else guidance
     batch = resolved.recipe.eval.batch_size
