@@ -12,12 +12,11 @@ interval is printed.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tpflow.intervals import t_interval
 
-if TYPE_CHECKING:
-    from tpflow.evaluation.run import EvalResult
+OVERALL = "overall"  # the category of every prompt (tpflow.evaluation.run's table row of that name)
 
 SEEDS_NOTE = (
     "[ ]: 95% t interval over the prompts, paired by prompt. It covers this eval set's sampling, not training's "
@@ -26,8 +25,9 @@ SEEDS_NOTE = (
 )
 
 
-def per_prompt(result: EvalResult, key: str) -> dict[int, float]:
-    """Prompt index -> mean of figure ``key`` ("reward" or a detail) over that prompt's images."""
+def per_prompt(result: Any, key: str) -> dict[int, float]:
+    """Prompt index -> mean of figure ``key`` ("reward" or a detail) over that prompt's images (``result``: an
+    ``EvalResult``)."""
     values = result.scored.scores if key == "reward" else result.scored.details[key]
     rows: dict[int, list[float]] = defaultdict(list)
     for j, k in enumerate(result.scored.prompt_index):
@@ -35,12 +35,10 @@ def per_prompt(result: EvalResult, key: str) -> dict[int, float]:
     return {k: sum(v) / len(v) for k, v in rows.items()}
 
 
-def paired_intervals(result: EvalResult, baseline: EvalResult) -> dict[str, dict[str, dict[str, Any]]]:
+def paired_intervals(result: Any, baseline: Any) -> dict[str, dict[str, dict[str, Any]]]:
     """Per category (the prompt's tag, or "all"; and "overall") and figure: the paired t interval of target −
     baseline over the prompts both evaluated, ``{"mean", "low", "high", "p", "prompts"}``. Empty when the two prompt
-    lists differ (no pairs); NaN bounds for a category of one prompt."""
-    from tpflow.evaluation.run import OVERALL
-
+    lists differ (no pairs); NaN bounds for a category of one prompt. ``result``, ``baseline``: ``EvalResult``s."""
     if [i.prompt for i in result.items] != [i.prompt for i in baseline.items]:
         return {}
     keys = ["reward", *(k for k in result.scored.details if k in baseline.scored.details)]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tpflow.distributed import Distributed
-from tpflow.evaluation.paired import SEEDS_NOTE, paired_intervals
+from tpflow.evaluation.paired import OVERALL, SEEDS_NOTE, paired_intervals
 from tpflow.evaluation.prompt_sets import prompt_set
 from tpflow.evaluation.targets import Target, load_model
 from tpflow.grids import EVAL_TILE, Grid, Tile, captioned_grid, columns_for
@@ -38,7 +38,6 @@ from tpflow.train.evaluation import (
 from tpflow.types import PromptItem
 
 PAPER_EVAL_STEPS = 40  # the paper evaluates SD3.5-M at T = 40 (trains at T = 10)
-OVERALL = "overall"
 
 
 @dataclass(frozen=True)
