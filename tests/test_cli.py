@@ -77,6 +77,7 @@ def test_components_at_80_columns_is_a_list_and_one_component_has_a_view_of_its_
     assert narrow.returncode == 0, narrow.stderr
     lines = narrow.stdout.splitlines()
     assert "┃" not in narrow.stdout and max(len(line) for line in lines) <= 80  # not a table of 4-word columns
+    assert all(line == line.rstrip() for line in lines)  # no padding after the text (pipes, grep, diffs)
     wide = tpflow("components", columns="200").stdout.splitlines()
     assert any("┃" in line for line in wide)  # a wide terminal keeps the table
     for name in ("credit consistent", "plan window-schedule", "sampler cps", "optimizer grpo"):

@@ -82,8 +82,8 @@ def components(
         console.print(_table(entries))
     else:
         for k, entry in entries:
-            for block in _block(k, entry, full=name is not None):
-                console.print(block)
+            for line in _block(k, entry, full=name is not None, width=console.width):
+                console.print(line, soft_wrap=True)
         if name is None:
             console.print(Text("One component, its whole description: tpflow components KIND NAME", style="dim"))
     for line in [f"{k}: {e}" for k in kinds for e in registry.plugin_errors(k)]:
@@ -103,20 +103,53 @@ def _table(entries: list[tuple[str, registry.Entry]]) -> Table:
     return table
 
 
-def _block(kind: str, entry: registry.Entry, full: bool) -> list[object]:
-    """One component in the list layout: ``kind name`` and where it comes from on one line, what it does, and its
-    options (one per line, descriptions indented under them); ``full``: the whole docstring, not its summary."""
+def _block(kind: str, entry: registry.Entry, full: bool, width: int) -> list[Text]:
+    """One component in the list layout, as lines of at most ``width`` columns (no padding after them): ``kind
+    name`` and where it comes from, what it does, and its options (one per line, descriptions indented under them);
+    ``full``: the whole docstring, not its summary."""
     head = Text()
     head.append(f"{kind} ", style="bold")
     head.append(entry.name, style="bold cyan")
     head.append(f"  ({_where(entry)})", style="dim")
-    paragraphs = (inspect.getdoc(entry.factory) or "").split("\n\n")  # reflowed: the terminal wraps them
-    doc = "\n\n".join(" ".join(p.split()) for p in paragraphs).replace("``", "`") if full else _summary(entry.factory)
-    body = Padding(Text(doc, style="italic"), (0, 0, 0, 2))
+    paragraphs = (inspect.getdoc(entry.factory) or "").split("\n\n") if full else [_summary(entry.factory)]
+    lines = [head]
+    for k, paragraph in enumerate(paragraphs):
+        lines += [Text("")] if k else []
+        for item in _items(paragraph):  # a bulleted list keeps one bullet per line
+            first, rest = ("  ", "    ") if item.startswith(("* ", "- ")) else ("  ", "  ")
+            wrapped = _wrap(item.replace("``", "`"), width, rest)
+            lines += [Text(first + wrapped[0][len(rest) :] if wrapped else first, style="italic")]
+            lines += [Text(line, style="italic") for line in wrapped[1:]]
     described = describe_options(entry.options)
-    text = "options: none" if described == "-" else "options:\n" + "\n".join("  " + x for x in described.splitlines())
-    options = Padding(_indented(text), (0, 0, 1, 2))
-    return [head, body, options]
+    if described == "-":
+        lines.append(Text("  options: none"))
+    else:
+        lines.append(Text("  options:"))
+        for line in described.splitlines():
+            indent = "    " + " " * (len(line) - len(line.lstrip(" ")))
+            lines += [Text(row) for row in _wrap(line.strip(), width, indent)]
+    return [*lines, Text("")]
+
+
+def _items(paragraph: str) -> list[str]:
+    """A docstring paragraph as its items, each on one line: the whole paragraph, or each ``* `` / ``- `` bullet."""
+    items: list[str] = []
+    for line in paragraph.splitlines():
+        word = line.strip()
+        if word.startswith(("* ", "- ")) or not items:
+            items.append(word)
+        else:
+            items[-1] += " " + word
+    return items
+
+
+def _wrap(text: str, width: int, indent: str) -> list[str]:
+    """``text`` wrapped at ``width`` columns, every line indented by ``indent`` (words longer than a line stay
+    whole)."""
+    import textwrap
+
+    return textwrap.wrap(text, max(20, width), initial_indent=indent, subsequent_indent=indent,
+                         break_long_words=False, break_on_hyphens=False) or [indent]  # fmt: skip
 
 
 @user_errors
