@@ -93,11 +93,7 @@ def report() -> Path:
                      f"{adjusted[key]:.3g} |")  # fmt: skip
     lines += ["", (OUT / NAME / "report.md").read_text().split("\n", 3)[-1]]
     cos = data["per_repeat_cosine"]  # every repeat, none dropped
-    keys = [f"{a}@8" for a in PROTOCOL["arms"]]
-    lines += ["## Every repeat: cos to g★", "", "| repeat | " + " | ".join(keys) + " |",
-              "|---" * (len(keys) + 1) + "|"]  # fmt: skip
-    for r in range(len(cos[keys[0]])):
-        lines.append(f"| {r} | " + " | ".join(f"{cos[k][r]:+.4f}" for k in keys) + " |")
+    lines += probe_study.repeat_table(cos, [f"{a}@8" for a in PROTOCOL["arms"]])
     path = results / "probe_rivals.md"
     path.write_text("\n".join(lines) + "\n")
     return path

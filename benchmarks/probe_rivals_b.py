@@ -91,11 +91,7 @@ def report() -> Path:
                          f"{adjusted[name]:.3g} |")  # fmt: skip
     lines += ["", (OUT / NAME / "report.md").read_text().split("\n", 3)[-1]]
     cos = data["per_repeat_cosine"]  # every repeat, none dropped
-    keys = list(cos)
-    lines += ["## Every repeat: cos to g★", "", "| repeat | " + " | ".join(keys) + " |",
-              "|---" * (len(keys) + 1) + "|"]  # fmt: skip
-    for r in range(len(cos[keys[0]])):
-        lines.append(f"| {r} | " + " | ".join(f"{cos[k][r]:+.4f}" for k in keys) + " |")
+    lines += probe_study.repeat_table(cos, list(cos))
     path = ROOT / "docs" / "results" / "probe_rivals_b.md"
     path.write_text("\n".join(lines) + "\n")
     return path

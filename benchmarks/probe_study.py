@@ -107,6 +107,14 @@ def probe(name: str, arms: list[str], group_sizes: list[int], repeats: int, refe
     return OUT / name
 
 
+def repeat_table(cos: dict[str, list[float]], keys: list[str]) -> list[str]:
+    """Markdown lines: every repeat's cosine to g★ for the arms ``keys`` (no repeat dropped)."""
+    lines = ["## Every repeat: cos to g★", "", "| repeat | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for r in range(len(cos[keys[0]])):
+        lines.append(f"| {r} | " + " | ".join(f"{cos[k][r]:+.4f}" for k in keys) + " |")
+    return lines
+
+
 def plan_repeats(pilot: Path, primary: str, half_width: float) -> dict:
     """Repeats for the primary's t interval to be at most ±half_width, from the pilot's spread of the paired
     difference, taken at its one-sided 80% upper confidence bound (a pilot of few repeats underestimates spread)."""

@@ -36,6 +36,7 @@ from tpflow.cli_common import (
     NumMachines,
     NumProcesses,
     Overrides,
+    help_layout,
     launch_if_asked,
     make_console,
     print_report,
@@ -122,7 +123,12 @@ def validate(
         return
     loaded = load_recipe(recipe, set_ or [])
     warn_broken_plugins()
-    layout = layout_report(loaded, num_processes * num_machines) if num_processes * num_machines > 1 else None
+    if num_processes * num_machines > 1:
+        from tpflow.train.prompt_sampler import layout_report
+
+        layout = layout_report(loaded, num_processes * num_machines)  # before the table: a bad layout exits 2
+    else:
+        layout = None
     report = check_machine(loaded, default_run_dir(loaded)) if machine else None
     if not offline:
         loaded.preflight()  # the remote reward's server: up, and serving the recipe's reward
@@ -150,20 +156,6 @@ def validate(
             warn(text)
     if layout is not None:
         console.print(layout, highlight=False, soft_wrap=True)
-
-
-def layout_report(recipe: Any, processes: int) -> str:
-    """How ``processes`` processes would share the recipe's epochs (the line ``tpflow train`` prints when it starts
-    on them), or a UserError (exit 2) naming the process counts that work; no weights, no dataset."""
-    from tpflow import registry
-    from tpflow.train.prompt_sampler import check_layout, layout_line, plan_epoch
-
-    train = recipe.train
-    check_layout(train, processes)
-    layout_of = getattr(registry.get("optimizer", recipe.optimizer.name).factory, "layout_of", None)
-    layout = layout_of(recipe.optimizer.options) if callable(layout_of) else None
-    plan = plan_epoch(train.prompts_per_epoch, train, 0)  # the layout depends on the sizes only, not the prompts
-    return f"layout: {layout_line(plan, layout, processes)}"
 
 
 @app.command()
@@ -435,29 +427,11 @@ def _format_values(model: Any) -> str:
     return "\n".join(f"{k} = {v!r}" for k, v in model.model_dump().items()) or "-"
 
 
-NARROW_HELP = 100  # terminal columns below which --help is click's plain layout (rich's cut words with "…")
-
-
-def _help_layout(columns: int) -> None:
-    """Rich's help table gives the descriptions the columns its option, flag and type columns leave; at 80 columns
-    that is about 22, and a longer word (``eval.images_per_prompt``) is cut with "…". Below ``NARROW_HELP`` columns
-    a command's help uses click's plain layout, which wraps every word whole (the command list of ``tpflow --help``
-    has no such columns and stays rich); set per call, as tests run many in one process."""
-    import typer.core
-
-    cls = typer.core.TyperCommand
-    rich = _RICH_HELP.setdefault("command", cls.format_help)
-    cls.format_help = rich if columns >= NARROW_HELP else cls.__bases__[0].format_help  # type: ignore[method-assign]
-
-
-_RICH_HELP: dict[str, Any] = {}
-
-
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     import shutil
 
-    _help_layout(shutil.get_terminal_size((160, 24)).columns)  # not a terminal: COLUMNS, else wide (rich's help)
+    help_layout(shutil.get_terminal_size((160, 24)).columns)  # not a terminal: COLUMNS, else wide (rich's help)
     args = list(sys.argv[1:] if argv is None else argv)
     for i, arg in enumerate(args):  # a bare `--resume` (no value) means the run dir's newest checkpoint
         if arg == "--resume" and (i + 1 == len(args) or args[i + 1].startswith("-")):

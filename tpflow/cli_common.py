@@ -119,3 +119,21 @@ def print_report(*reports: MachineReport) -> None:
             err.print(f"[yellow]warning:[/]{escape(line.removeprefix('warning:'))}", soft_wrap=True, highlight=False)
         else:
             out.print(f"[dim]{escape(line)}[/]", soft_wrap=True, highlight=False)
+
+
+NARROW_HELP = 100  # terminal columns below which --help is click's plain layout (rich's cut words with "…")
+
+
+def help_layout(columns: int) -> None:
+    """Rich's help table gives the descriptions the columns its option, flag and type columns leave; at 80 columns
+    that is about 22, and a longer word (``eval.images_per_prompt``) is cut with "…". Below ``NARROW_HELP`` columns
+    a command's help uses click's plain layout, which wraps every word whole (the command list of ``tpflow --help``
+    has no such columns and stays rich); set per call, as tests run many in one process."""
+    import typer.core
+
+    cls = typer.core.TyperCommand
+    rich = _RICH_HELP.setdefault("command", cls.format_help)
+    cls.format_help = rich if columns >= NARROW_HELP else cls.__bases__[0].format_help  # type: ignore[method-assign]
+
+
+_RICH_HELP: dict[str, Any] = {}
