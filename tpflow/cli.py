@@ -124,7 +124,7 @@ def validate(
     loaded = load_recipe(recipe, set_ or [])
     warn_broken_plugins()
     if num_processes * num_machines > 1:
-        from tpflow.train.prompt_sampler import layout_report
+        from tpflow.preflight import layout_report
 
         layout = layout_report(loaded, num_processes * num_machines)  # before the table: a bad layout exits 2
     else:

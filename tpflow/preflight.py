@@ -25,7 +25,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
@@ -231,3 +231,17 @@ def default_run_dir(recipe: Recipe) -> Path:
     trainer resolves it."""
     stem = recipe.path.stem if recipe.path else "run"
     return Path(recipe.train.run_dir.format(recipe=stem))
+
+
+def layout_report(recipe: Any, processes: int) -> str:
+    """How ``processes`` processes would share the recipe's epochs (the line ``tpflow train`` prints when it starts
+    on them), or a UserError (exit 2) naming the process counts that work; no weights, no dataset."""
+    from tpflow import registry
+    from tpflow.train.prompt_sampler import check_layout, layout_line, plan_epoch
+
+    train = recipe.train
+    check_layout(train, processes)
+    layout_of = getattr(registry.get("optimizer", recipe.optimizer.name).factory, "layout_of", None)
+    layout = layout_of(recipe.optimizer.options) if callable(layout_of) else None
+    plan = plan_epoch(train.prompts_per_epoch, train, 0)  # the layout depends on the sizes only, not the prompts
+    return f"layout: {layout_line(plan, layout, processes)}"

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Any
 
 from tpflow.errors import UserError
 from tpflow.settings import TrainSettings
@@ -122,16 +121,3 @@ def layout_line(plan: EpochPlan, layout: BatchLayout | None, processes: int) -> 
             f"trajectories ({micro} x {accumulation} accumulation x {processes} processes)"
         )
     return line
-
-
-def layout_report(recipe: Any, processes: int) -> str:
-    """How ``processes`` processes would share the recipe's epochs (the line ``tpflow train`` prints when it starts
-    on them), or a UserError (exit 2) naming the process counts that work; no weights, no dataset."""
-    from tpflow import registry
-
-    train = recipe.train
-    check_layout(train, processes)
-    layout_of = getattr(registry.get("optimizer", recipe.optimizer.name).factory, "layout_of", None)
-    layout = layout_of(recipe.optimizer.options) if callable(layout_of) else None
-    plan = plan_epoch(train.prompts_per_epoch, train, 0)  # the layout depends on the sizes only, not the prompts
-    return f"layout: {layout_line(plan, layout, processes)}"
