@@ -13,7 +13,17 @@ export HF_HUB_OFFLINE ?= 1
 
 install: $(STAMP)
 
+# pip installs torch's CUDA build from PyPI: about 5.6 GB of the venv's 6.5 GB. Say so before pip fails half-way with
+# "No space left on device" (as a CI machine with little free disk once did). NEED_MB=0 skips the check.
+NEED_MB ?= 6600
+
 $(STAMP): pyproject.toml
+	@mkdir -p $(VENV); free=$$(df -Pm $(VENV) | awk 'NR==2 {print $$4}'); \
+	if ! $(BIN)/python -c "import torch" 2>/dev/null && [ "$$free" -lt "$(NEED_MB)" ]; then \
+	  echo "make install: $$free MB are free where $(VENV) goes, and installing tpflow (torch and its CUDA libraries" \
+	       "from PyPI, then diffusers, transformers and the reward models' packages) needs about $(NEED_MB) MB." \
+	       "Free some disk, or put the venv elsewhere (make VENV=/path/with/room test), or run with NEED_MB=0" \
+	       "to try anyway." >&2; exit 2; fi
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
