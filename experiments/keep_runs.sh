@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A sweep that spans sessions keeps its finished runs in git: a new checkout has none of runs/, so the small files of
 # every finished run (its metrics.jsonl, which `tpflow compare` reads, its sweep_done.json, which tells `tpflow sweep`
-# to skip it, and its log) are copied into a committed folder, and copied back before the sweep resumes. Checkpoints
-# stay behind: a run killed mid-way in a lost checkout restarts from epoch 0, with the same seed.
+# to skip it, and its log) and the sweep's registration.json are copied into a committed folder, and copied back
+# before the sweep resumes. Checkpoints stay behind: a run cut off mid-way in a lost checkout restarts from epoch 0.
 #   experiments/keep_runs.sh keep    RUNS_DIR KEPT_DIR   # finished runs → KEPT_DIR (then git add KEPT_DIR)
 #   experiments/keep_runs.sh restore RUNS_DIR KEPT_DIR   # KEPT_DIR → RUNS_DIR, before `tpflow sweep` resumes
 # RUNS_DIR is the sweep's folder (runs/experiments/<name>), holding <arm>/seed_<s>/.
@@ -14,6 +14,8 @@ case $mode in
   *) echo "keep_runs.sh: the mode is 'keep' or 'restore', not '$mode'." >&2; exit 2 ;;
 esac
 [ -d "$src" ] || { echo "keep_runs.sh: $src is not a folder." >&2; exit 2; }
+mkdir -p "$dst"
+[ -e "$src/registration.json" ] && cp "$src/registration.json" "$dst/"  # the pre-registration, with its time
 n=0
 for done in "$src"/*/seed_*/sweep_done.json; do
   [ -e "$done" ] || continue

@@ -18,6 +18,7 @@ def test_keep_copies_only_finished_runs_and_restore_brings_them_back(tmp_path):
     (done / "sweep_done.json").write_text('{"seconds": 1.0}')
     (done / "checkpoint-8").mkdir()
     (runs / "outcome" / "seed_20.log").write_text("log\n")
+    (runs / "registration.json").write_text('{"registered": "then"}')
     unfinished = runs / "tempflow" / "seed_20"  # a checkpoint, no marker: stays behind
     unfinished.mkdir(parents=True)
     (unfinished / "metrics.jsonl").write_text('{"epoch": 0}\n')
@@ -28,10 +29,12 @@ def test_keep_copies_only_finished_runs_and_restore_brings_them_back(tmp_path):
         "outcome/seed_20.log",
         "outcome/seed_20/metrics.jsonl",
         "outcome/seed_20/sweep_done.json",
+        "registration.json",
     ]
     assert _run("restore", str(fresh), str(kept)).returncode == 0
     assert (fresh / "outcome" / "seed_20" / "metrics.jsonl").read_text() == '{"epoch": 0}\n'
     assert (fresh / "outcome" / "seed_20" / "sweep_done.json").exists()
+    assert (fresh / "registration.json").read_text() == '{"registered": "then"}'
     assert not (fresh / "tempflow").exists()
 
 
