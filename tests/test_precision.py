@@ -9,6 +9,8 @@ once (one cached region around the whole update) to show that each check can fai
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -176,3 +178,24 @@ def test_two_epochs_under_bf16_and_fp16_train_as_fp32(tmp_path, device):
     for mode in ("bf16", "fp16"):
         cosine = torch.nn.functional.cosine_similarity(deltas[mode], deltas["no"], dim=0)
         assert cosine >= DELTA_COSINE[mode], (mode, float(cosine))
+
+
+def test_a_mixed_precision_run_does_not_print_torchs_norm_dtype_warning():
+    """torch warns once per process, so a fresh one: the norm under autocast warns without Precision, not with it."""
+    script = """
+import sys, torch, torch.nn.functional as F
+from tpflow.precision import Precision
+if sys.argv[1] == "precision":
+    precision = Precision("bf16", "cpu")
+x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.rand(8)
+with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+    F.rms_norm(x, (8,), w, 1e-6)
+    F.layer_norm(x, (8,), w, None, 1e-6)
+"""
+    runs = {
+        how: subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True)
+        for how in ("plain", "precision")
+    }
+    assert all(run.returncode == 0 for run in runs.values()), [run.stderr for run in runs.values()]
+    assert "Mismatch dtype between input and weight" in runs["plain"].stderr  # the check can fail
+    assert "Mismatch dtype" not in runs["precision"].stderr
