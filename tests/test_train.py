@@ -187,21 +187,28 @@ def test_cli_train_and_resume(tmp_path, tiny_weights):
     assert lines[0]["last_eval_epoch"] == 0 and "| eval@0 " in out.stdout  # the eval each epoch line repeats
 
 
-def test_items_with_the_same_text_form_one_prompt_group(tmp_path, tiny_weights, plugin):
+@pytest.mark.parametrize("same_noise", [False, True])
+def test_items_with_the_same_text_form_one_prompt_group(tmp_path, tiny_weights, plugin, same_noise):
     """docs/algorithm.md §5: advantages are normalised over every sample of the same prompt TEXT in the gathered batch.
     Two dataset items that share a text (the shapes train split repeats its texts) must be one group of 2G, not
-    two groups of G: grouping on the dataset item gives different advantages."""
+    two groups of G: grouping on the dataset item gives different advantages. With ``same_noise`` each item's copies
+    share their own z_0, and a group is one start: two groups of G (DanceGRPO's, MixGRPO's, TempFlow's siblings)."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a photo of a circle\na photo of a  Circle\n")  # case and spacing folded, as the reference
     extra = f'[dataset]\nname = "text-file"\npath = "{prompts}"\n'
     text = tiny_recipe(tmp_path, tiny_weights).read_text().replace('[dataset]\nname = "shapes"\ntest_size = 6\n', "")
     path = tmp_path / "dup.toml"
     path.write_text(text + extra)
-    trainer = Trainer(load_recipe(path, ["train.epochs=1", "train.rollout_batch=8", "eval.every=0"]))
+    sets = ["train.epochs=1", "train.rollout_batch=8", "eval.every=0", f"rollout.same_noise={str(same_noise).lower()}"]
+    trainer = Trainer(load_recipe(path, sets))
     trainer.fit()
     traces = [r for r in read_jsonl(trainer.run_dir / "traces.jsonl") if r["epoch"] == 0]
     assert len(traces) == 8 and {r["item"] for r in traces} == {0, 1}  # both items drawn, G = 4 copies each
-    assert {r["group"] for r in traces} == {0}
+    if same_noise:
+        assert all(r["group"] == [t["group"] for t in traces if t["item"] == r["item"]][0] for r in traces)
+        assert len({r["group"] for r in traces}) == 2
+    else:
+        assert {r["group"] for r in traces} == {0}
     step_rewards = torch.tensor([r["step_rewards"] for r in traces], dtype=torch.float64)
     from tpflow.optim.advantages import group_advantages
 
@@ -209,7 +216,7 @@ def test_items_with_the_same_text_form_one_prompt_group(tmp_path, tiny_weights, 
     by_item = group_advantages(step_rewards, [r["item"] for r in traces])
     logged = torch.tensor([r["advantages"] for r in traces], dtype=torch.float64)
     assert not torch.allclose(by_text, by_item)  # the test can tell the two groupings apart
-    torch.testing.assert_close(logged, by_text, rtol=0, atol=1e-12)
+    torch.testing.assert_close(logged, by_item if same_noise else by_text, rtol=0, atol=1e-12)
 
 
 def _interrupt_at(monkeypatch, epoch: int) -> None:

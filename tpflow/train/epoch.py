@@ -22,11 +22,19 @@ from tpflow.train.scoring import ScoredBatch
 from tpflow.types import Credit, PromptItem, Rollout
 
 
-def prompt_groups(prompts: list[str]) -> list[int]:
-    """Group ids of N prompts, in order of first appearance: equal texts (up to case and runs of whitespace, which
-    the reference's CLIP-tokenizer round trip also folds) share an id (docs/algorithm.md §5)."""
-    table: dict[str, int] = {}
-    return [table.setdefault(" ".join(p.lower().split()), len(table)) for p in prompts]
+def prompt_groups(prompts: list[str], starts: list[int] | None = None) -> list[int]:
+    """Group ids of N trajectories, in order of first appearance: equal texts (up to case and runs of whitespace,
+    which the reference's CLIP-tokenizer round trip also folds) share an id (docs/algorithm.md §5).
+
+    ``starts`` (with ``[rollout] same_noise``: each row's dataset item, whose copies share one z_0) splits a text's
+    rows by their initial noise too. Two items with the same text start from different z_0, and the methods that
+    share it compare a group's copies from one start: DanceGRPO and MixGRPO normalise over the copies of one call,
+    TempFlow-GRPO's siblings branch from one ODE state. Pooling two starts would mix them (ODE states, prefixes)."""
+    keys = [" ".join(p.lower().split()) for p in prompts]
+    table: dict[object, int] = {}
+    if starts is None:
+        return [table.setdefault(k, len(table)) for k in keys]
+    return [table.setdefault((k, s), len(table)) for k, s in zip(keys, starts, strict=True)]
 
 
 @dataclass

@@ -265,8 +265,11 @@ class Trainer:
         credits = [self.credit(s.trace) for s in sampled.scored]  # per rollout batch: balancing stays within one
         rows = EpochRows.local(sampled, credits).gather(self.dist)  # [N] trajectories of every process
         # The prompt group is the prompt's text, as in the reference (docs/algorithm.md §5): two dataset items with the
-        # same text (the shapes train split repeats its 93 texts) are one group, on every process alike.
-        groups = prompt_groups([self.train_items[i].prompt for i in rows.items.tolist()])  # [N] ints, by text
+        # same text (the shapes train split repeats its 93 texts) are one group, on every process alike; unless the
+        # copies share z_0 (same_noise), when a group is also one item's noise (``prompt_groups``).
+        items = rows.items.tolist()
+        starts = items if self.recipe.rollout.same_noise else None
+        groups = prompt_groups([self.train_items[i].prompt for i in items], starts)  # [N] ints
         advantages = self.optimizer.advantages(rows.step_rewards, groups)  # [N, W] float64, the same everywhere
         n, rank = sampled.num_rows, self.dist.rank
         batch = Rollout.cat(sampled.rollouts)
