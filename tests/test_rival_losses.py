@@ -149,6 +149,34 @@ def test_the_noise_aware_weight_scales_each_steps_policy_gradient(backbone):
                                atol=1e-7)  # fmt: skip
 
 
+def test_tempflows_kl_divides_by_the_transition_variance(backbone):
+    """RIVALS.md §1(c) and §4(c): TempFlow-GRPO divides the KL's mean squared shift by 2·s_k² with s_k = σ^sde·√Δσ,
+    Flow-GRPO and GRPO-Guard by 2·(σ^sde)². Both written out here from the two means, on flow-sde in float64 σ."""
+    sampler = tpflow.build("sampler", "flow-sde")
+    batch = _batch(backbone, sampler)
+    generator = cpu_generator(3)
+    with torch.no_grad():  # a trained adapter: peft starts lora_B at 0, where the policy is the reference
+        for name, p in backbone.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+    adv = torch.zeros(4)
+    sig = batch.sigmas[0].double().tolist()
+    for i in range(3):
+        z, z_next, s, t = batch.latents[:, i], batch.next_latents[:, i], batch.sigmas[:, i], batch.sigmas[:, i + 1]
+        with torch.no_grad():
+            mu = sampler.log_prob(z_next, z, backbone.velocity(z, s, batch.cond, batch.guidance), s, t, 0.7).mean
+            with backbone.reference():
+                v_ref = backbone.velocity(z, s, batch.cond, batch.guidance)
+            mu_ref = sampler.log_prob(z_next, z, v_ref, s, t, 0.7).mean
+        shift = (mu.double() - mu_ref.double()).square().reshape(4, -1).mean(dim=1)  # [4] mean_d (μ_θ − μ_ref)²
+        assert shift.min() > 0  # the adapter moves the mean: the KL is not trivially 0
+        sde = 0.7 * math.sqrt(sig[i] / (1 - (sig[i + 1] if sig[i] == 1 else sig[i])))  # σ^sde (RIVALS.md header)
+        for kl_std, std in (("sde", sde), ("transition", sde * math.sqrt(sig[i] - sig[i + 1]))):
+            optimizer = tpflow.build("optimizer", "grpo", beta=1e-3, kl_std=kl_std)
+            loss = optimizer._step_loss(backbone, sampler, batch, adv, i)
+            torch.testing.assert_close(loss.sums["kl"].double(), (shift / (2 * std**2)).sum(), rtol=1e-4, atol=0)
+
+
 @pytest.mark.parametrize("reweight", [False, True])
 def test_ratio_norm_on_policy_is_the_plain_gradient_times_the_std(backbone, reweight):
     """On policy μ_θ = μ_old, so ∇ log r̂ = s·∇ℓ_θ (the bias term's gradient is 0 there): RatioNorm's first-step

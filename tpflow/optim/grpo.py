@@ -101,7 +101,8 @@ def kl_to_reference(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
     """Per-trajectory KL between the Gaussian transitions of the policy and of the reference (docs/algorithm.md §6.2).
 
     ``KL_b = mean_elems((μ_θ − μ_ref)²) / (2·std_b²)``, the reference code's form: ``std`` is the sampler's
-    ``StepOutput.std_dev_t`` (ρ_k for cps; ε_k without the √h for flow-sde). The gradient flows through ``mean``
+    ``StepOutput.std_dev_t`` (ρ_k for cps; ε_k without the √h for flow-sde), or the transition std ``StepOutput.std``
+    under ``kl_std = "transition"`` (TempFlow-GRPO). The gradient flows through ``mean``
     only; ``ref_mean`` (the adapter-disabled model, computed without grad) and ``std`` are constants.
 
     Where ``std`` is 0 (an ODE step, e.g. cps at σ_{k+1} = 0, docs/algorithm.md §8 item 8) the KL is 0 with no
@@ -215,6 +216,12 @@ class GRPOOptions(BaseModel):
         False,
         description="GRPO-Guard's gradient reweight: each step's policy loss divided by its Δσ = σ − σ⁺ "
         "(tpflow.optim.ratio_norm; GRPO-Guard uses it with RatioNorm, Flow-Factory does not).",
+    )
+    kl_std: Literal["sde", "transition"] = Field(
+        "sde",
+        description="The std the KL's squared mean difference is divided by (2·std²): 'sde', the sampler's noise "
+        "scale σ^sde without √Δσ (Flow-GRPO, GRPO-Guard), or 'transition', the step's own std s = σ^sde·√Δσ "
+        "(TempFlow-GRPO's per-step code: a KL 1/Δσ times larger at the same β; ../shared/RIVALS.md §1(c)).",
     )
     step_weight: Literal["uniform", "noise-aware"] = Field(
         "uniform",
@@ -424,7 +431,7 @@ class GRPO(AdamWLoop):
             with torch.no_grad(), backbone.reference():
                 v_ref = backbone.velocity(z, sigma_on_device, part.cond, part.guidance)
                 ref = sampler.log_prob(z_next, z, v_ref, sigma, sigma_next, part.noise_level)
-            kl = kl_to_reference(out.mean, ref.mean, out.std_dev_t)
+            kl = kl_to_reference(out.mean, ref.mean, out.std if o.kl_std == "transition" else out.std_dev_t)
             row = row + o.beta * kl
         with torch.no_grad():
             deviation = (policy.ratio - 1).abs()
