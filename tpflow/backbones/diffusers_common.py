@@ -219,20 +219,25 @@ def load_pipeline(pipeline_cls: Any, pretrained: str, dtype: torch.dtype, model_
         ) from None
 
 
-def scheduler_sigmas(scheduler: Any, num_steps: int, image_seq_len: int, flux_style: bool) -> torch.Tensor:
+def scheduler_sigmas(
+    scheduler: Any, num_steps: int, image_seq_len: int, flux_style: bool, static_shift: float | None = None
+) -> torch.Tensor:
     """The pipeline's sigma table σ_0..σ_K (final 0 included), [K + 1] float32, from a copy of its scheduler.
 
     SD3 calls ``set_timesteps(K)`` (static shift); FLUX passes ``linspace(1, 1/K, K)`` and the resolution-dependent
     ``mu`` (dynamic shifting: diffusers' ``calculate_shift`` of ``image_seq_len`` packed tokens). Both mirror
-    diffusers' pipelines so rollouts match them step for step; this is tpflow's one FLUX schedule (FLUX.1-dev at
-    512², 1024 tokens, K = 6: 1.0, 0.90374, …, 0.27300, 0).
+    diffusers' pipelines so rollouts match them step for step; this is tpflow's FLUX schedule by default (FLUX.1-dev
+    at 512², 1024 tokens, K = 6: 1.0, 0.90374, …, 0.27300, 0). ``static_shift`` s replaces the dynamic shift by the
+    scheduler's static one on the same grid, σ = s·t/(1 + (s − 1)·t): DanceGRPO's and MixGRPO's FLUX schedule
+    (s = 3, ../shared/RIVALS.md §3(a), §6(c)).
     """
     import numpy as np
 
     check_num_steps(num_steps)
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-    sched = type(scheduler).from_config(scheduler.config)
+    overrides = {} if static_shift is None else {"shift": static_shift, "use_dynamic_shifting": False}
+    sched = type(scheduler).from_config(scheduler.config, **overrides)
     cfg = sched.config
     kwargs: dict[str, Any] = {}
     if cfg.get("use_dynamic_shifting", False):

@@ -48,6 +48,13 @@ FLUX_LORA_TARGETS_HELP = (
 )
 
 
+TIME_SHIFT_HELP = (
+    "None: FLUX's resolution-dependent dynamic shift, as FluxPipeline (Flow-GRPO, TP-GRPO). A number s: the static "
+    "shift σ = s·t/(1 + (s − 1)·t) on the same grid, as DanceGRPO and MixGRPO sample FLUX (s = 3; "
+    "docs/backbones.md)."
+)
+
+
 class FluxOptions(DiffusersBackboneOptions):
     """Options of ``flux.1-dev`` (paper defaults: bf16, 512 px, LoRA r=64, alpha=128)."""
 
@@ -62,6 +69,7 @@ class FluxOptions(DiffusersBackboneOptions):
     lora_targets: list[str] = Field(
         default_factory=lambda: list(FLUX_LORA_TARGETS), description=FLUX_LORA_TARGETS_HELP
     )
+    time_shift: float | None = Field(None, gt=0, description=TIME_SHIFT_HELP)
 
 
 class FluxBackbone(AdapterMethods):
@@ -123,8 +131,10 @@ class FluxBackbone(AdapterMethods):
         return self.pack(randn(shape, generator, self.device))  # drawn on the generator's device (tpflow.devices)
 
     def sigmas(self, num_steps: int) -> Tensor:
-        """linspace(1, 1/K, K) shifted by mu(image tokens), plus the final 0: [K + 1] float32."""
-        return scheduler_sigmas(self.pipe.scheduler, num_steps, self.img_ids.shape[0], flux_style=True)
+        """linspace(1, 1/K, K) shifted by mu(image tokens), or by ``time_shift`` when set, plus the final 0:
+        [K + 1] float32."""
+        shift = getattr(self.options, "time_shift", None)
+        return scheduler_sigmas(self.pipe.scheduler, num_steps, self.img_ids.shape[0], True, static_shift=shift)
 
     def velocity(self, z: Tensor, sigma: Tensor, cond: Conditioning, guidance: float) -> Tensor:
         """The transformer's velocity with the distilled guidance embedding (one call, no CFG branch)."""

@@ -20,7 +20,7 @@ import torch
 from pydantic import Field
 
 from tpflow.backbones.diffusers_common import DiffusersBackboneOptions
-from tpflow.backbones.flux import FLUX_LORA_TARGETS, FLUX_LORA_TARGETS_HELP, FluxBackbone
+from tpflow.backbones.flux import FLUX_LORA_TARGETS, FLUX_LORA_TARGETS_HELP, TIME_SHIFT_HELP, FluxBackbone
 from tpflow.backbones.qwen_image import QWEN_LORA_TARGETS, QwenImageBackbone
 from tpflow.backbones.sd3 import SD3_LORA_TARGETS, SD3_LORA_TARGETS_HELP, SD3Backbone
 from tpflow.backbones.tiny_tokenizers import QWEN_VOCAB_SIZE, clip_tokenizer, qwen_tokenizer, t5_tokenizer
@@ -51,6 +51,7 @@ class TinyFluxOptions(TinyOptions):
     lora_targets: list[str] = Field(
         default_factory=lambda: list(FLUX_LORA_TARGETS), description=FLUX_LORA_TARGETS_HELP
     )
+    time_shift: float | None = Field(None, gt=0, description=TIME_SHIFT_HELP)
 
 
 class TinyQwenImageOptions(TinyOptions):
