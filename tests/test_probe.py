@@ -207,6 +207,32 @@ def test_a_rival_arm_samples_with_its_own_sampler_and_plan(tmp_path, tiny_weight
     assert drawn.gradient.abs().max() > 0 and drawn.nfe == 4
 
 
+def test_a_same_noise_group_spanning_blocks_starts_from_one_z0(tmp_path, tiny_weights):
+    """A group of G copies that spans G / block blocks is one group of the advantages: under same_noise its copies
+    must share one z_0 (TempFlow's siblings one ODE state), so the blocks of a repeat draw each prompt's z_0 from the
+    repeat's seed, not each block its own."""
+    from tests.test_train import tiny_recipe
+    from tpflow.precision import Precision
+    from tpflow.probe.arms import parse_arm, sample_block
+
+    recipe = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
+    arm = parse_arm("mix:credit.name=outcome,rollout.same_noise=true,rollout.window_range=[0, 3]", recipe)
+    torch.manual_seed(0)
+    backbone, reward = arm.recipe.build("backbone"), arm.recipe.build("reward")
+    items = list(arm.recipe.build("dataset").split("train"))[:2] * 2  # prompts a, b, a, b
+    assert items[0].prompt != items[1].prompt
+
+    def z0(block_seed, repeat_seed):  # the window starts at 0, so its first stored state is z_0: [4, ...]
+        return sample_block(
+            arm, backbone, arm.sampler(), reward, items, block_seed, Precision(), repeat_seed
+        ).rollout.latents[:, 0]
+
+    first, second = z0(11, 7), z0(12, 7)
+    assert torch.equal(first, second)  # the two blocks of the repeat: one z_0 per prompt
+    assert torch.equal(first[0], first[2]) and not torch.equal(first[0], first[1])  # per prompt, not per block
+    assert not torch.equal(z0(11, None), z0(12, None))  # without the repeat's seed each block draws its own
+
+
 def test_an_arm_may_change_how_it_samples_and_trains_only(tmp_path, tiny_weights):
     from tests.test_train import tiny_recipe
     from tpflow.errors import UserError

@@ -173,9 +173,14 @@ def sample_block(
     items: Sequence[PromptItem],
     seed: int,
     precision: Precision,
+    z0_seed: int | None = None,
 ) -> Sampled:
     """Sample ``items`` (one trajectory each; copies of a prompt form its group) as ``arm``'s recipe trains, from
-    ``seed``: its window, SDE noise and z_0; its completions when its credit needs them."""
+    ``seed``: its window, SDE noise and z_0; its completions when its credit needs them.
+
+    With ``[rollout] same_noise`` and ``z0_seed``, each prompt's z_0 comes from (``z0_seed``, prompt) instead, so the
+    blocks of a repeat share it: a group of G copies spanning several blocks starts from one z_0, as a training
+    group does (TempFlow's siblings branch from one ODE state), instead of one z_0 per block pooled in one group."""
     settings = arm.recipe.rollout
     settings = settings.model_copy(update={"max_batch": paired_max_batch(len(items), settings.max_batch)})
     credit, optimizer = arm.recipe.build("credit"), arm.recipe.build("optimizer")
@@ -187,9 +192,13 @@ def sample_block(
     completions = settings.completions if credit.needs_completions else None
     optimizer.bind(backbone, None, precision)
     means = getattr(optimizer, "needs_old_means", False)
+    shared = None
+    if settings.same_noise and z0_seed is not None:
+        shared = {i: random.Random(f"{z0_seed}/z0/{p}").getrandbits(63) for i, p in enumerate(groups)}
     with optimizer.sampling_policy(), precision.autocast():
         out = rollout_from_settings(backbone, sampler, backbone.encode(prompts), [groups.index(p) for p in prompts],
-                                    window, settings, completions, cpu_generator(seed), store_means=means)  # fmt: skip
+                                    window, settings, completions, cpu_generator(seed), shared,
+                                    store_means=means)  # fmt: skip
     metadata = [item.metadata for item in items]
     scored = score_rollout(backbone.decode, reward, out.final, out.completions, prompts, metadata, window.size)
     rollout = dataclasses.replace(out, completions=None)

@@ -198,7 +198,7 @@ def _arms_unit(probe: Probe, r: int) -> tuple[dict[str, Tensor], dict[str, Any]]
         for b in range(max(sizes) // probe.block):
             if (arm.sampling, b) not in cache:
                 cache[arm.sampling, b] = sample_block(arm, probe.backbone, arm.sampler(), probe.reward, block_items,
-                                                      block_seed(seed, b), probe.precision)  # fmt: skip
+                                                      block_seed(seed, b), probe.precision, seed)  # fmt: skip
     pairing = {arm.sampling: arm.pairing for arm in probe.arms}
     meta["paired_bitwise"] = _paired(cache, pairing)
     meta["pairing_classes"] = len(set(pairing.values()))
