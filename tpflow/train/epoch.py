@@ -27,9 +27,9 @@ def prompt_groups(prompts: list[str], starts: list[int] | None = None) -> list[i
     which the reference's CLIP-tokenizer round trip also folds) share an id (docs/algorithm.md §5).
 
     ``starts`` (with ``[rollout] same_noise``: each row's dataset item, whose copies share one z_0) splits a text's
-    rows by their initial noise too. Two items with the same text start from different z_0, and the methods that
-    share it compare a group's copies from one start: DanceGRPO and MixGRPO normalise over the copies of one call,
-    TempFlow-GRPO's siblings branch from one ODE state. Pooling two starts would mix them (ODE states, prefixes)."""
+    rows by their initial noise too. Two items with the same text start from different z_0, and a group that shares
+    its start compares the copies of that start alone (one shared ODE prefix, or siblings of one ODE state); pooling
+    two starts would mix them (docs/algorithm.md §5 item 9)."""
     keys = [" ".join(p.lower().split()) for p in prompts]
     table: dict[object, int] = {}
     if starts is None:
