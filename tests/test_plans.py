@@ -153,6 +153,24 @@ def test_window_schedule_follows_mixgrpo_over_100_iterations():
         (0, 0), (2, 2), (4, 4), (6, 6), (0, 0)]  # fmt: skip
 
 
+def test_a_truncated_window_schedule_follows_mixgrpos_code_over_100_iterations():
+    """MixGRPO's code (RIVALS.md §3(a)): l grows by the stride every iters_per_group iterations, rolls back to 0 past
+    max_timesteps, and the SDE window is [l, min(l + w, max_timesteps)): cut short near the end, not moved back."""
+    plan = tpflow.build("plan", "window-schedule", iters_per_group=3, stride=1, truncate=True)
+    settings = RolloutSettings(num_steps=10, window_size=4, window_range=(0, 8))  # max_timesteps = K − 2 = 8
+    start, want = 0, []
+    for e in range(100):  # GRPOTrainingStates: get the window, then update_iteration()
+        want.append((start, min(start + 4, 8) - start))
+        if (e + 1) % 3 == 0:
+            start += 1
+            if start > 7:  # an empty window [8, 8) is not a start here (docs/algorithm.md §10.1)
+                start = 0
+    got = [plan.plan(settings, 2, e, e, 0) for e in range(100)]
+    assert [(p.starts[0], p.size) for p in got] == want and {p.size for p in got} == {1, 2, 3, 4}
+    untruncated = tpflow.build("plan", "window-schedule", iters_per_group=3, stride=1)
+    assert {untruncated.plan(settings, 2, e, e, 0).size for e in range(100)} == {4}
+
+
 @pytest.mark.parametrize("steps,fraction,count", [(16, 0.6, 9), (10, 0.6, 5), (12, 1.0, 11)])
 def test_trained_fraction_draws_dancegrpo_subsets(steps, fraction, count):
     """DanceGRPO (RIVALS.md §6(b)): the last step dropped, int((K − 1)·f) of the others trained per trajectory, a
@@ -238,6 +256,25 @@ def test_each_methods_shapes_recipe_trains(recipe, tmp_path, tiny_weights, plugi
     assert metrics["optimizer_steps"] >= 1 and metrics["first_ratio_max_deviation"] == 0.0, metrics
     assert any(not torch.equal(before[n], after[n]) for n in before), recipe
     assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float)), metrics
+
+
+@pytest.mark.parametrize("recipe", ["shapes_mixgrpo.toml", "shapes_mixgrpo_flash.toml"])
+def test_a_truncated_window_trains_fewer_steps_that_epoch(recipe, tmp_path, tiny_weights, plugin):
+    """With truncate the window of epoch 1 starts at 6 and is cut at hi = 8: two SDE steps, scored and trained as
+    two (traces [n, 3]), after an epoch of four; MixGRPO-Flash's solver then starts after step 7."""
+    from tpflow.train.run_logger import read_jsonl
+
+    cut = ["plan.iters_per_group=1", "plan.stride=6", "plan.truncate=true"]
+    trainer = _method_run(recipe, tmp_path, tiny_weights, 2, cut)
+    before = {n: p.detach().clone() for n, p in trainer.backbone.model.named_parameters() if "lora_" in n}
+    metrics = trainer.fit()
+    widths = {(r["epoch"], len(r["step_rewards"])) for r in read_jsonl(trainer.run_dir / "traces.jsonl")}
+    assert widths == {(0, 4), (1, 2)}, widths
+    after = dict(trainer.backbone.model.named_parameters())
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+    assert metrics["first_ratio_max_deviation"] == 0.0 and all(
+        math.isfinite(v) for v in metrics.values() if isinstance(v, float)
+    ), metrics
 
 
 def test_a_window_schedule_resumes_exactly(tmp_path, tiny_weights, plugin):

@@ -11,10 +11,10 @@ an iteration and moves its start l between iterations:
   form of verl-omni's ``sde_window_scheduler.py``).
 
 An iteration is a tpflow epoch (one sampling stage and its update). The starts are lo..hi − W of
-``[rollout] window_range``; the window always holds W steps. MixGRPO lets the last windows run past its
-``max_timesteps`` = K − 2 and truncates them; that truncation is not reproduced (a recipe sets hi = K − 2 instead,
-and the schedule rolls back before it). The start is a pure function of (options, range, run seed, epoch), so the
-plan needs no state of its own to resume exactly.
+``[rollout] window_range``, and the window holds W steps. With ``truncate`` (MixGRPO's code) the starts run on to
+hi − 1 and a window that would pass hi is cut there: W = [l, min(l + w, hi)), fewer SDE steps in those epochs
+(MixGRPO's hi is its ``max_timesteps`` = K − 2; its l = hi, an empty window, is not a start here). The start is a
+pure function of (options, range, run seed, epoch), so the plan needs no state of its own to resume exactly.
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ class WindowScheduleOptions(BaseModel):
     roll_back: bool = Field(
         True, description="Past the last start, go back to the first (MixGRPO) instead of staying at the last."
     )
+    truncate: bool = Field(
+        False,
+        description="Let the start run on to hi − 1 and cut the window at hi (MixGRPO's code: [l, min(l + w, hi))), "
+        "instead of every window holding W steps and the last start being hi − W.",
+    )
     after_window: Literal["euler", "dpm-solver++"] = Field(
         "euler",
         description="After the window: the schedule's Euler steps (MixGRPO), or DPM-Solver++(2M) on a compressed "
@@ -71,7 +76,7 @@ def schedule_start(options: WindowScheduleOptions, first: int, last: int, epoch:
 @register("plan", "window-schedule", options=WindowScheduleOptions)
 class WindowSchedulePlan:
     """One window for every trajectory of an epoch, its start moved over training (module docstring); all W steps
-    trained. Implements ``RolloutPlan``. Options: strategy, iters_per_group, stride, roll_back."""
+    trained. Implements ``RolloutPlan``. Options: strategy, iters_per_group, stride, roll_back, truncate."""
 
     registered_name = "window-schedule"
     per_row_windows = False
@@ -81,9 +86,11 @@ class WindowSchedulePlan:
 
     def plan(self, rollout: RolloutSettings, n: int, epoch: int, batch_seed: int, run_seed: int) -> BatchPlan:
         lo, hi = rollout.window_range
-        start = schedule_start(self.options, lo, hi - rollout.window_size, epoch, run_seed)
+        last = hi - 1 if self.options.truncate else hi - rollout.window_size
+        start = schedule_start(self.options, lo, last, epoch, run_seed)
+        size = min(rollout.window_size, hi - start)  # W, or fewer where truncate cuts the window at hi
         flash = self.options.after_window == "dpm-solver++"
-        return BatchPlan((start,) * n, rollout.window_size, tail_ratio=self.options.post_ratio if flash else None)
+        return BatchPlan((start,) * n, size, tail_ratio=self.options.post_ratio if flash else None)
 
     @staticmethod
     def check_recipe(options: WindowScheduleOptions, settings: dict) -> list[str]:

@@ -85,7 +85,8 @@ class EpochSampler:
                         store_means,
                     )
                 prompts, metadata = [i.prompt for i in items], [i.metadata for i in items]
-                jobs.append(worker.submit(out.final, out.completions, prompts, metadata, rollout.window_size))
+                # traces [n, W + 1] of the plan's W (a truncated window holds fewer than [rollout] window_size)
+                jobs.append(worker.submit(out.final, out.completions, prompts, metadata, window.size))
                 rollouts.append(dataclasses.replace(out, completions=None))  # scored already; the update needs none
                 advance()
             phase(f"epoch {epoch}: scoring", len(jobs))
