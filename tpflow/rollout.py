@@ -295,7 +295,7 @@ class _WindowLoop:
         on = inside.to(main.z.device).reshape(-1, *([1] * (main.z.dim() - 1)))
         prev = torch.where(on, out.prev, ode)
         if self.store:
-            self.taken[k] = (main.z, prev, out.log_prob, out.mean)
+            self.taken[k] = (main.z, prev, out.log_prob, out.mean if self.store_means else None)  # means: RatioNorm
         main.z = prev
 
     def gathered(self, starts: Tensor) -> tuple[list[Tensor], Tensor | None]:

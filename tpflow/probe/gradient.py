@@ -31,7 +31,8 @@ class _Capture(Precision):
         flat = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params]
         self.gradients.append(torch.cat(flat).detach().float().cpu())
         optimizer.zero_grad(set_to_none=True)
-        return torch.zeros((), device="cpu"), False  # no norm: nothing was clipped
+        # no norm: nothing was clipped. On the gradients' device: the loop stacks it with its device-side totals
+        return torch.zeros((), device=params[0].device), False
 
 
 def first_step_gradient(
