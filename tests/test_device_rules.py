@@ -20,7 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import tpflow
-from tpflow.devices import cpu_generator, randn, resolve_device
+from tpflow.devices import cpu_generator, randn, resolve_device, to_device
 from tpflow.errors import UserError
 from tpflow.recipe import Recipe, load_recipe
 from tpflow.train.trainer import Trainer
@@ -208,6 +208,28 @@ def test_randn_is_the_generators_draw_moved():
     assert torch.equal(a, b)
     assert randn((2, 3), cpu_generator(7), "cpu", torch.float64).dtype == torch.float64
     assert randn((2, 3), cpu_generator(7), "meta").device.type == "meta"
+
+
+HOST_VALUES = (torch.tensor(0.25), torch.tensor([0.5, 0.25, 1.0]), torch.tensor([True, False]), torch.tensor([3]))
+
+
+def test_to_device_gives_the_values_of_a_plain_copy():
+    """tpflow.devices.to_device (a host σ, mask or noise draw to the model's device without waiting for its queue)
+    keeps values, dtype and shape; off CUDA it is ``.to``."""
+    for t in HOST_VALUES:
+        moved = to_device(t, "cpu")
+        assert moved.device.type == "cpu" and moved.dtype == t.dtype and torch.equal(moved, t)
+        assert to_device(t, "meta").shape == t.shape and to_device(t, "meta").device.type == "meta"
+
+
+@pytest.mark.gpu
+def test_to_device_on_cuda_fills_or_copies_from_pinned_memory(cuda):
+    """On CUDA a one-element tensor is filled on the device and a larger one copied non_blocking from pinned
+    memory: the same values as ``.to("cuda")``, read back after a synchronize."""
+    for t in HOST_VALUES:
+        moved = to_device(t, cuda)
+        assert moved.device.type == torch.device(cuda).type and moved.dtype == t.dtype and moved.shape == t.shape
+        assert torch.equal(moved.cpu(), t)
 
 
 def test_sampler_noise_comes_from_the_generator_whatever_the_latent_device():

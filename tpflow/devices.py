@@ -105,8 +105,19 @@ def randn(
     """
     source = generator.device if generator is not None else torch.device("cpu")
     draw = torch.randn(tuple(shape), generator=generator, device=source, dtype=torch.float32)
-    if source.type == "cpu" and torch.device(device).type == "cuda":
-        # From pageable memory a large copy waits for the GPU's queue (a host synchronisation at every SDE step of
-        # a rollout); from pinned memory it is queued like a kernel. The values are the same.
-        draw = draw.pin_memory().to(device=device, non_blocking=True)
-    return draw.to(device=device, dtype=dtype)
+    return to_device(draw, device).to(dtype=dtype)
+
+
+def to_device(tensor: Tensor, device: torch.device | str) -> Tensor:
+    """``tensor`` on ``device``, the same values, without the host waiting for the GPU's queue.
+
+    A copy to CUDA from pageable host memory waits until the work queued before it has run (a host synchronisation
+    at every SDE step of a rollout, for a noise draw or even a one-element σ); from pinned memory it is queued like
+    a kernel. So a host tensor goes to CUDA through pinned memory, ``non_blocking``, and a one-element one is filled
+    on the device from its value instead. Anything else is a plain ``.to(device)``."""
+    target = torch.device(device)
+    if tensor.device.type != "cpu" or target.type != "cuda":
+        return tensor.to(device=target)
+    if tensor.numel() == 1:
+        return torch.full(tensor.shape, tensor.item(), dtype=tensor.dtype, device=target)
+    return tensor.pin_memory().to(device=target, non_blocking=True)

@@ -35,7 +35,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from tpflow.devices import cpu_generator
+from tpflow.devices import cpu_generator, to_device
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.plans.base import BatchPlan, Window, draw_window  # noqa: F401 (Window, draw_window: tpflow.rollout names)
 from tpflow.rollout_branch import branched_rollout
@@ -292,7 +292,7 @@ class _WindowLoop:
             main.z = ode
             return
         out = self.sampler.step(main.z, v_main, sigma, sigma_next, self.noise_level, noise=xi)
-        on = inside.to(main.z.device).reshape(-1, *([1] * (main.z.dim() - 1)))
+        on = to_device(inside, main.z.device).reshape(-1, *([1] * (main.z.dim() - 1)))
         prev = torch.where(on, out.prev, ode)
         if self.store:
             self.taken[k] = (main.z, prev, out.log_prob, out.mean if self.store_means else None)  # means: RatioNorm

@@ -12,7 +12,7 @@ import time
 import torch
 from torch import Tensor
 
-from tpflow.devices import cpu_generator, randn
+from tpflow.devices import cpu_generator, randn, to_device
 from tpflow.interfaces import Backbone
 from tpflow.types import Conditioning
 
@@ -105,7 +105,7 @@ class Velocity:
         for lo in range(0, z.shape[0], chunk):
             part = slice(lo, lo + chunk)
             level = sigma if isinstance(sigma, Tensor) else torch.tensor(sigma, device="cpu")  # off-grid: a float
-            level = level.to(torch.float32).expand(z[part].shape[0]).to(z.device)
+            level = to_device(level.to(torch.float32), z.device).expand(z[part].shape[0])  # no wait (tpflow.devices)
             out.append(self.backbone.velocity(z[part], level, self.cond.index(rows[part]), self.guidance))
         self.model_s += time.perf_counter() - start
         self.rows_evaluated += z.shape[0]

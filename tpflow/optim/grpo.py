@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
 from tpflow import registry
+from tpflow.devices import to_device
 from tpflow.errors import UserError
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.optim.advantages import group_advantages, informative_trajectories
@@ -364,7 +365,7 @@ class GRPO(AdamWLoop):
                 mask = None if trained is None else trained[host_rows, i]  # [n] host bool
                 if mask is not None and not bool(mask.any()):
                     continue
-                mask = None if mask is None or bool(mask.all()) else mask.to(batch.device)
+                mask = None if mask is None or bool(mask.all()) else to_device(mask, batch.device)
                 weight = None if weights is None else weights[device_rows, i]
                 yield functools.partial(
                     self._step_loss, backbone, sampler, part, adv[device_rows, i], i, host[:, i : i + 2], weight, mask
@@ -408,7 +409,7 @@ class GRPO(AdamWLoop):
         sigmas = part.sigmas[:, i : i + 2] if sigmas is None else sigmas
         sigma, sigma_next = sigmas[:, 0], sigmas[:, 1]
         z, z_next = part.latents[:, i], part.next_latents[:, i]
-        sigma_on_device = sigma.to(z.device)  # the host σ (checked there by the sampler) for the model
+        sigma_on_device = to_device(sigma, z.device)  # the host σ (checked there by the sampler) for the model
         v = backbone.velocity(z, sigma_on_device, part.cond, part.guidance)
         out = sampler.log_prob(z_next, z, v, sigma, sigma_next, part.noise_level)
         # Rows whose transition has std 0 (cps at σ⁺ = 0) carry no likelihood ratio and are never trained, row by

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tpflow.devices import randn
+from tpflow.devices import randn, to_device
 
 
 def check_latents(z: Tensor, v: Tensor, z_next: Tensor | None = None) -> None:
@@ -33,9 +33,9 @@ def sigma_vector(sigma: Tensor | float, z: Tensor, name: str) -> Tensor:
     """A noise level as an [N] float32 vector on z's device (a scalar is repeated over the batch)."""
     n = z.shape[0]
     if isinstance(sigma, Tensor):
-        s = sigma.to(device=z.device, dtype=torch.float32)
+        s = to_device(sigma.to(dtype=torch.float32), z.device)  # a host σ: no wait for the GPU (tpflow.devices)
     else:
-        s = torch.tensor(sigma, dtype=torch.float32, device=z.device)
+        s = torch.full((), sigma, dtype=torch.float32, device=z.device)
     if s.ndim == 0 or s.shape == (1,):
         return s.reshape(1).expand(n)
     if s.shape != (n,):
