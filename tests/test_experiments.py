@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 
@@ -97,9 +98,9 @@ def test_a_changed_file_is_refused_unless_amended(tmp_path, tiny_weights, plugin
     assert "**Amendment**" in report and "a third seed for power" in report and "outcome/seed_0" in report
 
 
-def _fake_run(run_dir, values):
+def _fake_run(run_dir, values, epoch_s=2.0):
     run_dir.mkdir(parents=True)
-    lines = [{"epoch": e, "last_eval_epoch": e, "eval_reward": v, "epoch_s": 2.0, "nfe_per_traj": 10.0,
+    lines = [{"epoch": e, "last_eval_epoch": e, "eval_reward": v, "epoch_s": epoch_s, "nfe_per_traj": 10.0,
               "optimizer_steps": 1.0} for e, v in enumerate(values)]  # fmt: skip
     (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     (run_dir / DONE).write_text("{}")
@@ -122,8 +123,9 @@ def test_compare_against_hand_computed_intervals(tmp_path, tiny_weights, plugin)
     curves = {"outcome": [[0.5, 0.6, 0.7], [0.5, 0.55, 0.6], [0.5, 0.62, 0.64]],
               "consistent": [[0.5, 0.64, 0.75], [0.5, 0.6, 0.61], [0.5, 0.66, 0.7]],
               "incremental": [[0.5, 0.58, 0.69], [0.5, 0.57, 0.62], [0.5, 0.6, 0.66]]}  # fmt: skip
+    seconds = {"outcome": [2.0, 4.0, 3.0], "consistent": [5.0, 8.0, 9.0], "incremental": [2.0, 2.0, 3.0]}
     for run in experiment.runs():
-        _fake_run(run.run_dir, curves[run.arm][run.seed])
+        _fake_run(run.run_dir, curves[run.arm][run.seed], seconds[run.arm][run.seed])
 
     def auc(c):  # trapezoid over epochs 0, 1, 2, divided by the span 2
         return ((c[0] + c[1]) / 2 + (c[1] + c[2]) / 2) / 2
@@ -150,8 +152,18 @@ def test_compare_against_hand_computed_intervals(tmp_path, tiny_weights, plugin)
         holm[name] = running
     assert {c["name"]: c["holm_p"] for c in result["secondary"]} == pytest.approx(holm)
     assert result["missing"] == [] and "every" not in result  # every seed is in the report
+    own = [auc(c) for c in curves["consistent"]]  # the arm's summary over its seeds, by hand
+    half = stats.t.ppf(0.975, 2) * statistics.stdev(own) / math.sqrt(3)
+    summary = result["arms"]["consistent"]
+    assert summary["seeds"] == 3 and summary["mean"] == pytest.approx(statistics.mean(own))
+    assert (summary["low"], summary["high"]) == pytest.approx((summary["mean"] - half, summary["mean"] + half))
+    assert summary["epoch_s"] == pytest.approx(22 / 3)  # (5 + 8 + 9) / 3
+    assert summary["epoch_s_ratio"] == pytest.approx((5 / 2 + 8 / 4 + 9 / 3) / 3)  # paired by seed: 2.5
+    assert result["arms"]["outcome"]["epoch_s_ratio"] == 1.0
     report = markdown(result)
     assert all(f"| {arm} | {seed} |" in report for arm in curves for seed in range(3))
+    interval = f"{summary['mean']:.4f} [{summary['low']:.4f}, {summary['high']:.4f}]"
+    assert f"| consistent | 3 | {interval} | 10.0 | 7.3 | 2.50 |" in report
 
 
 def test_summaries_written_beside_a_report_reproduce_it_without_the_run_folders(tmp_path, tiny_weights, plugin):

@@ -10,7 +10,8 @@ differences beside it as a cross-check (too narrow at a few seeds: the t interva
 smallest difference these seeds detect at 80% power from the spread observed (noncentral t). The secondary family,
 every (arm, endpoint) of ``[secondary]`` but the primary, is Holm-adjusted together. Cost per epoch: NFE per
 trajectory, seconds, optimizer steps. Every seed is listed; a run that is missing or unfinished is named and its seed
-left out of the pairs that need it.
+left out of the pairs that need it. Each arm is also summarised over its seeds (``arm_summary``): the mean statistic
+with its t interval, the mean cost, and its seconds per epoch as a paired ratio to the baseline's.
 """
 
 from __future__ import annotations
@@ -92,6 +93,19 @@ def cost(run: dict) -> dict[str, float]:
     nfe = run.get("nfe_per_traj")
     return {"nfe_per_traj": math.nan if nfe is None else float(nfe), "epoch_s": mean("epoch_s"),
             "optimizer_steps": mean("optimizer_steps")}  # fmt: skip
+
+
+def arm_summary(rows: dict[str, dict], base_rows: dict[str, dict]) -> dict[str, float]:
+    """One arm over its seeds (``rows``: the report's {seed: row}): the mean of its own statistic with a 95% t
+    interval over the seeds, the mean NFE per trajectory and seconds per epoch, and the mean over the seeds both
+    finished of its seconds per epoch divided by the baseline's. The ratio is paired because a seed's runs of every
+    arm ran at about the same time, so a machine's load that slows one slows the other alike."""
+    mean, low, high, _ = t_interval([row["statistic"] for row in rows.values()])
+    ratios = [row["epoch_s"] / base_rows[seed]["epoch_s"] for seed, row in rows.items() if seed in base_rows]
+    return {"seeds": len(rows), "mean": mean, "low": low, "high": high,
+            "nfe_per_traj": float(np.mean([row["nfe_per_traj"] for row in rows.values()])),
+            "epoch_s": float(np.mean([row["epoch_s"] for row in rows.values()])),
+            "epoch_s_ratio": float(np.mean(ratios)) if ratios else math.nan}  # fmt: skip
 
 
 def t_test_power(sd: float, effect: float, n: int, level: float = 0.95) -> float:
@@ -227,12 +241,14 @@ def compare(experiment: Experiment, loaded: tuple[dict[str, dict[int, dict]], li
         for arm, seeds in runs.items()
     }  # fmt: skip
     registration = lock.read(experiment.out)
+    base_rows = table.get(endpoint.baseline, {})
     return {
         "experiment": spec.experiment.name,
         "endpoint": endpoint.model_dump(),
         "primary": None if primary is None else asdict(primary),
         "secondary": [asdict(c) for c in secondary],
         "runs": table,
+        "arms": {arm: arm_summary(rows, base_rows) for arm, rows in table.items()},
         "missing": missing,
         "source": spec.experiment.summaries or str(experiment.out),
         "registered": None if registration is None else registration["registered"],
@@ -275,6 +291,12 @@ def markdown(result: dict) -> str:
         for c in result["secondary"]:
             lines.append(f"| {c['name']} | {c['mean']:+.4f} [{c['low']:+.4f}, {c['high']:+.4f}] | {c['p']:.3g} | "
                          f"{c['holm_p']:.3g} |")  # fmt: skip
+    if result["arms"]:
+        lines += ["", f"| arm | seeds | {e['statistic']}, mean [95% t] | NFE/traj | s/epoch | s/epoch ÷ "
+                  f"{e['baseline']}'s (paired) |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for arm, a in result["arms"].items():
+            lines.append(f"| {arm} | {a['seeds']} | {a['mean']:.4f} [{a['low']:.4f}, {a['high']:.4f}] | "
+                         f"{a['nfe_per_traj']:.1f} | {a['epoch_s']:.1f} | {a['epoch_s_ratio']:.2f} |")  # fmt: skip
     lines += ["", f"| arm | seed | {e['statistic']} | evaluations | NFE/traj | s/epoch | steps/epoch |",
               "|---|---|---|---|---|---|---|"]  # fmt: skip
     for arm, seeds in result["runs"].items():
