@@ -238,7 +238,7 @@ def compare(experiment: Experiment, loaded: tuple[dict[str, dict[int, dict]], li
     table = {
         arm: {str(seed): {"epochs": curve(run, endpoint.metric)[0], "values": curve(run, endpoint.metric)[1],
                           "statistic": _own(run, endpoint), **cost(run)} for seed, run in sorted(seeds.items())}
-        for arm, seeds in runs.items()
+        for arm, seeds in sorted(runs.items(), key=lambda item: list(spec.arms).index(item[0]))  # the file's order
     }  # fmt: skip
     registration = lock.read(experiment.out)
     base_rows = table.get(endpoint.baseline, {})
