@@ -89,7 +89,9 @@ def report() -> Path:
         else:
             lines.append(f"| {c['name']} | {c['mean']:+.4f} [{c['low']:+.4f}, {c['high']:+.4f}] | {c['p']:.3g} | "
                          f"{adjusted[name]:.3g} |")  # fmt: skip
-    lines += ["", (OUT / NAME / "report.md").read_text().split("\n", 3)[-1]]
+    lines += ["", "The probe's own report follows. Its Holm column adjusts over all four comparisons, the primary among "
+              "them; the protocol's family is the three secondary comparisons above, and their Holm p are the ones "
+              "in that table.", "", (OUT / NAME / "report.md").read_text().split("\n", 3)[-1]]  # fmt: skip
     cos = data["per_repeat_cosine"]  # every repeat, none dropped
     lines += probe_study.repeat_table(cos, list(cos))
     path = ROOT / "docs" / "results" / "probe_rivals_b.md"
