@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def find(comparisons: dict[str, dict], name: str) -> dict | None:
 
 def report() -> Path:
     """docs/results/probe_rivals_b.md: the primary, the secondary family with Holm (missing ones named), the probe's
-    own table and every repeat."""
+    own table and every repeat; the figure beside it (probe_rivals_b_cosine.png)."""
     from tpflow.intervals import holm
 
     data = json.loads((OUT / NAME / "report.json").read_text())
@@ -89,13 +90,14 @@ def report() -> Path:
         else:
             lines.append(f"| {c['name']} | {c['mean']:+.4f} [{c['low']:+.4f}, {c['high']:+.4f}] | {c['p']:.3g} | "
                          f"{adjusted[name]:.3g} |")  # fmt: skip
-    lines += ["", "The probe's own report follows. Its Holm column adjusts over all four comparisons, the primary among "
-              "them; the protocol's family is the three secondary comparisons above, and their Holm p are the ones "
-              "in that table.", "", (OUT / NAME / "report.md").read_text().split("\n", 3)[-1]]  # fmt: skip
+    lines += ["", "The probe's own report follows. Its Holm column adjusts over all four comparisons, the primary "
+              "among them; the protocol's family is the three secondary comparisons above, and their Holm p are the "
+              "ones in that table.", "", (OUT / NAME / "report.md").read_text().split("\n", 3)[-1]]  # fmt: skip
     cos = data["per_repeat_cosine"]  # every repeat, none dropped
     lines += probe_study.repeat_table(cos, list(cos))
     path = ROOT / "docs" / "results" / "probe_rivals_b.md"
     path.write_text("\n".join(lines) + "\n")
+    shutil.copyfile(OUT / NAME / "cosine_nfe.png", path.with_name("probe_rivals_b_cosine.png"))
     return path
 
 
