@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -66,8 +65,9 @@ def find(comparisons: dict[str, dict], name: str) -> dict | None:
 
 def report() -> Path:
     """docs/results/probe_rivals_b.md: the primary, the secondary family with Holm (missing ones named), the probe's
-    own table and every repeat; the figure beside it (probe_rivals_b_cosine.png)."""
+    own table and every repeat; the figure drawn beside it (probe_rivals_b_cosine.png)."""
     from tpflow.intervals import holm
+    from tpflow.probe.report import plot
 
     data = json.loads((OUT / NAME / "report.json").read_text())
     comparisons = {c["name"]: c for c in data["comparisons"]}
@@ -97,7 +97,7 @@ def report() -> Path:
     lines += probe_study.repeat_table(cos, list(cos))
     path = ROOT / "docs" / "results" / "probe_rivals_b.md"
     path.write_text("\n".join(lines) + "\n")
-    shutil.copyfile(OUT / NAME / "cosine_nfe.png", path.with_name("probe_rivals_b_cosine.png"))
+    plot(data, path.with_name("probe_rivals_b_cosine.png"), "task.toml: cosine to g★ against NFE per prompt")
     return path
 
 

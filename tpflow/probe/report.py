@@ -203,6 +203,7 @@ def plot(result: dict[str, Any], path: Path, title: str) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
     by_arm: dict[str, list[dict]] = {}
@@ -220,6 +221,11 @@ def plot(result: dict[str, Any], path: Path, title: str) -> Path:
                 ax.annotate(f"G={a['group_size']}", (a[axis], a["cosine"][0]), fontsize=7,
                             textcoords="offset points", xytext=(4, -8))  # fmt: skip
         ax.set_xscale("log")
+        # ticks at 1-2-5 steps, labelled as plain numbers (matplotlib's default labels minor ticks "3×10²" on a
+        # short log range, and they overlap)
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(label)
         ax.axhline(0, color="grey", lw=0.5)
         ax.grid(alpha=0.3)
