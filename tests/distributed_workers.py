@@ -174,16 +174,56 @@ def layout_gradient(weights: str, share: list[int], micro: int, accumulation: in
     return seen[0]
 
 
+def nft_layout_gradient(
+    weights: str, share: list[int], micro: int, accumulation: int, accelerator=None
+) -> torch.Tensor:
+    """``layout_gradient`` for the nft optimizer: the gradient of its one optimizer step over ``share`` (this
+    process's samples of one fixed batch of 8 final samples) in micro-batches of ``micro``, ``accumulation`` per
+    step. Each sample's times t and noise ε must not depend on the layout."""
+    import tpflow
+    from tpflow.precision import Precision
+    from tpflow.rollout import Window, rollout
+
+    torch.manual_seed(0)  # the LoRA init: the same adapter on every call and process
+    backbone = tpflow.build("backbone", "shapes-dit", weights=weights, lora_init="gaussian")
+    sampler = tpflow.build("sampler", "cps")
+    prompts = ["a photo of a red circle", "a photo of two squares"] * 4
+    z0 = backbone.initial_noise(8, cpu_generator(0))
+    batch = rollout(backbone, sampler, backbone.encode(prompts), z0, backbone.sigmas(3), Window(0, 1), 0.0, 2.0,
+                    None, transitions=False).index(torch.tensor(share))  # fmt: skip
+    advantages = torch.randn(8, 1, generator=cpu_generator(3), dtype=torch.float64)[share]
+    optimizer = tpflow.build(
+        "optimizer", "nft", micro_batch_size=micro, gradient_accumulation_steps=accumulation, max_grad_norm=1e9,
+        num_timesteps=4, timesteps_per_sample=2, seed=11,
+    )  # fmt: skip
+    precision = Precision("no")
+    optimizer.bind(backbone, accelerator, precision)
+    seen = []
+
+    def recorded(opt, params, max_norm):
+        seen.append(torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in params]))
+        return Precision.step(precision, opt, params, max_norm)
+
+    precision.step = recorded
+    metrics = optimizer.update(backbone, sampler, batch, advantages)
+    assert metrics["optimizer_steps"] == 1 and len(seen) == 1, metrics
+    return seen[0]
+
+
 def cpu_generator(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
-def layout_worker(rank: int, out: Path, weights: str, layouts: dict[str, list[tuple[list[int], int, int]]]) -> dict:
-    """For each layout (rank -> (rows, micro, accumulation)), the gradient of its one optimizer step here."""
+def layout_worker(
+    rank: int, out: Path, weights: str, layouts: dict[str, list[tuple[list[int], int, int]]], optimizer: str = "grpo"
+) -> dict:
+    """For each layout (rank -> (rows, micro, accumulation)), the gradient of its one optimizer step here (GRPO's, or
+    with ``optimizer = "nft"`` DiffusionNFT's)."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
-    return {name: layout_gradient(weights, *layout[rank], accelerator=accelerator) for name, layout in layouts.items()}
+    gradient = nft_layout_gradient if optimizer == "nft" else layout_gradient
+    return {name: gradient(weights, *layout[rank], accelerator=accelerator) for name, layout in layouts.items()}
 
 
 def minimal_optimizer_worker(rank: int, out: Path, recipe: str, overrides: list[str]) -> dict:

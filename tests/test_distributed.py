@@ -12,6 +12,7 @@ from tests.distributed_workers import (
     layout_gradient,
     layout_worker,
     minimal_optimizer_worker,
+    nft_layout_gradient,
     spawn,
 )
 from tpflow.optim.advantages import group_advantages
@@ -63,6 +64,22 @@ def test_a_steps_gradient_is_the_same_on_two_processes_whatever_the_split(tmp_pa
     }
     zero, one = spawn(layout_worker, tmp_path, str(tiny_weights), layouts)
     reference = layout_gradient(str(tiny_weights), everything, 8, 1)
+    for name in layouts:
+        assert torch.equal(zero[name], one[name]), f"{name}: every process steps with the same gradient"
+        torch.testing.assert_close(zero[name], reference, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_an_nft_steps_gradient_is_the_same_on_two_processes_whatever_the_split(tmp_path, tiny_weights):
+    """DiffusionNFT draws each sample's times and noise from its own index among the update's samples, so one step
+    over 8 samples split over 2 processes gives the 1-process gradient (an earlier release drew ε per micro-batch
+    and per process)."""
+    everything = list(range(8))
+    layouts = {
+        "4 + 4": [(everything[:4], 4, 1), (everything[4:], 4, 1)],
+        "3 + 3 | 2": [(everything[:6], 3, 2), (everything[6:], 3, 2)],
+    }
+    zero, one = spawn(layout_worker, tmp_path, str(tiny_weights), layouts, "nft")
+    reference = nft_layout_gradient(str(tiny_weights), everything, 8, 1)
     for name in layouts:
         assert torch.equal(zero[name], one[name]), f"{name}: every process steps with the same gradient"
         torch.testing.assert_close(zero[name], reference, rtol=1e-5, atol=1e-7, msg=name)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tpflow
+from tests.distributed_workers import nft_layout_gradient
 from tpflow.interfaces import Optimizer
 from tpflow.optim.nft import NFT
 from tpflow.optim.nft_loss import implicit_velocities, nft_loss, old_decay, optimality
@@ -213,6 +214,17 @@ def test_update_trains_the_adapter_and_soft_updates_the_old_policy(tiny_weights)
     for a, b in zip(params, twin_backbone.trainable_parameters(), strict=True):
         assert torch.equal(a, b)
     assert all(torch.equal(a, b) for a, b in zip(twin.old, optimizer.old, strict=True))
+
+
+@pytest.mark.parametrize("micro,accumulation", [(4, 2), (2, 4), (3, 3)])
+def test_a_steps_gradient_does_not_depend_on_its_micro_batches(tiny_weights, micro, accumulation):
+    """One optimizer step over 8 samples as 8, 4 + 4, 2 + 2 + 2 + 2 and 3 + 3 + 2 gives one gradient: each sample's
+    times and ε are drawn from its own index, not per micro-batch (which moved the gradient by as much as the
+    gradient itself: max |Δ| 0.074 against max |g| 0.078 for 4×1 against 2×2)."""
+    whole = nft_layout_gradient(str(tiny_weights), list(range(8)), 8, 1)
+    split = nft_layout_gradient(str(tiny_weights), list(range(8)), micro, accumulation)
+    assert whole.abs().max() > 0
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-7)
 
 
 def test_a_state_of_the_other_optimizer_is_refused(tiny_weights):

@@ -126,6 +126,26 @@ def test_the_trainer_never_branches_on_the_optimizers_name():
     assert len(_optimizer_specific_uses(bad, "example.py")) == 5, _optimizer_specific_uses(bad, "example.py")
 
 
+def test_the_base_seed_follows_train_seed_not_what_was_built_before(tmp_path, tiny_weights, monkeypatch):
+    """The nft base seed (its update's t and ε) is derived from ``train.seed``: a reward whose construction draws
+    from the global RNG (shapes-clip's did) leaves it alone; another train.seed changes it."""
+    from tpflow.recipe import Recipe
+
+    recipe = load_recipe(nft_recipe(tmp_path, tiny_weights), ["train.epochs=1"])
+    plain = Trainer(recipe, run_dir=tmp_path / "plain").optimizer._seed
+    build = Recipe.build
+
+    def drawing(self, kind):
+        if kind == "reward":
+            torch.rand(1000)  # what building a model with random initial weights does to the global RNG
+        return build(self, kind)
+
+    monkeypatch.setattr(Recipe, "build", drawing)
+    assert Trainer(recipe, run_dir=tmp_path / "drawing").optimizer._seed == plain
+    other = load_recipe(nft_recipe(tmp_path, tiny_weights), ["train.epochs=1", "train.seed=7"])
+    assert Trainer(other, run_dir=tmp_path / "other").optimizer._seed != plain
+
+
 def test_kill_9_then_resume_continues_exactly(tmp_path, tiny_weights):
     straight_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
     straight_dir.mkdir()

@@ -19,13 +19,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
-from tpflow.devices import cpu_generator, randn
+from tpflow.devices import cpu_generator, to_device
 from tpflow.errors import UserError
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.optim.advantages import group_advantages
 from tpflow.optim.loop import AdamWLoop, LossThunk, RowLoss
 from tpflow.optim.nft_loss import NFTLoss, forward_noising, nft_loss, old_decay, optimality
 from tpflow.optim.swap import swapped
+from tpflow.plans.base import derived_generator
 from tpflow.registry import register
 from tpflow.types import Rollout
 
@@ -219,21 +220,26 @@ class NFT(AdamWLoop):
         device = batch.final.device
         r = optimality(advantages[:, -1].to(device=device, dtype=torch.float32), o.adv_clip_max)  # [N]
         schedule = backbone.sigmas(o.num_timesteps)[: o.num_timesteps].to(device=device, dtype=torch.float32)
-        generator = cpu_generator(self._draw_seed())  # sample order, times and noise (tpflow.devices, rule 1)
+        seed = self._draw_seed()
+        order_generator = cpu_generator(seed)  # the sample order only: it decides which samples share a step
+        first = self._first_row(n)  # this process's first row in the update's rows over every process
+        shape = tuple(batch.final.shape[1:])
         times: list[Tensor] = []  # the current pass's [N, T] schedule indices
+        keys: list[tuple[int, ...]] = []  # the current pass's (seed, update, pass) key of every draw
 
         def passes() -> Iterator[list[Tensor]]:
-            for _ in range(o.num_inner_epochs):
-                order = torch.randperm(n, generator=generator, device="cpu").to(device)
-                # [N, T] indices into the schedule: distinct times per sample, in a random order per sample
-                drawn = torch.rand((n, o.num_timesteps), generator=generator, device="cpu").argsort(dim=1)
-                times[:] = [drawn[:, : o.timesteps_per_sample].to(device)]
-                yield list(order.split(o.micro_batch_size)) if n else []
+            for p in range(o.num_inner_epochs):
+                order = torch.randperm(n, generator=order_generator, device="cpu")  # [N] host
+                keys[:] = [(self._seed, self.updates, p)]
+                times[:] = [draw_times(keys[0], first, n, o.num_timesteps, o.timesteps_per_sample).to(device)]
+                host = order.split(o.micro_batch_size) if n else []
+                yield list(zip(to_device(order, device).split(o.micro_batch_size), host, strict=True))
 
-        def losses(mb: Tensor) -> Iterator[LossThunk]:
+        def losses(rows: tuple[Tensor, Tensor]) -> Iterator[LossThunk]:
+            mb, host_rows = rows[0], rows[1].tolist()  # the micro-batch's samples, on the device and on the host
             for j in range(o.timesteps_per_sample):
                 t = schedule[times[0][mb, j]]  # [M]
-                noise = randn(batch.final[mb].shape, generator, device, torch.float32)
+                noise = draw_noise(keys[0], [first + i for i in host_rows], j, shape, device)  # [M, ...]
                 yield functools.partial(self._row_loss, backbone, batch, mb, r[mb], t, noise)
 
         result = self.run(passes(), losses, on_step)
@@ -290,7 +296,31 @@ class NFT(AdamWLoop):
             old.copy_(param.detach() if decay == 0 else old * decay + param.detach() * (1.0 - decay))
 
     def _draw_seed(self) -> int:
-        """The seed of this update's draws: the base seed, the update's index and this process's rank."""
+        """The seed of this update's sample order: the base seed, the update's index and this process's rank."""
         if self._seed is None:
             self._seed = int(torch.randint(SEED_LIMIT, (1,), device="cpu"))
         return (self._seed + 1_000_003 * self.updates + 7919 * self._dist.rank) % SEED_LIMIT
+
+    def _first_row(self, n: int) -> int:
+        """The index of this process's first sample among the update's samples of every process (rank order)."""
+        if not self._dist.enabled:
+            return 0
+        counts = self._dist.gather(torch.tensor([n], dtype=torch.long)).tolist()
+        return int(sum(counts[: self._dist.rank]))
+
+
+def draw_times(key: tuple[int, ...], first: int, n: int, num_timesteps: int, per_sample: int) -> Tensor:
+    """[n, T] long: each sample's T distinct schedule indices in random order, drawn from (key, its global row).
+
+    A sample's times depend on its own index only, not on the micro-batch or the process it falls in."""
+    rows = [derived_generator(*key, first + i, "t") for i in range(n)]
+    drawn = [torch.rand(num_timesteps, generator=g, device="cpu").argsort()[:per_sample] for g in rows]
+    return torch.stack(drawn) if drawn else torch.zeros((0, per_sample), dtype=torch.long)
+
+
+def draw_noise(key: tuple[int, ...], rows: list[int], j: int, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """[M, ...] float32 on ``device``: ε of the samples ``rows`` (global indices) at their j-th time, each drawn on
+    the CPU from (key, row, j) (``tpflow.devices``, rule 1): the same ε whatever the micro-batch layout or the number
+    of processes (an earlier release drew one ε per micro-batch, so the gradient moved with ``micro_batch_size``)."""
+    draws = [torch.randn(shape, generator=derived_generator(*key, row, j, "eps"), device="cpu") for row in rows]
+    return to_device(torch.stack(draws), device)

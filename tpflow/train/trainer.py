@@ -41,6 +41,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from tpflow.plans.base import derived_rng
 from tpflow.devices import resolve_device
 from tpflow.distributed import Distributed, make_accelerator
 from tpflow.errors import UserError
@@ -165,6 +166,9 @@ class Trainer:
         self.test_items = test[: recipe.eval.num_prompts] if recipe.eval.num_prompts else test
         if self.eval_split != "test":
             self.console.print(f"[yellow]warning:[/] {escape(no_test_split(recipe.dataset.name))}", soft_wrap=True)
+        # What an optimizer draws from the global RNG as it binds (nft's base seed) depends on train.seed alone, not
+        # on how many draws building the reward and the dataset took before it (shapes-clip's took some).
+        torch.manual_seed(derived_rng(train.seed, "optimizer.bind").getrandbits(63))
         self.optimizer.bind(self.backbone, self.accelerator, self.precision)
         parts = (self.backbone, self.sampler, reward, self.optimizer, self.credit, self.precision, self.train_items)
         self.epoch_sampler = EpochSampler(*parts, train, recipe.rollout, recipe.build("plan"))
