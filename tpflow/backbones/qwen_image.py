@@ -36,6 +36,7 @@ from tpflow.backbones.diffusers_common import (
 from tpflow.backbones.diffusers_lora import AdapterMethods
 from tpflow.backbones.lora_targets import JOINT_ATTENTION
 from tpflow.devices import randn
+from tpflow.guidance import combine
 from tpflow.registry import register
 from tpflow.types import Conditioning
 
@@ -145,7 +146,7 @@ class QwenImageBackbone(AdapterMethods):
         if not cfg:
             return v
         v_neg, v_cond = v.chunk(2)
-        combined = v_neg + guidance * (v_cond - v_neg)
+        combined = combine(v_neg, v_cond, guidance)  # v_neg a constant under cfg_gradient = "conditional"
         return combined * (v_cond.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
 
     def decode(self, z: Tensor) -> Tensor:

@@ -33,6 +33,7 @@ from tpflow.backbones.diffusers_common import (
 from tpflow.backbones.diffusers_lora import AdapterMethods
 from tpflow.backbones.lora_targets import JOINT_ATTENTION
 from tpflow.devices import randn
+from tpflow.guidance import combine
 from tpflow.registry import register
 from tpflow.types import Conditioning
 
@@ -129,7 +130,7 @@ class SD3Backbone(AdapterMethods):
         if guidance == 1:
             return v
         v_uncond, v_cond = v.chunk(2)
-        return v_uncond + guidance * (v_cond - v_uncond)
+        return combine(v_uncond, v_cond, guidance)
 
     def decode(self, z: Tensor) -> Tensor:
         """Latents to images [N, 3, H, W] float32 in [0, 1] through the fp32 VAE (the pipeline's scaling)."""

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from tpflow.devices import randn, resolve_device
 from tpflow.errors import UserError
+from tpflow.guidance import combine
 from tpflow.registry import register
 from tpflow.samplers.schedules import sd3_sigmas
 from tpflow.shapes import vocab
@@ -200,7 +201,7 @@ class ShapesBackbone:
         null = torch.arange(2 * n, device=z.device) < n  # [uncond; cond]
         v = self.model(torch.cat([z, z]), sigma.repeat(2), tokens.repeat(2, 1), mask.repeat(2, 1), null)
         v_uncond, v_cond = v.chunk(2)
-        return v_uncond + guidance * (v_cond - v_uncond)
+        return combine(v_uncond, v_cond, guidance)
 
     def decode(self, z: Tensor) -> Tensor:
         """Pixels in [-1, 1] to images [N, 3, H, W] float32 in [0, 1] (clamped)."""

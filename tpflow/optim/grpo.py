@@ -24,6 +24,7 @@ from torch import Tensor
 from tpflow import registry
 from tpflow.devices import to_device
 from tpflow.errors import UserError
+from tpflow.guidance import conditional_only
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.optim.advantages import group_advantages, informative_trajectories
 from tpflow.optim.loop import AdamWLoop, LossThunk, RowLoss
@@ -224,6 +225,13 @@ class GRPOOptions(BaseModel):
         "scale σ^sde without √Δσ (Flow-GRPO, GRPO-Guard), or 'transition', the step's own std s = σ^sde·√Δσ "
         "(TempFlow-GRPO's per-step code: a KL 1/Δσ times larger at the same β; ../shared/RIVALS.md §1(c)).",
     )
+    cfg_gradient: Literal["both", "conditional"] = Field(
+        "both",
+        description="Which CFG branch the policy gradient flows through: 'both', the guided velocity's exact "
+        "gradient (every method's public code today), or 'conditional', the unconditional velocity a constant "
+        "(flow_grpo's SD3 code of July-August 2025); the same forward values either way (tpflow.guidance, "
+        "docs/algorithm.md §6.2).",
+    )
     step_weight: Literal["uniform", "noise-aware"] = Field(
         "uniform",
         description="Weight of each step's policy loss: 'uniform' (Flow-GRPO, TP-GRPO), or 'noise-aware' "
@@ -247,7 +255,7 @@ class GRPO(AdamWLoop):
 
     Options: learning_rate, adam_betas, weight_decay, adam_eps, clip_range, adv_clip_max, beta, max_grad_norm,
     global_std, advantage_std, advantage_eps, filter_zero_advantage, gradient_accumulation_steps, micro_batch_size,
-    num_inner_epochs.
+    num_inner_epochs, ratio_norm, ratio_norm_reweight, kl_std, cfg_gradient, step_weight.
 
     One ``update`` walks the epoch's trajectories in micro-batches of ``micro_batch_size`` (in order, as the
     reference), and for each micro-batch the W window steps in order: recompute the velocity with grad, re-score the
@@ -288,6 +296,13 @@ class GRPO(AdamWLoop):
                 f"[rollout] noise_level = {noise_level:g}: the SDE window is then the deterministic ODE, every "
                 "transition has std 0 and no likelihood ratio, and GRPO never trains such a step, so nothing trains. "
                 "Use the paper's 0.7 (any value > 0; at most 1 for the cps sampler)."
+            )
+        guidance = settings["rollout"].guidance
+        if options.cfg_gradient == "conditional" and guidance == 1:
+            problems.append(
+                f'[optimizer] cfg_gradient = "conditional" with [rollout] guidance = {guidance:g}: at guidance 1 '
+                "there is no unconditional branch to hold constant, so the option would change nothing. Drop it, or "
+                "set the guidance of the method you reproduce (SD3.5: 4.5)."
             )
         sampler = settings["sampler"].name
         if options.ratio_norm and not getattr(registry.get("sampler", sampler).factory, "gaussian_log_prob", False):
@@ -410,7 +425,15 @@ class GRPO(AdamWLoop):
         sigma, sigma_next = sigmas[:, 0], sigmas[:, 1]
         z, z_next = part.latents[:, i], part.next_latents[:, i]
         sigma_on_device = to_device(sigma, z.device)  # the host σ (checked there by the sampler) for the model
-        v = backbone.velocity(z, sigma_on_device, part.cond, part.guidance)
+        with conditional_only(o.cfg_gradient == "conditional") as combined:
+            v = backbone.velocity(z, sigma_on_device, part.cond, part.guidance)
+        if o.cfg_gradient == "conditional" and part.guidance != 1 and not combined[0]:
+            raise UserError(
+                f'[optimizer] cfg_gradient = "conditional": the backbone ({type(backbone).__name__}) computed its '
+                f"guidance {part.guidance:g} without a classifier-free-guidance branch (FLUX's guidance is a "
+                "distilled embedding, one call), so there is no unconditional velocity to hold constant. Drop the "
+                "option."
+            )
         out = sampler.log_prob(z_next, z, v, sigma, sigma_next, part.noise_level)
         # Rows whose transition has std 0 (cps at σ⁺ = 0) carry no likelihood ratio and are never trained, row by
         # row: a micro-batch can mix rollout batches whose windows start differently, so some rows of step i may be
