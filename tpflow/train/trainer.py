@@ -41,11 +41,11 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from tpflow.plans.base import derived_rng
 from tpflow.devices import resolve_device
 from tpflow.distributed import Distributed, make_accelerator
 from tpflow.errors import UserError
 from tpflow.interfaces import RewardModel
+from tpflow.plans.base import derived_rng
 from tpflow.precision import Precision
 from tpflow.preflight import check_machine
 from tpflow.recipe import Recipe
