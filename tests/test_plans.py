@@ -413,6 +413,118 @@ def test_flash_tail_follows_mixgrpo_flash():
     torch.testing.assert_close(out.final, z, rtol=1e-5, atol=1e-5)
 
 
+SCHEDULES = [  # (strategy, stride, roll_back): every start, strided ones rolling back before the last, clipped
+    ("progressive", 1, True), ("progressive", 2, True), ("progressive", 2, False), ("progressive", 4, True),
+    ("random", 1, True),
+]  # fmt: skip
+
+
+def _schedule_cases(num_steps: int):
+    """(options, rollout settings) over windows, ranges, truncate and schedules; random with truncate is refused by
+    a check of its own (test below) and left out."""
+    import itertools
+
+    ranges = ((0, num_steps), (0, num_steps - 1), (1, num_steps), (2, num_steps))
+    for width, (lo, hi), truncate, (strategy, stride, roll_back) in itertools.product(
+        (1, 2, 3), ranges, (False, True), SCHEDULES
+    ):
+        if lo > hi - width or (strategy == "random" and truncate):
+            continue
+        options = WindowScheduleOptions(strategy=strategy, iters_per_group=1, stride=stride, roll_back=roll_back,
+                                        truncate=truncate, after_window="dpm-solver++")  # fmt: skip
+        yield options, RolloutSettings(num_steps=num_steps, window_size=width, window_range=(lo, hi), guidance=1.0)
+
+
+def test_a_flash_tail_is_refused_exactly_where_a_window_would_end_at_k():
+    """Issue 46: DPM-Solver++ after the window runs from its end e to σ = 0 and needs a step there; a window ending
+    at e = K left it the nodes [0, 0] and the rollout of that epoch raised. check_recipe refuses a recipe exactly
+    when some epoch's window ends at K (hi = K and l + W ≥ K for a start the schedule reaches), whatever the
+    strategy, stride, roll-back or cut; the windows that end at K − 1 (one step left) roll out."""
+    from types import SimpleNamespace
+
+    from tpflow.plans.schedule import WindowSchedulePlan
+
+    backbone, sampler, num_steps = LinearFlow(), tpflow.build("sampler", "flow-sde"), 6
+    cond = Conditioning({"row": torch.arange(2)})
+    outcomes: dict[tuple[int, int], bool] = {}  # (start, size) -> the rollout ran
+
+    def rolls_out(start: int, size: int, settings: RolloutSettings, plan) -> bool:
+        if (start, size) not in outcomes:
+            try:
+                rollout_from_settings(backbone, sampler, cond, [0, 1], plan, settings, None, cpu_generator(4))
+                outcomes[start, size] = True
+            except ValueError as exc:
+                assert "tail_sigmas must run strictly down" in str(exc)
+                outcomes[start, size] = False
+        return outcomes[start, size]
+
+    refused = accepted_at_k = 0
+    for options, settings in _schedule_cases(num_steps):
+        plan = tpflow.build("plan", "window-schedule", **options.model_dump())
+        epochs = [plan.plan(settings, 2, e, e, 0) for e in range(60 if options.strategy == "random" else 3 * 6)]
+        fails = not all(rolls_out(p.starts[0], p.size, settings, p) for p in epochs)
+        sections = {"credit": SimpleNamespace(name="outcome"), "rollout": settings}
+        problems = WindowSchedulePlan.check_recipe(options, sections)
+        assert bool(problems) == fails, (options, settings.window_size, settings.window_range, problems)
+        refused += fails
+        accepted_at_k += not fails and settings.window_range[1] == num_steps
+    assert refused and accepted_at_k  # both sides of the condition are exercised (strides that never reach K)
+    assert outcomes[num_steps - 2, 1] and not outcomes[num_steps - 1, 1]  # e = K − 1 rolls out; e = K does not
+
+
+def test_reachable_starts_are_the_starts_the_schedule_gives():
+    """What check_recipe reasons about is what the plan draws: every start schedule_start gives, and no other."""
+    from tpflow.plans.schedule import reachable_starts
+
+    for strategy, stride, roll_back in SCHEDULES:
+        options = WindowScheduleOptions(strategy=strategy, iters_per_group=2, stride=stride, roll_back=roll_back)
+        for first, last in ((0, 0), (0, 5), (1, 6), (2, 9)):
+            drawn = {schedule_start(options, first, last, e, 3) for e in range(300)}
+            assert drawn == set(reachable_starts(options, first, last)), (options, first, last)
+
+
+def _validate(recipe: str, *overrides: str):
+    """``tpflow validate`` of a shipped recipe in this process: (exit status, the error's non-empty lines)."""
+    from pathlib import Path
+
+    from tests.cli_run import tpflow as cli
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / recipe
+    done = cli("validate", str(path), *(a for o in overrides for a in ("--set", o)), "--no-machine")
+    assert "Traceback" not in done.stderr + done.stdout, done.stderr
+    return done.returncode, [line for line in done.stderr.splitlines() if line.strip()]
+
+
+def test_validate_refuses_a_flash_window_schedule_that_reaches_k():
+    """Issue 46's recipe (K = 10, W = 4, window_range = [0, 10], a move every epoch) crashed at epoch 6: it is
+    refused before anything loads, in one paragraph naming the starts and the fix, which validates."""
+    reach = ["rollout.window_range=[0, 10]", "plan.iters_per_group=1"]
+    code, lines = _validate("shapes_mixgrpo_flash.toml", *reach)  # truncate: starts 6..9 all end at K
+    assert code == 2 and len(lines) == 1, lines
+    for text in ("after_window = 'dpm-solver++'", "starts 6..9", "K = 10", "window_range = [0, 9]", "'euler'"):
+        assert text in lines[0], (text, lines[0])
+    code, lines = _validate("shapes_mixgrpo_flash.toml", *reach, "plan.truncate=false")  # full windows: start 6
+    assert code == 2 and len(lines) == 1 and "start 6 ends its window at step K = 10" in lines[0], lines
+    assert _validate("shapes_mixgrpo_flash.toml", "rollout.window_range=[0, 9]", "plan.iters_per_group=1")[0] == 0
+    assert _validate("shapes_mixgrpo_flash.toml", *reach, "plan.after_window=euler")[0] == 0
+
+
+def test_a_random_window_schedule_draws_full_windows_and_refuses_truncate():
+    """MixGRPO's random strategy (GRPOTrainingStates.update_iteration) draws l = rng.integers(0, max_timesteps −
+    w + 1): a full window every time, the cut [l, min(l + w, max_timesteps)) reached by progressive starts only. A
+    random schedule with truncate, which drew starts up to hi − 1 and cut their windows, is refused in one paragraph;
+    without truncate it draws MixGRPO's starts 0..hi − W, all W steps."""
+    plan = tpflow.build("plan", "window-schedule", strategy="random")
+    settings = RolloutSettings(num_steps=10, window_size=4, window_range=(0, 8))  # max_timesteps = K − 2 = 8
+    drawn = [plan.plan(settings, 2, e, e, 5) for e in range(200)]
+    assert {p.starts[0] for p in drawn} == set(range(0, 8 - 4 + 1)) and {p.size for p in drawn} == {4}
+    code, lines = _validate("shapes_mixgrpo.toml", "plan.strategy=random")  # the recipe sets truncate = true
+    assert code == 2 and len(lines) == 1, lines
+    for text in ("strategy = 'random'", "truncate = true", "full window", "truncate = false", "'progressive'"):
+        assert text in lines[0], (text, lines[0])
+    assert _validate("shapes_mixgrpo.toml", "plan.strategy=random", "plan.truncate=false")[0] == 0
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("recipe", ["shapes_grpo_guard.toml", "shapes_tempflow.toml", "shapes_dancegrpo.toml"])
 def test_method_recipes_train_under_the_recipes_precisions(recipe, precision, tmp_path, tiny_weights, plugin):
