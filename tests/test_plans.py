@@ -333,6 +333,21 @@ def test_branching_matches_tempflows_rollout_in_float64():
     assert torch.equal(out.latents[0], out.latents[1]) and not torch.equal(out.next_latents[0], out.next_latents[1])
 
 
+def test_every_rollout_batch_of_an_epoch_branches_at_the_same_start():
+    """Siblings are the copies of a prompt, spread over several rollout batches: the branch plan's start is one per
+    epoch (from the run seed and the epoch), not one per batch. With one per batch, pickscore_tempflow's layout at
+    window_size = 4, window_range = [0, 9] put children branched at different steps in all 48 of 48 groups."""
+    plan = tpflow.build("plan", "branch")
+    settings = RolloutSettings(num_steps=10, window_size=4, window_range=(0, 9), same_noise=True)
+    per_epoch = []
+    for epoch in range(12):
+        starts = {plan.plan(settings, 6, epoch, batch_seed, run_seed=3).start for batch_seed in range(40)}
+        assert len(starts) == 1, f"epoch {epoch}: batches branch at {sorted(starts)}"
+        per_epoch.append(starts.pop())
+    assert len(set(per_epoch)) > 1  # a wide window_range still varies the start between epochs
+    assert all(0 <= s <= 5 for s in per_epoch)
+
+
 def test_branch_credit_gives_tempflows_sibling_advantages():
     """RIVALS.md §1(b): A^b_k = (R^b_k − mean_b R_k) / (std_b R_k + 1e-4) per step over the siblings (population
     std), with R^b_k the reward of child b's completion at step k: branch credit, then GRPO's group advantages."""

@@ -13,16 +13,17 @@ NFE per trajectory (one velocity call per step for the path, every child alive, 
 path's K over the C siblings plus each child's remaining steps, K/C + Σ_i (K − s − i − 1); for K = 10, W = 9, C = 6,
 ≈ 46.7, i.e. 280 per ODE path (TempFlow's count, 279, does not finish the path's last step; tpflow does, for the
 logged final reward). ``completion_steps = k`` completes each child in at most k Euler steps instead.
+
+Siblings must branch at the same steps, so the window's start is drawn once per epoch, from (run seed, epoch), and
+every rollout batch and process of the epoch uses it (a wide ``window_range`` varies it between epochs).
 """
 
 from __future__ import annotations
 
-import random
-
 from pydantic import BaseModel, ConfigDict
 
 from tpflow import registry
-from tpflow.plans.base import BatchPlan, draw_window, needs_transition_optimizer
+from tpflow.plans.base import BatchPlan, derived_rng, draw_window, needs_transition_optimizer
 from tpflow.registry import register
 from tpflow.settings import RolloutSettings
 
@@ -70,5 +71,9 @@ class BranchPlan:
         return problems + needs_transition_optimizer(settings, "branch", "the branch plan's children are such steps")
 
     def plan(self, rollout: RolloutSettings, n: int, epoch: int, batch_seed: int, run_seed: int) -> BatchPlan:
-        window = draw_window(rollout.num_steps, rollout.window_size, rollout.window_range, random.Random(batch_seed))
+        """One window start per epoch, drawn from (run seed, epoch): the copies of a prompt, which may fall in
+        several rollout batches (and processes), are siblings only if all of them branch at the same steps. A
+        start per batch (an earlier release) made a group's column i z-score children taken at different σ."""
+        rng = derived_rng(run_seed, epoch, "branch")
+        window = draw_window(rollout.num_steps, rollout.window_size, rollout.window_range, rng)
         return BatchPlan((window.start,) * n, window.size, branch=True)
