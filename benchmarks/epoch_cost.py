@@ -65,6 +65,16 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # key -> (label, recipe ove
     ),
     "tp-x0": ("TP-GRPO, x0 completions", {"credit": {"name": "turning_point"}, "rollout": {"completions": "x0"}}),
     # Speed options, off by default: measured against the variants above in the same run.
+    # DanceGRPO's trained subset (recipes/shapes_dancegrpo.toml's plan): every step SDE, 60% of the first K − 1 trained
+    "dance": (
+        "DanceGRPO (trained-fraction 0.6)",
+        {
+            "credit": {"name": "outcome"},
+            "sampler": {"name": "dance-sde"},
+            "plan": {"name": "trained-fraction", "fraction": 0.6, "exclude_last": True},
+            "rollout": {"window_size": "K", "same_noise": True},  # "K": the window covers every step
+        },
+    ),
     "flow-compile": (
         "Flow-GRPO, compiled blocks",
         {"credit": {"name": "outcome"}, "backbone": {"compile_blocks": True}},
@@ -354,6 +364,9 @@ def bench_backbone(name: str, args: argparse.Namespace, peak_flops: float) -> di
     with tempfile.TemporaryDirectory() as tmp:
         for key in variants:
             data = merge(base, VARIANTS[key][1])
+            if data["rollout"].get("window_size") == "K":
+                steps = data["rollout"]["num_steps"]
+                data["rollout"].update(window_size=steps, window_range=[0, steps])
             data["train"]["run_dir"] = str(Path(tmp) / key)
             recipe = validate_recipe(data, where=f"epoch_cost {name} {key}")
             trainers[key] = trainer = Trainer(recipe, run_dir=Path(tmp) / key, console=Console(quiet=True))

@@ -175,3 +175,49 @@ def test_a_step_the_fp16_scaler_skips_is_not_counted(backbone):
     assert precision.scaler.get_scale() == 2.0**15  # backed off once from 2**16
     assert all(torch.isfinite(p).all() for p in backbone.trainable_parameters())
     assert any(not torch.equal(before[id(p)], p) for p in backbone.trainable_parameters())
+
+
+def test_a_trained_subset_is_computed_alone_and_weighs_as_before(backbone):
+    """A plan's subset of (trajectory, step) pairs (DanceGRPO's trained fraction) is packed into full velocity calls
+    of trained pairs only: the update's forward rows equal the trained pairs (an earlier release computed the whole
+    micro-batch at every step any of its rows trained, weighing the others 0), and the step's gradient is still the
+    mean over the trained pairs, equal to the masked computation's."""
+    import dataclasses
+
+    sampler = tpflow.build("sampler", "flow-sde")
+    prompts = ["a photo of a red circle"] * 3 + ["a photo of two squares"] * 3
+    z0 = backbone.initial_noise(6, torch.Generator().manual_seed(0))
+    batch = rollout(backbone, sampler, backbone.encode(prompts), z0, backbone.sigmas(5), Window(0, 4), 0.7, 2.0,
+                    None, generator=torch.Generator().manual_seed(1))  # fmt: skip
+    trained = torch.rand(6, 4, generator=torch.Generator().manual_seed(5)) < 0.4  # [6, 4]: a random subset
+    trained[0, 0] = True
+    batch = dataclasses.replace(batch, trained=trained)
+    advantages = group_advantages(torch.randn(6, 4, generator=torch.Generator().manual_seed(2)), prompts)
+    optimizer = tpflow.build("optimizer", "grpo", beta=0.0, micro_batch_size=3, max_grad_norm=1e9)
+    optimizer.bind(backbone)
+    params = backbone.trainable_parameters()
+
+    rows, velocity = [], backbone.velocity
+    backbone.velocity = lambda z, *a: rows.append(z.shape[0] if torch.is_grad_enabled() else 0) or velocity(z, *a)
+    gradients = []
+    optimizer._optimizer.step = lambda *a, **k: gradients.append([p.grad.clone() for p in params])
+    try:
+        metrics = optimizer.update(backbone, sampler, batch, advantages)
+    finally:
+        del backbone.velocity
+    assert metrics["rows_trained"] == trained.sum() and sum(rows) == trained.sum()  # nothing untrained computed
+    assert metrics["first_ratio_max_deviation"] <= 1e-6  # on policy, to rounding: the calls mix steps
+    (packed,) = gradients
+
+    # The masked computation: every step of the whole batch, the untrained rows weighing 0, divided by the pairs.
+    adv = advantages.float()
+    for p in params:
+        p.grad = None
+    total = sum(
+        (optimizer._step_loss(backbone, sampler, batch, adv[:, i], i, None, trained[:, i].float()).total
+         for i in range(4)),
+        torch.zeros(()),
+    )  # fmt: skip
+    (total / trained.sum()).backward()
+    for got, want in zip(packed, (p.grad for p in params), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-8)

@@ -121,6 +121,24 @@ class Rollout:
             means=None if self.means is None else self.means[rows],
         )
 
+    def transitions(self, rows: Tensor, steps: Tensor) -> Rollout:
+        """The stored transitions (rows[p], steps[p]) as a rollout of P one-step trajectories (rows, steps: [P] long
+        indices on this rollout's device): what an update that trains a subset of (trajectory, step) pairs packs
+        into full velocity calls, whatever steps the pairs come from."""
+        return Rollout(
+            latents=self.latents[rows, steps].unsqueeze(1),
+            next_latents=self.next_latents[rows, steps].unsqueeze(1),
+            log_probs=self.log_probs[rows, steps].unsqueeze(1),
+            sigmas=torch.stack([self.sigmas[rows, steps], self.sigmas[rows, steps + 1]], dim=1),
+            noise_level=self.noise_level,
+            guidance=self.guidance,
+            cond=self.cond.index(rows),
+            final=self.final[rows],
+            completions=None,
+            cost=self.cost,
+            means=None if self.means is None else self.means[rows, steps].unsqueeze(1),
+        )
+
     @staticmethod
     def cat(rollouts: list[Rollout]) -> Rollout:
         """Concatenate rollout batches of one epoch (same W, α and guidance; windows may start differently)."""

@@ -25,7 +25,7 @@ from tpflow import registry
 from tpflow.devices import to_device
 from tpflow.errors import UserError
 from tpflow.guidance import conditional_only
-from tpflow.interfaces import Backbone, Sampler
+from tpflow.interfaces import Backbone, Sampler, capability
 from tpflow.optim.advantages import group_advantages, informative_trajectories
 from tpflow.optim.loop import AdamWLoop, LossThunk, RowLoss
 from tpflow.optim.ratio_norm import normalised_log_ratio
@@ -305,7 +305,7 @@ class GRPO(AdamWLoop):
                 "set the guidance of the method you reproduce (SD3.5: 4.5)."
             )
         sampler = settings["sampler"].name
-        if options.ratio_norm and not getattr(registry.get("sampler", sampler).factory, "gaussian_log_prob", False):
+        if options.ratio_norm and not capability(registry.get("sampler", sampler).factory, "gaussian_log_prob"):
             problems.append(
                 f"[optimizer] ratio_norm = true needs a log-probability that is the Gaussian density the sampler "
                 f"draws from (RatioNorm rescales it by the step's std), and sampler {sampler!r} has none (cps scores "
@@ -323,14 +323,6 @@ class GRPO(AdamWLoop):
         correction = 1 if o.advantage_std == "sample" else 0
         return group_advantages(step_rewards, groups, global_std=o.global_std, eps=o.advantage_eps,
                                 clip=o.adv_clip_max, correction=correction)  # fmt: skip
-
-    def load_extra_state(self, state: dict) -> None:
-        if "old" in state:  # the nft optimizer's: its AdamW moments are of another loss, and its old policy has no use
-            raise UserError(
-                "the optimizer state was written by the nft optimizer (it holds an old policy): a checkpoint of "
-                "another optimizer cannot continue as grpo. Start a new run, or resume with [optimizer] name = "
-                '"nft".'
-            )
 
     def update(
         self,
@@ -371,19 +363,14 @@ class GRPO(AdamWLoop):
 
         def losses(mb: tuple[Tensor, Tensor]) -> Iterator[LossThunk]:
             device_rows, host_rows = mb
+            if trained is not None:  # a plan's subset of (trajectory, step) pairs: packed, nothing else computed
+                yield from self._packed_losses(backbone, sampler, batch, adv, sigmas, weights, trained[host_rows], mb)
+                return
             part, host = batch.index(device_rows), sigmas[host_rows]
             for i in range(width):
-                # A plan's subset: a step no row of the micro-batch trains is skipped; otherwise the whole
-                # micro-batch is computed and the untrained rows weigh 0, because a velocity call over a subset of
-                # the rows rounds differently on the CPU (a row's result depends on the call's size), which would
-                # move the on-policy ratio off exactly 1.
-                mask = None if trained is None else trained[host_rows, i]  # [n] host bool
-                if mask is not None and not bool(mask.any()):
-                    continue
-                mask = None if mask is None or bool(mask.all()) else to_device(mask, batch.device)
                 weight = None if weights is None else weights[device_rows, i]
                 yield functools.partial(
-                    self._step_loss, backbone, sampler, part, adv[device_rows, i], i, host[:, i : i + 2], weight, mask
+                    self._step_loss, backbone, sampler, part, adv[device_rows, i], i, host[:, i : i + 2], weight
                 )
 
         result = self.run([micro_batches] * o.num_inner_epochs, losses, on_step)
@@ -391,6 +378,43 @@ class GRPO(AdamWLoop):
             result.setdefault(name, 0.0)
         result["trajectories_trained"] = float(rows.numel())
         return result
+
+    def _packed_losses(
+        self, backbone: Backbone, sampler: Sampler, batch: Rollout, adv: Tensor, sigmas: Tensor,
+        weights: Tensor | None, trained: Tensor, mb: tuple[Tensor, Tensor],
+    ) -> Iterator[LossThunk]:  # fmt: skip
+        """The micro-batch ``mb`` (its rows on the device and on the host)'s trained (trajectory, step) pairs
+        (``trained`` [n, W] host), step by step, in calls of as many pairs as it has trajectories: a call computes only
+        rows that train. (An earlier release computed the whole micro-batch at every step any of its rows trained,
+        weighing the others 0: +45% update compute for flux_dancegrpo, docs/algorithm.md §10.1.) ``adv`` [N, W] and
+        ``weights`` are on the device, ``sigmas`` [N, W + 1] on the host."""
+        device_rows, host_rows = mb
+        step, local = trained.T.nonzero(as_tuple=True)  # [P] each, ordered by step, then row
+        if not step.numel():
+            return
+        pairs = to_device(torch.stack([local, step]), batch.device)  # [2, P]: one copy per micro-batch
+        size = len(host_rows)
+        for start in range(0, step.numel(), size):
+            rows, steps = device_rows[pairs[0, start : start + size]], pairs[1, start : start + size]  # [p] device
+            host_rows_p, host_steps = host_rows[local[start : start + size]], step[start : start + size]  # [p] host
+            host = torch.stack([sigmas[host_rows_p, host_steps], sigmas[host_rows_p, host_steps + 1]], dim=1)
+            weight = None if weights is None else weights[rows, steps]
+            part = batch.transitions(rows, steps)
+            yield functools.partial(self._step_loss, backbone, sampler, part, adv[rows, steps], 0, host, weight)
+
+    def _policy_velocity(self, backbone: Backbone, z: Tensor, sigma: Tensor, part: Rollout) -> Tensor:
+        """v_θ with grad, through the CFG branches ``cfg_gradient`` names (tpflow.guidance)."""
+        conditional = self.options.cfg_gradient == "conditional"
+        with conditional_only(conditional) as combined:
+            v = backbone.velocity(z, sigma, part.cond, part.guidance)
+        if conditional and part.guidance != 1 and not combined[0]:
+            raise UserError(
+                f'[optimizer] cfg_gradient = "conditional": the backbone ({type(backbone).__name__}) computed its '
+                f"guidance {part.guidance:g} without a classifier-free-guidance branch (FLUX's guidance is a "
+                "distilled embedding, one call), so there is no unconditional velocity to hold constant. Drop the "
+                "option."
+            )
+        return v
 
     def _step_weights(self, sampler: Sampler, sigmas: Tensor, alpha: float, trained: Tensor | None) -> Tensor | None:
         """The per-(row, step) weights [N, W] of the policy loss on the host (None: all 1): TempFlow-GRPO's
@@ -414,33 +438,22 @@ class GRPO(AdamWLoop):
         i: int,
         sigmas: Tensor | None = None,
         weight: Tensor | None = None,
-        trained: Tensor | None = None,
     ) -> RowLoss:
         """Loss of window step i for one micro-batch, summed over its rows whose transition std is not 0, and its
         diagnostics as row sums. ``sigmas`` [n, 2]: (σ, σ⁺) of the step on the host (default: read from ``part``);
-        ``weight`` [n] multiplies each row's policy loss (not its KL; None: 1); ``trained`` [n] bool (a rollout plan's
-        subset; None: all) leaves the other rows out like rows of std 0."""
+        ``weight`` [n] multiplies each row's policy loss (not its KL; None: 1). A rollout plan's subset of steps comes
+        packed (``Rollout.transitions``: every row trains unless its std is 0)."""
         o = self.options
         sigmas = part.sigmas[:, i : i + 2] if sigmas is None else sigmas
         sigma, sigma_next = sigmas[:, 0], sigmas[:, 1]
         z, z_next = part.latents[:, i], part.next_latents[:, i]
         sigma_on_device = to_device(sigma, z.device)  # the host σ (checked there by the sampler) for the model
-        with conditional_only(o.cfg_gradient == "conditional") as combined:
-            v = backbone.velocity(z, sigma_on_device, part.cond, part.guidance)
-        if o.cfg_gradient == "conditional" and part.guidance != 1 and not combined[0]:
-            raise UserError(
-                f'[optimizer] cfg_gradient = "conditional": the backbone ({type(backbone).__name__}) computed its '
-                f"guidance {part.guidance:g} without a classifier-free-guidance branch (FLUX's guidance is a "
-                "distilled embedding, one call), so there is no unconditional velocity to hold constant. Drop the "
-                "option."
-            )
+        v = self._policy_velocity(backbone, z, sigma_on_device, part)
         out = sampler.log_prob(z_next, z, v, sigma, sigma_next, part.noise_level)
         # Rows whose transition has std 0 (cps at σ⁺ = 0) carry no likelihood ratio and are never trained, row by
         # row: a micro-batch can mix rollout batches whose windows start differently, so some rows of step i may be
         # at σ⁺ = 0 while others are not. Their weight is 0 (their placeholder log-prob and KL are finite).
         live = (out.std.reshape(-1) != 0).float()  # [n] on the rollout's device
-        if trained is not None:
-            live = live * trained.float()
         if o.ratio_norm:  # GRPO-Guard: the normalised log-ratio in place of ℓ_θ − ℓ_old
             if part.means is None:
                 raise ValueError("ratio_norm needs the rollout's transition means (Rollout.means, store_means=True).")
