@@ -77,7 +77,7 @@ def test_grpo_reads_once_per_loss_and_for_its_sigma_checks(backbone):
     assert len(per_update) <= 4, per_update  # host copies of σ and the advantages, the rows kept, the metrics
 
 
-def test_nft_reads_once_per_loss(backbone):
+def test_nft_reads_once_per_loss(backbone, monkeypatch):
     prompts = ["a photo of a red circle"] * 4 + ["a photo of two squares"] * 4
     z0 = backbone.initial_noise(8, torch.Generator().manual_seed(0))
     batch = rollout(backbone, tpflow.build("sampler", "flow-sde"), backbone.encode(prompts), z0, backbone.sigmas(4),
@@ -85,9 +85,15 @@ def test_nft_reads_once_per_loss(backbone):
     advantages = group_advantages(torch.randn(8, 1, generator=torch.Generator().manual_seed(2)), prompts)
     optimizer = tpflow.build("optimizer", "nft", micro_batch_size=4, num_timesteps=4, timesteps_per_sample=3, seed=1)
     optimizer.bind(backbone)
+    import tpflow.optim.nft as nft
+
+    swaps, swapped = [], nft.swapped
+    monkeypatch.setattr(nft, "swapped", lambda *args: swaps.append(1) or swapped(*args))
     with HostReads() as reads:
         metrics = optimizer.update(backbone, None, batch, advantages)
     assert metrics["optimizer_steps"] == 2 and metrics["rows_trained"] == 24
     assert reads.calls.count("loop.py:_backward") == 2 * 3  # 2 micro-batches x 3 times
-    per_update = [c for c in reads.calls if c != "loop.py:_backward"]
+    assert len(swaps) == 2  # the old policy swapped in once per micro-batch, not twice per (micro-batch, time)
+    per_update = [c for c in reads.calls if c not in ("loop.py:_backward", "nft.py:passes")]
     assert len(per_update) <= 2, per_update  # the metrics and the mean optimality, once each
+    assert reads.calls.count("nft.py:passes") == 1  # the sample order, a host tensor, once per pass: free on a GPU

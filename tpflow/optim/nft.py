@@ -28,7 +28,7 @@ from tpflow.optim.nft_loss import NFTLoss, forward_noising, nft_loss, old_decay,
 from tpflow.optim.swap import swapped
 from tpflow.plans.base import derived_generator
 from tpflow.registry import register
-from tpflow.types import Rollout
+from tpflow.types import Conditioning, Rollout
 
 SEED_LIMIT = 2**62  # the base seed of the forward-process draws is below this
 
@@ -232,15 +232,22 @@ class NFT(AdamWLoop):
                 order = torch.randperm(n, generator=order_generator, device="cpu")  # [N] host
                 keys[:] = [(self._seed, self.updates, p)]
                 times[:] = [draw_times(keys[0], first, n, o.num_timesteps, o.timesteps_per_sample).to(device)]
-                host = order.split(o.micro_batch_size) if n else []
+                host = order.tolist()  # a host tensor's values: no wait for a device
+                host = [host[i : i + o.micro_batch_size] for i in range(0, n, o.micro_batch_size)]
                 yield list(zip(to_device(order, device).split(o.micro_batch_size), host, strict=True))
 
-        def losses(rows: tuple[Tensor, Tensor]) -> Iterator[LossThunk]:
-            mb, host_rows = rows[0], rows[1].tolist()  # the micro-batch's samples, on the device and on the host
-            for j in range(o.timesteps_per_sample):
-                t = schedule[times[0][mb, j]]  # [M]
-                noise = draw_noise(keys[0], [first + i for i in host_rows], j, shape, device)  # [M, ...]
-                yield functools.partial(self._row_loss, backbone, batch, mb, r[mb], t, noise)
+        def losses(rows: tuple[Tensor, list[int]]) -> Iterator[LossThunk]:
+            mb, host_rows = rows  # the micro-batch's samples, on the device and on the host
+            x0, cond = batch.final[mb], batch.cond.index(mb)
+            t = [schedule[times[0][mb, j]] for j in range(o.timesteps_per_sample)]  # T × [M]
+            noise = [draw_noise(keys[0], [first + i for i in host_rows], j, shape, device) for j in range(len(t))]
+            x_t = [forward_noising(x0.float(), tj, ej).to(x0.dtype) for tj, ej in zip(t, noise, strict=True)]
+            # v_old and v_ref of every time first, under one swap of the old policy per micro-batch (no graph of
+            # v_θ is pending here: the loop advances this generator between backward passes)
+            frozen = self._frozen(backbone, x_t, t, cond, batch.guidance)
+            for j, (v_old, v_ref) in enumerate(frozen):
+                yield functools.partial(self._row_loss, backbone, x0, x_t[j], t[j], cond, batch.guidance, r[mb],
+                                        v_old, v_ref)  # fmt: skip
 
         result = self.run(passes(), losses, on_step)
         decay = old_decay(self.global_step, o.old_decay_flat, o.old_decay_rate, o.old_decay_max)
@@ -254,32 +261,51 @@ class NFT(AdamWLoop):
     def loss(self, backbone: Backbone, batch: Rollout, rows: Tensor, r: Tensor, t: Tensor, noise: Tensor) -> NFTLoss:
         """The loss of the samples ``rows`` [M] of ``batch`` at times t [M] with noise ε [M, ...] and optimality r
         [M]: v_old (old policy) and v_ref (adapter disabled) without grad, then v_θ with grad."""
-        o = self.options
-        x0 = batch.final[rows]
-        cond = batch.cond.index(rows)
+        x0, cond = batch.final[rows], batch.cond.index(rows)
         x_t = forward_noising(x0.float(), t, noise).to(x0.dtype)
-        # The no-grad passes come first: the old policy's values are swapped into the adapter and back, which must
-        # not touch tensors that the graph of v_θ has saved. Each forward has its own autocast region, entered after
-        # the swap and left before the values come back: no weight changes inside a region (tpflow.precision).
-        autocast = self.precision.autocast
-        with torch.no_grad():
-            with swapped(self._params, self.old), autocast():
-                v_old = backbone.velocity(x_t, t, cond, batch.guidance)
-            v_ref = None
-            if o.kl_weight > 0:
-                with backbone.reference(), autocast():
-                    v_ref = backbone.velocity(x_t, t, cond, batch.guidance)
-        with autocast():
-            v = backbone.velocity(x_t, t, cond, batch.guidance)
-        return nft_loss(x0, x_t, t, v, v_old, r, o.beta, o.adv_clip_max, v_ref, o.kl_weight)
+        ((v_old, v_ref),) = self._frozen(backbone, [x_t], [t], cond, batch.guidance)
+        return self._loss(backbone, x0, x_t, t, cond, batch.guidance, r, v_old, v_ref)
 
     # ---- private -----------------------------------------------------------------------------------------------
 
+    def _frozen(
+        self, backbone: Backbone, x_t: list[Tensor], t: list[Tensor], cond: Conditioning, guidance: float
+    ) -> list[tuple[Tensor, Tensor | None]]:
+        """(v_old, v_ref) of each noised batch x_t[j] at t[j], without grad: the old policy's values swapped into
+        the adapter once for all of them, then the adapter disabled for the KL reference (None when kl_weight = 0).
+        Each forward has its own autocast region, entered after the swap and left before the values come back: no
+        weight changes inside a region (tpflow.precision)."""
+        autocast = self.precision.autocast
+        with torch.no_grad():
+            with swapped(self._params, self.old):
+                olds = []
+                for xj, tj in zip(x_t, t, strict=True):
+                    with autocast():
+                        olds.append(backbone.velocity(xj, tj, cond, guidance))
+            refs: list[Tensor | None] = [None] * len(x_t)
+            if self.options.kl_weight > 0:
+                with backbone.reference():
+                    for j, (xj, tj) in enumerate(zip(x_t, t, strict=True)):
+                        with autocast():
+                            refs[j] = backbone.velocity(xj, tj, cond, guidance)
+        return list(zip(olds, refs, strict=True))
+
+    def _loss(
+        self, backbone: Backbone, x0: Tensor, x_t: Tensor, t: Tensor, cond: Conditioning, guidance: float, r: Tensor,
+        v_old: Tensor, v_ref: Tensor | None,
+    ) -> NFTLoss:  # fmt: skip
+        """The NFT loss from v_θ (the one forward with grad, in its own autocast region) and the frozen velocities."""
+        o = self.options
+        with self.precision.autocast():
+            v = backbone.velocity(x_t, t, cond, guidance)
+        return nft_loss(x0, x_t, t, v, v_old, r, o.beta, o.adv_clip_max, v_ref, o.kl_weight)
+
     def _row_loss(
-        self, backbone: Backbone, batch: Rollout, rows: Tensor, r: Tensor, t: Tensor, noise: Tensor
-    ) -> RowLoss:
-        """:meth:`loss` as the loop takes it: summed over the M samples, with its parts as row sums."""
-        out = self.loss(backbone, batch, rows, r, t, noise)
+        self, backbone: Backbone, x0: Tensor, x_t: Tensor, t: Tensor, cond: Conditioning, guidance: float, r: Tensor,
+        v_old: Tensor, v_ref: Tensor | None,
+    ) -> RowLoss:  # fmt: skip
+        """:meth:`_loss` as the loop takes it: summed over the M samples, with its parts as row sums."""
+        out = self._loss(backbone, x0, x_t, t, cond, guidance, r, v_old, v_ref)
         sums = {
             "loss": out.rows.detach().sum(),
             "policy_loss": out.policy_rows.sum(),
@@ -287,7 +313,8 @@ class NFT(AdamWLoop):
             "negative_loss": out.negative.sum(),
             "kl": out.kl_rows.sum(),
         }
-        return RowLoss(out.rows.sum(), out.rows.new_tensor(float(out.rows.shape[0])), sums)
+        count = torch.full((), float(out.rows.shape[0]), device=out.rows.device)  # filled there: no host copy
+        return RowLoss(out.rows.sum(), count, sums)
 
     @torch.no_grad()
     def _update_old(self, decay: float) -> None:
@@ -305,7 +332,7 @@ class NFT(AdamWLoop):
         """The index of this process's first sample among the update's samples of every process (rank order)."""
         if not self._dist.enabled:
             return 0
-        counts = self._dist.gather(torch.tensor([n], dtype=torch.long)).tolist()
+        counts = self._dist.gather(torch.tensor([n], dtype=torch.long, device="cpu")).tolist()
         return int(sum(counts[: self._dist.rank]))
 
 
@@ -315,7 +342,7 @@ def draw_times(key: tuple[int, ...], first: int, n: int, num_timesteps: int, per
     A sample's times depend on its own index only, not on the micro-batch or the process it falls in."""
     rows = [derived_generator(*key, first + i, "t") for i in range(n)]
     drawn = [torch.rand(num_timesteps, generator=g, device="cpu").argsort()[:per_sample] for g in rows]
-    return torch.stack(drawn) if drawn else torch.zeros((0, per_sample), dtype=torch.long)
+    return torch.stack(drawn) if drawn else torch.zeros((0, per_sample), dtype=torch.long, device="cpu")
 
 
 def draw_noise(key: tuple[int, ...], rows: list[int], j: int, shape: tuple[int, ...], device: torch.device) -> Tensor:
