@@ -18,6 +18,26 @@ from torch import Tensor
 
 from tpflow.types import BatchLayout, Conditioning, Credit, PromptItem, RewardOutput, Rollout, StepOutput
 
+# What train/, the rollout and the recipe checks may ask of a component beyond its protocol's members, with the
+# value a component that does not declare it has (a plugin need declare none). Read through ``capability`` only:
+# the protocols below name each in their docstrings. The required ``needs_completions`` and ``consumes`` are here
+# too, for the recipe checks that read them off a registered factory before anything is built.
+CAPABILITIES: dict[str, Any] = {
+    "gaussian_log_prob": False,  # Sampler: log_prob is the density step samples from (GRPO-Guard's RatioNorm)
+    "branches": False,  # RolloutPlan: its rollouts' trace columns are branch children (TempFlow-GRPO's plan)
+    "reads_branches": False,  # CreditAssigner: it reads such a trace (credit 'branch'); only with such a plan
+    "needs_completions": False,  # CreditAssigner (required on an instance)
+    "needs_old_means": False,  # Optimizer: the rollout must store each step's transition mean (RatioNorm)
+    "consumes": "transitions",  # Optimizer (required on an instance)
+}
+
+
+def capability(component: Any, name: str) -> Any:
+    """``name`` of a component, or of its registered factory, else its declared default (``CAPABILITIES``)."""
+    if name not in CAPABILITIES:
+        raise KeyError(f"{name!r} is not a declared capability; declare it in tpflow.interfaces.CAPABILITIES.")
+    return getattr(component, name, CAPABILITIES[name])
+
 
 @runtime_checkable
 class Backbone(Protocol):
@@ -73,7 +93,8 @@ class Backbone(Protocol):
 class Sampler(Protocol):
     """One step rule of the reverse process, written like a diffusers scheduler step (float32 inside).
 
-    ``noise_level`` α = 0 must reproduce the Euler ODE step exactly.
+    ``noise_level`` α = 0 must reproduce the Euler ODE step exactly. Optional (``capability``):
+    ``gaussian_log_prob``, whether ``log_prob`` is the Gaussian density ``step`` samples from (default False).
     """
 
     def step(
@@ -100,7 +121,8 @@ class Sampler(Protocol):
 @runtime_checkable
 class RolloutPlan(Protocol):
     """Which steps of each trajectory of a rollout batch are SDE (the window; Euler ODE elsewhere) and which of the
-    stored window steps the update trains (``tpflow.plans``)."""
+    stored window steps the update trains (``tpflow.plans``). Optional (``capability``): ``branches``, whether its
+    rollouts' trace columns are each window step's own branch child (default False)."""
 
     per_row_windows: bool
     """Whether the trajectories of one batch may start their windows at different steps (then no completions)."""
@@ -122,7 +144,8 @@ class RewardModel(Protocol):
 
 @runtime_checkable
 class CreditAssigner(Protocol):
-    """Turns a reward trace into one reward per trained window step."""
+    """Turns a reward trace into one reward per trained window step. Optional (``capability``): ``reads_branches``,
+    whether it reads a branching plan's trace (default False)."""
 
     needs_completions: bool
     """Whether the rollout must produce R_0..R_{W-1} (ODE completions); only R_W is needed when false."""
@@ -137,7 +160,8 @@ class CreditAssigner(Protocol):
 
 @runtime_checkable
 class Optimizer(Protocol):
-    """The policy update from the epoch's rollouts and their advantages."""
+    """The policy update from the epoch's rollouts and their advantages. Optional (``capability``):
+    ``needs_old_means``, whether the rollout must store each step's transition mean (default False)."""
 
     consumes: Literal["transitions", "final_samples"]
     """What ``update`` reads from a ``Rollout``, so that the rollout engine produces only that: ``"transitions"``
@@ -181,8 +205,10 @@ class Optimizer(Protocol):
         on_step: Callable[[int], object] | None = None,
     ) -> dict[str, float]:
         """One pass over ``batch`` (advantages from ``advantages``); returns scalar metrics (loss, ratio, clip
-        fraction, KL...). ``on_step(n)`` runs right after each optimizer step taken (n: its 0-based index; the
-        trainer's EMA); a step the fp16 gradient scaler skips is neither counted in ``global_step`` nor reported."""
+        fraction, KL...), named so that the trainer can combine them over processes: counts of rows end in
+        ``_trained`` (added), maxima have ``max`` as a word of their name (the largest), the rest are means.
+        ``on_step(n)`` runs right after each optimizer step taken (n: its 0-based index; the trainer's EMA); a step
+        the fp16 gradient scaler skips is neither counted in ``global_step`` nor reported."""
         ...
 
     def state_dict(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from tpflow import registry
 from tpflow.credit.trend import check_trace
+from tpflow.interfaces import capability
 from tpflow.registry import register
 from tpflow.types import Credit
 
@@ -44,7 +45,7 @@ class BranchCredit:
     @staticmethod
     def check_recipe(options: BranchOptions, settings: dict) -> list[str]:
         plan = settings["plan"].name
-        if getattr(registry.get("plan", plan).factory, "branches", False):
+        if capability(registry.get("plan", plan).factory, "branches"):
             return []
         return [
             f"credit 'branch' reads column i of the trace as the reward of a child branched at window step i, which "

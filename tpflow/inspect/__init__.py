@@ -29,6 +29,7 @@ from tpflow.inspect.traces import (
     to_json,
     turning_point_stats,
 )
+from tpflow.interfaces import capability
 from tpflow.recipe import Recipe
 from tpflow.train.run_logger import jsonable
 
@@ -146,7 +147,7 @@ def branched_run(recipe: Recipe | None) -> bool:
 
     if recipe is None:
         return False
-    return bool(getattr(registry.get("plan", recipe.plan.name).factory, "branches", False))
+    return bool(capability(registry.get("plan", recipe.plan.name).factory, "branches"))
 
 
 def no_completions_note(credit: str, run_dir: Path) -> str:

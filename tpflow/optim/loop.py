@@ -14,8 +14,10 @@ its losses as thunks returning :class:`RowLoss`. The loop does the rest, the sam
 * **Precision** (``tpflow.precision``): each loss's forward passes run in their own autocast region, which never
   caches a cast (or, with ``autocast_each_loss = False``, each forward in its own, opened by the subclass); backward
   (scaled under fp16), the optimizer step and any weight swap run outside every region.
-* **Few host reads**: one per loss (does it train any row, is it finite: together), one per optimizer step (its
-  row count), the fp16 scaler's; the metrics stay on the device and are read once per update.
+* **Few host reads**: one per loss (does it train any row, is it finite: together); per optimizer step none on
+  one process (the row count is already a host number), the all-reduce's on several (the total row count and
+  which parameters any process trained), plus the fp16 scaler's; the metrics stay on the device and are read once
+  per update.
 * Every process takes the same number of optimizer steps (one collective per update); a step the fp16 scaler skips
   is not counted and does not call ``on_step``.
 """
@@ -110,6 +112,7 @@ class AdamWLoop:
         """AdamW moments, the step count, the fp16 scaler and the subclass's ``extra_state``."""
         return {
             "optimizer": self._optimizer.state_dict() if self._optimizer else {},
+            "optimizer_name": self.registered_name,
             "global_step": self.global_step,
             "scaler": self.precision.state_dict(),
             **self.extra_state(),
@@ -126,6 +129,13 @@ class AdamWLoop:
             raise UserError(
                 f"the optimizer state lacks {', '.join(map(repr, missing))}: it was not written by the "
                 f"{self.registered_name} optimizer's state_dict."
+            )
+        written_by = state.get("optimizer_name", self.registered_name)  # absent in checkpoints before 2026-12
+        if written_by != self.registered_name:
+            raise UserError(
+                f"the optimizer state was written by the {written_by} optimizer: its AdamW moments are of another "
+                f"loss, and a checkpoint of one optimizer cannot continue as {self.registered_name}. Start a new run, "
+                f'or resume with [optimizer] name = "{written_by}".'
             )
         self.load_extra_state(state)  # first: it refuses another optimizer's state before anything changes
         self._optimizer.load_state_dict(state["optimizer"])

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from tpflow.devices import cpu_generator
+from tpflow.interfaces import capability
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def needs_transition_optimizer(settings: dict, plan: str, why: str) -> list[str]
     from tpflow import registry
 
     optimizer = settings["optimizer"].name
-    if getattr(registry.get("optimizer", optimizer).factory, "consumes", "transitions") == "transitions":
+    if capability(registry.get("optimizer", optimizer).factory, "consumes") == "transitions":
         return []
     return [
         f"optimizer {optimizer!r} trains on final samples, not on stored SDE steps, and {why}. Use [optimizer] "

@@ -23,6 +23,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from tpflow import registry
+from tpflow.interfaces import capability
 from tpflow.plans.base import BatchPlan, derived_rng, draw_window, needs_transition_optimizer
 from tpflow.registry import register
 from tpflow.settings import RolloutSettings
@@ -63,7 +64,7 @@ class BranchPlan:
                 "(completion_steps = k for cheaper ones)."
             )
         credit = settings["credit"].name
-        if not getattr(registry.get("credit", credit).factory, "reads_branches", False):
+        if not capability(registry.get("credit", credit).factory, "reads_branches"):
             problems.append(
                 f"credit {credit!r} reads the trace as one SDE path's completions, but the branch plan's trace "
                 'holds each window step\'s own child. Use [credit] name = "branch" (TempFlow-GRPO).'

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from tpflow import registry
+from tpflow.interfaces import capability
 from tpflow.plans.base import BatchPlan, derived_rng
 from tpflow.registry import register
 from tpflow.settings import RolloutSettings
@@ -42,7 +43,7 @@ class WindowPerImagePlan:
     def check_recipe(options: WindowPerImageOptions, settings: dict) -> list[str]:
         """Per-row windows leave no common step at which to start completions: only final-reward credit."""
         credit = settings["credit"].name
-        if getattr(registry.get("credit", credit).factory, "needs_completions", False):
+        if capability(registry.get("credit", credit).factory, "needs_completions"):
             return [
                 f"the trajectories of a batch start their windows at different steps, so there is no step at which "
                 f"every row could branch into ODE completions, and credit {credit!r} needs them. Use [credit] name = "

@@ -30,6 +30,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tpflow import registry
+from tpflow.interfaces import capability
 from tpflow.plans.base import BatchPlan, derived_rng
 from tpflow.registry import register
 from tpflow.settings import MAX_COUNT, RolloutSettings
@@ -129,7 +130,7 @@ class WindowSchedulePlan:
         after every window; cut windows are progressive only (module docstring)."""
         problems = []
         credit = settings["credit"].name
-        needs = getattr(registry.get("credit", credit).factory, "needs_completions", False)
+        needs = capability(registry.get("credit", credit).factory, "needs_completions")
         if options.after_window == "dpm-solver++" and needs:
             problems.append(
                 f"after_window = 'dpm-solver++' steps off the schedule's grid after the window, where no completion "

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from tpflow.devices import cpu_generator
 from tpflow.errors import UserError
-from tpflow.interfaces import Backbone, RewardModel, Sampler
+from tpflow.interfaces import Backbone, RewardModel, Sampler, capability
 from tpflow.precision import Precision
 from tpflow.probe.gradient import first_step_gradient
 from tpflow.recipe import Recipe, load_recipe
@@ -51,7 +51,7 @@ class Arm:
         plan, ``[rollout]`` settings, completions and stored means)."""
         credit, optimizer = self.recipe.build("credit"), self.recipe.build("optimizer")
         completions = self.recipe.rollout.completions if credit.needs_completions else None
-        means = getattr(optimizer, "needs_old_means", False)
+        means = capability(optimizer, "needs_old_means")
         parts = [self.recipe.sampler, self.recipe.plan]
         specs = ":".join(f"{spec.name}{spec.options.model_dump_json()}" for spec in parts)
         return f"{completions}:{means}:{specs}:{self.recipe.rollout.model_dump_json()}"
@@ -191,7 +191,7 @@ def sample_block(
     window = arm.recipe.build("plan").plan(settings, len(items), 0, seed, arm.recipe.train.seed)
     completions = settings.completions if credit.needs_completions else None
     optimizer.bind(backbone, None, precision)
-    means = getattr(optimizer, "needs_old_means", False)
+    means = capability(optimizer, "needs_old_means")
     shared = None
     if settings.same_noise and z0_seed is not None:
         shared = {i: random.Random(f"{z0_seed}/z0/{p}").getrandbits(63) for i, p in enumerate(groups)}

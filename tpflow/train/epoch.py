@@ -127,9 +127,19 @@ class EpochRows:
         )
 
 
-SUMMED = ("nonfinite_losses", "trajectories_trained", "rows_trained")  # update metrics added over the processes
-# the largest over the processes (every process takes, or skips, the same steps); the other metrics are means
-MAXED = ("first_ratio_max_deviation", "ratio_max_deviation", "optimizer_steps", "skipped_steps")
+STEP_COUNTS = ("optimizer_steps", "skipped_steps")  # every process takes, or skips, the same steps
+
+
+def reduction(name: str) -> str:
+    """How an update metric combines over processes, by the naming convention of ``Optimizer.update``'s metrics
+    (no optimizer's names are known here): counts of rows (``*_trained``, ``nonfinite_losses``) are added; maxima
+    (a name with ``max``, e.g. ``ratio_max_deviation``) and the shared step counts take the largest; anything else
+    is a mean."""
+    if name.endswith("_trained") or name == "nonfinite_losses":
+        return "sum"
+    if "max" in name.split("_") or name in STEP_COUNTS:
+        return "max"
+    return "mean"
 
 
 def combine_update_metrics(per_process: list[dict[str, float]]) -> dict[str, float]:
@@ -144,9 +154,9 @@ def combine_update_metrics(per_process: list[dict[str, float]]) -> dict[str, flo
         have = [m for m in per_process if name in m]
         values = [m[name] for m in have]
         weights = [float(m.get("rows_trained", math.nan)) for m in have]
-        if name in SUMMED:
+        if reduction(name) == "sum":
             combined[name] = float(sum(values))
-        elif name in MAXED:
+        elif reduction(name) == "max":
             combined[name] = float(max(values))
         elif all(math.isfinite(w) for w in weights) and sum(weights) > 0:
             combined[name] = float(sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights))

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tpflow.devices import cpu_generator
-from tpflow.interfaces import Backbone, CreditAssigner, Optimizer, RewardModel, RolloutPlan, Sampler
+from tpflow.interfaces import Backbone, CreditAssigner, Optimizer, RewardModel, RolloutPlan, Sampler, capability
 from tpflow.plans import WindowPlan
 from tpflow.precision import Precision
 from tpflow.rewards.call import recipe_policy
@@ -53,7 +53,7 @@ class EpochSampler:
         # credit assigner reads them: final samples need neither stored transitions nor completions.
         transitions = self.optimizer.consumes == "transitions"
         completions = rollout.completions if self.credit.needs_completions and transitions else None
-        store_means = transitions and getattr(self.optimizer, "needs_old_means", False)  # e.g. GRPO's RatioNorm
+        store_means = transitions and capability(self.optimizer, "needs_old_means")  # e.g. GRPO's RatioNorm
         # The text encoders run once per epoch, on every distinct prompt of the epoch's plan (all processes alike,
         # so the embeddings do not depend on the number of processes); each rollout batch indexes its rows.
         plan = plan_epoch(len(self.items), train, epoch)

@@ -44,7 +44,7 @@ from rich.progress import (
 from tpflow.devices import resolve_device
 from tpflow.distributed import Distributed, make_accelerator
 from tpflow.errors import UserError
-from tpflow.interfaces import RewardModel
+from tpflow.interfaces import RewardModel, capability
 from tpflow.plans.base import derived_rng
 from tpflow.precision import Precision
 from tpflow.preflight import check_machine
@@ -294,7 +294,8 @@ class Trainer:
             "update_s": update_s,
             **update,
         }
-        if self.credit.needs_completions:
+        if self.credit.needs_completions and not capability(self.epoch_sampler.plan, "branches"):
+            # column 0 is the pure-ODE baseline R_0; a branching plan's column 0 is its first child, no baseline
             metrics["baseline_reward_mean"] = float(rows.trace[:, 0].mean())
         metrics.update(self._reward_details(sampled.scored))
         metrics["epoch_s"] = time.perf_counter() - start
