@@ -207,6 +207,27 @@ def test_a_rival_arm_samples_with_its_own_sampler_and_plan(tmp_path, tiny_weight
     assert drawn.gradient.abs().max() > 0 and drawn.nfe == 4
 
 
+def test_the_cfg_gradient_modes_are_paired_arms(tmp_path, tiny_weights):
+    """``optimizer.cfg_gradient`` as arms: both sample the same rollout (one block serves both, bit for bit), and
+    their first-step gradients differ by the unconditional branch's share (the recipe's CFG scale is 2)."""
+    from tests.test_train import tiny_recipe
+    from tpflow.precision import Precision
+    from tpflow.probe.arms import arm_gradient, parse_arm, sample_block
+
+    recipe = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
+    both = parse_arm("both:credit.name=outcome,optimizer.cfg_gradient=both", recipe)
+    conditional = parse_arm("conditional:credit.name=outcome,optimizer.cfg_gradient=conditional", recipe)
+    assert both.sampling == conditional.sampling and both.pairing == conditional.pairing
+    torch.manual_seed(0)
+    backbone, reward = both.recipe.build("backbone"), both.recipe.build("reward")
+    items = list(both.recipe.build("dataset").split("train"))[:2] * 4
+    block = sample_block(both, backbone, both.sampler(), reward, items, 11, Precision())
+    prompts = [i.prompt for i in items]
+    a = arm_gradient(both, backbone, both.sampler(), [block], prompts, Precision()).gradient
+    b = arm_gradient(conditional, backbone, both.sampler(), [block], prompts, Precision()).gradient
+    assert a.abs().max() > 0 and b.abs().max() > 0 and not torch.allclose(a, b)
+
+
 def test_a_same_noise_group_spanning_blocks_starts_from_one_z0(tmp_path, tiny_weights):
     """A group of G copies that spans G / block blocks is one group of the advantages: under same_noise its copies
     must share one z_0 (TempFlow's siblings one ODE state), so the blocks of a repeat draw each prompt's z_0 from the
