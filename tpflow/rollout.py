@@ -128,9 +128,8 @@ def rollout(
     n = len(cond)
     num_steps = sigmas.shape[0] - 1
     s, width = window.start, window.size
-    source = _checked_source(n, window, num_steps, z0, source, ok=transitions or completions is None)
+    source, first = _checked_source(n, window, num_steps, z0, source, ok=transitions or completions is None)
     row_starts = _checked_starts(starts, n, window, num_steps, completions)  # [N] host long, or None: one window
-    first = torch.stack([(source == p).nonzero()[0, 0] for p in range(z0.shape[0])])  # [P] a trajectory per noise row
     engine = Velocity(backbone, cond, sigmas, guidance, max_batch)
     fresh_generator = baseline_generator(generator)  # drawn in every arm, so the ξ below are the same in each
     noise = MainNoise(generator, (n, *z0.shape[1:]), z0.device)
@@ -178,17 +177,26 @@ def rollout(
     )
 
 
-def _checked_source(n: int, window: Window, num_steps: int, z0: Tensor, source: Tensor | None, ok: bool) -> Tensor:
-    """``source`` [N] on z0's device (default: one noise row per trajectory), after checking the window, the
-    indices and that completions come with stored transitions (``ok``)."""
+def _checked_source(
+    n: int, window: Window, num_steps: int, z0: Tensor, source: Tensor | None, ok: bool
+) -> tuple[Tensor, Tensor]:
+    """(``source`` [N], ``first`` [P]) on z0's device: the noise row of each trajectory (default: one row each) and
+    the first trajectory of each noise row, after checking the window, the indices (every row of z0 used) and that
+    completions come with stored transitions (``ok``). The check reads ``source`` where the caller made it: on the
+    host, as the engine's callers pass it, that costs a GPU nothing."""
     if not (window.size >= 1 and 0 <= window.start and window.start + window.size <= num_steps):
         raise ValueError(f"Window {window} does not fit in {num_steps} steps.")
-    source = torch.arange(n, device=z0.device) if source is None else source.to(z0.device)
-    if source.shape != (n,) or int(source.max()) >= z0.shape[0]:
-        raise ValueError(f"source must be [N] = [{n}] indices into z0's {z0.shape[0]} rows.")
+    rows = z0.shape[0]
+    source = torch.arange(n, device="cpu") if source is None else source
+    trajectories = torch.arange(n, device=source.device)
+    first = torch.full((rows,), n, dtype=torch.long, device=source.device)  # [P] n: no trajectory (yet)
+    if source.shape == (n,) and n and 0 <= int(source.min()) and int(source.max()) < rows:
+        first = first.scatter_reduce(0, source, trajectories, reduce="amin")
+    if source.shape != (n,) or int(first.max()) >= n:
+        raise ValueError(f"source must be [N] = [{n}] indices into z0's {rows} rows, each row used.")
     if not ok:
         raise ValueError("completions need the stored window (transitions=True); pass completions=None.")
-    return source
+    return to_device(source, z0.device), to_device(first, z0.device)
 
 
 def _checked_starts(
@@ -360,7 +368,8 @@ def sample_ode(
         rows = torch.arange(lo, min(lo + chunk, n), device=z0.device)
         z, part = z0[rows], cond.index(rows)
         for k in range(sigmas.shape[0] - 1):
-            v = backbone.velocity(z, sigmas[k].expand(z.shape[0]).to(z.device, torch.float32), part, guidance)
+            sigma = to_device(sigmas[k : k + 1].float(), z.device).expand(z.shape[0])  # filled there: no wait
+            v = backbone.velocity(z, sigma, part, guidance)
             z = euler_step(z, v, sigmas[k], sigmas[k + 1])
         finals.append(z)
     return torch.cat(finals)
@@ -397,7 +406,7 @@ def rollout_from_settings(
             z0 = torch.cat([backbone.initial_noise(1, cpu_generator(group_seeds[g])) for g in unique])
         else:
             z0 = backbone.initial_noise(len(unique), generator)
-        source = torch.tensor([unique.index(g) for g in groups], device=z0.device)
+        source = torch.tensor([unique.index(g) for g in groups], device="cpu")  # host: checked there, then moved
     else:
         z0, source = backbone.initial_noise(len(groups), generator), None
     out = rollout(
