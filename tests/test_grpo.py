@@ -36,15 +36,13 @@ def test_on_policy_ratio_is_one_and_gradient_is_policy_gradient() -> None:
     assert isinstance(out, PolicyLoss)
     assert torch.equal(out.ratio, torch.ones(6))
     assert not out.ratio.requires_grad
-    assert out.loss.dim() == 0 and out.loss.dtype == torch.float32 and out.loss.requires_grad
-    torch.testing.assert_close(out.loss, -advantages.float().mean(), rtol=0, atol=1e-7)
-    for name in ("approx_kl", "clip_fraction", "clip_fraction_high", "clip_fraction_low"):
-        value = getattr(out, name)
-        assert value.dim() == 0 and not value.requires_grad
-        assert value.item() == 0.0, name
+    loss = out.row_losses.mean()
+    assert out.row_losses.shape == (6,) and loss.dtype == torch.float32 and loss.requires_grad
+    torch.testing.assert_close(loss, -advantages.float().mean(), rtol=0, atol=1e-7)
+    assert not out.log_ratio.requires_grad and torch.equal(out.log_ratio, torch.zeros(6))
 
     expected = _grads(policy, -(advantages.float() * log_prob).mean())
-    for got, want in zip(_grads(policy, out.loss), expected, strict=True):
+    for got, want in zip(_grads(policy, loss), expected, strict=True):
         assert want.abs().max() > 0  # a real gradient
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
 
@@ -61,9 +59,9 @@ def test_off_policy_clipping_gradients_and_diagnostics() -> None:
     torch.testing.assert_close(out.ratio, kappa)
     # Per sample: max(−Aκ, −A·clip(κ)).
     chosen = [-(1 + eps), -kappa[1], -kappa[2], kappa[3], 1 - eps]
-    torch.testing.assert_close(out.loss, torch.stack([torch.as_tensor(c) for c in chosen]).mean())
+    torch.testing.assert_close(out.row_losses, torch.stack([torch.as_tensor(c) for c in chosen]))
 
-    (grad,) = torch.autograd.grad(out.loss, log_prob)
+    (grad,) = torch.autograd.grad(out.row_losses.mean(), log_prob)
     # κ > 1+ε with A > 0 and κ < 1−ε with A < 0: the clipped side wins, no gradient.
     assert grad[0].item() == 0.0 and grad[4].item() == 0.0
     # κ < 1−ε with A > 0 and κ > 1+ε with A < 0: the unclipped side wins, gradient −A·κ/N.
@@ -71,17 +69,15 @@ def test_off_policy_clipping_gradients_and_diagnostics() -> None:
     torch.testing.assert_close(grad[[1, 2, 3]], expected[[1, 2, 3]])
     assert (grad[[1, 2, 3]] != 0).all()
 
-    torch.testing.assert_close(out.approx_kl, 0.5 * (log_ratio**2).mean())
-    assert out.clip_fraction.item() == pytest.approx(4 / 5)
-    assert out.clip_fraction_high.item() == pytest.approx(2 / 5)
-    assert out.clip_fraction_low.item() == pytest.approx(2 / 5)
+    torch.testing.assert_close(out.log_ratio, log_ratio)
+    assert ((out.ratio - 1).abs() > eps).float().mean().item() == pytest.approx(4 / 5)  # the update's clip fraction
 
 
 def test_old_log_prob_is_a_constant() -> None:
     log_prob = torch.tensor([-1.0, -2.0], requires_grad=True)
     old = torch.tensor([-1.1, -1.9], requires_grad=True)
     out = clipped_surrogate(log_prob, old, torch.tensor([1.0, -1.0]), clip_range=0.2)
-    out.loss.backward()
+    out.row_losses.sum().backward()
     assert old.grad is None and log_prob.grad is not None
 
 

@@ -36,16 +36,12 @@ from tpflow.types import Rollout
 
 @dataclass(frozen=True)
 class PolicyLoss:
-    """The clipped surrogate of one (micro-batch, window position) and its diagnostics."""
+    """The clipped surrogate of one (micro-batch, window position), per row: the update sums the rows' losses over
+    each optimizer step (loop.py) and reads its diagnostics (approx KL, clip fraction) from ``log_ratio``."""
 
-    loss: Tensor  # [] differentiable policy loss: the mean of row_losses
-    row_losses: Tensor  # [N] differentiable max(−A·κ, −A·clip(κ)) per row (the optimizer sums them, loop.py)
+    row_losses: Tensor  # [N] differentiable max(−A·κ, −A·clip(κ)) per row
     ratio: Tensor  # [N] detached κ = exp(ℓ_θ − ℓ_old)
     log_ratio: Tensor  # [N] detached ℓ_θ − ℓ_old
-    approx_kl: Tensor  # [] detached ½·mean((ℓ_θ − ℓ_old)²)
-    clip_fraction: Tensor  # [] detached fraction with |κ − 1| > ε
-    clip_fraction_high: Tensor  # [] detached fraction with κ > 1 + ε
-    clip_fraction_low: Tensor  # [] detached fraction with κ < 1 − ε
 
 
 def clipped_surrogate(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, clip_range: float) -> PolicyLoss:
@@ -62,7 +58,7 @@ def clipped_surrogate(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor
         clip_range: ε > 0 (``GRPOOptions.clip_range``, 1e-5 in the published runs).
 
     Returns:
-        PolicyLoss with the differentiable loss and detached diagnostics.
+        PolicyLoss with the differentiable per-row losses (their mean is the loss above) and the detached ratio.
     """
     if log_prob.dim() != 1:
         raise ValueError(f"log_prob must be 1-D [N] (one per trajectory), got shape {tuple(log_prob.shape)}.")
@@ -80,23 +76,7 @@ def clipped_surrogate(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    row_losses = torch.maximum(unclipped, clipped)
-    loss = row_losses.mean()
-
-    with torch.no_grad():
-        ratio_d = ratio.detach()
-        high = (ratio_d > 1.0 + clip_range).to(log_prob.dtype)
-        low = (ratio_d < 1.0 - clip_range).to(log_prob.dtype)
-        return PolicyLoss(
-            loss=loss,
-            row_losses=row_losses,
-            ratio=ratio_d,
-            log_ratio=log_ratio.detach(),
-            approx_kl=0.5 * log_ratio.detach().square().mean(),
-            clip_fraction=((ratio_d - 1.0).abs() > clip_range).to(log_prob.dtype).mean(),
-            clip_fraction_high=high.mean(),
-            clip_fraction_low=low.mean(),
-        )
+    return PolicyLoss(torch.maximum(unclipped, clipped), ratio.detach(), log_ratio.detach())
 
 
 def kl_to_reference(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:

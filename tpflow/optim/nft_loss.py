@@ -24,14 +24,12 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class NFTLoss:
-    """The NFT loss of one micro-batch at one draw of (t, ε), with its detached parts."""
+    """The NFT loss of one micro-batch at one draw of (t, ε), per sample: the optimizer sums ``rows`` over each
+    optimizer step (tpflow.optim.loop); the loss of the module docstring is their mean."""
 
-    loss: Tensor  # [] differentiable: policy + kl_weight·KL, the mean of ``rows``
-    policy: Tensor  # [] detached (adv_clip_max / β)·mean_b(r·L⁺ + (1 − r)·L⁻)
+    rows: Tensor  # [N] differentiable per-sample loss: policy + kl_weight·KL
     positive: Tensor  # [N] detached L⁺
     negative: Tensor  # [N] detached L⁻
-    kl: Tensor  # [] detached mean_b mean_elems((v_θ − v_ref)²); 0 without a reference
-    rows: Tensor  # [N] differentiable per-sample loss (the optimizer sums them: tpflow.optim.loop)
     policy_rows: Tensor  # [N] detached per-sample policy part
     kl_rows: Tensor  # [N] detached per-sample KL (zeros without a reference)
 
@@ -93,16 +91,7 @@ def nft_loss(
     if v_ref is not None and kl_weight > 0:
         kl_rows = (v - v_ref.detach().to(dtype)).square().reshape(n, -1).mean(dim=1)
         rows = policy_rows + kl_weight * kl_rows
-    return NFTLoss(
-        rows.mean(),
-        policy_rows.detach().mean(),
-        positive.detach(),
-        negative.detach(),
-        kl_rows.detach().mean(),
-        rows,
-        policy_rows.detach(),
-        kl_rows.detach(),
-    )
+    return NFTLoss(rows, positive.detach(), negative.detach(), policy_rows.detach(), kl_rows.detach())
 
 
 def _weighted_error(x0_pred: Tensor, x0: Tensor) -> Tensor:
