@@ -88,16 +88,20 @@ class Precision:
     def step(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter], max_norm: float):
         """Unscale (fp16), clip to ``max_norm``, step and zero the gradients. Returns ``(norm, skipped)``: the
         pre-clip norm (a 0-d tensor, not read here) and whether the scaler skipped the step for inf/NaN gradients
-        (one host read, fp16 only)."""
+        (fp16 only: the scaler's own read of its inf check decides; tpflow adds none)."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         skipped = False
         if self.scaler is not None:
-            scale = self.scaler.get_scale()
-            self.scaler.step(optimizer)
+            taken: list[bool] = []  # the scaler calls optimizer.step only for finite gradients: a post hook sees it
+            hook = optimizer.register_step_post_hook(lambda *_: taken.append(True))
+            try:
+                self.scaler.step(optimizer)
+            finally:
+                hook.remove()
             self.scaler.update()
-            skipped = self.scaler.get_scale() < scale  # the scale backs off exactly when the step was skipped
+            skipped = not taken
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
