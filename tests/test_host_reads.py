@@ -30,17 +30,19 @@ UPDATE_CODE = [PACKAGE / "optim", PACKAGE / "samplers", PACKAGE / "precision.py"
 
 
 class HostReads(TorchFunctionMode):
-    """Records ``file:function`` of each host read called directly from the update's code (``UPDATE_CODE``)."""
+    """Records ``file:function`` of each host read called directly from the update's code (``UPDATE_CODE``, or the
+    files given)."""
 
-    def __init__(self) -> None:
+    def __init__(self, code: list[Path] | None = None) -> None:
         super().__init__()
         self.calls: list[str] = []
+        self.code = UPDATE_CODE if code is None else code
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", "") in READS:
             frame = sys._getframe(1)
             where = Path(frame.f_code.co_filename).resolve()
-            if any(where == part or where.is_relative_to(part) for part in UPDATE_CODE):
+            if any(where == part or where.is_relative_to(part) for part in self.code):
                 self.calls.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}")
         return func(*args, **(kwargs or {}))
 
@@ -97,3 +99,16 @@ def test_nft_reads_once_per_loss(backbone, monkeypatch):
     per_update = [c for c in reads.calls if c not in ("loop.py:_backward", "nft.py:passes")]
     assert len(per_update) <= 2, per_update  # the metrics and the mean optimality, once each
     assert reads.calls.count("nft.py:passes") == 1  # the sample order, a host tensor, once per pass: free on a GPU
+
+
+def test_a_rollout_from_shared_noise_reads_nothing_per_noise_row(backbone):
+    """Trajectories that share z_0 rows (same_noise): the first trajectory of each noise row comes from one scatter,
+    not a ``nonzero`` read per row (6 here), and the source is checked where the caller made it, on the host."""
+    prompts = ["a photo of a red circle"] * 3 + ["a photo of two squares"] * 3
+    z0 = backbone.initial_noise(2, torch.Generator().manual_seed(0))  # one row per prompt group
+    source = torch.tensor([0, 0, 0, 1, 1, 1])
+    with HostReads([PACKAGE / "rollout.py"]) as reads:
+        rollout(backbone, tpflow.build("sampler", "cps"), backbone.encode(prompts), z0, backbone.sigmas(4),
+                Window(0, 2), 0.7, 2.0, "ode", source=source, generator=torch.Generator().manual_seed(1))  # fmt: skip
+    assert reads.calls.count("rollout.py:rollout") == 0, reads.calls
+    assert reads.calls.count("rollout.py:_checked_source") <= 3  # of the host source: free on a GPU
