@@ -9,7 +9,7 @@ STAMP := $(VENV)/.tpflow-installed
 export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install test demo lint clean
+.PHONY: install test demo demo-clean lint clean
 
 install: $(STAMP)
 
@@ -33,11 +33,33 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 # TP-GRPO on the embedded shapes world, on the CPU: 10 of the recipe's 20 epochs, evaluated at epochs 0, 5 and 10 so
-# that the eval reward shows while it runs (it moves by a few hundredths either way in 10 epochs: README). Measured on 2 cores: about 3 minutes on a fresh clone (the install included),
-# 1.5 minutes after. runs/demo is the demo's own directory and is started afresh each time.
-demo: $(STAMP)
-	rm -rf runs/demo
-	$(BIN)/tpflow train recipes/shapes_tp.toml --run-dir runs/demo --epochs 10 --set eval.every=5
+# that the eval reward shows while it runs (it moves by a few hundredths either way in 10 epochs: README). Measured on
+# 2 cores: about 3 minutes on a fresh clone (the install included), 1.5 minutes after.
+# DEMO_DIR is the demo's own directory, named by no example in the docs, and started afresh each time: the demo writes
+# DEMO_MARKER into it before training (tpflow train keeps files it does not know), and demo-clean deletes the
+# directory only when that marker is there. A directory without it (a run of yours) is left alone: demo-clean says so
+# in one line and exits 2.
+DEMO_DIR ?= runs/make-demo
+DEMO_MARKER := .made-by-make-demo
+
+demo: $(STAMP) demo-clean
+	@mkdir -p "$(DEMO_DIR)" && echo "made by make demo: the next make demo deletes this directory" > "$(DEMO_DIR)/$(DEMO_MARKER)"
+	$(BIN)/tpflow train recipes/shapes_tp.toml --run-dir "$(DEMO_DIR)" --epochs 10 --set eval.every=5
+
+# Delete DEMO_DIR if the demo made it (DEMO_MARKER inside) or it is empty; refuse (exit 2) if it holds anything else,
+# or if it is or contains the current directory. Needs no venv.
+demo-clean:
+	@dir="$(DEMO_DIR)"; \
+	if [ -z "$$dir" ]; then echo "make demo: DEMO_DIR is empty; nothing deleted." >&2; exit 2; fi; \
+	if [ ! -e "$$dir" ] && [ ! -L "$$dir" ]; then exit 0; fi; \
+	if [ -d "$$dir" ] && [ ! -L "$$dir" ]; then \
+	  abs=$$(cd "$$dir" && pwd -P); \
+	  case "$$(pwd -P)/" in "$${abs%/}/"*) \
+	    echo "make demo: $$dir is or contains the current directory; nothing deleted." >&2; exit 2;; esac; \
+	fi; \
+	if [ -f "$$dir/$(DEMO_MARKER)" ]; then rm -rf -- "$$dir"; \
+	elif [ -d "$$dir" ] && [ ! -L "$$dir" ] && [ -z "$$(ls -A "$$dir")" ]; then rmdir -- "$$dir"; \
+	else echo "make demo: $$dir was not made by make demo (no $(DEMO_MARKER) in it), so it is left as it is; move it, or give the demo another directory: make demo DEMO_DIR=runs/another" >&2; exit 2; fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check tpflow tests plugins benchmarks

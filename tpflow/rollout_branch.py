@@ -40,7 +40,7 @@ def branched_rollout(
 
 
 class BranchLoop:
-    """Steps k ≥ s of a branching rollout (TempFlow-GRPO, ../shared/RIVALS.md §1(a)): the noise rows' main path by
+    """Steps k ≥ s of a branching rollout (TempFlow-GRPO, docs/algorithm.md §10.4): the noise rows' main path by
     Euler ODE; at each window step every trajectory branches once from its row's ODE state by the sampler's SDE step
     (its own ξ_k, so the copies of a prompt sharing z_0 are siblings of one state), and each child rides along by ODE
     to σ_K. All of them share one velocity call per step; a child's first ODE step is at k + 1."""

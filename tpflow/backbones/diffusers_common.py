@@ -229,7 +229,7 @@ def scheduler_sigmas(
     diffusers' pipelines so rollouts match them step for step; this is tpflow's FLUX schedule by default (FLUX.1-dev
     at 512², 1024 tokens, K = 6: 1.0, 0.90374, …, 0.27300, 0). ``static_shift`` s replaces the dynamic shift by the
     scheduler's static one on the same grid, σ = s·t/(1 + (s − 1)·t): DanceGRPO's and MixGRPO's FLUX schedule
-    (s = 3, ../shared/RIVALS.md §3(a), §6(c)).
+    (s = 3, docs/algorithm.md §10).
     """
     import numpy as np
 

@@ -4,7 +4,7 @@ With the ``branch`` rollout plan, window step i of trajectory n is one SDE step 
 copies share (they start from one z_0), and column i of the trace is the reward of that child completed by ODE:
 R(ODE(x̃ⁿ_{s+i+1})). This assigner gives step i exactly that reward. The group advantages then z-score column i
 over the copies of the prompt, the siblings branched from one state, which is TempFlow-GRPO's per-step advantage
-over its "seed group" (../shared/RIVALS.md §1(b)); since the siblings share R(ODE(x_{s+i})), it equals TP-GRPO's
+over its "seed group" (docs/algorithm.md §10.4); since the siblings share R(ODE(x_{s+i})), it equals TP-GRPO's
 incremental reward of the step, normalised over the siblings with their mean as the baseline.
 
 The trace's last column (the ODE image of the shared noise) is not read. The columns mean what they mean only under

@@ -160,7 +160,7 @@ class GRPOOptions(BaseModel):
     advantage_std: Literal["population", "sample"] = Field(
         "population",
         description="The std that divides the advantages: 'population' (ddof 0: Flow-GRPO, TP-GRPO) or 'sample' "
-        "(ddof 1, torch.std's default: DanceGRPO, ../shared/RIVALS.md §6(c)).",
+        "(ddof 1, torch.std's default: DanceGRPO, docs/algorithm.md §10.1).",
     )
     advantage_eps: float = Field(
         1e-4,
@@ -203,7 +203,7 @@ class GRPOOptions(BaseModel):
         "sde",
         description="The std the KL's squared mean difference is divided by (2·std²): 'sde', the sampler's noise "
         "scale σ^sde without √Δσ (Flow-GRPO, GRPO-Guard), or 'transition', the step's own std s = σ^sde·√Δσ "
-        "(TempFlow-GRPO's per-step code: a KL 1/Δσ times larger at the same β; ../shared/RIVALS.md §1(c)).",
+        "(TempFlow-GRPO's per-step code: a KL 1/Δσ times larger at the same β; docs/algorithm.md §10.3).",
     )
     cfg_gradient: Literal["both", "conditional"] = Field(
         "both",

@@ -1,6 +1,6 @@
 """GRPO-Guard's RatioNorm: the log-ratio re-centred and re-scaled so that its mean is 0 at every step.
 
-GRPO-Guard (arXiv 2510.22319; ``scripts/train_sd3_GRPO_Guard.py`` in flow_grpo, ../shared/RIVALS.md §4(c)) finds
+GRPO-Guard (arXiv 2510.22319; ``scripts/train_sd3_GRPO_Guard.py`` in flow_grpo, docs/algorithm.md §10.2) finds
 that Flow-GRPO's importance ratio drifts below 1 at the low-noise steps, where the Gaussian log-density is sharpest,
 so the clip acts one-sidedly. It replaces the log-ratio of a step with std s by
 

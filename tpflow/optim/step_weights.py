@@ -1,12 +1,12 @@
 """TempFlow-GRPO's noise-aware step weight: each trained step's policy loss weighted by its transition std.
 
-TempFlow-GRPO (../shared/RIVALS.md §1(c)) multiplies the clipped surrogate of step k by w_k = c·s_k, where s_k is
+TempFlow-GRPO (docs/algorithm.md §10.3) multiplies the clipped surrogate of step k by w_k = c·s_k, where s_k is
 the std of the SDE transition at that step (for flow-sde, σ^sde_k·sqrt(Δσ_k)): steps that inject more noise carry
 more of the update. Its code hard-codes c per model (2.25 for SD3.5-M, 1.73 for FLUX, 1.53 for Qwen-Image); for
 SD3.5-M at η = 0.7 on the 10-step shift-3 schedule that constant is 1/mean_k s_k over the nine trained steps, the
 normalisation that makes the mean weight 1. tpflow derives c that way for the recipe's own schedule and noise level
 instead of hard-coding it: per trajectory, c = (number of its trained steps) / Σ_{trained k} s_k, so its trained
-steps' weights average to 1 whatever the sampler, schedule or plan (RIVALS.md notes that FLUX's 1.73 matches η = 0.9
+steps' weights average to 1 whatever the sampler, schedule or plan (FLUX's 1.73 matches η = 0.9
 while its code samples at η = 0.7: the constant there is off by that mismatch, a quirk not reproduced). The KL term
 is not weighted, as in the reference.
 """

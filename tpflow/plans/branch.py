@@ -1,6 +1,6 @@
 """The ``branch`` plan: a pure-ODE path that branches into SDE children at every window step (TempFlow-GRPO).
 
-TempFlow-GRPO (../shared/RIVALS.md §1(a)) follows each prompt's noise by Euler ODE and, at every step k, draws C SDE
+TempFlow-GRPO (docs/algorithm.md §10.4) follows each prompt's noise by Euler ODE and, at every step k, draws C SDE
 children x̃ᵇ_{k+1} ~ N(μ_k, s_k²) from the same ODE state x_k, completes each by ODE and scores it; the transition
 x_k → x̃ᵇ_{k+1} is trained with the advantage of its reward over the C siblings. Here the siblings are the copies of
 a prompt in a group that start from one z_0 (``[rollout] same_noise = true``, group size C: TempFlow's 6), so the

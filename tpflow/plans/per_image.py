@@ -1,6 +1,6 @@
 """The ``window-per-image`` plan: every trajectory its own SDE window at a random start (Flow-GRPO-Fast's code).
 
-Flow-GRPO-Fast as its current code runs it (../shared/RIVALS.md §2(a)) draws the window start a uniformly from
+Flow-GRPO-Fast as its current code runs it (docs/algorithm.md §10.1) draws the window start a uniformly from
 lo..hi − w per pipeline call, and each GPU's call draws its own, so the images of one prompt group mostly have
 different windows and different ODE prefixes; every step outside the window is Euler ODE, the w window steps are
 SDE and trained. Here each trajectory draws its own start from lo..hi − W (``[rollout] window_range``), from a

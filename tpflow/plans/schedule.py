@@ -1,6 +1,6 @@
 """The ``window-schedule`` plan: the SDE window moves over training (MixGRPO's sliding window).
 
-MixGRPO (../shared/RIVALS.md §3(a), ``GRPOTrainingStates``) keeps one window of w SDE steps for every trajectory of
+MixGRPO (docs/algorithm.md §10.1, ``GRPOTrainingStates``) keeps one window of w SDE steps for every trajectory of
 an iteration and moves its start l between iterations:
 
 * ``progressive``: l starts at the lowest start and grows by ``stride`` every ``iters_per_group`` iterations
@@ -37,7 +37,7 @@ from tpflow.settings import MAX_COUNT, RolloutSettings
 
 
 class WindowScheduleOptions(BaseModel):
-    """Options of the ``window-schedule`` plan; defaults are MixGRPO's script values (RIVALS.md §3(a))."""
+    """Options of the ``window-schedule`` plan; defaults are MixGRPO's script values (docs/algorithm.md §10.1)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -1,6 +1,6 @@
 """The ``trained-fraction`` plan: SDE on the whole window, a random subset of its steps trained (DanceGRPO).
 
-DanceGRPO (../shared/RIVALS.md §6(b)) samples every step by its SDE, drops the last transition, and for each
+DanceGRPO (docs/algorithm.md §10.1) samples every step by its SDE, drops the last transition, and for each
 trajectory independently draws a random permutation of the K − 1 remaining steps and trains the first
 int((K − 1)·f) of them (``timestep_fraction`` f = 0.6 in its scripts; FLUX K = 16 trains 9). Here the window is the
 recipe's (DanceGRPO: ``window_size = num_steps``, ``window_range = [0, K]``), the last window step is left out
@@ -26,7 +26,7 @@ from tpflow.settings import RolloutSettings
 
 
 class TrainedFractionOptions(BaseModel):
-    """Options of the ``trained-fraction`` plan; defaults are DanceGRPO's scripts (RIVALS.md §6(b))."""
+    """Options of the ``trained-fraction`` plan; defaults are DanceGRPO's scripts (docs/algorithm.md §10.1)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 

@@ -1,4 +1,4 @@
-"""Gradient probes: how well a credit method's update estimates the gradient it should follow (issue 34).
+"""Gradient probes: how well a credit method's update estimates the gradient it should follow (docs/probe.md).
 
 So far the measurement's core: the gradient an arm's optimizer really takes at its first step
 (``tpflow.probe.gradient``), the leave-one-out REINFORCE advantages of the reference gradient

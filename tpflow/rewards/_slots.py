@@ -1,7 +1,7 @@
 """Connection slots of ``tpflow serve-reward`` (``tpflow.rewards.serve``): at most N connections at once, and
 room made for a new one by closing the connection that has waited longest for its request line and headers.
 
-Why (issue 24): with a fixed number of slots, a slowloris client that opens N connections and trickles their
+Why: with a fixed number of slots, a slowloris client that opens N connections and trickles their
 headers, reopening each one the server drops, would hold every slot for ever and every honest client would get 503.
 Here a new connection closes the oldest of the connections still waiting for their headers instead: an honest
 client sends its headers at once, so it is past them a moment after it connects, while a slowloris connection is
@@ -12,7 +12,7 @@ its request scored) is never closed; when every slot holds one, a new connection
 None of this waits: ``Slots.take`` runs in the accept loop, which accepts /health too. The slot of a connection
 closed to make room passes to the new connection there and then, rather than being awaited from the closed one's
 thread (a wait of up to 1 s per accept stalled every connection behind it, /health included, and still refused the
-new one when that thread ran late; issue 33).
+new one when that thread ran late).
 
 "Past its headers" is what has arrived, not what its thread has parsed: under load a connection's thread may run
 late, and a connection whose blank line ending the headers is already in the kernel's buffer, or already read by its

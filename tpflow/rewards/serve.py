@@ -18,7 +18,7 @@ once. When they are all taken, a new connection closes the one that has waited l
 headers (a slowloris client, or an idle keep-alive connection) and takes its place; only when every connection is
 past its headers (they have arrived, parsed or not: ``tpflow.rewards._slots``) does it get 503, closed at once. So
 trickling headers cannot lock an honest client out, however often the attacker reconnects, from however many
-addresses (issue 24). Every error, including a garbage request line, is a JSON ``{"error": ...}``, never an HTML
+addresses. Every error, including a garbage request line, is a JSON ``{"error": ...}``, never an HTML
 page or a dropped connection.
 With a token (``--token`` or ``TPFLOW_REWARD_TOKEN``) /score needs ``Authorization: Bearer TOKEN`` (401 otherwise,
 compared in constant time) and /health shows the reward's options only to a client that sends it. The token is not

@@ -1,6 +1,6 @@
 """DanceGRPO's SDE step: Flow-GRPO's drift and Gaussian log-density with a constant diffusion coefficient.
 
-DanceGRPO (Xue et al., 2025, arXiv 2505.07818; ``flux_step`` in its training scripts, ../shared/RIVALS.md §6(a))
+DanceGRPO (Xue et al., 2025, arXiv 2505.07818; ``flux_step`` in its training scripts, docs/algorithm.md §1.4b)
 samples with the same Euler–Maruyama mean as Flow-GRPO, μ = z·(1 − η²h/(2σ)) − v·(1 + η²(1 − σ)/(2σ))·h, but with
 the diffusion coefficient g(σ) = η constant in σ, where Flow-GRPO's α·sqrt(σ/(1 − σ)) grows without bound as σ → 1.
 So std = η·√h, no σ = 1 guard is needed, and the log-density is the same full Gaussian averaged over the latent

@@ -8,7 +8,7 @@ is, in diffusers' ``DPMSolverMultistepScheduler`` (``algorithm_type="dpmsolver++
     z_t = (σ_t/σ_s)·z − α_t·(e^{−h} − 1)·(D0 + ½·D1),   D0 = x̂_0,   D1 = (x̂_0 − x̂_0')·h / h'
 
 and the first-order step (no previous prediction, or σ_t = 0, where the step lands on D0 exactly) drops D1. MixGRPO
-(../shared/RIVALS.md §3, ``multistep_dpm_solver_second_order_update``) writes the same update and seeds the history
+(docs/algorithm.md §10.5, ``multistep_dpm_solver_second_order_update``) writes the same update and seeds the history
 with the last window step's x̂_0. ``tests/test_samplers.py`` checks these steps against diffusers' scheduler.
 """
 
