@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -49,6 +49,14 @@ from tpflow.errors import UserError
 from tpflow.evaluation.commands import register as register_evaluation
 from tpflow.experiments.command import register as register_experiments
 from tpflow.probe.command import register as register_probe
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from tpflow.inspect import Inspection
+    from tpflow.preflight import MachineReport
+    from tpflow.recipe import Recipe
+    from tpflow.train.trainer import Trainer
 
 app = typer.Typer(
     name="tpflow",
@@ -132,6 +140,17 @@ def validate(
     report = check_machine(loaded, default_run_dir(loaded)) if machine else None
     if not offline:
         loaded.preflight()  # the remote reward's server: up, and serving the recipe's reward
+    console = make_console()
+    console.print(_recipe_table(recipe, loaded))
+    if report is not None:
+        _print_machine(console, report)
+    if layout is not None:
+        console.print(layout, highlight=False, soft_wrap=True)
+
+
+def _recipe_table(recipe: Path, loaded: Recipe) -> Table:
+    """validate's table: every component (section, registered name, options) and every settings section with the
+    values the recipe resolved to, defaults included, so that what a run would use is seen before it runs."""
     table = Table(title=f"{recipe}: valid", show_lines=True)
     table.add_column("section", no_wrap=True)
     table.add_column("name", no_wrap=True, style="bold cyan")
@@ -140,22 +159,23 @@ def validate(
         table.add_row(kind, spec.name, _format_values(spec.options))
     for section, settings in loaded.settings.items():
         table.add_row(section, "", _format_values(settings))
-    console = make_console()
-    console.print(table)
-    if report is not None:
-        weights = Table(title="weights: where each will be read from (nothing loaded)", show_lines=True)
-        weights.add_column("section", no_wrap=True)
-        weights.add_column("weight")
-        weights.add_column("from", overflow="fold")
-        for kind, source in report.weights:
-            weights.add_row(kind, escape(source.what), escape(source.where or ""))
-        if report.weights:
-            console.print(weights)
-        console.print(f"device: {escape(report.device)}", highlight=False, soft_wrap=True)
-        for text in report.warnings:
-            warn(text)
-    if layout is not None:
-        console.print(layout, highlight=False, soft_wrap=True)
+    return table
+
+
+def _print_machine(console: Console, report: MachineReport) -> None:
+    """validate's machine check (``tpflow.preflight.MachineReport``): where each weight would be read from (nothing
+    is loaded), the device, then the check's warnings."""
+    weights = Table(title="weights: where each will be read from (nothing loaded)", show_lines=True)
+    weights.add_column("section", no_wrap=True)
+    weights.add_column("weight")
+    weights.add_column("from", overflow="fold")
+    for kind, source in report.weights:
+        weights.add_row(kind, escape(source.what), escape(source.where or ""))
+    if report.weights:
+        console.print(weights)
+    console.print(f"device: {escape(report.device)}", highlight=False, soft_wrap=True)
+    for text in report.warnings:
+        warn(text)
 
 
 @app.command()
@@ -208,8 +228,20 @@ def train(
     resume_from: bool | Path = False if resume is None else (True if resume == _LATEST else Path(resume))
     console = make_console()
     trainer = Trainer(loaded, run_dir=run_dir, resume=resume_from, console=console)
+    metrics = _fit(trainer, loaded, console, num_processes)
+    trainer.dist.close()  # the run is saved: the processes part here
+    if trainer.dist.is_main:
+        _print_done(console, trainer.run_dir, metrics)
+
+
+_LATEST = "@latest"
+
+
+def _fit(trainer: Trainer, loaded: Recipe, console: Console, num_processes: int) -> dict[str, Any]:
+    """``trainer.fit()``; on Ctrl-C the main process prints the command that continues the run (with this launch's
+    --num-processes) and every process exits 130, without a traceback: an interrupt is not an error."""
     try:
-        metrics = trainer.fit()
+        return trainer.fit()
     except KeyboardInterrupt:
         if trainer.dist.is_main:
             from tpflow.train.resume import continue_hint
@@ -217,19 +249,18 @@ def train(
             extra = [] if num_processes == 1 else ["--num-processes", str(num_processes)]
             console.print(escape(continue_hint(loaded, trainer.run_dir, extra)), soft_wrap=True, highlight=False)
         raise typer.Exit(130) from None
-    trainer.dist.close()  # the run is saved: the processes part here
-    if not trainer.dist.is_main:
-        return
-    first = _first_eval(trainer.run_dir / "metrics.jsonl")
-    console.print(f"[bold green]done.[/] run: {trainer.run_dir}")
-    console.print(f"  metrics: {trainer.run_dir / 'metrics.jsonl'} (per-trajectory traces: traces.jsonl)")
-    console.print(f"  samples: {trainer.run_dir / 'samples'}")
-    console.print(f"  checkpoints: {trainer.run_dir / 'checkpoints'}")
+
+
+def _print_done(console: Console, run_dir: Path, metrics: dict[str, Any]) -> None:
+    """train's closing lines: where the run's files are, and the eval reward it started and ended at (when it
+    evaluated), the one figure to glance at."""
+    first = _first_eval(run_dir / "metrics.jsonl")
+    console.print(f"[bold green]done.[/] run: {run_dir}")
+    console.print(f"  metrics: {run_dir / 'metrics.jsonl'} (per-trajectory traces: traces.jsonl)")
+    console.print(f"  samples: {run_dir / 'samples'}")
+    console.print(f"  checkpoints: {run_dir / 'checkpoints'}")
     if "eval_reward" in metrics and first is not None:
         console.print(f"  eval reward: {first:.4f} (first) -> {metrics['eval_reward']:.4f} (last)")
-
-
-_LATEST = "@latest"
 
 
 def _first_eval(path: Path) -> float | None:
@@ -278,7 +309,7 @@ def inspect_trajectory(
 
     Example: tpflow inspect-trajectory recipes/shapes_tp.toml --prompt "a photo of a red circle" --n 8
     """
-    from tpflow.inspect import inspect_run, inspect_sampled
+    from tpflow.inspect import inspect_run
 
     if (recipe is None) == (run is None):
         raise UserError("Give exactly one of RECIPE (sample new trajectories, with --prompt) or --run RUN_DIR.")
@@ -288,21 +319,37 @@ def inspect_trajectory(
     if run is not None:
         result = inspect_run(run, epoch, n, credit_, out)
     else:
-        from tpflow.recipe import load_recipe
-
-        if not prompt:
-            raise UserError('RECIPE needs --prompt TEXT, e.g. --prompt "a photo of a red circle".')
-        from tpflow.preflight import check_machine
-
-        loaded = load_recipe(recipe, set_ or [])
-        print_report(check_machine(loaded))  # devices, weight files, prompts: before anything loads
-
-        from tpflow.preflight import prompt_warnings
-
-        for text in prompt_warnings(loaded, [prompt]):  # tpflow sample and eval say the same
-            warn(text)
-        result = inspect_sampled(loaded, prompt, n, seed, checkpoint, credit_, out, warn)
+        result = _inspect_recipe(recipe, prompt, n, seed, checkpoint, credit_, out, set_)
     _print_inspection(console, result)
+
+
+def _inspect_recipe(
+    recipe: Path,
+    prompt: str | None,
+    n: int,
+    seed: int | None,
+    checkpoint: Path | None,
+    credit_: list[str] | None,
+    out: Path,
+    set_: list[str] | None,
+) -> Inspection:
+    """inspect-trajectory with RECIPE: new trajectories of ``prompt``, sampled once the machine check has passed
+    and the prompt's warnings (as tpflow sample and eval give them) are printed, so nothing loads for a mistake."""
+    from tpflow.inspect import inspect_sampled
+    from tpflow.recipe import load_recipe
+
+    if not prompt:
+        raise UserError('RECIPE needs --prompt TEXT, e.g. --prompt "a photo of a red circle".')
+    from tpflow.preflight import check_machine
+
+    loaded = load_recipe(recipe, set_ or [])
+    print_report(check_machine(loaded))  # devices, weight files, prompts: before anything loads
+
+    from tpflow.preflight import prompt_warnings
+
+    for text in prompt_warnings(loaded, [prompt]):  # tpflow sample and eval say the same
+        warn(text)
+    return inspect_sampled(loaded, prompt, n, seed, checkpoint, credit_, out, warn)
 
 
 def _print_inspection(console: Any, result: Any) -> None:

@@ -119,26 +119,55 @@ def captioned_grid(
     for i, (tile, image) in enumerate(zip(tiles, pixels, strict=True)):
         r, c = divmod(i, columns)
         left, top = lefts[c], header_h + PAD + r * (tile_h + caption_h + PAD)
-        if shrink < 1:
-            big = Image.fromarray(image).resize((tile_w, tile_h), Image.Resampling.LANCZOS)
-        else:
-            big = Image.fromarray(np.ascontiguousarray(image.repeat(scale, axis=0).repeat(scale, axis=1)))
-        canvas.paste(big, (left, top))
+        canvas.paste(_sized(image, tile_w, tile_h, shrink, scale), (left, top))
         box = (left, top, left + tile_w, top + tile_h)
         boxes.append(box)
-        if tile.mark is None:  # white-background images stay apart from the white gaps
-            draw.rectangle((left - 1, top - 1, box[2], box[3]), outline=EDGE, width=1)
-        else:
-            frame = (left - FRAME, top - FRAME, box[2] + FRAME - 1, box[3] + FRAME - 1)
-            draw.rectangle(frame, outline=PASS if tile.mark else FAIL, width=FRAME)
-        if tile.note:
-            draw.text((left, box[3] + FRAME + 2), tile.note[:chars], fill=NOTE, font=font)
-        for k, line in enumerate(_caption_lines(tile.caption, chars), start=int(notes)):
-            draw.text((left, box[3] + FRAME + 2 + k * line_h), line, fill="black", font=font)
+        _frame_and_caption(draw, tile, box, font, chars, notes, line_h)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     canvas.save(path)  # zlib level 6: optimize=True is 8x slower for 4% less
     grid = Grid(path, (width, height), boxes, [t.caption for t in tiles])
+    _write_tile_map(grid, tiles, headers, about)
+    return grid
+
+
+def _sized(image: np.ndarray, tile_w: int, tile_h: int, shrink: float, scale: int) -> Image.Image:
+    """One tile's image at its size in the grid: shrunk smoothly (LANCZOS) when ``shrink`` < 1, else enlarged by
+    repeating pixels ``scale`` times, so that a small image's pixels stay sharp, as the reward saw them."""
+    if shrink < 1:  # image: [H, W, 3] uint8
+        return Image.fromarray(image).resize((tile_w, tile_h), Image.Resampling.LANCZOS)
+    return Image.fromarray(np.ascontiguousarray(image.repeat(scale, axis=0).repeat(scale, axis=1)))
+
+
+def _frame_and_caption(
+    draw: ImageDraw.ImageDraw,
+    tile: Tile,
+    box: tuple[int, int, int, int],
+    font: ImageFont.ImageFont | ImageFont.FreeTypeFont,
+    chars: int,
+    notes: bool,
+    line_h: int,
+) -> None:
+    """Around the tile's image at ``box``: its pass/fail frame, or a thin outline that keeps a white-background
+    image apart from the white gaps; under it the note (a line kept for it in every tile when ``notes``) and the
+    wrapped caption."""
+    left, top = box[:2]
+    if tile.mark is None:  # white-background images stay apart from the white gaps
+        draw.rectangle((left - 1, top - 1, box[2], box[3]), outline=EDGE, width=1)
+    else:
+        frame = (left - FRAME, top - FRAME, box[2] + FRAME - 1, box[3] + FRAME - 1)
+        draw.rectangle(frame, outline=PASS if tile.mark else FAIL, width=FRAME)
+    if tile.note:
+        draw.text((left, box[3] + FRAME + 2), tile.note[:chars], fill=NOTE, font=font)
+    for k, line in enumerate(_caption_lines(tile.caption, chars), start=int(notes)):
+        draw.text((left, box[3] + FRAME + 2 + k * line_h), line, fill="black", font=font)
+
+
+def _write_tile_map(grid: Grid, tiles: list[Tile], headers: list[str] | None, about: dict[str, Any] | None) -> None:
+    """``<grid>.json`` beside the PNG: its size, each tile's box, caption, ``info`` and mark (and what the marks
+    mean when any tile has one), the column headers and ``about``, so that a reader finds a tile's image and its
+    figures without measuring the picture."""
+    path = grid.path
     meta: dict[str, Any] = {"image": path.name, "size": list(grid.size), **(about or {})}
     if headers:
         meta["columns"] = list(headers)
@@ -147,10 +176,9 @@ def captioned_grid(
     meta["tiles"] = [
         {"prompt": t.caption, "box": list(b), **t.info,
          **({} if t.mark is None else {"mark": "pass" if t.mark else "fail"})}
-        for t, b in zip(tiles, boxes, strict=True)
+        for t, b in zip(tiles, grid.boxes, strict=True)
     ]  # fmt: skip
     path.with_suffix(path.suffix + ".json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
-    return grid
 
 
 def _caption_lines(caption: str, chars: int) -> list[str]:

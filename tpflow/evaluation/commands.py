@@ -73,50 +73,56 @@ def _eval_accelerator(recipe: Any) -> tuple[Any, Any]:
     return accelerator, Precision(recipe.train.mixed_precision, device)
 
 
+BaselineOption = Annotated[
+    str | None,
+    typer.Option(
+        help="A second TARGET evaluated the same way; the table shows both and the difference.", show_default=False
+    ),
+]
+PromptsOption = Annotated[
+    str,
+    typer.Option(help="test | train (the recipe's splits) | geneval | ocr | a .jsonl or text file of prompts."),
+]
+NumPromptsOption = Annotated[
+    int | None,
+    typer.Option(
+        min=1, help="The first N prompts (default: eval.num_prompts for test, else all).", show_default=False
+    ),
+]
+ImagesPerPromptOption = Annotated[
+    int | None,
+    typer.Option(min=1, help="Images per prompt (default: eval.images_per_prompt; GenEval: 4).", show_default=False),
+]
+BatchSizeOption = Annotated[
+    int | None, typer.Option(min=1, help="Images per batch (default: eval.batch_size).", show_default=False)
+]
+EvalOutOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="Output folder (default: RUN/eval/step<S>_<prompts>_T<steps>; under runs/eval/ for an exported "
+        "adapter or a recipe).",
+        show_default=False,
+    ),
+]
+
+
 @user_errors
 def eval_(
     ctx: typer.Context,
     target: Target,
-    baseline: Annotated[
-        str | None,
-        typer.Option(
-            help="A second TARGET evaluated the same way; the table shows both and the difference.", show_default=False
-        ),
-    ] = None,
-    prompts: Annotated[
-        str,
-        typer.Option(help="test | train (the recipe's splits) | geneval | ocr | a .jsonl or text file of prompts."),
-    ] = "test",
-    num_prompts: Annotated[
-        int | None,
-        typer.Option(
-            min=1, help="The first N prompts (default: eval.num_prompts for test, else all).", show_default=False
-        ),
-    ] = None,
+    baseline: BaselineOption = None,
+    prompts: PromptsOption = "test",
+    num_prompts: NumPromptsOption = None,
     steps: Annotated[int, typer.Option(min=1, help="ODE sampling steps (the paper evaluates at 40).")] = 40,
     guidance: GuidanceOption = None,
-    images_per_prompt: Annotated[
-        int | None,
-        typer.Option(
-            min=1, help="Images per prompt (default: eval.images_per_prompt; GenEval: 4).", show_default=False
-        ),
-    ] = None,
+    images_per_prompt: ImagesPerPromptOption = None,
     seed: SeedOption = None,
     resolution: ResolutionOption = None,
-    batch_size: Annotated[
-        int | None, typer.Option(min=1, help="Images per batch (default: eval.batch_size).", show_default=False)
-    ] = None,
+    batch_size: BatchSizeOption = None,
     recipe: RecipeOption = None,
     checkpoint: CheckpointOption = None,
     ema: EmaOption = True,
-    out: Annotated[
-        Path | None,
-        typer.Option(
-            help="Output folder (default: RUN/eval/step<S>_<prompts>_T<steps>; under runs/eval/ for an exported "
-            "adapter or a recipe).",
-            show_default=False,
-        ),
-    ] = None,
+    out: EvalOutOption = None,
     set_: Overrides = None,
     num_processes: NumProcesses = 1,
     num_machines: NumMachines = 1,
@@ -130,10 +136,42 @@ def eval_(
     Example: tpflow eval runs/geneval_tp --prompts geneval --images-per-prompt 4 --baseline recipes/geneval_tp.toml
     """
     from tpflow.distributed import Distributed
-    from tpflow.evaluation.run import EvalOptions, default_out, evaluate_target, write_outputs
-    from tpflow.evaluation.targets import resolve_target
+    from tpflow.evaluation.run import EvalOptions, default_out, evaluate_target
 
     warn_broken_plugins()
+    targets = _checked_targets(target, baseline, prompts, recipe, checkpoint, set_, resolution)
+    options = EvalOptions(
+        prompts=prompts, num_prompts=num_prompts, steps=steps, guidance=guidance,
+        images_per_prompt=images_per_prompt, seed=seed, batch_size=batch_size, ema=ema,
+    )  # fmt: skip
+    launch_if_asked(ctx, num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
+    accelerator, precision = _eval_accelerator(targets[0].recipe)
+    dist = Distributed(accelerator)
+    console = make_console() if dist.is_main else Console(quiet=True)
+    results = []
+    for which in targets:
+        with _progress(console, f"eval {which.label}") as advance:
+            results.append(evaluate_target(which, options, dist, precision.autocast, advance))
+    dist.close()  # every image is gathered: the processes part here
+    if dist.is_main:
+        _report_eval(console, results, out or default_out(targets[0], options), ema)
+
+
+def _checked_targets(
+    target: str,
+    baseline: str | None,
+    prompts: str,
+    recipe: Path | None,
+    checkpoint: str | None,
+    set_: list[str] | None,
+    resolution: int | None,
+) -> list[Any]:
+    """TARGET and the baseline (when given) resolved, each checked against this machine and its recipe's preflight,
+    and ``--prompts`` checked, all before any weights load or any process launches, so that a mistake costs
+    seconds; the checks' report is printed once every one has passed. Returns ``[target]`` or ``[target,
+    baseline]``."""
+    from tpflow.evaluation.targets import resolve_target
+
     resolved = resolve_target(target, recipe, checkpoint, set_, resolution)
     other = resolve_target(baseline, None, None, set_, resolution) if baseline is not None else None
     from tpflow.preflight import check_machine
@@ -143,26 +181,18 @@ def eval_(
         if which is not None:  # before any weights load: devices, model files, the reward's server
             reports.append(check_machine(which.recipe, where=str(which.path)))
             which.recipe.preflight()
-    options = EvalOptions(
-        prompts=prompts, num_prompts=num_prompts, steps=steps, guidance=guidance,
-        images_per_prompt=images_per_prompt, seed=seed, batch_size=batch_size, ema=ema,
-    )  # fmt: skip
     if prompts not in ("test", "train", "geneval", "ocr") and not Path(prompts).expanduser().is_file():
         raise UserError(f"--prompts {prompts!r} is neither test, train, geneval, ocr nor an existing prompt file.")
     print_report(*reports)  # every check passed: the device, where each weight comes from
-    launch_if_asked(ctx, num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
-    accelerator, precision = _eval_accelerator(resolved.recipe)
-    dist = Distributed(accelerator)
-    console = make_console() if dist.is_main else Console(quiet=True)
-    results = []
-    for which in [resolved, *([other] if other is not None else [])]:
-        with _progress(console, f"eval {which.label}") as advance:
-            results.append(evaluate_target(which, options, dist, precision.autocast, advance))
-    dist.close()  # every image is gathered: the processes part here
-    if not dist.is_main:
-        return
+    return [resolved, *([other] if other is not None else [])]
+
+
+def _report_eval(console: Console, results: list[Any], folder: Path, ema: bool) -> None:
+    """The main process's output of an eval: the tables (target, and baseline with the difference when there is
+    one), each warning once (target and baseline often share them), and the files written under ``folder``."""
+    from tpflow.evaluation.run import write_outputs
+
     result, base = results[0], (results[1] if len(results) > 1 else None)
-    folder = out or default_out(resolved, options)
     for table in _eval_tables(result, base):
         console.print(table)
     for warning in dict.fromkeys(w for r in results for w in r.settings["warnings"]):  # target's, baseline's

@@ -72,8 +72,6 @@ def resolve_target(
 
     ``overrides`` (``section.key=value``) apply to the recipe however it was found, e.g. a moved model path;
     ``resolution`` sets ``backbone.resolution`` (only backbones with a variable image size have it)."""
-    from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
-
     path = Path(target)
     overrides = list(overrides or [])
     if not path.exists():
@@ -83,42 +81,64 @@ def resolve_target(
             "(the base model)."
         )
     if path.is_file():
-        if path.suffix != ".toml":
-            raise UserError(f"Target {path} is a file but not a recipe (.toml); see `tpflow eval --help`.")
-        if checkpoint is not None:
-            raise UserError("--checkpoint picks a checkpoint of a run dir; the target here is a recipe.")
-        loaded = load_recipe(path, overrides)
-        if resolution is not None:
-            loaded = validate_recipe(_with_resolution(loaded.data, resolution, path), where=str(path), path=path)
-        return Target("recipe", path, loaded)
+        return _recipe_target(path, checkpoint, overrides, resolution)
     if recipe is not None and (path / "checkpoints").is_dir():
         raise UserError(
             f"{path} is a run dir: its checkpoints hold the recipe they were trained with, so --recipe is not "
             "used; change options with --set section.key=value."
         )
     if (path / "checkpoints").is_dir() or (path / "manifest.json").is_file():
-        where = path
-        if checkpoint is not None:
-            where = _named_checkpoint(path, checkpoint)
-        found, notes = find_checkpoint(where)
-        if found is None:
-            why = f" ({'; '.join(notes)})" if notes else ""
-            raise UserError(f"No valid checkpoint in {where}{why}. Train it first, or pass a checkpoint dir.")
-        ckpt = load_checkpoint(found)
-        data = _with_resolution(ckpt.recipe, resolution, path)
-        apply_overrides(data, overrides)
-        kind = "run" if (path / "checkpoints").is_dir() else "checkpoint"
-        run = path if kind == "run" else found.parent.parent
-        return Target(
-            kind,
-            run,
-            validate_recipe(data, where=f"the recipe stored in {found}"),
-            adapter_dir=ckpt.adapter_dir,
-            ema_state=ckpt.ema_state,
-            step=ckpt.step,
-        )
+        return _checkpoint_target(path, checkpoint, overrides, resolution)
     if checkpoint is not None:
         raise UserError(f"--checkpoint picks a checkpoint of a run dir; {path} has no checkpoints/ folder.")
+    return _export_target(path, recipe, overrides, resolution)
+
+
+def _recipe_target(path: Path, checkpoint: str | None, overrides: list[str], resolution: int | None) -> Target:
+    """A recipe TOML as TARGET: the base model, no adapter; a file that is not a .toml, or a --checkpoint (which
+    only a run dir has), is a UserError."""
+    if path.suffix != ".toml":
+        raise UserError(f"Target {path} is a file but not a recipe (.toml); see `tpflow eval --help`.")
+    if checkpoint is not None:
+        raise UserError("--checkpoint picks a checkpoint of a run dir; the target here is a recipe.")
+    loaded = load_recipe(path, overrides)
+    if resolution is not None:
+        loaded = validate_recipe(_with_resolution(loaded.data, resolution, path), where=str(path), path=path)
+    return Target("recipe", path, loaded)
+
+
+def _checkpoint_target(path: Path, checkpoint: str | None, overrides: list[str], resolution: int | None) -> Target:
+    """A run dir (its newest valid checkpoint, or the one ``checkpoint`` names) or a checkpoint dir as TARGET: the
+    recipe the checkpoint stores (it is what trained the adapter), with the overrides, and its adapter and EMA."""
+    from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
+
+    where = path
+    if checkpoint is not None:
+        where = _named_checkpoint(path, checkpoint)
+    found, notes = find_checkpoint(where)
+    if found is None:
+        why = f" ({'; '.join(notes)})" if notes else ""
+        raise UserError(f"No valid checkpoint in {where}{why}. Train it first, or pass a checkpoint dir.")
+    ckpt = load_checkpoint(found)
+    data = _with_resolution(ckpt.recipe, resolution, path)
+    apply_overrides(data, overrides)
+    kind = "run" if (path / "checkpoints").is_dir() else "checkpoint"
+    run = path if kind == "run" else found.parent.parent
+    return Target(
+        kind,
+        run,
+        validate_recipe(data, where=f"the recipe stored in {found}"),
+        adapter_dir=ckpt.adapter_dir,
+        ema_state=ckpt.ema_state,
+        step=ckpt.step,
+    )
+
+
+def _export_target(path: Path, recipe: Path | None, overrides: list[str], resolution: int | None) -> Target:
+    """A folder from ``tpflow export`` (or any folder of .safetensors) as TARGET. Its recipe is ``recipe`` when
+    given, else the one stored beside the adapter; a merged export, or a recipe of another backbone than the one the
+    manifest says the adapter was trained on, is a UserError (it could not load, or would load into the wrong
+    model)."""
     manifest = _read_json(path / EXPORT_MANIFEST) if (path / EXPORT_MANIFEST).is_file() else None
     if manifest is None and not any(path.glob("*.safetensors")):
         raise UserError(

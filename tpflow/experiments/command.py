@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from tpflow.cli_common import make_console, user_errors
 from tpflow.errors import UserError
+
+if TYPE_CHECKING:
+    from tpflow.experiments.spec import Experiment
 
 
 def register(app: typer.Typer) -> None:
@@ -58,12 +62,9 @@ def sweep(
     ] = None,
 ) -> None:
     """Run every missing (arm, seed) run of an experiment, resuming killed ones; pre-registered on the first run."""
-    from rich.progress import BarColumn, Progress, TextColumn
-
     from tpflow.experiments import lock
     from tpflow.experiments.spec import load_experiment
     from tpflow.experiments.sweep import commands, state
-    from tpflow.experiments.sweep import sweep as run_sweep
 
     experiment = load_experiment(experiment_file)
     if experiment.spec.experiment.summaries:
@@ -86,9 +87,30 @@ def sweep(
     console.print(f"{experiment.spec.experiment.name}: {len(runs)} runs, seed-major (a slow-down hits every arm of a "
                   f"seed alike), {jobs} at once, into {escape(str(experiment.out))}; registered "
                   f"{record['registered']}.", highlight=False, soft_wrap=True)  # fmt: skip
+    result = _run_with_progress(console, experiment, len(runs), jobs, devices)
+    console.print(f"{len(result['done'])} runs done now, {len(result['skipped'])} were done already.",
+                  highlight=False)  # fmt: skip
+    if result["failed"]:
+        logs = ", ".join(f"{experiment.out / name.split('/')[0] / (name.split('/')[1] + '.log')}" for name in
+                         result["failed"])  # fmt: skip
+        raise UserError(
+            f"{len(result['failed'])} runs failed: {', '.join(result['failed'])}. Their logs: {logs}. Fix the "
+            "cause and run tpflow sweep again: finished runs are skipped, killed ones resume."
+        )
+
+
+def _run_with_progress(
+    console: Console, experiment: Experiment, total: int, jobs: int, devices: list[str] | None
+) -> dict[str, list[str]]:
+    """The sweep itself (``tpflow.experiments.sweep.sweep``), its counts and ETA on a bar; without a terminal (a
+    log file, a pipe) there is no bar, so a line is printed each time a run finishes instead."""
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    from tpflow.experiments.sweep import sweep as run_sweep
+
     with Progress(TextColumn("{task.description}"), BarColumn(), console=console,
                   disable=not console.is_terminal) as progress:  # fmt: skip
-        task = progress.add_task("runs", total=len(runs))
+        task = progress.add_task("runs", total=total)
         finished = [-1]  # runs finished at the last line printed (no terminal: a line per finished run)
 
         def show(counts: dict[str, int], eta: float | None) -> None:
@@ -100,16 +122,7 @@ def sweep(
                 finished[0] = done
                 console.print(f"{time.strftime('%H:%M:%S')} {text}", highlight=False, soft_wrap=True)
 
-        result = run_sweep(experiment, jobs, devices, on_change=show)
-    console.print(f"{len(result['done'])} runs done now, {len(result['skipped'])} were done already.",
-                  highlight=False)  # fmt: skip
-    if result["failed"]:
-        logs = ", ".join(f"{experiment.out / name.split('/')[0] / (name.split('/')[1] + '.log')}" for name in
-                         result["failed"])  # fmt: skip
-        raise UserError(
-            f"{len(result['failed'])} runs failed: {', '.join(result['failed'])}. Their logs: {logs}. Fix the "
-            "cause and run tpflow sweep again: finished runs are skipped, killed ones resume."
-        )
+        return run_sweep(experiment, jobs, devices, on_change=show)
 
 
 @user_errors

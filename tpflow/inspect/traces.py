@@ -109,24 +109,14 @@ def sample_trajectories(
         metadata: the prompt's task metadata for the reward ({} when None).
     """
     from tpflow.rewards.call import recipe_policy
-    from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
     from tpflow.train.scoring import score_rollout
 
     if n < 1:
         raise UserError(f"--n must be at least 1, got {n}.")
     r = recipe.rollout
-    backbone = recipe.build("backbone")
-    if checkpoint is not None:
-        path, notes = find_checkpoint(Path(checkpoint))
-        for note in notes:
-            warnings.warn(note, stacklevel=2)
-        if path is None:
-            raise UserError(f"No valid checkpoint in {checkpoint}: pass a run dir or a checkpoints/<step> dir.")
-        backbone.load_adapter(load_checkpoint(path).adapter_dir)
+    backbone = _backbone(recipe, checkpoint)
     sampler, reward = recipe.build("sampler"), recipe.build("reward")
-    window = recipe.build("plan").plan(r, n, 0, seed, recipe.train.seed)  # the recipe's plan (epoch 0's window)
-    if not window.uniform:  # a window per trajectory leaves no step for completions: one window, the first's
-        window = BatchPlan((window.starts[0],) * n, window.size, window.trained)
+    window = _window(recipe, n, seed)
     generator = cpu_generator(seed)  # the same trajectories on the CPU and on a GPU (tpflow.devices)
     sigmas = backbone.sigmas(r.num_steps)
     cond = backbone.encode([prompt] * n)
@@ -154,6 +144,31 @@ def sample_trajectories(
         sigmas=[float(x) for x in sigmas.cpu()],
         images=scored.images,  # [n, W+1, 3, H, W]
     )
+
+
+def _backbone(recipe: Recipe, checkpoint: Path | None) -> Any:
+    """The recipe's backbone, with the adapter of ``checkpoint`` (a run dir: its newest valid checkpoint) loaded
+    when one is given; the checkpoints passed over are warned about, and none valid is a UserError."""
+    from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
+
+    backbone = recipe.build("backbone")
+    if checkpoint is not None:
+        path, notes = find_checkpoint(Path(checkpoint))
+        for note in notes:
+            warnings.warn(note, stacklevel=3)  # attributed to sample_trajectories' caller
+        if path is None:
+            raise UserError(f"No valid checkpoint in {checkpoint}: pass a run dir or a checkpoints/<step> dir.")
+        backbone.load_adapter(load_checkpoint(path).adapter_dir)
+    return backbone
+
+
+def _window(recipe: Recipe, n: int, seed: int) -> BatchPlan:
+    """The window of the n trajectories: the recipe's plan at epoch 0, as training would draw it, but always one
+    window shared by all n, since the completions are taken at the window's steps."""
+    window = recipe.build("plan").plan(recipe.rollout, n, 0, seed, recipe.train.seed)  # epoch 0's window
+    if not window.uniform:  # a window per trajectory leaves no step for completions: one window, the first's
+        window = BatchPlan((window.starts[0],) * n, window.size, window.trained)
+    return window
 
 
 @dataclass

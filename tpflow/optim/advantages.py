@@ -58,6 +58,27 @@ def group_advantages(
         ValueError: ``step_rewards`` is not 2-D or holds NaN/inf, ``groups`` has the wrong length, or ``eps`` /
             ``clip`` are out of range.
     """
+    rewards, groups, eps, clip = _checked(step_rewards, groups, eps, clip, correction)  # rewards: [N, W] float64
+    n = rewards.shape[0]
+    if n == 0:
+        return rewards.clone()
+
+    ids, num_groups = _prompt_groups(groups, rewards.device)
+    centred = _constant_groups_zeroed(rewards, rewards - _group_mean(rewards, ids, num_groups)[ids], ids, num_groups)
+    std = _std(rewards, centred, ids, num_groups, global_std, correction)  # [N, W] or [1, W]
+    denominator = std + eps
+    safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+    advantages = torch.where(denominator > 0, centred / safe, torch.zeros_like(centred))
+    return advantages.clamp(-clip, clip)
+
+
+def _checked(
+    step_rewards: Tensor, groups: Sequence[Hashable], eps: float, clip: float, correction: int
+) -> tuple[Tensor, Sequence[Hashable], float, float]:
+    """``group_advantages``' arguments checked (a ValueError naming the mistake, before any arithmetic), as
+    (rewards [N, W] float64 detached, groups (a tensor's as a list), eps, clip as floats). Non-finite rewards are
+    refused rather than normalised: one NaN would spread through its group's mean to every advantage of the
+    prompt."""
     if step_rewards.dim() != 2:
         raise ValueError(
             f"step_rewards must be 2-D [N, W] (trajectories × window steps), got shape {tuple(step_rewards.shape)}; "
@@ -83,33 +104,40 @@ def group_advantages(
             f"step_rewards must be finite; found {rewards[bad[0], bad[1]].item()} at row {bad[0]}, step {bad[1]}. "
             "Check the reward model's scores and the credit assigner."
         )
-    if n == 0:
-        return rewards.clone()
+    return rewards, groups, eps, clip
 
-    ids = _group_ids(groups, rewards.device)
+
+def _prompt_groups(groups: Sequence[Hashable], device: torch.device) -> tuple[Tensor, int]:
+    """[N] group ids and the number of groups; every prompt once (all singletons) makes one global group, since
+    per-prompt statistics would then make every advantage 0 (the reference turns its tracker off there too)."""
+    ids = _group_ids(groups, device)
     num_groups = int(ids.max().item()) + 1
-    if num_groups == n:  # every prompt once: per-prompt statistics are meaningless, use one global group
+    if num_groups == len(groups):  # every prompt once: per-prompt statistics are meaningless, use one global group
         ids = torch.zeros_like(ids)
         num_groups = 1
+    return ids, num_groups
 
-    centred = rewards - _group_mean(rewards, ids, num_groups)[ids]
-    # Exactly zero where the group is constant at that step, whatever the rounding of the mean.
+
+def _constant_groups_zeroed(rewards: Tensor, centred: Tensor, ids: Tensor, num_groups: int) -> Tensor:
+    """``centred`` [N, W] with exactly 0 where the row's group is constant at that step, whatever the rounding of the
+    mean: the all-zero-trajectory filter must see those rows as 0, and ``eps = 0`` must not divide 0 by 0."""
     width = rewards.shape[1]
-    index = ids[:, None].expand(n, width)
+    index = ids[:, None].expand(rewards.shape[0], width)
     high = rewards.new_full((num_groups, width), -math.inf).scatter_reduce(0, index, rewards, "amax")
     low = rewards.new_full((num_groups, width), math.inf).scatter_reduce(0, index, rewards, "amin")
-    centred = torch.where((high == low)[ids], torch.zeros_like(centred), centred)
+    return torch.where((high == low)[ids], torch.zeros_like(centred), centred)
 
+
+def _std(rewards: Tensor, centred: Tensor, ids: Tensor, num_groups: int, global_std: bool, correction: int) -> Tensor:
+    """The std each advantage is divided by (ddof ``correction``): the column's over all N rows with ``global_std``
+    ([1, W]; 0 when N ≤ ``correction``), else the row's prompt's ([N, W], from the zeroed ``centred``; a group of
+    one with ``correction = 1`` divides by 1, its centred values being 0)."""
+    n, width = rewards.shape
     if global_std:
-        std = rewards.std(dim=0, correction=correction)[None, :] if n > correction else rewards.new_zeros(1, width)
-    else:
-        sums = rewards.new_zeros((num_groups, width)).index_add_(0, ids, centred.square())
-        counts = torch.bincount(ids, minlength=num_groups).to(rewards.dtype)
-        std = (sums / (counts - correction).clamp_min(1)[:, None]).sqrt()[ids]  # [N, W], the prompt's std
-    denominator = std + eps
-    safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
-    advantages = torch.where(denominator > 0, centred / safe, torch.zeros_like(centred))
-    return advantages.clamp(-clip, clip)
+        return rewards.std(dim=0, correction=correction)[None, :] if n > correction else rewards.new_zeros(1, width)
+    sums = rewards.new_zeros((num_groups, width)).index_add_(0, ids, centred.square())
+    counts = torch.bincount(ids, minlength=num_groups).to(rewards.dtype)
+    return (sums / (counts - correction).clamp_min(1)[:, None]).sqrt()[ids]  # [N, W], the prompt's std
 
 
 def informative_trajectories(advantages: Tensor) -> Tensor:

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.console import Console
 from rich.markup import escape
 
 from tpflow.cli_common import Overrides, make_console, print_report, user_errors
 from tpflow.errors import UserError
+
+if TYPE_CHECKING:
+    from tpflow.probe.run import Probe
 
 
 def register(app: typer.Typer) -> None:
@@ -29,18 +33,30 @@ def _sizes(text: str) -> list[int]:
     return list(_group_sizes("--group-sizes", text))
 
 
+ArmOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--arm",
+        help="NAME:KEY=VALUE[,KEY=VALUE] over the sampler, plan, credit, rollout and optimizer sections "
+        "(e.g. credit.name=consistent), or group_sizes=4/8/16 (repeatable).",
+        show_default=False,
+    ),
+]
+SketchDimOption = Annotated[
+    int | None,
+    typer.Option(
+        min=0,
+        help="Project gradients to this many numbers (0: keep them whole). Default: "
+        "whole up to 2^20 parameters, else 65536.",
+        show_default=False,
+    ),
+]
+
+
 @user_errors
 def probe(
     recipe: Annotated[Path, typer.Argument(help="The probe's recipe: model, reward, prompts (arms override it).")],
-    arm: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--arm",
-            help="NAME:KEY=VALUE[,KEY=VALUE] over the sampler, plan, credit, rollout and optimizer sections "
-            "(e.g. credit.name=consistent), or group_sizes=4/8/16 (repeatable).",
-            show_default=False,
-        ),
-    ] = None,  # fmt: skip
+    arm: ArmOption = None,
     prompts: Annotated[int, typer.Option(min=1, help="P: prompts of the train split, balanced over its tags.")] = 6,
     group_sizes: Annotated[str, typer.Option(help="Group sizes of every arm (comma-separated).")] = "4,8",
     repeats: Annotated[int, typer.Option(min=2, help="Independent paired draws of every arm.")] = 8,
@@ -52,15 +68,7 @@ def probe(
         Path | None, typer.Option(help="The policy: this run dir's (or checkpoint's) adapter.", show_default=False)
     ] = None,
     seed: Annotated[int, typer.Option(min=0, help="Seeds the prompt pick and every draw.")] = 0,
-    sketch_dim: Annotated[
-        int | None,
-        typer.Option(
-            min=0,
-            help="Project gradients to this many numbers (0: keep them whole). Default: "
-            "whole up to 2^20 parameters, else 65536.",
-            show_default=False,
-        ),
-    ] = None,  # fmt: skip
+    sketch_dim: SketchDimOption = None,
     baseline: Annotated[
         str | None, typer.Option(help="The arm others are compared with (default: the first).")
     ] = None,
@@ -72,11 +80,8 @@ def probe(
     Example: tpflow probe recipes/shapes_flowgrpo.toml --arm outcome:credit.name=outcome --arm
     tp:credit.name=consistent --repeats 8 --out runs/probe/tp
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from tpflow.preflight import check_machine
-    from tpflow.probe.report import comparisons, figures, markdown, plot
-    from tpflow.probe.run import ProbeConfig, build_probe, load_units, run_probe
+    from tpflow.probe.run import ProbeConfig, build_probe
     from tpflow.recipe import load_recipe
 
     if not recipe.is_file():
@@ -95,15 +100,42 @@ def probe(
     console = make_console()
     console.print(f"probe: {len(built.items)} prompts ({', '.join(escape(i.prompt) for i in built.items)})",
                   highlight=False, soft_wrap=True)  # fmt: skip
+    _draw(console, built, out)
+    _write_report(console, built, out, recipe, checkpoint, baseline or names[0], reference_group_size)
+
+
+def _draw(console: Console, built: Probe, out: Path) -> None:
+    """Run the probe's draws not yet in ``out/draws`` (a rerun continues a stopped probe), with a progress bar that
+    counts the ones already there as done."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tpflow.probe.run import run_probe
+
     units = built.units()
     todo = [u for u in units if not (out / "draws" / f"{u}.json").exists()]
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not console.is_terminal) as progress:  # fmt: skip
         task = progress.add_task("probe draws", total=len(units), completed=len(units) - len(todo))
         run_probe(built, lambda unit: progress.advance(task))
+
+
+def _write_report(
+    console: Console,
+    built: Probe,
+    out: Path,
+    recipe: Path,
+    checkpoint: Path | None,
+    baseline: str,
+    reference_group_size: int,
+) -> None:
+    """The figures of every draw in ``out`` (this run's and an earlier one's alike), compared with the ``baseline``
+    arm: report.md (also printed), report.json and the cosine-against-NFE plot."""
+    from tpflow.probe.report import comparisons, figures, markdown, plot
+    from tpflow.probe.run import load_units
+
     tensors, meta = load_units(out)
     result = figures(tensors, meta, len(built.items), reference_group_size)
-    compared = comparisons(result, baseline or names[0])
+    compared = comparisons(result, baseline)
     header = (f"# Probe of {recipe}" + (f" at {checkpoint}" if checkpoint else "") +
               f"\n\nP = {len(built.items)} prompts: " + "; ".join(i.prompt for i in built.items))  # fmt: skip
     text = markdown(result, compared, header)

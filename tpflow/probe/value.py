@@ -28,7 +28,7 @@ from tpflow.interfaces import Backbone, RewardModel, Sampler
 from tpflow.rewards.call import DEFAULT_POLICY, RewardPolicy
 from tpflow.rollout import Window, rollout
 from tpflow.train.scoring import score_rollout
-from tpflow.types import Rollout
+from tpflow.types import Conditioning, Rollout
 
 
 @dataclass(frozen=True)
@@ -73,14 +73,8 @@ def mc_values(
         chunk, policy: decode / reward chunk size and reward policy, as ``score_rollout`` takes them.
         max_batch: the largest number of rows in one velocity call.
     """
+    _check_states(batch, sigmas, start, len(prompts), len(metadata), samples)
     n, width = batch.latents.shape[:2]
-    if samples < 2:
-        raise ValueError(f"a standard error needs at least 2 continuations per state, got M = {samples}.")
-    if width < 1 or not (n == len(prompts) == len(metadata)):
-        raise ValueError("batch needs stored transitions (W >= 1) and one prompt and metadata per trajectory.")
-    expected = sigmas[start : start + width + 1].float().to(batch.sigmas.device)
-    if start + width >= sigmas.shape[0] or not torch.equal(batch.sigmas, expected.expand(n, width + 1)):
-        raise ValueError(f"the trajectories' σ are not the schedule's σ_{start}..σ_{start + width}: wrong start.")
     device = generator.device
     seeds = torch.randint(0, 2**63 - 1, (n, width), generator=generator, device=device, dtype=torch.int64)
     mean = torch.zeros((n, width + 1), dtype=torch.float64, device="cpu")  # host bookkeeping (tpflow.devices)
@@ -91,21 +85,7 @@ def mc_values(
         cond = batch.cond.index(torch.full((samples,), b, dtype=torch.long, device=batch.latents.device))
         finals = []
         for j in range(width):
-            out = rollout(
-                backbone,
-                sampler,
-                cond,
-                batch.latents[b : b + 1, j],  # [1, ...] x_j
-                sigmas=sigmas[start + j :],  # σ_{s+j}..σ_K
-                window=Window(0, width - j),  # SDE for window steps j..W-1, then ODE
-                noise_level=batch.noise_level,
-                guidance=batch.guidance,
-                completions=None,
-                source=source,
-                generator=cpu_generator(int(seeds[b, j])),
-                max_batch=max_batch,
-                transitions=False,
-            )
+            out = _continue(backbone, sampler, batch, b, j, cond, sigmas, start, source, int(seeds[b, j]), max_batch)
             finals.append(out.final)  # [M, ...]
             nfe[b, j] = out.cost.nfe * samples
         latents = torch.cat([*finals, batch.final[b : b + 1]])  # [W·M + 1, ...]
@@ -119,3 +99,50 @@ def mc_values(
         se[b, :width] = per_state.std(dim=1) / samples**0.5
         mean[b, width] = scores[-1]
     return Values(mean=mean, se=se, nfe=nfe, samples=samples)
+
+
+def _check_states(batch: Rollout, sigmas: Tensor, start: int, prompts: int, metadata: int, samples: int) -> None:
+    """Refuse inputs whose estimates would be wrong rather than fail: fewer than 2 continuations (no standard error),
+    no stored states or a prompt count off the trajectories', or states not on σ_s..σ_{s+W} of the schedule (the
+    continuations would resume on the wrong noise levels)."""
+    n, width = batch.latents.shape[:2]
+    if samples < 2:
+        raise ValueError(f"a standard error needs at least 2 continuations per state, got M = {samples}.")
+    if width < 1 or not (n == prompts == metadata):
+        raise ValueError("batch needs stored transitions (W >= 1) and one prompt and metadata per trajectory.")
+    expected = sigmas[start : start + width + 1].float().to(batch.sigmas.device)
+    if start + width >= sigmas.shape[0] or not torch.equal(batch.sigmas, expected.expand(n, width + 1)):
+        raise ValueError(f"the trajectories' σ are not the schedule's σ_{start}..σ_{start + width}: wrong start.")
+
+
+def _continue(
+    backbone: Backbone,
+    sampler: Sampler,
+    batch: Rollout,
+    b: int,
+    j: int,
+    cond: Conditioning,
+    sigmas: Tensor,
+    start: int,
+    source: Tensor,
+    seed: int,
+    max_batch: int | None,
+) -> Rollout:
+    """M continuations of trajectory ``b`` from its state x_j, as the trajectory itself went on from there: the SDE
+    for the window steps j..W-1 left (its noise level and guidance), then the ODE to σ_K; only the finals kept."""
+    width = batch.latents.shape[1]
+    return rollout(
+        backbone,
+        sampler,
+        cond,  # [M] trajectory b's condition, once per continuation
+        batch.latents[b : b + 1, j],  # [1, ...] x_j
+        sigmas=sigmas[start + j :],  # σ_{s+j}..σ_K
+        window=Window(0, width - j),  # SDE for window steps j..W-1, then ODE
+        noise_level=batch.noise_level,
+        guidance=batch.guidance,
+        completions=None,
+        source=source,  # [M] every row from the state
+        generator=cpu_generator(seed),
+        max_batch=max_batch,
+        transitions=False,
+    )

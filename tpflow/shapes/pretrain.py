@@ -12,13 +12,15 @@ Rendering costs ~6% of a step on 2 cores, so it runs inline.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -103,21 +105,60 @@ def pretrain(
     from rich.console import Console
 
     torch.set_num_threads(_cores())
-    torch.manual_seed(seed)
     config = config or ShapesDiTConfig()
-    model = ShapesDiT(config).train()
-    ema_model = copy.deepcopy(model).eval().requires_grad_(False)
-    params = list(model.parameters())
-    ema_params = list(ema_model.parameters())
-    optimizer = _adamw(params, lr, weight_decay)
+    model, ema_model, optimizer = _build(config, seed, lr, weight_decay)
+    params, ema_params = list(model.parameters()), list(ema_model.parameters())
     prompt_rng, image_rng = random.Random(seed), np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     console = Console(stderr=True)
-    budget_s = minutes * 60.0
     n_params = sum(p.numel() for p in params)
     console.print(f"shapes pretrain: {n_params / 1e6:.2f} M parameters, batch {batch_size}, {minutes:g} min budget")
 
-    step, smooth_loss, render_s, history, ramp = 0, float("nan"), 0.0, [], max(warmup, 1)
+    def update(step: int, batch: tuple) -> float:  # one optimizer step at the warm-up's rate, then the EMA
+        value = _optimizer_step(model, optimizer, batch, gen, lr * min(1.0, (step + 1) / max(warmup, 1)))
+        _ema_update(ema_params, params, min(ema, (1 + step) / (10 + step)))
+        return value
+
+    batches = functools.partial(training_batch, batch_size, prompt_rng, image_rng, config.max_tokens)
+    run = _timed_loop(batches, update, console, minutes * 60.0, max_steps, log_every, progress)
+    hyper = dict(seed=seed, batch_size=batch_size, lr=lr, warmup=warmup, ema=ema, weight_decay=weight_decay)
+    return _save(ema_model, Path(out) / WEIGHTS_FILE, config, run, n_params, hyper, console)
+
+
+class _Run(NamedTuple):
+    """What the loop did, for shapes_dit.json and the closing line."""
+
+    steps: int
+    loss: float  # the smoothed loss at the last step (NaN before the first)
+    render_s: float  # seconds spent rendering batches
+    history: list[dict[str, Any]]  # every ``log_every`` steps: step, minutes, smoothed loss
+    elapsed: float  # seconds of the whole loop
+
+
+def _build(
+    config: ShapesDiTConfig, seed: int, lr: float, weight_decay: float
+) -> tuple[ShapesDiT, ShapesDiT, torch.optim.AdamW]:
+    """The model (its init seeded by ``seed``), its EMA copy (what gets saved: no gradients, eval mode) and AdamW."""
+    torch.manual_seed(seed)
+    model = ShapesDiT(config).train()
+    ema_model = copy.deepcopy(model).eval().requires_grad_(False)
+    return model, ema_model, _adamw(list(model.parameters()), lr, weight_decay)
+
+
+def _timed_loop(
+    batches: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    update: Callable[[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], float],
+    console: Any,
+    budget_s: float,
+    max_steps: int | None,
+    log_every: int,
+    progress: bool,
+) -> _Run:
+    """Steps (a batch from ``batches``, then ``update(step, batch)`` returning its loss) until ``budget_s`` has
+    passed or ``max_steps`` are done, with a time-based bar or log lines. Ctrl-C ends the loop early (the caller
+    saves what it has) and a non-finite loss stops pretraining; rendering is timed apart from the update, for the
+    stats."""
+    step, smooth_loss, render_s, history = 0, float("nan"), 0.0, []
     start = time.perf_counter()
     bar = _progress_bar(console, progress)
     task = bar.add_task("pretrain", total=budget_s, info="")
@@ -125,10 +166,9 @@ def pretrain(
         try:
             while time.perf_counter() - start < budget_s and (max_steps is None or step < max_steps):
                 t0 = time.perf_counter()
-                x, tokens, mask = training_batch(batch_size, prompt_rng, image_rng, config.max_tokens)
+                batch = batches()  # x [B, 3, 32, 32], tokens [B, L], mask [B, L]
                 render_s += time.perf_counter() - t0
-                value = _optimizer_step(model, optimizer, (x, tokens, mask), gen, lr * min(1.0, (step + 1) / ramp))
-                _ema_update(ema_params, params, min(ema, (1 + step) / (10 + step)))
+                value = update(step, batch)
                 step += 1
                 if not math.isfinite(value):
                     raise FloatingPointError(f"Pretraining loss became {value} at step {step}; lower --lr.")
@@ -147,12 +187,23 @@ def pretrain(
                         )
         except KeyboardInterrupt:
             console.print(f"interrupted at step {step}: saving the EMA weights so far")
-    elapsed = time.perf_counter() - start
-    hyper = dict(seed=seed, batch_size=batch_size, lr=lr, warmup=warmup, ema=ema, weight_decay=weight_decay)
-    stats = _stats(step, elapsed, smooth_loss, render_s, n_params, history, hyper)
-    path = save_checkpoint(ema_model, Path(out) / WEIGHTS_FILE, stats)
+    return _Run(step, smooth_loss, render_s, history, time.perf_counter() - start)
+
+
+def _save(
+    ema_model: ShapesDiT,
+    path: Path,
+    config: ShapesDiTConfig,
+    run: _Run,
+    n_params: int,
+    hyper: dict[str, Any],
+    console: Any,
+) -> Path:
+    """Write the EMA weights with the run's stats beside them (shapes_dit.json) and say so; returns the path."""
+    stats = _stats(run.steps, run.elapsed, run.loss, run.render_s, n_params, run.history, hyper)
+    path = save_checkpoint(ema_model, path, stats)
     console.print(
-        f"saved {path} ({step} steps, {elapsed / 60:.1f} min, loss {smooth_loss:.4f}, "
+        f"saved {path} ({run.steps} steps, {run.elapsed / 60:.1f} min, loss {run.loss:.4f}, "
         f"rendering {100 * stats['render_share']:.0f}% of the time); config {asdict(config)}"
     )
     return path

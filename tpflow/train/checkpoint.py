@@ -110,15 +110,7 @@ def save_checkpoint(
     final = root / f"{step:08d}"
     tmp = root / f".tmp-{step}-{os.getpid()}"
     # Serialize the small parts before touching the disk: a bad value raises here and leaves nothing behind.
-    small = {
-        "rng.pt": _torch_bytes(_plain(rng_state)),
-        "state.json": json.dumps(train_state, indent=2, sort_keys=True).encode(),
-        "recipe.json": json.dumps(recipe, indent=2, sort_keys=True).encode(),
-    }
-    if ema_state is not None:
-        small["ema.safetensors"] = safetensors.torch.save(
-            {k: v.detach().cpu().contiguous() for k, v in ema_state.items()}
-        )
+    small = _small_files(rng_state, train_state, recipe, ema_state)
     try:
         root.mkdir(parents=True, exist_ok=True)
         _tidy(root)
@@ -145,6 +137,23 @@ def save_checkpoint(
         raise
     prune_checkpoints(run_dir, step, keep_last)
     return final
+
+
+def _small_files(
+    rng_state: dict, train_state: dict, recipe: dict, ema_state: dict[str, Tensor] | None
+) -> dict[str, bytes]:
+    """The checkpoint's files other than the adapter and the optimizer, as bytes (file name -> contents): made in
+    memory first, so that a value that cannot be stored raises before ``save_checkpoint`` writes anything."""
+    small = {
+        "rng.pt": _torch_bytes(_plain(rng_state)),
+        "state.json": json.dumps(train_state, indent=2, sort_keys=True).encode(),
+        "recipe.json": json.dumps(recipe, indent=2, sort_keys=True).encode(),
+    }
+    if ema_state is not None:
+        small["ema.safetensors"] = safetensors.torch.save(
+            {k: v.detach().cpu().contiguous() for k, v in ema_state.items()}
+        )
+    return small
 
 
 def prune_checkpoints(run_dir: Path, step: int, keep_last: int) -> None:

@@ -89,39 +89,9 @@ def score_prompts(
     in training); non-finite scores kept by ``policy`` (``eval.nonfinite_rewards = "warn"``) get one warning."""
     n = images_per_prompt
     grid_rows, grid_rule = shown_images(len(everything), n)
-    in_grid = set(grid_rows)
     mine = list(range(dist.rank, len(everything) * n, dist.world_size))  # this process's image rows
-    items = [everything[r // n] for r in mine]
-    rows: list[tuple[int, float, dict[str, float]]] = []  # (image row, score, details)
-    shown: list[tuple[int, torch.Tensor]] = []  # (image row, [1, 3, H, W] uint8) for the sample grid
-    if items:
-        z0 = backbone.initial_noise(len(everything) * n, cpu_generator(seed))[mine]  # same z_0 on every device
-        scores: list[float] = []
-        details: dict[str, list[float]] = defaultdict(list)
-        for start in range(0, len(items), settings.batch_size):
-            part = items[start : start + settings.batch_size]
-            prompts = [it.prompt for it in part]
-            cond = backbone.encode(prompts)
-            with autocast():
-                latents = sample_ode(backbone, cond, z0[start : start + len(part)],
-                                     backbone.sigmas(settings.num_steps), settings.guidance,
-                                     settings.batch_size)  # fmt: skip
-            images = backbone.decode(latents)
-            out = call_reward(reward, images, prompts, [it.metadata for it in part], policy)
-            scores += out.scores.tolist()
-            for name, values in out.details.items():
-                details[name] += values.tolist()
-            shown += [
-                (mine[start + j], to_uint8(images[j : j + 1].cpu()))
-                for j in range(len(part))
-                if mine[start + j] in in_grid
-            ]
-            if progress is not None:
-                progress(len(part))
-        rows = [
-            (r, score, {name: v[j] for name, v in details.items()})
-            for j, (r, score) in enumerate(zip(mine, scores, strict=True))
-        ]
+    rows, shown = _score_mine(backbone, reward, everything, mine, n, set(grid_rows), settings, seed, autocast,
+                              progress, policy)  # fmt: skip
     rows = sorted(dist.gather_objects(rows))
     bad = sum(not math.isfinite(score) for _, score, _ in rows)
     if bad and dist.is_main:
@@ -140,6 +110,57 @@ def score_prompts(
         grid_rows=[r for r, _ in shown],
         grid_rule=grid_rule,
     )
+
+
+def _score_mine(
+    backbone: Backbone,
+    reward: RewardModel,
+    everything: list[PromptItem],
+    mine: list[int],
+    n: int,
+    in_grid: set[int],
+    settings: EvalSettings,
+    seed: int,
+    autocast: Callable[[], AbstractContextManager],
+    progress: Callable[[int], None] | None,
+    policy: RewardPolicy,
+) -> tuple[list[tuple[int, float, dict[str, float]]], list[tuple[int, torch.Tensor]]]:
+    """This process's share of ``score_prompts``: the images of rows ``mine`` (image r: prompt r // n), sampled,
+    decoded and scored in batches; returns (image row, score, details) per image and (image row, [1, 3, H, W]
+    uint8) for those of ``in_grid``, ungathered. Each starts from its row of one seeded draw over every image, so
+    that its noise does not depend on the number of processes."""
+    items = [everything[r // n] for r in mine]
+    shown: list[tuple[int, torch.Tensor]] = []  # (image row, [1, 3, H, W] uint8) for the sample grid
+    if not items:
+        return [], shown
+    z0 = backbone.initial_noise(len(everything) * n, cpu_generator(seed))[mine]  # same z_0 on every device
+    scores: list[float] = []
+    details: dict[str, list[float]] = defaultdict(list)
+    for start in range(0, len(items), settings.batch_size):
+        part = items[start : start + settings.batch_size]
+        prompts = [it.prompt for it in part]
+        cond = backbone.encode(prompts)
+        with autocast():
+            latents = sample_ode(backbone, cond, z0[start : start + len(part)],
+                                 backbone.sigmas(settings.num_steps), settings.guidance,
+                                 settings.batch_size)  # fmt: skip
+        images = backbone.decode(latents)
+        out = call_reward(reward, images, prompts, [it.metadata for it in part], policy)
+        scores += out.scores.tolist()
+        for name, values in out.details.items():
+            details[name] += values.tolist()
+        shown += [
+            (mine[start + j], to_uint8(images[j : j + 1].cpu()))
+            for j in range(len(part))
+            if mine[start + j] in in_grid
+        ]
+        if progress is not None:
+            progress(len(part))
+    rows = [
+        (r, score, {name: v[j] for name, v in details.items()})
+        for j, (r, score) in enumerate(zip(mine, scores, strict=True))
+    ]  # (image row, score, details)
+    return rows, shown
 
 
 def grid_tiles(scored: Scored, everything: list[PromptItem], source: str | None = None) -> list[Tile]:
