@@ -178,17 +178,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Run the remaining epochs; returns the last epoch's metrics (with the last eval's)."""
         train, evaluation = self.settings, self.recipe.eval
-        header = [
-            f"tpflow train {self.recipe.path or ''} -> {self.run_dir}",
-            f"epochs {self.epoch}..{train.epochs - 1}",
-            f"credit {self.recipe.credit.name}",
-            f"{len(self.backbone.trainable_parameters())} trainable tensors",
-            f"device {self.machine.device}",
-        ]  # at 80 columns the line breaks between these, never inside a value
-        self.console.print(escape(fit_segments(header, self.console.width)), soft_wrap=True, highlight=False)
-        if self.dist.enabled:
-            plan = plan_epoch(len(self.train_items), self.settings, self.epoch)
-            self.console.print(layout_line(plan, self.optimizer.batch_layout(), self.dist.world_size))
+        self._print_header()
         metrics: dict[str, Any] = {}
         progress = Progress(
             SpinnerColumn(),
@@ -237,6 +227,21 @@ class Trainer:
             self.logger.close()
             self.run_lock.release()
         return metrics
+
+    def _print_header(self) -> None:
+        """The run's first line (recipe, run dir, epochs, credit, adapter, device) and, on several processes, how an
+        epoch's rows fall over them."""
+        header = [
+            f"tpflow train {self.recipe.path or ''} -> {self.run_dir}",
+            f"epochs {self.epoch}..{self.settings.epochs - 1}",
+            f"credit {self.recipe.credit.name}",
+            f"{len(self.backbone.trainable_parameters())} trainable tensors",
+            f"device {self.machine.device}",
+        ]  # at 80 columns the line breaks between these, never inside a value
+        self.console.print(escape(fit_segments(header, self.console.width)), soft_wrap=True, highlight=False)
+        if self.dist.enabled:
+            plan = plan_epoch(len(self.train_items), self.settings, self.epoch)
+            self.console.print(layout_line(plan, self.optimizer.batch_layout(), self.dist.world_size))
 
     def _interrupted(self) -> None:
         """Ctrl-C: save the state if it is one to resume from, and say what --resume will do."""
