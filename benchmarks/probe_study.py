@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/probe_study.py pilot       # the pilot that sizes the repeats (outcome, consistent)
     .venv/bin/python benchmarks/probe_study.py run         # the committed protocol (resumable)
     .venv/bin/python benchmarks/probe_study.py report      # docs/results/probe_*.md from the finished probes
+    .venv/bin/python benchmarks/probe_study.py repeats     # docs/results/probe_study_repeats.json from their draws
+    .venv/bin/python benchmarks/probe_study.py recompute   # every figure of probe_study.md from that file alone
 
 The task is Evidence II's (§2.1, ``benchmarks/evidence.py``: shapes-geneval, soft score, the regime of §2.4); the
 probe's states are the shipped model (epoch 0) and the outcome (Flow-GRPO) run of seed 10 trained 8 epochs in that
@@ -163,44 +165,52 @@ def _sweep_ranking() -> dict[str, dict[str, float]]:
     return out
 
 
+def _primary_and_family(tables: dict[str, dict]) -> tuple[str, list[str]]:
+    """The primary's line and the secondary table (one Holm family over both states) from each state's report
+    (its ``comparisons``): shared by ``report`` and ``recompute``, so that both print the same figures the same way."""
+    from tpflow.intervals import holm
+
+    primary_state, primary = PROTOCOL["primary"]
+    family, c = {}, None
+    for state, data in tables.items():
+        for row in data["comparisons"]:
+            if state == primary_state and row["name"] == primary:
+                c = row
+            else:
+                family[f"{state}: {row['name']}"] = row
+    adjusted = holm({k: row["p"] for k, row in family.items()})
+    line = (f"**Primary** ({primary_state}, {primary}, {c['repeats']} repeats): {c['mean']:+.4f}, 95% t "
+            f"[{c['low']:+.4f}, {c['high']:+.4f}], p = {c['p']:.3g}.")  # fmt: skip
+    lines = ["## Secondary comparisons, one Holm family over both states", "",
+             "| comparison | difference in cos to g★ [95% t] | p | Holm p |", "|---|---|---|---|"]  # fmt: skip
+    for key, row in family.items():
+        lines.append(f"| {key} | {row['mean']:+.4f} [{row['low']:+.4f}, {row['high']:+.4f}] | {row['p']:.3g} | "
+                     f"{adjusted[key]:.3g} |")  # fmt: skip
+    return line, lines
+
+
 def report() -> Path:
     """docs/results/probe_study.md from the finished probes: each state's table, the primary, the Holm family of
     the secondary comparisons over both states, and the probe's ranking beside the sweep's."""
     import json
     import shutil
 
-    from tpflow.intervals import holm
-
     results = ROOT / "docs" / "results"
-    primary_state, primary = PROTOCOL["primary"]
     lines = [
         "# Evidence III: the probe study (docs/results.md §3)",
         "",
         "Rebuilt by `.venv/bin/python benchmarks/probe_study.py report` from `runs/probe/*/report.json`.",
         "",
     ]
-    family, primary_row, tables = {}, None, {}
+    tables = {}
     for state in PROTOCOL["states"]:
-        data = json.loads((OUT / state / "report.json").read_text())
-        tables[state] = data
+        tables[state] = json.loads((OUT / state / "report.json").read_text())
         shutil.copyfile(OUT / state / "cosine_nfe.png", results / f"probe_cosine_nfe_{state}.png")
-        for c in data["comparisons"]:
-            key = f"{state}: {c['name']}"
-            if state == primary_state and c["name"] == primary:
-                primary_row = c
-            else:
-                family[key] = c
-    adjusted = holm({k: c["p"] for k, c in family.items()})
-    c = primary_row
-    lines += [f"**Primary** ({primary_state}, {primary}, {c['repeats']} repeats): {c['mean']:+.4f}, 95% t "
-              f"[{c['low']:+.4f}, {c['high']:+.4f}], p = {c['p']:.3g}.", ""]  # fmt: skip
+    primary_line, family_lines = _primary_and_family(tables)
+    lines += [primary_line, ""]
     for state in tables:
         lines += [f"## {state}", "", (OUT / state / "report.md").read_text().split("\n", 3)[-1], ""]
-    lines += ["## Secondary comparisons, one Holm family over both states", "",
-              "| comparison | difference in cos to g★ [95% t] | p | Holm p |", "|---|---|---|---|"]  # fmt: skip
-    for key, c in family.items():
-        lines.append(f"| {key} | {c['mean']:+.4f} [{c['low']:+.4f}, {c['high']:+.4f}] | {c['p']:.3g} | "
-                     f"{adjusted[key]:.3g} |")  # fmt: skip
+    lines += family_lines
     sweep = _sweep_ranking()
     lines += ["", "## The probe's ranking beside the sweep's (§2.5)", "",
               "| arm | probe cos to g★ at G = 8, epoch 0 | at epoch 8 | sweep AUC | sweep gain 0→8 | "
@@ -216,10 +226,132 @@ def report() -> Path:
     return path
 
 
+REPEATS = ROOT / "docs" / "results" / "probe_study_repeats.json"
+
+
+def export_repeats(probes: Path = OUT, path: Path = REPEATS) -> Path:
+    """docs/results/probe_study_repeats.json from the finished probes (their draws and ``report.json``): per state
+    and arm@G, every repeat's cosine to g★ and its NFE, seconds and reward; the inner products of the arm's draws
+    with each other and with the reference draws; and the reference draws' own. The draws (a 32,768-parameter
+    gradient per arm, G and unit: tens of MB per state) are too large to commit; every figure of the report is a
+    function of these inner products (``recompute``), and they are under 1 MB."""
+    import json
+
+    import torch
+
+    from tpflow.probe.run import load_units
+
+    states = {}
+    for state in PROTOCOL["states"]:
+        tensors, meta = load_units(probes / state)
+        report = json.loads((probes / state / "report.json").read_text())
+        repeats = sorted(u for u in tensors if u.startswith("arms_"))
+        refs = sorted(u for u in tensors if u.startswith("ref_"))
+        reference = torch.stack([tensors[u][k].double() for k in ("loo", "normalised") for u in refs])
+        arms = {}
+        for key in report["per_repeat_cosine"]:  # the report's order (its comparisons' order)
+            draws = torch.stack([tensors[u][key].double() for u in repeats])
+            arms[key] = {
+                "per_repeat_cosine": report["per_repeat_cosine"][key],
+                **{field: [meta[u][key][field] for u in repeats] for field in ("nfe", "seconds", "reward")},
+                "gram": (draws @ draws.T).tolist(),  # [repeats, repeats]
+                "cross": (draws @ reference.T).tolist(),  # [repeats, loo draws then normalised draws]
+            }
+        states[state] = {
+            "prompts": PROMPTS,
+            "reference_group_size": REFERENCE_G,
+            "repeats": repeats,
+            "paired_bitwise": [meta[u].get("paired_bitwise", False) for u in repeats],
+            "reference": {
+                "units": refs,
+                **{field: [meta[u][field] for u in refs] for field in ("nfe", "seconds", "reward")},
+                "gram": (reference @ reference.T).tolist(),  # [loo draws then normalised draws] squared
+            },
+            "arms": arms,
+        }
+    about = (
+        "docs/results.md §3.4's probes, per state and arm@G: every repeat's cosine to g★ (report.json's "
+        "per_repeat_cosine) and its NFE per trajectory, seconds and mean reward; 'gram' the inner products of the "
+        "arm's draws (float64 over the float32 gradients), 'cross' those with the reference draws (16 leave-one-out "
+        "REINFORCE gradients, then 16 group-normalised ones), and the reference's own 'gram' in that order. "
+        "Written by `benchmarks/probe_study.py repeats` from the rerun of both probes; "
+        "`benchmarks/probe_study.py recompute` rebuilds every figure of docs/results/probe_study.md from this file."
+    )
+    path.write_text(json.dumps({"about": about, "states": states}, separators=(",", ":")) + "\n")
+    return path
+
+
+def _embedded(gram: list[list[float]]):
+    """Vectors [n, n] whose inner products are ``gram`` [n, n] (eigenvectors scaled by the roots of the
+    eigenvalues, on the unit-diagonal form so that short and long gradients keep their relative precision): the
+    estimators of ``tpflow.probe.stats`` use their inputs only through inner products, so they run unchanged on
+    these in place of the draws."""
+    import numpy as np
+    import torch
+
+    k = np.array(gram, dtype=np.float64)
+    norms = np.sqrt(np.diag(k))
+    values, vectors = np.linalg.eigh(k / np.outer(norms, norms))
+    return torch.from_numpy(vectors * np.sqrt(np.clip(values, 0, None)) * norms[:, None])
+
+
+def recompute(path: Path = REPEATS) -> str:
+    """Every figure of docs/results/probe_study.md from the committed ``path`` alone: each arm's figures through
+    ``tpflow.probe.report.figures`` on vectors with the committed inner products (one arm and the reference draws
+    at a time: ``_embedded``), the comparisons through ``comparisons`` on the committed per-repeat cosines, and the
+    primary and the Holm family as ``report`` prints them. Also each recomputed per-repeat cosine's largest
+    distance from the committed one, and the sd of the primary's paired difference (docs/results.md §3.4)."""
+    import json
+    import math
+
+    from tpflow.probe.report import comparisons, figures, markdown
+
+    states = json.loads(path.read_text())["states"]
+    tables, out = {}, []
+    for state, data in states.items():
+        refs = data["reference"]
+        n_ref = len(refs["units"])
+        arms, cosines, drift, reference = [], {}, 0.0, None
+        for key, arm in data["arms"].items():
+            gram = [row + cross for row, cross in zip(arm["gram"], arm["cross"], strict=True)]
+            gram += [[*col, *row] for col, row in zip(zip(*arm["cross"], strict=True), refs["gram"], strict=True)]
+            x = _embedded(gram)
+            repeats = len(arm["gram"])
+            tensors = {u: {key: x[r]} for r, u in enumerate(data["repeats"])}
+            tensors |= {u: {"loo": x[repeats + k], "normalised": x[repeats + n_ref + k]}
+                        for k, u in enumerate(refs["units"])}  # fmt: skip
+            fields = ("nfe", "seconds", "reward")
+            meta = {u: {key: {f: arm[f][r] for f in fields}, "paired_bitwise": data["paired_bitwise"][r]}
+                    for r, u in enumerate(data["repeats"])}  # fmt: skip
+            meta |= {u: {f: refs[f][k] for f in fields} for k, u in enumerate(refs["units"])}
+            result = figures(tensors, meta, data["prompts"], data["reference_group_size"])
+            arms += result["arms"]
+            cosines[key] = arm["per_repeat_cosine"]
+            again = zip(result["per_repeat_cosine"][key], arm["per_repeat_cosine"], strict=True)
+            drift = max(drift, *(abs(a - b) for a, b in again))
+            reference = reference or result["reference"]
+        result = {"arms": arms, "per_repeat_cosine": cosines, "reference": reference,
+                  "paired_bitwise": all(data["paired_bitwise"])}  # fmt: skip
+        compared = comparisons(result, "outcome")
+        tables[state] = {**result, "comparisons": [c.__dict__ for c in compared]}
+        out += [f"## {state}", "", markdown(result, compared, "").split("\n", 1)[-1].lstrip("\n")]
+        out += [f"Largest |recomputed − committed| per-repeat cosine: {drift:.1e}.", ""]
+    primary_state, primary = PROTOCOL["primary"]
+    arm, _, base = (part.strip() for part in primary.partition("−"))
+    cos = tables[primary_state]["per_repeat_cosine"]
+    diffs = [a - b for a, b in zip(cos[arm], cos[base], strict=True)]
+    mean = sum(diffs) / len(diffs)
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
+    primary_line, family_lines = _primary_and_family(tables)
+    head = [primary_line, f"sd of the primary's paired difference over {len(diffs)} repeats: {sd:.3f}.", ""]
+    return "\n".join(head + out + family_lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["prepare", "pilot", "plan", "run", "report"])
+    parser.add_argument("command", choices=["prepare", "pilot", "plan", "run", "report", "repeats", "recompute"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--probes", type=Path, default=OUT, help="the finished probes' folder (repeats)")
     args = parser.parse_args(argv)
     if args.command == "prepare":
         prepare(args.threads)
@@ -231,6 +363,10 @@ def main(argv: list[str] | None = None) -> None:
         run(args.threads)
     elif args.command == "report":
         print(report())
+    elif args.command == "repeats":
+        print(export_repeats(args.probes))
+    elif args.command == "recompute":
+        print(recompute(), end="")
 
 
 if __name__ == "__main__":
