@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,13 @@ def test_export_cli_writes_adapter_and_merged_model(trained, tmp_path):
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").stat().st_mtime_ns == written
     assert cli("export", str(run), "--out", str(tmp_path / "lora"), "--overwrite") == 0
     assert cli("export", str(run), "--out", str(tmp_path / "merged"), "--merge") == 0
+    mask = os.umask(0o022)  # the usual umask: every file the export wrote is 0644, safetensors' 0600 included
+    try:
+        assert cli("export", str(run), "--out", str(tmp_path / "shared"), "--merge") == 0
+    finally:
+        os.umask(mask)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "shared").rglob("*") if p.is_file()}
+    assert modes and set(modes.values()) == {"0o644"}, modes
     merged = SD3Transformer2DModel.from_pretrained(tmp_path / "merged" / "transformer").eval()
     backbone = trainer.backbone
     z = backbone.initial_noise(1, torch.Generator().manual_seed(1))

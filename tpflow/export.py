@@ -14,6 +14,7 @@ reads):
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ def export(source: Path, out: Path, merge: bool = False, ema: bool = True, overw
         apply_ema(backbone, ckpt.ema_state, path)
         used_ema = True
     out.mkdir(parents=True, exist_ok=True)
+    before = _stamps(out)
     if merge:
         backbone.save_merged(out / "transformer")
         written = out / "transformer"
@@ -75,4 +77,20 @@ def export(source: Path, out: Path, merge: bool = False, ema: bool = True, overw
     (out / EXPORT_MANIFEST).write_text(json.dumps(summary, indent=2))
     # The recipe beside the adapter: `tpflow eval OUT` rebuilds the model it belongs to from it.
     (out / EXPORT_RECIPE).write_text(json.dumps(ckpt.recipe, indent=2, sort_keys=True))
+    _readable_as_umask_allows(out, before)
     return summary
+
+
+def _stamps(folder: Path) -> dict[Path, int]:
+    """Every file under ``folder`` with its modification time (ns): what an export then writes is what changed."""
+    return {p: p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
+
+
+def _readable_as_umask_allows(folder: Path, before: dict[Path, int]) -> None:
+    """Give the files the export wrote the mode the user's umask gives any new file (0644 under the usual 022).
+    safetensors' writer creates its files 0600, so on a shared cluster a colleague could not load an export."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path, stamp in _stamps(folder).items():
+        if before.get(path) != stamp:
+            path.chmod(0o666 & ~mask)
