@@ -564,6 +564,7 @@ def test_inspecting_a_branching_run_recomputes_no_trajectory_credit(tmp_path, ti
     metrics = _method_run("shapes_tempflow.toml", tmp_path, tiny_weights, epochs=1,
                           extra=["train.group_size=4", "optimizer.micro_batch_size=4"]).fit()  # fmt: skip
     assert "baseline_reward_mean" not in metrics  # column 0 is the first child's reward, not a pure-ODE baseline
+    assert "turning_points_per_traj" not in metrics  # branch credit marks none: no "tp/traj 0.00" on the line
     out = tmp_path / "inspect"
     done = tpflow("inspect-trajectory", "--run", str(tmp_path / "run"), "--n", "4", "--out", str(out))
     assert done.returncode == 0, done.stderr

@@ -27,6 +27,7 @@ CAPABILITIES: dict[str, Any] = {
     "branches": False,  # RolloutPlan: its rollouts' trace columns are branch children (TempFlow-GRPO's plan)
     "reads_branches": False,  # CreditAssigner: it reads such a trace (credit 'branch'); only with such a plan
     "needs_completions": False,  # CreditAssigner (required on an instance)
+    "marks_turning_points": False,  # CreditAssigner: it can mark turning points (the run logs them per trajectory)
     "needs_old_means": False,  # Optimizer: the rollout must store each step's transition mean (RatioNorm)
     "consumes": "transitions",  # Optimizer (required on an instance)
 }
@@ -145,7 +146,8 @@ class RewardModel(Protocol):
 @runtime_checkable
 class CreditAssigner(Protocol):
     """Turns a reward trace into one reward per trained window step. Optional (``capability``): ``reads_branches``,
-    whether it reads a branching plan's trace (default False)."""
+    whether it reads a branching plan's trace, and ``marks_turning_points``, whether it can mark any (both default
+    False)."""
 
     needs_completions: bool
     """Whether the rollout must produce R_0..R_{W-1} (ODE completions); only R_W is needed when false."""

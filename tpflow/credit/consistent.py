@@ -58,6 +58,7 @@ class ConsistentCredit:
     """
 
     needs_completions: bool = True
+    marks_turning_points: bool = True  # the run logs its turning points per trajectory
 
     def __init__(self, options: ConsistentOptions | None = None) -> None:
         self.options = options or ConsistentOptions()

@@ -57,6 +57,7 @@ class TurningPointCredit:
     """
 
     needs_completions: bool = True
+    marks_turning_points: bool = True  # the run logs its turning points per trajectory
 
     def __init__(self, options: TurningPointOptions | None = None) -> None:
         self.options = options or TurningPointOptions()

@@ -68,16 +68,18 @@ class EpochRows:
         """[N, W] bool turning points of trajectories whose reward rose over the window (Δ > 0)."""
         return self.turning & (self.trace[:, -1] > self.trace[:, 0])[:, None]
 
-    def metrics(self) -> dict[str, float]:
-        """Reward and turning-point statistics of the epoch's trajectories (every process)."""
-        good = self.good_turning
-        return {
-            "reward_mean": float(self.trace[:, -1].mean()),
-            "reward_std": float(self.trace[:, -1].std()),
-            "turning_points_per_traj": float(self.turning.sum(1).float().mean()),
-            "good_turning_points": float(good.sum()),
-            "bad_turning_points": float((self.turning & ~good).sum()),
-        }
+    def metrics(self, turning_points: bool = True) -> dict[str, float]:
+        """Reward statistics of the epoch's trajectories (every process), and their turning-point statistics when
+        the credit marks turning points (``turning_points``; an outcome run's would be a meaningless 0)."""
+        out = {"reward_mean": float(self.trace[:, -1].mean()), "reward_std": float(self.trace[:, -1].std())}
+        if turning_points:
+            good = self.good_turning
+            out.update(
+                turning_points_per_traj=float(self.turning.sum(1).float().mean()),
+                good_turning_points=float(good.sum()),
+                bad_turning_points=float((self.turning & ~good).sum()),
+            )
+        return out
 
     def records(self, items: list[PromptItem], groups: list[int], advantages: Tensor) -> list[dict]:
         """One traces.jsonl record per trajectory (``inspect-trajectory --run`` reads them); ``items`` is the

@@ -289,7 +289,7 @@ class Trainer:
         if self.dist.is_main:
             self.logger.log_traces(epoch, rows.records(self.train_items, groups, advantages))
         metrics = {
-            **rows.metrics(),
+            **rows.metrics(capability(self.credit, "marks_turning_points")),
             "nfe_per_traj": batch.cost.nfe,
             "model_s": batch.cost.model_s,
             "decode_s": sum(s.decode_s for s in sampled.scored),
