@@ -140,7 +140,6 @@ def layout_gradient(weights: str, share: list[int], micro: int, accumulation: in
     The batch mixes two rollouts whose windows differ, so that at window step 2 the rows of the later window have
     std 0 (cps at σ⁺ = 0) and are masked: the rows a step trains differ between steps and micro-batches."""
     import tpflow
-    from tpflow.precision import Precision
     from tpflow.rollout import Window, rollout
     from tpflow.types import Rollout
 
@@ -160,18 +159,7 @@ def layout_gradient(weights: str, share: list[int], micro: int, accumulation: in
         "optimizer", "grpo", beta=1e-2, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
         max_grad_norm=1e9,
     )  # fmt: skip
-    precision = Precision("no")
-    optimizer.bind(backbone, accelerator, precision)
-    seen = []
-
-    def recorded(opt, params, max_norm):
-        seen.append(torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in params]))
-        return Precision.step(precision, opt, params, max_norm)
-
-    precision.step = recorded
-    metrics = optimizer.update(backbone, sampler, batch, advantages)
-    assert metrics["optimizer_steps"] == 1 and len(seen) == 1, metrics
-    return seen[0]
+    return one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator)
 
 
 def nft_layout_gradient(
@@ -181,7 +169,6 @@ def nft_layout_gradient(
     process's samples of one fixed batch of 8 final samples) in micro-batches of ``micro``, ``accumulation`` per
     step. Each sample's times t and noise ε must not depend on the layout."""
     import tpflow
-    from tpflow.precision import Precision
     from tpflow.rollout import Window, rollout
 
     torch.manual_seed(0)  # the LoRA init: the same adapter on every call and process
@@ -196,6 +183,13 @@ def nft_layout_gradient(
         "optimizer", "nft", micro_batch_size=micro, gradient_accumulation_steps=accumulation, max_grad_norm=1e9,
         num_timesteps=4, timesteps_per_sample=2, seed=11,
     )  # fmt: skip
+    return one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator)
+
+
+def one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator=None) -> torch.Tensor:
+    """The flat gradient (clipping and all) of the one optimizer step ``optimizer.update`` takes over ``batch``."""
+    from tpflow.precision import Precision
+
     precision = Precision("no")
     optimizer.bind(backbone, accelerator, precision)
     seen = []

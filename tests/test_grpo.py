@@ -11,7 +11,8 @@ from pydantic import ValidationError
 import tpflow
 from tpflow.errors import UserError
 from tpflow.interfaces import Optimizer
-from tpflow.optim.grpo import GRPO, GRPOOptions, PolicyLoss, clipped_surrogate, kl_to_reference
+from tpflow.optim.grpo import GRPO, GRPOOptions
+from tpflow.optim.grpo_loss import PolicyLoss, clipped_surrogate, kl_to_reference
 
 
 def _policy_log_probs(seed: int = 0, n: int = 6) -> tuple[torch.nn.Linear, torch.Tensor]:

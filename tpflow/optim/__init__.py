@@ -2,7 +2,8 @@
 them."""
 
 from tpflow.optim.advantages import group_advantages, informative_trajectories
-from tpflow.optim.grpo import GRPOOptions, clipped_surrogate, kl_to_reference
+from tpflow.optim.grpo import GRPOOptions
+from tpflow.optim.grpo_loss import clipped_surrogate, kl_to_reference
 from tpflow.optim.nft import NFTOptions
 from tpflow.optim.nft_loss import nft_loss, optimality
 
