@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,24 @@ def test_every_section_is_a_typed_attribute_of_the_recipe():
         prop = getattr(Recipe, section, None)
         assert isinstance(prop, property), section
         assert _inspect.signature(prop.fget).return_annotation not in (_inspect.Signature.empty, "Any"), section
+
+
+@pytest.mark.parametrize(
+    ("override", "where"),
+    [
+        ("train.epochs=true", "epochs = true"),  # int
+        ("rollout.noise_level=true", "noise_level = true"),  # float
+        ("rollout.window_range=[0, true]", "window_range[1] = true"),  # tuple[int, int]
+        ("rollout.completion_steps=false", "completion_steps = false"),  # int | "all"
+        ("optimizer.clip_range=false", "clip_range = false"),  # a component's options
+    ],
+)
+def test_a_boolean_where_a_number_is_meant_is_refused(plugin, tmp_path, override, where):
+    """pydantic's lax mode read ``true`` as 1 and ``false`` as 0 in int and float fields: refused, naming the field."""
+    with pytest.raises(RecipeError, match=re.escape(where) + ".*is a boolean"):
+        load_recipe(write(tmp_path, BASE), [override])
+
+
+def test_boolean_options_still_take_booleans(plugin, tmp_path):
+    loaded = load_recipe(write(tmp_path, BASE), ["rollout.same_noise=true", "credit.balanced=true"])
+    assert loaded.rollout.same_noise is True and loaded.credit.options.balanced is True

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ValidationError
 from tpflow import registry
 from tpflow.errors import RecipeError, UnknownComponentError
 from tpflow.settings import SETTINGS, EvalSettings, LogSettings, RolloutSettings, TrainSettings
+from tpflow.strict_types import boolean_problems
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -184,6 +185,7 @@ def validate_recipe(data: dict[str, Any], where: str = "recipe", path: Path | No
         table = data.get(section, {})
         if not isinstance(table, dict):
             raise RecipeError(f"{where}: [{section}] must be a table of options, got {table!r}.")
+        refuse_booleans(table, model, f"{where} [{section}]")
         try:
             settings[section] = model.model_validate(table)
         except ValidationError as exc:
@@ -198,6 +200,13 @@ def validate_recipe(data: dict[str, Any], where: str = "recipe", path: Path | No
     if problems:
         raise RecipeError(f"{where}: " + " ".join(problems))
     return Recipe(components=components, settings=settings, data=data, path=path)
+
+
+def refuse_booleans(table: dict[str, Any], model: type[BaseModel], where: str) -> None:
+    """A RecipeError for ``true`` / ``false`` given where a number is meant (tpflow.strict_types)."""
+    problems = boolean_problems(table, model, where)
+    if problems:
+        raise RecipeError(" ".join(problems))
 
 
 def _limits(factory: Any, options: BaseModel, settings: dict[str, BaseModel]) -> list[str]:
@@ -243,6 +252,7 @@ def _component(data: dict[str, Any], kind: str, where: str) -> ComponentSpec:
         entry = registry.get(kind, name)
     except UnknownComponentError as exc:
         raise RecipeError(f"{where} [{kind}]: {exc}") from None
+    refuse_booleans(options, entry.options, f"{where} [{kind}] ({name})")
     try:
         validated = entry.options.model_validate(options)
     except ValidationError as exc:
