@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -285,10 +286,13 @@ def test_ctrl_c_before_any_checkpoint_prints_a_command_that_works(tmp_path, tiny
 
 
 def test_resuming_with_other_epochs_says_so(tmp_path, tiny_weights, plugin):
+    """Also: without a terminal (a pipe here) the run prints its phase at [log] progress_lines_s."""
     from tests.cli_run import tpflow
 
     recipe = tiny_recipe(tmp_path, tiny_weights)
-    first = tpflow("train", str(recipe), "--epochs", "1", "--run-dir", str(tmp_path / "run"))
+    lines = ("--set", "log.progress_lines_s=0.02")
+    first = tpflow("train", str(recipe), "--epochs", "1", *lines, "--run-dir", str(tmp_path / "run"))
     assert first.returncode == 0, first.stderr
-    more = tpflow("train", str(recipe), "--epochs", "2", "--resume", "--run-dir", str(tmp_path / "run"))
+    assert re.search(r"^\d\d:\d\d:\d\d epoch 0: (sampling|scoring|updating)", first.stdout, re.MULTILINE)
+    more = tpflow("train", str(recipe), "--epochs", "2", *lines, "--resume", "--run-dir", str(tmp_path / "run"))
     assert more.returncode == 0 and "train.epochs 1 in the run, 2 now" in " ".join(more.stdout.split()), more.stdout

@@ -256,6 +256,12 @@ class LogSettings(BaseModel):
     project: str = Field("tpflow", min_length=1, description="Tracker project (W&B project, TensorBoard subfolder).")
     run_name: str | None = Field(None, description="Tracker run name (default: the run dir's name).")
     images: bool = Field(True, description="Send the evaluation sample grids to the trackers.")
+    progress_lines_s: float = Field(
+        30.0,
+        ge=0.0,
+        description="Without a terminal (nohup, a SLURM log, a pipe), print the current phase ('epoch 3: sampling "
+        "5/12, 41 s') every this many seconds; 0 prints none. On a terminal a progress bar shows it instead.",
+    )
 
     @field_validator("trackers")
     @classmethod

@@ -31,15 +31,6 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-)
 
 from tpflow.devices import resolve_device
 from tpflow.distributed import Distributed, make_accelerator
@@ -63,6 +54,7 @@ from tpflow.train.ema import EMA
 from tpflow.train.epoch import EpochRows, Sampled, combine_update_metrics, prompt_groups
 from tpflow.train.evaluation import eval_seed, eval_split, evaluate, no_test_split
 from tpflow.train.out_of_memory import out_of_memory_message
+from tpflow.train.progress import PhaseProgress
 from tpflow.train.prompt_sampler import check_layout, layout_line, plan_epoch
 from tpflow.train.resume import checkpoint_to_resume, restoring, train_command
 from tpflow.train.run_lock import RunDirLock
@@ -134,9 +126,8 @@ class Trainer:
         self.ema = EMA(params, train.ema_decay, train.ema_every) if train.ema else None
         self.epoch = 0  # the next epoch to run
         self.last_eval: dict[str, float] = {}  # the newest eval's figures and epoch, repeated on each epoch's line
-        self._progress: Progress | None = None
+        self._progress: PhaseProgress | None = None
         self._description = ""  # the phase the progress bar shows
-        self._task: TaskID | None = None
         self.nonfinite_epochs = 0
         self._weights_ahead = False  # True from an epoch's update until self.epoch counts it
         self._saved: tuple[int, int] | None = None  # (epoch, global_step) of the checkpoint last written or resumed
@@ -180,17 +171,7 @@ class Trainer:
         train, evaluation = self.settings, self.recipe.eval
         self._print_header()
         metrics: dict[str, Any] = {}
-        progress = Progress(
-            SpinnerColumn(),
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=self.console,
-            transient=True,
-            disable=not (self.console.is_terminal and self.dist.is_main),
-        )
-        self._task = progress.add_task("starting", total=None)
+        progress = PhaseProgress(self.console, self.dist.is_main, self.recipe.log.progress_lines_s)
         self._progress = progress
         if self.dist.is_main:
             self.run_lock.acquire()  # a no-op unless an earlier fit released it
@@ -405,11 +386,11 @@ class Trainer:
     def _phase(self, description: str, total: int | None) -> None:
         self._description = description  # what an out-of-memory error names
         if self._progress is not None:
-            self._progress.update(self._task, description=description, total=total, completed=0)
+            self._progress.phase(description, total)
 
     def _advance(self) -> None:
         if self._progress is not None:
-            self._progress.advance(self._task)
+            self._progress.advance()
 
     def _restore(self, ckpt: Checkpoint | None) -> None:
         """Put a checkpoint's adapter, optimizer, EMA and RNG states in place (None: nothing to restore)."""
