@@ -124,6 +124,16 @@ def test_missing_file_and_bad_toml(tmp_path):
         load_recipe(write(tmp_path, "[credit\nname = 1"))
 
 
+def test_a_directory_is_named_as_one_with_the_recipes_in_it(tmp_path):
+    """``tpflow validate recipes/`` said "Recipe file not found" of a folder that is there."""
+    with pytest.raises(RecipeError, match=r"is a directory; .* recipes/sd35_geneval_tp\.toml|recipes in it"):
+        load_recipe(ROOT / "recipes")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    with pytest.raises(RecipeError, match="is a directory.*looks like a run directory"):
+        load_recipe(run)
+
+
 def test_overrides(plugin, tmp_path):
     path = write(tmp_path, BASE)
     recipe = load_recipe(

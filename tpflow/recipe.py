@@ -129,6 +129,13 @@ class Recipe:
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Read, override and validate a recipe file; raises RecipeError with one clear paragraph."""
     path = Path(path)
+    if path.is_dir():
+        inside = sorted(str(p) for p in path.glob("*.toml"))
+        listed = ", ".join(inside[:3]) + (f" and {len(inside) - 3} more" if len(inside) > 3 else "")
+        hint = f" Name one of the recipes in it: {listed}." if inside else " Shipped recipes are recipes/*.toml."
+        if (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file():
+            hint += " It looks like a run directory: tpflow eval, sample and export take those."
+        raise RecipeError(f"{path} is a directory; tpflow validate and train take a recipe file (TOML).{hint}")
     if not path.is_file():
         raise RecipeError(f"Recipe file not found: {path}. Shipped recipes are in recipes/ (e.g. recipes/*.toml).")
     try:
