@@ -95,8 +95,10 @@ def _read_grid(png: Path, images: list[dict], baseline: list[dict] | None = None
 
 
 def test_eval_of_a_run_reproduces_the_logged_final_eval(run, capsys, tmp_path):
-    code, out, _ = cli(capsys, "eval", str(run), "--steps", EVAL_STEPS, "--out", str(tmp_path / "e"))
+    """A plain ``tpflow eval RUN`` (no --steps): the recipe's eval settings, said in the table's header."""
+    code, out, _ = cli(capsys, "eval", str(run), "--out", str(tmp_path / "e"))
     assert code in (0, None)
+    assert f"{EVAL_STEPS} steps as the recipe's [eval]" in " ".join(out.split())
     logged = read_jsonl(run / "metrics.jsonl")[-1]  # the final eval, with the weights the checkpoint holds
     result = _eval_json(tmp_path / "e")["target"]
     assert result["ema"] is True and result["step"] == logged["step"]

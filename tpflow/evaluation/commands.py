@@ -47,6 +47,11 @@ CheckpointOption = Annotated[
     typer.Option(help="With a run dir: the checkpoint's step or folder name (default: the newest valid).",
                  show_default=False),
 ]  # fmt: skip
+StepsOption = Annotated[
+    int | None,
+    typer.Option(min=1, help="ODE sampling steps (default: the recipe's eval.num_steps, what training evaluated at; "
+                 "the SD3.5 recipes' 40 is the paper's T).", show_default=False),
+]  # fmt: skip
 EmaOption = Annotated[bool, typer.Option(help="Use the run's EMA weights when it kept them (the paper's).")]
 SeedOption = Annotated[
     int | None,
@@ -113,7 +118,7 @@ def eval_(
     baseline: BaselineOption = None,
     prompts: PromptsOption = "test",
     num_prompts: NumPromptsOption = None,
-    steps: Annotated[int, typer.Option(min=1, help="ODE sampling steps (the paper evaluates at 40).")] = 40,
+    steps: StepsOption = None,
     guidance: GuidanceOption = None,
     images_per_prompt: ImagesPerPromptOption = None,
     seed: SeedOption = None,
@@ -210,7 +215,7 @@ def sample(
     out: Annotated[Path, typer.Option(help="The PNG to write (its tile layout goes to OUT.json).")] = Path(
         "samples.png"
     ),
-    steps: Annotated[int, typer.Option(min=1, help="ODE sampling steps.")] = 40,
+    steps: StepsOption = None,
     guidance: GuidanceOption = None,
     seed: Annotated[int, typer.Option(help="Noise seed.")] = 0,
     resolution: ResolutionOption = None,
@@ -240,6 +245,7 @@ def sample(
         warn(warning)
     accelerator, precision = _eval_accelerator(resolved.recipe)
     scale = resolved.recipe.eval.guidance if guidance is None else guidance
+    steps = steps or resolved.recipe.eval.num_steps  # the recipe's eval steps, as tpflow eval
     batch = resolved.recipe.eval.batch_size
     images = sample_images(resolved, prompt, n, steps, scale, seed, precision.autocast, ema, batch)
     tiles = [Tile(image, text, info={"index": r}) for r, (image, text) in
@@ -284,8 +290,10 @@ def _eval_tables(result: Any, baseline: Any | None) -> list[Table]:
     prompts = str(result.settings["prompts"])
     if prompts == "test" and result.settings["split"] != "test":
         prompts = f"{result.settings['split']} split, no test split"
+    steps = f"{result.settings['steps']} steps"
+    steps += " as the recipe's \\[eval]" if result.settings.get("steps_from") == "recipe" else " (--steps)"
     title = (f"tpflow eval: {escape(result.target.label)} ({result.settings['num_prompts']} prompts, "
-             f"{result.settings['steps']} steps, {escape(prompts)})")  # fmt: skip
+             f"{steps}, {escape(prompts)})")  # fmt: skip
     theirs = baseline.categories() if baseline is not None else {}
     delta = difference(result, baseline) if baseline is not None else {}
     spans = paired_intervals(result, baseline) if baseline is not None else {}

@@ -1,9 +1,9 @@
 """``tpflow eval``: sample a target on a prompt set by ODE, score it, and report per category (and vs a baseline).
 
-The sampling and scoring are the trainer's own (``tpflow.train.evaluation.score_prompts``): with the recipe's eval
-steps, guidance, batch size, prompts and images per prompt and the default seed, ``tpflow eval RUN`` gives exactly
-the ``eval_reward`` training logged for the checkpoint's weights. Defaults follow the paper's protocol instead where
-it differs from a run's periodic eval: 40 ODE steps (train at T = 10, evaluate at T = 40; docs/evaluation.md).
+The sampling and scoring are the trainer's own (``tpflow.train.evaluation.score_prompts``), and every default is
+the recipe's own ``[eval]`` (steps, guidance, batch size, prompts, images per prompt) and eval seed, so a plain
+``tpflow eval RUN`` gives exactly the ``eval_reward`` training logged for the checkpoint's weights. The paper's
+protocol (train at T = 10, evaluate at T = 40; docs/evaluation.md) is what the SD3.5 recipes' ``[eval]`` says.
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ from tpflow.train.evaluation import (
 )
 from tpflow.types import PromptItem
 
-PAPER_EVAL_STEPS = 40  # the paper evaluates SD3.5-M at T = 40 (trains at T = 10)
-
 
 @dataclass(frozen=True)
 class EvalOptions:
@@ -46,7 +44,7 @@ class EvalOptions:
 
     prompts: str = "test"
     num_prompts: int | None = None  # None: eval.num_prompts for "test" (as training), else every prompt
-    steps: int = PAPER_EVAL_STEPS
+    steps: int | None = None  # None: eval.num_steps (as training; the SD3.5 recipes' 40 is the paper's T)
     guidance: float | None = None  # None: eval.guidance
     images_per_prompt: int | None = None  # None: eval.images_per_prompt (as training)
     seed: int | None = None  # None: the trainer's eval seed, train.seed + 12345
@@ -121,7 +119,7 @@ def evaluate_target(
     items = items[:limit] if limit else items
     settings = recipe.eval.model_copy(
         update={
-            "num_steps": options.steps,
+            "num_steps": options.steps or recipe.eval.num_steps,
             "guidance": recipe.eval.guidance if options.guidance is None else options.guidance,
             "batch_size": options.batch_size or recipe.eval.batch_size,
             "images_per_prompt": options.images_per_prompt or recipe.eval.images_per_prompt,
@@ -143,6 +141,7 @@ def evaluate_target(
         "num_prompts": len(items),
         "images_per_prompt": settings.images_per_prompt,
         "steps": settings.num_steps,
+        "steps_from": "recipe" if options.steps is None else "option",  # the table's header says which
         "guidance": settings.guidance,
         "batch_size": settings.batch_size,
         "seed": seed,
@@ -213,7 +212,8 @@ def write_outputs(out: Path, result: EvalResult, baseline: EvalResult | None, em
 def default_out(target: Target, options: EvalOptions) -> Path:
     """Where results go when ``--out`` is not given: in the run's eval/ folder; runs/eval/ for an exported adapter
     (its folder is what ``load_lora_weights`` reads: nothing else goes in it) and for a base model."""
-    tag = f"{options.prompts if '/' not in options.prompts else Path(options.prompts).stem}_T{options.steps}"
+    steps = options.steps or target.recipe.eval.num_steps
+    tag = f"{options.prompts if '/' not in options.prompts else Path(options.prompts).stem}_T{steps}"
     if target.kind in ("run", "checkpoint"):
         return target.path / "eval" / f"step{target.step}_{tag}"
     if target.kind == "export":
