@@ -247,3 +247,28 @@ def test_compare_reproduces_evidence_ii_from_its_committed_summaries():
     smallest = min(result["secondary"], key=lambda c: c["p"])  # §2.5's text names it, with both p values
     assert smallest["name"] == "consistent_x0 − outcome: final of eval_reward_tags"
     assert f"(p = {smallest['p']:.3f}," in doc and f"Holm-adjusted {smallest['holm_p']:.2f}" in doc
+
+
+def test_a_sweep_of_an_uncommitted_experiment_file_warns(tmp_path, tiny_weights, plugin, monkeypatch):
+    """registration.json held git_commit null without a word: the runs were tied to no code."""
+    import json
+    import shutil
+    import subprocess
+
+    monkeypatch.setattr("tpflow.experiments.sweep.sweep", lambda *a, **k: {"done": [], "skipped": [], "failed": []})
+    (tmp_path / "loose").mkdir()
+    loose = tpflow("sweep", str(_experiment(tmp_path / "loose", tiny_weights)))
+    assert loose.returncode == 0 and "is not in a git repository" in " ".join(loose.stderr.split())
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    path = _experiment(repo, tiny_weights)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.org"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", path.name], check=True)
+    untracked = tpflow("sweep", str(path))  # added, not committed: still no commit to record
+    assert "is not committed" in " ".join(untracked.stderr.split())
+    subprocess.run([*git, "commit", "-qm", "protocol"], check=True)
+    shutil.rmtree(repo / "exp")  # a new out folder registers afresh, now with the commit
+    committed = tpflow("sweep", str(path))
+    assert committed.returncode == 0 and "git" not in committed.stderr
+    assert json.loads((repo / "exp" / "registration.json").read_text())["git_commit"]

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from tpflow.cli_common import make_console, user_errors
+from tpflow.cli_common import make_console, user_errors, warn
 from tpflow.errors import UserError
 
 if TYPE_CHECKING:
@@ -82,6 +82,9 @@ def sweep(
     if devices is not None and len(devices) < jobs:
         raise UserError(f"--gpus {gpus} names {len(devices)} GPUs for --jobs {jobs}: give one GPU per job.")
     record = lock.register(experiment_file, experiment.out, existing, amend)
+    uncommitted = lock.uncommitted_warning(experiment_file, record)
+    if uncommitted:
+        warn(uncommitted)
     console = make_console()
     runs = experiment.runs()
     console.print(f"{experiment.spec.experiment.name}: {len(runs)} runs, seed-major (a slow-down hits every arm of a "

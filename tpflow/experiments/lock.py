@@ -41,6 +41,28 @@ def _git_commit(path: Path) -> str | None:
     return head.stdout.strip()
 
 
+def uncommitted_warning(experiment_path: Path, record: dict) -> str | None:
+    """A sentence when the registration holds no commit: the runs are then tied to the file's text, not to the code
+    that made them (a reviewer cannot check out the protocol); None when it has one."""
+    if record.get("git_commit"):
+        return None
+    path = Path(experiment_path)
+    folder = str(path.resolve().parent)
+    try:
+        inside = subprocess.run(["git", "-C", folder, "rev-parse", "--git-dir"], capture_output=True, timeout=10)
+        last = subprocess.run(["git", "-C", folder, "log", "-1", "--format=%H", "--", path.name], capture_output=True,
+                              timeout=10)  # fmt: skip
+        why = ("is not in a git repository" if inside.returncode != 0 else "is not committed" if not last.stdout.strip()
+               else "had uncommitted changes")  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        why = "could not be looked up in git (no git on this machine)"
+    return (
+        f"{path} {why} when it was registered ({record['registered']}), so registration.json records its text "
+        "and hash but no git commit: the runs are not tied to the code that made them. Commit the experiment "
+        "file and the code before the first run (a new out folder registers afresh)."
+    )
+
+
 def _write(path: Path, data: dict) -> None:
     """Atomically: a temporary file in the folder, then a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
