@@ -52,7 +52,8 @@ def uncommitted_warning(experiment_path: Path, record: dict) -> str | None:
         inside = subprocess.run(["git", "-C", folder, "rev-parse", "--git-dir"], capture_output=True, timeout=10)
         last = subprocess.run(["git", "-C", folder, "log", "-1", "--format=%H", "--", path.name], capture_output=True,
                               timeout=10)  # fmt: skip
-        why = ("is not in a git repository" if inside.returncode != 0 else "is not committed" if not last.stdout.strip()
+        committed = bool(last.stdout.strip())
+        why = ("is not in a git repository" if inside.returncode != 0 else "is not committed" if not committed
                else "had uncommitted changes")  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         why = "could not be looked up in git (no git on this machine)"
