@@ -6,6 +6,7 @@ methods on something training never does; these tests pin the measured gradient 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -320,3 +321,28 @@ def test_the_all_pairs_noise_free_cosine_and_its_jackknife_on_the_toy():
     mean, lo, hi = jackknife(lambda x: float(x.mean()), values)
     expected = t_interval(values.tolist())
     assert mean == pytest.approx(expected[0]) and lo == pytest.approx(expected[1]) and hi == pytest.approx(expected[2])
+
+
+def _probe_result(repeats=12, ceiling=0.8, split_half=0.9, draws=8, snr=1e-3):
+    arm = {"key": "tp@4", "repeats": repeats, "bias_ceiling": (ceiling, 0.7, 0.9),
+           "bias_ceiling_normalised": (0.7, 0.6, 0.8), "snr_per_trajectory": (snr, snr / 2, snr * 2)}  # fmt: skip
+    return {"arms": [arm, {**arm, "key": "outcome@4"}],
+            "reference": {"draws": draws, "split_half": (split_half, 2 * split_half / (1 + split_half))}}  # fmt: skip
+
+
+def test_the_report_says_which_figures_this_size_cannot_show():
+    """A 2-repeat probe printed 'bias ceiling 6.265', nan and split-half 0.000 as results; each is now named, with
+    the size that would make it meaningful (Spearman-Brown for the reference draws)."""
+    from tpflow.probe.caveats import caveats
+
+    assert caveats(_probe_result()) == []  # a probe of the documented size: nothing to say
+    (small,) = caveats(_probe_result(repeats=2))
+    assert "At 2 repeats" in small and "--repeats 8" in small
+    (ceiling,) = caveats(_probe_result(ceiling=6.265))
+    assert "tp@4, outcome@4" in ceiling and "outside [−1, 1]" in ceiling
+    assert "is undefined" in caveats(_probe_result(snr=math.nan))[0]
+    (noise,) = caveats(_probe_result(split_half=0.0))
+    assert "split-half cosine is 0.000" in noise
+    (weak,) = caveats(_probe_result(split_half=0.3, draws=8))
+    # halves of 4 draws at r = 0.3; reliability 0.8 needs k = 0.8·0.7 / (0.3·0.2) = 9.33 halves: 38 draws
+    assert "--reference-draws 38" in weak

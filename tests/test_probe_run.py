@@ -44,6 +44,9 @@ def test_a_probe_of_tiny_sd3_reports_its_arms(tmp_path):
     report = json.loads((tmp_path / "probe" / "report.json").read_text())
     assert {a["key"] for a in report["arms"]} == {"outcome@2", "tp@2"}
     assert all(-1 <= a["cosine"][0] <= 1 and a["seconds"] > 0 for a in report["arms"])
+    # 2 repeats and 2 reference draws: the report says what that size cannot show (tpflow.probe.caveats)
+    assert report["caveats"] and report["caveats"][0].startswith("At 2 repeats")
+    assert "What this probe's size cannot show" in (tmp_path / "probe" / "report.md").read_text()
 
 
 def test_a_probe_reports_every_arm_and_resumes_without_redrawing(tmp_path, tiny_weights):

@@ -140,7 +140,10 @@ def _write_report(
               f"\n\nP = {len(built.items)} prompts: " + "; ".join(i.prompt for i in built.items))  # fmt: skip
     text = markdown(result, compared, header)
     (out / "report.md").write_text(text)
-    (out / "report.json").write_text(json.dumps({**result, "comparisons": [c.__dict__ for c in compared]}, indent=1))
+    from tpflow.probe.caveats import caveats
+
+    data = {**result, "comparisons": [c.__dict__ for c in compared], "caveats": caveats(result)}
+    (out / "report.json").write_text(json.dumps(data, indent=1))
     figure = plot(result, out / "cosine_nfe.png", f"{recipe.name}: cosine to g★ against NFE per prompt")
     console.print(text, markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {out / 'report.md'}, {out / 'report.json'}, {figure}", highlight=False)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from tpflow.intervals import holm, t_interval
+from tpflow.probe.caveats import caveats
 from tpflow.probe.stats import cosine, jackknife, mean_of, noise_free_cosine, signal_to_noise, split_half_reliability
 
 
@@ -193,6 +194,9 @@ def markdown(result: dict[str, Any], compared: list[Comparison], header: str) ->
     if ref.get("sketch_distortion") is not None:
         lines.append(f"Gradients sketched; measured inner-product distortion {ref['sketch_distortion']:.2e} "
                      "(largest |⟨Sx,Sy⟩ − ⟨x,y⟩| / ‖x‖‖y‖ over repeat 0's gradients).")  # fmt: skip
+    notes = caveats(result)
+    if notes:  # figures this size leaves undefined or noise (tpflow.probe.caveats)
+        lines += ["", "**What this probe's size cannot show:**", "", *(f"- {note}" for note in notes)]
     return "\n".join(lines) + "\n"
 
 
