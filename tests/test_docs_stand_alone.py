@@ -89,3 +89,11 @@ def test_offences_name_file_and_line(tmp_path, monkeypatch):
 )
 def test_the_vocabulary_spares_ordinary_text(text):
     assert not any(pattern.search(text) for pattern, _ in FORBIDDEN)
+
+
+def test_readme_lists_every_page_of_docs():
+    """README linked no distributed.md nor experiments.md, and there was no start-here page."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"\(docs/([\w.-]+\.md)\)", readme))
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert "start-here.md" in pages and pages <= listed, f"not in README's list: {sorted(pages - listed)}"
