@@ -60,7 +60,7 @@ _WIDE_LORA = {  # rank 32 on the attention projections and the joint blocks' fee
     "backbone.lora_targets": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0", "ff.net.2"],
 }
 PILOTS: dict[str, dict] = {
-    "p8": _PILOT,  # the issue's best pilot (lr 1e-3, 8 steps per epoch) on the soft task
+    "p8": _PILOT,  # the first pilot, the shared budget alone (lr 1e-3, 8 steps per epoch) on the soft task
     "p8_noise0.4": {**_PILOT, "rollout.noise_level": 0.4},  # SDE samples closer to the ODE the eval uses
     "p8_lr3e-3_clip1e-3": {**_PILOT, "optimizer.learning_rate": 3e-3, "optimizer.clip_range": 1e-3},
     "p8_lora32_ff": {**_PILOT, **_WIDE_LORA},
@@ -72,8 +72,9 @@ PILOTS: dict[str, dict] = {
     "p4_g16": {**_PILOT, "train.prompts_per_epoch": 4, "train.group_size": 16},
     "p16": {**_PILOT, "train.prompts_per_epoch": 16, "train.rollout_batch": 64, "optimizer.micro_batch_size": 16},
 }
-# DiffusionNFT (issue 27): the optimizer section replaced, final samples by the ODE (no SDE window), outcome credit;
-# its pilots tune beta, lr and the sampling guidance on the same budget; the evaluation (CFG 3) is every arm's.
+# DiffusionNFT (docs/results.md §2.6): the optimizer section replaced, final samples by the ODE (no SDE window),
+# outcome credit; its pilots tune beta, lr and the sampling guidance on the same budget; the evaluation (CFG 3) is
+# every arm's.
 _NFT = {
     "optimizer": {"name": "nft", "learning_rate": 1e-3, "beta": 1.0, "kl_weight": 0.0, "num_timesteps": 10,
                   "timesteps_per_sample": 9, "micro_batch_size": 8, "gradient_accumulation_steps": 1},

@@ -1,4 +1,4 @@
-"""The rival methods' first-step gradients against the reference, on one engine (docs/results.md §3.5, issue 35).
+"""The rival methods' first-step gradients against the reference, on one engine (docs/results.md §3.5, §3.6).
 
     .venv/bin/python benchmarks/probe_rivals.py run       # the committed protocol below (resumable)
     .venv/bin/python benchmarks/probe_rivals.py report    # docs/results/probe_rivals.md from the finished probe
@@ -42,8 +42,8 @@ ARMS = {  # name -> probe arm: each rival as its shapes recipe runs it (recipes/
 # The protocol, committed before the probe's first run. Repeats: Evidence III's paired spread of consistent − outcome
 # (sd ≈ 0.10 over 20 repeats, docs/results.md §3.4) gives ±0.038 at 30; rival arms are not paired on trajectories
 # with outcome (their own windows), so their spread is expected larger: ±0.02 would take ~100-150 repeats, beyond
-# the session's 2-core budget (30 repeats and the reference: ~1 h). The primary is DanceGRPO, the other baseline the
-# TP-GRPO paper names beside Flow-GRPO; the rest form one Holm family.
+# the probe's budget on 2 CPU cores (30 repeats and the reference: ~1 h). The primary is DanceGRPO, the other
+# baseline the TP-GRPO paper names beside Flow-GRPO; the rest form one Holm family.
 PROTOCOL: dict = {
     "arms": list(ARMS),
     "group_sizes": [8],

@@ -4,8 +4,8 @@ Content-Length, a connection flood; an honest request must be answered during th
     .venv/bin/python benchmarks/serve_hostile.py [--rounds 5] [--flood 300] [--json docs/results/serve_hostile.json]
 
 The server runs as its own process (``python -m tpflow.cli serve-reward --reward image-stat``); its peak resident set
-(VmHWM) and thread count are read from /proc after each attack (Linux). Before the hardening of issue 18, 16 bombs of
-9000x9000 in one request drove the server to 12 GB and the kernel killed it.
+(VmHWM) and thread count are read from /proc after each attack (Linux). Before the server was hardened against such
+clients, 16 bombs of 9000x9000 in one request drove it to 12 GB and the kernel killed it.
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ def main() -> None:
         results["content_length_8GB"] = {"status": request(port, b"", length=8 << 30), **status_of(server.pid)}
 
         # Slowloris by an attacker that reopens every connection the server drops, while an honest client sends
-        # one request a second: before issue 24 the trickling connections held every slot and each got 503.
+        # one request a second: before connections still sending headers could be dropped to make room, the trickling
+        # connections held every slot and each honest request got 503.
         def trickler() -> socket.socket:
             sock = socket.create_connection(("127.0.0.1", port))
             sock.sendall(b"POST /score HTTP/1.1\r\n")

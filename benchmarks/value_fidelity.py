@@ -1,4 +1,4 @@
-"""Do the completions' rewards measure the states' values? The premise of TP-GRPO's step credit (issue 34, item 2).
+"""Do the completions' rewards measure the states' values? The premise of TP-GRPO's step credit (docs/results.md §3.3).
 
     .venv/bin/python benchmarks/value_fidelity.py [--recipe PATH] [--checkpoint RUN_DIR] [--prompts 8] [--copies 2]
         [--M 32] [--ks 1 2 3] [--seed 0] [--threads 1] [--cache runs/value_fidelity] [--out FILE]

@@ -173,7 +173,7 @@ def test_informative_trajectories_drops_all_zero_rows() -> None:
 
 
 def test_dancegrpos_sample_std_and_eps() -> None:
-    """DanceGRPO: A = (r − mean) / (torch.std(r) + 1e-8), the std unbiased (N − 1): ../shared/RIVALS.md §6(c)."""
+    """DanceGRPO: A = (r − mean) / (torch.std(r) + 1e-8), the std unbiased (N − 1): docs/algorithm.md §10.1."""
     rewards, groups = torch.tensor(EXAMPLE4_REWARDS)[:, None], EXAMPLE4_GROUPS
     adv = group_advantages(rewards, groups, eps=1e-8, correction=1)
     p = torch.tensor(EXAMPLE4_REWARDS[:4], dtype=torch.float64)

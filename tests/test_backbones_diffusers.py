@@ -238,8 +238,9 @@ def test_exported_adapter_and_merged_model_load_into_diffusers(tmp_path, device,
 
 @pytest.mark.parametrize("steps", [12, 25])
 def test_flux_time_shift_is_dancegrpo_and_mixgrpos_static_schedule(flux, steps):
-    """RIVALS.md §3(a) (MixGRPO, K = 25) and §6(c) (DanceGRPO, shift 3): σ = 3t/(1 + 2t), t = linspace(1, 0, K + 1),
-    written out here in float64; without the option the schedule stays the pipeline's dynamic one, which differs."""
+    """MixGRPO's (K = 25) and DanceGRPO's (shift 3) static FLUX schedule, docs/algorithm.md §10 (below its table):
+    σ = 3t/(1 + 2t), t = linspace(1, 0, K + 1), written out here in float64; without the option the schedule stays
+    the pipeline's dynamic one, which differs."""
     static = build("backbone", "tiny-flux", seed=0, resolution=16, time_shift=3.0)
     t = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
     want = (3 * t / (1 + 2 * t)).float()

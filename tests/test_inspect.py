@@ -102,8 +102,8 @@ def test_run_mode_plots_a_training_run(tmp_path, tiny_weights, plugin):
     done = run_cli("inspect-trajectory", "--run", str(tmp_path / "run"), "--epoch", "0", "--out", str(tmp_path / "o2"))
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "o2" / "turning_points.png").is_file()
-    # without --out the two modes write to folders of their own (issue 38: run mode used to land beside the sampled
-    # mode's completions.png in runs/inspect)
+    # without --out the two modes write to folders of their own (run mode used to land beside the sampled mode's
+    # completions.png in runs/inspect)
     by_run = run_cli("inspect-trajectory", "--run", str(tmp_path / "run"), "--n", "2", cwd=tmp_path)
     sampled = run_cli("inspect-trajectory", str(tmp_path / "tiny.toml"), "--prompt", _prompt(), "--n", "2",
                       cwd=tmp_path)  # fmt: skip

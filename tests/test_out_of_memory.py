@@ -45,7 +45,7 @@ def test_out_of_memory_names_the_phase_and_its_setting(phase, tmp_path: Path, ti
     options = {"micro": "optimizer.micro_batch_size", "accumulation": "optimizer.gradient_accumulation_steps"}
     knob = KNOBS[phase].format(**options)
     assert "Tried to allocate 2.00 GiB" in message and knob in message
-    # no checkpoint yet (epoch 0): the command starts the run again, every --set of it kept (issue 38)
+    # no checkpoint yet (epoch 0): the command starts the run again, every --set of it kept
     assert f"--run-dir {trainer.run_dir}` starts the run again" in message and "--resume" not in message
     checkpoints = trainer.run_dir / "checkpoints"
     assert not checkpoints.exists() or not any(checkpoints.iterdir())  # nothing written after the failure

@@ -1,4 +1,4 @@
-"""Rollout plans (tpflow.plans) against the rival methods as ../shared/RIVALS.md transcribes their code.
+"""Rollout plans (tpflow.plans) against the rival methods' public code (docs/algorithm.md §10.1, §10.4, §10.5).
 
 The rollout structure is checked in float64 against a sequential re-implementation written out here (which steps
 are SDE, where ξ comes from), and bitwise against the one-window engine; the schedules and subsets against the
@@ -43,7 +43,8 @@ class LinearFlow:
 
 
 def flow_sde_formula(z, v, s, s_next, alpha, xi):
-    """RIVALS.md's header: σ^sde = α·sqrt(σ/(1−σ)) (σ = 1: sqrt(1/(1−σ_1))), μ and std = σ^sde·sqrt(Δσ)."""
+    """Flow-GRPO's flow-sde step (docs/algorithm.md §1.4): σ^sde = α·sqrt(σ/(1−σ)) (σ = 1: sqrt(1/(1−σ_1))), μ and
+    std = σ^sde·sqrt(Δσ)."""
     h = s - s_next
     sde = alpha * math.sqrt(s / (1 - (s_next if s == 1 else s)))
     mean = z * (1 - sde**2 * h / (2 * s)) - v * (1 + sde**2 * (1 - s) / (2 * s)) * h
@@ -125,7 +126,8 @@ def test_the_window_plan_draws_what_tpflow_always_drew():
 
 
 def test_window_per_image_draws_a_start_per_row_from_the_range():
-    """Flow-GRPO-Fast's current code (RIVALS.md §2(a)): a = randint(lo, hi − w) per image, both ends included."""
+    """Flow-GRPO-Fast's current code (docs/algorithm.md §10.1, `window-per-image`): a = randint(lo, hi − w) per
+    image, both ends included."""
     plan = tpflow.build("plan", "window-per-image")
     settings = RolloutSettings(num_steps=10, window_size=3, window_range=(0, 5))
     starts = [a for seed in range(40) for a in plan.plan(settings, 6, 0, seed, 0).starts]
@@ -135,8 +137,9 @@ def test_window_per_image_draws_a_start_per_row_from_the_range():
 
 
 def test_window_schedule_follows_mixgrpo_over_100_iterations():
-    """MixGRPO's GRPOTrainingStates (RIVALS.md §3(a)): l moves by the stride every iters_per_group iterations and
-    rolls back to the first start past the last (or stays there without roll_back); random: seeded per epoch."""
+    """MixGRPO's GRPOTrainingStates (docs/algorithm.md §10.1, `window-schedule`): l moves by the stride every
+    iters_per_group iterations and rolls back to the first start past the last (or stays there without roll_back);
+    random: seeded per epoch."""
     progressive = WindowScheduleOptions(strategy="progressive", iters_per_group=5, stride=2, roll_back=True)
     assert [schedule_start(progressive, 0, 7, e, 0) for e in range(100)] == [2 * ((e // 5) % 4) for e in range(100)]
     clipped = progressive.model_copy(update={"roll_back": False})
@@ -154,8 +157,9 @@ def test_window_schedule_follows_mixgrpo_over_100_iterations():
 
 
 def test_a_truncated_window_schedule_follows_mixgrpos_code_over_100_iterations():
-    """MixGRPO's code (RIVALS.md §3(a)): l grows by the stride every iters_per_group iterations, rolls back to 0 past
-    max_timesteps, and the SDE window is [l, min(l + w, max_timesteps)): cut short near the end, not moved back."""
+    """MixGRPO's code (docs/algorithm.md §10.1, `window-schedule`): l grows by the stride every iters_per_group
+    iterations, rolls back to 0 past max_timesteps, and the SDE window is [l, min(l + w, max_timesteps)): cut short
+    near the end, not moved back."""
     plan = tpflow.build("plan", "window-schedule", iters_per_group=3, stride=1, truncate=True)
     settings = RolloutSettings(num_steps=10, window_size=4, window_range=(0, 8))  # max_timesteps = K − 2 = 8
     start, want = 0, []
@@ -173,8 +177,8 @@ def test_a_truncated_window_schedule_follows_mixgrpos_code_over_100_iterations()
 
 @pytest.mark.parametrize("steps,fraction,count", [(16, 0.6, 9), (10, 0.6, 5), (12, 1.0, 11)])
 def test_trained_fraction_draws_dancegrpo_subsets(steps, fraction, count):
-    """DanceGRPO (RIVALS.md §6(b)): the last step dropped, int((K − 1)·f) of the others trained per trajectory, a
-    uniform subset that differs between trajectories (FLUX K = 16, f = 0.6: 9 steps)."""
+    """DanceGRPO (docs/algorithm.md §10.1, `trained-fraction`): the last step dropped, int((K − 1)·f) of the others
+    trained per trajectory, a uniform subset that differs between trajectories (FLUX K = 16, f = 0.6: 9 steps)."""
     plan = tpflow.build("plan", "trained-fraction", fraction=fraction)
     settings = RolloutSettings(num_steps=steps, window_size=steps, window_range=(0, steps))
     got = plan.plan(settings, 64, 0, 3, 0)
@@ -295,9 +299,10 @@ def test_a_window_schedule_resumes_exactly(tmp_path, tiny_weights, plugin):
 
 
 def test_branching_matches_tempflows_rollout_in_float64():
-    """TempFlow-GRPO's rollout (RIVALS.md §1(a)): each noise row's path is pure ODE; at every window step each of
-    its C copies takes one flow-sde step from that ODE state with its own ξ_k, and the child is ODE-completed; the
-    stored transition is (ODE state -> child), the final latent the ODE image; NFE K·P + Σ children's steps."""
+    """TempFlow-GRPO's rollout (docs/algorithm.md §10.4): each noise row's path is pure ODE; at every window step
+    each of its C copies takes one flow-sde step from that ODE state with its own ξ_k, and the child is
+    ODE-completed; the stored transition is (ODE state -> child), the final latent the ODE image; NFE K·P + Σ
+    children's steps."""
     backbone, sampler = LinearFlow(), tpflow.build("sampler", "flow-sde")
     p, c, num_steps, width, alpha = 2, 3, 5, 4, 0.7
     n = p * c
@@ -349,8 +354,9 @@ def test_every_rollout_batch_of_an_epoch_branches_at_the_same_start():
 
 
 def test_branch_credit_gives_tempflows_sibling_advantages():
-    """RIVALS.md §1(b): A^b_k = (R^b_k − mean_b R_k) / (std_b R_k + 1e-4) per step over the siblings (population
-    std), with R^b_k the reward of child b's completion at step k: branch credit, then GRPO's group advantages."""
+    """TempFlow-GRPO (docs/algorithm.md §10.4): A^b_k = (R^b_k − mean_b R_k) / (std_b R_k + 1e-4) per step over the
+    siblings (population std), with R^b_k the reward of child b's completion at step k: branch credit, then GRPO's
+    group advantages."""
     rows = [[0.2, 0.5, 0.9, 0.7], [0.4, 0.1, 0.6, 0.7], [0.9, 0.3, 0.2, 0.7],
             [0.1, 0.2, 0.3, 0.1], [0.6, 0.2, 0.1, 0.1], [0.3, 0.8, 0.4, 0.1]]  # fmt: skip
     trace = torch.tensor(rows, dtype=torch.float64)
@@ -365,8 +371,9 @@ def test_branch_credit_gives_tempflows_sibling_advantages():
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # diffusers' own numpy 2 notice
 def test_dpm_solver_steps_match_diffusers_scheduler():
-    """MixGRPO-Flash's solver (RIVALS.md §3): DPM-Solver++(2M), midpoint, data prediction x̂_0 = z − σv, first order
-    at the start and at σ = 0, step for step against diffusers' DPMSolverMultistepScheduler on flow sigmas."""
+    """MixGRPO-Flash's solver (docs/algorithm.md §10.5): DPM-Solver++(2M), midpoint, data prediction x̂_0 = z − σv,
+    first order at the start and at σ = 0, step for step against diffusers' DPMSolverMultistepScheduler on flow
+    sigmas."""
     from diffusers import DPMSolverMultistepScheduler
 
     from tpflow.samplers.dpm_solver import dpm_solver_2m_step
@@ -390,9 +397,9 @@ def test_dpm_solver_steps_match_diffusers_scheduler():
 
 
 def test_flash_tail_follows_mixgrpo_flash():
-    """RIVALS.md §3: after the window [0, 4) of K = 25 (e = 3), n = int((25 − 3)·0.4) = 8 nodes linear in unshifted
-    t from t_4 to 0, shifted (σ = 3t/(1 + 2t)); 7 DPM-Solver++(2M) steps, the first seeded with the last window step's
-    x̂_0: 4 + 7 = 11 NFE."""
+    """MixGRPO-Flash (docs/algorithm.md §10.5): after the window [0, 4) of K = 25 (e = 3), n = int((25 − 3)·0.4) = 8
+    nodes linear in unshifted t from t_4 to 0, shifted (σ = 3t/(1 + 2t)); 7 DPM-Solver++(2M) steps, the first seeded
+    with the last window step's x̂_0: 4 + 7 = 11 NFE."""
     from tpflow.samplers.dpm_solver import compressed_tail, dpm_solver_2m_step, post_window_nodes
 
     def shift(t):
@@ -451,8 +458,8 @@ def _schedule_cases(num_steps: int):
 
 
 def test_a_flash_tail_is_refused_exactly_where_a_window_would_end_at_k():
-    """Issue 46: DPM-Solver++ after the window runs from its end e to σ = 0 and needs a step there; a window ending
-    at e = K left it the nodes [0, 0] and the rollout of that epoch raised. check_recipe refuses a recipe exactly
+    """DPM-Solver++ after the window runs from its end e to σ = 0 and needs a step there; a window ending at e = K
+    used to leave it the nodes [0, 0], and the rollout of that epoch raised. check_recipe refuses a recipe exactly
     when some epoch's window ends at K (hi = K and l + W ≥ K for a start the schedule reaches), whatever the
     strategy, stride, roll-back or cut; the windows that end at K − 1 (one step left) roll out."""
     from types import SimpleNamespace
@@ -511,7 +518,7 @@ def _validate(recipe: str, *overrides: str):
 
 
 def test_validate_refuses_a_flash_window_schedule_that_reaches_k():
-    """Issue 46's recipe (K = 10, W = 4, window_range = [0, 10], a move every epoch) crashed at epoch 6: it is
+    """A recipe with K = 10, W = 4, window_range = [0, 10] and a move every epoch used to crash at epoch 6: it is
     refused before anything loads, in one paragraph naming the starts and the fix, which validates."""
     reach = ["rollout.window_range=[0, 10]", "plan.iters_per_group=1"]
     code, lines = _validate("shapes_mixgrpo_flash.toml", *reach)  # truncate: starts 6..9 all end at K

@@ -248,7 +248,7 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_lora_target_that_names_no_layer_is_refused_before_loading(
     recipe, command, tmp_path, no_weights, no_loading
 ):
-    """Issue 24: peft ignores a target that matches nothing when another matches, and fails only after the weights
+    """peft ignores a target that matches nothing when another matches, and fails only after the weights
     have loaded when none does; the target is checked against the model built on the meta device instead."""
     sets = ["--set", 'backbone.lora_targets=["attn.to_q", "attn.to_qq"]']
     run_dir = ["--run-dir", str(tmp_path / "run")] if command == "train" else []

@@ -142,7 +142,7 @@ def test_resume_with_a_new_learning_rate_uses_and_records_it(straight, tmp_path,
     out = capsys.readouterr().out
     assert "optimizer.learning_rate 0.01 -> 1e-05" in " ".join(out.split())
     text = " ".join(out.split())
-    assert "note: train.epochs 6 in the run, 7 now" in text  # expected: said in one line, not warned (issue 38)
+    assert "note: train.epochs 6 in the run, 7 now" in text  # expected: said in one line, not warned
     assert "train.epochs 6 ->" not in text and "group_size" not in out  # unchanged: not reported
     assert [g["lr"] for g in trainer.optimizer._optimizer.param_groups] == [1e-5]  # not the checkpoint's 0.01
     trainer.fit()

@@ -395,4 +395,4 @@ def test_out_of_memory_in_a_reward_reaches_the_trainers_out_of_memory_paragraph(
     assert reward.calls == 1 and "\n" not in message
     assert message.startswith("Out of GPU memory while epoch 0: scoring (Reward 'OutOfMemory' ran out of GPU memory")
     assert "lower train.score_batch (images decoded and scored at once" in message
-    assert "starts the run again" in message and "--resume" not in message  # epoch 0: nothing saved yet (issue 38)
+    assert "starts the run again" in message and "--resume" not in message  # epoch 0: nothing saved yet

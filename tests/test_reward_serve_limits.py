@@ -1,4 +1,4 @@
-"""``tpflow serve-reward`` against hostile clients (issue 18), and the ``remote`` reward's token, name and preflight.
+"""``tpflow serve-reward`` against hostile clients, and the ``remote`` reward's token, name and preflight.
 
 Each test starts a real server in a thread on a free port, serving ``image-stat`` (no model), with limits shrunk so
 that every case answers in well under a second. Raw sockets play the hostile client where ``urllib`` would not
@@ -354,8 +354,8 @@ def _until(condition: Callable[[], bool]) -> None:
 
 
 def test_request_line_and_headers_have_their_own_short_deadline():
-    """Issue 24: a connection that trickles its headers is dropped at --header-timeout-s, not held for the whole
-    request deadline (30 s); once the tricklers are gone an honest request is answered."""
+    """A connection that trickles its headers is dropped at --header-timeout-s, not held for the whole request
+    deadline (30 s); once the tricklers are gone an honest request is answered."""
     with serving(Limits(max_connections=3, header_timeout_s=0.3, timeout_s=30)) as httpd:
         slow = [_trickler(httpd) for _ in range(3)]
         for sock in slow:
@@ -384,7 +384,7 @@ def test_request_line_and_headers_have_their_own_short_deadline():
 
 
 def test_slowloris_cannot_lock_out_an_honest_client():
-    """Issue 24: connections still sending their headers hold every slot; an honest request is answered at once
+    """Connections still sending their headers hold every slot; an honest request is answered at once
     (the connection that has waited longest for its headers makes room), however often the attacker reconnects."""
     with serving(Limits(max_connections=4, timeout_s=30)) as httpd:
         slow = [_trickler(httpd) for _ in range(4)]

@@ -1,8 +1,8 @@
-"""GRPO's loss options from the rival methods, against ../shared/RIVALS.md's transcriptions of their code.
+"""GRPO's loss options from the rival methods, against their public code (sources: docs/algorithm.md §10's table).
 
-GRPO-Guard's RatioNorm and its 1/Δσ reweight (§4(c)), TempFlow-GRPO's noise-aware step weight (§1(c)) and a
-rollout plan's trained subset of steps (DanceGRPO, §6(b)): formulas written out here in float64, and the update's
-real first-step gradient against a hand-written loss on the shapes model.
+GRPO-Guard's RatioNorm and its 1/Δσ reweight (docs/algorithm.md §10.2), TempFlow-GRPO's noise-aware step weight
+(§10.3) and a rollout plan's trained subset of steps (DanceGRPO, §10.1 `trained-fraction`): formulas written out
+here in float64, and the update's real first-step gradient against a hand-written loss on the shapes model.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
 def gaussian_log_prob(x, mean, std):
-    """The mean over elements of log N(x; μ, s²), flow-sde's log-prob (RIVALS.md header)."""
+    """The mean over elements of log N(x; μ, s²), flow-sde's log-prob (docs/algorithm.md §1.4)."""
     return (-((x - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)).mean(dim=1)
 
 
 def test_ratio_norm_is_the_noise_projected_on_the_mean_shift_in_float64():
-    """RIVALS.md §4(c): log r̂ = s·(ℓ_θ − ℓ_old + mean (μ_θ − μ_old)²/(2s²)) equals mean ξ ⊙ (μ_θ − μ_old), with
-    x' = μ_old + s·ξ the stored sample; on policy it is 0."""
+    """GRPO-Guard (docs/algorithm.md §10.2): log r̂ = s·(ℓ_θ − ℓ_old + mean (μ_θ − μ_old)²/(2s²)) equals
+    mean ξ ⊙ (μ_θ − μ_old), with x' = μ_old + s·ξ the stored sample; on policy it is 0."""
     g = cpu_generator(0)
     for std in (0.3, 0.02, 1e-3):
         old = torch.randn(5, 40, generator=g, dtype=torch.float64)
@@ -48,10 +48,10 @@ def test_ratio_norm_is_the_noise_projected_on_the_mean_shift_in_float64():
 
 
 def test_noise_aware_weights_reproduce_tempflows_sd3_constant():
-    """RIVALS.md §1(c): TempFlow-GRPO's SD3.5-M constant c = 2.25 is 1/mean_{k≤8} s_k on the 10-step shift-3
-    schedule at η = 0.7; derived here from the schedule, it comes out at 2.252, with w_0 = 1.58 as transcribed.
-    (RIVALS.md's list of all nine weights drifts from this schedule's at the low-noise end, 0.58 against 0.51 at
-    k = 8: a different schedule, it says 2.24; the code's own constant agrees with this one.)"""
+    """TempFlow-GRPO's SD3.5-M constant c = 2.25 (docs/algorithm.md §10.3) is 1/mean_{k≤8} s_k on the 10-step
+    shift-3 schedule at η = 0.7; derived here from the schedule, it comes out at 2.252, with w_0 = 1.58 as in §10.3.
+    (On the plain shift-3 schedule, t = linspace without the scheduler, 1/mean s_k is 2.24 and 2.25·s_8 is 0.58,
+    where this schedule's w_8 is 0.51: the code's own constant agrees with this schedule.)"""
     sigmas = sd3_sigmas(10, 3.0).double()
     formula = []
     for k in range(9):  # σ^sde_k·sqrt(Δσ_k), σ = 1 guarded by σ_1
@@ -120,7 +120,8 @@ def _hand_gradient(backbone, sampler, batch, advantages, weights):
 
 
 def test_a_plans_trained_subset_is_all_the_update_trains(backbone):
-    """DanceGRPO's subset (RIVALS.md §6(b)): the gradient is the mean over the trained (row, step) pairs only."""
+    """DanceGRPO's subset (docs/algorithm.md §10.1 `trained-fraction`): the gradient is the mean over the trained
+    (row, step) pairs only."""
     sampler = tpflow.build("sampler", "dance-sde")
     batch = _batch(backbone, sampler)
     trained = torch.tensor([[True, False, True], [False, True, False], [True, True, False], [False, False, True]])
@@ -135,7 +136,8 @@ def test_a_plans_trained_subset_is_all_the_update_trains(backbone):
 
 
 def test_the_noise_aware_weight_scales_each_steps_policy_gradient(backbone):
-    """TempFlow-GRPO (RIVALS.md §1(c)): step k's policy loss times c·s_k, c normalising the mean weight to 1."""
+    """TempFlow-GRPO (docs/algorithm.md §10.3): step k's policy loss times c·s_k, c normalising the mean weight
+    to 1."""
     sampler = tpflow.build("sampler", "flow-sde")
     batch = _batch(backbone, sampler)
     advantages = torch.randn(4, 3, generator=cpu_generator(2), dtype=torch.float64)
@@ -150,8 +152,8 @@ def test_the_noise_aware_weight_scales_each_steps_policy_gradient(backbone):
 
 
 def test_tempflows_kl_divides_by_the_transition_variance(backbone):
-    """RIVALS.md §1(c) and §4(c): TempFlow-GRPO divides the KL's mean squared shift by 2·s_k² with s_k = σ^sde·√Δσ,
-    Flow-GRPO and GRPO-Guard by 2·(σ^sde)². Both written out here from the two means, on flow-sde in float64 σ."""
+    """TempFlow-GRPO divides the KL's mean squared shift by 2·s_k² with s_k = σ^sde·√Δσ, Flow-GRPO and GRPO-Guard
+    by 2·(σ^sde)² (docs/algorithm.md §10.3). Both written out here from the two means, on flow-sde in float64 σ."""
     sampler = tpflow.build("sampler", "flow-sde")
     batch = _batch(backbone, sampler)
     generator = cpu_generator(3)
@@ -170,7 +172,7 @@ def test_tempflows_kl_divides_by_the_transition_variance(backbone):
             mu_ref = sampler.log_prob(z_next, z, v_ref, s, t, 0.7).mean
         shift = (mu.double() - mu_ref.double()).square().reshape(4, -1).mean(dim=1)  # [4] mean_d (μ_θ − μ_ref)²
         assert shift.min() > 0  # the adapter moves the mean: the KL is not trivially 0
-        sde = 0.7 * math.sqrt(sig[i] / (1 - (sig[i + 1] if sig[i] == 1 else sig[i])))  # σ^sde (RIVALS.md header)
+        sde = 0.7 * math.sqrt(sig[i] / (1 - (sig[i + 1] if sig[i] == 1 else sig[i])))  # σ^sde, docs/algorithm.md §1.4
         for kl_std, std in (("sde", sde), ("transition", sde * math.sqrt(sig[i] - sig[i + 1]))):
             optimizer = tpflow.build("optimizer", "grpo", beta=1e-3, kl_std=kl_std)
             loss = optimizer._step_loss(backbone, sampler, batch, adv, i)

@@ -299,7 +299,7 @@ def test_cps_rejects_noise_level_above_one_and_flow_sde_a_step_stuck_at_one():
 
 @pytest.mark.parametrize("sigma,sigma_next", [(1.0, 0.90374), *SIGMA_PAIRS[1:]])
 def test_dance_sde_is_danceGRPOs_flux_step(sigma, sigma_next):
-    """DanceGRPO's ``flux_step`` as ../shared/RIVALS.md §6(a) transcribes it, in float64: the Euler mean plus the
+    """DanceGRPO's ``flux_step`` (docs/algorithm.md §1.4b) written out in float64: the Euler mean plus the
     score term, std η·√(σ − σ⁺), the full Gaussian log-density averaged over the latent; no guard at σ = 1."""
     eta = 0.3
     z, v = _latents(seed=4)

@@ -233,7 +233,7 @@ def _interrupt_at(monkeypatch, epoch: int) -> None:
 
 
 def test_the_ctrl_c_hint_reproduces_the_run_as_started(tmp_path, tiny_weights, plugin, monkeypatch):
-    """Issue 38: the printed command keeps --epochs and every --set, so the resumed run ends where the started one
+    """The printed command keeps --epochs and every --set, so the resumed run ends where the started one
     would have, with logs equal to an uninterrupted run's (it used to drop them and train to the file's epochs)."""
     import shlex
 

@@ -1,7 +1,6 @@
-"""Weights are found before anything loads (issue 26, items 2-4): where each comes from is said by `tpflow validate`
-and when a command starts; a missing one is one exit-2 paragraph with its download command; the Hugging Face cache
-is read without the network, with or without HF_HUB_OFFLINE; a paper-scale backbone does not fall back to the CPU
-silently.
+"""Weights are found before anything loads: where each comes from is said by `tpflow validate` and when a command
+starts; a missing one is one exit-2 paragraph with its download command; the Hugging Face cache is read without the
+network, with or without HF_HUB_OFFLINE; a paper-scale backbone does not fall back to the CPU silently.
 
 Caches are built in tmp dirs with tiny placeholder files: the checks read paths and JSON, never weights."""
 
