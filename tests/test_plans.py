@@ -18,7 +18,17 @@ from tpflow.devices import cpu_generator, randn
 from tpflow.plans import BatchPlan
 from tpflow.plans.schedule import WindowScheduleOptions, schedule_start
 from tpflow.plans.trained_fraction import TrainedFractionOptions
-from tpflow.rollout import Window, baseline_generator, draw_window, rollout, rollout_from_settings
+from tpflow.rollout import (
+    BranchEngine,
+    RolloutInputs,
+    RowWindowsEngine,
+    Window,
+    baseline_generator,
+    draw_window,
+    engine_for,
+    rollout,
+    rollout_from_settings,
+)
 from tpflow.settings import RolloutSettings
 from tpflow.types import Conditioning
 
@@ -60,8 +70,8 @@ def test_per_row_windows_match_the_sequential_formula_in_float64():
     sigmas = backbone.sigmas(num_steps)
     z0 = backbone.initial_noise(n, cpu_generator(0))
     cond = Conditioning({"row": torch.arange(n)})
-    out = rollout(backbone, sampler, cond, z0, sigmas, Window(0, width), alpha, 1.0, None,
-                  generator=cpu_generator(5), starts=starts)  # fmt: skip
+    inputs = RolloutInputs(backbone, cond, z0, sigmas, 1.0, generator=cpu_generator(5))
+    out = RowWindowsEngine(sampler, starts, width, alpha).run(inputs)
     gen = cpu_generator(5)
     baseline_generator(gen)  # the engine's first draw
     xis = [randn((n, backbone.dim), gen, "cpu").double() for _ in range(num_steps)]
@@ -94,8 +104,8 @@ def test_per_row_windows_equal_one_window_rollouts_bitwise(tiny_weights):
     cond, sigmas = backbone.encode(prompts), backbone.sigmas(5)
     z0 = backbone.initial_noise(4, cpu_generator(0))
     starts = (2, 0, 1, 2)
-    mixed = rollout(backbone, sampler, cond, z0, sigmas, Window(0, 2), 0.7, 2.0, None,
-                    generator=cpu_generator(3), starts=starts)  # fmt: skip
+    mixed = RowWindowsEngine(sampler, starts, 2, 0.7).run(RolloutInputs(backbone, cond, z0, sigmas, 2.0,
+                                                                        generator=cpu_generator(3)))  # fmt: skip
     for a in set(starts):
         one = rollout(backbone, sampler, cond, z0, sigmas, Window(a, 2), 0.7, 2.0, None, generator=cpu_generator(3))
         for row in (r for r, s in enumerate(starts) if s == a):
@@ -104,15 +114,18 @@ def test_per_row_windows_equal_one_window_rollouts_bitwise(tiny_weights):
 
 
 def test_per_row_windows_refuse_completions_and_bad_starts():
+    """Per-row windows have no completions to ask for (the engine takes none; a plan that asks is refused where the
+    engine is chosen), and starts that are not one per row or whose windows overrun K are refused."""
     backbone, sampler = LinearFlow(), tpflow.build("sampler", "flow-sde")
     z0, cond = backbone.initial_noise(2, cpu_generator(0)), Conditioning({"row": torch.arange(2)})
-    sigmas = backbone.sigmas(4)
-    with pytest.raises(ValueError, match="per-row starts take completions=None"):
-        rollout(backbone, sampler, cond, z0, sigmas, Window(0, 2), 0.7, 1.0, "ode", starts=(0, 1))
-    with pytest.raises(ValueError, match="minimum is window.start"):
-        rollout(backbone, sampler, cond, z0, sigmas, Window(1, 2), 0.7, 1.0, None, starts=(0, 2))
+    inputs = RolloutInputs(backbone, cond, z0, backbone.sigmas(4), 1.0)
+    settings = RolloutSettings(num_steps=4, window_size=2, window_range=(0, 4))
+    with pytest.raises(ValueError, match="completions need one window"):
+        engine_for(backbone, sampler, BatchPlan((0, 1), 2), settings, "ode")
+    with pytest.raises(ValueError, match="N = 2 window starts"):
+        RowWindowsEngine(sampler, (0, 1, 2), 2, 0.7).run(inputs)
     with pytest.raises(ValueError, match="fit in 4"):
-        rollout(backbone, sampler, cond, z0, sigmas, Window(0, 2), 0.7, 1.0, None, starts=(0, 3))
+        RowWindowsEngine(sampler, (0, 3), 2, 0.7).run(inputs)
 
 
 def test_the_window_plan_draws_what_tpflow_always_drew():
@@ -310,8 +323,8 @@ def test_branching_matches_tempflows_rollout_in_float64():
     z0 = backbone.initial_noise(p, cpu_generator(0))
     source = torch.arange(p).repeat_interleave(c)  # rows 0..2 share z0[0], rows 3..5 z0[1]
     cond = Conditioning({"row": torch.arange(n)})
-    out = rollout(backbone, sampler, cond, z0, sigmas, Window(0, width), alpha, 1.0, "ode", source=source,
-                  generator=cpu_generator(5), branch=True)  # fmt: skip
+    inputs = RolloutInputs(backbone, cond, z0, sigmas, 1.0, source=source, generator=cpu_generator(5))
+    out = BranchEngine(sampler, Window(0, width), alpha).run(inputs)
     gen = cpu_generator(5)
     baseline_generator(gen)
     xis = [randn((n, backbone.dim), gen, "cpu").double() for _ in range(num_steps)]

@@ -1,42 +1,51 @@
-"""TempFlow-GRPO's branching rollout (``rollout(..., branch=True)``, docs/algorithm.md §10.4): a pure-ODE path per
-noise row and, at every window step, one SDE child per trajectory from that ODE state, each completed by ODE."""
+"""TempFlow-GRPO's branching rollout (docs/algorithm.md §10.4): a pure-ODE path per noise row and, at every window
+step, one SDE child per trajectory from that ODE state, each completed by ODE."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from tpflow.rollout_parts import Branch, MainNoise, completion_nodes
+from tpflow.interfaces import Sampler
+from tpflow.plans.base import Window
+from tpflow.rollout.inputs import RolloutInputs, begin, ode_prefix
+from tpflow.rollout.parts import Branch, MainNoise, Velocity, completion_nodes
+from tpflow.rollout.window import stored_rollout
 from tpflow.samplers.euler import euler_step
-from tpflow.types import Rollout, RolloutCost
+from tpflow.types import Rollout
 
 
-def branched_rollout(
-    engine, sampler, prefix, noise, source, window, noise_level, completion_steps, store_means, guidance, cond,
-    completions, row_starts,
-) -> Rollout:  # fmt: skip
-    """The ``branch`` rollout from the prefix at the window start: the loop, then the Rollout it stored."""
-    if completions != "ode" or row_starts is not None:
-        raise ValueError("branch needs completions='ode' and one window for the batch (no per-row starts).")
-    n, num_steps, s, width = source.shape[0], engine.sigmas.shape[0] - 1, window.start, window.size
-    loop = BranchLoop(engine, sampler, window, noise_level, completion_steps, store_means)
-    for k in range(s, num_steps):
-        loop.step(prefix, k, noise, source)
-    parts = [torch.stack(part, dim=1) for part in (loop.latents, loop.next_latents, loop.log_probs)]
-    grid = engine.sigmas[s : s + width + 1].float().to(prefix.z.device).expand(n, width + 1).clone()
-    return Rollout(
-        latents=parts[0],
-        next_latents=parts[1],
-        log_probs=parts[2],
-        sigmas=grid,
-        noise_level=float(noise_level),
-        guidance=float(guidance),
-        cond=cond,
-        final=prefix.z[source],  # each trajectory's noise row's ODE image
-        completions=loop.completed(),
-        cost=RolloutCost(nfe=round(engine.rows_evaluated / n, 2), model_s=engine.model_s),
-        means=torch.stack(loop.means, dim=1) if store_means else None,
-    )
+class BranchEngine:
+    """Branch at every step of ``window`` instead of following one SDE path: the main path of each noise row is pure
+    ODE; at window step s + i every trajectory n takes one SDE step from its noise row's ODE state with its own ξ,
+    stored as transition i, and that child is ODE-completed (in ``completion_steps`` Euler steps, None: every step)
+    into ``completions[:, i]``; ``final`` is the ODE image. ``store_means`` keeps the transition means."""
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        window: Window,
+        noise_level: float,
+        completion_steps: int | None = None,
+        store_means: bool = False,
+    ) -> None:
+        self.sampler, self.window, self.noise_level = sampler, window, noise_level
+        self.completion_steps, self.store_means = completion_steps, store_means
+
+    @torch.no_grad()
+    def run(self, inputs: RolloutInputs) -> Rollout:
+        started = begin(inputs, self.window)
+        prefix = ode_prefix(started, self.window.start)
+        n, s, width = inputs.n, self.window.start, self.window.size
+        loop = BranchLoop(started.engine, self.sampler, self.window, self.noise_level, self.completion_steps,
+                          self.store_means)  # fmt: skip
+        for k in range(s, inputs.num_steps):
+            loop.step(prefix, k, started.noise, started.source)
+        parts = [torch.stack(part, dim=1) for part in (loop.latents, loop.next_latents, loop.log_probs)]
+        grid = inputs.sigmas[s : s + width + 1].expand(n, width + 1)
+        means = torch.stack(loop.means, dim=1) if self.store_means else None
+        final = prefix.z[started.source]  # each trajectory's noise row's ODE image
+        return stored_rollout(started, self.noise_level, final, parts, grid, means, loop.completed())
 
 
 class BranchLoop:
@@ -45,7 +54,9 @@ class BranchLoop:
     (its own ξ_k, so the copies of a prompt sharing z_0 are siblings of one state), and each child rides along by ODE
     to σ_K. All of them share one velocity call per step; a child's first ODE step is at k + 1."""
 
-    def __init__(self, engine, sampler, window, noise_level, steps, means):
+    def __init__(
+        self, engine: Velocity, sampler: Sampler, window: Window, noise_level: float, steps: int | None, means: bool
+    ) -> None:
         self.engine, self.sampler, self.window, self.noise_level = engine, sampler, window, noise_level
         self.completion_steps, self.store_means = steps, means
         self.children: list[Branch] = []  # child i, born at window step s + i, in order

@@ -1,8 +1,7 @@
-"""The rollout engine's parts: the latents of one ODE branch, the noise stream, the batched velocity call.
+"""The rollout engines' parts: the latents of one ODE branch, the noise stream, the batched velocity call.
 
-Shared by the one-path engine (``tpflow.rollout``) and its variants (``tpflow.rollout_branch``: TempFlow-GRPO's
-branching; ``tpflow.rollout_tail``: MixGRPO-Flash's solver after the window). docs/algorithm.md §1.6 and the
-module docstring of ``tpflow.rollout`` say what the noise stream guarantees.
+Shared by every engine of ``tpflow.rollout``. docs/algorithm.md §1.6 and the package docstring of
+``tpflow.rollout`` say what the noise stream guarantees.
 """
 
 from __future__ import annotations
