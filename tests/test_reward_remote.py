@@ -116,7 +116,7 @@ def test_remote_scores_equal_in_process_scores(server):
         "tpflow": tpflow.__version__,
         "protocol": 1,
         "reward": "shapes-geneval",
-        "options": {"score": "strict"},
+        "options": {"score": "strict", "strict_count": True},
         "token": False,
         "limits": {"max_request_bytes": 64 << 20, "max_images": 256, "max_side": 2048, "max_pixels": 64_000_000},
     }

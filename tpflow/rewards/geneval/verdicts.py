@@ -29,9 +29,11 @@ def verdicts(
     metadata: Sequence[dict[str, Any]],
     size: tuple[int, int],
     which: ScoreName,
+    strict_count: bool = False,
 ) -> RewardOutput:
-    """Score each image's detections against its metadata; ``size`` = (H, W) of the images."""
-    results = [score(found, meta, size) for found, meta in zip(detections, metadata, strict=True)]
+    """Score each image's detections against its metadata; ``size`` = (H, W) of the images. ``strict_count``: on
+    counting prompts, detections of the asked class above 0.3 count against the asked number (``scoring.score``)."""
+    results = [score(found, meta, size, strict_count) for found, meta in zip(detections, metadata, strict=True)]
     details = {
         "strict": [float(r.strict_correct) for r in results],
         "correct": [float(r.correct) for r in results],
