@@ -4,6 +4,8 @@
         [--variants flow tp tp-same-noise tp-x0] [--set section.key=value ...] [--json OUT]
     .venv/bin/python benchmarks/epoch_cost.py --backbone sd3.5-medium-random --device cuda --json OUT   # GPU
     .venv/bin/python benchmarks/epoch_cost.py --tiny --json OUT    # seconds: checks the script, measures nothing
+    .venv/bin/python benchmarks/epoch_cost.py --variants flow flow-retain flow-1step flow-1step-retain \
+        tp tp-retain tp-1step tp-1step-retain      # [optimizer] recompute = "retain" against native
 
 For every backbone, one ``Trainer`` per variant is built on the same recipe (the same backbone weights, prompts,
 noise seeds and window draws): Flow-GRPO (``outcome`` credit, no completions), TP-GRPO (``turning_point`` credit,
@@ -56,6 +58,7 @@ import _timing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKBONES = ("shapes-dit", "tiny-sd3", "sd3.5-medium-random")
+ONE_STEP = {"gradient_accumulation_steps": 4}  # the recipes' 4 micro-batches per epoch in one optimizer step
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # key -> (label, recipe overrides)
     "flow": ("Flow-GRPO (outcome)", {"credit": {"name": "outcome"}}),
     "tp": ("TP-GRPO, ODE completions", {"credit": {"name": "turning_point"}}),
@@ -82,6 +85,22 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # key -> (label, recipe ove
     "tp-compile": (
         "TP-GRPO, ODE, compiled blocks",
         {"credit": {"name": "turning_point"}, "backbone": {"compile_blocks": True}},
+    ),
+    # Recompute-free updates ([optimizer] recompute = "retain"): the update's first optimizer step back-propagates the
+    # rollout's own graphs. The recipes take 4 (shapes-dit) or 2 (SD3) optimizer steps per epoch, of which the first
+    # is retained; "1step" makes the epoch one optimizer step (gradient_accumulation_steps = 4: every micro-batch of
+    # the epoch), native and retained, to show the whole recompute removed.
+    "flow-retain": ("Flow-GRPO, retain", {"credit": {"name": "outcome"}, "optimizer": {"recompute": "retain"}}),
+    "flow-1step": ("Flow-GRPO, 1 step/epoch", {"credit": {"name": "outcome"}, "optimizer": ONE_STEP}),
+    "flow-1step-retain": (
+        "Flow-GRPO, 1 step/epoch, retain",
+        {"credit": {"name": "outcome"}, "optimizer": {**ONE_STEP, "recompute": "retain"}},
+    ),
+    "tp-retain": ("TP-GRPO, ODE, retain", {"credit": {"name": "turning_point"}, "optimizer": {"recompute": "retain"}}),
+    "tp-1step": ("TP-GRPO, ODE, 1 step/epoch", {"credit": {"name": "turning_point"}, "optimizer": ONE_STEP}),
+    "tp-1step-retain": (
+        "TP-GRPO, ODE, 1 step/epoch, retain",
+        {"credit": {"name": "turning_point"}, "optimizer": {**ONE_STEP, "recompute": "retain"}},
     ),
 }
 DEFAULT_VARIANTS = ("flow", "tp", "tp-same-noise", "tp-x0")

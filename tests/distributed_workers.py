@@ -133,14 +133,17 @@ def train_worker(rank: int, out: Path, recipe: str, overrides: list[str]) -> dic
     }
 
 
-def layout_gradient(weights: str, share: list[int], micro: int, accumulation: int, accelerator=None) -> torch.Tensor:
+def layout_gradient(
+    weights: str, share: list[int], micro: int, accumulation: int, accelerator=None, recompute: str = "native"
+) -> torch.Tensor:
     """The gradient of one GRPO optimizer step over ``share`` (this process's rows of one fixed 8-row batch) cut
     into micro-batches of ``micro``, ``accumulation`` per step: the flat gradient the step is taken with.
 
     The batch mixes two rollouts whose windows differ, so that at window step 2 the rows of the later window have
-    std 0 (cps at σ⁺ = 0) and are masked: the rows a step trains differ between steps and micro-batches."""
+    std 0 (cps at σ⁺ = 0) and are masked: the rows a step trains differ between steps and micro-batches.
+    ``recompute = "retain"``: the rollouts keep their graphs and the step back-propagates them."""
     import tpflow
-    from tpflow.rollout import Window, rollout
+    from tpflow.rollout import RolloutInputs, Window, WindowEngine
     from tpflow.types import Rollout
 
     torch.manual_seed(0)  # the LoRA init: the same adapter on every call and process
@@ -148,17 +151,19 @@ def layout_gradient(weights: str, share: list[int], micro: int, accumulation: in
     sampler = tpflow.build("sampler", "cps")
     prompts = ["a photo of a red circle", "a photo of two squares"] * 2
     sigmas = backbone.sigmas(4)
+    optimizer = tpflow.build(
+        "optimizer", "grpo", beta=1e-2, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
+        max_grad_norm=1e9, recompute=recompute,
+    )  # fmt: skip
     parts = [
-        rollout(backbone, sampler, backbone.encode(prompts), backbone.initial_noise(4, cpu_generator(s)), sigmas,
-                Window(s, 3), 0.7, 2.0, None, generator=cpu_generator(10 + s))
+        WindowEngine(sampler, Window(s, 3), 0.7, retain=optimizer.retain).run(
+            RolloutInputs(backbone, backbone.encode(prompts), backbone.initial_noise(4, cpu_generator(s)), sigmas,
+                          2.0, generator=cpu_generator(10 + s))
+        )
         for s in (0, 1)
     ]  # fmt: skip
     batch = Rollout.cat(parts).index(torch.tensor(share))
     advantages = torch.randn(8, 3, generator=cpu_generator(3), dtype=torch.float64)[share]
-    optimizer = tpflow.build(
-        "optimizer", "grpo", beta=1e-2, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
-        max_grad_norm=1e9,
-    )  # fmt: skip
     return one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator)
 
 
@@ -211,13 +216,21 @@ def cpu_generator(seed: int) -> torch.Generator:
 def layout_worker(
     rank: int, out: Path, weights: str, layouts: dict[str, list[tuple[list[int], int, int]]], optimizer: str = "grpo"
 ) -> dict:
-    """For each layout (rank -> (rows, micro, accumulation)), the gradient of its one optimizer step here (GRPO's, or
-    with ``optimizer = "nft"`` DiffusionNFT's)."""
+    """For each layout (rank -> (rows, micro, accumulation)), the gradient of its one optimizer step here (GRPO's;
+    with ``optimizer = "grpo+grpo-retain"`` also from the rollout's retained graphs; with "nft" DiffusionNFT's)."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
-    gradient = nft_layout_gradient if optimizer == "nft" else layout_gradient
-    return {name: gradient(weights, *layout[rank], accelerator=accelerator) for name, layout in layouts.items()}
+    if optimizer == "nft":
+        return {name: nft_layout_gradient(weights, *layout[rank], accelerator=accelerator)
+                for name, layout in layouts.items()}  # fmt: skip
+    if optimizer == "grpo":
+        return {name: layout_gradient(weights, *layout[rank], accelerator=accelerator)
+                for name, layout in layouts.items()}  # fmt: skip
+    # "grpo+grpo-retain": both, keyed "grpo/<layout>" and "grpo-retain/<layout>", from one start of the processes
+    return {f"{mode}/{name}": layout_gradient(weights, *layout[rank], accelerator=accelerator,
+                                              recompute="retain" if mode == "grpo-retain" else "native")
+            for mode in optimizer.split("+") for name, layout in layouts.items()}  # fmt: skip
 
 
 def minimal_optimizer_worker(rank: int, out: Path, recipe: str, overrides: list[str]) -> dict:

@@ -53,20 +53,48 @@ def test_collectives_on_two_processes(tmp_path):
     assert torch.equal(zero["grad_a"], one["grad_a"]), "every process holds the same gradient, bit for bit"
 
 
-def test_a_steps_gradient_is_the_same_on_two_processes_whatever_the_split(tmp_path, tiny_weights):
+EVERYTHING = list(range(8))
+GRPO_LAYOUTS = {
+    "4 + 4": [(EVERYTHING[:4], 4, 1), (EVERYTHING[4:], 4, 1)],
+    "2 + 2 each": [(EVERYTHING[:4], 2, 2), (EVERYTHING[4:], 2, 2)],
+    "3 + 3 | 2": [(EVERYTHING[:6], 3, 2), (EVERYTHING[6:], 3, 2)],
+}
+
+
+@pytest.fixture(scope="module")
+def grpo_layout_gradients(tmp_path_factory, tiny_weights) -> list[dict]:
+    """Each rank's gradient of one GRPO step per layout, native ("grpo/<layout>") and from the rollout's retained
+    graphs ("grpo-retain/<layout>"): one start of the 2 processes serves both tests."""
+    out = tmp_path_factory.mktemp("grpo-layouts")
+    return spawn(layout_worker, out, str(tiny_weights), GRPO_LAYOUTS, "grpo+grpo-retain")
+
+
+def test_a_steps_gradient_is_the_same_on_two_processes_whatever_the_split(grpo_layout_gradients, tiny_weights):
     """One optimizer step over 8 rows split over 2 processes (4 + 4 as one micro-batch each, 2 + 2 on each, and
     3 + 3 on one with 2 on the other) gives the 1-process gradient: every row of every process weighs the same."""
-    everything = list(range(8))
-    layouts = {
-        "4 + 4": [(everything[:4], 4, 1), (everything[4:], 4, 1)],
-        "2 + 2 each": [(everything[:4], 2, 2), (everything[4:], 2, 2)],
-        "3 + 3 | 2": [(everything[:6], 3, 2), (everything[6:], 3, 2)],
-    }
-    zero, one = spawn(layout_worker, tmp_path, str(tiny_weights), layouts)
-    reference = layout_gradient(str(tiny_weights), everything, 8, 1)
-    for name in layouts:
-        assert torch.equal(zero[name], one[name]), f"{name}: every process steps with the same gradient"
-        torch.testing.assert_close(zero[name], reference, rtol=1e-5, atol=1e-7, msg=name)
+    zero, one = grpo_layout_gradients
+    reference = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1)
+    for name in GRPO_LAYOUTS:
+        key = f"grpo/{name}"
+        assert torch.equal(zero[key], one[key]), f"{name}: every process steps with the same gradient"
+        torch.testing.assert_close(zero[key], reference, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_retained_steps_gradient_is_the_native_one_on_two_processes_whatever_the_split(
+    grpo_layout_gradients, tiny_weights
+):
+    """``recompute = "retain"``: the step back-propagates the rollouts' own graphs (one backward per process over
+    its share, micro-batches sharing them), is all-reduced as native's, and equals the 1-process native gradient up
+    to float rounding (tests/test_recompute_retain.py says why not bitwise)."""
+    zero, one = grpo_layout_gradients
+    native = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1)
+    retained = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1, recompute="retain")
+    assert native.norm() > 0
+    torch.testing.assert_close(retained, native, rtol=1e-5, atol=1e-7)
+    for name in GRPO_LAYOUTS:
+        key = f"grpo-retain/{name}"
+        assert torch.equal(zero[key], one[key]), f"{name}: every process steps with the same gradient"
+        torch.testing.assert_close(zero[key], native, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_an_nft_steps_gradient_is_the_same_on_two_processes_whatever_the_split(tmp_path, tiny_weights):

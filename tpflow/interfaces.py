@@ -29,6 +29,7 @@ CAPABILITIES: dict[str, Any] = {
     "needs_completions": False,  # CreditAssigner (required on an instance)
     "marks_turning_points": False,  # CreditAssigner: it can mark turning points (the run logs them per trajectory)
     "needs_old_means": False,  # Optimizer: the rollout must store each step's transition mean (RatioNorm)
+    "retain": None,  # Optimizer: a tpflow.rollout.retain.Retain when its update reuses the rollout's graphs
     "consumes": "transitions",  # Optimizer (required on an instance)
 }
 

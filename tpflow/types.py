@@ -80,6 +80,32 @@ class RolloutCost:
 
 
 @dataclass(frozen=True)
+class RetainedSteps:
+    """The first M window steps' log-probabilities with their autograd graphs, kept by a rollout that ran them with
+    gradients (``[optimizer] recompute = "retain"``, ``tpflow.rollout.retain``): the on-policy update back-propagates
+    these instead of recomputing the velocity. Each step's graph starts at its own detached latent."""
+
+    log_prob: Tensor  # [N, M] float32 ℓ_θ(z_{s+i+1} | z_{s+i}) of the stored transition, differentiable
+    mean: Tensor | None  # [N, M, ...] float32 transition mean μ_θ, differentiable (for the KL or RatioNorm), or None
+    std: Tensor  # [N, M] float32 transition std (detached)
+    std_dev_t: Tensor  # [N, M] float32 the KL's noise coefficient (detached)
+
+    @property
+    def steps(self) -> int:
+        return self.log_prob.shape[1]
+
+    def index(self, rows: Tensor) -> RetainedSteps:
+        return RetainedSteps(self.log_prob[rows], None if self.mean is None else self.mean[rows], self.std[rows],
+                             self.std_dev_t[rows])  # fmt: skip
+
+    @staticmethod
+    def cat(parts: list[RetainedSteps]) -> RetainedSteps:
+        mean = None if parts[0].mean is None else torch.cat([p.mean for p in parts])  # type: ignore[misc]
+        return RetainedSteps(torch.cat([p.log_prob for p in parts]), mean, torch.cat([p.std for p in parts]),
+                             torch.cat([p.std_dev_t for p in parts]))  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Rollout:
     """The stored window transitions of N trajectories, what the optimizer re-scores (docs/algorithm.md §2)."""
 
@@ -95,6 +121,7 @@ class Rollout:
     cost: RolloutCost
     trained: Tensor | None = None  # [N, W] bool, the stored steps the update trains (a rollout plan's); None: all
     means: Tensor | None = None  # [N, W, ...] float32 transition means μ_old at rollout time (RatioNorm), or None
+    retained: RetainedSteps | None = None  # the first M steps' differentiable log-probs ("retain"), or None
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -119,6 +146,7 @@ class Rollout:
             cost=self.cost,
             trained=None if self.trained is None else self.trained[rows],
             means=None if self.means is None else self.means[rows],
+            retained=None if self.retained is None else self.retained.index(rows),
         )
 
     def transitions(self, rows: Tensor, steps: Tensor) -> Rollout:
@@ -151,6 +179,8 @@ class Rollout:
             raise ValueError("Rollouts to concatenate need the same window size, noise level and guidance.")
         if len({r.means is None for r in rollouts}) > 1:
             raise ValueError("Rollouts to concatenate must all store their transition means, or none of them.")
+        if len({r.retained is None for r in rollouts}) > 1:
+            raise ValueError("Rollouts to concatenate must all retain their steps' graphs, or none of them.")
         completions = None if first.completions is None else torch.cat([r.completions for r in rollouts])
         trained = None  # a batch without a mask trains every stored step
         if any(r.trained is not None for r in rollouts):
@@ -172,6 +202,7 @@ class Rollout:
             ),
             trained=trained,
             means=None if first.means is None else torch.cat([r.means for r in rollouts]),
+            retained=None if first.retained is None else RetainedSteps.cat([r.retained for r in rollouts]),
         )
 
 

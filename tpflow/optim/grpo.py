@@ -30,9 +30,11 @@ from tpflow.optim.advantages import group_advantages, informative_trajectories
 from tpflow.optim.grpo_loss import clipped_surrogate, kl_to_reference
 from tpflow.optim.loop import AdamWLoop, LossThunk, RowLoss
 from tpflow.optim.ratio_norm import normalised_log_ratio
+from tpflow.optim.recompute import retain_problems, retained_passes, retained_step
 from tpflow.optim.step_weights import noise_aware_weights, transition_std
 from tpflow.registry import register
-from tpflow.types import Rollout
+from tpflow.rollout.retain import Retain
+from tpflow.types import Rollout, StepOutput
 
 
 class GRPOOptions(BaseModel):
@@ -130,6 +132,28 @@ class GRPOOptions(BaseModel):
         "(flow_grpo's SD3 code of July-August 2025); the same forward values either way (tpflow.guidance, "
         "docs/algorithm.md §6.2).",
     )
+    recompute: Literal["native", "retain"] = Field(
+        "native",
+        description="How the update gets the policy's log-probabilities with gradients: 'native' recomputes each "
+        "trained step's forward pass; 'retain' keeps the graphs of the rollout's own forward passes and "
+        "back-propagates them at the first (on-policy) optimizer step of each update, later steps native "
+        "(LeanGRPO's Retain; the one-window plan only; memory grows with the retained steps: docs/training.md).",
+    )
+    max_retained_steps: int | None = Field(
+        None,
+        ge=1,
+        description="With recompute = 'retain': keep the graphs of the first M window steps only (the rest are "
+        "recomputed natively), bounding the rollout's memory. None: every window step.",
+    )
+    retain_min_trained: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="With recompute = 'retain': the least share of the epoch's trajectories (on this process) the "
+        "first optimizer step must train for its retained graphs to be used; below it the update recomputes "
+        "natively, because the retained backward runs over every trajectory of the rollout batches, trained or not "
+        "(zero-advantage ones, those of later steps). 0: always use them.",
+    )
     step_weight: Literal["uniform", "noise-aware"] = Field(
         "uniform",
         description="Weight of each step's policy loss: 'uniform' (Flow-GRPO, TP-GRPO), or 'noise-aware' "
@@ -153,7 +177,8 @@ class GRPO(AdamWLoop):
 
     Options: learning_rate, adam_betas, weight_decay, adam_eps, clip_range, adv_clip_max, beta, max_grad_norm,
     global_std, advantage_std, advantage_eps, filter_zero_advantage, gradient_accumulation_steps, micro_batch_size,
-    num_inner_epochs, ratio_norm, ratio_norm_reweight, kl_std, cfg_gradient, step_weight.
+    num_inner_epochs, ratio_norm, ratio_norm_reweight, kl_std, cfg_gradient, recompute, max_retained_steps,
+    retain_min_trained, step_weight.
 
     One ``update`` walks the epoch's trajectories in micro-batches of ``micro_batch_size`` (in order, as the
     reference), and for each micro-batch the W window steps in order: recompute the velocity with grad, re-score the
@@ -171,6 +196,17 @@ class GRPO(AdamWLoop):
     def needs_old_means(self) -> bool:
         """Whether the rollout must store each step's transition mean μ_old (``Rollout.means``): RatioNorm."""
         return self.options.ratio_norm
+
+    @property
+    def retain(self) -> Retain | None:
+        """What the rollout keeps with gradients for ``recompute = "retain"`` (``tpflow.rollout.retain``), else None:
+        the first ``max_retained_steps`` window steps, their means when the KL or RatioNorm reads them, the velocity
+        through the CFG branches ``cfg_gradient`` names."""
+        o = self.options
+        if o.recompute != "retain":
+            return None
+        conditional = o.cfg_gradient == "conditional"
+        return Retain(o.max_retained_steps, o.beta > 0 or o.ratio_norm, lambda: conditional_only(conditional))
 
     def __init__(self, options: GRPOOptions | None = None) -> None:
         super().__init__()
@@ -202,6 +238,7 @@ class GRPO(AdamWLoop):
                 "there is no unconditional branch to hold constant, so the option would change nothing. Drop it, or "
                 "set the guidance of the method you reproduce (SD3.5: 4.5)."
             )
+        problems += retain_problems(options, settings)
         sampler = settings["sampler"].name
         if options.ratio_norm and not capability(registry.get("sampler", sampler).factory, "gaussian_log_prob"):
             problems.append(
@@ -255,26 +292,31 @@ class GRPO(AdamWLoop):
         rows = torch.arange(n, device="cpu") if rows is None else rows  # [M] on the host
         on_device = rows.to(batch.device).split(o.micro_batch_size)
         micro_batches = list(zip(on_device, rows.split(o.micro_batch_size), strict=True)) if rows.numel() else []
+        passes, use_retained = retained_passes(batch, micro_batches, o)  # recompute: tpflow.optim.recompute
         trained = None if batch.trained is None else batch.trained.cpu()  # [N, W] host: a rollout plan's subset
         weights = self._step_weights(sampler, sigmas, batch.noise_level, trained)  # [N, W] host, or None: all 1
         weights = None if weights is None else weights.to(batch.device)
 
-        def losses(mb: tuple[Tensor, Tensor]) -> Iterator[LossThunk]:
-            device_rows, host_rows = mb
+        def losses(mb: tuple[Tensor, Tensor, bool]) -> Iterator[LossThunk]:
+            device_rows, host_rows, use_retained = mb
             if trained is not None:  # a plan's subset of (trajectory, step) pairs: packed, nothing else computed
-                yield from self._packed_losses(backbone, sampler, batch, adv, sigmas, weights, trained[host_rows], mb)
+                yield from self._packed_losses(backbone, sampler, batch, adv, sigmas, weights, trained[host_rows],
+                                               (device_rows, host_rows))  # fmt: skip
                 return
             part, host = batch.index(device_rows), sigmas[host_rows]
             for i in range(width):
                 weight = None if weights is None else weights[device_rows, i]
+                out = retained_step(part, i) if use_retained else None
                 yield functools.partial(
-                    self._step_loss, backbone, sampler, part, adv[device_rows, i], i, host[:, i : i + 2], weight
+                    self._step_loss, backbone, sampler, part, adv[device_rows, i], i, host[:, i : i + 2], weight, out
                 )
 
-        result = self.run([micro_batches] * o.num_inner_epochs, losses, on_step)
+        result = self.run(passes, losses, on_step)
         for name in ("ratio_max_deviation", "first_ratio_max_deviation"):  # 0 when no row trained: on policy
             result.setdefault(name, 0.0)
         result["trajectories_trained"] = float(rows.numel())
+        if batch.retained is not None:
+            result["retained_graphs_used"] = float(use_retained)
         return result
 
     def _packed_losses(
@@ -336,18 +378,24 @@ class GRPO(AdamWLoop):
         i: int,
         sigmas: Tensor | None = None,
         weight: Tensor | None = None,
+        retained: StepOutput | None = None,
     ) -> RowLoss:
         """Loss of window step i for one micro-batch, summed over its rows whose transition std is not 0, and its
         diagnostics as row sums. ``sigmas`` [n, 2]: (σ, σ⁺) of the step on the host (default: read from ``part``);
         ``weight`` [n] multiplies each row's policy loss (not its KL; None: 1). A rollout plan's subset of steps comes
-        packed (``Rollout.transitions``: every row trains unless its std is 0)."""
+        packed (``Rollout.transitions``: every row trains unless its std is 0). ``retained``: the step's
+        differentiable log-probability kept by the rollout (``recompute = "retain"``) instead of recomputing it; its
+        loss is then back-propagated with the rest of the optimizer step's (``RowLoss.deferred``)."""
         o = self.options
         sigmas = part.sigmas[:, i : i + 2] if sigmas is None else sigmas
         sigma, sigma_next = sigmas[:, 0], sigmas[:, 1]
         z, z_next = part.latents[:, i], part.next_latents[:, i]
         sigma_on_device = to_device(sigma, z.device)  # the host σ (checked there by the sampler) for the model
-        v = self._policy_velocity(backbone, z, sigma_on_device, part)
-        out = sampler.log_prob(z_next, z, v, sigma, sigma_next, part.noise_level)
+        if retained is None:
+            v = self._policy_velocity(backbone, z, sigma_on_device, part)
+            out = sampler.log_prob(z_next, z, v, sigma, sigma_next, part.noise_level)
+        else:
+            out = retained
         # Rows whose transition has std 0 (cps at σ⁺ = 0) carry no likelihood ratio and are never trained, row by
         # row: a micro-batch can mix rollout batches whose windows start differently, so some rows of step i may be
         # at σ⁺ = 0 while others are not. Their weight is 0 (their placeholder log-prob and KL are finite).
@@ -380,4 +428,4 @@ class GRPO(AdamWLoop):
             }
             sums = {name: (value * live).sum() for name, value in sums.items()}
             maxima = {"ratio_max_deviation": (deviation * live).max()}
-        return RowLoss((row * live).sum(), live.sum(), sums, maxima)
+        return RowLoss((row * live).sum(), live.sum(), sums, maxima, deferred=retained is not None)

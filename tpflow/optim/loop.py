@@ -47,6 +47,9 @@ class RowLoss:
     rows: Tensor  # [] how many rows it trains (float, on the loss's device); 0: nothing to back-propagate
     sums: dict[str, Tensor] = field(default_factory=dict)  # [] detached sums over the trained rows -> row means
     maxima: dict[str, Tensor] = field(default_factory=dict)  # [] detached maxima over the trained rows
+    # True: ``total`` goes through graphs that other losses of the step share (a rollout's retained graphs, which one
+    # backward frees): the loop sums the step's deferred losses and back-propagates them once, before its step.
+    deferred: bool = False
 
 
 LossThunk = Callable[[], "RowLoss"]
@@ -79,6 +82,7 @@ class AdamWLoop:
         self._optimizer: torch.optim.Optimizer | None = None
         self._dist = Distributed()
         self.precision: Precision = FP32
+        self._deferred: Tensor | None = None  # the optimizer step's deferred losses, summed (RowLoss.deferred)
 
     # ---- binding and state -------------------------------------------------------------------------------------
 
@@ -177,10 +181,13 @@ class AdamWLoop:
             if num_steps is None:  # every process takes as many steps as the one with the most micro-batches
                 num_steps = int(self._dist.max(-(-len(micro_batches) // accumulation)))
             for step in range(num_steps):
-                rows = 0.0
+                rows, self._deferred = 0.0, None
                 for mb in micro_batches[step * accumulation : (step + 1) * accumulation]:
                     for thunk in losses(mb):
                         rows += self._backward(thunk, totals, first=self.global_step == steps_before)
+                if self._deferred is not None:  # the retained graphs' losses, in one backward
+                    self.precision.backward(self._deferred)
+                    self._deferred = None
                 taken = self._step(rows, totals)
                 if taken is False:
                     skipped += 1
@@ -201,7 +208,10 @@ class AdamWLoop:
         if not finite:
             totals.nonfinite += 1
             return 0.0
-        self.precision.backward(out.total)
+        if out.deferred:
+            self._deferred = out.total if self._deferred is None else self._deferred + out.total
+        else:
+            self.precision.backward(out.total)
         totals.add(out, rows, first)
         return rows
 

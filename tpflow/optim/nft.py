@@ -104,9 +104,21 @@ class NFTOptions(BaseModel):
         description="Seed of the sample order, the times t and the noise ε of the update; None derives it from the "
         "run's seed. Saved in checkpoints, so a resumed run draws what the uninterrupted one would.",
     )
+    recompute: str = Field(
+        "native",
+        description="Only 'native': NFT trains on final samples at fresh times t and noise, not on stored "
+        "transitions, so the rollout computes nothing its update could reuse (GRPO's 'retain' has nothing to keep).",
+    )
 
     @model_validator(mode="after")
     def _timesteps_fit(self) -> NFTOptions:
+        if self.recompute != "native":
+            raise ValueError(
+                f'recompute = "{self.recompute}" reuses the rollout\'s forward passes of the stored SDE steps in the '
+                "update, and NFT has none to reuse: it stores no transitions, and trains the final samples at times t "
+                "and noise it draws afresh, which no rollout forward computed. Drop recompute (or use [optimizer] "
+                'name = "grpo" with recompute = "retain").'
+            )
         if self.timesteps_per_sample > self.num_timesteps:
             raise ValueError(
                 f"timesteps_per_sample={self.timesteps_per_sample} exceeds num_timesteps={self.num_timesteps}: each "
@@ -122,7 +134,7 @@ class NFT(AdamWLoop):
 
     Options: learning_rate, adam_betas, weight_decay, adam_eps, max_grad_norm, beta, kl_weight, adv_clip_max,
     global_std, num_timesteps, timesteps_per_sample, old_decay_flat, old_decay_rate, old_decay_max,
-    micro_batch_size, gradient_accumulation_steps, num_inner_epochs, seed.
+    micro_batch_size, gradient_accumulation_steps, num_inner_epochs, seed, recompute ("native" only).
 
     It consumes final samples (``consumes``): the rollout stores no transitions, log-probs or completions, and the
     credit must be ``outcome`` (one reward per image). The rollouts sample with the old policy (``sampling_policy``).

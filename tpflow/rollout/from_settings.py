@@ -14,6 +14,7 @@ from tpflow.plans.base import BatchPlan, Window
 from tpflow.rollout.branch import BranchEngine
 from tpflow.rollout.inputs import RolloutInputs
 from tpflow.rollout.per_row import RowWindowsEngine
+from tpflow.rollout.retain import Retain
 from tpflow.rollout.tail import DpmTailEngine
 from tpflow.rollout.window import Completions, FinalSamplesEngine, WindowEngine
 from tpflow.samplers.dpm_solver import compressed_tail, post_window_nodes
@@ -35,10 +36,24 @@ def engine_for(
     completions: Literal["ode", "x0"] | None,
     transitions: bool = True,
     store_means: bool = False,
+    retain: Retain | None = None,
 ) -> Engine:
     """The engine a plan names: the branch (TempFlow-GRPO), the DPM-Solver tail (MixGRPO-Flash), per-row windows, or
-    the one window, with completions when the credit reads them and transitions when the optimizer trains them."""
+    the one window, with completions when the credit reads them and transitions when the optimizer trains them.
+    ``retain`` (a recompute-free update, ``tpflow.rollout.retain``) is the one window's only: the GRPO options'
+    recipe check refuses it with any other plan before anything loads."""
     batch_plan = plan if isinstance(plan, BatchPlan) else None
+    if retain is not None and (
+        batch_plan is not None
+        and (
+            batch_plan.branch
+            or batch_plan.tail_ratio is not None
+            or not batch_plan.uniform
+            or batch_plan.trained is not None
+        )
+        or not transitions
+    ):
+        raise ValueError("retain runs with the one-window plan's engine only (every stored step trained).")
     window = Window(batch_plan.start, batch_plan.size) if batch_plan is not None else plan
     assert isinstance(window, Window)
     noise_level, steps = (
@@ -66,7 +81,7 @@ def engine_for(
     wanted = None
     if completions is not None:
         wanted = Completions(completions, settings.baseline_noise, steps=steps)
-    return WindowEngine(sampler, window, noise_level, wanted, store_means)
+    return WindowEngine(sampler, window, noise_level, wanted, store_means, retain)
 
 
 def rollout_from_settings(
@@ -81,6 +96,7 @@ def rollout_from_settings(
     group_seeds: Mapping[int, int] | None = None,
     transitions: bool = True,
     store_means: bool = False,
+    retain: Retain | None = None,
 ) -> Rollout:
     """A rollout as a recipe's ``[rollout]`` section asks: draws z_0 (one per group with ``same_noise``, else one
     per trajectory; ``groups`` [N] names each trajectory's prompt group) and runs :func:`engine_for`'s engine.
@@ -90,7 +106,8 @@ def rollout_from_settings(
     ``generator`` per distinct group of this batch. ``transitions`` False keeps the final latents only (an
     optimizer that consumes final samples). ``window`` is one window for the batch, or a rollout plan's
     ``BatchPlan`` (per-row starts and the trained steps, which the returned ``Rollout.trained`` carries; its ``[N, W]``
-    mask moves to the rollout's device). ``store_means`` keeps the window's transition means (``Rollout.means``)."""
+    mask moves to the rollout's device). ``store_means`` keeps the window's transition means (``Rollout.means``);
+    ``retain`` the first window steps' differentiable log-probabilities (``Rollout.retained``)."""
     plan = window if isinstance(window, BatchPlan) else None
     if settings.same_noise:
         unique = sorted(set(groups))
@@ -101,7 +118,7 @@ def rollout_from_settings(
         source = torch.tensor([unique.index(g) for g in groups], device="cpu")  # host: checked there, then moved
     else:
         z0, source = backbone.initial_noise(len(groups), generator), None
-    engine = engine_for(backbone, sampler, window, settings, completions, transitions, store_means)
+    engine = engine_for(backbone, sampler, window, settings, completions, transitions, store_means, retain)
     sigmas = backbone.sigmas(settings.num_steps)
     out = engine.run(
         RolloutInputs(backbone, cond, z0, sigmas, settings.guidance, source, generator, settings.max_batch)

@@ -22,6 +22,7 @@ step's batched call. c = 1 is the one-step x0 estimate z − σ·v; c ≥ the re
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,6 +33,7 @@ from tpflow.interfaces import Backbone, Sampler
 from tpflow.plans.base import Window
 from tpflow.rollout.inputs import RolloutInputs, Started, begin, ode_prefix
 from tpflow.rollout.parts import Branch, MainNoise, Velocity, completion_nodes
+from tpflow.rollout.retain import Retain, RetainedLog, log_prob_with_grad
 from tpflow.samplers.euler import euler_step
 from tpflow.types import Conditioning, Rollout
 
@@ -58,7 +60,8 @@ class WindowEngine:
     """Steps s .. s + W − 1 by the sampler's SDE step, stored for the update; Euler ODE before and after; the
     completions along when asked (:class:`Completions`), every live latent in one velocity call per step.
     ``store_means`` also keeps each window step's transition mean μ_old (``Rollout.means``, GRPO-Guard's
-    RatioNorm)."""
+    RatioNorm); ``retain`` runs the main trajectory's first window steps with gradients and keeps their
+    differentiable log-probabilities (``Rollout.retained``, ``tpflow.rollout.retain``)."""
 
     store = True  # the window's transitions are kept (FinalSamplesEngine: not)
 
@@ -69,9 +72,10 @@ class WindowEngine:
         noise_level: float,
         completions: Completions | None = None,
         store_means: bool = False,
+        retain: Retain | None = None,
     ) -> None:
         self.sampler, self.window, self.noise_level = sampler, window, noise_level
-        self.completions, self.store_means = completions, store_means
+        self.completions, self.store_means, self.retain = completions, store_means, retain
 
     @torch.no_grad()
     def run(self, inputs: RolloutInputs) -> Rollout:
@@ -91,7 +95,7 @@ class WindowEngine:
             independent = Branch(fresh, torch.arange(n, device=z0.device))
         prefix = ode_prefix(started, self.window.start, independent)
         loop = WindowLoop(started.engine, self.sampler, self.window, self.noise_level, c, started.first,
-                          store=self.store, means=self.store_means)  # fmt: skip
+                          store=self.store, means=self.store_means, retain=self.retain)  # fmt: skip
         main = Branch(prefix.z[started.source], torch.arange(n, device=z0.device))
         for k in range(self.window.start, end):  # the window, then the ODE tail; completions ride along
             loop.step(main, k, started.noise, independent)
@@ -104,7 +108,10 @@ class WindowEngine:
         parts = [torch.stack(part, dim=1) for part in (loop.latents, loop.next_latents, loop.log_probs)]
         means = torch.stack(loop.means, dim=1) if self.store_means else None
         grid = started.inputs.sigmas[s : s + width + 1].expand(n, width + 1)
-        return stored_rollout(started, self.noise_level, main.z, parts, grid, means, completed)
+        out = stored_rollout(started, self.noise_level, main.z, parts, grid, means, completed)
+        if loop.retained is None:
+            return out
+        return dataclasses.replace(out, retained=loop.retained.stacked())
 
 
 def stored_rollout(
@@ -164,6 +171,7 @@ class WindowLoop:
         first: Tensor,
         store: bool = True,
         means: bool = False,
+        retain: Retain | None = None,
     ) -> None:
         self.engine, self.sampler, self.window, self.noise_level = engine, sampler, window, noise_level
         self.completions, self.first = completions, first  # first: [P] the first trajectory of each noise row
@@ -176,15 +184,23 @@ class WindowLoop:
         self.store_means = means  # keep each window step's transition mean μ_old too
         self.means: list[Tensor] = []
         self.last_x0: Tensor | None = None  # [N, ...] float32 x̂_0 of the last window step
+        self.retained = None if retain is None or not store else RetainedLog(retain)
 
     def step(self, main: Branch, k: int, noise: MainNoise, independent: Branch | None) -> None:
         others = [b for b in self.branches if b.live(k)] + ([independent] if independent is not None else [])
-        vs = self.engine([main, *others], k)
+        s = self.window.start
+        inside = s <= k < s + self.window.size
+        retained = self.retained is not None and inside and self.retained.retain.covers(k - s)
+        if retained:  # the main trajectory with gradients, in a call of its own; the ODE branches without
+            assert self.retained is not None
+            v_grad = self.retained.velocity(lambda: self.engine([main], k)[0])
+            vs = [v_grad.detach(), *(self.engine(others, k) if others else [])]
+        else:
+            vs = self.engine([main, *others], k)
         sigma, sigma_next = self.engine.sigmas[k], self.engine.sigmas[k + 1]
         for branch, v in zip(others, vs[1:], strict=True):
             self._advance(branch, v, k)
-        v_main, s = vs[0], self.window.start
-        inside = s <= k < s + self.window.size
+        v_main = vs[0]
         xi = noise.draw(k, keep=inside)  # ξ_k is drawn at every step, kept inside the window only
         if not inside:
             main.z = euler_step(main.z, v_main, sigma, sigma_next)
@@ -193,6 +209,10 @@ class WindowLoop:
             self.last_x0 = main.z.float() - float(sigma) * v_main.float()
         self._start_completion(main, v_main, k - s, k, sigma)
         out = self.sampler.step(main.z, v_main, sigma, sigma_next, self.noise_level, noise=xi)
+        if retained:
+            assert self.retained is not None
+            self.retained.keep(log_prob_with_grad(self.sampler, out.prev, main.z, v_grad, sigma, sigma_next,
+                                                  self.noise_level))  # fmt: skip
         if self.store:
             self.latents.append(main.z)
             self.next_latents.append(out.prev)

@@ -54,6 +54,7 @@ class EpochSampler:
         transitions = self.optimizer.consumes == "transitions"
         completions = rollout.completions if self.credit.needs_completions and transitions else None
         store_means = transitions and capability(self.optimizer, "needs_old_means")  # e.g. GRPO's RatioNorm
+        retain = capability(self.optimizer, "retain") if transitions else None  # a recompute-free update's graphs
         # The text encoders run once per epoch, on every distinct prompt of the epoch's plan (all processes alike,
         # so the embeddings do not depend on the number of processes); each rollout batch indexes its rows.
         plan = plan_epoch(len(self.items), train, epoch)
@@ -83,6 +84,7 @@ class EpochSampler:
                         z0_seeds,
                         transitions,
                         store_means,
+                        retain,
                     )
                 prompts, metadata = [i.prompt for i in items], [i.metadata for i in items]
                 # traces [n, W + 1] of the plan's W (a truncated window holds fewer than [rollout] window_size)

@@ -1,0 +1,84 @@
+"""What a rollout keeps for a recompute-free update (``[optimizer] recompute = "retain"``, docs/training.md).
+
+A GRPO update's first optimizer step is on policy: it re-runs, with gradients, the very forward pass the rollout ran
+without them (the ratio is exactly 1, the clip inert), so its cost buys nothing but the graph (LeanGRPO, arXiv
+2609.03528, "Retain"). With :class:`Retain` the window engine runs the main trajectory's velocity at the first M
+window steps with gradients and keeps, per step, the log-probability of the transition it sampled with its autograd
+graph (``tpflow.types.RetainedSteps``); the update back-propagates those once the advantages exist.
+
+Three choices keep it the native update up to float rounding:
+
+* **What is differentiated** is ``Sampler.log_prob`` of the sampled latent, detached, as the update recomputes it,
+  not the step's own log-probability (whose sample depends on the velocity through its mean, and whose gradient would
+  therefore cancel).
+* **The stored transition is the native one**: the step samples from the detached velocity, so the latents, ξ and
+  the stored log-probabilities are those of a rollout without retain (bitwise where the velocity is: the main
+  trajectory's velocity is computed in a call of its own when other branches share the step, which changes the
+  rounding of a batched matmul at most).
+* **Each step's graph starts at a detached latent**, as the update's recompute does: no gradient through the chain.
+
+Memory: each retained step holds its forward activations for the batch until the update's first optimizer step.
+``steps`` caps how many window steps are retained (the first M); the rest are recomputed natively.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from tpflow.types import RetainedSteps, StepOutput
+
+
+@dataclass(frozen=True)
+class Retain:
+    """Which window steps a rollout runs with gradients, and how the optimizer wants the velocity computed."""
+
+    steps: int | None = None  # the first M window steps (None: all of them)
+    keep_mean: bool = False  # keep the differentiable transition mean too (the KL with β > 0, RatioNorm)
+    # the optimizer's context around the policy's velocity call (e.g. tpflow.guidance.conditional_only)
+    context: Callable[[], contextlib.AbstractContextManager] = field(default=contextlib.nullcontext)
+
+    def covers(self, i: int) -> bool:
+        """Whether window step i (0-based) is retained."""
+        return self.steps is None or i < self.steps
+
+
+class RetainedLog:
+    """The retained steps of one rollout batch, in window order."""
+
+    def __init__(self, retain: Retain) -> None:
+        self.retain = retain
+        self.outputs: list[StepOutput] = []
+
+    def velocity(self, call: Callable[[], Tensor]) -> Tensor:
+        """The main trajectory's velocity with gradients, inside the optimizer's context."""
+        with torch.enable_grad(), self.retain.context():
+            return call()
+
+    def keep(self, out: StepOutput) -> None:
+        """One retained step: ``Sampler.log_prob`` of the stored transition under the differentiable velocity."""
+        mean = out.mean if self.retain.keep_mean else None
+        self.outputs.append(StepOutput(out.prev, mean, out.std.detach(), out.log_prob, out.std_dev_t.detach()))
+
+    def stacked(self) -> RetainedSteps | None:
+        if not self.outputs:
+            return None
+        with torch.enable_grad():  # the engine runs without gradients; the stacked graphs must keep theirs
+            return self._stacked(self.outputs)
+
+    def _stacked(self, outs: list[StepOutput]) -> RetainedSteps:
+        mean = torch.stack([o.mean for o in outs], dim=1) if self.retain.keep_mean else None
+        stack = [torch.stack([getattr(o, name).reshape(-1) for o in outs], dim=1) for name in ("log_prob", "std")]
+        std_dev_t = torch.stack([o.std_dev_t.reshape(-1).expand_as(o.log_prob) for o in outs], dim=1)
+        return RetainedSteps(stack[0], mean, stack[1].expand_as(stack[0]), std_dev_t)
+
+
+def log_prob_with_grad(sampler, z_next: Tensor, z: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor,
+                       noise_level: float) -> StepOutput:  # fmt: skip
+    """``Sampler.log_prob`` of the detached sample ``z_next`` under the differentiable velocity ``v``."""
+    with torch.enable_grad():
+        return sampler.log_prob(z_next.detach(), z.detach(), v, sigma, sigma_next, noise_level)
