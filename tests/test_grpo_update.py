@@ -82,6 +82,43 @@ def test_non_finite_losses_are_skipped_and_counted(backbone):
     assert all(torch.isfinite(p).all() for p in backbone.trainable_parameters())
 
 
+def test_a_non_finite_value_in_a_masked_row_does_not_drop_the_trained_rows(backbone):
+    """Rows with std 0 (cps at σ⁺ = 0) are masked out of the loss; a NaN in such a row (its placeholder log-prob) must
+    not turn the loss of the rows that train into NaN, which the update would then skip whole (it multiplied the
+    rows by the 0/1 mask, and NaN · 0 is NaN)."""
+    sampler = tpflow.build("sampler", "cps")
+
+    class NanWhereStdIsZero:
+        """The cps sampler, except that the placeholder log-prob of a std-0 row is NaN."""
+
+        def step(self, *args, **kwargs):
+            return sampler.step(*args, **kwargs)
+
+        def log_prob(self, z_next, z, v, sigma, sigma_next, noise_level):
+            out = sampler.log_prob(z_next, z, v, sigma, sigma_next, noise_level)
+            nan = torch.where(out.std == 0, float("nan"), 0.0)
+            return type(out)(out.prev, out.mean, out.std, out.log_prob + nan, out.std_dev_t)
+
+    prompts = ["a photo of a red circle", "a photo of two squares"] * 2
+    sigmas = backbone.sigmas(4)
+    cond = backbone.encode(prompts)
+    parts = [rollout(backbone, sampler, cond, backbone.initial_noise(4, torch.Generator().manual_seed(s)), sigmas,
+                     Window(s, 3), 0.7, 2.0, None, generator=torch.Generator().manual_seed(10 + s))
+             for s in (0, 1)]  # fmt: skip
+    from tpflow.types import Rollout
+
+    batch = Rollout.cat(parts)  # window position 2: the rows of [1, 4) step to σ = 0, those of [0, 3) do not
+    advantages = torch.randn(8, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    losses = {}
+    for name, used in (("plain", sampler), ("nan", NanWhereStdIsZero())):
+        optimizer = tpflow.build("optimizer", "grpo", micro_batch_size=8, learning_rate=1e-12, beta=1e-2)
+        losses[name] = optimizer.update(backbone, used, batch, advantages)
+    assert losses["nan"]["nonfinite_losses"] == 0, losses["nan"]
+    assert losses["nan"]["rows_trained"] == losses["plain"]["rows_trained"] == 8 * 3 - 4
+    assert losses["nan"]["loss"] == losses["plain"]["loss"]
+    assert all(torch.isfinite(p).all() for p in backbone.trainable_parameters())
+
+
 def test_the_update_takes_the_advantages_as_given(backbone):
     """The optimizer's ``advantages`` clips once at adv_clip_max; the update must not clamp again (a second clamp at
     5 once made adv_clip_max > 5 ineffective). On policy the ratio is 1, so the policy loss is −mean(A)."""

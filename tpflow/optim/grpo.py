@@ -398,15 +398,17 @@ class GRPO(AdamWLoop):
             out = retained
         # Rows whose transition has std 0 (cps at σ⁺ = 0) carry no likelihood ratio and are never trained, row by
         # row: a micro-batch can mix rollout batches whose windows start differently, so some rows of step i may be
-        # at σ⁺ = 0 while others are not. Their weight is 0 (their placeholder log-prob and KL are finite).
-        live = (out.std.reshape(-1) != 0).float()  # [n] on the rollout's device
+        # at σ⁺ = 0 while others are not. They are selected out of every sum below (their placeholder log-prob and KL
+        # are finite, with a finite gradient; a non-finite placeholder would still stay out of the forward).
+        live = out.std.reshape(-1) != 0  # [n] bool on the rollout's device
         if o.ratio_norm:  # GRPO-Guard: the normalised log-ratio in place of ℓ_θ − ℓ_old
             if part.means is None:
                 raise ValueError("ratio_norm needs the rollout's transition means (Rollout.means, store_means=True).")
             log_ratio = normalised_log_ratio(out.log_prob, part.log_probs[:, i], out.mean, part.means[:, i], out.std)
             policy = clipped_surrogate(log_ratio, torch.zeros_like(log_ratio), adv, o.clip_range)
-        else:
-            policy = clipped_surrogate(out.log_prob, part.log_probs[:, i], adv, o.clip_range)
+        else:  # a masked row's log-probs are replaced by 0 before the ratio: no NaN · 0 in the gradient either
+            log_prob, old = (torch.where(live, lp, 0.0) for lp in (out.log_prob, part.log_probs[:, i]))
+            policy = clipped_surrogate(log_prob, old, adv, o.clip_range)
         weighted = policy.row_losses if weight is None else policy.row_losses * weight  # [n] the trained policy term
         row = weighted
         kl = torch.zeros_like(row)
@@ -426,6 +428,9 @@ class GRPO(AdamWLoop):
                 "clip_fraction": (deviation > o.clip_range).float(),
                 "ratio_mean": policy.ratio,
             }
-            sums = {name: (value * live).sum() for name, value in sums.items()}
-            maxima = {"ratio_max_deviation": (deviation * live).max()}
-        return RowLoss((row * live).sum(), live.sum(), sums, maxima, deferred=retained is not None)
+            # selected, not multiplied by the mask: a masked row's non-finite placeholder (NaN · 0 = NaN) must not
+            # reach the rows that train
+            sums = {name: torch.where(live, value, 0.0).sum() for name, value in sums.items()}
+            maxima = {"ratio_max_deviation": torch.where(live, deviation, 0.0).max()}
+        total = torch.where(live, row, torch.zeros_like(row)).sum()
+        return RowLoss(total, live.sum().float(), sums, maxima, deferred=retained is not None)
