@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import tpflow
+from tests.conftest import cuda_or_skip
 from tpflow.errors import RecipeError
 from tpflow.precision import Precision
 from tpflow.recipe import load_recipe
@@ -226,20 +227,19 @@ def test_on_cuda_the_retained_gradient_is_the_native_one(mode):
     """The CPU tests' comparison on a GPU, where the rollout batch and the micro-batch may pick other kernels: the
     first step's gradient from the retained graphs against native's on the same rollout (cosine; LeanGRPO reports
     0.9998 under bf16)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+    device = cuda_or_skip()
     torch.manual_seed(0)
-    backbone = tpflow.build("backbone", "tiny-sd3", seed=0, resolution=16, device="cuda")
+    backbone = tpflow.build("backbone", "tiny-sd3", seed=0, resolution=16, device=device)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in backbone.trainable_parameters():
             p.add_((0.05 * torch.randn(p.shape, generator=gen)).to(p.device, p.dtype))
     sampler = tpflow.build("sampler", "flow-sde")
     layout = {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "beta": 0.01}
-    precision = None if mode == "no" else Precision(mode, "cuda")
+    precision = None if mode == "no" else Precision(mode, device)
     retain = tpflow.build("optimizer", "grpo", recompute="retain", **layout).retain
     batch = sample(backbone, sampler, retain, precision=precision)
-    fresh = None if mode == "no" else Precision(mode, "cuda")
+    fresh = None if mode == "no" else Precision(mode, device)
     kept, _, _ = first_step_gradient(backbone, sampler, batch, ADVANTAGES, precision, recompute="retain", **layout)
     native, _, _ = first_step_gradient(backbone, sampler, dataclasses.replace(batch, retained=None), ADVANTAGES,
                                        fresh, **layout)  # fmt: skip
