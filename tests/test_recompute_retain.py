@@ -86,7 +86,8 @@ def test_a_retaining_rollout_stores_the_native_transitions(model, completions):
     native = sample(backbone, sampler, None, completions)
     kept = sample(backbone, sampler, optimizer.retain, completions)
     assert native.retained is None and kept.retained is not None
-    assert kept.retained.log_prob.requires_grad and kept.retained.log_prob.shape == (len(PROMPTS), WINDOW.size)
+    log_prob = kept.retained.parts[0].log_prob
+    assert log_prob.requires_grad and log_prob.shape == (len(PROMPTS), WINDOW.size)
     names = ("latents", "next_latents", "log_probs", "final")
     if completions is None:  # the main trajectory's call is the native one: bitwise
         for name in names:
@@ -95,7 +96,7 @@ def test_a_retaining_rollout_stores_the_native_transitions(model, completions):
         for name in (*names, "completions"):
             torch.testing.assert_close(getattr(kept, name), getattr(native, name), rtol=0, atol=1e-5)
     # the retained log-probability is the stored one (on policy: ratio 1)
-    torch.testing.assert_close(kept.retained.log_prob.detach(), kept.log_probs, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(log_prob.detach(), kept.log_probs, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -160,6 +161,38 @@ def test_only_the_first_optimizer_step_is_retained(model):
     for step in range(2):
         a, b = (torch.cat([g.flatten() for g in grads[step]]) for grads in (kept, native))
         assert relative(a, b) < 1e-5, (step, relative(a, b))
+
+
+def test_the_first_step_backpropagates_only_the_rollout_batches_it_trains(model):
+    """Two rollout batches of 4 and optimizer steps of 4 rows: the first step's backward must run the first batch's
+    graphs only (a concatenation would run the second's too, with zero gradients, at full cost)."""
+    from tpflow.types import Rollout
+
+    backbone, sampler = model
+    retain = tpflow.build("optimizer", "grpo", recompute="retain").retain
+    batch = Rollout.cat([sample(backbone, sampler, retain), sample(backbone, sampler, retain)])
+    assert len(batch.retained.parts) == 2 and batch.retained.starts == (0, 4)
+    reached = [0, 0]
+    for k, part in enumerate(batch.retained.parts):
+        part.log_prob.register_hook(lambda grad, k=k: reached.__setitem__(k, reached[k] + 1))
+    advantages = torch.cat([ADVANTAGES, ADVANTAGES.flip(0)])
+    layout = {"micro_batch_size": 4, "gradient_accumulation_steps": 1, "beta": 0.0}
+    _, grads, metrics = first_step_gradient(backbone, sampler, batch, advantages, recompute="retain", **layout)
+    assert metrics["retained_graphs_used"] == 1.0 and len(grads) == 2
+    assert reached == [1, 0]
+
+
+def test_select_gathers_rows_in_their_order_from_the_parts_that_hold_them():
+    from tpflow.types import RetainedPart, RetainedSteps
+
+    def part(first: int, n: int) -> RetainedPart:
+        values = torch.arange(first, first + n, dtype=torch.float32)[:, None].expand(n, 2)  # [n, M = 2]: row ids
+        return RetainedPart(values, None, values + 100, values + 200)
+
+    kept = RetainedSteps((part(0, 3), part(3, 4), part(7, 2)), (0, 3, 7))
+    for rows in ([5, 1, 8, 0], [0, 1, 2], [6, 3], [8, 7, 4]):
+        got = kept.select(torch.tensor(rows))
+        assert got.log_prob[:, 0].tolist() == rows and got.std_dev_t[:, 1].tolist() == [r + 200 for r in rows]
 
 
 def test_below_retain_min_trained_the_update_recomputes(model):

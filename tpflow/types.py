@@ -80,29 +80,65 @@ class RolloutCost:
 
 
 @dataclass(frozen=True)
+class RetainedPart:
+    """One rollout batch's retained steps: the tensors its rollout kept, each graph that batch's own."""
+
+    log_prob: Tensor  # [n, M] float32 ℓ_θ(z_{s+i+1} | z_{s+i}) of the stored transition, differentiable
+    mean: Tensor | None  # [n, M, ...] float32 transition mean μ_θ, differentiable (for the KL or RatioNorm), or None
+    std: Tensor  # [n, M] float32 transition std (detached)
+    std_dev_t: Tensor  # [n, M] float32 the KL's noise coefficient (detached)
+
+    def rows(self, local: Tensor) -> RetainedPart:
+        mean = None if self.mean is None else self.mean[local]
+        return RetainedPart(self.log_prob[local], mean, self.std[local], self.std_dev_t[local])
+
+
+@dataclass(frozen=True)
 class RetainedSteps:
     """The first M window steps' log-probabilities with their autograd graphs, kept by a rollout that ran them with
     gradients (``[optimizer] recompute = "retain"``, ``tpflow.rollout.retain``): the on-policy update back-propagates
-    these instead of recomputing the velocity. Each step's graph starts at its own detached latent."""
+    these instead of recomputing the velocity. Each step's graph starts at its own detached latent.
 
-    log_prob: Tensor  # [N, M] float32 ℓ_θ(z_{s+i+1} | z_{s+i}) of the stored transition, differentiable
-    mean: Tensor | None  # [N, M, ...] float32 transition mean μ_θ, differentiable (for the KL or RatioNorm), or None
-    std: Tensor  # [N, M] float32 transition std (detached)
-    std_dev_t: Tensor  # [N, M] float32 the KL's noise coefficient (detached)
+    Kept per rollout batch (``parts``, the first row of each at ``starts``, host ints), never concatenated: a backward
+    through a concatenation runs every input's graph, so a loss over some rows would pay for every batch's backward.
+    :meth:`select` gathers rows from the parts they lie in, and only those parts' graphs are back-propagated."""
+
+    parts: tuple[RetainedPart, ...]
+    starts: tuple[int, ...]  # host: the epoch row of each part's first row
 
     @property
     def steps(self) -> int:
-        return self.log_prob.shape[1]
+        return self.parts[0].log_prob.shape[1]
+
+    def select(self, rows: Tensor) -> RetainedPart:
+        """The rows ``rows`` ([m] host long, any order) as one part, gathered from the parts that hold them."""
+        bounds = torch.tensor([*self.starts[1:], 2**62], dtype=torch.long, device="cpu")  # host bookkeeping
+        which = torch.bucketize(rows, bounds, right=True)  # [m] the part of each row
+        order = torch.argsort(which, stable=True)  # rows grouped by part, in their order within each
+        pieces = []
+        for p in which.unique().tolist():
+            local = rows[which == p] - self.starts[p]
+            pieces.append(self.parts[p].rows(local.to(self.parts[p].log_prob.device)))
+        gathered = RetainedPart(*(None if f[0] is None else torch.cat(f) for f in zip(
+            *((q.log_prob, q.mean, q.std, q.std_dev_t) for q in pieces), strict=True)))  # fmt: skip
+        if torch.equal(order, torch.arange(len(rows), device="cpu")):
+            return gathered
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(rows), device="cpu")
+        return gathered.rows(inverse.to(gathered.log_prob.device))
 
     def index(self, rows: Tensor) -> RetainedSteps:
-        return RetainedSteps(self.log_prob[rows], None if self.mean is None else self.mean[rows], self.std[rows],
-                             self.std_dev_t[rows])  # fmt: skip
+        return RetainedSteps((self.select(rows.cpu()),), (0,))
 
     @staticmethod
-    def cat(parts: list[RetainedSteps]) -> RetainedSteps:
-        mean = None if parts[0].mean is None else torch.cat([p.mean for p in parts])  # type: ignore[misc]
-        return RetainedSteps(torch.cat([p.log_prob for p in parts]), mean, torch.cat([p.std for p in parts]),
-                             torch.cat([p.std_dev_t for p in parts]))  # fmt: skip
+    def cat(retained: list[RetainedSteps], sizes: list[int]) -> RetainedSteps:
+        """The retained steps of consecutive rollout batches of ``sizes`` rows each, their parts kept apart."""
+        parts, starts, offset = [], [], 0
+        for kept, size in zip(retained, sizes, strict=True):
+            parts += kept.parts
+            starts += [offset + s for s in kept.starts]
+            offset += size
+        return RetainedSteps(tuple(parts), tuple(starts))
 
 
 @dataclass(frozen=True)
@@ -202,7 +238,9 @@ class Rollout:
             ),
             trained=trained,
             means=None if first.means is None else torch.cat([r.means for r in rollouts]),
-            retained=None if first.retained is None else RetainedSteps.cat([r.retained for r in rollouts]),
+            retained=None
+            if first.retained is None
+            else RetainedSteps.cat([r.retained for r in rollouts], [len(r) for r in rollouts]),
         )
 
 

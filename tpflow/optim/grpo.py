@@ -13,6 +13,7 @@ docs/algorithm.md §6.3).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Literal
@@ -149,10 +150,10 @@ class GRPOOptions(BaseModel):
         0.5,
         ge=0,
         le=1,
-        description="With recompute = 'retain': the least share of the epoch's trajectories (on this process) the "
-        "first optimizer step must train for its retained graphs to be used; below it the update recomputes "
-        "natively, because the retained backward runs over every trajectory of the rollout batches, trained or not "
-        "(zero-advantage ones, those of later steps). 0: always use them.",
+        description="With recompute = 'retain': the least share of the trajectories in the rollout batches the first "
+        "optimizer step touches that it must train for their retained graphs to be used; below it the update "
+        "recomputes natively, because the retained backward runs over every trajectory of those batches, trained or "
+        "not (zero-advantage ones, those of later steps). 0: always use them.",
     )
     step_weight: Literal["uniform", "noise-aware"] = Field(
         "uniform",
@@ -293,6 +294,7 @@ class GRPO(AdamWLoop):
         on_device = rows.to(batch.device).split(o.micro_batch_size)
         micro_batches = list(zip(on_device, rows.split(o.micro_batch_size), strict=True)) if rows.numel() else []
         passes, use_retained = retained_passes(batch, micro_batches, o)  # recompute: tpflow.optim.recompute
+        plain = dataclasses.replace(batch, retained=None)  # micro-batches index it; their graphs come by host rows
         trained = None if batch.trained is None else batch.trained.cpu()  # [N, W] host: a rollout plan's subset
         weights = self._step_weights(sampler, sigmas, batch.noise_level, trained)  # [N, W] host, or None: all 1
         weights = None if weights is None else weights.to(batch.device)
@@ -303,10 +305,11 @@ class GRPO(AdamWLoop):
                 yield from self._packed_losses(backbone, sampler, batch, adv, sigmas, weights, trained[host_rows],
                                                (device_rows, host_rows))  # fmt: skip
                 return
-            part, host = batch.index(device_rows), sigmas[host_rows]
+            part, host = plain.index(device_rows), sigmas[host_rows]
+            kept = batch.retained.select(host_rows) if use_retained and batch.retained is not None else None
             for i in range(width):
                 weight = None if weights is None else weights[device_rows, i]
-                out = retained_step(part, i) if use_retained else None
+                out = retained_step(kept, part, i)
                 yield functools.partial(
                     self._step_loss, backbone, sampler, part, adv[device_rows, i], i, host[:, i : i + 2], weight, out
                 )

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from tpflow.types import Rollout, StepOutput
+from tpflow.types import RetainedPart, Rollout, StepOutput
 
 
 def retain_problems(options: Any, settings: dict) -> list[str]:
@@ -44,26 +45,33 @@ def retained_passes(batch: Rollout, micro_batches: list[tuple[Tensor, Tensor]], 
     retained graphs, and whether any does.
 
     The first optimizer step's micro-batches are on policy and take them; every later step, and every later pass,
-    recomputes natively at the moved weights. The retained backward runs over every row of the rollout batches,
-    trained or not (a batched graph cannot be back-propagated for some rows only), so when the first step trains fewer
-    than ``retain_min_trained`` of the batch's rows (zero-advantage rows skipped, rows left to later steps), native
-    is cheaper, and taken."""
+    recomputes natively at the moved weights. The retained backward runs over every row of the rollout batches the
+    step touches, trained or not (a batched graph cannot be back-propagated for some rows only), so when the first
+    step trains fewer than ``retain_min_trained`` of the rows of the rollout batches it touches (zero-advantage rows
+    skipped, rows left to later steps), native is cheaper, and taken."""
     if batch.retained is not None and batch.trained is not None:
         raise ValueError("retained graphs come from the one-window plan, whose rollouts train every stored step.")
     accumulation = options.gradient_accumulation_steps
-    first_rows = sum(len(host) for _, host in micro_batches[:accumulation])
-    use = batch.retained is not None and first_rows >= options.retain_min_trained * len(batch)
+    first = [host for _, host in micro_batches[:accumulation]]
+    use = False
+    if batch.retained is not None and first:
+        starts = batch.retained.starts
+        ends = [*starts[1:], len(batch)]
+        rows = torch.cat(first)  # [m] host
+        touched = {p for p in range(len(starts)) if ((rows >= starts[p]) & (rows < ends[p])).any()}
+        covered = sum(ends[p] - starts[p] for p in touched)
+        use = len(rows) >= options.retain_min_trained * covered
     first = accumulation if use else 0
     passes = [[(*mb, k < first) for k, mb in enumerate(micro_batches)]]
     passes += [[(*mb, False) for mb in micro_batches]] * (options.num_inner_epochs - 1)
     return passes, use
 
 
-def retained_step(part: Rollout, i: int) -> StepOutput | None:
-    """Window step i of ``part``'s retained graphs as the sampler's ``log_prob`` would return it, or None when the
-    step was not retained (past ``max_retained_steps``: recomputed natively)."""
-    kept = part.retained
-    if kept is None or i >= kept.steps:
+def retained_step(kept: RetainedPart | None, part: Rollout, i: int) -> StepOutput | None:
+    """Window step i of a micro-batch's retained graphs (``kept``, its rows of ``Rollout.retained``; ``part`` the
+    micro-batch) as the sampler's ``log_prob`` would return it, or None when the step was not retained (past
+    ``max_retained_steps``: recomputed natively)."""
+    if kept is None or i >= kept.log_prob.shape[1]:
         return None
     mean = None if kept.mean is None else kept.mean[:, i]
     return StepOutput(part.next_latents[:, i], mean, kept.std[:, i], kept.log_prob[:, i], kept.std_dev_t[:, i])

@@ -17,7 +17,8 @@ Three choices keep it the native update up to float rounding:
   rounding of a batched matmul at most).
 * **Each step's graph starts at a detached latent**, as the update's recompute does: no gradient through the chain.
 
-Memory: each retained step holds its forward activations for the batch until the update's first optimizer step.
+Memory: each retained step holds its forward activations for the batch until the update's first optimizer step
+back-propagates them (a batch it does not train keeps them until the epoch's rollouts are dropped).
 ``steps`` caps how many window steps are retained (the first M); the rest are recomputed natively.
 """
 
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from tpflow.types import RetainedSteps, StepOutput
+from tpflow.types import RetainedPart, RetainedSteps, StepOutput
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class RetainedLog:
         mean = torch.stack([o.mean for o in outs], dim=1) if self.retain.keep_mean else None
         stack = [torch.stack([getattr(o, name).reshape(-1) for o in outs], dim=1) for name in ("log_prob", "std")]
         std_dev_t = torch.stack([o.std_dev_t.reshape(-1).expand_as(o.log_prob) for o in outs], dim=1)
-        return RetainedSteps(stack[0], mean, stack[1].expand_as(stack[0]), std_dev_t)
+        return RetainedSteps((RetainedPart(stack[0], mean, stack[1].expand_as(stack[0]), std_dev_t),), (0,))
 
 
 def log_prob_with_grad(sampler, z_next: Tensor, z: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor,
