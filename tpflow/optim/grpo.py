@@ -28,7 +28,7 @@ from tpflow.errors import UserError
 from tpflow.guidance import conditional_only
 from tpflow.interfaces import Backbone, Sampler, capability
 from tpflow.optim.advantages import group_advantages, informative_trajectories
-from tpflow.optim.grpo_loss import clipped_surrogate, kl_to_reference
+from tpflow.optim.grpo_loss import PolicyLoss, clipped_surrogate, kl_to_reference
 from tpflow.optim.loop import AdamWLoop, LossThunk, RowLoss
 from tpflow.optim.ratio_norm import normalised_log_ratio
 from tpflow.optim.recompute import retain_problems, retained_passes, retained_step
@@ -284,15 +284,9 @@ class GRPO(AdamWLoop):
         # Advantages are host bookkeeping (float64, CPU); they join the stored transitions on the rollout's device
         # here, once (tpflow.devices, rule 2), so every index and loss below stays on one device. The noise levels
         # stay on the host too: the sampler checks them there, without a device read per step.
-        # Which rows train, and the micro-batches' indices, are decided on the host (from the host advantages):
-        # one copy of the indices to the device per update, no read back.
         adv = advantages.to(device=batch.device, dtype=torch.float32)  # [N, W], clipped by self.advantages
         sigmas = batch.sigmas.cpu()  # [N, W + 1]
-        host_adv = advantages.detach().cpu()
-        rows = informative_trajectories(host_adv).nonzero().squeeze(1) if o.filter_zero_advantage else None
-        rows = torch.arange(n, device="cpu") if rows is None else rows  # [M] on the host
-        on_device = rows.to(batch.device).split(o.micro_batch_size)
-        micro_batches = list(zip(on_device, rows.split(o.micro_batch_size), strict=True)) if rows.numel() else []
+        rows, micro_batches = self._micro_batches(advantages, batch.device)
         passes, use_retained = retained_passes(batch, micro_batches, o)  # recompute: tpflow.optim.recompute
         plain = dataclasses.replace(batch, retained=None)  # micro-batches index it; their graphs come by host rows
         trained = None if batch.trained is None else batch.trained.cpu()  # [N, W] host: a rollout plan's subset
@@ -321,6 +315,16 @@ class GRPO(AdamWLoop):
         if batch.retained is not None:
             result["retained_graphs_used"] = float(use_retained)
         return result
+
+    def _micro_batches(self, advantages: Tensor, device: torch.device) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """The rows that train ([M] host) and their micro-batches as (device rows, host rows), in order. Decided on
+        the host from the host advantages: one copy of the indices to the device per update, no read back."""
+        o, n = self.options, advantages.shape[0]
+        host_adv = advantages.detach().cpu()
+        rows = informative_trajectories(host_adv).nonzero().squeeze(1) if o.filter_zero_advantage else None
+        rows = torch.arange(n, device="cpu") if rows is None else rows  # [M] on the host
+        on_device = rows.to(device).split(o.micro_batch_size)
+        return rows, list(zip(on_device, rows.split(o.micro_batch_size), strict=True)) if rows.numel() else []
 
     def _packed_losses(
         self, backbone: Backbone, sampler: Sampler, batch: Rollout, adv: Tensor, sigmas: Tensor,
@@ -372,6 +376,18 @@ class GRPO(AdamWLoop):
             weights = inverse if weights is None else weights * inverse
         return weights
 
+    def _surrogate(self, out: StepOutput, part: Rollout, i: int, adv: Tensor, live: Tensor) -> PolicyLoss:
+        """The clipped surrogate of window step i's rows ([n]; ``live`` [n] bool: std not 0), GRPO-Guard's RatioNorm
+        when asked. A masked row's log-probs are replaced by 0 before the ratio: no NaN · 0 in the gradient either."""
+        o = self.options
+        if o.ratio_norm:  # GRPO-Guard: the normalised log-ratio in place of ℓ_θ − ℓ_old
+            if part.means is None:
+                raise ValueError("ratio_norm needs the rollout's transition means (Rollout.means, store_means=True).")
+            log_ratio = normalised_log_ratio(out.log_prob, part.log_probs[:, i], out.mean, part.means[:, i], out.std)
+            return clipped_surrogate(log_ratio, torch.zeros_like(log_ratio), adv, o.clip_range)
+        log_prob, old = (torch.where(live, lp, 0.0) for lp in (out.log_prob, part.log_probs[:, i]))
+        return clipped_surrogate(log_prob, old, adv, o.clip_range)
+
     def _step_loss(
         self,
         backbone: Backbone,
@@ -404,14 +420,7 @@ class GRPO(AdamWLoop):
         # at σ⁺ = 0 while others are not. They are selected out of every sum below (their placeholder log-prob and KL
         # are finite, with a finite gradient; a non-finite placeholder would still stay out of the forward).
         live = out.std.reshape(-1) != 0  # [n] bool on the rollout's device
-        if o.ratio_norm:  # GRPO-Guard: the normalised log-ratio in place of ℓ_θ − ℓ_old
-            if part.means is None:
-                raise ValueError("ratio_norm needs the rollout's transition means (Rollout.means, store_means=True).")
-            log_ratio = normalised_log_ratio(out.log_prob, part.log_probs[:, i], out.mean, part.means[:, i], out.std)
-            policy = clipped_surrogate(log_ratio, torch.zeros_like(log_ratio), adv, o.clip_range)
-        else:  # a masked row's log-probs are replaced by 0 before the ratio: no NaN · 0 in the gradient either
-            log_prob, old = (torch.where(live, lp, 0.0) for lp in (out.log_prob, part.log_probs[:, i]))
-            policy = clipped_surrogate(log_prob, old, adv, o.clip_range)
+        policy = self._surrogate(out, part, i, adv, live)
         weighted = policy.row_losses if weight is None else policy.row_losses * weight  # [n] the trained policy term
         row = weighted
         kl = torch.zeros_like(row)
