@@ -139,32 +139,39 @@ def layout_gradient(
     """The gradient of one GRPO optimizer step over ``share`` (this process's rows of one fixed 8-row batch) cut
     into micro-batches of ``micro``, ``accumulation`` per step: the flat gradient the step is taken with.
 
-    The batch mixes two rollouts whose windows differ, so that at window step 2 the rows of the later window have
-    std 0 (cps at σ⁺ = 0) and are masked: the rows a step trains differ between steps and micro-batches.
-    ``recompute = "retain"``: the rollouts keep their graphs and the step back-propagates them."""
+    The batch mixes two rollouts whose windows differ (:func:`two_window_batch`): the rows a step trains differ
+    between steps and micro-batches. ``recompute = "retain"``: the rollouts keep their graphs and the step
+    back-propagates them."""
     import tpflow
-    from tpflow.rollout import RolloutInputs, Window, WindowEngine
-    from tpflow.types import Rollout
 
     torch.manual_seed(0)  # the LoRA init: the same adapter on every call and process
     backbone = tpflow.build("backbone", "shapes-dit", weights=weights, lora_init="gaussian")
     sampler = tpflow.build("sampler", "cps")
-    prompts = ["a photo of a red circle", "a photo of two squares"] * 2
-    sigmas = backbone.sigmas(4)
     optimizer = tpflow.build(
         "optimizer", "grpo", beta=1e-2, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
         max_grad_norm=1e9, recompute=recompute,
     )  # fmt: skip
-    parts = [
-        WindowEngine(sampler, Window(s, 3), 0.7, retain=optimizer.retain).run(
-            RolloutInputs(backbone, backbone.encode(prompts), backbone.initial_noise(4, cpu_generator(s)), sigmas,
-                          2.0, generator=cpu_generator(10 + s))
-        )
-        for s in (0, 1)
-    ]  # fmt: skip
-    batch = Rollout.cat(parts).index(torch.tensor(share))
+    batch = two_window_batch(backbone, sampler, optimizer.retain).index(torch.tensor(share))
     advantages = torch.randn(8, 3, generator=cpu_generator(3), dtype=torch.float64)[share]
     return one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator)
+
+
+def two_window_batch(backbone, sampler, retain=None):
+    """8 trajectories of 2 prompts × 2, K = 4: rows 0-3 with the window [0, 3), rows 4-7 with [1, 4), so that at
+    window position 2 the later window's rows step to σ = 0 (cps: std 0, masked) while the others do not. ``retain``:
+    the rollouts keep their graphs (``recompute = "retain"``)."""
+    from tpflow.rollout import RolloutInputs, Window, WindowEngine
+    from tpflow.types import Rollout
+
+    prompts = ["a photo of a red circle", "a photo of two squares"] * 2
+    cond, sigmas = backbone.encode(prompts), backbone.sigmas(4)
+    return Rollout.cat([
+        WindowEngine(sampler, Window(s, 3), 0.7, retain=retain).run(
+            RolloutInputs(backbone, cond, backbone.initial_noise(4, cpu_generator(s)), sigmas, 2.0,
+                          generator=cpu_generator(10 + s))
+        )
+        for s in (0, 1)
+    ])  # fmt: skip
 
 
 def nft_layout_gradient(

@@ -6,9 +6,24 @@ import pytest
 import torch
 
 import tpflow
-from tests.distributed_workers import layout_gradient
+from tests.distributed_workers import layout_gradient, two_window_batch
 from tpflow.optim.advantages import group_advantages
 from tpflow.rollout import Window, rollout
+
+
+class EditedLogProb:
+    """A sampler whose re-scored log-prob is ``edit(out, sigma)`` of the real one's output ``out``; its steps are the
+    real sampler's."""
+
+    def __init__(self, sampler, edit) -> None:
+        self.sampler, self.edit = sampler, edit
+
+    def step(self, *args, **kwargs):
+        return self.sampler.step(*args, **kwargs)
+
+    def log_prob(self, z_next, z, v, sigma, sigma_next, noise_level):
+        out = self.sampler.log_prob(z_next, z, v, sigma, sigma_next, noise_level)
+        return type(out)(out.prev, out.mean, out.std, self.edit(out, sigma), out.std_dev_t)
 
 
 @pytest.fixture
@@ -59,17 +74,8 @@ def test_all_zero_advantages_train_nothing(backbone):
 def test_non_finite_losses_are_skipped_and_counted(backbone):
     sampler = tpflow.build("sampler", "cps")
 
-    class NanOnFirstStep:
-        """The cps sampler, except that re-scoring the first window step yields NaN."""
-
-        def step(self, *args, **kwargs):
-            return sampler.step(*args, **kwargs)
-
-        def log_prob(self, z_next, z, v, sigma, sigma_next, noise_level):
-            out = sampler.log_prob(z_next, z, v, sigma, sigma_next, noise_level)
-            if bool((sigma == 1).all()):
-                return type(out)(out.prev, out.mean, out.std, out.log_prob * float("nan"), out.std_dev_t)
-            return out
+    def nan_on_first_step(out, sigma):  # re-scoring the first window step yields NaN
+        return out.log_prob * float("nan") if bool((sigma == 1).all()) else out.log_prob
 
     prompts = ["a photo of a red circle"] * 2 + ["a photo of two squares"] * 2
     cond = backbone.encode(prompts)
@@ -77,7 +83,7 @@ def test_non_finite_losses_are_skipped_and_counted(backbone):
     batch = rollout(backbone, sampler, cond, z0, backbone.sigmas(4), Window(0, 3), 0.7, 2.0, None)
     advantages = group_advantages(torch.randn(4, 3, generator=torch.Generator().manual_seed(3)), prompts)
     optimizer = tpflow.build("optimizer", "grpo", micro_batch_size=4, learning_rate=1e-2)
-    metrics = optimizer.update(backbone, NanOnFirstStep(), batch, advantages)
+    metrics = optimizer.update(backbone, EditedLogProb(sampler, nan_on_first_step), batch, advantages)
     assert metrics["nonfinite_losses"] == 1 and metrics["optimizer_steps"] == 1
     assert all(torch.isfinite(p).all() for p in backbone.trainable_parameters())
 
@@ -88,29 +94,13 @@ def test_a_non_finite_value_in_a_masked_row_does_not_drop_the_trained_rows(backb
     rows by the 0/1 mask, and NaN · 0 is NaN)."""
     sampler = tpflow.build("sampler", "cps")
 
-    class NanWhereStdIsZero:
-        """The cps sampler, except that the placeholder log-prob of a std-0 row is NaN."""
+    def nan_where_std_is_zero(out, sigma):  # the placeholder log-prob of a std-0 row is NaN
+        return out.log_prob + torch.where(out.std == 0, float("nan"), 0.0)
 
-        def step(self, *args, **kwargs):
-            return sampler.step(*args, **kwargs)
-
-        def log_prob(self, z_next, z, v, sigma, sigma_next, noise_level):
-            out = sampler.log_prob(z_next, z, v, sigma, sigma_next, noise_level)
-            nan = torch.where(out.std == 0, float("nan"), 0.0)
-            return type(out)(out.prev, out.mean, out.std, out.log_prob + nan, out.std_dev_t)
-
-    prompts = ["a photo of a red circle", "a photo of two squares"] * 2
-    sigmas = backbone.sigmas(4)
-    cond = backbone.encode(prompts)
-    parts = [rollout(backbone, sampler, cond, backbone.initial_noise(4, torch.Generator().manual_seed(s)), sigmas,
-                     Window(s, 3), 0.7, 2.0, None, generator=torch.Generator().manual_seed(10 + s))
-             for s in (0, 1)]  # fmt: skip
-    from tpflow.types import Rollout
-
-    batch = Rollout.cat(parts)  # window position 2: the rows of [1, 4) step to σ = 0, those of [0, 3) do not
+    batch = two_window_batch(backbone, sampler)  # window position 2: rows 4-7 step to σ = 0, rows 0-3 do not
     advantages = torch.randn(8, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     losses = {}
-    for name, used in (("plain", sampler), ("nan", NanWhereStdIsZero())):
+    for name, used in (("plain", sampler), ("nan", EditedLogProb(sampler, nan_where_std_is_zero))):
         optimizer = tpflow.build("optimizer", "grpo", micro_batch_size=8, learning_rate=1e-12, beta=1e-2)
         losses[name] = optimizer.update(backbone, used, batch, advantages)
     assert losses["nan"]["nonfinite_losses"] == 0, losses["nan"]

@@ -444,5 +444,5 @@ class GRPO(AdamWLoop):
             # reach the rows that train
             sums = {name: torch.where(live, value, 0.0).sum() for name, value in sums.items()}
             maxima = {"ratio_max_deviation": torch.where(live, deviation, 0.0).max()}
-        total = torch.where(live, row, torch.zeros_like(row)).sum()
+        total = torch.where(live, row, 0.0).sum()
         return RowLoss(total, live.sum().float(), sums, maxima, deferred=retained is not None)

@@ -82,7 +82,6 @@ class AdamWLoop:
         self._optimizer: torch.optim.Optimizer | None = None
         self._dist = Distributed()
         self.precision: Precision = FP32
-        self._deferred: Tensor | None = None  # the optimizer step's deferred losses, summed (RowLoss.deferred)
 
     # ---- binding and state -------------------------------------------------------------------------------------
 
@@ -181,13 +180,12 @@ class AdamWLoop:
             if num_steps is None:  # every process takes as many steps as the one with the most micro-batches
                 num_steps = int(self._dist.max(-(-len(micro_batches) // accumulation)))
             for step in range(num_steps):
-                rows, self._deferred = 0.0, None
+                rows, deferred = 0.0, []  # deferred: the step's losses through shared graphs (RowLoss.deferred)
                 for mb in micro_batches[step * accumulation : (step + 1) * accumulation]:
                     for thunk in losses(mb):
-                        rows += self._backward(thunk, totals, first=self.global_step == steps_before)
-                if self._deferred is not None:  # the retained graphs' losses, in one backward
-                    self.precision.backward(self._deferred)
-                    self._deferred = None
+                        rows += self._backward(thunk, totals, self.global_step == steps_before, deferred)
+                if deferred:  # in one backward: it frees the graphs they share
+                    self.precision.backward(sum(deferred))
                 taken = self._step(rows, totals)
                 if taken is False:
                     skipped += 1
@@ -197,8 +195,9 @@ class AdamWLoop:
         result.update(optimizer_steps=float(self.global_step - steps_before), skipped_steps=float(skipped))
         return result
 
-    def _backward(self, thunk: LossThunk, totals: _Totals, first: bool) -> float:
-        """Forward one loss in its autocast region and back-propagate it outside; returns the rows it trained."""
+    def _backward(self, thunk: LossThunk, totals: _Totals, first: bool, deferred: list[Tensor]) -> float:
+        """Forward one loss in its autocast region and back-propagate it outside (a deferred one is appended to
+        ``deferred`` instead); returns the rows it trained."""
         with self.precision.autocast() if self.autocast_each_loss else contextlib.nullcontext():
             out = thunk()
         flags = torch.stack([out.rows.detach().float(), torch.isfinite(out.total.detach()).float()])
@@ -209,7 +208,7 @@ class AdamWLoop:
             totals.nonfinite += 1
             return 0.0
         if out.deferred:
-            self._deferred = out.total if self._deferred is None else self._deferred + out.total
+            deferred.append(out.total)
         else:
             self.precision.backward(out.total)
         totals.add(out, rows, first)

@@ -43,16 +43,10 @@ def engine_for(
     ``retain`` (a recompute-free update, ``tpflow.rollout.retain``) is the one window's only: the GRPO options'
     recipe check refuses it with any other plan before anything loads."""
     batch_plan = plan if isinstance(plan, BatchPlan) else None
-    if retain is not None and (
-        batch_plan is not None
-        and (
-            batch_plan.branch
-            or batch_plan.tail_ratio is not None
-            or not batch_plan.uniform
-            or batch_plan.trained is not None
-        )
-        or not transitions
-    ):
+    one_window = batch_plan is None or (
+        batch_plan.uniform and not batch_plan.branch and batch_plan.tail_ratio is None and batch_plan.trained is None
+    )
+    if retain is not None and not (one_window and transitions):
         raise ValueError("retain runs with the one-window plan's engine only (every stored step trained).")
     window = Window(batch_plan.start, batch_plan.size) if batch_plan is not None else plan
     assert isinstance(window, Window)

@@ -72,10 +72,11 @@ class RetainedLog:
             return self._stacked(self.outputs)
 
     def _stacked(self, outs: list[StepOutput]) -> RetainedSteps:
+        def column(name: str) -> Tensor:  # [n, M]; a step's std may be one value for the whole batch
+            return torch.stack([getattr(o, name).reshape(-1).expand_as(o.log_prob) for o in outs], dim=1)
+
         mean = torch.stack([o.mean for o in outs], dim=1) if self.retain.keep_mean else None
-        stack = [torch.stack([getattr(o, name).reshape(-1) for o in outs], dim=1) for name in ("log_prob", "std")]
-        std_dev_t = torch.stack([o.std_dev_t.reshape(-1).expand_as(o.log_prob) for o in outs], dim=1)
-        return RetainedSteps((RetainedPart(stack[0], mean, stack[1].expand_as(stack[0]), std_dev_t),), (0,))
+        return RetainedSteps((RetainedPart(column("log_prob"), mean, column("std"), column("std_dev_t")),), (0,))
 
 
 def log_prob_with_grad(sampler, z_next: Tensor, z: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor,
