@@ -6,6 +6,8 @@
     .venv/bin/python benchmarks/epoch_cost.py --tiny --json OUT    # seconds: checks the script, measures nothing
     .venv/bin/python benchmarks/epoch_cost.py --variants flow flow-retain flow-1step flow-1step-retain \
         tp tp-retain tp-1step tp-1step-retain      # [optimizer] recompute = "retain" against native
+    .venv/bin/python benchmarks/epoch_cost.py --set optimizer.beta=0 --variants flow flow-retain flow-reweight \
+        tp tp-retain tp-reweight                   # and "reweight" (which needs beta = 0)
 
 For every backbone, one ``Trainer`` per variant is built on the same recipe (the same backbone weights, prompts,
 noise seeds and window draws): Flow-GRPO (``outcome`` credit, no completions), TP-GRPO (``turning_point`` credit,
@@ -32,7 +34,9 @@ backward and the rest of the main thread; decode FLOPs are counted on one decode
 decoded (the scoring thread is outside the counter). Achieved FLOP/s = FLOPs of a phase / its median seconds, and its
 share of a square-matmul peak measured in the same run (``--dtype`` of the run: fp32 on CPU). Peak memory: CUDA
 ``max_memory_allocated`` during an epoch; on CPU the peak resident set (VmHWM, reset at the start of each epoch;
-``resource.getrusage`` where /proc is missing), which includes every trainer of the run.
+``resource.getrusage`` where /proc is missing), which includes every trainer of the run; so, apart, what a
+recompute-free mode keeps for the update (``kept_mib``: the retained graphs' saved tensors, or reweight's gradient
+buffers) and the seconds of reweight's backward inside the rollout (``sample_backward``).
 
 Prints a markdown table per backbone and writes every figure to ``--json``. Not run in CI
 (tests/test_benchmarks_smoke.py runs ``--tiny``).
@@ -102,11 +106,26 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # key -> (label, recipe ove
         "TP-GRPO, ODE, 1 step/epoch, retain",
         {"credit": {"name": "turning_point"}, "optimizer": {**ONE_STEP, "recompute": "retain"}},
     ),
+    # recompute = "reweight" (beta = 0 only: run it with --set optimizer.beta=0 so that every variant trains alike)
+    "flow-reweight": ("Flow-GRPO, reweight", {"credit": {"name": "outcome"}, "optimizer": {"recompute": "reweight"}}),
+    "flow-1step-reweight": (
+        "Flow-GRPO, 1 step/epoch, reweight",
+        {"credit": {"name": "outcome"}, "optimizer": {**ONE_STEP, "recompute": "reweight"}},
+    ),
+    "tp-reweight": (
+        "TP-GRPO, ODE, reweight",
+        {"credit": {"name": "turning_point"}, "optimizer": {"recompute": "reweight"}},
+    ),
+    "tp-1step-reweight": (
+        "TP-GRPO, ODE, 1 step/epoch, reweight",
+        {"credit": {"name": "turning_point"}, "optimizer": {**ONE_STEP, "recompute": "reweight"}},
+    ),
 }
 DEFAULT_VARIANTS = ("flow", "tp", "tp-same-noise", "tp-x0")
 PHASES = (  # the epoch's wall time, split without overlap (seconds)
     "sample_model",  # velocity calls of the rollouts
     "encode",  # the prompts' text encoding (Backbone.encode), once per rollout batch
+    "sample_backward",  # recompute = "reweight": the rollout's per-step backward into per-row gradients
     "sample_other",  # the rest of sampling: noise, sampler steps, completions bookkeeping, submitting
     "score_wait",  # waiting for decode + reward after the last rollout batch
     "credit",
@@ -118,7 +137,46 @@ PHASES = (  # the epoch's wall time, split without overlap (seconds)
     "checkpoint",
     "other",  # what is left: planning, gathers, Rollout.cat, metrics
 )
-MODEL_PHASES = ("sample_model", "update_forward", "update_backward")
+MODEL_PHASES = ("sample_model", "sample_backward", "update_forward", "update_backward")
+ACTIVE: list[Any] = [None]  # the EpochProbe of the epoch running: the rollout's per-batch records report to it
+
+
+def watch_recompute() -> None:
+    """Time reweight's rollout backward and size what the recompute-free modes keep for the update: the retained
+    graphs' saved tensors (each storage once) and reweight's gradient buffers, summed over an epoch's rollout batches
+    (``kept_mib``: what they hold at the update's start, on top of the stored transitions)."""
+    from tpflow.rollout.per_row_grads import PerRowGradients
+    from tpflow.rollout.retain import RetainedLog
+    from tpflow.rollout.reweight import ReweightLog
+
+    gradients, velocity, stacked = PerRowGradients.gradients, RetainedLog.velocity, ReweightLog.stacked
+
+    def timed_gradients(self, loss, n):
+        probe = ACTIVE[0]
+        return gradients(self, loss, n) if probe is None else probe._timed("sample_backward", gradients)(self, loss, n)
+
+    def counted_velocity(self, call, rows):
+        seen: set[int] = set()
+
+        def pack(t):
+            key = t.untyped_storage().data_ptr()
+            if ACTIVE[0] is not None and key not in seen:
+                seen.add(key)
+                ACTIVE[0].kept_bytes += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return velocity(self, call, rows)
+
+    def counted_stacked(self):
+        out = stacked(self)
+        if out is not None and ACTIVE[0] is not None:
+            ACTIVE[0].kept_bytes += sum(g.nbytes for g in out.grads)
+        return out
+
+    PerRowGradients.gradients = timed_gradients
+    RetainedLog.velocity = counted_velocity
+    ReweightLog.stacked = counted_stacked
 
 
 # ---- the recipes --------------------------------------------------------------------------------------------
@@ -179,6 +237,7 @@ class EpochProbe:
         self.flops: dict[str, int] = {}
         self.counter: Any = None
         self.rows = {"sample": 0, "update": 0}  # latent rows through the velocity
+        self.kept_bytes = 0  # what a recompute-free mode keeps for the update (watch_recompute)
         t = trainer
         t._sample_and_score = self._stage("sample", t._sample_and_score)
         t._update = self._stage("update", t._update)
@@ -196,6 +255,7 @@ class EpochProbe:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.flops = dict.fromkeys(PHASES, 0)
         self.rows = {"sample": 0, "update": 0}
+        self.kept_bytes = 0
 
     def _now_flops(self) -> int:
         return self.counter.get_total_flops() if self.counter is not None else 0
@@ -259,6 +319,7 @@ class _Credit:
 def run_epoch(trainer: Any, probe: EpochProbe, epoch: int) -> dict[str, Any]:
     """One epoch as ``fit`` runs it (no evaluation): train_epoch, the metrics record, a checkpoint."""
     probe.reset()
+    ACTIVE[0] = probe
     cuda = probe.device.type == "cuda"
     base = _timing.cuda_peak_reset(probe.device) if cuda else 0
     if not cuda:
@@ -288,6 +349,7 @@ def run_epoch(trainer: Any, probe: EpochProbe, epoch: int) -> dict[str, Any]:
         "first_ratio_max_deviation": metrics["first_ratio_max_deviation"],
         "rows": dict(probe.rows),
         "peak_mib": peak,
+        "kept_mib": probe.kept_bytes / 2**20,
     }
 
 
@@ -356,6 +418,7 @@ def summarise(runs: list[dict], flops: dict[str, float] | None, peak_flops: floa
         "first_ratio_max_deviation": max(r["first_ratio_max_deviation"] for r in runs),
         "rows": runs[0]["rows"],
         "peak_mib": max(r["peak_mib"] for r in runs),
+        "kept_mib": max(r["kept_mib"] for r in runs),
         "runs": runs,
     }
     if flops is not None:
@@ -415,10 +478,10 @@ def table(result: dict[str, Any]) -> list[str]:
     s, labels = result["variants"], result["labels"]
     flow = s["flow"]["epoch_s"] if "flow" in s else None
     lines = [
-        "| variant | NFE / traj. | epoch s | rollout model s | encode s | sampling other s | scoring wait s "
+        "| variant | NFE / traj. | epoch s | rollout model (bwd) s | encode s | sampling other s | scoring wait s "
         "| decode + reward s (overlapped) | credit + adv. s | update fwd / bwd / other s | log + ckpt s | other s "
-        "| **overhead** | model TFLOP/s (peak share) | peak MiB | × Flow |",
-        "|---|" + "---|" * 15,
+        "| **overhead** | model TFLOP/s (peak share) | peak MiB | kept MiB | × Flow |",
+        "|---|" + "---|" * 16,
     ]
     for key, v in s.items():
         p = v["phases"]
@@ -426,11 +489,13 @@ def table(result: dict[str, Any]) -> list[str]:
         ratio = f"{v['epoch_s'] / flow:.2f}" if flow else "–"
         lines.append(
             f"| {labels[key]} | {v['nfe_per_traj']:.1f} | {v['epoch_s']:.2f} | {p['sample_model']:.2f} "
+            f"({p['sample_backward']:.2f}) "
             f"| {p['encode']:.2f} | {p['sample_other']:.2f} | {p['score_wait']:.2f} "
             f"| {v['decode_s'] + v['reward_s']:.2f} "
             f"({v['overlapped_s']:.2f}) | {p['credit'] + p['advantages']:.3f} | {p['update_forward']:.2f} / "
             f"{p['update_backward']:.2f} / {p['update_other']:.2f} | {p['log'] + p['checkpoint']:.3f} "
-            f"| {p['other']:.3f} | **{100 * v['overhead']:.1f}%** | {perf} | {v['peak_mib']:.0f} | {ratio} |"
+            f"| {p['other']:.3f} | **{100 * v['overhead']:.1f}%** | {perf} | {v['peak_mib']:.0f} "
+            f"| {v['kept_mib']:.1f} | {ratio} |"
         )
     return lines
 
@@ -463,6 +528,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA GPU.")
     _timing.tune_malloc()  # what the trainer does on CPU runs anyway
+    watch_recompute()
     device = torch.device(args.device)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype] if device.type == "cuda" else torch.float32
     peak = matmul_peak(device, dtype)

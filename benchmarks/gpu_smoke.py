@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/gpu_smoke.py [--resolution 512] [--prompts 3] [--group 12] [--dtype fp16]
     .venv/bin/python benchmarks/gpu_smoke.py --tiny        # the same code path on tiny-sd3 (CPU, seconds)
+    .venv/bin/python benchmarks/gpu_smoke.py --set optimizer.beta=0 optimizer.recompute=reweight   # a variant
 
 The transformer is ``SD3Transformer2DModel`` with SD3.5-Medium's real configuration (24 joint blocks, 13 with dual
 attention, RMS qk-norm, 2.24 B parameters) and random weights, the VAE has SD3's real configuration, and the text
@@ -161,6 +162,21 @@ def recipe_data(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     }
 
 
+def with_overrides(data: dict[str, Any], items: list[str]) -> dict[str, Any]:
+    """``--set section.key=value`` items (the value as TOML reads it: 0, true, "x"; else the bare word) applied."""
+    import tomllib
+
+    for item in items:
+        key, _, value = item.partition("=")
+        section, _, field = key.partition(".")
+        try:
+            parsed: Any = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            parsed = value  # a bare word: recompute=reweight
+        data.setdefault(section, {})[field] = parsed
+    return data
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--resolution", type=int, default=512)
@@ -170,6 +186,7 @@ def main() -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="tiny-sd3 on the CPU: checks the script, measures nothing")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
+    parser.add_argument("--set", nargs="*", default=[], help='recipe overrides: section.key=value (TOML values)')
     args = parser.parse_args()
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("gpu_smoke.py needs a CUDA GPU (or --tiny to check the code path on the CPU).")
@@ -180,7 +197,7 @@ def main() -> None:
     cuda = torch.cuda.is_available() and not args.tiny
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
-        recipe = validate_recipe(recipe_data(args, Path(tmp) / "run"), where="gpu_smoke")
+        recipe = validate_recipe(with_overrides(recipe_data(args, Path(tmp) / "run"), args.set), where="gpu_smoke")
         trainer = Trainer(recipe, run_dir=Path(tmp) / "run")
         build_s = time.perf_counter() - start
         if cuda:
@@ -191,6 +208,7 @@ def main() -> None:
             torch.cuda.synchronize()
     report = {
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+        "overrides": " ".join(args.set),
         "backbone": recipe.backbone.name,
         "trajectories": args.prompts * args.group,
         "resolution": 16 if args.tiny else args.resolution,

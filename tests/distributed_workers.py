@@ -134,21 +134,27 @@ def train_worker(rank: int, out: Path, recipe: str, overrides: list[str]) -> dic
 
 
 def layout_gradient(
-    weights: str, share: list[int], micro: int, accumulation: int, accelerator=None, recompute: str = "native"
+    weights: str,
+    share: list[int],
+    micro: int,
+    accumulation: int,
+    accelerator=None,
+    recompute: str = "native",
+    beta: float = 1e-2,
 ) -> torch.Tensor:
     """The gradient of one GRPO optimizer step over ``share`` (this process's rows of one fixed 8-row batch) cut
     into micro-batches of ``micro``, ``accumulation`` per step: the flat gradient the step is taken with.
 
     The batch mixes two rollouts whose windows differ (:func:`two_window_batch`): the rows a step trains differ
     between steps and micro-batches. ``recompute = "retain"``: the rollouts keep their graphs and the step
-    back-propagates them."""
+    back-propagates them; "reweight" (``beta`` 0): the rollouts keep per-step gradients and the step weighs them."""
     import tpflow
 
     torch.manual_seed(0)  # the LoRA init: the same adapter on every call and process
     backbone = tpflow.build("backbone", "shapes-dit", weights=weights, lora_init="gaussian")
     sampler = tpflow.build("sampler", "cps")
     optimizer = tpflow.build(
-        "optimizer", "grpo", beta=1e-2, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
+        "optimizer", "grpo", beta=beta, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
         max_grad_norm=1e9, recompute=recompute,
     )  # fmt: skip
     batch = two_window_batch(backbone, sampler, optimizer.retain).index(torch.tensor(share))
@@ -224,7 +230,8 @@ def layout_worker(
     rank: int, out: Path, weights: str, layouts: dict[str, list[tuple[list[int], int, int]]], optimizer: str = "grpo"
 ) -> dict:
     """For each layout (rank -> (rows, micro, accumulation)), the gradient of its one optimizer step here (GRPO's;
-    with ``optimizer = "grpo+grpo-retain"`` also from the rollout's retained graphs; with "nft" DiffusionNFT's)."""
+    with ``optimizer = "grpo+grpo-retain+grpo-reweight"`` also from the rollout's retained graphs and its per-row
+    gradients; with "nft" DiffusionNFT's)."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
@@ -234,9 +241,11 @@ def layout_worker(
     if optimizer == "grpo":
         return {name: layout_gradient(weights, *layout[rank], accelerator=accelerator)
                 for name, layout in layouts.items()}  # fmt: skip
-    # "grpo+grpo-retain": both, keyed "grpo/<layout>" and "grpo-retain/<layout>", from one start of the processes
+    # "grpo+grpo-retain+grpo-reweight": each, keyed "<mode>/<layout>", from one start of the processes
+    # (reweight refuses the KL: it trains with beta = 0)
+    settings = {"grpo": ("native", 1e-2), "grpo-retain": ("retain", 1e-2), "grpo-reweight": ("reweight", 0.0)}
     return {f"{mode}/{name}": layout_gradient(weights, *layout[rank], accelerator=accelerator,
-                                              recompute="retain" if mode == "grpo-retain" else "native")
+                                              recompute=settings[mode][0], beta=settings[mode][1])
             for mode in optimizer.split("+") for name, layout in layouts.items()}  # fmt: skip
 
 

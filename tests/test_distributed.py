@@ -63,10 +63,11 @@ GRPO_LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def grpo_layout_gradients(tmp_path_factory, tiny_weights) -> list[dict]:
-    """Each rank's gradient of one GRPO step per layout, native ("grpo/<layout>") and from the rollout's retained
-    graphs ("grpo-retain/<layout>"): one start of the 2 processes serves both tests."""
+    """Each rank's gradient of one GRPO step per layout, native ("grpo/<layout>"), from the rollout's retained
+    graphs ("grpo-retain/<layout>") and from its per-row gradients ("grpo-reweight/<layout>", beta 0): one start of
+    the 2 processes serves the three tests."""
     out = tmp_path_factory.mktemp("grpo-layouts")
-    return spawn(layout_worker, out, str(tiny_weights), GRPO_LAYOUTS, "grpo+grpo-retain")
+    return spawn(layout_worker, out, str(tiny_weights), GRPO_LAYOUTS, "grpo+grpo-retain+grpo-reweight")
 
 
 def test_a_steps_gradient_is_the_same_on_two_processes_whatever_the_split(grpo_layout_gradients, tiny_weights):
@@ -93,6 +94,23 @@ def test_a_retained_steps_gradient_is_the_native_one_on_two_processes_whatever_t
     torch.testing.assert_close(retained, native, rtol=1e-5, atol=1e-7)
     for name in GRPO_LAYOUTS:
         key = f"grpo-retain/{name}"
+        assert torch.equal(zero[key], one[key]), f"{name}: every process steps with the same gradient"
+        torch.testing.assert_close(zero[key], native, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_reweighted_steps_gradient_is_the_native_one_on_two_processes_whatever_the_split(
+    grpo_layout_gradients, tiny_weights
+):
+    """``recompute = "reweight"``: each process weighs its rows' per-step gradients by their advantages locally, the
+    loop reduces the sum once, as a native step's; it equals the 1-process native gradient (beta 0) up to float
+    rounding."""
+    zero, one = grpo_layout_gradients
+    native = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1, beta=0.0)
+    reweighted = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1, recompute="reweight", beta=0.0)
+    assert native.norm() > 0
+    torch.testing.assert_close(reweighted, native, rtol=1e-5, atol=1e-7)
+    for name in GRPO_LAYOUTS:
+        key = f"grpo-reweight/{name}"
         assert torch.equal(zero[key], one[key]), f"{name}: every process steps with the same gradient"
         torch.testing.assert_close(zero[key], native, rtol=1e-5, atol=1e-7, msg=name)
 

@@ -28,8 +28,10 @@ CAPABILITIES: dict[str, Any] = {
     "reads_branches": False,  # CreditAssigner: it reads such a trace (credit 'branch'); only with such a plan
     "needs_completions": False,  # CreditAssigner (required on an instance)
     "marks_turning_points": False,  # CreditAssigner: it can mark turning points (the run logs them per trajectory)
+    "same_reward_every_step": False,  # CreditAssigner: every step of a trajectory gets one reward (outcome credit)
     "needs_old_means": False,  # Optimizer: the rollout must store each step's transition mean (RatioNorm)
-    "retain": None,  # Optimizer: a tpflow.rollout.retain.Retain when its update reuses the rollout's graphs
+    # Optimizer: a tpflow.rollout.retain.Retain (or .reweight.Reweight) when its update reuses the rollout's forwards
+    "retain": None,
     "consumes": "transitions",  # Optimizer (required on an instance)
 }
 
@@ -147,8 +149,8 @@ class RewardModel(Protocol):
 @runtime_checkable
 class CreditAssigner(Protocol):
     """Turns a reward trace into one reward per trained window step. Optional (``capability``): ``reads_branches``,
-    whether it reads a branching plan's trace, and ``marks_turning_points``, whether it can mark any (both default
-    False)."""
+    whether it reads a branching plan's trace, ``marks_turning_points``, whether it can mark any, and
+    ``same_reward_every_step``, whether every step of a trajectory gets the same reward (all default False)."""
 
     needs_completions: bool
     """Whether the rollout must produce R_0..R_{W-1} (ODE completions); only R_W is needed when false."""

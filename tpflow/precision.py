@@ -85,6 +85,19 @@ class Precision:
         """Back-propagate ``loss``, scaled under fp16 (outside any autocast region)."""
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
+    def add_scaled(self, params: Sequence[torch.nn.Parameter], grads: Sequence[Tensor | None]) -> None:
+        """Add gradients formed elsewhere at the current loss scale (``loss_scale``) as a backward would: the fp16
+        scaler is readied as ``scale`` readies it, so that ``step`` can unscale them."""
+        if self.scaler is not None and params:
+            self.scaler.scale(torch.zeros((), device=params[0].device))  # its lazy start: a step of these alone
+        for param, grad in zip(params, grads, strict=True):
+            if grad is not None:
+                param.grad = grad.to(param.dtype).clone() if param.grad is None else param.grad.add_(grad)
+
+    def loss_scale(self) -> float:
+        """The factor ``backward`` multiplies a loss by now (the fp16 scaler's scale: one host read; 1 otherwise)."""
+        return float(self.scaler.get_scale()) if self.scaler is not None else 1.0
+
     def step(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter], max_norm: float):
         """Unscale (fp16), clip to ``max_norm``, step and zero the gradients. Returns ``(norm, skipped)``: the
         pre-clip norm (a 0-d tensor, not read here) and whether the scaler skipped the step for inf/NaN gradients

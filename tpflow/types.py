@@ -142,6 +142,51 @@ class RetainedSteps:
 
 
 @dataclass(frozen=True)
+class ReweightedSteps:
+    """The provisional gradients of the first M window steps, back-propagated by the rollout as it sampled them with
+    advantage 1 (``[optimizer] recompute = "reweight"``, ``tpflow.rollout.reweight``): per trainable parameter (the
+    optimizer's order), ∇ℓ_θ per trajectory, summed over its live steps (``per_step`` False: every step's advantage
+    is the same), or per trajectory and step. The update's on-policy step weighs them by the advantages instead of
+    recomputing and back-propagating the steps. No graph is kept."""
+
+    grads: tuple[Tensor, ...]  # per parameter: [N, *θ.shape] or, per_step, [N, M, *θ.shape] float32
+    live: Tensor  # [N, M] bool: the step's transition had std ≠ 0 (its log-probability has a gradient)
+    per_step: bool
+    scale: float  # the loss scale the rollout's backward ran with (the fp16 GradScaler's; 1 otherwise)
+
+    @property
+    def steps(self) -> int:
+        return self.live.shape[1]
+
+    def __len__(self) -> int:
+        return self.live.shape[0]
+
+    def index(self, rows: Tensor) -> ReweightedSteps | None:
+        """The rows ``rows`` ([m] long, any device) of every buffer; None when one of them has none (the buffers
+        cover the epoch's first rows only: ``Reweight.rows``)."""
+        if len(rows) and int(rows.max()) >= len(self):
+            return None
+        rows = rows.to(self.live.device)
+        grads = tuple(g[rows] for g in self.grads)
+        return ReweightedSteps(grads, self.live[rows], self.per_step, self.scale)
+
+    select = index
+
+    @staticmethod
+    def cat(parts: list[ReweightedSteps | None]) -> ReweightedSteps:
+        """The buffers of consecutive rollout batches (one loss scale: no optimizer step runs between them); the
+        batches past the first step's rows keep none (None), and the result covers the ones before them."""
+        kept = [p for p in parts if p is not None]
+        if any(p is not None for p in parts[len(kept) :]):
+            raise ValueError("Only the first rollout batches of an epoch keep reweight's gradients.")
+        parts, first = kept, kept[0]
+        if any(p.per_step != first.per_step or p.scale != first.scale for p in parts):
+            raise ValueError("Rollout batches to concatenate must keep their gradients alike (per step, loss scale).")
+        grads = tuple(torch.cat(column) for column in zip(*(p.grads for p in parts), strict=True))
+        return ReweightedSteps(grads, torch.cat([p.live for p in parts]), first.per_step, first.scale)
+
+
+@dataclass(frozen=True)
 class Rollout:
     """The stored window transitions of N trajectories, what the optimizer re-scores (docs/algorithm.md §2)."""
 
@@ -157,7 +202,8 @@ class Rollout:
     cost: RolloutCost
     trained: Tensor | None = None  # [N, W] bool, the stored steps the update trains (a rollout plan's); None: all
     means: Tensor | None = None  # [N, W, ...] float32 transition means μ_old at rollout time (RatioNorm), or None
-    retained: RetainedSteps | None = None  # the first M steps' differentiable log-probs ("retain"), or None
+    # the first M steps' differentiable log-probs ("retain") or their per-trajectory gradients ("reweight"), or None
+    retained: RetainedSteps | ReweightedSteps | None = None
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -215,7 +261,7 @@ class Rollout:
             raise ValueError("Rollouts to concatenate need the same window size, noise level and guidance.")
         if len({r.means is None for r in rollouts}) > 1:
             raise ValueError("Rollouts to concatenate must all store their transition means, or none of them.")
-        if len({r.retained is None for r in rollouts}) > 1:
+        if len({r.retained is None for r in rollouts}) > 1 and not isinstance(first.retained, ReweightedSteps):
             raise ValueError("Rollouts to concatenate must all retain their steps' graphs, or none of them.")
         completions = None if first.completions is None else torch.cat([r.completions for r in rollouts])
         trained = None  # a batch without a mask trains every stored step
@@ -238,10 +284,16 @@ class Rollout:
             ),
             trained=trained,
             means=None if first.means is None else torch.cat([r.means for r in rollouts]),
-            retained=None
-            if first.retained is None
-            else RetainedSteps.cat([r.retained for r in rollouts], [len(r) for r in rollouts]),
+            retained=_cat_retained([r.retained for r in rollouts], [len(r) for r in rollouts]),
         )
+
+
+def _cat_retained(kept: list, sizes: list[int]) -> RetainedSteps | ReweightedSteps | None:
+    if kept[0] is None:
+        return None
+    if isinstance(kept[0], ReweightedSteps):
+        return ReweightedSteps.cat(kept)  # the epoch's first batches (Reweight.rows)
+    return RetainedSteps.cat(kept, sizes)
 
 
 class PromptItem(NamedTuple):

@@ -29,6 +29,7 @@ class OutcomeCredit:
     """
 
     needs_completions: bool = False
+    same_reward_every_step: bool = True  # a recompute = "reweight" rollout keeps one gradient per trajectory
 
     def __init__(self, options: OutcomeOptions | None = None) -> None:
         self.options = options or OutcomeOptions()

@@ -31,11 +31,12 @@ from tpflow.optim.advantages import group_advantages, informative_trajectories
 from tpflow.optim.grpo_loss import PolicyLoss, clipped_surrogate, kl_to_reference
 from tpflow.optim.loop import AdamWLoop, LossThunk, RowLoss
 from tpflow.optim.ratio_norm import normalised_log_ratio
-from tpflow.optim.recompute import retain_problems, retained_passes, retained_step
+from tpflow.optim.recompute import retain_problems, retained_passes, retained_step, reweighted_loss
 from tpflow.optim.step_weights import noise_aware_weights, transition_std
 from tpflow.registry import register
 from tpflow.rollout.retain import Retain
-from tpflow.types import Rollout, StepOutput
+from tpflow.rollout.reweight import Reweight
+from tpflow.types import ReweightedSteps, Rollout, StepOutput
 
 
 class GRPOOptions(BaseModel):
@@ -133,18 +134,21 @@ class GRPOOptions(BaseModel):
         "(flow_grpo's SD3 code of July-August 2025); the same forward values either way (tpflow.guidance, "
         "docs/algorithm.md §6.2).",
     )
-    recompute: Literal["native", "retain"] = Field(
+    recompute: Literal["native", "retain", "reweight"] = Field(
         "native",
         description="How the update gets the policy's log-probabilities with gradients: 'native' recomputes each "
         "trained step's forward pass; 'retain' keeps the graphs of the rollout's own forward passes and "
         "back-propagates them at the first (on-policy) optimizer step of each update, later steps native "
-        "(LeanGRPO's Retain; the one-window plan only; memory grows with the retained steps: docs/training.md).",
+        "(LeanGRPO's Retain; memory grows with the retained steps); 'reweight' back-propagates each step during "
+        "the rollout into a gradient per trajectory (per trajectory and step for step credits) that the first step "
+        "weighs by the advantages (LeanGRPO's Reweight; beta = 0 and no ratio_norm). Both: the one-window plan "
+        "only (docs/training.md).",
     )
     max_retained_steps: int | None = Field(
         None,
         ge=1,
-        description="With recompute = 'retain': keep the graphs of the first M window steps only (the rest are "
-        "recomputed natively), bounding the rollout's memory. None: every window step.",
+        description="With recompute = 'retain' or 'reweight': take the first M window steps only from the rollout "
+        "(the rest are recomputed natively), bounding the rollout's memory. None: every window step.",
     )
     retain_min_trained: float = Field(
         0.5,
@@ -199,14 +203,20 @@ class GRPO(AdamWLoop):
         return self.options.ratio_norm
 
     @property
-    def retain(self) -> Retain | None:
-        """What the rollout keeps with gradients for ``recompute = "retain"`` (``tpflow.rollout.retain``), else None:
-        the first ``max_retained_steps`` window steps, their means when the KL or RatioNorm reads them, the velocity
-        through the CFG branches ``cfg_gradient`` names."""
+    def retain(self) -> Retain | Reweight | None:
+        """What the rollout keeps with gradients for ``recompute = "retain"`` (``tpflow.rollout.retain``) or
+        ``"reweight"`` (``tpflow.rollout.reweight``), else None: the first ``max_retained_steps`` window steps, the
+        velocity through the CFG branches ``cfg_gradient`` names; retain keeps the means when the KL or RatioNorm
+        reads them, reweight back-propagates at the loss scale the update will use."""
         o = self.options
+        conditional = o.cfg_gradient == "conditional"
+        if o.recompute == "reweight":
+            weighted = o.step_weight != "uniform" or o.ratio_norm_reweight
+            first_step = o.gradient_accumulation_steps * o.micro_batch_size  # rows of the on-policy step
+            return Reweight(o.max_retained_steps, weighted, context=lambda: conditional_only(conditional),
+                            loss_scale=lambda: self.precision.loss_scale(), rows=first_step)  # fmt: skip
         if o.recompute != "retain":
             return None
-        conditional = o.cfg_gradient == "conditional"
         return Retain(o.max_retained_steps, o.beta > 0 or o.ratio_norm, lambda: conditional_only(conditional))
 
     def __init__(self, options: GRPOOptions | None = None) -> None:
@@ -286,8 +296,9 @@ class GRPO(AdamWLoop):
         # stay on the host too: the sampler checks them there, without a device read per step.
         adv = advantages.to(device=batch.device, dtype=torch.float32)  # [N, W], clipped by self.advantages
         sigmas = batch.sigmas.cpu()  # [N, W + 1]
-        rows, micro_batches = self._micro_batches(advantages, batch.device)
-        passes, use_retained = retained_passes(batch, micro_batches, o)  # recompute: tpflow.optim.recompute
+        host_adv = advantages.detach().cpu()  # [N, W] the one host copy: the rows kept, the retained steps' check
+        rows, micro_batches = self._micro_batches(host_adv, batch.device)
+        passes, use_retained = retained_passes(batch, micro_batches, o, host_adv)  # tpflow.optim.recompute
         plain = dataclasses.replace(batch, retained=None)  # micro-batches index it; their graphs come by host rows
         trained = None if batch.trained is None else batch.trained.cpu()  # [N, W] host: a rollout plan's subset
         weights = self._step_weights(sampler, sigmas, batch.noise_level, trained)  # [N, W] host, or None: all 1
@@ -301,7 +312,13 @@ class GRPO(AdamWLoop):
                 return
             part, host = plain.index(device_rows), sigmas[host_rows]
             kept = batch.retained.select(host_rows) if use_retained and batch.retained is not None else None
-            for i in range(width):
+            first = 0  # reweight: its first M steps come formed, in one loss; the rest native
+            if isinstance(kept, ReweightedSteps):
+                first, scale = kept.steps, self.precision.loss_scale()
+                weight = None if weights is None else weights[device_rows]
+                yield functools.partial(reweighted_loss, kept, adv[device_rows], weight, part.log_probs, scale)
+                kept = None
+            for i in range(first, width):
                 weight = None if weights is None else weights[device_rows, i]
                 out = retained_step(kept, part, i)
                 yield functools.partial(
@@ -316,11 +333,11 @@ class GRPO(AdamWLoop):
             result["retained_graphs_used"] = float(use_retained)
         return result
 
-    def _micro_batches(self, advantages: Tensor, device: torch.device) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+    def _micro_batches(self, host_adv: Tensor, device: torch.device) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
         """The rows that train ([M] host) and their micro-batches as (device rows, host rows), in order. Decided on
-        the host from the host advantages: one copy of the indices to the device per update, no read back."""
-        o, n = self.options, advantages.shape[0]
-        host_adv = advantages.detach().cpu()
+        the host from the host advantages ``host_adv`` [N, W]: one copy of the indices to the device per update, no
+        read back."""
+        o, n = self.options, host_adv.shape[0]
         rows = informative_trajectories(host_adv).nonzero().squeeze(1) if o.filter_zero_advantage else None
         rows = torch.arange(n, device="cpu") if rows is None else rows  # [M] on the host
         on_device = rows.to(device).split(o.micro_batch_size)

@@ -50,6 +50,10 @@ class RowLoss:
     # True: ``total`` goes through graphs that other losses of the step share (a rollout's retained graphs, which one
     # backward frees): the loop sums the step's deferred losses and back-propagates them once, before its step.
     deferred: bool = False
+    # Gradients already formed, one per optimizer parameter (None: none), at the loss scale ``Precision.backward``
+    # applies: added to the parameters' gradients in place of a backward (recompute = "reweight"); ``total`` is then
+    # only its value, for the metrics and the finiteness check.
+    grads: list[Tensor | None] | None = None
 
 
 LossThunk = Callable[[], "RowLoss"]
@@ -207,7 +211,9 @@ class AdamWLoop:
         if not finite:
             totals.nonfinite += 1
             return 0.0
-        if out.deferred:
+        if out.grads is not None:
+            self.precision.add_scaled(self._params, out.grads)
+        elif out.deferred:
             deferred.append(out.total)
         else:
             self.precision.backward(out.total)

@@ -1,5 +1,5 @@
-"""``[optimizer] recompute = "retain"`` on the update's side: what it requires of a recipe, and which micro-batches
-take the rollout's retained graphs.
+"""``[optimizer] recompute = "retain" | "reweight"`` on the update's side: what they require of a recipe, which
+micro-batches take the rollout's retained graphs, and the on-policy gradient formed from reweight's buffers.
 
 ``recompute = "retain"`` (``tpflow.rollout.retain``) keeps the rollout's own forward graphs for the update's first,
 on-policy optimizer step. That is exact only where the rollout's forward pass is the update's: the same weights (the
@@ -7,6 +7,12 @@ live adapter: GRPO samples with it), the same precision (both run in the trainer
 CFG gradient (the rollout's velocity call runs in the optimizer's ``cfg_gradient`` context), and every stored step
 trained. The last is the one-window plan's alone today: the branch, per-row windows, the DPM-Solver tail and a
 trained subset of steps have engines of their own that keep no graphs, and are refused here, before anything loads.
+
+``recompute = "reweight"`` (``tpflow.rollout.reweight``) keeps, instead of graphs, each trajectory's gradient of its
+log-probabilities, back-propagated by the rollout at advantage 1; the first optimizer step forms −Σ A·w·G from them
+(:func:`reweighted_loss`) in place of any forward or backward. It differentiates the policy's log-probabilities
+only: the KL term (β > 0) and GRPO-Guard's RatioNorm differentiate the transition mean against another model or
+the stored one, which the buffers do not hold, so both are refused with it.
 """
 
 from __future__ import annotations
@@ -16,45 +22,62 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tpflow.types import RetainedPart, Rollout, StepOutput
+from tpflow.optim.loop import RowLoss
+from tpflow.types import RetainedPart, RetainedSteps, ReweightedSteps, Rollout, StepOutput
 
 
 def retain_problems(options: Any, settings: dict) -> list[str]:
     """One sentence per way the recipe cannot use its ``recompute`` and ``max_retained_steps`` options."""
-    if options.recompute != "retain":
+    mode = options.recompute
+    if mode == "native":
         if options.max_retained_steps is not None:
             return [
-                f"[optimizer] max_retained_steps = {options.max_retained_steps} caps the graphs that recompute = "
-                f'"retain" keeps, and recompute is "{options.recompute}". Drop it, or set recompute = "retain".'
+                f"[optimizer] max_retained_steps = {options.max_retained_steps} caps the steps that recompute = "
+                '"retain" or "reweight" takes from the rollout, and recompute is "native". Drop it, or set recompute.'
             ]
         return []
+    problems = []
     plan = settings.get("plan")
     name = getattr(plan, "name", "window")
     if name != "window":
-        return [
-            f'[optimizer] recompute = "retain" keeps the graphs of the one-window plan\'s rollout, where every stored '
-            f"step is trained, and [plan] name = {name!r} samples with an engine of its own that keeps none yet "
-            '(docs/training.md, "Recompute-free updates"). Use recompute = "native" with this plan, or the '
+        problems.append(
+            f'[optimizer] recompute = "{mode}" takes the forward passes of the one-window plan\'s rollout, where '
+            f"every stored step is trained, and [plan] name = {name!r} samples with an engine of its own that keeps "
+            'none yet (docs/training.md, "Recompute-free updates"). Use recompute = "native" with this plan, or the '
             '"window" plan.'
-        ]
-    return []
+        )
+    if mode == "reweight" and (options.beta > 0 or options.ratio_norm):
+        what = f"beta = {options.beta:g} (the KL to the reference)" if options.beta > 0 else "ratio_norm = true"
+        problems.append(
+            f'[optimizer] recompute = "reweight" keeps one gradient of the log-probabilities per trajectory, and '
+            f"{what} differentiates the transition mean against another one, which those gradients do not hold. "
+            'Use recompute = "retain" (it keeps the means), or beta = 0 and ratio_norm = false.'
+        )
+    return problems
 
 
-def retained_passes(batch: Rollout, micro_batches: list[tuple[Tensor, Tensor]], options: Any) -> tuple[list, bool]:
+def retained_passes(batch: Rollout, micro_batches: list[tuple[Tensor, Tensor]], options: Any,
+                    advantages: Tensor) -> tuple[list, bool]:  # fmt: skip
     """The update's passes over ``micro_batches`` (device rows, host rows), each tagged with whether it takes the
-    retained graphs, and whether any does.
+    retained graphs (or gradients), and whether any does (``advantages`` [N, W] on the host).
 
     The first optimizer step's micro-batches are on policy and take them; every later step, and every later pass,
     recomputes natively at the moved weights. The retained backward runs over every row of the rollout batches the
     step touches, trained or not (a batched graph cannot be back-propagated for some rows only), so when the first
     step trains fewer than ``retain_min_trained`` of the rows of the rollout batches it touches (zero-advantage rows
-    skipped, rows left to later steps), native is cheaper, and taken."""
+    skipped, rows left to later steps), native is cheaper, and taken. Reweight's gradients are per row: always
+    taken."""
     if batch.retained is not None and batch.trained is not None:
         raise ValueError("retained graphs come from the one-window plan, whose rollouts train every stored step.")
     accumulation = options.gradient_accumulation_steps
     first = [host for _, host in micro_batches[:accumulation]]
-    use = False
-    if batch.retained is not None and first:
+    use = isinstance(batch.retained, ReweightedSteps) and bool(first)  # per-row gradients: any row can take its own
+    if use and not batch.retained.per_step:  # one buffer per trajectory holds for one advantage per trajectory
+        steps = advantages[:, : batch.retained.steps]  # [N, M] host
+        if not torch.equal(steps, steps[:, :1].expand_as(steps)):
+            raise ValueError("reweight kept one gradient per trajectory, and the advantages differ by step: the "
+                             "credit assigner declares same_reward_every_step wrongly.")  # fmt: skip
+    if isinstance(batch.retained, RetainedSteps) and first:
         starts = batch.retained.starts
         ends = [*starts[1:], len(batch)]
         rows = torch.cat(first)  # [m] host
@@ -75,3 +98,29 @@ def retained_step(kept: RetainedPart | None, part: Rollout, i: int) -> StepOutpu
         return None
     mean = None if kept.mean is None else kept.mean[:, i]
     return StepOutput(part.next_latents[:, i], mean, kept.std[:, i], kept.log_prob[:, i], kept.std_dev_t[:, i])
+
+
+def reweighted_loss(kept: ReweightedSteps, adv: Tensor, weight: Tensor | None, old_log_probs: Tensor,
+                    scale: float) -> RowLoss:  # fmt: skip
+    """The first optimizer step's gradient for one micro-batch's first M steps, from reweight's buffers: at ratio 1
+    the clipped surrogate's gradient is −A·w·∇ℓ_θ per live (trajectory, step), so it is −Σ A·w·G.
+
+    Args:
+        kept: the micro-batch's rows of ``Rollout.retained`` (buffers [m, ...] or [m, M, ...]).
+        adv: [m, W] its advantages; ``weight`` [m, W] the step weights (None: 1); ``old_log_probs`` [m, W] the stored
+            ones (their finiteness stands for the rows', as a native loss's does).
+        scale: the loss scale ``Precision.backward`` applies now (the buffers were formed at ``kept.scale``).
+    """
+    steps, live = kept.steps, kept.live  # M, [m, M] bool
+    coef = -adv[:, :steps] if weight is None else -adv[:, :steps] * weight[:, :steps]  # [m, M]
+    coef = torch.where(live, coef, 0.0)
+    factor = scale / kept.scale
+    if kept.per_step:
+        grads = [torch.einsum("mt,mt...->...", coef, g) * factor for g in kept.grads]
+    else:  # every step's advantage and weight alike (Reweight.for_credit): G already sums the live steps
+        grads = [torch.einsum("m,m...->...", -adv[:, 0], g) * factor for g in kept.grads]
+    zero = torch.zeros((), device=coef.device)
+    finite = torch.where(live, old_log_probs[:, :steps], 0.0).sum() * 0  # NaN/inf in a stored log-prob shows
+    sums = {"loss": coef.sum(), "policy_loss": coef.sum(), "kl": zero, "approx_kl": zero, "clip_fraction": zero,
+            "ratio_mean": live.sum().float()}  # fmt: skip
+    return RowLoss(coef.sum() + finite, live.sum().float(), sums, {"ratio_max_deviation": zero}, grads=grads)

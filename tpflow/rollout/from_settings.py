@@ -15,6 +15,7 @@ from tpflow.rollout.branch import BranchEngine
 from tpflow.rollout.inputs import RolloutInputs
 from tpflow.rollout.per_row import RowWindowsEngine
 from tpflow.rollout.retain import Retain
+from tpflow.rollout.reweight import Reweight
 from tpflow.rollout.tail import DpmTailEngine
 from tpflow.rollout.window import Completions, FinalSamplesEngine, WindowEngine
 from tpflow.samplers.dpm_solver import compressed_tail, post_window_nodes
@@ -36,12 +37,12 @@ def engine_for(
     completions: Literal["ode", "x0"] | None,
     transitions: bool = True,
     store_means: bool = False,
-    retain: Retain | None = None,
+    retain: Retain | Reweight | None = None,
 ) -> Engine:
     """The engine a plan names: the branch (TempFlow-GRPO), the DPM-Solver tail (MixGRPO-Flash), per-row windows, or
     the one window, with completions when the credit reads them and transitions when the optimizer trains them.
-    ``retain`` (a recompute-free update, ``tpflow.rollout.retain``) is the one window's only: the GRPO options'
-    recipe check refuses it with any other plan before anything loads."""
+    ``retain`` (a recompute-free update, ``tpflow.rollout.retain`` or ``.reweight``) is the one window's only: the
+    GRPO options' recipe check refuses it with any other plan before anything loads."""
     batch_plan = plan if isinstance(plan, BatchPlan) else None
     one_window = batch_plan is None or (
         batch_plan.uniform and not batch_plan.branch and batch_plan.tail_ratio is None and batch_plan.trained is None
@@ -90,7 +91,7 @@ def rollout_from_settings(
     group_seeds: Mapping[int, int] | None = None,
     transitions: bool = True,
     store_means: bool = False,
-    retain: Retain | None = None,
+    retain: Retain | Reweight | None = None,
 ) -> Rollout:
     """A rollout as a recipe's ``[rollout]`` section asks: draws z_0 (one per group with ``same_noise``, else one
     per trajectory; ``groups`` [N] names each trajectory's prompt group) and runs :func:`engine_for`'s engine.
@@ -101,7 +102,7 @@ def rollout_from_settings(
     optimizer that consumes final samples). ``window`` is one window for the batch, or a rollout plan's
     ``BatchPlan`` (per-row starts and the trained steps, which the returned ``Rollout.trained`` carries; its ``[N, W]``
     mask moves to the rollout's device). ``store_means`` keeps the window's transition means (``Rollout.means``);
-    ``retain`` the first window steps' differentiable log-probabilities (``Rollout.retained``)."""
+    ``retain`` the first window steps' differentiable log-probabilities or their gradients (``Rollout.retained``)."""
     plan = window if isinstance(window, BatchPlan) else None
     if settings.same_noise:
         unique = sorted(set(groups))

@@ -7,6 +7,7 @@ Shared by every engine of ``tpflow.rollout``. docs/algorithm.md §1.6 and the pa
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -90,6 +91,8 @@ class Velocity:
         )
         self.model_s = 0.0
         self.rows_evaluated = 0
+        # told (first row, rows) before each chunk's call: per-row gradients fold a layer's batch onto its rows
+        self.on_chunk: Callable[[int, int], None] | None = None
 
     def __call__(self, branches: list[Branch], k: int) -> list[Tensor]:
         return self.at(branches, self.sigmas[k])
@@ -103,6 +106,8 @@ class Velocity:
         out = []
         for lo in range(0, z.shape[0], chunk):
             part = slice(lo, lo + chunk)
+            if self.on_chunk is not None:
+                self.on_chunk(lo, z[part].shape[0])
             level = sigma if isinstance(sigma, Tensor) else torch.tensor(sigma, device="cpu")  # off-grid: a float
             level = to_device(level.to(torch.float32), z.device).expand(z[part].shape[0])  # no wait (tpflow.devices)
             out.append(self.backbone.velocity(z[part], level, self.cond.index(rows[part]), self.guidance))

@@ -47,6 +47,18 @@ class Retain:
         """Whether window step i (0-based) is retained."""
         return self.steps is None or i < self.steps
 
+    def for_credit(self, same_every_step: bool) -> Retain:
+        """Graphs are per step whatever the credit."""
+        return self
+
+    def for_batch(self, first_row: int) -> Retain:
+        """Every rollout batch keeps its graphs (the update decides which to use: ``retain_min_trained``)."""
+        return self
+
+    def log(self, backbone, engine, width: int) -> RetainedLog:
+        """The record of one rollout batch."""
+        return RetainedLog(self)
+
 
 class RetainedLog:
     """The retained steps of one rollout batch, in window order."""
@@ -55,7 +67,10 @@ class RetainedLog:
         self.retain = retain
         self.outputs: list[StepOutput] = []
 
-    def velocity(self, call: Callable[[], Tensor]) -> Tensor:
+    def covers(self, i: int) -> bool:
+        return self.retain.covers(i)
+
+    def velocity(self, call: Callable[[], Tensor], rows: int) -> Tensor:
         """The main trajectory's velocity with gradients, inside the optimizer's context."""
         with torch.enable_grad(), self.retain.context():
             return call()

@@ -33,7 +33,8 @@ from tpflow.interfaces import Backbone, Sampler
 from tpflow.plans.base import Window
 from tpflow.rollout.inputs import RolloutInputs, Started, begin, ode_prefix
 from tpflow.rollout.parts import Branch, MainNoise, Velocity, completion_nodes
-from tpflow.rollout.retain import Retain, RetainedLog, log_prob_with_grad
+from tpflow.rollout.retain import Retain, log_prob_with_grad
+from tpflow.rollout.reweight import Reweight
 from tpflow.samplers.euler import euler_step
 from tpflow.types import Conditioning, Rollout
 
@@ -61,7 +62,8 @@ class WindowEngine:
     completions along when asked (:class:`Completions`), every live latent in one velocity call per step.
     ``store_means`` also keeps each window step's transition mean μ_old (``Rollout.means``, GRPO-Guard's
     RatioNorm); ``retain`` runs the main trajectory's first window steps with gradients and keeps their
-    differentiable log-probabilities (``Rollout.retained``, ``tpflow.rollout.retain``)."""
+    differentiable log-probabilities (``Rollout.retained``, ``tpflow.rollout.retain``) or, a :class:`Reweight`,
+    back-propagates them at once into per-trajectory gradients (``tpflow.rollout.reweight``)."""
 
     store = True  # the window's transitions are kept (FinalSamplesEngine: not)
 
@@ -72,7 +74,7 @@ class WindowEngine:
         noise_level: float,
         completions: Completions | None = None,
         store_means: bool = False,
-        retain: Retain | None = None,
+        retain: Retain | Reweight | None = None,
     ) -> None:
         self.sampler, self.window, self.noise_level = sampler, window, noise_level
         self.completions, self.store_means, self.retain = completions, store_means, retain
@@ -171,7 +173,7 @@ class WindowLoop:
         first: Tensor,
         store: bool = True,
         means: bool = False,
-        retain: Retain | None = None,
+        retain: Retain | Reweight | None = None,
     ) -> None:
         self.engine, self.sampler, self.window, self.noise_level = engine, sampler, window, noise_level
         self.completions, self.first = completions, first  # first: [P] the first trajectory of each noise row
@@ -184,16 +186,17 @@ class WindowLoop:
         self.store_means = means  # keep each window step's transition mean μ_old too
         self.means: list[Tensor] = []
         self.last_x0: Tensor | None = None  # [N, ...] float32 x̂_0 of the last window step
-        self.retained = None if retain is None or not store else RetainedLog(retain)
+        # the steps run with gradients: their graphs kept ("retain") or back-propagated at once ("reweight")
+        self.retained = None if retain is None or not store else retain.log(engine.backbone, engine, window.size)
 
     def step(self, main: Branch, k: int, noise: MainNoise, independent: Branch | None) -> None:
         others = [b for b in self.branches if b.live(k)] + ([independent] if independent is not None else [])
         s = self.window.start
         inside = s <= k < s + self.window.size
-        retained = self.retained is not None and inside and self.retained.retain.covers(k - s)
+        retained = self.retained is not None and inside and self.retained.covers(k - s)
         if retained:  # the main trajectory with gradients, in a call of its own; the ODE branches without
             assert self.retained is not None
-            v_grad = self.retained.velocity(lambda: self.engine([main], k)[0])
+            v_grad = self.retained.velocity(lambda: self.engine([main], k)[0], main.z.shape[0])
             vs = [v_grad.detach(), *(self.engine(others, k) if others else [])]
         else:
             vs = self.engine([main, *others], k)

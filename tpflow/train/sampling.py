@@ -55,13 +55,15 @@ class EpochSampler:
         completions = rollout.completions if self.credit.needs_completions and transitions else None
         store_means = transitions and capability(self.optimizer, "needs_old_means")  # e.g. GRPO's RatioNorm
         retain = capability(self.optimizer, "retain") if transitions else None  # a recompute-free update's graphs
+        if retain is not None:  # per-trajectory gradients suffice where every step of a trajectory gets one reward
+            retain = retain.for_credit(capability(self.credit, "same_reward_every_step"))
         # The text encoders run once per epoch, on every distinct prompt of the epoch's plan (all processes alike,
         # so the embeddings do not depend on the number of processes); each rollout batch indexes its rows.
         plan = plan_epoch(len(self.items), train, epoch)
         texts = sorted({self.items[i].prompt for b in plan.batches for i in b.items})
         encoded, text_row = self.backbone.encode(texts), {text: k for k, text in enumerate(texts)}
         worker = ScoringWorker(self.backbone.decode, self.reward, chunk=train.score_batch, policy=recipe_policy(train))
-        rollouts, jobs = [], []
+        rollouts, jobs, first_row = [], [], 0
         try:
             for b in batches:
                 items = [self.items[i] for i in b.items]
@@ -84,8 +86,9 @@ class EpochSampler:
                         z0_seeds,
                         transitions,
                         store_means,
-                        retain,
+                        None if retain is None else retain.for_batch(first_row),
                     )
+                first_row += len(items)
                 prompts, metadata = [i.prompt for i in items], [i.metadata for i in items]
                 # traces [n, W + 1] of the plan's W (a truncated window holds fewer than [rollout] window_size)
                 jobs.append(worker.submit(out.final, out.completions, prompts, metadata, window.size))

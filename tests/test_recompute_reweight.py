@@ -1,0 +1,261 @@
+"""``[optimizer] recompute = "reweight"`` (tpflow.rollout.reweight): the rollout back-propagates each window step as it
+samples it, with advantage 1, into a gradient per trajectory (or per trajectory and step); the update's first,
+on-policy step weighs them by the advantages instead of recomputing anything.
+
+The invariants: the per-row gradients are each row's own backward, on every shipped backbone (CFG copies, chunked
+velocity calls); the stored rollout is the native one; the first step's gradient is native's up to float rounding
+for outcome and step credits, CFG with either gradient, step weights, a cap on the steps, several optimizer steps,
+mixed precision and the fp16 loss scale; recipes it cannot serve are refused before anything loads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import tpflow
+from tests.conftest import cuda_or_skip
+from tests.test_recompute_retain import ADVANTAGES, PROMPTS, WINDOW, first_step_gradient, model, relative, sample
+from tpflow.errors import RecipeError
+from tpflow.precision import Precision
+from tpflow.recipe import load_recipe
+from tpflow.rollout import Completions
+from tpflow.rollout.per_row_grads import PerRowGradients
+from tpflow.types import ReweightedSteps
+
+__all__ = ["model"]  # the fixture, shared with the retain tests
+
+
+def reweight_spec(options: dict, precision: Precision | None = None, same_every_step: bool = False):
+    """The rollout's Reweight as a run builds it: from the optimizer bound at the run's precision."""
+    optimizer = tpflow.build("optimizer", "grpo", recompute="reweight", **options)
+    optimizer.precision = precision if precision is not None else optimizer.precision
+    return optimizer.retain.for_credit(same_every_step)
+
+
+@pytest.mark.parametrize(
+    ("name", "guidance", "max_batch"),
+    [("tiny-sd3", 4.5, 3), ("tiny-flux", 3.5, None), ("tiny-qwen-image", 4.0, 3), ("shapes-dit", 2.0, None)],
+)
+def test_per_row_gradients_are_each_rows_own_backward(name, guidance, max_batch):
+    """One batched backward's per-row shares (module tpflow.rollout.per_row_grads) against one backward per row,
+    through CFG's [unconditional; conditional] copies and a velocity call split into chunks of 3 + 1 rows."""
+    from tpflow.rollout.parts import Branch, Velocity
+
+    torch.manual_seed(0)
+    options = {"resolution": 16} if name != "shapes-dit" else {"lora_init": "gaussian"}
+    backbone = tpflow.build("backbone", name, seed=0, **options) if name != "shapes-dit" else tpflow.build(
+        "backbone", name, **options)  # fmt: skip
+    with torch.no_grad():
+        for p in backbone.trainable_parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1), dtype=p.dtype))
+    n = len(PROMPTS)
+    z = backbone.initial_noise(n, torch.Generator().manual_seed(2))
+    sigmas = backbone.sigmas(4)
+    engine = Velocity(backbone, backbone.encode(PROMPTS), sigmas, guidance, max_batch)
+    weights = torch.randn((n, *z.shape[1:]), generator=torch.Generator().manual_seed(3))
+    per_row = PerRowGradients.of(backbone)
+    engine.on_chunk = per_row.chunk
+    with per_row.recording(n):
+        v = engine([Branch(z, torch.arange(n))], 1)[0]
+    losses = (v.float() * weights).flatten(1).sum(1)  # [n]
+    grads = per_row.gradients(losses.sum(), n)
+    params = per_row.params
+    reached = set()
+    for i in range(n):
+        with per_row.recording(n):
+            v = engine([Branch(z, torch.arange(n))], 1)[0]
+        own = torch.autograd.grad((v.float()[i] * weights[i]).sum(), params, allow_unused=True)
+        for k, (g, ref) in enumerate(zip(grads, own, strict=True)):
+            if ref is None:
+                assert g is None or g[i].abs().max() == 0
+                continue
+            reached.add(k)
+            torch.testing.assert_close(g[i], ref, rtol=1e-4, atol=1e-6, msg=f"{name}: row {i}, parameter {k}")
+    assert reached == {k for k, g in enumerate(grads) if g is not None} and len(reached) > len(params) // 2
+
+
+@pytest.mark.parametrize("completions", [None, Completions("ode")], ids=["flow-grpo", "tp-grpo"])
+def test_a_reweighting_rollout_stores_the_native_transitions(model, completions):
+    backbone, sampler = model
+    native = sample(backbone, sampler, None, completions)
+    kept = sample(backbone, sampler, reweight_spec({"beta": 0.0}), completions)
+    assert isinstance(kept.retained, ReweightedSteps) and kept.retained.per_step
+    params = list(backbone.trainable_parameters())
+    assert [g.shape for g in kept.retained.grads] == [(len(PROMPTS), WINDOW.size, *p.shape) for p in params]
+    assert all(p.grad is None for p in params)  # the rollout's backward touches no parameter's gradient
+    names = ("latents", "next_latents", "log_probs", "final")
+    if completions is None:
+        for name in names:
+            assert torch.equal(getattr(native, name), getattr(kept, name)), name
+    else:  # the main trajectory leaves the completions' batched call: float32 rounding (as retain's)
+        for name in (*names, "completions"):
+            torch.testing.assert_close(getattr(kept, name), getattr(native, name), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"cfg_gradient": "conditional"},
+        {"max_retained_steps": 2},
+        {"step_weight": "noise-aware", "max_retained_steps": 1},
+        {"micro_batch_size": 4, "gradient_accumulation_steps": 1},
+    ],
+    ids=["plain", "conditional-cfg", "two-kept", "weights-one-kept", "rollout-batch-layout"],
+)
+def test_the_reweighted_update_has_the_native_gradient(model, options):
+    """Step credits (ADVANTAGES differ by step): per (trajectory, step) buffers, weighed at the first step."""
+    backbone, sampler = model
+    layout = {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "clip_range": 1e-4, "beta": 0.0, **options}
+    batch = sample(backbone, sampler, reweight_spec(layout))
+    kept, _, kept_metrics = first_step_gradient(backbone, sampler, batch, ADVANTAGES, recompute="reweight", **layout)
+    native, _, native_metrics = first_step_gradient(backbone, sampler, dataclasses.replace(batch, retained=None),
+                                                    ADVANTAGES, **layout)  # fmt: skip
+    assert native.norm() > 0
+    # Not bitwise: the per-row shares are contracted in float32 in another order than autograd's weight gradient,
+    # and a micro-batch smaller than the rollout batch rounds its forward differently (1.0e-6 to 1.5e-6 measured).
+    assert relative(kept, native) < 1e-5, relative(kept, native)
+    assert kept_metrics["rows_trained"] == native_metrics["rows_trained"] == len(PROMPTS) * WINDOW.size
+    assert kept_metrics["retained_graphs_used"] == 1.0
+    assert kept_metrics["loss"] == pytest.approx(native_metrics["loss"], rel=1e-4, abs=1e-6)
+
+
+def test_outcome_credit_keeps_one_gradient_per_trajectory(model):
+    """Every step of a trajectory with one advantage (outcome credit): the buffer sums its steps ([N, ...], W times
+    smaller), and the step's gradient is still native's; an advantage that differs by step is refused."""
+    backbone, sampler = model
+    layout = {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "beta": 0.0}
+    batch = sample(backbone, sampler, reweight_spec(layout, same_every_step=True))
+    assert not batch.retained.per_step
+    params = list(backbone.trainable_parameters())
+    assert [g.shape for g in batch.retained.grads] == [(len(PROMPTS), *p.shape) for p in params]
+    outcome = ADVANTAGES[:, :1].expand(-1, WINDOW.size).contiguous()
+    kept, _, _ = first_step_gradient(backbone, sampler, batch, outcome, recompute="reweight", **layout)
+    native, _, _ = first_step_gradient(backbone, sampler, dataclasses.replace(batch, retained=None), outcome,
+                                       **layout)  # fmt: skip
+    assert relative(kept, native) < 1e-5, relative(kept, native)
+    with pytest.raises(ValueError, match="differ by step"):
+        first_step_gradient(backbone, sampler, batch, ADVANTAGES, recompute="reweight", **layout)
+
+
+def test_only_the_first_optimizer_step_is_reweighted(model):
+    """Two optimizer steps per update: the first from the buffers, the second recomputed at the moved weights."""
+    backbone, sampler = model
+    layout = {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "clip_range": 0.2, "learning_rate": 1e-2,
+              "beta": 0.0}  # fmt: skip
+    batch = sample(backbone, sampler, reweight_spec(layout))
+    _, kept, metrics = first_step_gradient(backbone, sampler, batch, ADVANTAGES, recompute="reweight", **layout)
+    _, native, _ = first_step_gradient(backbone, sampler, dataclasses.replace(batch, retained=None), ADVANTAGES,
+                                       **layout)  # fmt: skip
+    assert len(kept) == len(native) == 2 and metrics["optimizer_steps"] == 2
+    for step in range(2):
+        a, b = (torch.cat([g.flatten() for g in grads[step]]) for grads in (kept, native))
+        assert relative(a, b) < 1e-5, (step, relative(a, b))
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_under_mixed_precision_the_reweighted_gradient_points_where_natives_does(model, mode):
+    """Rollout and update under the recipe's autocast; under fp16 the rollout's backward runs at the gradient
+    scaler's scale, as the update's would (LeanGRPO reports a cosine of 0.9998 under bf16)."""
+    backbone, sampler = model
+    layout = {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "beta": 0.0}
+    batch = sample(backbone, sampler, reweight_spec(layout, Precision(mode, "cpu")), precision=Precision(mode, "cpu"))
+    assert batch.retained.scale == (65536.0 if mode == "fp16" else 1.0)
+    kept, _, _ = first_step_gradient(backbone, sampler, batch, ADVANTAGES, Precision(mode, "cpu"),
+                                     recompute="reweight", **layout)  # fmt: skip
+    native, _, _ = first_step_gradient(backbone, sampler, dataclasses.replace(batch, retained=None), ADVANTAGES,
+                                       Precision(mode, "cpu"), **layout)  # fmt: skip
+    cosine = float(torch.nn.functional.cosine_similarity(kept.double(), native.double(), dim=0))
+    assert cosine >= 0.999, cosine
+
+
+def test_reweight_is_refused_where_it_cannot_hold():
+    """Before anything loads, in one paragraph: the KL and RatioNorm differentiate means the buffers do not hold,
+    and another plan's engine runs no step with gradients."""
+    assert load_recipe("recipes/shapes_tp.toml", ['optimizer.recompute="reweight"']) is not None
+    with pytest.raises(RecipeError, match="beta = 0.01"):
+        load_recipe("recipes/shapes_flowgrpo.toml", ['optimizer.recompute="reweight"', "optimizer.beta=0.01"])
+    with pytest.raises(RecipeError, match="one-window plan"):
+        load_recipe("recipes/shapes_mixgrpo.toml", ['optimizer.recompute="reweight"'])
+    with pytest.raises(RecipeError, match="NFT has none to reuse"):
+        load_recipe("recipes/shapes_nft.toml", ['optimizer.recompute="reweight"'])
+
+
+@pytest.mark.parametrize(("credit", "per_step"), [("consistent", True), ("outcome", False)])
+def test_a_run_with_reweight_trains_as_the_native_run_does(tmp_path, tiny_weights, monkeypatch, credit, per_step):
+    """Through the trainer (2 epochs, 2 optimizer steps each: the first reweighted, the second native): the adapter
+    moves, and ends where the native run's does up to float rounding; TP-GRPO's step credit keeps a gradient per
+    (trajectory, step), outcome credit one per trajectory."""
+    from tests.test_train import tiny_recipe
+    from tpflow.rollout.reweight import ReweightLog
+    from tpflow.train.trainer import Trainer
+
+    kept, keep = [], ReweightLog.keep
+    monkeypatch.setattr(ReweightLog, "keep", lambda self, out: (kept.append(self.spec.per_step), keep(self, out)))
+    ends, metrics = {}, {}
+    for mode in ("native", "reweight"):
+        folder = tmp_path / mode
+        folder.mkdir()
+        recipe = load_recipe(tiny_recipe(folder, tiny_weights, reward="image-stat", credit=credit),
+                             [f'optimizer.recompute="{mode}"', "eval.every=0", "train.rollout_batch=8",
+                              "optimizer.beta=0"])  # fmt: skip
+        trainer = Trainer(recipe)
+        start = torch.cat([p.detach().flatten().clone() for p in trainer.backbone.trainable_parameters()])
+        metrics[mode] = trainer.fit()
+        ends[mode] = torch.cat([p.detach().flatten() for p in trainer.backbone.trainable_parameters()])
+    moved = float((ends["native"] - start).norm())
+    assert moved > 0
+    assert float((ends["reweight"] - ends["native"]).norm()) < 1e-3 * moved
+    assert metrics["reweight"]["optimizer_steps"] == metrics["native"]["optimizer_steps"] == 2
+    assert kept == [per_step] * 2 * 3  # 3 window steps back-propagated in each of the 2 epochs' rollouts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["no", "bf16", "fp16"])
+def test_on_cuda_the_reweighted_gradient_is_the_native_one(mode):
+    """The CPU comparison on a GPU: the first step's gradient from the rollout's per-row buffers against native's on
+    the same rollout (cosine; LeanGRPO reports 0.9998 under bf16)."""
+    device = cuda_or_skip()
+    torch.manual_seed(0)
+    backbone = tpflow.build("backbone", "tiny-sd3", seed=0, resolution=16, device=device)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in backbone.trainable_parameters():
+            p.add_((0.05 * torch.randn(p.shape, generator=gen)).to(p.device, p.dtype))
+    sampler = tpflow.build("sampler", "flow-sde")
+    layout = {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "beta": 0.0}
+    precision = None if mode == "no" else Precision(mode, device)
+    batch = sample(backbone, sampler, reweight_spec(layout, precision), precision=precision)
+    fresh = None if mode == "no" else Precision(mode, device)
+    kept, _, _ = first_step_gradient(backbone, sampler, batch, ADVANTAGES, precision, recompute="reweight", **layout)
+    native, _, _ = first_step_gradient(backbone, sampler, dataclasses.replace(batch, retained=None), ADVANTAGES,
+                                       fresh, **layout)  # fmt: skip
+    cosine = float(torch.nn.functional.cosine_similarity(kept.double(), native.double(), dim=0))
+    assert cosine >= (0.9999 if mode == "no" else 0.999), cosine
+
+
+def test_rows_past_the_buffers_recompute_natively(model):
+    """The epoch's batches past the first optimizer step's rows keep no buffers (``Reweight.for_batch``): a
+    micro-batch with such a row is recomputed natively, the others weighed, and the step's gradient is native's."""
+    from tpflow.types import Rollout
+
+    backbone, sampler = model
+    layout = {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "beta": 0.0}
+    spec = reweight_spec(layout)
+    assert spec.rows == 4 and spec.for_batch(0) is spec and spec.for_batch(4) is None
+    full = sample(backbone, sampler, spec)
+    batch = Rollout.cat([full.index(torch.arange(2)), dataclasses.replace(full.index(torch.arange(2, 4)),
+                                                                          retained=None)])  # fmt: skip
+    assert len(batch.retained) == 2 and batch.retained.index(torch.tensor([1, 2])) is None
+    calls, real = [], sampler.log_prob
+    sampler.log_prob = lambda *args: (calls.append(1), real(*args))[1]
+    try:
+        kept, _, _ = first_step_gradient(backbone, sampler, batch, ADVANTAGES, recompute="reweight", **layout)
+    finally:
+        del sampler.log_prob
+    assert len(calls) == WINDOW.size  # the second micro-batch only, at each window step
+    native, _, _ = first_step_gradient(backbone, sampler, dataclasses.replace(batch, retained=None), ADVANTAGES,
+                                       **layout)  # fmt: skip
+    assert relative(kept, native) < 1e-5, relative(kept, native)
