@@ -186,7 +186,7 @@ def main() -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="tiny-sd3 on the CPU: checks the script, measures nothing")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
-    parser.add_argument("--set", nargs="*", default=[], help='recipe overrides: section.key=value (TOML values)')
+    parser.add_argument("--set", nargs="*", default=[], help="recipe overrides: section.key=value (TOML values)")
     args = parser.parse_args()
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("gpu_smoke.py needs a CUDA GPU (or --tiny to check the code path on the CPU).")
