@@ -268,7 +268,10 @@ def test_on_cuda_the_retained_gradient_is_the_native_one(mode):
         for p in backbone.trainable_parameters():
             p.add_((0.05 * torch.randn(p.shape, generator=gen)).to(p.device, p.dtype))
     sampler = tpflow.build("sampler", "flow-sde")
-    layout = {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "beta": 0.01}
+    # clip_range 0.2: on CUDA a micro-batch of 2 and the rollout batch of 4 pick other kernels, so native's
+    # recomputed ratio is not exactly 1, and under bf16 the paper's ε = 1e-5 clips most rows out of native's gradient
+    # (measured on an H200: cosine 0.32 at ε = 1e-5): the comparison is of gradients, with the clip inert
+    layout = {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "beta": 0.01, "clip_range": 0.2}
     precision = None if mode == "no" else Precision(mode, device)
     retain = tpflow.build("optimizer", "grpo", recompute="retain", **layout).retain
     batch = sample(backbone, sampler, retain, precision=precision)
