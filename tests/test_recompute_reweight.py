@@ -17,6 +17,7 @@ import torch
 import tpflow
 from tests.conftest import cuda_or_skip
 from tests.test_recompute_retain import ADVANTAGES, PROMPTS, WINDOW, first_step_gradient, model, relative, sample
+from tests.test_recompute_retain import GUIDANCE as GUIDANCE_
 from tpflow.errors import RecipeError
 from tpflow.precision import Precision
 from tpflow.recipe import load_recipe
@@ -173,34 +174,47 @@ def test_under_mixed_precision_the_reweighted_gradient_points_where_natives_does
 
 def test_reweight_is_refused_where_it_cannot_hold():
     """Before anything loads, in one paragraph: the KL and RatioNorm differentiate means the buffers do not hold,
-    and another plan's engine runs no step with gradients."""
+    and the branch, per-image windows and the DPM-Solver tail run no step with gradients."""
     assert load_recipe("recipes/shapes_tp.toml", ['optimizer.recompute="reweight"']) is not None
     with pytest.raises(RecipeError, match="beta = 0.01"):
         load_recipe("recipes/shapes_flowgrpo.toml", ['optimizer.recompute="reweight"', "optimizer.beta=0.01"])
-    with pytest.raises(RecipeError, match="one-window plan"):
-        load_recipe("recipes/shapes_mixgrpo.toml", ['optimizer.recompute="reweight"'])
+    for allowed in ("shapes_mixgrpo", "shapes_dancegrpo"):  # Euler after one window; a trained subset of it
+        assert load_recipe(f"recipes/{allowed}.toml", ['optimizer.recompute="reweight"']) is not None
+    for other in ("shapes_mixgrpo_flash", "shapes_tempflow", "shapes_flowgrpo_fast"):
+        with pytest.raises(RecipeError, match="one-window rollout"):
+            load_recipe(f"recipes/{other}.toml", ['optimizer.recompute="reweight"'])
     with pytest.raises(RecipeError, match="NFT has none to reuse"):
         load_recipe("recipes/shapes_nft.toml", ['optimizer.recompute="reweight"'])
 
 
-@pytest.mark.parametrize(("credit", "per_step"), [("consistent", True), ("outcome", False)])
-def test_a_run_with_reweight_trains_as_the_native_run_does(tmp_path, tiny_weights, monkeypatch, credit, per_step):
+@pytest.mark.parametrize(
+    ("credit", "per_step", "plan"),
+    [
+        ("consistent", True, "window"),
+        ("outcome", False, "window"),
+        ("outcome", False, "window-schedule"),
+        ("outcome", False, "trained-fraction"),
+    ],  # fmt: skip
+)
+def test_a_run_with_reweight_trains_as_the_native_run_does(tmp_path, tiny_weights, monkeypatch, credit, per_step,
+                                                           plan):  # fmt: skip
     """Through the trainer (2 epochs, 2 optimizer steps each: the first reweighted, the second native): the adapter
     moves, and ends where the native run's does up to float rounding; TP-GRPO's step credit keeps a gradient per
-    (trajectory, step), outcome credit one per trajectory."""
+    (trajectory, step), outcome credit one per trajectory; MixGRPO's moving window (Euler after it) and DanceGRPO's
+    trained subset of steps alike."""
     from tests.test_train import tiny_recipe
     from tpflow.rollout.reweight import ReweightLog
     from tpflow.train.trainer import Trainer
 
     kept, keep = [], ReweightLog.keep
-    monkeypatch.setattr(ReweightLog, "keep", lambda self, out: (kept.append(self.spec.per_step), keep(self, out)))
+    monkeypatch.setattr(ReweightLog, "keep", lambda self, *args: (kept.append(self.spec.per_step), keep(self, *args)))
     ends, metrics = {}, {}
     for mode in ("native", "reweight"):
         folder = tmp_path / mode
         folder.mkdir()
         recipe = load_recipe(tiny_recipe(folder, tiny_weights, reward="image-stat", credit=credit),
                              [f'optimizer.recompute="{mode}"', "eval.every=0", "train.rollout_batch=8",
-                              "optimizer.beta=0"])  # fmt: skip
+                              "optimizer.beta=0", f'plan.name="{plan}"'])  # fmt: skip
         trainer = Trainer(recipe)
         start = torch.cat([p.detach().flatten().clone() for p in trainer.backbone.trainable_parameters()])
         metrics[mode] = trainer.fit()
@@ -209,7 +223,8 @@ def test_a_run_with_reweight_trains_as_the_native_run_does(tmp_path, tiny_weight
     assert moved > 0
     assert float((ends["reweight"] - ends["native"]).norm()) < 1e-3 * moved
     assert metrics["reweight"]["optimizer_steps"] == metrics["native"]["optimizer_steps"] == 2
-    assert kept == [per_step] * 2 * 3  # 3 window steps back-propagated in each of the 2 epochs' rollouts
+    # 3 window steps back-propagated in each of the 2 epochs' rollouts (trained-fraction: the steps any row trains)
+    assert kept == [per_step] * len(kept) and 2 <= len(kept) <= 2 * 3
 
 
 @pytest.mark.gpu
@@ -262,4 +277,35 @@ def test_rows_past_the_buffers_recompute_natively(model):
     assert len(calls) == WINDOW.size  # the second micro-batch only, at each window step
     native, _, _ = first_step_gradient(backbone, sampler, dataclasses.replace(batch, retained=None), ADVANTAGES,
                                        **layout)  # fmt: skip
+    assert relative(kept, native) < 1e-5, relative(kept, native)
+
+
+@pytest.mark.parametrize("same_every_step", [True, False], ids=["outcome", "step-credit"])
+def test_a_trained_subset_back_propagates_its_pairs_only(model, same_every_step):
+    """DanceGRPO's trained-fraction: each row trains its own steps, so at each step the rows that train run with
+    gradients in a call of their own (a step no row trains runs none), and the first step's gradient is native's
+    packed update's."""
+    from tpflow.rollout import RolloutInputs, WindowEngine
+
+    backbone, sampler = model
+    trained = torch.tensor([[1, 0, 1], [0, 0, 1], [1, 0, 0], [0, 0, 1]], dtype=torch.bool)  # step 1: no row
+    layout = {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "beta": 0.0, "clip_range": 1e-4}
+    spec = reweight_spec(layout, same_every_step=same_every_step)
+    z0 = backbone.initial_noise(len(PROMPTS), torch.Generator().manual_seed(2))
+
+    def run(retain, mask):
+        inputs = RolloutInputs(backbone, backbone.encode(PROMPTS), z0, backbone.sigmas(5), GUIDANCE_, None,
+                               torch.Generator().manual_seed(3), None)  # fmt: skip
+        out = WindowEngine(sampler, WINDOW, 0.8, None, False, retain, mask).run(inputs)
+        return dataclasses.replace(out, trained=trained)
+
+    native_batch, batch = run(None, None), run(spec, trained)
+    assert batch.retained.live.equal(trained)
+    for name in ("latents", "next_latents", "log_probs", "final"):  # the trained rows leave the batched call
+        torch.testing.assert_close(getattr(batch, name), getattr(native_batch, name), rtol=0, atol=1e-5)
+    advantages = ADVANTAGES[:, :1].expand(-1, WINDOW.size).contiguous() if same_every_step else ADVANTAGES
+    kept, _, metrics = first_step_gradient(backbone, sampler, batch, advantages, recompute="reweight", **layout)
+    native, _, native_metrics = first_step_gradient(backbone, sampler, dataclasses.replace(batch, retained=None),
+                                                    advantages, **layout)  # fmt: skip
+    assert native.norm() > 0 and metrics["rows_trained"] == native_metrics["rows_trained"] == int(trained.sum())
     assert relative(kept, native) < 1e-5, relative(kept, native)

@@ -306,18 +306,20 @@ class GRPO(AdamWLoop):
 
         def losses(mb: tuple[Tensor, Tensor, bool]) -> Iterator[LossThunk]:
             device_rows, host_rows, use_retained = mb
-            if trained is not None:  # a plan's subset of (trajectory, step) pairs: packed, nothing else computed
-                yield from self._packed_losses(backbone, sampler, batch, adv, sigmas, weights, trained[host_rows],
-                                               (device_rows, host_rows))  # fmt: skip
-                return
-            part, host = plain.index(device_rows), sigmas[host_rows]
             kept = batch.retained.select(host_rows) if use_retained and batch.retained is not None else None
             first = 0  # reweight: its first M steps come formed, in one loss; the rest native
             if isinstance(kept, ReweightedSteps):
-                first, scale = kept.steps, self.precision.loss_scale()
                 weight = None if weights is None else weights[device_rows]
-                yield functools.partial(reweighted_loss, kept, adv[device_rows], weight, part.log_probs, scale)
-                kept = None
+                yield functools.partial(reweighted_loss, kept, adv[device_rows], weight, batch.log_probs[device_rows],
+                                        self.precision.loss_scale())  # fmt: skip
+                first, kept = kept.steps, None
+            if trained is not None:  # a plan's subset of (trajectory, step) pairs: packed, nothing else computed
+                mask = trained[host_rows].clone()
+                mask[:, :first] = False  # the pairs reweight formed
+                yield from self._packed_losses(backbone, sampler, batch, adv, sigmas, weights, mask,
+                                               (device_rows, host_rows))  # fmt: skip
+                return
+            part, host = plain.index(device_rows), sigmas[host_rows]
             for i in range(first, width):
                 weight = None if weights is None else weights[device_rows, i]
                 out = retained_step(kept, part, i)

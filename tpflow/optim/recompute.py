@@ -5,8 +5,9 @@ micro-batches take the rollout's retained graphs, and the on-policy gradient for
 on-policy optimizer step. That is exact only where the rollout's forward pass is the update's: the same weights (the
 live adapter: GRPO samples with it), the same precision (both run in the trainer's autocast), the same guidance and
 CFG gradient (the rollout's velocity call runs in the optimizer's ``cfg_gradient`` context), and every stored step
-trained. The last is the one-window plan's alone today: the branch, per-row windows, the DPM-Solver tail and a
-trained subset of steps have engines of their own that keep no graphs, and are refused here, before anything loads.
+trained. The last is the window engine's alone today (the window plan, MixGRPO's window-schedule with Euler after
+the window: ``samples_one_window``): the branch, per-row windows, the DPM-Solver tail and a trained subset of steps
+have engines of their own that keep no graphs, and are refused here, before anything loads.
 
 ``recompute = "reweight"`` (``tpflow.rollout.reweight``) keeps, instead of graphs, each trajectory's gradient of its
 log-probabilities, back-propagated by the rollout at advantage 1; the first optimizer step forms −Σ A·w·G from them
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tpflow import registry
+from tpflow.interfaces import capability
 from tpflow.optim.loop import RowLoss
 from tpflow.types import RetainedPart, RetainedSteps, ReweightedSteps, Rollout, StepOutput
 
@@ -39,12 +42,14 @@ def retain_problems(options: Any, settings: dict) -> list[str]:
     problems = []
     plan = settings.get("plan")
     name = getattr(plan, "name", "window")
-    if name != "window":
+    subset = plan is not None and capability(registry.get("plan", plan.name).factory, "trains_a_subset_of_one_window")
+    if plan is not None and not _one_window(plan) and not (mode == "reweight" and subset):
+        also = " (reweight: also DanceGRPO's trained-fraction)" if mode == "retain" else ""
         problems.append(
-            f'[optimizer] recompute = "{mode}" takes the forward passes of the one-window plan\'s rollout, where '
-            f"every stored step is trained, and [plan] name = {name!r} samples with an engine of its own that keeps "
-            'none yet (docs/training.md, "Recompute-free updates"). Use recompute = "native" with this plan, or the '
-            '"window" plan.'
+            f'[optimizer] recompute = "{mode}" takes the forward passes of a one-window rollout, where Euler follows '
+            f"the window (the window plan; MixGRPO's window-schedule){also}, and [plan] name = {name!r} samples "
+            'with an engine of its own that runs none with gradients yet (docs/training.md, "Recompute-free '
+            'updates"). Use recompute = "native" with this plan.'
         )
     if mode == "reweight" and (options.beta > 0 or options.ratio_norm):
         what = f"beta = {options.beta:g} (the KL to the reference)" if options.beta > 0 else "ratio_norm = true"
@@ -54,6 +59,12 @@ def retain_problems(options: Any, settings: dict) -> list[str]:
             'Use recompute = "retain" (it keeps the means), or beta = 0 and ratio_norm = false.'
         )
     return problems
+
+
+def _one_window(plan: Any) -> bool:
+    """Whether the recipe's ``[plan]`` (its ComponentSpec) samples with the window engine (``samples_one_window``)."""
+    says = capability(registry.get("plan", plan.name).factory, "samples_one_window")
+    return bool(says(plan.options)) if callable(says) else False
 
 
 def retained_passes(batch: Rollout, micro_batches: list[tuple[Tensor, Tensor]], options: Any,
@@ -67,7 +78,7 @@ def retained_passes(batch: Rollout, micro_batches: list[tuple[Tensor, Tensor]], 
     step trains fewer than ``retain_min_trained`` of the rows of the rollout batches it touches (zero-advantage rows
     skipped, rows left to later steps), native is cheaper, and taken. Reweight's gradients are per row: always
     taken."""
-    if batch.retained is not None and batch.trained is not None:
+    if isinstance(batch.retained, RetainedSteps) and batch.trained is not None:
         raise ValueError("retained graphs come from the one-window plan, whose rollouts train every stored step.")
     accumulation = options.gradient_accumulation_steps
     first = [host for _, host in micro_batches[:accumulation]]

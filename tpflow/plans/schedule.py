@@ -117,6 +117,11 @@ class WindowSchedulePlan:
     def __init__(self, options: WindowScheduleOptions | None = None) -> None:
         self.options = options or WindowScheduleOptions()
 
+    @staticmethod
+    def samples_one_window(options: WindowScheduleOptions) -> bool:
+        """MixGRPO's Euler after the window: the window engine's case; MixGRPO-Flash's DPM-Solver tail is not."""
+        return options.after_window != "dpm-solver++"
+
     def plan(self, rollout: RolloutSettings, n: int, epoch: int, batch_seed: int, run_seed: int) -> BatchPlan:
         first, last = start_range(self.options, rollout)
         start = schedule_start(self.options, first, last, epoch, run_seed)

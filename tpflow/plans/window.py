@@ -34,6 +34,11 @@ class WindowPlan:
     def __init__(self, options: WindowOptions | None = None) -> None:
         self.options = options or WindowOptions()
 
+    @staticmethod
+    def samples_one_window(options: WindowOptions) -> bool:
+        """Always: one window per batch, every step trained, Euler after it."""
+        return True
+
     def plan(self, rollout: RolloutSettings, n: int, epoch: int, batch_seed: int, run_seed: int) -> BatchPlan:
         window = draw_window(rollout.num_steps, rollout.window_size, rollout.window_range, random.Random(batch_seed))
         return BatchPlan((window.start,) * n, window.size)

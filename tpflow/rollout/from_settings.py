@@ -47,7 +47,10 @@ def engine_for(
     one_window = batch_plan is None or (
         batch_plan.uniform and not batch_plan.branch and batch_plan.tail_ratio is None and batch_plan.trained is None
     )
-    if retain is not None and not (one_window and transitions):
+    # reweight back-propagates a trained subset of one window's pairs too (DanceGRPO's trained-fraction)
+    subset = batch_plan is not None and batch_plan.trained is not None and isinstance(retain, Reweight) and (
+        batch_plan.uniform and not batch_plan.branch and batch_plan.tail_ratio is None)  # fmt: skip
+    if retain is not None and not ((one_window or subset) and transitions):
         raise ValueError("retain runs with the one-window plan's engine only (every stored step trained).")
     window = Window(batch_plan.start, batch_plan.size) if batch_plan is not None else plan
     assert isinstance(window, Window)
@@ -76,7 +79,8 @@ def engine_for(
     wanted = None
     if completions is not None:
         wanted = Completions(completions, settings.baseline_noise, steps=steps)
-    return WindowEngine(sampler, window, noise_level, wanted, store_means, retain)
+    trained = batch_plan.trained if subset else None  # [N, W] host: the pairs reweight back-propagates
+    return WindowEngine(sampler, window, noise_level, wanted, store_means, retain, trained)
 
 
 def rollout_from_settings(

@@ -75,8 +75,14 @@ class RetainedLog:
         with torch.enable_grad(), self.retain.context():
             return call()
 
-    def keep(self, out: StepOutput) -> None:
-        """One retained step: ``Sampler.log_prob`` of the stored transition under the differentiable velocity."""
+    def skip(self, n: int) -> None:
+        raise ValueError("retain keeps every window step of the one-window plan; a trained subset is reweight's.")
+
+    def keep(self, out: StepOutput, n: int, pick: Tensor | None = None) -> None:
+        """One retained step: ``Sampler.log_prob`` of the stored transition under the differentiable velocity (every
+        row: ``pick`` must be None)."""
+        if pick is not None:
+            raise ValueError("retain keeps every row of a step; a trained subset is reweight's.")
         mean = out.mean if self.retain.keep_mean else None
         self.outputs.append(StepOutput(out.prev, mean, out.std.detach(), out.log_prob, out.std_dev_t.detach()))
 

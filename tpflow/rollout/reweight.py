@@ -93,28 +93,40 @@ class ReweightLog:
         finally:
             self.engine.on_chunk = None
 
-    def keep(self, out: StepOutput) -> None:
-        """Back-propagate one step's log-probabilities (advantage 1; rows with std 0 have none) into the buffers."""
-        n = out.log_prob.shape[0]
-        live = out.std.reshape(-1).expand(n) != 0  # [n] bool
+    def keep(self, out: StepOutput, n: int, pick: Tensor | None = None) -> None:
+        """Back-propagate one step's log-probabilities (advantage 1; rows with std 0 have none) into the buffers of
+        the batch's ``n`` rows: ``out`` holds rows ``pick`` ([P] device indices; None: all n)."""
+        live = out.std.reshape(-1).expand(out.log_prob.shape[0]) != 0  # [P] bool
         with torch.enable_grad():
             loss = torch.where(live, out.log_prob, 0.0).sum() * self.scale
-        grads = self.per_row.gradients(loss, n)  # per parameter [n, *θ.shape] or None
-        if self.buffers is None:
-            shape = (n, self.steps) if self.spec.per_step else (n,)
-            self.buffers = [torch.zeros((*shape, *p.shape), dtype=torch.float32, device=p.device)
-                            for p in self.per_row.params]  # fmt: skip
+        grads = self.per_row.gradients(loss, out.log_prob.shape[0])  # per parameter [P, *θ.shape] or None
+        self._allocate(n)
         t = len(self.live)
+        rows = slice(None) if pick is None else pick
         for buffer, g in zip(self.buffers, grads, strict=True):
             if g is None:
                 continue
             if self.spec.per_step:
-                buffer[:, t] = g
+                buffer[rows, t] = g
             else:
-                buffer += g
-        self.live.append(live)
+                buffer[rows] += g
+        step_live = torch.zeros(n, dtype=torch.bool, device=live.device)
+        step_live[rows] = live
+        self.live.append(step_live)
+
+    def skip(self, n: int) -> None:
+        """A step no row trains: nothing back-propagated, every row not live."""
+        device = self.per_row.params[0].device
+        self.live.append(torch.zeros(n, dtype=torch.bool, device=device))
+
+    def _allocate(self, n: int) -> None:
+        if self.buffers is None:
+            shape = (n, self.steps) if self.spec.per_step else (n,)
+            self.buffers = [torch.zeros((*shape, *p.shape), dtype=torch.float32, device=p.device)
+                            for p in self.per_row.params]  # fmt: skip
 
     def stacked(self) -> ReweightedSteps | None:
-        if self.buffers is None:
+        if not self.live:
             return None
+        self._allocate(self.live[0].shape[0])  # every step skipped: zero gradients, no row live
         return ReweightedSteps(tuple(self.buffers), torch.stack(self.live, dim=1), self.spec.per_step, self.scale)

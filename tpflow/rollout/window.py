@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from tpflow.devices import to_device
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.plans.base import Window
 from tpflow.rollout.inputs import RolloutInputs, Started, begin, ode_prefix
@@ -75,9 +76,11 @@ class WindowEngine:
         completions: Completions | None = None,
         store_means: bool = False,
         retain: Retain | Reweight | None = None,
+        trained: Tensor | None = None,
     ) -> None:
         self.sampler, self.window, self.noise_level = sampler, window, noise_level
         self.completions, self.store_means, self.retain = completions, store_means, retain
+        self.trained = trained  # [N, W] host bool: with a Reweight, the pairs it back-propagates (None: all)
 
     @torch.no_grad()
     def run(self, inputs: RolloutInputs) -> Rollout:
@@ -97,7 +100,8 @@ class WindowEngine:
             independent = Branch(fresh, torch.arange(n, device=z0.device))
         prefix = ode_prefix(started, self.window.start, independent)
         loop = WindowLoop(started.engine, self.sampler, self.window, self.noise_level, c, started.first,
-                          store=self.store, means=self.store_means, retain=self.retain)  # fmt: skip
+                          store=self.store, means=self.store_means, retain=self.retain,
+                          trained=self.trained)  # fmt: skip
         main = Branch(prefix.z[started.source], torch.arange(n, device=z0.device))
         for k in range(self.window.start, end):  # the window, then the ODE tail; completions ride along
             loop.step(main, k, started.noise, independent)
@@ -174,6 +178,7 @@ class WindowLoop:
         store: bool = True,
         means: bool = False,
         retain: Retain | Reweight | None = None,
+        trained: Tensor | None = None,
     ) -> None:
         self.engine, self.sampler, self.window, self.noise_level = engine, sampler, window, noise_level
         self.completions, self.first = completions, first  # first: [P] the first trajectory of each noise row
@@ -188,16 +193,20 @@ class WindowLoop:
         self.last_x0: Tensor | None = None  # [N, ...] float32 x̂_0 of the last window step
         # the steps run with gradients: their graphs kept ("retain") or back-propagated at once ("reweight")
         self.retained = None if retain is None or not store else retain.log(engine.backbone, engine, window.size)
+        self.trained = trained  # [N, W] host bool: the pairs run with gradients (None: every row of a covered step)
 
     def step(self, main: Branch, k: int, noise: MainNoise, independent: Branch | None) -> None:
         others = [b for b in self.branches if b.live(k)] + ([independent] if independent is not None else [])
         s = self.window.start
         inside = s <= k < s + self.window.size
         retained = self.retained is not None and inside and self.retained.covers(k - s)
-        if retained:  # the main trajectory with gradients, in a call of its own; the ODE branches without
+        rows = None if not retained or self.trained is None else self.trained[:, k - s]  # [N] host bool, or None
+        if rows is not None and not rows.any():  # no trajectory trains this step
+            self.retained.skip(main.z.shape[0])
+            retained, rows = False, None
+        if retained:  # the main trajectory's (trained rows) with gradients, in a call of their own; the rest without
             assert self.retained is not None
-            v_grad = self.retained.velocity(lambda: self.engine([main], k)[0], main.z.shape[0])
-            vs = [v_grad.detach(), *(self.engine(others, k) if others else [])]
+            graded, vs = self._velocities(main, others, k, rows)
         else:
             vs = self.engine([main, *others], k)
         sigma, sigma_next = self.engine.sigmas[k], self.engine.sigmas[k + 1]
@@ -214,8 +223,10 @@ class WindowLoop:
         out = self.sampler.step(main.z, v_main, sigma, sigma_next, self.noise_level, noise=xi)
         if retained:
             assert self.retained is not None
-            self.retained.keep(log_prob_with_grad(self.sampler, out.prev, main.z, v_grad, sigma, sigma_next,
-                                                  self.noise_level))  # fmt: skip
+            pick, v_grad = graded
+            prev, z = (out.prev, main.z) if pick is None else (out.prev[pick], main.z[pick])
+            self.retained.keep(log_prob_with_grad(self.sampler, prev, z, v_grad, sigma, sigma_next,
+                                                  self.noise_level), main.z.shape[0], pick)  # fmt: skip
         if self.store:
             self.latents.append(main.z)
             self.next_latents.append(out.prev)
@@ -223,6 +234,21 @@ class WindowLoop:
             if self.store_means:
                 self.means.append(out.mean)
         main.z = out.prev
+
+    def _velocities(self, main: Branch, others: list[Branch], k: int, rows: Tensor | None) -> tuple:
+        """Step k's velocities [main, *others] with the main trajectory's ``rows`` ([N] host bool; None: all) run
+        with gradients in a call of their own, and (their device indices or None, that differentiable velocity)."""
+        n = main.z.shape[0]
+        if rows is None or bool(rows.all()):
+            v_grad = self.retained.velocity(lambda: self.engine([main], k)[0], n)
+            return (None, v_grad), [v_grad.detach(), *(self.engine(others, k) if others else [])]
+        pick, rest = (to_device(r.nonzero().squeeze(1), main.z.device) for r in (rows, ~rows))  # [P], [N − P]
+        trained = Branch(main.z[pick], main.rows[pick])
+        v_grad = self.retained.velocity(lambda: self.engine([trained], k)[0], len(pick))
+        v_rest, *vs = self.engine([Branch(main.z[rest], main.rows[rest]), *others], k)
+        v_main = v_rest.new_empty((n, *v_rest.shape[1:]))
+        v_main[pick], v_main[rest] = v_grad.detach().to(v_main.dtype), v_rest
+        return (pick, v_grad), [v_main, *vs]
 
     def _start_completion(self, main: Branch, v_main: Tensor, j: int, k: int, sigma: Tensor) -> None:
         """Completion j from the main latent z_{s+j}: an x0 estimate, or an ODE branch whose first step is taken."""
