@@ -107,6 +107,17 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # key -> (label, recipe ove
         {"credit": {"name": "turning_point"}, "optimizer": {**ONE_STEP, "recompute": "retain"}},
     ),
     # recompute = "reweight" (beta = 0 only: run it with --set optimizer.beta=0 so that every variant trains alike)
+    "dance-reweight": ("DanceGRPO (trained-fraction 0.6), reweight", {}),  # filled in below from "dance"
+    "mixgrpo": (
+        "MixGRPO (window-schedule, Euler after)",
+        {
+            "credit": {"name": "outcome"},
+            "sampler": {"name": "flow-sde"},
+            "plan": {"name": "window-schedule", "strategy": "progressive", "iters_per_group": 2, "stride": 1},
+            "rollout": {"same_noise": True},
+        },
+    ),
+    "mixgrpo-reweight": ("MixGRPO, reweight", {}),  # filled in below from "mixgrpo"
     "flow-reweight": ("Flow-GRPO, reweight", {"credit": {"name": "outcome"}, "optimizer": {"recompute": "reweight"}}),
     "flow-1step-reweight": (
         "Flow-GRPO, 1 step/epoch, reweight",
@@ -121,6 +132,12 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # key -> (label, recipe ove
         {"credit": {"name": "turning_point"}, "optimizer": {**ONE_STEP, "recompute": "reweight"}},
     ),
 }
+for _key in ("dance", "mixgrpo"):
+    _label, _overrides = VARIANTS[_key]
+    VARIANTS[f"{_key}-reweight"] = (
+        VARIANTS[f"{_key}-reweight"][0],
+        {**_overrides, "optimizer": {**_overrides.get("optimizer", {}), "recompute": "reweight"}},
+    )
 DEFAULT_VARIANTS = ("flow", "tp", "tp-same-noise", "tp-x0")
 PHASES = (  # the epoch's wall time, split without overlap (seconds)
     "sample_model",  # velocity calls of the rollouts
