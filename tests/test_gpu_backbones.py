@@ -29,9 +29,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tpflow.devices import cpu_generator
+from tpflow.devices import cpu_generator, randn
 from tpflow.registry import build
 from tpflow.rollout import Window, rollout, rollout_from_settings
+from tpflow.rollout.parts import baseline_generator
 from tpflow.samplers import CpsSampler, euler_step
 from tpflow.settings import RolloutSettings
 
@@ -139,16 +140,18 @@ def test_batched_rollout_matches_a_sequential_replay_on_cuda(cuda, name, complet
         backbone, sampler, cond, z0, sigmas, window, 0.7, guidance, completions=completions, generator=cpu_generator(3)
     )
     gen, z = cpu_generator(3), z0
+    baseline_generator(gen)  # the engine's first draw: the independent baseline's seed (tpflow.rollout.parts)
     latents, next_latents, log_probs, ends = [], [], [], []
     with torch.no_grad():
         for k in range(sigmas.shape[0] - 1):
             v = backbone.velocity(z, sigmas[k].expand(n), cond, guidance)
+            xi = randn(z.shape, gen, z.device)  # ξ_k is drawn at every step, in order (MainNoise)
             if window.start <= k < window.start + window.size:
                 if completions == "x0":
                     ends.append(z - sigmas[k] * v)
                 elif completions == "ode":
                     ends.append(_ode(backbone, z, cond, sigmas, k, guidance))
-                step = sampler.step(z, v, sigmas[k], sigmas[k + 1], 0.7, generator=gen)
+                step = sampler.step(z, v, sigmas[k], sigmas[k + 1], 0.7, noise=xi)
                 latents.append(z)
                 next_latents.append(step.prev)
                 log_probs.append(step.log_prob)

@@ -202,11 +202,13 @@ def test_k_step_completions(backbone, start):
 
     exact, x0 = run(completions="ode"), run(completions="x0")
     one, two, many = (run(completions="ode", completion_steps=k) for k in (1, 2, 6))
-    assert torch.equal(one.completions, x0.completions) and one.cost.nfe == x0.cost.nfe == 6
-    assert torch.equal(many.completions, exact.completions) and many.cost.nfe == exact.cost.nfe
+    # bit for bit on the CPU; on CUDA the batched call's kernels follow its row count, which the branches change
+    same = torch.equal if z0.device.type == "cpu" else close
+    assert same(one.completions, x0.completions) and one.cost.nfe == x0.cost.nfe == 6
+    assert same(many.completions, exact.completions) and many.cost.nfe == exact.cost.nfe
     for out in (one, two, many):
-        assert torch.equal(out.final, exact.final) and torch.equal(out.next_latents, exact.next_latents)
-        assert torch.equal(out.log_probs, exact.log_probs)
+        assert same(out.final, exact.final) and same(out.next_latents, exact.next_latents)
+        assert same(out.log_probs, exact.log_probs)
     assert one.cost.nfe < two.cost.nfe < exact.cost.nfe
     for j in range(4):  # completion j starts at z_{start+j}, on its nodes
         nodes = completion_nodes(start + j, 6, 2) or list(range(start + j, 7))
