@@ -178,13 +178,21 @@ def test_reweight_is_refused_where_it_cannot_hold():
     assert load_recipe("recipes/shapes_tp.toml", ['optimizer.recompute="reweight"']) is not None
     with pytest.raises(RecipeError, match="beta = 0.01"):
         load_recipe("recipes/shapes_flowgrpo.toml", ['optimizer.recompute="reweight"', "optimizer.beta=0.01"])
-    for allowed in ("shapes_mixgrpo", "shapes_dancegrpo"):  # Euler after one window; a trained subset of it
+    for allowed in ("shapes_mixgrpo", "shapes_mixgrpo_flash", "shapes_dancegrpo"):  # one window; a subset of it
         assert load_recipe(f"recipes/{allowed}.toml", ['optimizer.recompute="reweight"']) is not None
-    for other in ("shapes_mixgrpo_flash", "shapes_tempflow", "shapes_flowgrpo_fast"):
+    for other in ("shapes_tempflow", "shapes_flowgrpo_fast"):
         with pytest.raises(RecipeError, match="one-window rollout"):
             load_recipe(f"recipes/{other}.toml", ['optimizer.recompute="reweight"'])
     with pytest.raises(RecipeError, match="NFT has none to reuse"):
         load_recipe("recipes/shapes_nft.toml", ['optimizer.recompute="reweight"'])
+
+
+def plan_overrides(plan: str) -> list[str]:
+    """``name+after_window``: MixGRPO-Flash's window-schedule with the DPM-Solver tail (its recipe's post_ratio; a
+    window of 2 starting before step 2 of K = 4, so that the solver has a step after every window)."""
+    name, _, after = plan.partition("+")
+    flash = [f'plan.after_window="{after}"', "plan.post_ratio=0.4", "rollout.window_size=2"]
+    return [f'plan.name="{name}"', *(flash + ["rollout.window_range=[0, 3]"] if after else [])]
 
 
 @pytest.mark.parametrize(
@@ -193,6 +201,7 @@ def test_reweight_is_refused_where_it_cannot_hold():
         ("consistent", True, "window"),
         ("outcome", False, "window"),
         ("outcome", False, "window-schedule"),
+        ("outcome", False, "window-schedule+dpm-solver++"),
         ("outcome", False, "trained-fraction"),
     ],  # fmt: skip
 )
@@ -200,8 +209,8 @@ def test_a_run_with_reweight_trains_as_the_native_run_does(tmp_path, tiny_weight
                                                            plan):  # fmt: skip
     """Through the trainer (2 epochs, 2 optimizer steps each: the first reweighted, the second native): the adapter
     moves, and ends where the native run's does up to float rounding; TP-GRPO's step credit keeps a gradient per
-    (trajectory, step), outcome credit one per trajectory; MixGRPO's moving window (Euler after it) and DanceGRPO's
-    trained subset of steps alike."""
+    (trajectory, step), outcome credit one per trajectory; MixGRPO's moving window (Euler or MixGRPO-Flash's
+    DPM-Solver after it) and DanceGRPO's trained subset of steps alike."""
     from tests.test_train import tiny_recipe
     from tpflow.rollout.reweight import ReweightLog
     from tpflow.train.trainer import Trainer
@@ -214,7 +223,7 @@ def test_a_run_with_reweight_trains_as_the_native_run_does(tmp_path, tiny_weight
         folder.mkdir()
         recipe = load_recipe(tiny_recipe(folder, tiny_weights, reward="image-stat", credit=credit),
                              [f'optimizer.recompute="{mode}"', "eval.every=0", "train.rollout_batch=8",
-                              "optimizer.beta=0", f'plan.name="{plan}"'])  # fmt: skip
+                              "optimizer.beta=0", *plan_overrides(plan)])  # fmt: skip
         trainer = Trainer(recipe)
         start = torch.cat([p.detach().flatten().clone() for p in trainer.backbone.trainable_parameters()])
         metrics[mode] = trainer.fit()

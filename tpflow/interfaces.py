@@ -25,8 +25,8 @@ from tpflow.types import BatchLayout, Conditioning, Credit, PromptItem, RewardOu
 CAPABILITIES: dict[str, Any] = {
     "gaussian_log_prob": False,  # Sampler: log_prob is the density step samples from (GRPO-Guard's RatioNorm)
     "branches": False,  # RolloutPlan: its rollouts' trace columns are branch children (TempFlow-GRPO's plan)
-    # RolloutPlan: options -> whether every batch it plans is one window for all rows, every step trained, Euler
-    # after it (the window engine's case: what recompute = "retain" / "reweight" can take from)
+    # RolloutPlan: options -> whether every batch it plans is one window for all rows, every step trained (the window
+    # engine's case, a DPM-Solver tail after it or not: what recompute = "retain" / "reweight" can take from)
     "samples_one_window": None,
     # RolloutPlan: its batches are one window for all rows with a subset of (row, step) trained (DanceGRPO's
     # trained-fraction): recompute = "reweight" back-propagates the trained pairs only

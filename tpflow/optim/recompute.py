@@ -5,9 +5,9 @@ micro-batches take the rollout's retained graphs, and the on-policy gradient for
 on-policy optimizer step. That is exact only where the rollout's forward pass is the update's: the same weights (the
 live adapter: GRPO samples with it), the same precision (both run in the trainer's autocast), the same guidance and
 CFG gradient (the rollout's velocity call runs in the optimizer's ``cfg_gradient`` context), and every stored step
-trained. The last is the window engine's alone today (the window plan, MixGRPO's window-schedule with Euler after
-the window: ``samples_one_window``): the branch, per-row windows, the DPM-Solver tail and a trained subset of steps
-have engines of their own that keep no graphs, and are refused here, before anything loads.
+trained. The last is the window engine's alone today (the window plan, MixGRPO's window-schedule, with Euler or
+MixGRPO-Flash's DPM-Solver tail after the window: ``samples_one_window``): the branch, per-row windows and a trained
+subset of steps have engines of their own that keep no graphs, and are refused here, before anything loads.
 
 ``recompute = "reweight"`` (``tpflow.rollout.reweight``) keeps, instead of graphs, each trajectory's gradient of its
 log-probabilities, back-propagated by the rollout at advantage 1; the first optimizer step forms −Σ A·w·G from them
@@ -46,8 +46,8 @@ def retain_problems(options: Any, settings: dict) -> list[str]:
     if plan is not None and not _one_window(plan) and not (mode == "reweight" and subset):
         also = " (reweight: also DanceGRPO's trained-fraction)" if mode == "retain" else ""
         problems.append(
-            f'[optimizer] recompute = "{mode}" takes the forward passes of a one-window rollout, where Euler follows '
-            f"the window (the window plan; MixGRPO's window-schedule){also}, and [plan] name = {name!r} samples "
+            f'[optimizer] recompute = "{mode}" takes the forward passes of a one-window rollout, every step of it '
+            f"trained (the window plan; MixGRPO's window-schedule){also}, and [plan] name = {name!r} samples "
             'with an engine of its own that runs none with gradients yet (docs/training.md, "Recompute-free '
             'updates"). Use recompute = "native" with this plan.'
         )

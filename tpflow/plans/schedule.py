@@ -119,8 +119,8 @@ class WindowSchedulePlan:
 
     @staticmethod
     def samples_one_window(options: WindowScheduleOptions) -> bool:
-        """MixGRPO's Euler after the window: the window engine's case; MixGRPO-Flash's DPM-Solver tail is not."""
-        return options.after_window != "dpm-solver++"
+        """Always: one window per epoch, every step trained (MixGRPO-Flash's DPM-Solver tail comes after it)."""
+        return True
 
     def plan(self, rollout: RolloutSettings, n: int, epoch: int, batch_seed: int, run_seed: int) -> BatchPlan:
         first, last = start_range(self.options, rollout)

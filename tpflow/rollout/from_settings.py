@@ -44,9 +44,8 @@ def engine_for(
     ``retain`` (a recompute-free update, ``tpflow.rollout.retain`` or ``.reweight``) is the one window's only: the
     GRPO options' recipe check refuses it with any other plan before anything loads."""
     batch_plan = plan if isinstance(plan, BatchPlan) else None
-    one_window = batch_plan is None or (
-        batch_plan.uniform and not batch_plan.branch and batch_plan.tail_ratio is None and batch_plan.trained is None
-    )
+    # one window for the batch, every step trained (a DPM-Solver tail after it or not): what retain runs with grads
+    one_window = batch_plan is None or (batch_plan.uniform and not batch_plan.branch and batch_plan.trained is None)
     # reweight back-propagates a trained subset of one window's pairs too (DanceGRPO's trained-fraction)
     subset = batch_plan is not None and batch_plan.trained is not None and isinstance(retain, Reweight) and (
         batch_plan.uniform and not batch_plan.branch and batch_plan.tail_ratio is None)  # fmt: skip
@@ -71,7 +70,7 @@ def engine_for(
         tail = _tail(backbone, settings, window, batch_plan.tail_ratio)
         if not batch_plan.uniform:
             raise ValueError("a solver after the window (tail_ratio) needs one window for the batch.")
-        return DpmTailEngine(sampler, window, noise_level, tail, store_means, store=transitions)
+        return DpmTailEngine(sampler, window, noise_level, tail, store_means, store=transitions, retain=retain)
     if batch_plan is not None and not batch_plan.uniform:
         return RowWindowsEngine(sampler, batch_plan.starts, window.size, noise_level, store_means, store=transitions)
     if not transitions:

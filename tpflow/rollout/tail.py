@@ -12,6 +12,8 @@ from tpflow.interfaces import Sampler
 from tpflow.plans.base import Window
 from tpflow.rollout.inputs import RolloutInputs
 from tpflow.rollout.parts import Branch, Velocity
+from tpflow.rollout.retain import Retain
+from tpflow.rollout.reweight import Reweight
 from tpflow.rollout.window import WindowEngine
 from tpflow.samplers.dpm_solver import dpm_solver_2m_step
 from tpflow.types import Rollout
@@ -19,7 +21,8 @@ from tpflow.types import Rollout
 
 class DpmTailEngine(WindowEngine):
     """The window engine (no completions) up to the window's end e = s + W, then DPM-Solver++(2M) over
-    ``tail_sigmas`` (σ_e strictly down to 0). ``store`` False keeps the final latents only."""
+    ``tail_sigmas`` (σ_e strictly down to 0). ``store`` False keeps the final latents only. ``retain``: the window
+    steps run with gradients as the window engine runs them (a recompute-free update; the tail has none)."""
 
     def __init__(
         self,
@@ -29,8 +32,9 @@ class DpmTailEngine(WindowEngine):
         tail_sigmas: Sequence[float],
         store_means: bool = False,
         store: bool = True,
+        retain: Retain | Reweight | None = None,
     ) -> None:
-        super().__init__(sampler, window, noise_level, None, store_means and store)
+        super().__init__(sampler, window, noise_level, None, store_means and store, retain if store else None)
         self.tail_sigmas = [float(x) for x in tail_sigmas]
         self.store = store
 
