@@ -118,6 +118,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # key -> (label, recipe ove
         },
     ),
     "mixgrpo-reweight": ("MixGRPO, reweight", {}),  # filled in below from "mixgrpo"
+    "fast": (
+        "Flow-GRPO-Fast (window-per-image, W = 3 in [0, 5))",
+        {
+            "credit": {"name": "outcome"},
+            "plan": {"name": "window-per-image"},
+            "rollout": {"window_size": 3, "window_range": [0, 5]},
+        },
+    ),  # fmt: skip
+    "fast-reweight": ("Flow-GRPO-Fast, reweight", {}),  # filled in below from "fast"
     "flow-reweight": ("Flow-GRPO, reweight", {"credit": {"name": "outcome"}, "optimizer": {"recompute": "reweight"}}),
     "flow-1step-reweight": (
         "Flow-GRPO, 1 step/epoch, reweight",
@@ -132,7 +141,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # key -> (label, recipe ove
         {"credit": {"name": "turning_point"}, "optimizer": {**ONE_STEP, "recompute": "reweight"}},
     ),
 }
-for _key in ("dance", "mixgrpo"):
+for _key in ("dance", "mixgrpo", "fast"):
     _label, _overrides = VARIANTS[_key]
     VARIANTS[f"{_key}-reweight"] = (
         VARIANTS[f"{_key}-reweight"][0],

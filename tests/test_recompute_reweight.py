@@ -174,15 +174,14 @@ def test_under_mixed_precision_the_reweighted_gradient_points_where_natives_does
 
 def test_reweight_is_refused_where_it_cannot_hold():
     """Before anything loads, in one paragraph: the KL and RatioNorm differentiate means the buffers do not hold,
-    and the branch, per-image windows and the DPM-Solver tail run no step with gradients."""
+    and the branch runs no step with gradients."""
     assert load_recipe("recipes/shapes_tp.toml", ['optimizer.recompute="reweight"']) is not None
     with pytest.raises(RecipeError, match="beta = 0.01"):
         load_recipe("recipes/shapes_flowgrpo.toml", ['optimizer.recompute="reweight"', "optimizer.beta=0.01"])
-    for allowed in ("shapes_mixgrpo", "shapes_mixgrpo_flash", "shapes_dancegrpo"):  # one window; a subset of it
+    for allowed in ("shapes_mixgrpo", "shapes_mixgrpo_flash", "shapes_dancegrpo", "shapes_flowgrpo_fast"):
         assert load_recipe(f"recipes/{allowed}.toml", ['optimizer.recompute="reweight"']) is not None
-    for other in ("shapes_tempflow", "shapes_flowgrpo_fast"):
-        with pytest.raises(RecipeError, match="one-window rollout"):
-            load_recipe(f"recipes/{other}.toml", ['optimizer.recompute="reweight"'])
+    with pytest.raises(RecipeError, match="one-window rollout"):
+        load_recipe("recipes/shapes_tempflow.toml", ['optimizer.recompute="reweight"'])
     with pytest.raises(RecipeError, match="NFT has none to reuse"):
         load_recipe("recipes/shapes_nft.toml", ['optimizer.recompute="reweight"'])
 
@@ -203,6 +202,7 @@ def plan_overrides(plan: str) -> list[str]:
         ("outcome", False, "window-schedule"),
         ("outcome", False, "window-schedule+dpm-solver++"),
         ("outcome", False, "trained-fraction"),
+        ("outcome", False, "window-per-image"),
     ],  # fmt: skip
 )
 def test_a_run_with_reweight_trains_as_the_native_run_does(tmp_path, tiny_weights, monkeypatch, credit, per_step,
@@ -210,7 +210,7 @@ def test_a_run_with_reweight_trains_as_the_native_run_does(tmp_path, tiny_weight
     """Through the trainer (2 epochs, 2 optimizer steps each: the first reweighted, the second native): the adapter
     moves, and ends where the native run's does up to float rounding; TP-GRPO's step credit keeps a gradient per
     (trajectory, step), outcome credit one per trajectory; MixGRPO's moving window (Euler or MixGRPO-Flash's
-    DPM-Solver after it) and DanceGRPO's trained subset of steps alike."""
+    DPM-Solver after it), DanceGRPO's trained subset of steps and Flow-GRPO-Fast's per-image windows alike."""
     from tests.test_train import tiny_recipe
     from tpflow.rollout.reweight import ReweightLog
     from tpflow.train.trainer import Trainer
@@ -232,8 +232,9 @@ def test_a_run_with_reweight_trains_as_the_native_run_does(tmp_path, tiny_weight
     assert moved > 0
     assert float((ends["reweight"] - ends["native"]).norm()) < 1e-3 * moved
     assert metrics["reweight"]["optimizer_steps"] == metrics["native"]["optimizer_steps"] == 2
-    # 3 window steps back-propagated in each of the 2 epochs' rollouts (trained-fraction: the steps any row trains)
-    assert kept == [per_step] * len(kept) and 2 <= len(kept) <= 2 * 3
+    # steps back-propagated in each of the 2 epochs' rollouts: the 3 window steps (trained-fraction: those any row
+    # trains; per-image windows: every step some row's window holds)
+    assert kept == [per_step] * len(kept) and len(kept) >= 2
 
 
 @pytest.mark.gpu
@@ -318,3 +319,30 @@ def test_a_trained_subset_back_propagates_its_pairs_only(model, same_every_step)
                                                     advantages, **layout)  # fmt: skip
     assert native.norm() > 0 and metrics["rows_trained"] == native_metrics["rows_trained"] == int(trained.sum())
     assert relative(kept, native) < 1e-5, relative(kept, native)
+
+
+def test_per_row_windows_back_propagate_each_rows_own_steps(model):
+    """Flow-GRPO-Fast's window-per-image: row n's window starts at s_n, so at step k the rows inside their window
+    (and within max_retained_steps) run with gradients and fill their own window position; the first step's gradient
+    is native's."""
+    from tpflow.rollout import RolloutInputs, RowWindowsEngine
+
+    backbone, sampler = model
+    starts = (0, 1, 1, 0)
+    z0 = backbone.initial_noise(len(PROMPTS), torch.Generator().manual_seed(2))
+    for options in ({}, {"max_retained_steps": 2}):
+        layout = {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "beta": 0.0, "clip_range": 1e-4, **options}
+
+        def run(retain):
+            inputs = RolloutInputs(backbone, backbone.encode(PROMPTS), z0, backbone.sigmas(5), GUIDANCE_, None,
+                                   torch.Generator().manual_seed(3), None)  # fmt: skip
+            return RowWindowsEngine(sampler, starts, WINDOW.size, 0.8, retain=retain).run(inputs)
+
+        native_batch, batch = run(None), run(reweight_spec(layout))
+        assert batch.retained.live.all() and batch.retained.steps == options.get("max_retained_steps", WINDOW.size)
+        for name in ("latents", "next_latents", "log_probs", "final"):
+            torch.testing.assert_close(getattr(batch, name), getattr(native_batch, name), rtol=0, atol=1e-5)
+        kept, _, _ = first_step_gradient(backbone, sampler, batch, ADVANTAGES, recompute="reweight", **layout)
+        native, _, _ = first_step_gradient(backbone, sampler, dataclasses.replace(batch, retained=None), ADVANTAGES,
+                                           **layout)  # fmt: skip
+        assert native.norm() > 0 and relative(kept, native) < 1e-5, (options, relative(kept, native))

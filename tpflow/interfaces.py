@@ -28,9 +28,9 @@ CAPABILITIES: dict[str, Any] = {
     # RolloutPlan: options -> whether every batch it plans is one window for all rows, every step trained (the window
     # engine's case, a DPM-Solver tail after it or not: what recompute = "retain" / "reweight" can take from)
     "samples_one_window": None,
-    # RolloutPlan: its batches are one window for all rows with a subset of (row, step) trained (DanceGRPO's
-    # trained-fraction): recompute = "reweight" back-propagates the trained pairs only
-    "trains_a_subset_of_one_window": False,
+    # RolloutPlan: recompute = "reweight" (not "retain") can take its trained steps from the rollout: DanceGRPO's
+    # trained subset of one window, Flow-GRPO-Fast's per-row windows
+    "reweight_only": False,
     "reads_branches": False,  # CreditAssigner: it reads such a trace (credit 'branch'); only with such a plan
     "needs_completions": False,  # CreditAssigner (required on an instance)
     "marks_turning_points": False,  # CreditAssigner: it can mark turning points (the run logs them per trajectory)

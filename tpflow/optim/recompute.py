@@ -6,8 +6,9 @@ on-policy optimizer step. That is exact only where the rollout's forward pass is
 live adapter: GRPO samples with it), the same precision (both run in the trainer's autocast), the same guidance and
 CFG gradient (the rollout's velocity call runs in the optimizer's ``cfg_gradient`` context), and every stored step
 trained. The last is the window engine's alone today (the window plan, MixGRPO's window-schedule, with Euler or
-MixGRPO-Flash's DPM-Solver tail after the window: ``samples_one_window``): the branch, per-row windows and a trained
-subset of steps have engines of their own that keep no graphs, and are refused here, before anything loads.
+MixGRPO-Flash's DPM-Solver tail after the window: ``samples_one_window``); reweight, whose gradients are per row, also
+takes a trained subset of one window and per-row windows (``reweight_only``); the branch runs no step with
+gradients. Each refusal comes here, before anything loads.
 
 ``recompute = "reweight"`` (``tpflow.rollout.reweight``) keeps, instead of graphs, each trajectory's gradient of its
 log-probabilities, back-propagated by the rollout at advantage 1; the first optimizer step forms −Σ A·w·G from them
@@ -42,9 +43,13 @@ def retain_problems(options: Any, settings: dict) -> list[str]:
     problems = []
     plan = settings.get("plan")
     name = getattr(plan, "name", "window")
-    subset = plan is not None and capability(registry.get("plan", plan.name).factory, "trains_a_subset_of_one_window")
-    if plan is not None and not _one_window(plan) and not (mode == "reweight" and subset):
-        also = " (reweight: also DanceGRPO's trained-fraction)" if mode == "retain" else ""
+    reweighted = plan is not None and capability(registry.get("plan", plan.name).factory, "reweight_only")
+    if plan is not None and not _one_window(plan) and not (mode == "reweight" and reweighted):
+        also = (
+            " (reweight also: DanceGRPO's trained-fraction, Flow-GRPO-Fast's window-per-image)"
+            if mode == "retain"
+            else ""
+        )
         problems.append(
             f'[optimizer] recompute = "{mode}" takes the forward passes of a one-window rollout, every step of it '
             f"trained (the window plan; MixGRPO's window-schedule){also}, and [plan] name = {name!r} samples "

@@ -35,6 +35,7 @@ class WindowPerImagePlan:
 
     registered_name = "window-per-image"
     per_row_windows = True
+    reweight_only = True  # recompute = "reweight" takes each row's window steps from the rollout
 
     def __init__(self, options: WindowPerImageOptions | None = None) -> None:
         self.options = options or WindowPerImageOptions()

@@ -54,7 +54,7 @@ class TrainedFractionPlan:
 
     registered_name = "trained-fraction"
     per_row_windows = False
-    trains_a_subset_of_one_window = True  # recompute = "reweight" takes its trained pairs from the rollout
+    reweight_only = True  # recompute = "reweight" takes its trained pairs from the rollout
 
     def __init__(self, options: TrainedFractionOptions | None = None) -> None:
         self.options = options or TrainedFractionOptions()

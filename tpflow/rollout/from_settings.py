@@ -49,7 +49,10 @@ def engine_for(
     # reweight back-propagates a trained subset of one window's pairs too (DanceGRPO's trained-fraction)
     subset = batch_plan is not None and batch_plan.trained is not None and isinstance(retain, Reweight) and (
         batch_plan.uniform and not batch_plan.branch and batch_plan.tail_ratio is None)  # fmt: skip
-    if retain is not None and not ((one_window or subset) and transitions):
+    # and per-row windows (Flow-GRPO-Fast's window-per-image), every step of each row's window trained
+    rows = batch_plan is not None and not batch_plan.uniform and isinstance(retain, Reweight) and (
+        not batch_plan.branch and batch_plan.tail_ratio is None and batch_plan.trained is None)  # fmt: skip
+    if retain is not None and not ((one_window or subset or rows) and transitions):
         raise ValueError("retain runs with the one-window plan's engine only (every stored step trained).")
     window = Window(batch_plan.start, batch_plan.size) if batch_plan is not None else plan
     assert isinstance(window, Window)
@@ -72,7 +75,8 @@ def engine_for(
             raise ValueError("a solver after the window (tail_ratio) needs one window for the batch.")
         return DpmTailEngine(sampler, window, noise_level, tail, store_means, store=transitions, retain=retain)
     if batch_plan is not None and not batch_plan.uniform:
-        return RowWindowsEngine(sampler, batch_plan.starts, window.size, noise_level, store_means, store=transitions)
+        return RowWindowsEngine(sampler, batch_plan.starts, window.size, noise_level, store_means, store=transitions,
+                                retain=retain)  # fmt: skip
     if not transitions:
         return FinalSamplesEngine(sampler, window, noise_level)
     wanted = None

@@ -79,7 +79,8 @@ class ReweightLog:
         self.steps = width if spec.steps is None else min(spec.steps, width)  # M
         self.scale = float(spec.loss_scale())  # one per rollout batch: no optimizer step runs during a rollout
         self.buffers: list[Tensor] | None = None
-        self.live: list[Tensor] = []
+        self.live: Tensor | None = None  # [n, M] bool: the (row, window step) pairs back-propagated with std ≠ 0
+        self.t = 0  # the next window step of a one-window batch (``keep`` without positions)
 
     def covers(self, i: int) -> bool:
         return self.spec.covers(i)
@@ -93,40 +94,41 @@ class ReweightLog:
         finally:
             self.engine.on_chunk = None
 
-    def keep(self, out: StepOutput, n: int, pick: Tensor | None = None) -> None:
+    def keep(self, out: StepOutput, n: int, pick: Tensor | None = None, positions: Tensor | None = None) -> None:
         """Back-propagate one step's log-probabilities (advantage 1; rows with std 0 have none) into the buffers of
-        the batch's ``n`` rows: ``out`` holds rows ``pick`` ([P] device indices; None: all n)."""
-        live = out.std.reshape(-1).expand(out.log_prob.shape[0]) != 0  # [P] bool
+        the batch's ``n`` rows: ``out`` holds rows ``pick`` ([P] device indices; None: all n), at their window
+        steps ``positions`` ([P] device, per-row windows) or, None, at the batch's next window step."""
+        size = out.log_prob.shape[0]
+        live = out.std.reshape(-1).expand(size) != 0  # [P] bool
         with torch.enable_grad():
             loss = torch.where(live, out.log_prob, 0.0).sum() * self.scale
-        grads = self.per_row.gradients(loss, out.log_prob.shape[0])  # per parameter [P, *θ.shape] or None
-        self._allocate(n)
-        t = len(self.live)
-        rows = slice(None) if pick is None else pick
+        grads = self.per_row.gradients(loss, size)  # per parameter [P, *θ.shape] or None
+        self._allocate(n, live.device)
+        rows = torch.arange(n, device=live.device) if pick is None else pick
+        steps = torch.full_like(rows, self.t) if positions is None else positions
         for buffer, g in zip(self.buffers, grads, strict=True):
             if g is None:
                 continue
             if self.spec.per_step:
-                buffer[rows, t] = g
+                buffer[rows, steps] = g
             else:
-                buffer[rows] += g
-        step_live = torch.zeros(n, dtype=torch.bool, device=live.device)
-        step_live[rows] = live
-        self.live.append(step_live)
+                buffer[rows] += g  # each row once per call
+        self.live[rows, steps] = live
+        self.t += positions is None
 
     def skip(self, n: int) -> None:
-        """A step no row trains: nothing back-propagated, every row not live."""
-        device = self.per_row.params[0].device
-        self.live.append(torch.zeros(n, dtype=torch.bool, device=device))
+        """A window step no row trains: nothing back-propagated, no pair live."""
+        self._allocate(n, self.per_row.params[0].device)
+        self.t += 1
 
-    def _allocate(self, n: int) -> None:
+    def _allocate(self, n: int, device: torch.device) -> None:
         if self.buffers is None:
             shape = (n, self.steps) if self.spec.per_step else (n,)
             self.buffers = [torch.zeros((*shape, *p.shape), dtype=torch.float32, device=p.device)
                             for p in self.per_row.params]  # fmt: skip
+            self.live = torch.zeros((n, self.steps), dtype=torch.bool, device=device)
 
     def stacked(self) -> ReweightedSteps | None:
-        if not self.live:
+        if self.buffers is None:
             return None
-        self._allocate(self.live[0].shape[0])  # every step skipped: zero gradients, no row live
-        return ReweightedSteps(tuple(self.buffers), torch.stack(self.live, dim=1), self.spec.per_step, self.scale)
+        return ReweightedSteps(tuple(self.buffers), self.live, self.spec.per_step, self.scale)

@@ -206,7 +206,7 @@ class WindowLoop:
             retained, rows = False, None
         if retained:  # the main trajectory's (trained rows) with gradients, in a call of their own; the rest without
             assert self.retained is not None
-            graded, vs = self._velocities(main, others, k, rows)
+            graded, vs = graded_velocities(self.engine, self.retained, main, others, k, rows)
         else:
             vs = self.engine([main, *others], k)
         sigma, sigma_next = self.engine.sigmas[k], self.engine.sigmas[k + 1]
@@ -234,21 +234,6 @@ class WindowLoop:
             if self.store_means:
                 self.means.append(out.mean)
         main.z = out.prev
-
-    def _velocities(self, main: Branch, others: list[Branch], k: int, rows: Tensor | None) -> tuple:
-        """Step k's velocities [main, *others] with the main trajectory's ``rows`` ([N] host bool; None: all) run
-        with gradients in a call of their own, and (their device indices or None, that differentiable velocity)."""
-        n = main.z.shape[0]
-        if rows is None or bool(rows.all()):
-            v_grad = self.retained.velocity(lambda: self.engine([main], k)[0], n)
-            return (None, v_grad), [v_grad.detach(), *(self.engine(others, k) if others else [])]
-        pick, rest = (to_device(r.nonzero().squeeze(1), main.z.device) for r in (rows, ~rows))  # [P], [N − P]
-        trained = Branch(main.z[pick], main.rows[pick])
-        v_grad = self.retained.velocity(lambda: self.engine([trained], k)[0], len(pick))
-        v_rest, *vs = self.engine([Branch(main.z[rest], main.rows[rest]), *others], k)
-        v_main = v_rest.new_empty((n, *v_rest.shape[1:]))
-        v_main[pick], v_main[rest] = v_grad.detach().to(v_main.dtype), v_rest
-        return (pick, v_grad), [v_main, *vs]
 
     def _start_completion(self, main: Branch, v_main: Tensor, j: int, k: int, sigma: Tensor) -> None:
         """Completion j from the main latent z_{s+j}: an x0 estimate, or an ODE branch whose first step is taken."""
@@ -283,6 +268,23 @@ class WindowLoop:
         elif self.completions.baseline_noise == "shared":
             ends = [ends[0][source], *ends[1:]]  # the baseline ran once per noise row
         return torch.stack(ends, dim=1)
+
+
+def graded_velocities(engine: Velocity, log, main: Branch, others: list[Branch], k: int, rows: Tensor | None) -> tuple:
+    """Step k's velocities [main, *others] with the main trajectory's ``rows`` ([N] host bool; None: all) run with
+    gradients in a call of their own (``log``: a retain or reweight record), the rest in one call without; and
+    (their device indices or None, that differentiable velocity)."""
+    n = main.z.shape[0]
+    if rows is None or bool(rows.all()):
+        v_grad = log.velocity(lambda: engine([main], k)[0], n)
+        return (None, v_grad), [v_grad.detach(), *(engine(others, k) if others else [])]
+    pick, rest = (to_device(r.nonzero().squeeze(1), main.z.device) for r in (rows, ~rows))  # [P], [N − P]
+    trained = Branch(main.z[pick], main.rows[pick])
+    v_grad = log.velocity(lambda: engine([trained], k)[0], len(pick))
+    v_rest, *vs = engine([Branch(main.z[rest], main.rows[rest]), *others], k)
+    v_main = v_rest.new_empty((n, *v_rest.shape[1:]))
+    v_main[pick], v_main[rest] = v_grad.detach().to(v_main.dtype), v_rest
+    return (pick, v_grad), [v_main, *vs]
 
 
 @torch.no_grad()
