@@ -127,6 +127,17 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # key -> (label, recipe ove
         },
     ),  # fmt: skip
     "fast-reweight": ("Flow-GRPO-Fast, reweight", {}),  # filled in below from "fast"
+    "tempflow": (
+        "TempFlow-GRPO (branch, noise-aware weights)",
+        {
+            "credit": {"name": "branch"},
+            "sampler": {"name": "flow-sde"},
+            "plan": {"name": "branch"},
+            "optimizer": {"step_weight": "noise-aware"},
+            "rollout": {"same_noise": True},
+        },
+    ),  # fmt: skip
+    "tempflow-reweight": ("TempFlow-GRPO, reweight", {}),  # filled in below from "tempflow"
     "flow-reweight": ("Flow-GRPO, reweight", {"credit": {"name": "outcome"}, "optimizer": {"recompute": "reweight"}}),
     "flow-1step-reweight": (
         "Flow-GRPO, 1 step/epoch, reweight",
@@ -141,7 +152,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # key -> (label, recipe ove
         {"credit": {"name": "turning_point"}, "optimizer": {**ONE_STEP, "recompute": "reweight"}},
     ),
 }
-for _key in ("dance", "mixgrpo", "fast"):
+for _key in ("dance", "mixgrpo", "fast", "tempflow"):
     _label, _overrides = VARIANTS[_key]
     VARIANTS[f"{_key}-reweight"] = (
         VARIANTS[f"{_key}-reweight"][0],

@@ -173,15 +173,14 @@ def test_under_mixed_precision_the_reweighted_gradient_points_where_natives_does
 
 
 def test_reweight_is_refused_where_it_cannot_hold():
-    """Before anything loads, in one paragraph: the KL and RatioNorm differentiate means the buffers do not hold,
-    and the branch runs no step with gradients."""
+    """Before anything loads, in one paragraph: the KL and RatioNorm differentiate means the buffers do not hold;
+    every plan's engine runs its trained steps with gradients for reweight."""
     assert load_recipe("recipes/shapes_tp.toml", ['optimizer.recompute="reweight"']) is not None
     with pytest.raises(RecipeError, match="beta = 0.01"):
         load_recipe("recipes/shapes_flowgrpo.toml", ['optimizer.recompute="reweight"', "optimizer.beta=0.01"])
     for allowed in ("shapes_mixgrpo", "shapes_mixgrpo_flash", "shapes_dancegrpo", "shapes_flowgrpo_fast"):
         assert load_recipe(f"recipes/{allowed}.toml", ['optimizer.recompute="reweight"']) is not None
-    with pytest.raises(RecipeError, match="one-window rollout"):
-        load_recipe("recipes/shapes_tempflow.toml", ['optimizer.recompute="reweight"'])
+    assert load_recipe("recipes/shapes_tempflow.toml", ['optimizer.recompute="reweight"']) is not None
     with pytest.raises(RecipeError, match="NFT has none to reuse"):
         load_recipe("recipes/shapes_nft.toml", ['optimizer.recompute="reweight"'])
 
@@ -191,7 +190,8 @@ def plan_overrides(plan: str) -> list[str]:
     window of 2 starting before step 2 of K = 4, so that the solver has a step after every window)."""
     name, _, after = plan.partition("+")
     flash = [f'plan.after_window="{after}"', "plan.post_ratio=0.4", "rollout.window_size=2"]
-    return [f'plan.name="{name}"', *(flash + ["rollout.window_range=[0, 3]"] if after else [])]
+    siblings = ["rollout.same_noise=true"] if name == "branch" else []  # the branch's copies share z_0
+    return [f'plan.name="{name}"', *(flash + ["rollout.window_range=[0, 3]"] if after else []), *siblings]
 
 
 @pytest.mark.parametrize(
@@ -203,6 +203,7 @@ def plan_overrides(plan: str) -> list[str]:
         ("outcome", False, "window-schedule+dpm-solver++"),
         ("outcome", False, "trained-fraction"),
         ("outcome", False, "window-per-image"),
+        ("branch", True, "branch"),
     ],  # fmt: skip
 )
 def test_a_run_with_reweight_trains_as_the_native_run_does(tmp_path, tiny_weights, monkeypatch, credit, per_step,
@@ -210,7 +211,8 @@ def test_a_run_with_reweight_trains_as_the_native_run_does(tmp_path, tiny_weight
     """Through the trainer (2 epochs, 2 optimizer steps each: the first reweighted, the second native): the adapter
     moves, and ends where the native run's does up to float rounding; TP-GRPO's step credit keeps a gradient per
     (trajectory, step), outcome credit one per trajectory; MixGRPO's moving window (Euler or MixGRPO-Flash's
-    DPM-Solver after it), DanceGRPO's trained subset of steps and Flow-GRPO-Fast's per-image windows alike."""
+    DPM-Solver after it), DanceGRPO's trained subset of steps, Flow-GRPO-Fast's per-image windows and
+    TempFlow-GRPO's branches (credit 'branch') alike."""
     from tests.test_train import tiny_recipe
     from tpflow.rollout.reweight import ReweightLog
     from tpflow.train.trainer import Trainer
@@ -346,3 +348,31 @@ def test_per_row_windows_back_propagate_each_rows_own_steps(model):
         native, _, _ = first_step_gradient(backbone, sampler, dataclasses.replace(batch, retained=None), ADVANTAGES,
                                            **layout)  # fmt: skip
         assert native.norm() > 0 and relative(kept, native) < 1e-5, (options, relative(kept, native))
+
+
+@pytest.mark.parametrize("mode", ["retain", "reweight"])
+def test_the_branch_back_propagates_each_trajectorys_step(model, mode):
+    """TempFlow-GRPO's branch: at each window step every trajectory takes one SDE step from its noise row's ODE
+    state; copies of a noise row (same_noise) are separate rows of the call with gradients, so each keeps its own
+    gradient; the first step's gradient is native's (step credits)."""
+    from tpflow.rollout import BranchEngine, RolloutInputs
+
+    backbone, sampler = model
+    layout = {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "beta": 0.0, "clip_range": 1e-4}
+    spec = (
+        reweight_spec(layout) if mode == "reweight" else tpflow.build("optimizer", "grpo", recompute="retain").retain
+    )
+    z0 = backbone.initial_noise(3, torch.Generator().manual_seed(2))  # rows 0 and 2 are one prompt's two copies
+
+    def run(retain):
+        inputs = RolloutInputs(backbone, backbone.encode(PROMPTS), z0, backbone.sigmas(5), GUIDANCE_,
+                               torch.tensor([0, 1, 0, 2]), torch.Generator().manual_seed(3), None)  # fmt: skip
+        return BranchEngine(sampler, WINDOW, 0.8, None, False, retain).run(inputs)
+
+    native_batch, batch = run(None), run(spec)
+    for name in ("latents", "next_latents", "log_probs", "final", "completions"):
+        torch.testing.assert_close(getattr(batch, name), getattr(native_batch, name), rtol=0, atol=1e-5)
+    kept, _, _ = first_step_gradient(backbone, sampler, batch, ADVANTAGES, recompute=mode, **layout)
+    native, _, _ = first_step_gradient(backbone, sampler, dataclasses.replace(batch, retained=None), ADVANTAGES,
+                                       **layout)  # fmt: skip
+    assert native.norm() > 0 and relative(kept, native) < 1e-5, relative(kept, native)

@@ -110,9 +110,8 @@ class GRPOOptions(BaseModel):
         "back-propagates them at the first (on-policy) optimizer step of each update, later steps native "
         "(LeanGRPO's Retain; memory grows with the retained steps); 'reweight' back-propagates each step during "
         "the rollout into a gradient per trajectory (per trajectory and step for step credits) that the first step "
-        "weighs by the advantages (LeanGRPO's Reweight; beta = 0 and no ratio_norm; also DanceGRPO's "
-        "trained-fraction). Both: plans of one window with Euler after it (window, window-schedule); "
-        "docs/training.md.",
+        "weighs by the advantages (LeanGRPO's Reweight; beta = 0 and no ratio_norm). Retain: the window, "
+        "window-schedule and branch plans; reweight: every plan (docs/training.md).",
     )
     max_retained_steps: int | None = Field(
         None,

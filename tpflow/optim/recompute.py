@@ -5,10 +5,9 @@ micro-batches take the rollout's retained graphs, and the on-policy gradient for
 on-policy optimizer step. That is exact only where the rollout's forward pass is the update's: the same weights (the
 live adapter: GRPO samples with it), the same precision (both run in the trainer's autocast), the same guidance and
 CFG gradient (the rollout's velocity call runs in the optimizer's ``cfg_gradient`` context), and every stored step
-trained. The last is the window engine's alone today (the window plan, MixGRPO's window-schedule, with Euler or
-MixGRPO-Flash's DPM-Solver tail after the window: ``samples_one_window``); reweight, whose gradients are per row, also
-takes a trained subset of one window and per-row windows (``reweight_only``); the branch runs no step with
-gradients. Each refusal comes here, before anything loads.
+trained: the window plan, MixGRPO's window-schedule (with Euler or MixGRPO-Flash's DPM-Solver tail after the window)
+and TempFlow-GRPO's branch (``samples_one_window``); reweight, whose gradients are per row, also takes a trained
+subset of one window and per-row windows (``reweight_only``), which retain refuses here, before anything loads.
 
 ``recompute = "reweight"`` (``tpflow.rollout.reweight``) keeps, instead of graphs, each trajectory's gradient of its
 log-probabilities, back-propagated by the rollout at advantage 1; the first optimizer step forms −Σ A·w·G from them
@@ -45,16 +44,16 @@ def retain_problems(options: Any, settings: dict) -> list[str]:
     name = getattr(plan, "name", "window")
     reweighted = plan is not None and capability(registry.get("plan", plan.name).factory, "reweight_only")
     if plan is not None and not _one_window(plan) and not (mode == "reweight" and reweighted):
-        also = (
-            " (reweight also: DanceGRPO's trained-fraction, Flow-GRPO-Fast's window-per-image)"
-            if mode == "retain"
-            else ""
+        why = (
+            "trains a part of its steps or a window per trajectory, which only per-trajectory gradients can take "
+            'from the rollout. Use recompute = "reweight"'
+            if reweighted
+            else 'samples with an engine that runs no step with gradients. Use recompute = "native"'
         )
         problems.append(
-            f'[optimizer] recompute = "{mode}" takes the forward passes of a one-window rollout, every step of it '
-            f"trained (the window plan; MixGRPO's window-schedule){also}, and [plan] name = {name!r} samples "
-            'with an engine of its own that runs none with gradients yet (docs/training.md, "Recompute-free '
-            'updates"). Use recompute = "native" with this plan.'
+            f'[optimizer] recompute = "{mode}" keeps whole steps of a one-window rollout, every step of it trained '
+            f"(the window, window-schedule and branch plans), and [plan] name = {name!r} {why} with this plan "
+            '(docs/training.md, "Recompute-free updates").'
         )
     if mode == "reweight" and (options.beta > 0 or options.ratio_norm):
         what = f"beta = {options.beta:g} (the KL to the reference)" if options.beta > 0 else "ratio_norm = true"

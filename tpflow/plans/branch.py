@@ -48,6 +48,11 @@ class BranchPlan:
         self.options = options or BranchOptions()
 
     @staticmethod
+    def samples_one_window(options: BranchOptions) -> bool:
+        """Its stored steps are one window's, every one trained (each an SDE step from the ODE path)."""
+        return True
+
+    @staticmethod
     def check_recipe(options: BranchOptions, settings: dict) -> list[str]:
         """Siblings need one z_0 per group, exact-or-k-step ODE completions, branch credit and a transition
         optimizer."""

@@ -3,6 +3,8 @@ step, one SDE child per trajectory from that ODE state, each completed by ODE.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -10,6 +12,8 @@ from tpflow.interfaces import Sampler
 from tpflow.plans.base import Window
 from tpflow.rollout.inputs import RolloutInputs, begin, ode_prefix
 from tpflow.rollout.parts import Branch, MainNoise, Velocity, completion_nodes
+from tpflow.rollout.retain import Retain, log_prob_with_grad
+from tpflow.rollout.reweight import Reweight
 from tpflow.rollout.window import stored_rollout
 from tpflow.samplers.euler import euler_step
 from tpflow.types import Rollout
@@ -28,9 +32,10 @@ class BranchEngine:
         noise_level: float,
         completion_steps: int | None = None,
         store_means: bool = False,
+        retain: Retain | Reweight | None = None,
     ) -> None:
         self.sampler, self.window, self.noise_level = sampler, window, noise_level
-        self.completion_steps, self.store_means = completion_steps, store_means
+        self.completion_steps, self.store_means, self.retain = completion_steps, store_means, retain
 
     @torch.no_grad()
     def run(self, inputs: RolloutInputs) -> Rollout:
@@ -38,14 +43,15 @@ class BranchEngine:
         prefix = ode_prefix(started, self.window.start)
         n, s, width = inputs.n, self.window.start, self.window.size
         loop = BranchLoop(started.engine, self.sampler, self.window, self.noise_level, self.completion_steps,
-                          self.store_means)  # fmt: skip
+                          self.store_means, self.retain, started.first)  # fmt: skip
         for k in range(s, inputs.num_steps):
             loop.step(prefix, k, started.noise, started.source)
         parts = [torch.stack(part, dim=1) for part in (loop.latents, loop.next_latents, loop.log_probs)]
         grid = inputs.sigmas[s : s + width + 1].expand(n, width + 1)
         means = torch.stack(loop.means, dim=1) if self.store_means else None
         final = prefix.z[started.source]  # each trajectory's noise row's ODE image
-        return stored_rollout(started, self.noise_level, final, parts, grid, means, loop.completed())
+        out = stored_rollout(started, self.noise_level, final, parts, grid, means, loop.completed())
+        return out if loop.log is None else dataclasses.replace(out, retained=loop.log.stacked())
 
 
 class BranchLoop:
@@ -55,10 +61,15 @@ class BranchLoop:
     to σ_K. All of them share one velocity call per step; a child's first ODE step is at k + 1."""
 
     def __init__(
-        self, engine: Velocity, sampler: Sampler, window: Window, noise_level: float, steps: int | None, means: bool
-    ) -> None:
+        self, engine: Velocity, sampler: Sampler, window: Window, noise_level: float, steps: int | None, means: bool,
+        retain: Retain | Reweight | None = None, first: Tensor | None = None,
+    ) -> None:  # fmt: skip
         self.engine, self.sampler, self.window, self.noise_level = engine, sampler, window, noise_level
         self.completion_steps, self.store_means = steps, means
+        # a recompute-free update's record: the window steps run with gradients per trajectory (``first`` [P]: the
+        # first trajectory of each noise row, whose velocity the ODE path then takes)
+        self.log = None if retain is None else retain.log(engine.backbone, engine, window.size)
+        self.first = first
         self.children: list[Branch] = []  # child i, born at window step s + i, in order
         self.latents: list[Tensor] = []
         self.next_latents: list[Tensor] = []
@@ -67,17 +78,30 @@ class BranchLoop:
 
     def step(self, main: Branch, k: int, noise: MainNoise, source: Tensor) -> None:
         others = [c for c in self.children if c.live(k) and c.at < self.engine.sigmas.shape[0] - 1]
-        vs = self.engine([main, *others], k)
+        s = self.window.start
+        inside = s <= k < s + self.window.size
+        v_grad = None
+        if self.log is not None and inside and self.log.covers(k - s):
+            # every trajectory's ODE state with gradients, one row each (copies of a noise row are separate rows:
+            # their gradients are their own); the ODE path takes its first copy's velocity, the children theirs
+            each = Branch(main.z[source], torch.arange(source.shape[0], device=main.z.device))
+            v_grad = self.log.velocity(lambda: self.engine([each], k)[0], source.shape[0])
+            vs = [v_grad.detach()[self.first], *(self.engine(others, k) if others else [])]
+        else:
+            vs = self.engine([main, *others], k)
         sigmas, num_steps = self.engine.sigmas, self.engine.sigmas.shape[0] - 1
         for child, v in zip(others, vs[1:], strict=True):
             nxt = child.target(k)
             child.z, child.at = euler_step(child.z, v, sigmas[k], sigmas[nxt]), nxt
-        v_main, s = vs[0], self.window.start
-        inside = s <= k < s + self.window.size
+        v_main = vs[0]
         xi = noise.draw(k, keep=inside)  # [N, ...] one ξ per trajectory: the siblings' own noise
         if inside:
-            z, v = main.z[source], v_main[source]  # [N, ...] each trajectory's ODE state and its velocity
+            z = main.z[source]  # [N, ...] each trajectory's ODE state and its velocity
+            v = v_main[source] if v_grad is None else v_grad.detach()
             out = self.sampler.step(z, v, sigmas[k], sigmas[k + 1], self.noise_level, noise=xi)
+            if v_grad is not None:
+                self.log.keep(log_prob_with_grad(self.sampler, out.prev, z, v_grad, sigmas[k], sigmas[k + 1],
+                                                 self.noise_level), z.shape[0])  # fmt: skip
             self.latents.append(z)
             self.next_latents.append(out.prev)
             self.log_probs.append(out.log_prob)

@@ -45,7 +45,7 @@ def engine_for(
     GRPO options' recipe check refuses it with any other plan before anything loads."""
     batch_plan = plan if isinstance(plan, BatchPlan) else None
     # one window for the batch, every step trained (a DPM-Solver tail after it or not): what retain runs with grads
-    one_window = batch_plan is None or (batch_plan.uniform and not batch_plan.branch and batch_plan.trained is None)
+    one_window = batch_plan is None or (batch_plan.uniform and batch_plan.trained is None)  # the branch's too
     # reweight back-propagates a trained subset of one window's pairs too (DanceGRPO's trained-fraction)
     subset = batch_plan is not None and batch_plan.trained is not None and isinstance(retain, Reweight) and (
         batch_plan.uniform and not batch_plan.branch and batch_plan.tail_ratio is None)  # fmt: skip
@@ -66,7 +66,7 @@ def engine_for(
     if batch_plan is not None and batch_plan.branch:
         if completions != "ode" or not transitions:
             raise ValueError("the branch plan needs ODE completions and stored transitions (a GRPO optimizer).")
-        return BranchEngine(sampler, window, noise_level, steps, store_means)
+        return BranchEngine(sampler, window, noise_level, steps, store_means, retain)
     if batch_plan is not None and (batch_plan.tail_ratio is not None or not batch_plan.uniform) and completions:
         raise ValueError("completions need one window for the whole batch and the schedule's Euler steps after it.")
     if batch_plan is not None and batch_plan.tail_ratio is not None:
