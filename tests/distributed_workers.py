@@ -141,13 +141,15 @@ def layout_gradient(
     accelerator=None,
     recompute: str = "native",
     beta: float = 1e-2,
+    outcome: bool = False,
 ) -> torch.Tensor:
     """The gradient of one GRPO optimizer step over ``share`` (this process's rows of one fixed 8-row batch) cut
     into micro-batches of ``micro``, ``accumulation`` per step: the flat gradient the step is taken with.
 
     The batch mixes two rollouts whose windows differ (:func:`two_window_batch`): the rows a step trains differ
     between steps and micro-batches. ``recompute = "retain"``: the rollouts keep their graphs and the step
-    back-propagates them; "reweight" (``beta`` 0): the rollouts keep per-step gradients and the step weighs them."""
+    back-propagates them; "reweight" (``beta`` 0): the rollouts keep per-step gradients and the step weighs them.
+    ``outcome``: one advantage per trajectory (outcome credit; reweight keeps one gradient per trajectory)."""
     import tpflow
 
     torch.manual_seed(0)  # the LoRA init: the same adapter on every call and process
@@ -157,8 +159,10 @@ def layout_gradient(
         "optimizer", "grpo", beta=beta, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
         max_grad_norm=1e9, recompute=recompute,
     )  # fmt: skip
-    batch = two_window_batch(backbone, sampler, optimizer.retain).index(torch.tensor(share))
-    advantages = torch.randn(8, 3, generator=cpu_generator(3), dtype=torch.float64)[share]
+    retain = optimizer.retain if optimizer.retain is None else optimizer.retain.for_credit(outcome)
+    batch = two_window_batch(backbone, sampler, retain).index(torch.tensor(share))
+    advantages = torch.randn(8, 3, generator=cpu_generator(3), dtype=torch.float64)
+    advantages = (advantages[:, :1].expand(8, 3).contiguous() if outcome else advantages)[share]
     return one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator)
 
 
@@ -243,9 +247,15 @@ def layout_worker(
                 for name, layout in layouts.items()}  # fmt: skip
     # "grpo+grpo-retain+grpo-reweight": each, keyed "<mode>/<layout>", from one start of the processes
     # (reweight refuses the KL: it trains with beta = 0)
-    settings = {"grpo": ("native", 1e-2), "grpo-retain": ("retain", 1e-2), "grpo-reweight": ("reweight", 0.0)}
+    settings = {
+        "grpo": ("native", 1e-2, False),
+        "grpo-retain": ("retain", 1e-2, False),
+        "grpo-reweight": ("reweight", 0.0, False),
+        "grpo-reweight-outcome": ("reweight", 0.0, True),
+    }
     return {f"{mode}/{name}": layout_gradient(weights, *layout[rank], accelerator=accelerator,
-                                              recompute=settings[mode][0], beta=settings[mode][1])
+                                              recompute=settings[mode][0], beta=settings[mode][1],
+                                              outcome=settings[mode][2])
             for mode in optimizer.split("+") for name, layout in layouts.items()}  # fmt: skip
 
 

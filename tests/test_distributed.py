@@ -67,7 +67,8 @@ def grpo_layout_gradients(tmp_path_factory, tiny_weights) -> list[dict]:
     graphs ("grpo-retain/<layout>") and from its per-row gradients ("grpo-reweight/<layout>", beta 0): one start of
     the 2 processes serves the three tests."""
     out = tmp_path_factory.mktemp("grpo-layouts")
-    return spawn(layout_worker, out, str(tiny_weights), GRPO_LAYOUTS, "grpo+grpo-retain+grpo-reweight")
+    return spawn(layout_worker, out, str(tiny_weights), GRPO_LAYOUTS,
+                 "grpo+grpo-retain+grpo-reweight+grpo-reweight-outcome")  # fmt: skip
 
 
 def test_a_steps_gradient_is_the_same_on_two_processes_whatever_the_split(grpo_layout_gradients, tiny_weights):
@@ -101,18 +102,20 @@ def test_a_retained_steps_gradient_is_the_native_one_on_two_processes_whatever_t
 def test_a_reweighted_steps_gradient_is_the_native_one_on_two_processes_whatever_the_split(
     grpo_layout_gradients, tiny_weights
 ):
-    """``recompute = "reweight"``: each process weighs its rows' per-step gradients by their advantages locally, the
-    loop reduces the sum once, as a native step's; it equals the 1-process native gradient (beta 0) up to float
-    rounding."""
+    """``recompute = "reweight"``: each process weighs its rows' gradients (per step for step credits, per trajectory
+    for outcome credit) by their advantages locally, the loop reduces the sum once, as a native step's; it equals the
+    1-process native gradient (beta 0) up to float rounding."""
     zero, one = grpo_layout_gradients
-    native = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1, beta=0.0)
-    reweighted = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1, recompute="reweight", beta=0.0)
-    assert native.norm() > 0
-    torch.testing.assert_close(reweighted, native, rtol=1e-5, atol=1e-7)
-    for name in GRPO_LAYOUTS:
-        key = f"grpo-reweight/{name}"
-        assert torch.equal(zero[key], one[key]), f"{name}: every process steps with the same gradient"
-        torch.testing.assert_close(zero[key], native, rtol=1e-5, atol=1e-7, msg=name)
+    for mode, outcome in (("grpo-reweight", False), ("grpo-reweight-outcome", True)):  # per step; per trajectory
+        native = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1, beta=0.0, outcome=outcome)
+        reweighted = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1, recompute="reweight", beta=0.0,
+                                     outcome=outcome)  # fmt: skip
+        assert native.norm() > 0
+        torch.testing.assert_close(reweighted, native, rtol=1e-5, atol=1e-7, msg=mode)
+        for name in GRPO_LAYOUTS:
+            key = f"{mode}/{name}"
+            assert torch.equal(zero[key], one[key]), f"{key}: every process steps with the same gradient"
+            torch.testing.assert_close(zero[key], native, rtol=1e-5, atol=1e-7, msg=key)
 
 
 def test_an_nft_steps_gradient_is_the_same_on_two_processes_whatever_the_split(tmp_path, tiny_weights):
