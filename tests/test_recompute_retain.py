@@ -27,16 +27,21 @@ GUIDANCE = 4.5
 WINDOW = Window(1, 3)
 
 
-@pytest.fixture(scope="module")
-def model():
-    """tiny-sd3 with CFG and its LoRA moved off 0, so every branch carries a gradient."""
+def moved_model(device: str = "cpu"):
+    """tiny-sd3 (on ``device``) with CFG and its LoRA moved off 0, so every branch carries a gradient; flow-sde."""
     torch.manual_seed(0)
-    backbone = tpflow.build("backbone", "tiny-sd3", seed=0, resolution=16)
+    backbone = tpflow.build("backbone", "tiny-sd3", seed=0, resolution=16, device=device)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in backbone.trainable_parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            p.add_((0.05 * torch.randn(p.shape, generator=gen)).to(p.device, p.dtype))
     return backbone, tpflow.build("sampler", "flow-sde")
+
+
+@pytest.fixture(scope="module")
+def model():
+    """tiny-sd3 on the CPU, its LoRA moved off 0 (:func:`moved_model`), shared by the module's tests."""
+    return moved_model()
 
 
 def sample(backbone, sampler, retain=None, completions=None, precision=None):
@@ -264,13 +269,7 @@ def test_on_cuda_the_retained_gradient_is_the_native_one(mode):
     first step's gradient from the retained graphs against native's on the same rollout (cosine; LeanGRPO reports
     0.9998 under bf16)."""
     device = cuda_or_skip()
-    torch.manual_seed(0)
-    backbone = tpflow.build("backbone", "tiny-sd3", seed=0, resolution=16, device=device)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in backbone.trainable_parameters():
-            p.add_((0.05 * torch.randn(p.shape, generator=gen)).to(p.device, p.dtype))
-    sampler = tpflow.build("sampler", "flow-sde")
+    backbone, sampler = moved_model(device)
     # clip_range 0.2: on CUDA a micro-batch of 2 and the rollout batch of 4 pick other kernels, so native's
     # recomputed ratio is not exactly 1, and under bf16 the paper's ε = 1e-5 clips most rows out of native's gradient
     # (measured on an H200: cosine 0.32 at ε = 1e-5): the comparison is of gradients, with the clip inert

@@ -16,7 +16,16 @@ import torch
 
 import tpflow
 from tests.conftest import cuda_or_skip
-from tests.test_recompute_retain import ADVANTAGES, PROMPTS, WINDOW, first_step_gradient, model, relative, sample
+from tests.test_recompute_retain import (
+    ADVANTAGES,
+    PROMPTS,
+    WINDOW,
+    first_step_gradient,
+    model,
+    moved_model,
+    relative,
+    sample,
+)
 from tests.test_recompute_retain import GUIDANCE as GUIDANCE_
 from tpflow.errors import RecipeError
 from tpflow.precision import Precision
@@ -245,13 +254,7 @@ def test_on_cuda_the_reweighted_gradient_is_the_native_one(mode):
     """The CPU comparison on a GPU: the first step's gradient from the rollout's per-row buffers against native's on
     the same rollout (cosine; LeanGRPO reports 0.9998 under bf16)."""
     device = cuda_or_skip()
-    torch.manual_seed(0)
-    backbone = tpflow.build("backbone", "tiny-sd3", seed=0, resolution=16, device=device)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in backbone.trainable_parameters():
-            p.add_((0.05 * torch.randn(p.shape, generator=gen)).to(p.device, p.dtype))
-    sampler = tpflow.build("sampler", "flow-sde")
+    backbone, sampler = moved_model(device)
     # clip_range 0.2, as the retain test's (tests/test_recompute_retain.py): at ε = 1e-5 native's own bf16 ratio
     # leaves the clip on CUDA and drops most rows (cosine 0.33 measured on an H200)
     layout = {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "beta": 0.0, "clip_range": 0.2}
