@@ -239,27 +239,36 @@ def test_retain_is_refused_where_it_cannot_hold():
 def test_a_run_with_retain_trains_as_the_native_run_does(tmp_path, tiny_weights, monkeypatch):
     """Through the trainer (2 epochs, 2 optimizer steps each: the first retained, the second native): the adapter
     moves, and ends where the native run's does up to the float rounding the tests above bound."""
-    from tests.test_train import tiny_recipe
     from tpflow.rollout.retain import RetainedLog
-    from tpflow.train.trainer import Trainer
 
     kept, keep = [], RetainedLog.keep
     monkeypatch.setattr(RetainedLog, "keep", lambda self, *args: (kept.append(1), keep(self, *args)))
-    ends, metrics = {}, {}
-    for mode in ("native", "retain"):
-        folder = tmp_path / mode
-        folder.mkdir()
-        recipe = load_recipe(tiny_recipe(folder, tiny_weights, reward="image-stat"),
-                             [f'optimizer.recompute="{mode}"', "eval.every=0", "train.rollout_batch=8"])  # fmt: skip
-        trainer = Trainer(recipe)
-        start = torch.cat([p.detach().flatten().clone() for p in trainer.backbone.trainable_parameters()])
-        metrics[mode] = trainer.fit()
-        ends[mode] = torch.cat([p.detach().flatten() for p in trainer.backbone.trainable_parameters()])
-    moved = float((ends["native"] - start).norm())
-    assert moved > 0
-    assert float((ends["retain"] - ends["native"]).norm()) < 1e-3 * moved
+    metrics = train_native_and("retain", tmp_path, tiny_weights)
     assert metrics["retain"]["optimizer_steps"] == metrics["native"]["optimizer_steps"] == 2
     assert len(kept) == 2 * 3  # the retain run's rollouts kept their 3 window steps, in each of its 2 epochs
+
+
+def train_native_and(mode: str, tmp_path, tiny_weights, credit: str = "consistent", overrides=()) -> dict:
+    """The tiny recipe trained natively and with ``recompute = mode`` (2 epochs, 2 optimizer steps each); asserts the
+    adapter moved and ended where the native run's did up to float rounding; returns each run's metrics."""
+    from tests.test_train import tiny_recipe
+    from tpflow.train.trainer import Trainer
+
+    ends, metrics = {}, {}
+    for run in ("native", mode):
+        folder = tmp_path / run
+        folder.mkdir()
+        recipe = load_recipe(tiny_recipe(folder, tiny_weights, reward="image-stat", credit=credit),
+                             [f'optimizer.recompute="{run}"', "eval.every=0", "train.rollout_batch=8",
+                              *overrides])  # fmt: skip
+        trainer = Trainer(recipe)
+        start = torch.cat([p.detach().flatten().clone() for p in trainer.backbone.trainable_parameters()])
+        metrics[run] = trainer.fit()
+        ends[run] = torch.cat([p.detach().flatten() for p in trainer.backbone.trainable_parameters()])
+    moved = float((ends["native"] - start).norm())
+    assert moved > 0
+    assert float((ends[mode] - ends["native"]).norm()) < 1e-3 * moved
+    return metrics
 
 
 @pytest.mark.gpu

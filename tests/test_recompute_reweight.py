@@ -25,6 +25,7 @@ from tests.test_recompute_retain import (
     moved_model,
     relative,
     sample,
+    train_native_and,
 )
 from tests.test_recompute_retain import GUIDANCE as GUIDANCE_
 from tpflow.errors import RecipeError
@@ -222,26 +223,11 @@ def test_a_run_with_reweight_trains_as_the_native_run_does(tmp_path, tiny_weight
     (trajectory, step), outcome credit one per trajectory; MixGRPO's moving window (Euler or MixGRPO-Flash's
     DPM-Solver after it), DanceGRPO's trained subset of steps, Flow-GRPO-Fast's per-image windows and
     TempFlow-GRPO's branches (credit 'branch') alike."""
-    from tests.test_train import tiny_recipe
     from tpflow.rollout.reweight import ReweightLog
-    from tpflow.train.trainer import Trainer
 
     kept, keep = [], ReweightLog.keep
     monkeypatch.setattr(ReweightLog, "keep", lambda self, *args: (kept.append(self.spec.per_step), keep(self, *args)))
-    ends, metrics = {}, {}
-    for mode in ("native", "reweight"):
-        folder = tmp_path / mode
-        folder.mkdir()
-        recipe = load_recipe(tiny_recipe(folder, tiny_weights, reward="image-stat", credit=credit),
-                             [f'optimizer.recompute="{mode}"', "eval.every=0", "train.rollout_batch=8",
-                              "optimizer.beta=0", *plan_overrides(plan)])  # fmt: skip
-        trainer = Trainer(recipe)
-        start = torch.cat([p.detach().flatten().clone() for p in trainer.backbone.trainable_parameters()])
-        metrics[mode] = trainer.fit()
-        ends[mode] = torch.cat([p.detach().flatten() for p in trainer.backbone.trainable_parameters()])
-    moved = float((ends["native"] - start).norm())
-    assert moved > 0
-    assert float((ends["reweight"] - ends["native"]).norm()) < 1e-3 * moved
+    metrics = train_native_and("reweight", tmp_path, tiny_weights, credit, ["optimizer.beta=0", *plan_overrides(plan)])
     assert metrics["reweight"]["optimizer_steps"] == metrics["native"]["optimizer_steps"] == 2
     # steps back-propagated in each of the 2 epochs' rollouts: the 3 window steps (trained-fraction: those any row
     # trains; per-image windows: every step some row's window holds)

@@ -166,6 +166,8 @@ class GRPO(AdamWLoop):
         trained = None if batch.trained is None else batch.trained.cpu()  # [N, W] host: a rollout plan's subset
         weights = self._step_weights(sampler, sigmas, batch.noise_level, trained)  # [N, W] host, or None: all 1
         weights = None if weights is None else weights.to(batch.device)
+        # reweight's buffers serve the first step only, before the fp16 scaler moves: its scale read once
+        scale = self.precision.loss_scale() if isinstance(batch.retained, ReweightedSteps) else 1.0
 
         def losses(mb: tuple[Tensor, Tensor, bool]) -> Iterator[LossThunk]:
             device_rows, host_rows, use_retained = mb
@@ -174,7 +176,7 @@ class GRPO(AdamWLoop):
             if isinstance(kept, ReweightedSteps):
                 weight = None if weights is None else weights[device_rows]
                 yield functools.partial(reweighted_loss, kept, adv[device_rows], weight, batch.log_probs[device_rows],
-                                        self.precision.loss_scale())  # fmt: skip
+                                        scale)  # fmt: skip
                 first, kept = kept.steps, None
             if trained is not None:  # a plan's subset of (trajectory, step) pairs: packed, nothing else computed
                 mask = trained[host_rows].clone()
