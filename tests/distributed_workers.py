@@ -142,6 +142,7 @@ def layout_gradient(
     recompute: str = "native",
     beta: float = 1e-2,
     outcome: bool = False,
+    plan: str = "window",
 ) -> torch.Tensor:
     """The gradient of one GRPO optimizer step over ``share`` (this process's rows of one fixed 8-row batch) cut
     into micro-batches of ``micro``, ``accumulation`` per step: the flat gradient the step is taken with.
@@ -149,7 +150,8 @@ def layout_gradient(
     The batch mixes two rollouts whose windows differ (:func:`two_window_batch`): the rows a step trains differ
     between steps and micro-batches. ``recompute = "retain"``: the rollouts keep their graphs and the step
     back-propagates them; "reweight" (``beta`` 0): the rollouts keep per-step gradients and the step weighs them.
-    ``outcome``: one advantage per trajectory (outcome credit; reweight keeps one gradient per trajectory)."""
+    ``outcome``: one advantage per trajectory (outcome credit; reweight keeps one gradient per trajectory).
+    ``plan = "branch"``: the rows come from TempFlow-GRPO's branches (:func:`branch_batch`), per-step credit."""
     import tpflow
 
     torch.manual_seed(0)  # the LoRA init: the same adapter on every call and process
@@ -160,7 +162,8 @@ def layout_gradient(
         max_grad_norm=1e9, recompute=recompute,
     )  # fmt: skip
     retain = optimizer.retain if optimizer.retain is None else optimizer.retain.for_credit(outcome)
-    batch = two_window_batch(backbone, sampler, retain).index(torch.tensor(share))
+    rollout = {"window": two_window_batch, "branch": branch_batch}[plan]
+    batch = rollout(backbone, sampler, retain).index(torch.tensor(share))
     advantages = torch.randn(8, 3, generator=cpu_generator(3), dtype=torch.float64)
     advantages = (advantages[:, :1].expand(8, 3).contiguous() if outcome else advantages)[share]
     return one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator)
@@ -182,6 +185,17 @@ def two_window_batch(backbone, sampler, retain=None):
         )
         for s in (0, 1)
     ])  # fmt: skip
+
+
+def branch_batch(backbone, sampler, retain=None):
+    """8 trajectories of TempFlow-GRPO's branch, K = 4, window [0, 3): 4 noise rows (2 prompts × 2), each shared
+    by 2 copies (trajectories t and t + 4), which branch off its ODE path with SDE steps of their own."""
+    from tpflow.rollout import BranchEngine, RolloutInputs, Window
+
+    prompts = ["a photo of a red circle", "a photo of two squares"] * 4  # trajectory t's prompt: noise row t % 4's
+    inputs = RolloutInputs(backbone, backbone.encode(prompts), backbone.initial_noise(4, cpu_generator(0)),
+                           backbone.sigmas(4), 2.0, torch.arange(8) % 4, cpu_generator(10), None)  # fmt: skip
+    return BranchEngine(sampler, Window(0, 3), 0.7, retain=retain).run(inputs)
 
 
 def nft_layout_gradient(
@@ -247,15 +261,15 @@ def layout_worker(
                 for name, layout in layouts.items()}  # fmt: skip
     # "grpo+grpo-retain+grpo-reweight": each, keyed "<mode>/<layout>", from one start of the processes
     # (reweight refuses the KL: it trains with beta = 0)
-    settings = {
-        "grpo": ("native", 1e-2, False),
-        "grpo-retain": ("retain", 1e-2, False),
-        "grpo-reweight": ("reweight", 0.0, False),
-        "grpo-reweight-outcome": ("reweight", 0.0, True),
+    settings = {  # recompute, beta, outcome credit, plan
+        "grpo": ("native", 1e-2, False, "window"),
+        "grpo-retain": ("retain", 1e-2, False, "window"),
+        "grpo-reweight": ("reweight", 0.0, False, "window"),
+        "grpo-reweight-outcome": ("reweight", 0.0, True, "window"),
+        "grpo-retain-branch": ("retain", 1e-2, False, "branch"),
+        "grpo-reweight-branch": ("reweight", 0.0, False, "branch"),
     }
-    return {f"{mode}/{name}": layout_gradient(weights, *layout[rank], accelerator=accelerator,
-                                              recompute=settings[mode][0], beta=settings[mode][1],
-                                              outcome=settings[mode][2])
+    return {f"{mode}/{name}": layout_gradient(weights, *layout[rank], accelerator, *settings[mode])
             for mode in optimizer.split("+") for name, layout in layouts.items()}  # fmt: skip
 
 

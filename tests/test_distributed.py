@@ -64,11 +64,12 @@ GRPO_LAYOUTS = {
 @pytest.fixture(scope="module")
 def grpo_layout_gradients(tmp_path_factory, tiny_weights) -> list[dict]:
     """Each rank's gradient of one GRPO step per layout, native ("grpo/<layout>"), from the rollout's retained
-    graphs ("grpo-retain/<layout>") and from its per-row gradients ("grpo-reweight/<layout>", beta 0): one start of
-    the 2 processes serves the three tests."""
+    graphs ("grpo-retain/<layout>") and from its per-row gradients ("grpo-reweight/<layout>", beta 0), on the window
+    plan and on the branch ("…-branch"): one start of the 2 processes serves the four tests."""
     out = tmp_path_factory.mktemp("grpo-layouts")
-    return spawn(layout_worker, out, str(tiny_weights), GRPO_LAYOUTS,
-                 "grpo+grpo-retain+grpo-reweight+grpo-reweight-outcome")  # fmt: skip
+    modes = ["grpo", "grpo-retain", "grpo-reweight", "grpo-reweight-outcome", "grpo-retain-branch",
+             "grpo-reweight-branch"]  # fmt: skip
+    return spawn(layout_worker, out, str(tiny_weights), GRPO_LAYOUTS, "+".join(modes))
 
 
 def test_a_steps_gradient_is_the_same_on_two_processes_whatever_the_split(grpo_layout_gradients, tiny_weights):
@@ -112,6 +113,24 @@ def test_a_reweighted_steps_gradient_is_the_native_one_on_two_processes_whatever
                                      outcome=outcome)  # fmt: skip
         assert native.norm() > 0
         torch.testing.assert_close(reweighted, native, rtol=1e-5, atol=1e-7, msg=mode)
+        for name in GRPO_LAYOUTS:
+            key = f"{mode}/{name}"
+            assert torch.equal(zero[key], one[key]), f"{key}: every process steps with the same gradient"
+            torch.testing.assert_close(zero[key], native, rtol=1e-5, atol=1e-7, msg=key)
+
+
+def test_the_branchs_step_from_the_rollout_is_the_native_one_on_two_processes_whatever_the_split(
+    grpo_layout_gradients, tiny_weights
+):
+    """TempFlow-GRPO's branch (per-step credit, copies of a noise row on either process): the step from the
+    rollout's retained graphs and from its per-row gradients equals the 1-process native step up to float
+    rounding, whichever process holds which copy."""
+    zero, one = grpo_layout_gradients
+    for mode, recompute, beta in (("grpo-retain-branch", "retain", 1e-2), ("grpo-reweight-branch", "reweight", 0.0)):
+        native = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1, beta=beta, plan="branch")
+        kept = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1, recompute=recompute, beta=beta, plan="branch")
+        assert native.norm() > 0
+        torch.testing.assert_close(kept, native, rtol=1e-5, atol=1e-7, msg=mode)
         for name in GRPO_LAYOUTS:
             key = f"{mode}/{name}"
             assert torch.equal(zero[key], one[key]), f"{key}: every process steps with the same gradient"
