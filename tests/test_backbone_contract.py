@@ -74,3 +74,40 @@ def test_the_contract(real, tmp_path):
     theirs = _pipeline(pipe, z0, options, guidance)
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
     assert (ours - expected).abs().max() > 1e-3  # the adapter changes the samples: the comparison has teeth
+
+
+@pytest.mark.parametrize("real", sorted(TWINS))
+def test_the_contract_of_full_fine_tuning(real, tmp_path):
+    """``finetune = "full"``: every transformer weight trains (fp32 masters), nothing else; the KL reference is the
+    model as built (the pipeline's samples); the saved model loads with ``from_pretrained`` into a fresh pipeline
+    and samples what tpflow samples."""
+    name, make_pipe, options, guidance = TWINS[real]
+    backbone = registry.build("backbone", name, seed=0, resolution=options["height"], finetune="full")
+    trained = backbone.trainable_parameters()
+    assert [id(p) for p in trained] == [id(p) for p in backbone.transformer.parameters()]
+    assert all(p.requires_grad and p.dtype == torch.float32 for p in trained)
+    frozen = list(backbone.vae.parameters())
+    for encoder in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        if getattr(backbone.pipe, encoder, None) is not None:
+            frozen += list(getattr(backbone.pipe, encoder).parameters())
+    assert frozen and not any(p.requires_grad for p in frozen)
+    z0 = backbone.initial_noise(2, torch.Generator().manual_seed(3))
+    cond, sigmas = backbone.encode(PROMPTS), backbone.sigmas(K)
+    expected = _pipeline(make_pipe(), z0, options, guidance)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for p in trained:
+            p.add_(0.02 * p.abs().mean() * torch.randn(p.shape, generator=gen))
+        with backbone.reference():  # the initial weights, whatever training did since
+            reference = sample_ode(backbone, cond, z0, sigmas, guidance)
+        ours = sample_ode(backbone, cond, z0, sigmas, guidance)
+    torch.testing.assert_close(reference, expected, rtol=0, atol=1e-4)
+    backbone.save_adapter(tmp_path / "transformer")
+    pipe = make_pipe()
+    pipe.transformer = type(pipe.transformer).from_pretrained(tmp_path / "transformer")
+    theirs = _pipeline(pipe, z0, options, guidance)
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+    assert (ours - expected).abs().max() > 1e-3  # the perturbed weights change the samples: the check has teeth
+    fresh = registry.build("backbone", name, seed=0, resolution=options["height"], finetune="full")
+    fresh.load_adapter(tmp_path / "transformer")
+    assert all(torch.equal(a, b) for a, b in zip(fresh.trainable_parameters(), trained, strict=True))

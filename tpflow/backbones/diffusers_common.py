@@ -35,6 +35,11 @@ class DiffusersBackboneOptions(BaseModel):
     device: str | None = Field(None, description="Torch device; default: cuda when available, else cpu.")
     resolution: int = Field(512, ge=16, description="Image height and width in pixels.")
     max_sequence_length: int = Field(256, ge=8, description="T5 tokens per prompt.")
+    finetune: Literal["lora", "full"] = Field(
+        "lora",
+        description="What trains: a LoRA adapter ('lora'), or every transformer weight ('full': fp32 master weights, "
+        "the recipe's mixed_precision computes; the lora_* options unused; tpflow/backbones/full_finetune.py).",
+    )
     lora_rank: int = Field(32, ge=1, description="LoRA rank r.")
     lora_alpha: float = Field(64.0, gt=0, description="LoRA alpha: the update is (alpha / r)·B·A.")
     lora_targets: list[str] = Field(default_factory=list, description="Module names (suffixes) peft adapts.")
@@ -303,19 +308,20 @@ class PipelineParts:
     """A diffusers pipeline's parts, placed for training: what both diffusers backbones hold."""
 
     device: torch.device  # of the transformer, the VAE and the latents
-    dtype: torch.dtype  # of the transformer
+    dtype: torch.dtype  # of the transformer and its inputs (float32 under full fine-tuning: its master weights)
     text_device: torch.device  # of the text encoders (the model's device or the CPU)
     transformer: Any  # in ``dtype``, LoRA added, eval mode
     vae: Any  # fp32, frozen
     scale: int  # the VAE's spatial factor
     cache: PromptCache
-    adapter: Any  # diffusers_lora.LoraAdapter on ``transformer``
+    adapter: Any  # diffusers_lora.LoraAdapter on ``transformer``, or full_finetune.FullWeights (finetune = "full")
 
 
 def setup_pipeline(pipe: Any, options: DiffusersBackboneOptions, encoders: Sequence[str]) -> PipelineParts:
-    """Place a pipeline's parts and add the LoRA. The text encoders named in ``encoders`` are frozen on the text
-    device."""
+    """Place a pipeline's parts and add the LoRA (or unfreeze the transformer: ``finetune = "full"``). The text
+    encoders named in ``encoders`` are frozen on the text device."""
     from tpflow.backbones import diffusers_lora as lora
+    from tpflow.backbones import full_finetune as full
 
     device, dtype = resolve_device(options.device), DTYPES[options.dtype]
     text_device = device if options.text_encoders_device == "model" else torch.device("cpu")
@@ -325,13 +331,19 @@ def setup_pipeline(pipe: Any, options: DiffusersBackboneOptions, encoders: Seque
         encoder = getattr(pipe, name, None)
         if encoder is not None:
             place(encoder, text_device, dtype).requires_grad_(False).eval()
-    config = lora.add_lora(transformer, options.lora_rank, options.lora_alpha, options.lora_targets, options.lora_init)
+    if options.finetune == "full":  # before compiling: the reference copy is a plain module
+        adapter: Any = full.FullWeights(transformer, full.diffusers_save, full.diffusers_state)
+        dtype = torch.float32
+    else:
+        config = lora.add_lora(
+            transformer, options.lora_rank, options.lora_alpha, options.lora_targets, options.lora_init
+        )
+        adapter = lora.LoraAdapter(type(pipe), transformer, config)
     transformer.eval()  # no dropout: rollout and training compute the same function
     if options.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     if options.compile_blocks:
         compile_blocks(transformer)
-    adapter = lora.LoraAdapter(type(pipe), transformer, config)
     cache = PromptCache(options.prompt_cache)
     return PipelineParts(device, dtype, text_device, transformer, vae, pipe.vae_scale_factor, cache, adapter)
 

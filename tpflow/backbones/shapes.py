@@ -13,8 +13,7 @@ learned null text, batched with the conditional one in a single call (docs/algor
 from __future__ import annotations
 
 import contextlib
-import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -22,6 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from tpflow.backbones.shapes_lora import ShapesLora
 from tpflow.devices import randn, resolve_device
 from tpflow.errors import UserError
 from tpflow.guidance import combine
@@ -34,7 +34,24 @@ from tpflow.weights import WeightSource
 
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "shapes" / "weights"
 WEIGHTS_FILE = "shapes_dit.safetensors"
-ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def save_model(model: torch.nn.Module, directory: Path) -> None:
+    """A full fine-tune's weights: ``shapes_dit.safetensors`` with its .json config, as ``shapes pretrain`` writes
+    them (so the folder is also a ``weights`` value for a later run)."""
+    from tpflow.shapes.model import save_checkpoint
+
+    save_checkpoint(model, Path(directory) / WEIGHTS_FILE)
+
+
+def model_state(directory: Path) -> dict[str, Tensor]:
+    """The state dict ``save_model`` wrote (safetensors)."""
+    from safetensors.torch import load_file
+
+    path = Path(directory) / WEIGHTS_FILE
+    if not path.is_file():
+        raise UserError(f"No shapes-dit weights at {path}: a full fine-tune's checkpoint holds {WEIGHTS_FILE}.")
+    return load_file(str(path))
 
 
 class ShapesDitOptions(BaseModel):
@@ -46,6 +63,11 @@ class ShapesDitOptions(BaseModel):
         None,
         description="Pretrained weights: a .safetensors written by `tpflow shapes pretrain` (its .json config beside "
         "it) or the folder holding shapes_dit.safetensors. None: the weights shipped in tpflow/shapes/weights/.",
+    )
+    finetune: Literal["lora", "full"] = Field(
+        "lora",
+        description="What trains: a LoRA adapter ('lora'), or every weight of the DiT ('full'; the lora_* options "
+        "unused; tpflow/backbones/full_finetune.py).",
     )
     lora_rank: int = Field(8, ge=1, description="Rank r of the LoRA adapter.")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: the update is (alpha / r)·B·A.")
@@ -138,8 +160,6 @@ class ShapesBackbone:
         return [WeightSource("shapes-dit weights (option weights)", str(path), f"{origin} {path}")]
 
     def __init__(self, options: ShapesDitOptions | None = None) -> None:
-        from peft import LoraConfig, inject_adapter_in_model
-
         self.options = options = options or ShapesDitOptions()
         self.device = resolve_device(options.device)
         self.weights_path = resolve_weights(options.weights)
@@ -152,18 +172,14 @@ class ShapesBackbone:
                 "expected a safetensors file written by `tpflow shapes pretrain`, with its .json config beside it."
             ) from None
         model.requires_grad_(False)
-        self.lora_config = LoraConfig(
-            r=options.lora_rank,
-            lora_alpha=options.lora_alpha,
-            target_modules=list(options.lora_targets),
-            init_lora_weights=True if options.lora_init == "default" else "gaussian",
-        )
-        try:
-            self.model: ShapesDiT = inject_adapter_in_model(self.lora_config, model)
-        except ValueError as exc:  # peft: no module matched the targets
-            raise UserError(f"shapes-dit: LoRA targets {options.lora_targets} do not fit the model: {exc}") from None
-        for name, param in self.model.named_parameters():
-            param.requires_grad_("lora_" in name)
+        if options.finetune == "full":
+            from tpflow.backbones.full_finetune import FullWeights
+
+            self.model: ShapesDiT = model
+            self.adapter: ShapesLora | FullWeights = FullWeights(model, save_model, model_state)
+        else:
+            self.adapter = ShapesLora(model, options, self.device)
+            self.model = self.adapter.model
         self.model.eval()  # no dropout or batch statistics: train and eval modes compute the same function
         self.config = model.config
         if options.compile_blocks:
@@ -208,61 +224,20 @@ class ShapesBackbone:
         return (z.float().clamp(-1, 1) + 1) / 2
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        """The LoRA matrices (lora_A, lora_B of every targeted layer)."""
-        return [p for name, p in self.model.named_parameters() if "lora_" in name]
+        """The LoRA matrices (lora_A, lora_B of every targeted layer), or every weight (``finetune = "full"``)."""
+        return self.adapter.parameters()
 
-    @contextlib.contextmanager
-    def reference(self) -> Iterator[None]:
-        """The frozen base model: adapters disabled on every peft layer, re-enabled on exit."""
-        layers = self._lora_layers()
-        for layer in layers:
-            layer.enable_adapters(False)
-        try:
-            yield
-        finally:
-            for layer in layers:
-                layer.enable_adapters(True)
+    def reference(self) -> contextlib.AbstractContextManager[None]:
+        """The frozen base model: the adapter disabled, or the initial weights (``finetune = "full"``)."""
+        return self.adapter.disabled()
 
     def save_adapter(self, directory: Path) -> None:
-        """Write ``adapter_model.safetensors`` and ``adapter_config.json`` (peft's format, adapter name dropped)."""
-        from peft import get_peft_model_state_dict
-        from safetensors.torch import save_file
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = get_peft_model_state_dict(self.model)
-        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(directory / ADAPTER_FILE))
-        self.lora_config.save_pretrained(str(directory))
+        """The LoRA in peft's format, or the whole model as ``tpflow shapes pretrain`` writes it."""
+        self.adapter.save(directory)
 
     def load_adapter(self, directory: Path) -> None:
-        """Load an adapter written by ``save_adapter`` (safetensors only); its rank and targets must match."""
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        directory = Path(directory)
-        path = directory / ADAPTER_FILE
-        if not path.is_file():
-            raise UserError(f"No LoRA adapter at {path}: save_adapter writes {ADAPTER_FILE} into the folder.")
-        config_path = directory / "adapter_config.json"
-        if config_path.is_file():
-            saved = json.loads(config_path.read_text())
-            mine = {"r": self.lora_config.r, "target_modules": sorted(self.lora_config.target_modules)}
-            theirs = {"r": saved.get("r"), "target_modules": sorted(saved.get("target_modules") or [])}
-            if mine != theirs:
-                raise UserError(
-                    f"The adapter in {directory} has {theirs} but this shapes-dit has {mine}; set lora_rank and "
-                    "lora_targets in [backbone] to the saved values."
-                )
-        result = set_peft_model_state_dict(self.model, load_file(str(path), device=str(self.device)))
-        if result.unexpected_keys:
-            raise UserError(f"The adapter in {directory} has keys this model lacks: {result.unexpected_keys[:4]}...")
-
-    # ---- helpers -----------------------------------------------------------------------------------------------
-
-    def _lora_layers(self) -> list[torch.nn.Module]:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        return [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        """Load what ``save_adapter`` wrote (safetensors only)."""
+        self.adapter.load(directory)
 
     def eval(self) -> ShapesBackbone:
         """Nothing to switch (no dropout or batch statistics); kept for trainers that call it."""

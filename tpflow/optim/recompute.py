@@ -62,6 +62,13 @@ def retain_problems(options: Any, settings: dict) -> list[str]:
             f"{what} differentiates the transition mean against another one, which those gradients do not hold. "
             'Use recompute = "retain" (it keeps the means), or beta = 0 and ratio_norm = false.'
         )
+    backbone = settings.get("backbone")
+    if mode == "reweight" and getattr(getattr(backbone, "options", None), "finetune", "lora") == "full":
+        problems.append(
+            '[optimizer] recompute = "reweight" takes per-trajectory gradients at the trainable linear layers, and '
+            '[backbone] finetune = "full" trains every weight (norms, embeddings, biases too), whose per-row '
+            'gradients it cannot form. Use recompute = "retain" or "native" for a full fine-tune.'
+        )
     return problems
 
 

@@ -1,0 +1,116 @@
+"""Full fine-tuning: every weight of the transformer trained, as the adapter half of the Backbone protocol.
+
+``[backbone] finetune = "full"`` builds a backbone whose trainable parameters are the whole transformer (text encoders
+and VAE stay frozen) instead of a LoRA adapter. What differs from LoRA, and why:
+
+* **fp32 master weights.** The transformer is upcast to float32 and trained there; the recipe's ``mixed_precision``
+  (autocast) computes in bf16 / fp16. AdamW steps on bf16 weights lose most updates below the weight's precision
+  (its 8 mantissa bits), which is why every full fine-tuning recipe of the field keeps fp32 masters (16 bytes a
+  parameter with AdamW: weight, gradient, two moments). The backbone's inputs follow the weights (float32).
+* **The KL reference is the initial weights.** LoRA gets it for free by disabling the adapter; here a frozen copy of
+  the transformer as built is kept on the CPU (host memory, 4 bytes a parameter) and moved to the model's device at
+  the first ``reference()`` (β > 0): device memory is spent only by runs that use the reference. Inside
+  ``reference()`` the live transformer's ``forward`` is the copy's, so the backbone's own ``velocity`` code runs the
+  reference unchanged; the copy's parameters do not require gradients, so no autocast cast of them is cached.
+* **Saved as a model, not an adapter**: ``save`` writes the transformer in its own format (diffusers'
+  ``save_pretrained`` layout, safetensors, for the diffusers backbones), which ``from_pretrained`` reads; ``load``
+  reads safetensors only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from tpflow.errors import UserError
+
+
+class FullWeights:
+    """The transformer's own weights as the trained parameters (composition: a backbone holds one as its adapter).
+
+    Args:
+        module: the transformer, as built (its weights are the KL reference); upcast to float32 and unfrozen here.
+        save: writes ``module`` into a folder (the backbone's model format, safetensors).
+        load_state: reads the state dict ``save`` wrote from a folder (safetensors only; never unpickles).
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        save: Callable[[torch.nn.Module, Path], None],
+        load_state: Callable[[Path], dict[str, torch.Tensor]],
+    ) -> None:
+        self.module = module.float().requires_grad_(True)
+        self._save, self._load_state = save, load_state
+        # the initial weights, frozen, on the host until a reference pass needs them on the device
+        self._reference = copy.deepcopy(self.module).to("cpu").requires_grad_(False).eval()
+        self._reference_on_device = False
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """Every parameter of the transformer, in module order (the order EMA and checkpoints key them by)."""
+        return list(self.module.parameters())
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """The frozen initial transformer: the KL reference. The live module's ``forward`` is the copy's inside."""
+        if not self._reference_on_device:
+            device = next(self.module.parameters()).device
+            self._reference.to(device)
+            self._reference_on_device = True
+        own = self.module.__dict__.get("forward")  # an instance-level forward someone installed, kept
+        self.module.forward = self._reference.forward
+        try:
+            yield
+        finally:
+            if own is None:
+                del self.module.forward
+            else:
+                self.module.forward = own
+
+    def save(self, directory: Path) -> None:
+        """The trained transformer as a model folder (diffusers: ``config.json`` + safetensors)."""
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self._save(self.module, Path(directory))
+
+    def load(self, directory: Path) -> None:
+        """Load weights ``save`` wrote (every key must match: another model's file is refused)."""
+        state = self._load_state(Path(directory))
+        result = self.module.load_state_dict(state, strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            raise UserError(
+                f"The weights in {directory} do not fit this transformer (missing {result.missing_keys[:4]}, "
+                f"unexpected {result.unexpected_keys[:4]}): was it trained on another model or with LoRA?"
+            )
+
+    def save_merged(self, directory: Path) -> None:
+        """There is no adapter to merge: the model as ``save`` writes it."""
+        self.save(directory)
+
+
+def diffusers_save(module: torch.nn.Module, directory: Path) -> None:
+    """``save_pretrained`` with safetensors: ``config.json`` and ``diffusion_pytorch_model.safetensors``."""
+    module.save_pretrained(str(directory), safe_serialization=True)
+
+
+def diffusers_state(directory: Path) -> dict[str, torch.Tensor]:
+    """The state dict in a diffusers model folder (one safetensors file or an index of shards)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    single = directory / "diffusion_pytorch_model.safetensors"
+    index = directory / "diffusion_pytorch_model.safetensors.index.json"
+    if single.is_file():
+        return load_file(str(single))
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {k: v for shard in shards for k, v in load_file(str(directory / shard)).items()}
+    raise UserError(
+        f"No transformer weights in {directory}: a full fine-tune's checkpoint and export hold "
+        "diffusion_pytorch_model.safetensors (save_pretrained's layout)."
+    )
