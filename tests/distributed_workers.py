@@ -121,14 +121,15 @@ def collectives_worker(rank: int, out: Path) -> dict:
 def train_worker(rank: int, out: Path, recipe: str, overrides: list[str]) -> dict:
     """Train a recipe with the Trainer on this process; return the adapter it ends with."""
     from tpflow.recipe import load_recipe
+    from tpflow.train.sharding import full
     from tpflow.train.trainer import Trainer
 
     trainer = Trainer(load_recipe(Path(recipe), overrides))
-    start = [p.detach().clone() for p in trainer.backbone.trainable_parameters()]
+    start = [full(p.detach()).clone() for p in trainer.backbone.trainable_parameters()]  # whole, if sharded
     trainer.fit()
     return {
         "start": start,
-        "end": [p.detach().clone() for p in trainer.backbone.trainable_parameters()],
+        "end": [full(p.detach()).clone() for p in trainer.backbone.trainable_parameters()],
         "world_size": trainer.dist.world_size,
     }
 
@@ -143,6 +144,8 @@ def layout_gradient(
     beta: float = 1e-2,
     outcome: bool = False,
     plan: str = "window",
+    finetune: str = "lora",
+    shard: bool = False,
 ) -> torch.Tensor:
     """The gradient of one GRPO optimizer step over ``share`` (this process's rows of one fixed 8-row batch) cut
     into micro-batches of ``micro``, ``accumulation`` per step: the flat gradient the step is taken with.
@@ -151,11 +154,12 @@ def layout_gradient(
     between steps and micro-batches. ``recompute = "retain"``: the rollouts keep their graphs and the step
     back-propagates them; "reweight" (``beta`` 0): the rollouts keep per-step gradients and the step weighs them.
     ``outcome``: one advantage per trajectory (outcome credit; reweight keeps one gradient per trajectory).
-    ``plan = "branch"``: the rows come from TempFlow-GRPO's branches (:func:`branch_batch`), per-step credit."""
+    ``plan = "branch"``: the rows come from TempFlow-GRPO's branches (:func:`branch_batch`), per-step credit.
+    ``finetune = "full"``: the whole model trains; ``shard``: FSDP2 over the processes, after the rollout."""
     import tpflow
 
     torch.manual_seed(0)  # the LoRA init: the same adapter on every call and process
-    backbone = tpflow.build("backbone", "shapes-dit", weights=weights, lora_init="gaussian")
+    backbone = tpflow.build("backbone", "shapes-dit", weights=weights, lora_init="gaussian", finetune=finetune)
     sampler = tpflow.build("sampler", "cps")
     optimizer = tpflow.build(
         "optimizer", "grpo", beta=beta, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
@@ -164,6 +168,10 @@ def layout_gradient(
     retain = optimizer.retain if optimizer.retain is None else optimizer.retain.for_credit(outcome)
     rollout = {"window": two_window_batch, "branch": branch_batch}[plan]
     batch = rollout(backbone, sampler, retain).index(torch.tensor(share))
+    if shard:
+        from tpflow.train.sharding import shard as fully_shard
+
+        fully_shard(backbone, torch.device("cpu"), None)
     advantages = torch.randn(8, 3, generator=cpu_generator(3), dtype=torch.float64)
     advantages = (advantages[:, :1].expand(8, 3).contiguous() if outcome else advantages)[share]
     return one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator)
@@ -199,22 +207,28 @@ def branch_batch(backbone, sampler, retain=None):
 
 
 def nft_layout_gradient(
-    weights: str, share: list[int], micro: int, accumulation: int, accelerator=None
-) -> torch.Tensor:
+    weights: str, share: list[int], micro: int, accumulation: int, accelerator=None, finetune: str = "lora",
+    shard: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """``layout_gradient`` for the nft optimizer: the gradient of its one optimizer step over ``share`` (this
     process's samples of one fixed batch of 8 final samples) in micro-batches of ``micro``, ``accumulation`` per
-    step. Each sample's times t and noise ε must not depend on the layout."""
+    step. Each sample's times t and noise ε must not depend on the layout. ``finetune`` and ``shard`` as for
+    ``layout_gradient``."""
     import tpflow
     from tpflow.rollout import Window, rollout
 
     torch.manual_seed(0)  # the LoRA init: the same adapter on every call and process
-    backbone = tpflow.build("backbone", "shapes-dit", weights=weights, lora_init="gaussian")
+    backbone = tpflow.build("backbone", "shapes-dit", weights=weights, lora_init="gaussian", finetune=finetune)
     sampler = tpflow.build("sampler", "cps")
     prompts = ["a photo of a red circle", "a photo of two squares"] * 4
     z0 = backbone.initial_noise(8, cpu_generator(0))
     batch = rollout(backbone, sampler, backbone.encode(prompts), z0, backbone.sigmas(3), Window(0, 1), 0.0, 2.0,
                     None, transitions=False).index(torch.tensor(share))  # fmt: skip
     advantages = torch.randn(8, 1, generator=cpu_generator(3), dtype=torch.float64)[share]
+    if shard:
+        from tpflow.train.sharding import shard as fully_shard
+
+        fully_shard(backbone, torch.device("cpu"), None)
     optimizer = tpflow.build(
         "optimizer", "nft", micro_batch_size=micro, gradient_accumulation_steps=accumulation, max_grad_norm=1e9,
         num_timesteps=4, timesteps_per_sample=2, seed=11,
@@ -225,13 +239,15 @@ def nft_layout_gradient(
 def one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator=None) -> torch.Tensor:
     """The flat gradient (clipping and all) of the one optimizer step ``optimizer.update`` takes over ``batch``."""
     from tpflow.precision import Precision
+    from tpflow.train.sharding import full
 
     precision = Precision("no")
     optimizer.bind(backbone, accelerator, precision)
     seen = []
 
-    def recorded(opt, params, max_norm):
-        seen.append(torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel()) for p in params]))
+    def recorded(opt, params, max_norm):  # a sharded gradient gathered whole (every process calls this)
+        seen.append(torch.cat([full(p.grad).reshape(-1) if p.grad is not None else torch.zeros(p.numel())
+                               for p in params]))  # fmt: skip
         return Precision.step(precision, opt, params, max_norm)
 
     precision.step = recorded
@@ -271,6 +287,23 @@ def layout_worker(
     }
     return {f"{mode}/{name}": layout_gradient(weights, *layout[rank], accelerator, *settings[mode])
             for mode in optimizer.split("+") for name, layout in layouts.items()}  # fmt: skip
+
+
+def sharded_layout_worker(rank: int, out: Path, weights: str, layouts: dict[str, list[tuple[list[int], int, int]]]
+                          ) -> dict:  # fmt: skip
+    """For each layout, the gradient of one FSDP2-sharded optimizer step here (gathered whole), keyed
+    "<optimizer>-<finetune>/<layout>": GRPO and NFT, LoRA and the full model."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    result = {}
+    for finetune in ("lora", "full"):
+        for name, layout in layouts.items():
+            result[f"grpo-{finetune}/{name}"] = layout_gradient(weights, *layout[rank], accelerator, finetune=finetune,
+                                                                shard=True)  # fmt: skip
+            result[f"nft-{finetune}/{name}"] = nft_layout_gradient(weights, *layout[rank], accelerator,
+                                                                   finetune=finetune, shard=True)  # fmt: skip
+    return result
 
 
 def minimal_optimizer_worker(rank: int, out: Path, recipe: str, overrides: list[str]) -> dict:

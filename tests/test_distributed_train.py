@@ -36,6 +36,15 @@ TIMING = ("_s", "time")  # metric names that measure wall time: never compared
 SMALL_BATCHES = ["train.rollout_batch=2", "optimizer.micro_batch_size=2"]  # 4 batches per epoch, 2 per process
 
 
+FSDP_SETS = [*SMALL_BATCHES, 'train.shard="fsdp"', "optimizer.learning_rate=1e-4"]
+
+
+def fsdp_recipe(tmp_path: Path, weights: Path) -> Path:
+    """``recipe`` with the whole model trained (sharded over the processes with ``FSDP_SETS``)."""
+    backbone = f'name = "shapes-dit"\nweights = "{weights}"\nfinetune = "full"'
+    return tiny_recipe(tmp_path, None, reward="image-stat", backbone=backbone)
+
+
 def recipe(tmp_path: Path, weights: Path) -> Path:
     """The trainer tests' tiny recipe (2 prompts x 4 copies) with a built-in reward, so that spawned processes
     need no test plugin; with ``SMALL_BATCHES``."""
@@ -44,20 +53,22 @@ def recipe(tmp_path: Path, weights: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def two_process_runs(tmp_path_factory, tiny_weights) -> dict[str, tuple[Path, list[dict]]]:
-    """Two processes that train, in turn, the recipe for 2 epochs ("grpo") and its DiffusionNFT variant for 1 epoch
-    without evaluations ("nft"): for each, (its directory, what each rank returned)."""
+    """Two processes that train, in turn, the recipe for 2 epochs ("grpo"), its DiffusionNFT variant for 1 epoch
+    without evaluations ("nft"), and its whole model for 2 epochs FSDP-sharded ("fsdp") and replicated ("full", no
+    evaluations): for each, (its directory, what each rank returned)."""
     root = tmp_path_factory.mktemp("two-process")
-    nft = root / "nft"
-    nft.mkdir()
+    nft, fsdp, full = root / "nft", root / "fsdp", root / "full"
+    for folder in (nft, fsdp, full):
+        folder.mkdir()
     runs = [
         (str(recipe(root, tiny_weights)), SMALL_BATCHES),
         (str(nft_recipe(nft, tiny_weights)), [*SMALL_BATCHES, "eval.every=0", "train.epochs=1"]),
+        (str(fsdp_recipe(fsdp, tiny_weights)), FSDP_SETS),
+        (str(fsdp_recipe(full, tiny_weights)), [*SMALL_BATCHES, "optimizer.learning_rate=1e-4", "eval.every=0"]),
     ]
     zero, one = spawn(train_recipes_worker, root, runs)
-    return {
-        name: (folder, [zero["runs"][i], one["runs"][i]])
-        for i, (name, folder) in enumerate([("grpo", root), ("nft", nft)])
-    }
+    names = [("grpo", root), ("nft", nft), ("fsdp", fsdp), ("full", full)]
+    return {name: (folder, [zero["runs"][i], one["runs"][i]]) for i, (name, folder) in enumerate(names)}
 
 
 @pytest.fixture(scope="module")
@@ -229,3 +240,54 @@ def test_nft_on_two_processes_trains_one_model(two_process_runs):
     assert sum(moved) >= len(moved) - 1, "the adapter is trained"
     metrics = read_jsonl(folder / "run" / "metrics.jsonl")
     assert metrics[-1]["trajectories_trained"] == 8 and metrics[-1]["optimizer_steps"] >= 1
+
+
+def test_an_fsdp_sharded_run_trains_the_whole_model_as_a_replicated_one_does(two_process_runs):
+    """``[train] shard = "fsdp"`` on 2 processes: both end with one model (gathered whole), trained, where the same
+    2-process run with the model replicated on each process ends, up to the float rounding of the sharded
+    reduction (its evaluations included: 6 images, 3 per process); both sample the same trajectories in epoch 0."""
+    root, (zero, one) = two_process_runs["fsdp"]
+    replicated_root, (replicated, _) = two_process_runs["full"]
+    assert zero["world_size"] == one["world_size"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(zero["end"], one["end"], strict=True))
+    start, end = (torch.cat([t.flatten() for t in zero[k]]) for k in ("start", "end"))
+    moved = end - start
+    assert moved.norm() > 0
+    other = torch.cat([t.flatten() for t in replicated["end"]])
+    # measured 1.0e-3 of the movement after 4 AdamW steps: the sharded sum rounds otherwise (one step's gradient
+    # is within 4e-7, tests/test_distributed.py), and AdamW moves a weight whose gradient is near 0 by about the
+    # learning rate whatever its sign
+    assert float((other - end).norm() / moved.norm()) < 1e-2
+    for a, b in zip(_epoch_traces(root / "run", 0), _epoch_traces(replicated_root / "run", 0), strict=True):
+        assert a["trace"] == b["trace"]
+    assert [m["epoch"] for m in read_jsonl(root / "run" / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_an_fsdp_run_resumes_identically_on_two_processes(two_process_runs, tmp_path, capfd, monkeypatch):
+    """Killed after epoch 0's checkpoint (its gathered, unsharded state), resumed on 2 processes: sharded again, it
+    ends bitwise where the uninterrupted run did, with the same metrics."""
+    root, _ = two_process_runs["fsdp"]
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)
+    shutil.rmtree(find_checkpoint(run)[0])
+    command = ["train", str(root / "tiny.toml"), "--run-dir", str(run), "--resume", "--num-processes", "2"]
+    out = tpflow_launching(capfd, monkeypatch, *command, *(a for o in FSDP_SETS for a in ("--set", o)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from" in out.stdout and "FSDP-sharded over 2" in out.stdout
+    straight, resumed = _final_adapter(root / "run"), _final_adapter(run)
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert _comparable_metrics(run) == _comparable_metrics(root / "run")
+
+
+def test_an_fsdp_checkpoint_resumes_on_one_process(two_process_runs, tiny_weights, tmp_path):
+    """The sharded run's checkpoint is the unsharded format: one process resumes it and samples epoch 1's
+    trajectories from the same weights."""
+    root, _ = two_process_runs["fsdp"]
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)
+    shutil.rmtree(find_checkpoint(run)[0])
+    trainer = Trainer(load_recipe(fsdp_recipe(tmp_path, tiny_weights), FSDP_SETS), resume=True)
+    assert trainer.epoch == 1
+    trainer.fit()
+    for a, b in zip(_epoch_traces(run, 1), _epoch_traces(root / "run", 1), strict=True):
+        assert a["trace"] == b["trace"], "epoch 1 samples the same trajectories from the same weights on 1 process"

@@ -34,6 +34,7 @@ class Distributed:
         self.accelerator = accelerator
         self.world_size = accelerator.num_processes if accelerator is not None else 1
         self.rank = accelerator.process_index if accelerator is not None else 0
+        self.sharded = False  # True once the trained module is FSDP-sharded (tpflow.train.sharding)
 
     @property
     def enabled(self) -> bool:
@@ -96,7 +97,15 @@ class Distributed:
 
         The losses back-propagated since the last step are sums over rows (``tpflow.optim.loop``); ``rows`` is how
         many this process's covered (0 is fine: its gradients count as zero). Afterwards every process holds the
-        same gradient, bit for bit."""
+        same gradient, bit for bit. Sharded (FSDP2), the backward passes have summed the gradients over the
+        processes already (each holds its shard): only the row count is reduced."""
+        if self.sharded:
+            total = self.sum(rows)
+            if total:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.div_(total)
+            return total
         if not self.enabled:
             if rows:
                 for p in params:
@@ -121,8 +130,9 @@ class Distributed:
         return total
 
     def check_in_sync(self, named: Iterable[tuple[str, Tensor]]) -> None:
-        """Raise if the processes' copies of these tensors differ (a run that silently trains P different models)."""
-        if not self.enabled:
+        """Raise if the processes' copies of these tensors differ (a run that silently trains P different models).
+        Sharded, each process holds other shards by design: nothing to compare."""
+        if not self.enabled or self.sharded:
             return
         digest = hashlib.sha256()
         for name, value in named:

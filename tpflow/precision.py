@@ -94,6 +94,18 @@ class Precision:
             if grad is not None:
                 param.grad = grad.to(param.dtype).clone() if param.grad is None else param.grad.add_(grad)
 
+    def shard(self) -> None:
+        """Under FSDP (``tpflow.train.sharding``): the fp16 scaler becomes torch's ShardedGradScaler, whose inf check
+        is reduced over the processes (each sees only its shard of the gradients), and ``step`` skips a step whose
+        gradient norm is not finite (every process holds the same norm: they skip together)."""
+        self.sharded = True
+        if self.scaler is not None:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(self.device_type)
+
+    sharded = False
+
     def loss_scale(self) -> float:
         """The factor ``backward`` multiplies a loss by now (the fp16 scaler's scale: one host read; 1 otherwise)."""
         return float(self.scaler.get_scale()) if self.scaler is not None else 1.0
@@ -105,6 +117,13 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if self.sharded:
+            from tpflow.train.sharding import full
+
+            norm = full(norm)  # the norm over every shard, the same on every process
+            if self.scaler is None and not bool(torch.isfinite(norm)):  # a non-finite loss reached every shard
+                optimizer.zero_grad(set_to_none=True)
+                return norm, True
         skipped = False
         if self.scaler is not None:
             taken: list[bool] = []  # the scaler calls optimizer.step only for finite gradients: a post hook sees it

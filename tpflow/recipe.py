@@ -204,9 +204,17 @@ def validate_recipe(data: dict[str, Any], where: str = "recipe", path: Path | No
         for problem in _limits(registry.get(spec.kind, spec.name).factory, spec.options, sections)
     ]
     problems += _device_names(components)
+    problems += shard_problems(sections)
     if problems:
         raise RecipeError(f"{where}: " + " ".join(problems))
     return Recipe(components=components, settings=settings, data=data, path=path)
+
+
+def shard_problems(sections: dict[str, Any]) -> list[str]:
+    """What ``[train] shard = "fsdp"`` cannot run (``tpflow.train.sharding.recipe_problems``)."""
+    from tpflow.train.sharding import recipe_problems
+
+    return recipe_problems(sections)
 
 
 def refuse_booleans(table: dict[str, Any], model: type[BaseModel], where: str) -> None:

@@ -136,6 +136,12 @@ class TrainSettings(BaseModel):
     mixed_precision: Literal["no", "fp16", "bf16"] = Field(
         "no", description="Accelerate mixed precision (paper: fp16 for SD3.5-M, bf16 for FLUX)."
     )
+    shard: Literal["none", "fsdp"] = Field(
+        "none",
+        description="'fsdp': shard the trained transformer over the processes with PyTorch's FSDP2 (fully_shard per "
+        "block; weights, gradients and AdamW moments 1/P each), for models whose training state does not fit one "
+        "GPU; 'none': every process holds it whole (docs/distributed.md).",
+    )
     reward_timeout_s: float = Field(
         600.0,
         ge=0.0,

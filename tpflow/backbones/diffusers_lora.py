@@ -78,13 +78,17 @@ def adapter_disabled(transformer: torch.nn.Module, layers: list[torch.nn.Module]
             layer.enable_adapters(True)
 
 
-def save_lora(pipeline_cls: Any, transformer: torch.nn.Module, config: Any, directory: Path) -> None:
-    """Write ``pytorch_lora_weights.safetensors`` (diffusers' LoRA format, the LoraConfig in its header)."""
+def save_lora(
+    pipeline_cls: Any, transformer: torch.nn.Module, config: Any, directory: Path, state: dict | None = None
+) -> None:
+    """Write ``pytorch_lora_weights.safetensors`` (diffusers' LoRA format, the LoraConfig in its header); from
+    ``state`` (the transformer's full state dict, e.g. gathered from shards) when given."""
     from peft import get_peft_model_state_dict
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(transformer).items()}
+    lora = get_peft_model_state_dict(transformer, state_dict=state)
+    state = {k: v.detach().contiguous().cpu() for k, v in lora.items()}
     metadata = json.loads(json.dumps(config.to_dict(), default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
     pipeline_cls.save_lora_weights(
         str(directory), transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata
@@ -171,9 +175,10 @@ class LoraAdapter:
             self._layers = lora_layers(self.transformer)
         return adapter_disabled(self.transformer, self._layers)
 
-    def save(self, directory: Path) -> None:
-        """``pytorch_lora_weights.safetensors`` that the pipeline class's ``load_lora_weights(dir)`` reads."""
-        save_lora(self.pipeline_class, self.transformer, self.config, directory)
+    def save(self, directory: Path, state: dict | None = None) -> None:
+        """``pytorch_lora_weights.safetensors`` that the pipeline class's ``load_lora_weights(dir)`` reads (from
+        ``state``, the transformer's full state dict, when given: a sharded run's)."""
+        save_lora(self.pipeline_class, self.transformer, self.config, directory, state)
 
     def load(self, directory: Path) -> None:
         """Load an adapter written by ``save`` (rank, alpha and targets must match)."""

@@ -34,14 +34,15 @@ class FullWeights:
 
     Args:
         module: the transformer, as built (its weights are the KL reference); upcast to float32 and unfrozen here.
-        save: writes ``module`` into a folder (the backbone's model format, safetensors).
+        save: writes ``module`` into a folder (the backbone's model format, safetensors), its weights from the given
+            state dict when there is one (a sharded run's, gathered).
         load_state: reads the state dict ``save`` wrote from a folder (safetensors only; never unpickles).
     """
 
     def __init__(
         self,
         module: torch.nn.Module,
-        save: Callable[[torch.nn.Module, Path], None],
+        save: Callable[[torch.nn.Module, Path, dict[str, torch.Tensor] | None], None],
         load_state: Callable[[Path], dict[str, torch.Tensor]],
     ) -> None:
         self.module = module.float().requires_grad_(True)
@@ -71,10 +72,11 @@ class FullWeights:
             else:
                 self.module.forward = own
 
-    def save(self, directory: Path) -> None:
-        """The trained transformer as a model folder (diffusers: ``config.json`` + safetensors)."""
+    def save(self, directory: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+        """The trained transformer as a model folder (diffusers: ``config.json`` + safetensors); its weights from
+        ``state`` when given (a sharded run's, gathered)."""
         Path(directory).mkdir(parents=True, exist_ok=True)
-        self._save(self.module, Path(directory))
+        self._save(self.module, Path(directory), state)
 
     def load(self, directory: Path) -> None:
         """Load weights ``save`` wrote (every key must match: another model's file is refused)."""
@@ -91,9 +93,17 @@ class FullWeights:
         self.save(directory)
 
 
-def diffusers_save(module: torch.nn.Module, directory: Path) -> None:
-    """``save_pretrained`` with safetensors: ``config.json`` and ``diffusion_pytorch_model.safetensors``."""
-    module.save_pretrained(str(directory), safe_serialization=True)
+def diffusers_save(module: torch.nn.Module, directory: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """``save_pretrained`` with safetensors: ``config.json`` and ``diffusion_pytorch_model.safetensors`` (from
+    ``state`` when given: the config, then the tensors, as ``save_pretrained`` lays them out)."""
+    if state is None:
+        module.save_pretrained(str(directory), safe_serialization=True)
+        return
+    from safetensors.torch import save_file
+
+    module.save_config(str(directory))
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    save_file(tensors, str(Path(directory) / "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
 
 
 def diffusers_state(directory: Path) -> dict[str, torch.Tensor]:

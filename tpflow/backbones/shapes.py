@@ -36,12 +36,12 @@ WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "shapes" / "weights"
 WEIGHTS_FILE = "shapes_dit.safetensors"
 
 
-def save_model(model: torch.nn.Module, directory: Path) -> None:
+def save_model(model: torch.nn.Module, directory: Path, state: dict[str, Tensor] | None = None) -> None:
     """A full fine-tune's weights: ``shapes_dit.safetensors`` with its .json config, as ``shapes pretrain`` writes
-    them (so the folder is also a ``weights`` value for a later run)."""
+    them (so the folder is also a ``weights`` value for a later run); from ``state`` when given."""
     from tpflow.shapes.model import save_checkpoint
 
-    save_checkpoint(model, Path(directory) / WEIGHTS_FILE)
+    save_checkpoint(model, Path(directory) / WEIGHTS_FILE, state=state)
 
 
 def model_state(directory: Path) -> dict[str, Tensor]:

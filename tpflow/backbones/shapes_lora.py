@@ -55,14 +55,15 @@ class ShapesLora:
             for layer in layers:
                 layer.enable_adapters(True)
 
-    def save(self, directory: Path) -> None:
-        """Write ``adapter_model.safetensors`` and ``adapter_config.json`` (peft's format, adapter name dropped)."""
+    def save(self, directory: Path, state: dict | None = None) -> None:
+        """Write ``adapter_model.safetensors`` and ``adapter_config.json`` (peft's format, adapter name dropped);
+        from ``state``, the model's full state dict (a sharded run's, gathered), when given."""
         from peft import get_peft_model_state_dict
         from safetensors.torch import save_file
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = get_peft_model_state_dict(self.model)
+        state = get_peft_model_state_dict(self.model, state_dict=state)
         save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(directory / ADAPTER_FILE))
         self.lora_config.save_pretrained(str(directory))
 

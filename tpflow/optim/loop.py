@@ -101,6 +101,13 @@ class AdamWLoop:
         )
         self._dist = Distributed(accelerator)
         self.precision = precision if precision is not None else FP32
+        from tpflow.train.sharding import is_sharded
+
+        if any(is_sharded(p) for p in self._params):  # FSDP2 (tpflow.train.sharding): lockstep, sharded states
+            self._dist.sharded = True
+            if not self.precision.sharded:
+                self.precision = Precision("no") if self.precision is FP32 else self.precision  # FP32 is shared
+                self.precision.shard()
 
     def batch_layout(self) -> BatchLayout:
         """How ``update`` batches its rows (``Optimizer.batch_layout``)."""
@@ -116,7 +123,16 @@ class AdamWLoop:
         )  # fmt: skip
 
     def state_dict(self) -> dict:
-        """AdamW moments, the step count, the fp16 scaler and the subclass's ``extra_state``."""
+        """AdamW moments, the step count, the fp16 scaler and the subclass's ``extra_state``. Sharded (FSDP2), the
+        moments and any sharded extra state are gathered into full tensors on every process (a collective): the
+        state an unsharded run writes (``tpflow.train.sharding``)."""
+        if self._dist.sharded:
+            from tpflow.train.sharding import full
+
+            return full(self._unsharded_state())
+        return self._unsharded_state()
+
+    def _unsharded_state(self) -> dict:
         return {
             "optimizer": self._optimizer.state_dict() if self._optimizer else {},
             "optimizer_name": self.registered_name,
@@ -145,12 +161,25 @@ class AdamWLoop:
                 f'or resume with [optimizer] name = "{written_by}".'
             )
         self.load_extra_state(state)  # first: it refuses another optimizer's state before anything changes
-        self._optimizer.load_state_dict(state["optimizer"])
+        self._optimizer.load_state_dict(self._sharded_like_params(state["optimizer"]))
         o = self.options
         for group in self._optimizer.param_groups:
             group.update(lr=o.learning_rate, betas=tuple(o.adam_betas), weight_decay=o.weight_decay, eps=o.adam_eps)
         self.precision.load_state_dict(state.get("scaler") or {})
         self.global_step = int(state["global_step"])
+
+    def _sharded_like_params(self, optimizer_state: dict) -> dict:
+        """Full AdamW moments (a checkpoint's) sharded as their parameters are (FSDP2); as they are otherwise."""
+        if not self._dist.sharded:
+            return optimizer_state
+        from tpflow.train.sharding import like
+
+        state = {
+            index: {key: like(value, self._params[int(index)]) if key != "step" else value
+                    for key, value in entry.items()}
+            for index, entry in optimizer_state.get("state", {}).items()
+        }  # fmt: skip
+        return {**optimizer_state, "state": state}
 
     registered_name = "this"  # the subclass's registry name, for messages only
     # True: the loop runs each loss thunk in one autocast region. False: the subclass opens its own regions, one per
@@ -171,13 +200,19 @@ class AdamWLoop:
         passes: Iterable[list[Any]],
         losses: Callable[[Any], Iterable[LossThunk]],
         on_step: Callable[[int], object] | None,
+        filler: Any = None,
     ) -> dict[str, float]:
         """Train over ``passes`` (per inner epoch, its micro-batches in order: row indices, in whatever form the
         subclass's ``losses`` takes) with the losses that ``losses(micro_batch)`` yields; ``on_step(n)`` after each
         optimizer step taken. Returns the update's metrics: row means of every ``RowLoss.sums`` entry, maxima
         (overall and, as ``first_<name>``, before the first optimizer step), ``grad_norm``, ``nonfinite_losses``,
-        ``rows_trained``, ``optimizer_steps``, ``skipped_steps``."""
+        ``rows_trained``, ``optimizer_steps``, ``skipped_steps``.
+
+        Sharded over several processes (FSDP2: every forward and backward is a collective), a step of a process
+        with fewer micro-batches than another's is padded with ``filler`` (a micro-batch of its own, trained at
+        weight 0): every process runs as many losses per step (``tpflow.train.sharding``)."""
         accumulation = self.options.gradient_accumulation_steps
+        lockstep = self._dist.sharded and self._dist.enabled
         totals = _Totals()
         steps_before, skipped, num_steps = self.global_step, 0, None
         for micro_batches in passes:
@@ -185,9 +220,16 @@ class AdamWLoop:
                 num_steps = int(self._dist.max(-(-len(micro_batches) // accumulation)))
             for step in range(num_steps):
                 rows, deferred = 0.0, []  # deferred: the step's losses through shared graphs (RowLoss.deferred)
-                for mb in micro_batches[step * accumulation : (step + 1) * accumulation]:
+                mine = micro_batches[step * accumulation : (step + 1) * accumulation]
+                padding = int(self._dist.max(len(mine))) - len(mine) if lockstep else 0
+                for mb in mine:
                     for thunk in losses(mb):
                         rows += self._backward(thunk, totals, self.global_step == steps_before, deferred)
+                for _ in range(padding):
+                    if filler is None:
+                        raise RuntimeError("a sharded step needs a filler micro-batch to pad with; none was given")
+                    for thunk in losses(filler):
+                        self._zero_backward(thunk)
                 if deferred:  # in one backward: it frees the graphs they share
                     self.precision.backward(sum(deferred))
                 taken = self._step(rows, totals)
@@ -206,10 +248,11 @@ class AdamWLoop:
             out = thunk()
         flags = torch.stack([out.rows.detach().float(), torch.isfinite(out.total.detach()).float()])
         rows, finite = flags.tolist()  # the loss's one host read
-        if rows == 0:
-            return 0.0
-        if not finite:
-            totals.nonfinite += 1
+        if rows == 0 or not finite:
+            totals.nonfinite += int(rows != 0)
+            if self._dist.sharded and out.total.requires_grad:  # lockstep: every process back-propagates every
+                # loss; a non-finite one makes the gradient norm non-finite and the step is skipped everywhere
+                self.precision.backward(out.total * 0)
             return 0.0
         if out.grads is not None:
             self.precision.add_scaled(self._params, out.grads)
@@ -219,6 +262,14 @@ class AdamWLoop:
             self.precision.backward(out.total)
         totals.add(out, rows, first)
         return rows
+
+    def _zero_backward(self, thunk: LossThunk) -> None:
+        """A padding loss of a sharded step: its forward and backward run (collectives every process must join), at
+        weight 0; nothing is counted."""
+        with self.precision.autocast() if self.autocast_each_loss else contextlib.nullcontext():
+            out = thunk()
+        if out.total.requires_grad:
+            self.precision.backward(torch.nan_to_num(out.total) * 0)
 
     def _step(self, rows: float, totals: _Totals) -> bool | None:
         """Divide the step's gradients by its rows over every process, clip, step. True: taken; False: skipped by

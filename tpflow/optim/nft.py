@@ -189,8 +189,12 @@ class NFT(AdamWLoop):
         return swapped(self._params, self.old) if self._params else contextlib.nullcontext()
 
     def extra_state(self) -> dict:
-        """The update count, the base seed and the old policy (CPU copies)."""
-        return {"updates": self.updates, "seed": self._seed, "old": [t.detach().cpu().clone() for t in self.old]}
+        """The update count, the base seed and the old policy (CPU copies; a sharded run's shards as they are, for
+        ``state_dict`` to gather)."""
+        from tpflow.train.sharding import is_sharded
+
+        old = [t.detach().clone() if is_sharded(t) else t.detach().cpu().clone() for t in self.old]
+        return {"updates": self.updates, "seed": self._seed, "old": old}
 
     def load_extra_state(self, state: dict) -> None:
         missing = [key for key in ("updates", "seed", "old") if key not in state]
@@ -206,7 +210,10 @@ class NFT(AdamWLoop):
                 f"the checkpoint's old policy has {len(old)} tensors that do not match the {len(shapes)} trained "
                 "parameters; was the LoRA rank or target list changed since it was written?"
             )
-        self.old = [t.to(device=p.device, dtype=p.dtype).clone() for t, p in zip(old, self._params, strict=True)]
+        from tpflow.train.sharding import like  # a sharded run's parameters: the old policy sharded as they are
+
+        self.old = [like(t.to(dtype=p.dtype), p).to(device=p.device).clone() for t, p in zip(old, self._params,
+                                                                                          strict=True)]  # fmt: skip
         self.updates = int(state["updates"])
         self._seed = int(state["seed"]) if self.options.seed is None else self.options.seed
 
@@ -261,7 +268,8 @@ class NFT(AdamWLoop):
                 yield functools.partial(self._row_loss, backbone, x0, x_t[j], t[j], cond, batch.guidance, r[mb],
                                         v_old, v_ref)  # fmt: skip
 
-        result = self.run(passes(), losses, on_step)
+        filler = (torch.zeros(1, dtype=torch.long, device=device), [0])  # a sharded step's padding: sample 0, weight 0
+        result = self.run(passes(), losses, on_step, filler=filler)
         decay = old_decay(self.global_step, o.old_decay_flat, o.old_decay_rate, o.old_decay_max)
         self._update_old(decay)
         self.updates += 1

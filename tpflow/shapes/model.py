@@ -258,19 +258,23 @@ def _key_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -1e4)[:, None, None]
 
 
-def save_checkpoint(model: nn.Module, path: Path, stats: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(
+    model: nn.Module, path: Path, stats: dict[str, Any] | None = None, state: dict[str, torch.Tensor] | None = None
+) -> Path:
     """Write weights to ``path`` (.safetensors) and config + stats to the ``.json`` beside it, both atomically.
 
     Any shapes-world model with a dataclass ``config`` (ShapesDiT, ShapesClip). The state dict is taken as is (pass
     the EMA model to ship EMA weights); the config also goes into the safetensors metadata so that the file alone is
-    enough to rebuild the model.
+    enough to rebuild the model. ``state``: the weights to write in place of ``model.state_dict()`` (a sharded run's,
+    gathered).
     """
     from safetensors.torch import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     config = asdict(model.config)
-    tensors = {k: v.detach().float().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = model.state_dict() if state is None else state
+    tensors = {k: v.detach().float().contiguous().cpu() for k, v in state.items()}
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"config": json.dumps(config)})
     os.replace(tmp, path)

@@ -71,8 +71,11 @@ class EMA:
             shadow.copy_(param.detach())
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The shadow values as CPU float32 tensors, keyed by ``names``."""
-        return {name: s.detach().cpu().clone() for name, s in zip(self.names, self.shadow, strict=True)}
+        """The shadow values as CPU float32 tensors, keyed by ``names`` (a sharded run's gathered into full tensors:
+        a collective, every process calls it; ``tpflow.train.sharding``)."""
+        from tpflow.train.sharding import full
+
+        return {name: full(s.detach()).cpu().clone() for name, s in zip(self.names, self.shadow, strict=True)}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
@@ -95,5 +98,7 @@ class EMA:
                     f"{list(state[name].shape)} in the checkpoint but {list(shadow.shape)} here; was the LoRA rank or "
                     "target list changed since the checkpoint was written?"
                 )
+        from tpflow.train.sharding import like
+
         for name, shadow in zip(self.names, self.shadow, strict=True):
-            shadow.copy_(state[name])
+            shadow.copy_(like(state[name].to(shadow.dtype), shadow))  # sharded as the shadow is, if it is

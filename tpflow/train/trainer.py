@@ -60,6 +60,7 @@ from tpflow.train.resume import checkpoint_to_resume, restoring, train_command
 from tpflow.train.run_lock import RunDirLock
 from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, fit_segments, truncate_after
 from tpflow.train.sampling import EpochSampler
+from tpflow.train.sharding import GatheredBackbone, equal_eval_shares, gathered_state, shard
 from tpflow.train.trackers import Trackers, tracker_dir
 from tpflow.types import PromptItem, Rollout
 
@@ -121,7 +122,9 @@ class Trainer:
         checkpoint = checkpoint_to_resume(self.run_dir, resume, self.recipe, self.console, self.dist.is_main)
         for line in self.machine.lines():  # every check passed: where each weight comes from, before any loads
             self.console.print(escape(line), style="yellow" if line.startswith("warning:") else "dim", soft_wrap=True)
-        self._build_components()
+        self._build_components(checkpoint)
+        if self.dist.sharded and recipe.eval.every:  # each process's eval forwards must match the others'
+            equal_eval_shares(len(self.test_items) * recipe.eval.images_per_prompt, self.dist.world_size)
         params = self.backbone.trainable_parameters()
         self.ema = EMA(params, train.ema_decay, train.ema_every) if train.ema else None
         self.epoch = 0  # the next epoch to run
@@ -139,13 +142,16 @@ class Trainer:
             else NullLogger()
         )
 
-    def _build_components(self) -> None:
+    def _build_components(self, checkpoint: Checkpoint | None = None) -> None:
         """The recipe's components, seeded alike on every process (the adapters start equal), the prompt splits and
-        the epoch sampler; the optimizer bound to the adapter, the processes and the precision."""
+        the epoch sampler; the optimizer bound to the adapter, the processes and the precision. Sharded
+        (``[train] shard = "fsdp"``), the transformer is sharded before anything holds its parameters."""
         recipe, train = self.recipe, self.settings
         torch.manual_seed(train.seed)
         random.seed(train.seed)
         self.backbone = recipe.build("backbone")
+        if train.shard == "fsdp" and self.dist.enabled:  # one process holds everything: nothing to shard
+            self._shard(checkpoint)
         self.sampler = recipe.build("sampler")
         reward = recipe.build("reward")
         self.credit = recipe.build("credit")
@@ -163,6 +169,16 @@ class Trainer:
         self.optimizer.bind(self.backbone, self.accelerator, self.precision)
         parts = (self.backbone, self.sampler, reward, self.optimizer, self.credit, self.precision, self.train_items)
         self.epoch_sampler = EpochSampler(*parts, train, recipe.rollout, recipe.build("plan"))
+
+    def _shard(self, checkpoint: Checkpoint | None) -> None:
+        """FSDP2 over every process (``tpflow.train.sharding``): a checkpoint's weights load whole first (its format
+        is the unsharded one), then each block is sharded; the fp16 scaler becomes the sharded one."""
+        if checkpoint is not None:
+            with restoring(checkpoint.path):
+                self.backbone.load_adapter(checkpoint.adapter_dir)
+        shard(self.backbone, resolve_device(getattr(self.recipe.backbone.options, "device", None)), None)
+        self.dist.sharded = True
+        self.precision.shard()
 
     # ---- public ------------------------------------------------------------------------------------------------
 
@@ -216,7 +232,8 @@ class Trainer:
             f"tpflow train {self.recipe.path or ''} -> {self.run_dir}",
             f"epochs {self.epoch}..{self.settings.epochs - 1}",
             f"credit {self.recipe.credit.name}",
-            f"{len(self.backbone.trainable_parameters())} trainable tensors",
+            f"{len(self.backbone.trainable_parameters())} trainable tensors"
+            + (f", FSDP-sharded over {self.dist.world_size}" if self.dist.sharded else ""),
             f"device {self.machine.device}",
         ]  # at 80 columns the line breaks between these, never inside a value
         self.console.print(escape(fit_segments(header, self.console.width)), soft_wrap=True, highlight=False)
@@ -358,13 +375,18 @@ class Trainer:
         if collective:
             self.dist.check_in_sync(self._named_trainable())
         path = None
+        backbone, states = self.backbone, None
+        if self.dist.sharded:  # gathered into full tensors by every process (collectives), written by the main one
+            backbone = GatheredBackbone(self.backbone, gathered_state(self.backbone))
+            states = self._states()
         if self.dist.is_main:
+            optimizer_state, ema_state = states or self._states()
             path = save_checkpoint(
                 self.run_dir,
                 self.optimizer.global_step,
-                backbone=self.backbone,
-                optimizer_state=self.optimizer.state_dict(),
-                ema_state=self.ema.state_dict() if self.ema is not None else None,
+                backbone=backbone,
+                optimizer_state=optimizer_state,
+                ema_state=ema_state,
                 rng_state=capture_rng_state(),
                 # last_eval: a resumed run's metrics lines repeat it until its next eval, as the uninterrupted run's
                 train_state={
@@ -383,6 +405,10 @@ class Trainer:
 
     # ---- private -----------------------------------------------------------------------------------------------
 
+    def _states(self) -> tuple[dict, dict[str, torch.Tensor] | None]:
+        """The optimizer's and the EMA's state for a checkpoint (gathered when sharded)."""
+        return self.optimizer.state_dict(), self.ema.state_dict() if self.ema is not None else None
+
     def _phase(self, description: str, total: int | None) -> None:
         self._description = description  # what an out-of-memory error names
         if self._progress is not None:
@@ -398,7 +424,8 @@ class Trainer:
             return
         path = ckpt.path
         with restoring(path):  # a checkpoint that does not fit: one paragraph; a bug keeps its traceback
-            self.backbone.load_adapter(ckpt.adapter_dir)
+            if not self.dist.sharded:  # sharded: loaded before sharding (_shard)
+                self.backbone.load_adapter(ckpt.adapter_dir)
             self.optimizer.load_state_dict(ckpt.optimizer_state)
             if self.ema is not None and ckpt.ema_state is not None:
                 self.ema.load_state_dict(ckpt.ema_state)

@@ -1,0 +1,44 @@
+"""``[train] shard = "fsdp"``: what a recipe cannot run in lockstep is refused before anything loads, and the helpers
+that move states between sharded and full tensors. The 2-process runs are in tests/test_distributed.py (one
+optimizer step against the unsharded one) and tests/test_distributed_train.py (training, resume on 2 and 1
+processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_train import tiny_recipe
+from tpflow.errors import RecipeError, UserError
+from tpflow.recipe import load_recipe
+from tpflow.train.sharding import equal_eval_shares, full, like
+
+
+@pytest.mark.parametrize(
+    ("sets", "says"),
+    [
+        (['optimizer.recompute="retain"'], 'recompute = "retain" runs the update'),
+        (['plan.name="window-per-image"'], "trains a different subset of steps"),
+        (["backbone.compile_blocks=true"], "compiling FSDP-sharded blocks"),
+    ],
+)
+def test_what_cannot_run_in_lockstep_is_refused(tmp_path, tiny_weights, sets, says):
+    path = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
+    assert load_recipe(path, ['train.shard="fsdp"']).train.shard == "fsdp"
+    with pytest.raises(RecipeError, match=says):
+        load_recipe(path, ['train.shard="fsdp"', *sets])
+
+
+def test_an_eval_that_processes_cannot_share_equally_is_refused():
+    equal_eval_shares(6, 2)
+    with pytest.raises(UserError, match="cannot share equally"):
+        equal_eval_shares(7, 2)
+
+
+def test_unsharded_values_pass_through():
+    """On one process (nothing sharded) the gathering and sharding helpers are the identity."""
+    value = {"a": [torch.ones(2), 3], "b": torch.zeros(1)}
+    assert full(value)["a"][0] is value["a"][0] and full(value)["a"][1] == 3
+    param = torch.nn.Parameter(torch.zeros(2))
+    moment = torch.ones(2)
+    assert like(moment, param) is moment

@@ -1,0 +1,177 @@
+"""``[train] shard = "fsdp"``: the trained transformer sharded with PyTorch's FSDP2 (``fully_shard`` per block).
+
+Why FSDP2 directly rather than through accelerate's FSDP plugin: tpflow's update loop owns the gradient arithmetic
+(each step's gradient is the sum over every row of every process divided by their count, docs/algorithm.md §8 D10)
+and its own autocast regions (``tpflow.precision``); the plugin would wrap the model and the optimizer and take
+both over. ``fully_shard`` changes only the module: each block's parameters become DTensors sharded on dim 0 over a
+one-dimensional device mesh of every process, all-gathered for its forward and backward and freed after, gradients
+reduce-scattered as each block's backward ends.
+
+What tpflow does around it:
+
+* **Sums, not means.** FSDP2 would average the gradients over processes; here every FSDP module reduces by sum
+  (``set_force_sum_reduction_for_comms``, divide factor 1: gloo has no pre-multiplied sum) and the loop divides by
+  the rows trained over every process, as it does unsharded (``Distributed.sync_gradients``).
+* **Lockstep.** A sharded block's forward and backward are collectives, so every process must run the same number
+  of them in the same order. The update loop pads a process's short optimizer steps with zero-weight micro-batches and
+  back-propagates every loss, a masked or non-finite one at weight 0 (``tpflow.optim.loop``); plans whose trained
+  steps differ between trajectories (trained-fraction, window-per-image) and the recompute-free modes are refused;
+  evaluation needs its images to split equally.
+* **Checkpoints in the unsharded format.** A checkpoint gathers the weights (the transformer's state dict, which
+  the main process's adapter writes as its own), the AdamW moments, the EMA and NFT's old policy into full
+  tensors: it is the checkpoint an unsharded run writes, so a run resumes on any number of processes, sharded or
+  not, and export and eval read it unchanged. On resume, the weights load before sharding and the moments are
+  sharded as they load (:func:`like`). The cost: each process holds the gathered state on the host while a
+  checkpoint is written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tpflow.errors import UserError
+
+# the lists of repeated blocks each sharded on its own: SD3 / FLUX / Qwen-Image, FLUX's single blocks, shapes-dit
+BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "text_layers")
+
+
+def recipe_problems(sections: dict[str, Any]) -> list[str]:
+    """One sentence per part of a recipe that ``shard = "fsdp"`` cannot run in lockstep (checked before anything
+    loads)."""
+    from tpflow import registry
+    from tpflow.interfaces import capability
+
+    if sections["train"].shard != "fsdp":
+        return []
+    problems = []
+    optimizer = getattr(sections.get("optimizer"), "options", None)
+    recompute = getattr(optimizer, "recompute", "native")
+    if recompute != "native":
+        problems.append(
+            f'[train] shard = "fsdp" runs every forward pass in step on every process, and [optimizer] recompute = '
+            f'"{recompute}" runs the update\'s first step inside the rollout, whose gradients FSDP would reduce while '
+            'the processes sample. Use recompute = "native" with sharding.'
+        )
+    plan = sections.get("plan")
+    if plan is not None and capability(registry.get("plan", plan.name).factory, "reweight_only"):
+        problems.append(
+            f'[train] shard = "fsdp" needs every process to run as many forward passes per update, and [plan] name = '
+            f"{plan.name!r} trains a different subset of steps per trajectory (its forward passes follow the data). "
+            "Use a window plan (window, window-schedule, branch) with sharding."
+        )
+    backbone = getattr(sections.get("backbone"), "options", None)
+    if getattr(backbone, "compile_blocks", False):
+        problems.append(
+            '[train] shard = "fsdp" with [backbone] compile_blocks = true: compiling FSDP-sharded blocks is not '
+            "supported here yet. Drop compile_blocks."
+        )
+    return problems
+
+
+def equal_eval_shares(images: int, processes: int) -> None:
+    """A UserError unless the eval's ``images`` split equally over the processes (sharded, every process must run as
+    many forward passes)."""
+    if images % processes:
+        raise UserError(
+            f'[train] shard = "fsdp": the evaluation samples {images} images (eval.num_prompts × '
+            f"eval.images_per_prompt), which {processes} processes cannot share equally, and a sharded model needs "
+            "every process to run as many forward passes. Set eval.num_prompts (or images_per_prompt) so that the "
+            f"images are a multiple of {processes}, or eval.every = 0."
+        )
+
+
+def transformer_of(backbone: Any) -> torch.nn.Module:
+    """The module a backbone trains (diffusers backbones: ``transformer``; shapes-dit: ``model``)."""
+    for name in ("transformer", "model"):
+        module = getattr(backbone, name, None)
+        if isinstance(module, torch.nn.Module):
+            return module
+    raise UserError(
+        f'[train] shard = "fsdp" shards the backbone\'s transformer, and {type(backbone).__name__} has none as '
+        "'transformer' or 'model'. Set shard = \"none\" for this backbone."
+    )
+
+
+def device_mesh(device: torch.device) -> Any:
+    """A one-dimensional mesh of every process of the running group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+
+
+def shard(backbone: Any, device: torch.device, compute_dtype: torch.dtype | None) -> int:
+    """``fully_shard`` every block of the backbone's transformer, then the transformer itself; returns the number of
+    sharded modules. ``compute_dtype`` (the recipe's mixed precision, None: float32): the dtype blocks are
+    all-gathered in; gradients are reduced in float32 whatever it is."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    module = transformer_of(backbone)
+    mesh = device_mesh(device)
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    blocks = [block for name in BLOCK_LISTS for block in getattr(module, name, None) or ()]
+    # reshard_after_forward=True for the root too (FSDP2 keeps a root's weights gathered after its forward by
+    # default): a forward without backward (the rollout, eval) would otherwise leave the root's gathered copy in
+    # place, and a weight change on the shards after it (the EMA swapped in for eval, NFT's old policy, an optimizer
+    # step) would not reach the next forward, which would run the stale copy
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+    for sharded in sharded_modules(module):
+        sharded.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied one) ...
+        sharded.set_gradient_divide_factor(1.0)  # ... undivided: the loop divides by the rows trained
+    return len(blocks) + 1
+
+
+def sharded_modules(module: torch.nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def is_sharded(tensor: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def full(value: Any) -> Any:
+    """A DTensor gathered into a plain tensor (a collective: every process calls it, in the same order); containers
+    of them converted item by item; anything else as it is."""
+    if is_sharded(value):
+        return value.full_tensor()
+    if isinstance(value, dict):
+        return {k: full(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(full(v) for v in value)
+    return value
+
+
+def like(value: Tensor, param: Tensor) -> Tensor:
+    """A full tensor shaped as ``param`` sharded as ``param`` is (every process holds the full value: no
+    communication), or ``value`` itself for an unsharded parameter."""
+    if not is_sharded(param):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    local = value.to(param.device_mesh.device_type)
+    return distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
+
+
+def gathered_state(backbone: Any) -> dict[str, Tensor]:
+    """The transformer's state dict with every shard gathered into a full tensor on the host (a collective: every
+    process calls it). FSDP2 keeps the module's names, so the adapters write it as they write their own."""
+    return {name: full(value).cpu() for name, value in transformer_of(backbone).state_dict().items()}
+
+
+class GatheredBackbone:
+    """A backbone whose ``save_adapter`` writes ``state`` (from :func:`gathered_state`) instead of its sharded
+    module: what the main process hands the checkpoint writer of a sharded run."""
+
+    def __init__(self, backbone: Any, state: dict[str, Tensor]) -> None:
+        self.backbone, self.state = backbone, state
+
+    def save_adapter(self, directory: Any) -> None:
+        self.backbone.adapter.save(directory, state=self.state)
