@@ -9,7 +9,8 @@ and VAE stay frozen) instead of a LoRA adapter. What differs from LoRA, and why:
   parameter with AdamW: weight, gradient, two moments). The backbone's inputs follow the weights (float32).
 * **The KL reference is the initial weights.** LoRA gets it for free by disabling the adapter; here a frozen copy of
   the transformer as built is kept on the CPU (host memory, 4 bytes a parameter) and moved to the model's device at
-  the first ``reference()`` (β > 0): device memory is spent only by runs that use the reference. Inside
+  the first ``reference()`` (β > 0): device memory is spent only by runs that use the reference (sharded with the
+  model under FSDP: ``shard_reference``). Inside
   ``reference()`` the live transformer's ``forward`` is the copy's, so the backbone's own ``velocity`` code runs the
   reference unchanged; the copy's parameters do not require gradients, so no autocast cast of them is cached.
 * **Saved as a model, not an adapter**: ``save`` writes the transformer in its own format (diffusers'
@@ -63,7 +64,8 @@ class FullWeights:
             self._reference.to(device)
             self._reference_on_device = True
         own = self.module.__dict__.get("forward")  # an instance-level forward someone installed, kept
-        self.module.forward = self._reference.forward
+        reference = self._reference
+        self.module.forward = lambda *args, **kwargs: reference(*args, **kwargs)  # through its hooks (FSDP's)
         try:
             yield
         finally:
@@ -71,6 +73,13 @@ class FullWeights:
                 del self.module.forward
             else:
                 self.module.forward = own
+
+    def shard_reference(self, shard: Callable[[torch.nn.Module], object], device: torch.device) -> None:
+        """Under FSDP (``tpflow.train.sharding``): the frozen copy moves to the device and is sharded as the live
+        model is (1/P of it per process), rather than held whole on the host and then on every device."""
+        self._reference.to(device)
+        shard(self._reference)
+        self._reference_on_device = True
 
     def save(self, directory: Path, state: dict[str, torch.Tensor] | None = None) -> None:
         """The trained transformer as a model folder (diffusers: ``config.json`` + safetensors); its weights from

@@ -103,14 +103,28 @@ def device_mesh(device: torch.device) -> Any:
 
 
 def shard(backbone: Any, device: torch.device, compute_dtype: torch.dtype | None) -> int:
-    """``fully_shard`` every block of the backbone's transformer, then the transformer itself; returns the number of
-    sharded modules. ``compute_dtype`` (the recipe's mixed precision, None: float32): the dtype blocks are
-    all-gathered in; gradients are reduced in float32 whatever it is."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    """``fully_shard`` every block of the backbone's transformer, then the transformer itself (a full fine-tune's
+    frozen reference copy alike); returns the number of sharded modules of the transformer. ``compute_dtype``: the
+    dtype blocks are all-gathered in (None: as stored; the trainer passes None, so that autocast computes exactly as
+    unsharded); gradients are reduced in float32 whatever it is."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     module = transformer_of(backbone)
     mesh = device_mesh(device)
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    count = _shard_module(module, mesh, policy)
+    adapter = getattr(backbone, "adapter", None)
+    if hasattr(adapter, "shard_reference"):  # a full fine-tune's frozen initial copy (the KL reference), alike
+        adapter.shard_reference(lambda reference: _shard_module(reference, mesh, policy), device)
+    for sharded in sharded_modules(module):
+        sharded.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied one) ...
+        sharded.set_gradient_divide_factor(1.0)  # ... undivided: the loop divides by the rows trained
+    return count
+
+
+def _shard_module(module: torch.nn.Module, mesh: Any, policy: Any) -> int:
+    from torch.distributed.fsdp import fully_shard
+
     blocks = [block for name in BLOCK_LISTS for block in getattr(module, name, None) or ()]
     # reshard_after_forward=True for the root too (FSDP2 keeps a root's weights gathered after its forward by
     # default): a forward without backward (the rollout, eval) would otherwise leave the root's gathered copy in
@@ -119,9 +133,6 @@ def shard(backbone: Any, device: torch.device, compute_dtype: torch.dtype | None
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
-    for sharded in sharded_modules(module):
-        sharded.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied one) ...
-        sharded.set_gradient_divide_factor(1.0)  # ... undivided: the loop divides by the rows trained
     return len(blocks) + 1
 
 
