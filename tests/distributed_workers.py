@@ -146,6 +146,7 @@ def layout_gradient(
     plan: str = "window",
     finetune: str = "lora",
     shard: bool = False,
+    mode: str = "no",
 ) -> torch.Tensor:
     """The gradient of one GRPO optimizer step over ``share`` (this process's rows of one fixed 8-row batch) cut
     into micro-batches of ``micro``, ``accumulation`` per step: the flat gradient the step is taken with.
@@ -155,7 +156,8 @@ def layout_gradient(
     back-propagates them; "reweight" (``beta`` 0): the rollouts keep per-step gradients and the step weighs them.
     ``outcome``: one advantage per trajectory (outcome credit; reweight keeps one gradient per trajectory).
     ``plan = "branch"``: the rows come from TempFlow-GRPO's branches (:func:`branch_batch`), per-step credit.
-    ``finetune = "full"``: the whole model trains; ``shard``: FSDP2 over the processes, after the rollout."""
+    ``finetune = "full"``: the whole model trains; ``shard``: FSDP2 over the processes, after the rollout; ``mode``:
+    the update's precision."""
     import tpflow
 
     torch.manual_seed(0)  # the LoRA init: the same adapter on every call and process
@@ -174,7 +176,7 @@ def layout_gradient(
         fully_shard(backbone, torch.device("cpu"), None)
     advantages = torch.randn(8, 3, generator=cpu_generator(3), dtype=torch.float64)
     advantages = (advantages[:, :1].expand(8, 3).contiguous() if outcome else advantages)[share]
-    return one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator)
+    return one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator, mode)
 
 
 def two_window_batch(backbone, sampler, retain=None):
@@ -236,12 +238,13 @@ def nft_layout_gradient(
     return one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator)
 
 
-def one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator=None) -> torch.Tensor:
-    """The flat gradient (clipping and all) of the one optimizer step ``optimizer.update`` takes over ``batch``."""
+def one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator=None, mode="no") -> torch.Tensor:
+    """The flat gradient (clipping and all) of the one optimizer step ``optimizer.update`` takes over ``batch``,
+    its forward passes under ``mode`` ("no", "bf16" autocast, "fp16" with the gradient scaler)."""
     from tpflow.precision import Precision
     from tpflow.train.sharding import full
 
-    precision = Precision("no")
+    precision = Precision(mode)
     optimizer.bind(backbone, accelerator, precision)
     seen = []
 
@@ -303,6 +306,9 @@ def sharded_layout_worker(rank: int, out: Path, weights: str, layouts: dict[str,
                                                                 shard=True)  # fmt: skip
             result[f"nft-{finetune}/{name}"] = nft_layout_gradient(weights, *layout[rank], accelerator,
                                                                    finetune=finetune, shard=True)  # fmt: skip
+    for mode in ("bf16", "fp16"):  # the update under mixed precision (fp16: the sharded gradient scaler)
+        result[f"grpo-full-{mode}"] = layout_gradient(weights, *layouts["4 + 4"][rank], accelerator, finetune="full",
+                                                      shard=True, mode=mode)  # fmt: skip
     return result
 
 

@@ -142,7 +142,8 @@ def test_an_fsdp_sharded_step_is_the_unsharded_one_whatever_the_split(tmp_path, 
     """``[train] shard = "fsdp"``: FSDP2 over 2 processes (each block's weights, gradients and moments halved), the
     gradient summed by its reduce-scatter and divided by the rows over both: one optimizer step of GRPO and of NFT,
     with a LoRA and with the whole model trained, equals the 1-process unsharded step within 1e-6 relative, however
-    the rows are split (3 + 3 | 2: the short process pads its step with a zero-weight micro-batch)."""
+    the rows are split (3 + 3 | 2: the short process pads its step with a zero-weight micro-batch); under bf16
+    autocast and fp16 with the sharded gradient scaler, the step points where the unsharded one does."""
     zero, one = spawn(sharded_layout_worker, tmp_path, str(tiny_weights), GRPO_LAYOUTS)
     worst = 0.0
     for finetune in ("lora", "full"):
@@ -159,6 +160,13 @@ def test_an_fsdp_sharded_step_is_the_unsharded_one_whatever_the_split(tmp_path, 
                 worst = max(worst, relative)
                 assert relative <= 1e-6, (key, relative)
     print(f"largest relative difference to the unsharded step: {worst:.1e}")
+    for mode in ("bf16", "fp16"):  # under mixed precision, against the unsharded step in the same precision
+        reference = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1, finetune="full", mode=mode)
+        key = f"grpo-full-{mode}"
+        assert torch.equal(zero[key], one[key]) and reference.norm() > 0
+        cosine = float(torch.nn.functional.cosine_similarity(zero[key].double(), reference.double(), dim=0))
+        print(f"{mode}: cosine to the unsharded step {cosine:.7f}")
+        assert cosine >= 0.9999, (mode, cosine)
 
 
 def test_an_nft_steps_gradient_is_the_same_on_two_processes_whatever_the_split(tmp_path, tiny_weights):
