@@ -41,6 +41,7 @@ from gpu_smoke import SD3_VAE, SD35_MEDIUM_TRANSFORMER  # noqa: E402
 GIB = 2**30
 RECIPES = (
     "geneval_tp", "ocr_tp", "pickscore_tp", "flux_pickscore_tp", "pickscore_sd35large_tp", "geneval_qwenimage_tp",
+    "geneval_flowgrpo_full", "geneval_qwenimage_flowgrpo_sharded",
 )  # fmt: skip
 
 # ---- configurations (published config.json values) -----------------------------------------------------------
@@ -278,6 +279,14 @@ def count_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def largest_block_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the largest repeated block (what FSDP2 gathers at once for its forward or backward)."""
+    from tpflow.train.sharding import BLOCK_LISTS
+
+    blocks = [b for name in BLOCK_LISTS for b in getattr(module, name, None) or ()]
+    return max((count_bytes(b) for b in blocks), default=0)
+
+
 def text_encoder_params(kind: str) -> dict[str, int]:
     """Parameter counts of the real text encoders, built on the meta device."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
@@ -447,6 +456,7 @@ class Setup:
     vae_cfg: dict
     text_len: int  # tokens of the transformer's text sequence
     figures: dict[str, float] = field(default_factory=dict)
+    sampler: str = "cps"  # the recipe's [sampler] (the training step's log-probability)
 
 
 def load_setup(path: Path) -> Setup:
@@ -461,7 +471,7 @@ def load_setup(path: Path) -> Setup:
         path.stem, kind, options, recipe.rollout, recipe.train, recipe.optimizer.options,
         {"sd3.5-large": SD35_LARGE_TRANSFORMER}.get(name, SD35_MEDIUM_TRANSFORMER) if kind == "sd3"
         else QWEN_IMAGE_TRANSFORMER if kind == "qwen" else FLUX_DEV_TRANSFORMER,
-        {"sd3": SD3_VAE, "qwen": QWEN_VAE}.get(kind, FLUX_VAE), text_len,
+        {"sd3": SD3_VAE, "qwen": QWEN_VAE}.get(kind, FLUX_VAE), text_len, sampler=recipe.sampler.name,
     )  # fmt: skip
 
 
@@ -484,10 +494,11 @@ def measure(setup: Setup, fake: bool = True) -> dict[str, Any]:
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         tracker = stack.enter_context(LiveBytes())
         backbone = build_backbone(setup.kind, setup.transformer_cfg, setup.vae_cfg, setup.backbone)
-        lora = backbone.trainable_parameters()
+        lora = backbone.trainable_parameters()  # a full fine-tune's: every transformer weight (fp32 masters)
         out["latent_numel"] = latents(backbone, 1).numel()
         out["weights_tracked"] = tracker.live
         out["transformer_bytes"] = count_bytes(backbone.transformer) - sum(p.numel() * 4 for p in lora)
+        out["largest_block_bytes"] = largest_block_bytes(backbone.transformer)
         out["vae_bytes"] = count_bytes(backbone.vae)
         out["lora_params"] = sum(p.numel() for p in lora)
         autocast = CudaAutocast(DTYPES[precision]) if precision != "no" else None
@@ -518,7 +529,7 @@ def measure(setup: Setup, fake: bool = True) -> dict[str, Any]:
         )  # fmt: skip
         for p in lora:  # steady state: grads exist from the previous micro-batch and are accumulated in place
             p.grad = torch.zeros_like(p)
-        grpo, sampler = GRPO(o), build("sampler", "cps")
+        grpo, sampler = GRPO(o), build("sampler", setup.sampler)
 
         def train_step() -> None:
             grpo._step_loss(backbone, sampler, part, torch.ones(b), 0).total.backward()
@@ -577,31 +588,60 @@ def peaks(setup: Setup, m: dict[str, Any], static: int, trajectories: int) -> tu
     return sampling, update
 
 
+def state_rows(setup: Setup, m: dict[str, Any]) -> list[tuple[str, int, str, bool]]:
+    """The trained model's weights and optimizer state: (name, bytes, note, sharded under ``shard = "fsdp"``).
+
+    LoRA: the frozen base in the recipe's dtype, the adapter, its gradient, AdamW moments and EMA in fp32. Full
+    fine-tuning: fp32 master weights, gradients, moments, EMA, and the KL reference's frozen copy when beta > 0 (in
+    fp32, on the device once used; tpflow/backbones/full_finetune.py). Sharded, each process holds 1/P of each."""
+    b, t, o = setup.backbone, setup.train, setup.optimizer
+    n = m["lora_params"]
+    if getattr(b, "finetune", "lora") == "full":
+        return [
+            (f"transformer weights, fp32 masters ({n / 1e9:.2f} B params)", n * 4, "fp32, trained", True),
+            ("transformer buffers", m["transformer_bytes"], "", False),
+            ("gradients", n * 4, "fp32", True),
+            ("AdamW states (exp_avg, exp_avg_sq)", n * 8, "fp32", True),
+            ("EMA copy of the model", n * 4 if t.ema else 0, "fp32" if t.ema else "ema off", True),
+            ("KL reference: frozen initial copy", n * 4 if getattr(o, "beta", 0) > 0 else 0,
+             "fp32" if getattr(o, "beta", 0) > 0 else "beta = 0: none", True),
+        ]  # fmt: skip
+    return [
+        (
+            "transformer weights and buffers",
+            m["transformer_bytes"],
+            f"{b.dtype}; SD3's pos_embed buffer included" if setup.kind == "sd3" else b.dtype,
+            True,
+        ),
+        (f"LoRA r={b.lora_rank} ({n / 1e6:.1f} M params)", n * 4, "fp32", True),
+        ("LoRA grads", n * 4, "fp32", True),
+        ("AdamW states (exp_avg, exp_avg_sq)", n * 8, "fp32", True),
+        ("EMA copy of the LoRA", n * 4 if t.ema else 0, "fp32" if t.ema else "ema off", True),
+    ]
+
+
+def static_bytes(setup: Setup, m: dict[str, Any], rows: list[tuple[str, int, str, bool]], world: int) -> int:
+    """What a process holds outside the activations on ``world`` processes: with ``shard = "fsdp"`` (and more than one
+    process) the sharded rows over ``world`` plus two gathered blocks (the one computing and the one prefetched)."""
+    if setup.train.shard != "fsdp" or world == 1:
+        return sum(v for _, v, _, _ in rows)
+    sharded = sum(v for _, v, _, s in rows if s)
+    return sum(v for _, v, _, s in rows if not s) + -(-sharded // world) + 2 * m["largest_block_bytes"]
+
+
 def report(setup: Setup, m: dict[str, Any], world_sizes: tuple[int, ...] = (1, 8, 32), unit: int = GIB) -> str:
     """One recipe's markdown section: the component table and the peaks per number of processes."""
     b, t = setup.backbone, setup.train
     u = {GIB: "GiB", 2**20: "MiB", 2**10: "KiB"}[unit]
     wbytes = {"fp16": 2, "bf16": 2, "fp32": 4}[b.dtype]
     on_gpu = b.text_encoders_device == "model"
-    lora = m["lora_params"]
-    rows: list[tuple[str, int, str]] = [
-        (
-            "transformer weights and buffers",
-            m["transformer_bytes"],
-            f"{b.dtype}; SD3's pos_embed buffer included" if setup.kind == "sd3" else b.dtype,
-        ),
-        ("VAE weights", m["vae_bytes"], "fp32"),
-    ]
+    trained = state_rows(setup, m)
+    rows: list[tuple[str, int, str, bool]] = [trained[0], ("VAE weights", m["vae_bytes"], "fp32", False)]
     for name, count in (text_encoder_params(setup.kind) if unit == GIB else {}).items():
         where = b.dtype if on_gpu else f"on the CPU (text_encoders_device), {count * wbytes / unit:.2f} {u} there"
-        rows.append((f"{name} weights ({count / 1e9:.2f} B params)", count * wbytes if on_gpu else 0, where))
-    rows += [
-        (f"LoRA r={b.lora_rank} ({lora / 1e6:.1f} M params)", lora * 4, "fp32"),
-        ("LoRA grads", lora * 4, "fp32"),
-        ("AdamW states (exp_avg, exp_avg_sq)", lora * 8, "fp32"),
-        ("EMA copy of the LoRA", lora * 4 if t.ema else 0, "fp32" if t.ema else "ema off"),
-    ]
-    static = sum(v for _, v, _ in rows)
+        rows.append((f"{name} weights ({count / 1e9:.2f} B params)", count * wbytes if on_gpu else 0, where, False))
+    rows += trained[1:]
+    static = static_bytes(setup, m, rows, 1)
     ckpt = b.gradient_checkpointing
     cfg = " (×2 with CFG)" if setup.kind in ("sd3", "qwen") and setup.rollout.guidance != 1 else ""
     rows_t = m["train_rows"]
@@ -634,7 +674,8 @@ def report(setup: Setup, m: dict[str, Any], world_sizes: tuple[int, ...] = (1, 8
     )
     lines = [f"## {setup.name} ({model}, {b.dtype}, {b.resolution} px, mixed_precision = {t.mixed_precision})", ""]
     lines += [f"| component | {u} | note |", "|---|---:|---|"]
-    lines += [f"| {n} | {v / unit:.2f} | {note} |" for n, v, note in rows]
+    sharded = t.shard == "fsdp"
+    lines += [f"| {n} | {v / unit:.2f} | {note}{'; sharded' if s and sharded else ''} |" for n, v, note, s in rows]
     lines += [f"| **weights and optimizer state** | **{static / unit:.2f}** | |"]
     lines += [f"| activations: {n} | {v / unit:.2f} | {note} |" for n, v, note in act]
     lines += [f"| epoch, one process: {n} | {v / unit:.2f} | {note} |" for n, v, note in kept]
@@ -645,10 +686,14 @@ def report(setup: Setup, m: dict[str, Any], world_sizes: tuple[int, ...] = (1, 8
     lines += ["|---:|---:|---:|---:|---:|"]
     for world in world_sizes:
         each = -(-total // world)
-        sampling, update = peaks(setup, m, static, each)
+        sampling, update = peaks(setup, m, static_bytes(setup, m, rows, world), each)
         lines.append(
             f"| {world} | {each} | {sampling / unit:.1f} | {update / unit:.1f} | {max(sampling, update) / unit:.1f} |"
         )
+    if sharded:
+        block = m["largest_block_bytes"] / unit
+        lines += ["", f"Sharded (FSDP2): on P > 1 processes each holds 1/P of the rows marked sharded, plus two "
+                  f"gathered blocks ({block:.2f} {u} each: the one computing and the one prefetched)."]  # fmt: skip
     lines += ["", f"Attention ops that ran: {', '.join(f'`{a}`' for a in m['attention_ops'])}.", ""]
     return "\n".join(lines)
 

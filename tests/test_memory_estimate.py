@@ -120,3 +120,22 @@ def test_report_has_the_table_the_totals_and_the_caveat(me, tiny_sd3):
     text = me.report(setup, fake, unit=2**10)
     assert "| component | KiB | note |" in text and "**peak, one process**" in text
     assert "estimated, not measured on a gpu" in me.CAVEATS.lower()
+
+
+def test_a_sharded_full_fine_tune_holds_its_share_plus_two_blocks(me):
+    """``finetune = "full"`` and ``shard = "fsdp"``: the trained state is fp32 weights, gradients, two moments, EMA
+    and (beta > 0) the reference copy, 24 bytes per parameter, each process holding 1/P of it plus two gathered
+    blocks; one process holds all of it. The fake estimate equals the real tiny model's."""
+    setup = me.tiny_setup("sd3")
+    setup.backbone = setup.backbone.model_copy(update={"finetune": "full"})
+    setup.train = setup.train.model_copy(update={"shard": "fsdp"})
+    fake, real = me.measure(setup, fake=True), me.measure(setup, fake=False)
+    assert fake["lora_params"] == real["lora_params"] > 0 and fake["largest_block_bytes"] == real["largest_block_bytes"]
+    rows = me.state_rows(setup, fake)
+    n = fake["lora_params"]
+    trained = sum(v for _, v, _, sharded in rows if sharded)
+    assert trained == n * (4 + 4 + 8 + 4 + 4)  # masters, grads, AdamW, EMA, reference (beta > 0)
+    whole = me.static_bytes(setup, fake, rows, 1)
+    assert whole == sum(v for _, v, _, _ in rows)
+    assert me.static_bytes(setup, fake, rows, 8) == whole - trained + -(-trained // 8) + 2 * fake["largest_block_bytes"]
+    assert "sharded" in me.report(setup, fake, unit=2**10)

@@ -49,7 +49,7 @@ class FullWeights:
         self.module = module.float().requires_grad_(True)
         self._save, self._load_state = save, load_state
         # the initial weights, frozen, on the host until a reference pass needs them on the device
-        self._reference = copy.deepcopy(self.module).to("cpu").requires_grad_(False).eval()
+        self._reference = _moved(copy.deepcopy(self.module).requires_grad_(False).eval(), torch.device("cpu"))
         self._reference_on_device = False
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -60,8 +60,7 @@ class FullWeights:
     def disabled(self) -> Iterator[None]:
         """The frozen initial transformer: the KL reference. The live module's ``forward`` is the copy's inside."""
         if not self._reference_on_device:
-            device = next(self.module.parameters()).device
-            self._reference.to(device)
+            _moved(self._reference, next(self.module.parameters()).device)
             self._reference_on_device = True
         own = self.module.__dict__.get("forward")  # an instance-level forward someone installed, kept
         reference = self._reference
@@ -77,7 +76,7 @@ class FullWeights:
     def shard_reference(self, shard: Callable[[torch.nn.Module], object], device: torch.device) -> None:
         """Under FSDP (``tpflow.train.sharding``): the frozen copy moves to the device and is sharded as the live
         model is (1/P of it per process), rather than held whole on the host and then on every device."""
-        self._reference.to(device)
+        _moved(self._reference, device)
         shard(self._reference)
         self._reference_on_device = True
 
@@ -100,6 +99,13 @@ class FullWeights:
     def save_merged(self, directory: Path) -> None:
         """There is no adapter to merge: the model as ``save`` writes it."""
         self.save(directory)
+
+
+def _moved(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``module`` on ``device``, moved only if some parameter is elsewhere (a move in place is a no-op otherwise)."""
+    if any(p.device != device for p in module.parameters()):
+        module.to(device)
+    return module
 
 
 def diffusers_save(module: torch.nn.Module, directory: Path, state: dict[str, torch.Tensor] | None = None) -> None:
