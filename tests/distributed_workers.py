@@ -147,6 +147,7 @@ def layout_gradient(
     finetune: str = "lora",
     shard: bool = False,
     mode: str = "no",
+    model: str = "shapes-dit",
 ) -> torch.Tensor:
     """The gradient of one GRPO optimizer step over ``share`` (this process's rows of one fixed 8-row batch) cut
     into micro-batches of ``micro``, ``accumulation`` per step: the flat gradient the step is taken with.
@@ -157,11 +158,14 @@ def layout_gradient(
     ``outcome``: one advantage per trajectory (outcome credit; reweight keeps one gradient per trajectory).
     ``plan = "branch"``: the rows come from TempFlow-GRPO's branches (:func:`branch_batch`), per-step credit.
     ``finetune = "full"``: the whole model trains; ``shard``: FSDP2 over the processes, after the rollout; ``mode``:
-    the update's precision."""
+    the update's precision; ``model``: shapes-dit from ``weights``, or "tiny-sd3" (a diffusers transformer)."""
     import tpflow
 
     torch.manual_seed(0)  # the LoRA init: the same adapter on every call and process
-    backbone = tpflow.build("backbone", "shapes-dit", weights=weights, lora_init="gaussian", finetune=finetune)
+    if model == "tiny-sd3":
+        backbone = tpflow.build("backbone", "tiny-sd3", lora_init="gaussian", resolution=8, finetune=finetune)
+    else:
+        backbone = tpflow.build("backbone", "shapes-dit", weights=weights, lora_init="gaussian", finetune=finetune)
     sampler = tpflow.build("sampler", "cps")
     optimizer = tpflow.build(
         "optimizer", "grpo", beta=beta, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
@@ -306,6 +310,9 @@ def sharded_layout_worker(rank: int, out: Path, weights: str, layouts: dict[str,
                                                                 shard=True)  # fmt: skip
             result[f"nft-{finetune}/{name}"] = nft_layout_gradient(weights, *layout[rank], accelerator,
                                                                    finetune=finetune, shard=True)  # fmt: skip
+    for finetune in ("lora", "full"):  # a diffusers transformer (SD3's blocks; its last block's context unused)
+        result[f"tiny-sd3-{finetune}"] = layout_gradient(weights, *layouts["3 + 3 | 2"][rank], accelerator,
+                                                         finetune=finetune, shard=True, model="tiny-sd3")  # fmt: skip
     for mode in ("bf16", "fp16"):  # the update under mixed precision (fp16: the sharded gradient scaler)
         result[f"grpo-full-{mode}"] = layout_gradient(weights, *layouts["4 + 4"][rank], accelerator, finetune="full",
                                                       shard=True, mode=mode)  # fmt: skip

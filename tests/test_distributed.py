@@ -141,9 +141,10 @@ def test_the_branchs_step_from_the_rollout_is_the_native_one_on_two_processes_wh
 def test_an_fsdp_sharded_step_is_the_unsharded_one_whatever_the_split(tmp_path, tiny_weights):
     """``[train] shard = "fsdp"``: FSDP2 over 2 processes (each block's weights, gradients and moments halved), the
     gradient summed by its reduce-scatter and divided by the rows over both: one optimizer step of GRPO and of NFT,
-    with a LoRA and with the whole model trained, equals the 1-process unsharded step within 1e-6 relative, however
-    the rows are split (3 + 3 | 2: the short process pads its step with a zero-weight micro-batch); under bf16
-    autocast and fp16 with the sharded gradient scaler, the step points where the unsharded one does."""
+    with a LoRA and with the whole model trained, on shapes-dit and (GRPO) tiny-sd3, equals the 1-process unsharded
+    step within 1e-6 relative, however the rows are split (3 + 3 | 2: the short process pads its step with a
+    zero-weight micro-batch); under bf16 autocast and fp16 with the sharded gradient scaler, the step points where
+    the unsharded one does."""
     zero, one = spawn(sharded_layout_worker, tmp_path, str(tiny_weights), GRPO_LAYOUTS)
     worst = 0.0
     for finetune in ("lora", "full"):
@@ -160,6 +161,13 @@ def test_an_fsdp_sharded_step_is_the_unsharded_one_whatever_the_split(tmp_path, 
                 worst = max(worst, relative)
                 assert relative <= 1e-6, (key, relative)
     print(f"largest relative difference to the unsharded step: {worst:.1e}")
+    for finetune in ("lora", "full"):  # tiny-sd3: a diffusers transformer's blocks, split 3 + 3 | 2
+        reference = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1, finetune=finetune, model="tiny-sd3")
+        key = f"tiny-sd3-{finetune}"
+        assert torch.equal(zero[key], one[key]) and reference.norm() > 0
+        relative = float((zero[key] - reference).norm() / reference.norm())
+        print(f"tiny-sd3, {finetune}: {relative:.1e}")
+        assert relative <= 1e-6, (key, relative)
     for mode in ("bf16", "fp16"):  # under mixed precision, against the unsharded step in the same precision
         reference = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1, finetune="full", mode=mode)
         key = f"grpo-full-{mode}"
