@@ -130,3 +130,23 @@ def test_a_full_fine_tune_trains_under_mixed_precision_as_in_fp32(tmp_path, tiny
         deltas[run] = flat(params) - start
     cosine = float(torch.nn.functional.cosine_similarity(deltas[mode], deltas["no"], dim=0))
     assert deltas["no"].norm() > 0 and cosine >= DELTA_COSINE[mode], cosine
+
+
+def test_an_exported_full_fine_tune_is_the_trained_model(tmp_path, tiny_weights):
+    """``tpflow export`` of a full fine-tune writes the whole model (shapes-dit: the weights file ``shapes pretrain``
+    writes): a new backbone built on it computes what the trained model computes."""
+    from tpflow.export import export
+
+    trainer = Trainer(full_recipe(tmp_path, tiny_weights, extra=["train.epochs=1", "train.ema=false"]))
+    trainer.fit()
+    summary = export(trainer.run_dir, tmp_path / "export")
+    assert not summary["ema"]
+    rebuilt = tpflow.build("backbone", "shapes-dit", weights=str(tmp_path / "export" / "shapes_dit.safetensors"))
+    base = tpflow.build("backbone", "shapes-dit", weights=str(tiny_weights))
+    z = base.initial_noise(2, torch.Generator().manual_seed(1))
+    cond, sigma = base.encode(["a red circle", "two squares"]), torch.full((2,), 0.4)
+    with torch.no_grad():
+        trained, again = (b.velocity(z, sigma, cond, 2.0) for b in (trainer.backbone, rebuilt))
+        before = base.velocity(z, sigma, cond, 2.0)
+    torch.testing.assert_close(again, trained, rtol=0, atol=1e-6)
+    assert (trained - before).abs().max() > 1e-4
