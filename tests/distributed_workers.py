@@ -121,7 +121,7 @@ def collectives_worker(rank: int, out: Path) -> dict:
 def train_worker(rank: int, out: Path, recipe: str, overrides: list[str]) -> dict:
     """Train a recipe with the Trainer on this process; return the adapter it ends with."""
     from tpflow.recipe import load_recipe
-    from tpflow.train.sharding import full
+    from tpflow.shards import full
     from tpflow.train.trainer import Trainer
 
     trainer = Trainer(load_recipe(Path(recipe), overrides))
@@ -246,7 +246,7 @@ def one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerat
     """The flat gradient (clipping and all) of the one optimizer step ``optimizer.update`` takes over ``batch``,
     its forward passes under ``mode`` ("no", "bf16" autocast, "fp16" with the gradient scaler)."""
     from tpflow.precision import Precision
-    from tpflow.train.sharding import full
+    from tpflow.shards import full
 
     precision = Precision(mode)
     optimizer.bind(backbone, accelerator, precision)

@@ -37,6 +37,10 @@ SMALL_BATCHES = ["train.rollout_batch=2", "optimizer.micro_batch_size=2"]  # 4 b
 
 
 FSDP_SETS = [*SMALL_BATCHES, 'train.shard="fsdp"', "optimizer.learning_rate=1e-4"]
+# DanceGRPO's plan: every step SDE (dance-sde), int((K - 1)·0.6) = 1 of the first 3 trained per trajectory, outcome
+DANCE_SETS = ['plan.name="trained-fraction"', "plan.fraction=0.6", "plan.exclude_last=true",
+              'sampler.name="dance-sde"', "rollout.window_size=4", "rollout.noise_level=0.3", 'credit.name="outcome"',
+              "optimizer.beta=0", "eval.every=0", "train.epochs=1"]  # fmt: skip
 
 
 def fsdp_recipe(tmp_path: Path, weights: Path) -> Path:
@@ -54,20 +58,24 @@ def recipe(tmp_path: Path, weights: Path) -> Path:
 @pytest.fixture(scope="module")
 def two_process_runs(tmp_path_factory, tiny_weights) -> dict[str, tuple[Path, list[dict]]]:
     """Two processes that train, in turn, the recipe for 2 epochs ("grpo"), its DiffusionNFT variant for 1 epoch
-    without evaluations ("nft"), and its whole model for 2 epochs FSDP-sharded ("fsdp") and replicated ("full", no
-    evaluations): for each, (its directory, what each rank returned)."""
+    without evaluations ("nft"), its whole model for 2 epochs FSDP-sharded ("fsdp") and replicated ("full", no
+    evaluations), and DanceGRPO's trained subset of steps for 1 epoch, whole model sharded ("dance") and replicated
+    ("dance-full"): for each, (its directory, what each rank returned)."""
     root = tmp_path_factory.mktemp("two-process")
-    nft, fsdp, full = root / "nft", root / "fsdp", root / "full"
-    for folder in (nft, fsdp, full):
+    nft, fsdp, full, dance, dance_full = (root / n for n in ("nft", "fsdp", "full", "dance", "dance-full"))
+    for folder in (nft, fsdp, full, dance, dance_full):
         folder.mkdir()
     runs = [
         (str(recipe(root, tiny_weights)), SMALL_BATCHES),
         (str(nft_recipe(nft, tiny_weights)), [*SMALL_BATCHES, "eval.every=0", "train.epochs=1"]),
         (str(fsdp_recipe(fsdp, tiny_weights)), FSDP_SETS),
         (str(fsdp_recipe(full, tiny_weights)), [*SMALL_BATCHES, "optimizer.learning_rate=1e-4", "eval.every=0"]),
+        (str(fsdp_recipe(dance, tiny_weights)), [*FSDP_SETS, *DANCE_SETS]),
+        (str(fsdp_recipe(dance_full, tiny_weights)), [*SMALL_BATCHES, "optimizer.learning_rate=1e-4", *DANCE_SETS]),
     ]
     zero, one = spawn(train_recipes_worker, root, runs)
-    names = [("grpo", root), ("nft", nft), ("fsdp", fsdp), ("full", full)]
+    names = [("grpo", root), ("nft", nft), ("fsdp", fsdp), ("full", full), ("dance", dance),
+             ("dance-full", dance_full)]  # fmt: skip
     return {name: (folder, [zero["runs"][i], one["runs"][i]]) for i, (name, folder) in enumerate(names)}
 
 
@@ -291,3 +299,15 @@ def test_an_fsdp_checkpoint_resumes_on_one_process(two_process_runs, tiny_weight
     trainer.fit()
     for a, b in zip(_epoch_traces(run, 1), _epoch_traces(root / "run", 1), strict=True):
         assert a["trace"] == b["trace"], "epoch 1 samples the same trajectories from the same weights on 1 process"
+
+
+def test_an_fsdp_sharded_run_of_a_trained_subset_of_steps_trains_as_a_replicated_one(two_process_runs):
+    """DanceGRPO's trained-fraction plan (packed losses: one per step each trajectory trains, as many on every
+    process) under ``shard = "fsdp"``: the 2 processes stay in step and end where the replicated run ends."""
+    root, (zero, one) = two_process_runs["dance"]
+    _, (replicated, _) = two_process_runs["dance-full"]
+    assert all(torch.equal(a, b) for a, b in zip(zero["end"], one["end"], strict=True))
+    start, end, other = (torch.cat([t.flatten() for t in w]) for w in (zero["start"], zero["end"], replicated["end"]))
+    assert (end - start).norm() > 0
+    assert float((other - end).norm() / (end - start).norm()) < 1e-2
+    assert read_jsonl(root / "run" / "metrics.jsonl")[0]["optimizer_steps"] >= 1

@@ -118,7 +118,7 @@ class Precision:
             self.scaler.unscale_(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if self.sharded:
-            from tpflow.train.sharding import full
+            from tpflow.shards import full
 
             norm = full(norm)  # the norm over every shard, the same on every process
             if self.scaler is None and not bool(torch.isfinite(norm)):  # a non-finite loss reached every shard

@@ -192,7 +192,7 @@ class GRPO(AdamWLoop):
                     self._step_loss, backbone, sampler, part, adv[device_rows, i], i, host[:, i : i + 2], weight, out
                 )
 
-        first_row = torch.zeros(1, dtype=torch.long)  # a sharded step's padding: row 0, trained at weight 0
+        first_row = torch.zeros(1, dtype=torch.long, device="cpu")  # a sharded step's padding: row 0, weight 0
         result = self.run(passes, losses, on_step, filler=(first_row.to(batch.device), first_row, False))
         for name in ("ratio_max_deviation", "first_ratio_max_deviation"):  # 0 when no row trained: on policy
             result.setdefault(name, 0.0)

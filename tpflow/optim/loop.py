@@ -101,7 +101,7 @@ class AdamWLoop:
         )
         self._dist = Distributed(accelerator)
         self.precision = precision if precision is not None else FP32
-        from tpflow.train.sharding import is_sharded
+        from tpflow.shards import is_sharded
 
         if any(is_sharded(p) for p in self._params):  # FSDP2 (tpflow.train.sharding): lockstep, sharded states
             self._dist.sharded = True
@@ -127,7 +127,7 @@ class AdamWLoop:
         moments and any sharded extra state are gathered into full tensors on every process (a collective): the
         state an unsharded run writes (``tpflow.train.sharding``)."""
         if self._dist.sharded:
-            from tpflow.train.sharding import full
+            from tpflow.shards import full
 
             return full(self._unsharded_state())
         return self._unsharded_state()
@@ -172,7 +172,7 @@ class AdamWLoop:
         """Full AdamW moments (a checkpoint's) sharded as their parameters are (FSDP2); as they are otherwise."""
         if not self._dist.sharded:
             return optimizer_state
-        from tpflow.train.sharding import like
+        from tpflow.shards import like
 
         state = {
             index: {key: like(value, self._params[int(index)]) if key != "step" else value

@@ -191,7 +191,7 @@ class NFT(AdamWLoop):
     def extra_state(self) -> dict:
         """The update count, the base seed and the old policy (CPU copies; a sharded run's shards as they are, for
         ``state_dict`` to gather)."""
-        from tpflow.train.sharding import is_sharded
+        from tpflow.shards import is_sharded
 
         old = [t.detach().clone() if is_sharded(t) else t.detach().cpu().clone() for t in self.old]
         return {"updates": self.updates, "seed": self._seed, "old": old}
@@ -210,7 +210,7 @@ class NFT(AdamWLoop):
                 f"the checkpoint's old policy has {len(old)} tensors that do not match the {len(shapes)} trained "
                 "parameters; was the LoRA rank or target list changed since it was written?"
             )
-        from tpflow.train.sharding import like  # a sharded run's parameters: the old policy sharded as they are
+        from tpflow.shards import like  # a sharded run's parameters: the old policy sharded as they are
 
         self.old = [like(t.to(dtype=p.dtype), p).to(device=p.device).clone() for t, p in zip(old, self._params,
                                                                                           strict=True)]  # fmt: skip

@@ -73,7 +73,7 @@ class EMA:
     def state_dict(self) -> dict[str, Tensor]:
         """The shadow values as CPU float32 tensors, keyed by ``names`` (a sharded run's gathered into full tensors:
         a collective, every process calls it; ``tpflow.train.sharding``)."""
-        from tpflow.train.sharding import full
+        from tpflow.shards import full
 
         return {name: full(s.detach()).cpu().clone() for name, s in zip(self.names, self.shadow, strict=True)}
 
@@ -98,7 +98,7 @@ class EMA:
                     f"{list(state[name].shape)} in the checkpoint but {list(shadow.shape)} here; was the LoRA rank or "
                     "target list changed since the checkpoint was written?"
                 )
-        from tpflow.train.sharding import like
+        from tpflow.shards import like
 
         for name, shadow in zip(self.names, self.shadow, strict=True):
             shadow.copy_(like(state[name].to(shadow.dtype), shadow))  # sharded as the shadow is, if it is

@@ -14,9 +14,10 @@ What tpflow does around it:
   the rows trained over every process, as it does unsharded (``Distributed.sync_gradients``).
 * **Lockstep.** A sharded block's forward and backward are collectives, so every process must run the same number
   of them in the same order. The update loop pads a process's short optimizer steps with zero-weight micro-batches and
-  back-propagates every loss, a masked or non-finite one at weight 0 (``tpflow.optim.loop``); plans whose trained
-  steps differ between trajectories (trained-fraction, window-per-image) and the recompute-free modes are refused;
-  evaluation needs its images to split equally.
+  back-propagates every loss, a masked or non-finite one at weight 0 (``tpflow.optim.loop``). A micro-batch's
+  losses are as many on every process: one per window step, or, for the plans that train a subset of steps
+  (trained-fraction, window-per-image), one per step each trajectory trains, the same number for every trajectory.
+  The recompute-free modes are refused; evaluation needs its images to split equally.
 * **Checkpoints in the unsharded format.** A checkpoint gathers the weights (the transformer's state dict, which
   the main process's adapter writes as its own), the AdamW moments, the EMA and NFT's old policy into full
   tensors: it is the checkpoint an unsharded run writes, so a run resumes on any number of processes, sharded or
@@ -33,6 +34,7 @@ import torch
 from torch import Tensor
 
 from tpflow.errors import UserError
+from tpflow.shards import full, is_sharded, like  # noqa: F401 (re-exported: the trainer's names)
 
 # the lists of repeated blocks each sharded on its own: SD3 / FLUX / Qwen-Image, FLUX's single blocks, shapes-dit
 BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "text_layers")
@@ -41,9 +43,6 @@ BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "tex
 def recipe_problems(sections: dict[str, Any]) -> list[str]:
     """One sentence per part of a recipe that ``shard = "fsdp"`` cannot run in lockstep (checked before anything
     loads)."""
-    from tpflow import registry
-    from tpflow.interfaces import capability
-
     if sections["train"].shard != "fsdp":
         return []
     problems = []
@@ -54,13 +53,6 @@ def recipe_problems(sections: dict[str, Any]) -> list[str]:
             f'[train] shard = "fsdp" runs every forward pass in step on every process, and [optimizer] recompute = '
             f'"{recompute}" runs the update\'s first step inside the rollout, whose gradients FSDP would reduce while '
             'the processes sample. Use recompute = "native" with sharding.'
-        )
-    plan = sections.get("plan")
-    if plan is not None and capability(registry.get("plan", plan.name).factory, "reweight_only"):
-        problems.append(
-            f'[train] shard = "fsdp" needs every process to run as many forward passes per update, and [plan] name = '
-            f"{plan.name!r} trains a different subset of steps per trajectory (its forward passes follow the data). "
-            "Use a window plan (window, window-schedule, branch) with sharding."
         )
     backbone = getattr(sections.get("backbone"), "options", None)
     if getattr(backbone, "compile_blocks", False):
@@ -140,35 +132,6 @@ def sharded_modules(module: torch.nn.Module) -> list[Any]:
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
-
-
-def is_sharded(tensor: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
-def full(value: Any) -> Any:
-    """A DTensor gathered into a plain tensor (a collective: every process calls it, in the same order); containers
-    of them converted item by item; anything else as it is."""
-    if is_sharded(value):
-        return value.full_tensor()
-    if isinstance(value, dict):
-        return {k: full(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(full(v) for v in value)
-    return value
-
-
-def like(value: Tensor, param: Tensor) -> Tensor:
-    """A full tensor shaped as ``param`` sharded as ``param`` is (every process holds the full value: no
-    communication), or ``value`` itself for an unsharded parameter."""
-    if not is_sharded(param):
-        return value
-    from torch.distributed.tensor import distribute_tensor
-
-    local = value.to(param.device_mesh.device_type)
-    return distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
 
 
 def gathered_state(backbone: Any) -> dict[str, Tensor]:
