@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -271,15 +273,29 @@ def test_an_fsdp_sharded_run_trains_the_whole_model_as_a_replicated_one_does(two
     assert [m["epoch"] for m in read_jsonl(root / "run" / "metrics.jsonl")] == [0, 1, 2]
 
 
-def test_an_fsdp_run_resumes_identically_on_two_processes(two_process_runs, tmp_path, capfd, monkeypatch):
-    """Killed after epoch 0's checkpoint (its gathered, unsharded state), resumed on 2 processes: sharded again, it
-    ends bitwise where the uninterrupted run did, with the same metrics."""
+def test_an_fsdp_run_killed_with_sigkill_resumes_identically_on_two_processes(two_process_runs, tmp_path, capfd,
+                                                                             monkeypatch):  # fmt: skip
+    """A sharded 2-process launch killed with SIGKILL (the launcher and both processes, no clean-up) once its first
+    checkpoint (the gathered, unsharded state) is in place, resumed on 2 processes: sharded again, it ends bitwise
+    where the uninterrupted run did, with the same metrics."""
     root, _ = two_process_runs["fsdp"]
     run = tmp_path / "run"
-    shutil.copytree(root / "run", run)
-    shutil.rmtree(find_checkpoint(run)[0])
-    command = ["train", str(root / "tiny.toml"), "--run-dir", str(run), "--resume", "--num-processes", "2"]
-    out = tpflow_launching(capfd, monkeypatch, *command, *(a for o in FSDP_SETS for a in ("--set", o)))
+    sets = [a for o in FSDP_SETS for a in ("--set", o)]
+    command = ["train", str(root / "tiny.toml"), "--run-dir", str(run), "--num-processes", "2", *sets]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), *sys.path])}  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "tpflow.cli", *command], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env, start_new_session=True)  # fmt: skip
+    checkpoints, deadline = run / "checkpoints", time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if checkpoints.is_dir() and any(not p.name.startswith(".") for p in checkpoints.iterdir()):
+            break  # installed by an atomic rename: complete once visible
+        time.sleep(0.02)
+    alive = proc.poll() is None
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its processes: no clean-up of any kind
+    proc.wait(timeout=60)
+    assert alive, "the run ended before it could be killed"
+    out = tpflow_launching(capfd, monkeypatch, *command, "--resume")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from" in out.stdout and "FSDP-sharded over 2" in out.stdout
     straight, resumed = _final_adapter(root / "run"), _final_adapter(run)
