@@ -42,3 +42,16 @@ def test_unsharded_values_pass_through():
     param = torch.nn.Parameter(torch.zeros(2))
     moment = torch.ones(2)
     assert like(moment, param) is moment
+
+
+def test_validate_says_how_a_sharded_recipe_splits_and_refuses_an_unequal_eval(tmp_path, tiny_weights):
+    """``tpflow validate --num-processes N`` of a sharded recipe: what each process holds, and an evaluation the
+    processes cannot share equally refused there, before any launch."""
+    from tpflow.preflight import layout_report
+
+    path = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
+    sets = ['train.shard="fsdp"', "train.rollout_batch=2", "optimizer.micro_batch_size=2"]
+    report = layout_report(load_recipe(path, [*sets, "eval.num_prompts=4"]), 2)
+    assert "sharding: FSDP2 over 2 processes" in report
+    with pytest.raises(UserError, match="cannot share equally"):
+        layout_report(load_recipe(path, [*sets, "eval.num_prompts=3"]), 2)

@@ -244,4 +244,15 @@ def layout_report(recipe: Any, processes: int) -> str:
     layout_of = getattr(registry.get("optimizer", recipe.optimizer.name).factory, "layout_of", None)
     layout = layout_of(recipe.optimizer.options) if callable(layout_of) else None
     plan = plan_epoch(train.prompts_per_epoch, train, 0)  # the layout depends on the sizes only, not the prompts
-    return f"layout: {layout_line(plan, layout, processes)}"
+    lines = [f"layout: {layout_line(plan, layout, processes)}"]
+    if train.shard == "fsdp":
+        from tpflow.train.sharding import equal_eval_shares
+
+        if recipe.eval.every and recipe.eval.num_prompts:  # else the test split's size decides, at the start
+            equal_eval_shares(recipe.eval.num_prompts * recipe.eval.images_per_prompt, processes)
+        lines.append(
+            f"sharding: FSDP2 over {processes} processes, each holding 1/{processes} of the trained transformer's "
+            "weights, gradients and AdamW moments plus the blocks it gathers (estimates per recipe: "
+            "docs/distributed.md, 'Memory per GPU')"
+        )
+    return "\n".join(lines)
