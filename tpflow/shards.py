@@ -29,6 +29,23 @@ def full(value: Any) -> Any:
     return value
 
 
+def gathered_to_host(value: Any) -> Any:
+    """For a checkpoint: each DTensor gathered into a full tensor and moved to the host at once (the device holds one
+    gathered tensor at a time), kept by the main process only (``None`` on the others, which only take part in the
+    collectives: the whole state lives in one host's memory, not in every process's); containers item by item in
+    the same order on every process; anything else as it is."""
+    import torch.distributed as dist
+
+    if is_sharded(value):
+        whole = value.full_tensor().cpu()
+        return whole if dist.get_rank() == 0 else None
+    if isinstance(value, dict):
+        return {k: gathered_to_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(gathered_to_host(v) for v in value)
+    return value
+
+
 def like(value: Tensor, param: Tensor) -> Tensor:
     """A full tensor shaped as ``param`` sharded as ``param`` is (every process holds the full value: no
     communication), or ``value`` itself for an unsharded parameter."""

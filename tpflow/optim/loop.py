@@ -124,12 +124,13 @@ class AdamWLoop:
 
     def state_dict(self) -> dict:
         """AdamW moments, the step count, the fp16 scaler and the subclass's ``extra_state``. Sharded (FSDP2), the
-        moments and any sharded extra state are gathered into full tensors on every process (a collective): the
-        state an unsharded run writes (``tpflow.train.sharding``)."""
-        if self._dist.sharded:
-            from tpflow.shards import full
+        moments and any sharded extra state are gathered into full tensors on the main process's host (a collective
+        every process joins; the others get ``None`` in their place): the state an unsharded run writes
+        (``tpflow.train.sharding``)."""
+        if self._dist.sharded:  # gathered to the main process's host memory, one tensor at a time
+            from tpflow.shards import gathered_to_host
 
-            return full(self._unsharded_state())
+            return gathered_to_host(self._unsharded_state())
         return self._unsharded_state()
 
     def _unsharded_state(self) -> dict:

@@ -71,11 +71,12 @@ class EMA:
             shadow.copy_(param.detach())
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The shadow values as CPU float32 tensors, keyed by ``names`` (a sharded run's gathered into full tensors:
-        a collective, every process calls it; ``tpflow.train.sharding``)."""
-        from tpflow.shards import full
+        """The shadow values as CPU float32 tensors, keyed by ``names`` (a sharded run's gathered into full tensors on
+        the main process, ``None`` on the others: a collective, every process calls it; ``tpflow.train.sharding``)."""
+        from tpflow.shards import gathered_to_host, is_sharded
 
-        return {name: full(s.detach()).cpu().clone() for name, s in zip(self.names, self.shadow, strict=True)}
+        return {name: gathered_to_host(s.detach()) if is_sharded(s) else s.detach().cpu().clone()
+                for name, s in zip(self.names, self.shadow, strict=True)}  # fmt: skip
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
