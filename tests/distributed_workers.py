@@ -16,15 +16,16 @@ import torch.distributed
 import torch.multiprocessing
 
 
-def spawn(worker: Callable, out: Path, *args, world_size: int = 2) -> list[dict]:
-    """Run ``worker(rank, out, *args)`` in ``world_size`` fresh processes joined in one gloo group; return the
-    dicts they saved, in rank order."""
+def spawn(worker: Callable, out: Path, *args, world_size: int = 2, backend: str = "gloo") -> list[dict]:
+    """Run ``worker(rank, out, *args)`` in ``world_size`` fresh processes joined in one group (gloo; "nccl": on the
+    GPUs, process r on GPU r); return the dicts they saved, in rank order."""
     port = free_port()
-    torch.multiprocessing.spawn(_enter, args=(world_size, port, worker, out, args), nprocs=world_size, join=True)
+    context = (world_size, port, worker, out, args, backend)
+    torch.multiprocessing.spawn(_enter, args=context, nprocs=world_size, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
 
 
-def _enter(rank: int, world_size: int, port: int, worker: Callable, out: Path, args: tuple) -> None:
+def _enter(rank: int, world_size: int, port: int, worker: Callable, out: Path, args: tuple, backend: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -36,7 +37,9 @@ def _enter(rank: int, world_size: int, port: int, worker: Callable, out: Path, a
     )
     torch.set_num_threads(1)
     # A short timeout: a worker that fails before a collective must not leave its peer waiting for 30 minutes.
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    torch.distributed.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     try:
         result = worker(rank, out, *args)
         torch.save(result, out / f"rank{rank}.pt")
@@ -148,6 +151,7 @@ def layout_gradient(
     shard: bool = False,
     mode: str = "no",
     model: str = "shapes-dit",
+    device: str = "cpu",
 ) -> torch.Tensor:
     """The gradient of one GRPO optimizer step over ``share`` (this process's rows of one fixed 8-row batch) cut
     into micro-batches of ``micro``, ``accumulation`` per step: the flat gradient the step is taken with.
@@ -158,14 +162,17 @@ def layout_gradient(
     ``outcome``: one advantage per trajectory (outcome credit; reweight keeps one gradient per trajectory).
     ``plan = "branch"``: the rows come from TempFlow-GRPO's branches (:func:`branch_batch`), per-step credit.
     ``finetune = "full"``: the whole model trains; ``shard``: FSDP2 over the processes, after the rollout; ``mode``:
-    the update's precision; ``model``: shapes-dit from ``weights``, or "tiny-sd3" (a diffusers transformer)."""
+    the update's precision; ``model``: shapes-dit from ``weights``, or "tiny-sd3" (a diffusers transformer), on
+    ``device``."""
     import tpflow
 
     torch.manual_seed(0)  # the LoRA init: the same adapter on every call and process
     if model == "tiny-sd3":
-        backbone = tpflow.build("backbone", "tiny-sd3", lora_init="gaussian", resolution=8, finetune=finetune)
+        backbone = tpflow.build("backbone", "tiny-sd3", lora_init="gaussian", resolution=8, finetune=finetune,
+                                device=device)  # fmt: skip
     else:
-        backbone = tpflow.build("backbone", "shapes-dit", weights=weights, lora_init="gaussian", finetune=finetune)
+        backbone = tpflow.build("backbone", "shapes-dit", weights=weights, lora_init="gaussian", finetune=finetune,
+                                device=device)  # fmt: skip
     sampler = tpflow.build("sampler", "cps")
     optimizer = tpflow.build(
         "optimizer", "grpo", beta=beta, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
@@ -177,7 +184,7 @@ def layout_gradient(
     if shard:
         from tpflow.train.sharding import shard as fully_shard
 
-        fully_shard(backbone, torch.device("cpu"), None)
+        fully_shard(backbone, torch.device(device), None)
     advantages = torch.randn(8, 3, generator=cpu_generator(3), dtype=torch.float64)
     advantages = (advantages[:, :1].expand(8, 3).contiguous() if outcome else advantages)[share]
     return one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator, mode)
@@ -253,8 +260,9 @@ def one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerat
     seen = []
 
     def recorded(opt, params, max_norm):  # a sharded gradient gathered whole (every process calls this)
-        seen.append(torch.cat([full(p.grad).reshape(-1) if p.grad is not None else torch.zeros(p.numel())
-                               for p in params]))  # fmt: skip
+        grads = [full(p.grad).reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
+                 for p in params]  # fmt: skip
+        seen.append(torch.cat(grads))
         return Precision.step(precision, opt, params, max_norm)
 
     precision.step = recorded
@@ -317,6 +325,14 @@ def sharded_layout_worker(rank: int, out: Path, weights: str, layouts: dict[str,
         result[f"grpo-full-{mode}"] = layout_gradient(weights, *layouts["4 + 4"][rank], accelerator, finetune="full",
                                                       shard=True, mode=mode)  # fmt: skip
     return result
+
+
+def gpu_sharded_worker(rank: int, out: Path, device: str) -> dict:
+    """One process on ``device``: tiny-sd3's whole model, one GRPO step sharded by FSDP2 (a group of one) and
+    unsharded, in fp32 and under bf16 autocast."""
+    return {f"{mode}/{shard}": layout_gradient("", list(range(8)), 4, 2, finetune="full", shard=shard, mode=mode,
+                                               model="tiny-sd3", device=device).cpu()
+            for mode in ("no", "bf16") for shard in (False, True)}  # fmt: skip
 
 
 def minimal_optimizer_worker(rank: int, out: Path, recipe: str, overrides: list[str]) -> dict:
