@@ -271,6 +271,9 @@ def one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerat
     return seen[0]
 
 
+EIGHT = list(range(8))
+
+
 def cpu_generator(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed)
 
@@ -321,10 +324,36 @@ def sharded_layout_worker(rank: int, out: Path, weights: str, layouts: dict[str,
     for finetune in ("lora", "full"):  # a diffusers transformer (SD3's blocks; its last block's context unused)
         result[f"tiny-sd3-{finetune}"] = layout_gradient(weights, *layouts["3 + 3 | 2"][rank], accelerator,
                                                          finetune=finetune, shard=True, model="tiny-sd3")  # fmt: skip
+    result["clipped"] = clipped_step(weights, EIGHT[:4] if rank == 0 else EIGHT[4:], accelerator, shard=True)
     for mode in ("bf16", "fp16"):  # the update under mixed precision (fp16: the sharded gradient scaler)
         result[f"grpo-full-{mode}"] = layout_gradient(weights, *layouts["4 + 4"][rank], accelerator, finetune="full",
                                                       shard=True, mode=mode)  # fmt: skip
     return result
+
+
+def clipped_step(weights: str, share: list[int], accelerator=None, shard: bool = False, accumulation: int = 1) -> dict:
+    """One GRPO optimizer step of shapes-dit's whole model over ``share`` (micro-batches of 4, ``accumulation`` per
+    step) with the gradient clipped (max_grad_norm 1e-3, far below its norm): the pre-clip norm the step reports and
+    the weights after the step (gathered whole)."""
+    import tpflow
+    from tpflow.precision import Precision
+    from tpflow.shards import full
+
+    torch.manual_seed(0)
+    backbone = tpflow.build("backbone", "shapes-dit", weights=weights, finetune="full")
+    sampler = tpflow.build("sampler", "cps")
+    batch = two_window_batch(backbone, sampler).index(torch.tensor(share))
+    if shard:
+        from tpflow.train.sharding import shard as fully_shard
+
+        fully_shard(backbone, torch.device("cpu"), None)
+    optimizer = tpflow.build("optimizer", "grpo", beta=0.0, micro_batch_size=4, max_grad_norm=1e-3,
+                             gradient_accumulation_steps=accumulation, learning_rate=1e-3)  # fmt: skip
+    optimizer.bind(backbone, accelerator, Precision("no"))
+    advantages = torch.randn(8, 3, generator=cpu_generator(3), dtype=torch.float64)[share]
+    metrics = optimizer.update(backbone, sampler, batch, advantages)
+    weights_after = torch.cat([full(p.detach()).reshape(-1) for p in backbone.trainable_parameters()])
+    return {"grad_norm": metrics["grad_norm"], "weights": weights_after}
 
 
 def gpu_sharded_worker(rank: int, out: Path, device: str) -> dict:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.distributed_workers import (
+    clipped_step,
     collectives_worker,
     group_stats_worker,
     layout_gradient,
@@ -168,6 +169,12 @@ def test_an_fsdp_sharded_step_is_the_unsharded_one_whatever_the_split(tmp_path, 
         relative = float((zero[key] - reference).norm() / reference.norm())
         print(f"tiny-sd3, {finetune}: {relative:.1e}")
         assert relative <= 1e-6, (key, relative)
+    # a clipped step: the norm is the whole gradient's (over both shards), the step the unsharded clipped one
+    unsharded = clipped_step(str(tiny_weights), EVERYTHING, accumulation=2)  # the 8 rows in one step, as sharded
+    assert zero["clipped"]["grad_norm"] > 1e-3 * 10
+    assert abs(zero["clipped"]["grad_norm"] / unsharded["grad_norm"] - 1) < 1e-6
+    torch.testing.assert_close(zero["clipped"]["weights"], unsharded["weights"], rtol=0, atol=1e-7)
+    assert torch.equal(zero["clipped"]["weights"], one["clipped"]["weights"])
     for mode in ("bf16", "fp16"):  # under mixed precision, against the unsharded step in the same precision
         reference = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1, finetune="full", mode=mode)
         key = f"grpo-full-{mode}"
