@@ -150,3 +150,17 @@ def test_an_exported_full_fine_tune_is_the_trained_model(tmp_path, tiny_weights)
         before = base.velocity(z, sigma, cond, 2.0)
     torch.testing.assert_close(again, trained, rtol=0, atol=1e-6)
     assert (trained - before).abs().max() > 1e-4
+
+
+def test_a_run_without_a_kl_keeps_no_initial_copy(tmp_path, tiny_weights):
+    """beta = 0 (GRPO) or kl_weight = 0 (NFT): the frozen initial weights a full fine-tune would keep for the KL
+    reference are released as the trainer starts; with a KL they are kept."""
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    without = Trainer(full_recipe(tmp_path / "a", tiny_weights, extra=["optimizer.beta=0"]))
+    assert without.backbone.adapter._reference is None
+    with pytest.raises(RuntimeError, match="was dropped"), without.backbone.reference():
+        pass
+    assert Trainer(full_recipe(tmp_path / "b", tiny_weights)).backbone.adapter._reference is not None
+    nft = Trainer(full_recipe(tmp_path / "c", tiny_weights, "nft", extra=["optimizer.kl_weight=0"]))
+    assert nft.backbone.adapter._reference is None

@@ -59,6 +59,8 @@ class FullWeights:
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:
         """The frozen initial transformer: the KL reference. The live module's ``forward`` is the copy's inside."""
+        if self._reference is None:
+            raise RuntimeError("the KL reference of this full fine-tune was dropped (its optimizer said it uses none)")
         if not self._reference_on_device:
             _moved(self._reference, next(self.module.parameters()).device)
             self._reference_on_device = True
@@ -73,12 +75,17 @@ class FullWeights:
             else:
                 self.module.forward = own
 
+    def drop_reference(self) -> None:
+        """Release the frozen copy: the run's optimizer never calls ``reference()`` (beta = 0)."""
+        self._reference = None
+
     def shard_reference(self, shard: Callable[[torch.nn.Module], object], device: torch.device) -> None:
         """Under FSDP (``tpflow.train.sharding``): the frozen copy moves to the device and is sharded as the live
         model is (1/P of it per process), rather than held whole on the host and then on every device."""
-        _moved(self._reference, device)
-        shard(self._reference)
-        self._reference_on_device = True
+        if self._reference is not None:
+            _moved(self._reference, device)
+            shard(self._reference)
+            self._reference_on_device = True
 
     def save(self, directory: Path, state: dict[str, torch.Tensor] | None = None) -> None:
         """The trained transformer as a model folder (diffusers: ``config.json`` + safetensors); its weights from

@@ -87,6 +87,11 @@ class GRPO(AdamWLoop):
         self.options = options if options is not None else GRPOOptions()
 
     @staticmethod
+    def uses_reference(options: GRPOOptions) -> bool:
+        """The KL reference pass runs only with beta > 0."""
+        return options.beta > 0
+
+    @staticmethod
     def check_recipe(options: GRPOOptions, settings: dict) -> list[str]:
         """The recipe's limits for GRPO, checked by ``tpflow validate`` before anything loads: a group of one image
         per prompt has advantage (r - mean) / std = 0 at every step, and a window sampled with noise level 0 is the

@@ -114,6 +114,12 @@ class AdamWLoop:
         return self.layout_of(self.options)
 
     @staticmethod
+    def uses_reference(options: Any) -> bool:
+        """Whether an update with these options calls ``Backbone.reference()`` (a KL to the frozen model): a full
+        fine-tune keeps its initial weights for it only then. A subclass without a KL says False."""
+        return True
+
+    @staticmethod
     def layout_of(options: Any) -> BatchLayout:
         """``batch_layout`` from the options alone, before any model exists (``tpflow validate --num-processes``)."""
         o = options

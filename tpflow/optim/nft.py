@@ -157,6 +157,11 @@ class NFT(AdamWLoop):
         self._seed: int | None = self.options.seed
 
     @staticmethod
+    def uses_reference(options: NFTOptions) -> bool:
+        """The KL reference pass runs only with kl_weight > 0."""
+        return options.kl_weight > 0
+
+    @staticmethod
     def check_recipe(options: NFTOptions, settings: dict) -> list[str]:
         """NFT trains on one reward per final image: a credit assigner that spreads rewards over window steps has
         no steps to credit here, so only ``outcome`` is accepted."""

@@ -32,6 +32,7 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
+from tpflow import registry
 from tpflow.devices import resolve_device
 from tpflow.distributed import Distributed, make_accelerator
 from tpflow.errors import UserError
@@ -150,6 +151,10 @@ class Trainer:
         torch.manual_seed(train.seed)
         random.seed(train.seed)
         self.backbone = recipe.build("backbone")
+        factory = registry.get("optimizer", recipe.optimizer.name).factory
+        drop = getattr(getattr(self.backbone, "adapter", None), "drop_reference", None)
+        if callable(drop) and not getattr(factory, "uses_reference", lambda _: True)(recipe.optimizer.options):
+            drop()  # a full fine-tune's initial copy, for a KL this run does not take
         if train.shard == "fsdp" and self.dist.enabled:  # one process holds everything: nothing to shard
             self._shard(checkpoint)
         self.sampler = recipe.build("sampler")
