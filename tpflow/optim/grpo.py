@@ -86,10 +86,9 @@ class GRPO(AdamWLoop):
         super().__init__()
         self.options = options if options is not None else GRPOOptions()
 
-    @staticmethod
-    def uses_reference(options: GRPOOptions) -> bool:
+    def uses_reference(self) -> bool:
         """The KL reference pass runs only with beta > 0."""
-        return options.beta > 0
+        return self.options.beta > 0
 
     @staticmethod
     def check_recipe(options: GRPOOptions, settings: dict) -> list[str]:

@@ -113,10 +113,9 @@ class AdamWLoop:
         """How ``update`` batches its rows (``Optimizer.batch_layout``)."""
         return self.layout_of(self.options)
 
-    @staticmethod
-    def uses_reference(options: Any) -> bool:
-        """Whether an update with these options calls ``Backbone.reference()`` (a KL to the frozen model): a full
-        fine-tune keeps its initial weights for it only then. A subclass without a KL says False."""
+    def uses_reference(self) -> bool:
+        """Whether an update calls ``Backbone.reference()`` (a KL to the frozen model): a full fine-tune keeps its
+        initial weights for it only then. A subclass whose options turn its KL off says False."""
         return True
 
     @staticmethod

@@ -156,10 +156,9 @@ class NFT(AdamWLoop):
         self.old: list[Tensor] = []  # the old policy's adapter values, in trainable_parameters() order
         self._seed: int | None = self.options.seed
 
-    @staticmethod
-    def uses_reference(options: NFTOptions) -> bool:
+    def uses_reference(self) -> bool:
         """The KL reference pass runs only with kl_weight > 0."""
-        return options.kl_weight > 0
+        return self.options.kl_weight > 0
 
     @staticmethod
     def check_recipe(options: NFTOptions, settings: dict) -> list[str]:

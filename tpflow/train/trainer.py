@@ -32,7 +32,6 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
-from tpflow import registry
 from tpflow.devices import resolve_device
 from tpflow.distributed import Distributed, make_accelerator
 from tpflow.errors import UserError
@@ -151,16 +150,16 @@ class Trainer:
         torch.manual_seed(train.seed)
         random.seed(train.seed)
         self.backbone = recipe.build("backbone")
-        factory = registry.get("optimizer", recipe.optimizer.name).factory
-        drop = getattr(getattr(self.backbone, "adapter", None), "drop_reference", None)
-        if callable(drop) and not getattr(factory, "uses_reference", lambda _: True)(recipe.optimizer.options):
-            drop()  # a full fine-tune's initial copy, for a KL this run does not take
-        if train.shard == "fsdp" and self.dist.enabled:  # one process holds everything: nothing to shard
-            self._shard(checkpoint)
         self.sampler = recipe.build("sampler")
         reward = recipe.build("reward")
         self.credit = recipe.build("credit")
         self.optimizer = recipe.build("optimizer")
+        uses_reference = getattr(self.optimizer, "uses_reference", None)  # an optimizer without it: assume it does
+        drop = getattr(getattr(self.backbone, "adapter", None), "drop_reference", None)
+        if callable(drop) and callable(uses_reference) and not uses_reference():
+            drop()  # a full fine-tune's initial copy, for a KL this run does not take
+        if train.shard == "fsdp" and self.dist.enabled:  # one process holds everything: nothing to shard
+            self._shard(checkpoint)  # before anything (the optimizer's bind, the EMA) holds the parameters
         dataset = recipe.build("dataset")
         self.train_items: list[PromptItem] = list(dataset.split("train"))
         self.eval_split = eval_split(dataset)  # "train" for a dataset without a test split: said, and in the metrics
