@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,17 +42,11 @@ class ShapesLora:
         """The LoRA matrices (lora_A, lora_B of every targeted layer)."""
         return [p for name, p in self.model.named_parameters() if "lora_" in name]
 
-    @contextlib.contextmanager
-    def disabled(self) -> Iterator[None]:
+    def disabled(self) -> contextlib.AbstractContextManager[None]:
         """The frozen base model: adapters disabled on every peft layer, re-enabled on exit."""
-        layers = self.layers()
-        for layer in layers:
-            layer.enable_adapters(False)
-        try:
-            yield
-        finally:
-            for layer in layers:
-                layer.enable_adapters(True)
+        from tpflow.backbones.diffusers_lora import adapter_disabled
+
+        return adapter_disabled(self.model, self.layers())
 
     def save(self, directory: Path, state: dict | None = None) -> None:
         """Write ``adapter_model.safetensors`` and ``adapter_config.json`` (peft's format, adapter name dropped);
