@@ -74,15 +74,20 @@ def grpo_layout_gradients(tmp_path_factory, tiny_weights) -> list[dict]:
     return spawn(layout_worker, out, str(tiny_weights), GRPO_LAYOUTS, "+".join(modes))
 
 
+def _every_layout_steps_with(zero: dict, one: dict, mode: str, reference: torch.Tensor) -> None:
+    """For each of ``GRPO_LAYOUTS``, both ranks' gradient of ``mode`` is one tensor, ``reference`` up to rounding."""
+    for name in GRPO_LAYOUTS:
+        key = f"{mode}/{name}"
+        assert torch.equal(zero[key], one[key]), f"{key}: every process steps with the same gradient"
+        torch.testing.assert_close(zero[key], reference, rtol=1e-5, atol=1e-7, msg=key)
+
+
 def test_a_steps_gradient_is_the_same_on_two_processes_whatever_the_split(grpo_layout_gradients, tiny_weights):
     """One optimizer step over 8 rows split over 2 processes (4 + 4 as one micro-batch each, 2 + 2 on each, and
     3 + 3 on one with 2 on the other) gives the 1-process gradient: every row of every process weighs the same."""
     zero, one = grpo_layout_gradients
     reference = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1)
-    for name in GRPO_LAYOUTS:
-        key = f"grpo/{name}"
-        assert torch.equal(zero[key], one[key]), f"{name}: every process steps with the same gradient"
-        torch.testing.assert_close(zero[key], reference, rtol=1e-5, atol=1e-7, msg=name)
+    _every_layout_steps_with(zero, one, "grpo", reference)
 
 
 def test_a_retained_steps_gradient_is_the_native_one_on_two_processes_whatever_the_split(
@@ -96,10 +101,7 @@ def test_a_retained_steps_gradient_is_the_native_one_on_two_processes_whatever_t
     retained = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1, recompute="retain")
     assert native.norm() > 0
     torch.testing.assert_close(retained, native, rtol=1e-5, atol=1e-7)
-    for name in GRPO_LAYOUTS:
-        key = f"grpo-retain/{name}"
-        assert torch.equal(zero[key], one[key]), f"{name}: every process steps with the same gradient"
-        torch.testing.assert_close(zero[key], native, rtol=1e-5, atol=1e-7, msg=name)
+    _every_layout_steps_with(zero, one, "grpo-retain", native)
 
 
 def test_a_reweighted_steps_gradient_is_the_native_one_on_two_processes_whatever_the_split(
@@ -115,10 +117,7 @@ def test_a_reweighted_steps_gradient_is_the_native_one_on_two_processes_whatever
                                      outcome=outcome)  # fmt: skip
         assert native.norm() > 0
         torch.testing.assert_close(reweighted, native, rtol=1e-5, atol=1e-7, msg=mode)
-        for name in GRPO_LAYOUTS:
-            key = f"{mode}/{name}"
-            assert torch.equal(zero[key], one[key]), f"{key}: every process steps with the same gradient"
-            torch.testing.assert_close(zero[key], native, rtol=1e-5, atol=1e-7, msg=key)
+        _every_layout_steps_with(zero, one, mode, native)
 
 
 def test_the_branchs_step_from_the_rollout_is_the_native_one_on_two_processes_whatever_the_split(
@@ -133,10 +132,7 @@ def test_the_branchs_step_from_the_rollout_is_the_native_one_on_two_processes_wh
         kept = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1, recompute=recompute, beta=beta, plan="branch")
         assert native.norm() > 0
         torch.testing.assert_close(kept, native, rtol=1e-5, atol=1e-7, msg=mode)
-        for name in GRPO_LAYOUTS:
-            key = f"{mode}/{name}"
-            assert torch.equal(zero[key], one[key]), f"{key}: every process steps with the same gradient"
-            torch.testing.assert_close(zero[key], native, rtol=1e-5, atol=1e-7, msg=key)
+        _every_layout_steps_with(zero, one, mode, native)
 
 
 def test_an_fsdp_sharded_step_is_the_unsharded_one_whatever_the_split(tmp_path, tiny_weights):

@@ -155,10 +155,16 @@ def test_two_process_run_resumes_identically(two_process_run, tmp_path, capfd, m
 
 def test_a_two_process_checkpoint_resumes_on_one_process(two_process_run, tiny_weights, tmp_path):
     root, _ = two_process_run
+    _resume_on_one_process(root, recipe(tmp_path, tiny_weights), SMALL_BATCHES, tmp_path)
+
+
+def _resume_on_one_process(root: Path, recipe_path: Path, sets: list[str], tmp_path: Path) -> None:
+    """A copy of the 2-process run under ``root``, its newest checkpoint removed, resumed by one process: it resumes
+    at epoch 1 and samples epoch 1's trajectories as the 2 processes did (the same weights)."""
     run = tmp_path / "run"
     shutil.copytree(root / "run", run)
     shutil.rmtree(find_checkpoint(run)[0])
-    trainer = Trainer(load_recipe(recipe(tmp_path, tiny_weights), SMALL_BATCHES), resume=True)
+    trainer = Trainer(load_recipe(recipe_path, sets), resume=True)
     assert trainer.epoch == 1
     trainer.fit()
     for a, b in zip(_epoch_traces(run, 1), _epoch_traces(root / "run", 1), strict=True):
@@ -307,14 +313,7 @@ def test_an_fsdp_checkpoint_resumes_on_one_process(two_process_runs, tiny_weight
     """The sharded run's checkpoint is the unsharded format: one process resumes it and samples epoch 1's
     trajectories from the same weights."""
     root, _ = two_process_runs["fsdp"]
-    run = tmp_path / "run"
-    shutil.copytree(root / "run", run)
-    shutil.rmtree(find_checkpoint(run)[0])
-    trainer = Trainer(load_recipe(fsdp_recipe(tmp_path, tiny_weights), FSDP_SETS), resume=True)
-    assert trainer.epoch == 1
-    trainer.fit()
-    for a, b in zip(_epoch_traces(run, 1), _epoch_traces(root / "run", 1), strict=True):
-        assert a["trace"] == b["trace"], "epoch 1 samples the same trajectories from the same weights on 1 process"
+    _resume_on_one_process(root, fsdp_recipe(tmp_path, tiny_weights), FSDP_SETS, tmp_path)
 
 
 def test_an_fsdp_sharded_run_of_a_trained_subset_of_steps_trains_as_a_replicated_one(two_process_runs):
