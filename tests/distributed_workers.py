@@ -325,10 +325,36 @@ def sharded_layout_worker(rank: int, out: Path, weights: str, layouts: dict[str,
         result[f"tiny-sd3-{finetune}"] = layout_gradient(weights, *layouts["3 + 3 | 2"][rank], accelerator,
                                                          finetune=finetune, shard=True, model="tiny-sd3")  # fmt: skip
     result["clipped"] = clipped_step(weights, EIGHT[:4] if rank == 0 else EIGHT[4:], accelerator, shard=True)
+    result["checkpoint"] = sharded_checkpoint(out, rank)
     for mode in ("bf16", "fp16"):  # the update under mixed precision (fp16: the sharded gradient scaler)
         result[f"grpo-full-{mode}"] = layout_gradient(weights, *layouts["4 + 4"][rank], accelerator, finetune="full",
                                                       shard=True, mode=mode)  # fmt: skip
     return result
+
+
+def sharded_checkpoint(out: Path, rank: int) -> dict:
+    """tiny-sd3's LoRA sharded over the processes, its weights moved off their initialisation, written as a sharded
+    checkpoint with stand-in AdamW moments (2× the weights) and EMA (3×): where it is (main process) and the weights
+    whole."""
+    import tpflow
+    from tpflow.shards import full
+    from tpflow.train.checkpoint import capture_rng_state
+    from tpflow.train.sharded_save import save_sharded
+    from tpflow.train.sharding import shard as fully_shard
+
+    torch.manual_seed(0)
+    backbone = tpflow.build("backbone", "tiny-sd3", lora_init="gaussian", resolution=8, device="cpu")
+    fully_shard(backbone, torch.device("cpu"), None)
+    params = backbone.trainable_parameters()
+    with torch.no_grad():
+        for index, p in enumerate(params):
+            p.add_(1.0 + index)
+    moments = {"state": {str(i): {"exp_avg": 2 * p.detach(), "step": torch.tensor(3.0)} for i, p in enumerate(params)}}
+    path = save_sharded(out / "sharded-run", 1, backbone=backbone, optimizer_state={"optimizer": moments},
+                        ema_state={str(i): 3 * p.detach() for i, p in enumerate(params)}, is_main=rank == 0,
+                        processes=2, rng_state=capture_rng_state(), train_state={"epoch": 1, "global_step": 1},
+                        recipe={}, keep_last=1)  # fmt: skip
+    return {"path": str(path) if path is not None else None, "weights": [full(p.detach()).clone() for p in params]}
 
 
 def clipped_step(weights: str, share: list[int], accelerator=None, shard: bool = False, accumulation: int = 1) -> dict:

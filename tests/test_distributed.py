@@ -3,6 +3,8 @@ not depend on where a prompt's copies sit (docs/algorithm.md §5 item 1, §6.3).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -171,6 +173,7 @@ def test_an_fsdp_sharded_step_is_the_unsharded_one_whatever_the_split(tmp_path, 
     assert abs(zero["clipped"]["grad_norm"] / unsharded["grad_norm"] - 1) < 1e-6
     torch.testing.assert_close(zero["clipped"]["weights"], unsharded["weights"], rtol=0, atol=1e-7)
     assert torch.equal(zero["clipped"]["weights"], one["clipped"]["weights"])
+    _check_sharded_checkpoint(zero["checkpoint"], one["checkpoint"])
     for mode in ("bf16", "fp16"):  # under mixed precision, against the unsharded step in the same precision
         reference = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1, finetune="full", mode=mode)
         key = f"grpo-full-{mode}"
@@ -178,6 +181,32 @@ def test_an_fsdp_sharded_step_is_the_unsharded_one_whatever_the_split(tmp_path, 
         cosine = float(torch.nn.functional.cosine_similarity(zero[key].double(), reference.double(), dim=0))
         print(f"{mode}: cosine to the unsharded step {cosine:.7f}")
         assert cosine >= 0.9999, (mode, cosine)
+
+
+def _check_sharded_checkpoint(zero: dict, one: dict) -> None:
+    """A sharded LoRA (tiny-sd3, a diffusers transformer with peft's layers) written by 2 processes as their own
+    shards reads back whole on one process: weights into a fresh unsharded backbone, moments and EMA; a backbone of
+    another LoRA rank is refused in one paragraph."""
+    import tpflow
+    from tpflow.train.checkpoint import CheckpointError, load_checkpoint
+    from tpflow.train.sharded_save import restore_sharded
+
+    assert one["path"] is None and zero["path"] is not None  # the main process installs it
+    ckpt = load_checkpoint(Path(zero["path"]))
+    assert len(list((ckpt.path / "shards").glob("*.safetensors"))) == 2
+    backbone = tpflow.build("backbone", "tiny-sd3", lora_init="gaussian", resolution=8, device="cpu")
+    ckpt.load_weights(backbone)
+    loaded = [p.detach() for p in backbone.trainable_parameters()]
+    assert len(loaded) == len(zero["weights"]) and all(map(torch.equal, loaded, zero["weights"]))
+    ema = ckpt.full_ema()
+    assert all(torch.equal(ema[str(i)], 3 * w) for i, w in enumerate(zero["weights"]))
+    optimizer, ema_state = restore_sharded(ckpt, backbone)
+    state = optimizer["optimizer"]["state"]
+    assert all(torch.equal(state[str(i)]["exp_avg"], 2 * w) for i, w in enumerate(zero["weights"]))
+    assert float(state["0"]["step"]) == 3.0 and torch.equal(ema_state["0"], ema["0"])
+    other = tpflow.build("backbone", "tiny-sd3", lora_init="gaussian", resolution=8, lora_rank=2, device="cpu")
+    with pytest.raises(CheckpointError, match="do not match"):
+        ckpt.load_weights(other)
 
 
 def test_an_nft_steps_gradient_is_the_same_on_two_processes_whatever_the_split(tmp_path, tiny_weights):

@@ -28,7 +28,8 @@ from tests.test_nft_train import nft_recipe
 from tests.test_train import tiny_recipe
 from tpflow.optim.advantages import group_advantages
 from tpflow.recipe import load_recipe
-from tpflow.train.checkpoint import find_checkpoint
+from tpflow.train import checkpoint_shards
+from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
 from tpflow.train.run_logger import read_jsonl
 from tpflow.train.trainer import Trainer
 
@@ -72,7 +73,7 @@ def two_process_runs(tmp_path_factory, tiny_weights) -> dict[str, tuple[Path, li
         (str(nft_recipe(nft, tiny_weights)), [*SMALL_BATCHES, "eval.every=0", "train.epochs=1"]),
         (str(fsdp_recipe(fsdp, tiny_weights)), FSDP_SETS),
         (str(fsdp_recipe(full, tiny_weights)), [*SMALL_BATCHES, "optimizer.learning_rate=1e-4", "eval.every=0"]),
-        (str(fsdp_recipe(dance, tiny_weights)), [*FSDP_SETS, *DANCE_SETS]),
+        (str(fsdp_recipe(dance, tiny_weights)), [*FSDP_SETS, *DANCE_SETS, 'train.checkpoint_layout="gathered"']),
         (str(fsdp_recipe(dance_full, tiny_weights)), [*SMALL_BATCHES, "optimizer.learning_rate=1e-4", *DANCE_SETS]),
     ]
     zero, one = spawn(train_recipes_worker, root, runs)
@@ -97,8 +98,15 @@ def _comparable_metrics(run: Path) -> list[dict]:
 
 
 def _final_adapter(run: Path) -> dict[str, torch.Tensor]:
+    """The trained weights of the run's newest checkpoint, whole, from its adapter folder or (a sharded run's) its
+    shards."""
     path, _ = find_checkpoint(run)
-    return safetensors.torch.load_file(next((path / "adapter").glob("*.safetensors")))
+    if (path / "adapter").is_dir():
+        return safetensors.torch.load_file(next((path / "adapter").glob("*.safetensors")))
+    layout = load_checkpoint(path).layout
+    tensors = checkpoint_shards.empty(path / "shards", list(layout["model"].values()), None)
+    checkpoint_shards.read(path / "shards", tensors)
+    return {name: tensors[key] for name, key in layout["model"].items()}
 
 
 def test_two_processes_train_one_model(two_process_run):
@@ -282,7 +290,7 @@ def test_an_fsdp_sharded_run_trains_the_whole_model_as_a_replicated_one_does(two
 def test_an_fsdp_run_killed_with_sigkill_resumes_identically_on_two_processes(two_process_runs, tmp_path, capfd,
                                                                              monkeypatch):  # fmt: skip
     """A sharded 2-process launch killed with SIGKILL (the launcher and both processes, no clean-up) once its first
-    checkpoint (the gathered, unsharded state) is in place, resumed on 2 processes: sharded again, it ends bitwise
+    checkpoint (each process's shards) is in place, resumed on 2 processes: sharded again, it ends bitwise
     where the uninterrupted run did, with the same metrics."""
     root, _ = two_process_runs["fsdp"]
     run = tmp_path / "run"
@@ -309,9 +317,31 @@ def test_an_fsdp_run_killed_with_sigkill_resumes_identically_on_two_processes(tw
     assert _comparable_metrics(run) == _comparable_metrics(root / "run")
 
 
+def test_a_sharded_runs_checkpoint_holds_each_process_shards_and_loads_whole_on_one_process(two_process_runs):
+    """``checkpoint_layout = "sharded"`` (the default): each of the 2 processes wrote its own safetensors file of
+    shards, no adapter folder, nothing pickled; one process reads the weights back whole into a fresh backbone
+    (what ``tpflow export`` and ``tpflow eval`` do), equal to the model the processes ended with, and the EMA whole.
+    The gathered layout (the DanceGRPO run's) writes the adapter folder as an unsharded run does."""
+    root, (zero, _) = two_process_runs["fsdp"]
+    path, _ = find_checkpoint(root / "run")
+    assert not (path / "adapter").exists() and (path / "layout.json").is_file()
+    assert sorted(p.name for p in (path / "shards").iterdir()) == [
+        "shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]  # fmt: skip
+    ckpt = load_checkpoint(path)
+    assert ckpt.layout["processes"] == 2 and checkpoint_shards.markers(ckpt.optimizer_state)
+    backbone = load_recipe(root / "tiny.toml", FSDP_SETS).build("backbone")
+    ckpt.load_weights(backbone)
+    loaded = [p.detach() for p in backbone.trainable_parameters()]
+    assert len(loaded) == len(zero["end"]) and all(torch.equal(a, b) for a, b in zip(loaded, zero["end"], strict=True))
+    ema = ckpt.full_ema()
+    assert ema is not None and [tuple(t.shape) for t in ema.values()] == [tuple(t.shape) for t in loaded]
+    gathered, _ = find_checkpoint(two_process_runs["dance"][0] / "run")
+    assert (gathered / "adapter").is_dir() and not (gathered / "shards").exists()
+
+
 def test_an_fsdp_checkpoint_resumes_on_one_process(two_process_runs, tiny_weights, tmp_path):
-    """The sharded run's checkpoint is the unsharded format: one process resumes it and samples epoch 1's
-    trajectories from the same weights."""
+    """The sharded run's checkpoint, written as each process's shards, read whole by one process (resharded): it
+    resumes at epoch 1 and samples epoch 1's trajectories from the same weights."""
     root, _ = two_process_runs["fsdp"]
     _resume_on_one_process(root, fsdp_recipe(tmp_path, tiny_weights), FSDP_SETS, tmp_path)
 

@@ -53,10 +53,11 @@ def export(source: Path, out: Path, merge: bool = False, ema: bool = True, overw
         raise UserError(
             f"The backbone {recipe.backbone.name!r} cannot write a merged model; export its adapter (without --merge)."
         )
-    backbone.load_adapter(ckpt.adapter_dir)
+    ckpt.load_weights(backbone)  # an adapter folder, or a sharded run's shards
     used_ema = False
-    if ema and ckpt.ema_state is not None:
-        apply_ema(backbone, ckpt.ema_state, path)
+    ema_state = ckpt.full_ema() if ema else None
+    if ema_state is not None:
+        apply_ema(backbone, ema_state, path)
         used_ema = True
     out.mkdir(parents=True, exist_ok=True)
     before = _stamps(out)

@@ -142,6 +142,14 @@ class TrainSettings(BaseModel):
         "block; weights, gradients and AdamW moments 1/P each), for models whose training state does not fit one "
         "GPU; 'none': every process holds it whole (docs/distributed.md).",
     )
+    checkpoint_layout: Literal["sharded", "gathered"] = Field(
+        "sharded",
+        description="How a sharded run (shard = 'fsdp', more than one process) writes checkpoints. 'sharded': every "
+        "process writes its own shards (torch.distributed.checkpoint, safetensors files); nothing is gathered, and "
+        "the checkpoint resumes on any number of processes, sharded or not. 'gathered': the main process gathers the "
+        "whole state into its host memory and writes the unsharded format (an adapter folder, as unsharded runs "
+        "write). Unsharded runs always write the unsharded format.",
+    )
     reward_timeout_s: float = Field(
         600.0,
         ge=0.0,

@@ -48,8 +48,9 @@ def gathered_to_host(value: Any) -> Any:
 
 def like(value: Tensor, param: Tensor) -> Tensor:
     """A full tensor shaped as ``param`` sharded as ``param`` is (every process holds the full value: no
-    communication), or ``value`` itself for an unsharded parameter."""
-    if not is_sharded(param):
+    communication), or ``value`` itself for an unsharded parameter or a value sharded already (a sharded
+    checkpoint's, read into the run's layout)."""
+    if not is_sharded(param) or is_sharded(value):
         return value
     from torch.distributed.tensor import distribute_tensor
 

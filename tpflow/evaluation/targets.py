@@ -31,6 +31,7 @@ class Target:
     path: Path
     recipe: Recipe
     adapter_dir: Path | None = None
+    checkpoint: Any = None  # a run's or checkpoint's: its weights load through it (an adapter or a sharded run's)
     ema_state: dict[str, torch.Tensor] | None = None  # the run's EMA of the adapter, when it kept one
     step: int | None = None  # optimizer step of the checkpoint
 
@@ -129,7 +130,8 @@ def _checkpoint_target(path: Path, checkpoint: str | None, overrides: list[str],
         run,
         validate_recipe(data, where=f"the recipe stored in {found}"),
         adapter_dir=ckpt.adapter_dir,
-        ema_state=ckpt.ema_state,
+        checkpoint=ckpt,
+        ema_state=ckpt.full_ema(),
         step=ckpt.step,
     )
 
@@ -177,7 +179,10 @@ def load_model(target: Target, ema: bool = True) -> Any:
     backbone = target.recipe.build("backbone")
     if target.adapter_dir is not None:
         try:
-            backbone.load_adapter(target.adapter_dir)
+            if target.checkpoint is not None:
+                target.checkpoint.load_weights(backbone)
+            else:
+                backbone.load_adapter(target.adapter_dir)
         except UserError:
             raise
         except Exception as err:

@@ -158,7 +158,7 @@ def _backbone(recipe: Recipe, checkpoint: Path | None) -> Any:
             warnings.warn(note, stacklevel=3)  # attributed to sample_trajectories' caller
         if path is None:
             raise UserError(f"No valid checkpoint in {checkpoint}: pass a run dir or a checkpoints/<step> dir.")
-        backbone.load_adapter(load_checkpoint(path).adapter_dir)
+        load_checkpoint(path).load_weights(backbone)
     return backbone
 
 

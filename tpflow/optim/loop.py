@@ -127,12 +127,13 @@ class AdamWLoop:
             "optimizer.gradient_accumulation_steps",
         )  # fmt: skip
 
-    def state_dict(self) -> dict:
+    def state_dict(self, gather: bool = True) -> dict:
         """AdamW moments, the step count, the fp16 scaler and the subclass's ``extra_state``. Sharded (FSDP2), the
         moments and any sharded extra state are gathered into full tensors on the main process's host (a collective
         every process joins; the others get ``None`` in their place): the state an unsharded run writes
-        (``tpflow.train.sharding``)."""
-        if self._dist.sharded:  # gathered to the main process's host memory, one tensor at a time
+        (``tpflow.train.sharding``); with ``gather`` False they stay this process's shards (a sharded checkpoint,
+        ``tpflow.train.checkpoint_shards``)."""
+        if self._dist.sharded and gather:  # gathered to the main process's host memory, one tensor at a time
             from tpflow.shards import gathered_to_host
 
             return gathered_to_host(self._unsharded_state())

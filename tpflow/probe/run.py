@@ -170,7 +170,7 @@ def _load_checkpoint(backbone: Any, path: Path) -> None:
     found, _ = find_checkpoint(path)
     if found is None:
         raise UserError(f"No valid checkpoint in {path}: pass a run dir or a checkpoints/<step> dir.")
-    backbone.load_adapter(load_checkpoint(found).adapter_dir)
+    load_checkpoint(found).load_weights(backbone)
 
 
 def run_probe(probe: Probe, advance: Callable[[str], None] = lambda unit: None) -> list[str]:

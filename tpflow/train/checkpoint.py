@@ -9,7 +9,9 @@ check: ``find_checkpoint`` reports it and falls back to the previous one. Prunin
 step-numbered names before deleting it, so a kill mid-prune leaves a ``.pruned-*`` folder (removed at the next start),
 never a half-deleted ``<step>``; and a resume prunes as its save would have (``prune_checkpoints``), so a prune that a
 kill interrupted is completed even when the resumed run has nothing left to train. Everything is read back with
-``torch.load(weights_only=True)``, safetensors or JSON; no arbitrary object is ever unpickled.
+``torch.load(weights_only=True)``, safetensors or JSON; no arbitrary object is ever unpickled. A sharded run's
+checkpoint holds ``shards/`` (every process's own safetensors file) and ``layout.json`` in place of the adapter
+folder (``tpflow.train.checkpoint_shards``), under the same manifest.
 """
 
 from __future__ import annotations
@@ -54,6 +56,31 @@ class Checkpoint:
     rng_state: dict
     train_state: dict  # epoch, global_step, ...
     recipe: dict
+    # a sharded checkpoint's layout.json (tpflow.train.checkpoint_shards): its weights, moments and EMA are in
+    # shards/, and optimizer_state holds markers in their place; None for the unsharded format
+    layout: dict | None = None
+
+    def load_weights(self, backbone: Any) -> None:
+        """The trained weights (adapter, or a full fine-tune's transformer) into ``backbone``, whichever format."""
+        if self.layout is None:
+            backbone.load_adapter(self.adapter_dir)
+        else:
+            from tpflow.train.checkpoint_shards import load_weights
+
+            try:
+                load_weights(backbone, self.path, self.layout)
+            except CheckpointError:
+                raise
+            except UserError as exc:  # its own sentence, named
+                raise CheckpointError(f"Cannot load the weights of checkpoint {self.path}: {exc}") from None
+
+    def full_ema(self) -> dict[str, Tensor] | None:
+        """The EMA as whole CPU tensors (a sharded checkpoint's read from its shards), None if the run kept none."""
+        if self.layout is None:
+            return self.ema_state
+        from tpflow.train.checkpoint_shards import full_ema
+
+        return full_ema(self.path, self.layout)
 
 
 def capture_rng_state() -> dict:
@@ -92,6 +119,8 @@ def save_checkpoint(
     train_state: dict,
     recipe: dict,
     keep_last: int = 3,
+    staged: Path | None = None,
+    layout: bytes | None = None,
 ) -> Path:
     """Write ``run_dir/checkpoints/<step:08d>/`` atomically, then keep only the newest ``keep_last`` valid ones
     (``keep_last = 0``: keep them all; ``train.keep_checkpoints``).
@@ -101,6 +130,10 @@ def save_checkpoint(
     An existing checkpoint of the same step is replaced (old moved aside, new renamed in, old deleted). Checkpoints
     of later steps (from an abandoned run) are never pruned, nor is the one just written.
 
+    A sharded checkpoint (tpflow.train.checkpoint_shards): ``staged`` is the folder from :func:`stage_checkpoint`
+    into which every process has written its shards, ``layout`` the bytes of its ``layout.json``, ``backbone`` None
+    (no adapter folder: the weights are among the shards).
+
     Raises:
         CheckpointError: on an I/O error (disk full, permissions); the temp dir is removed, older checkpoints intact.
     """
@@ -108,15 +141,16 @@ def save_checkpoint(
         raise ValueError(f"keep_last must be >= 0 (0: keep every checkpoint), got {keep_last}.")
     root = Path(run_dir) / "checkpoints"
     final = root / f"{step:08d}"
-    tmp = root / f".tmp-{step}-{os.getpid()}"
+    tmp = staged if staged is not None else root / f".tmp-{step}-{os.getpid()}"
     # Serialize the small parts before touching the disk: a bad value raises here and leaves nothing behind.
     small = _small_files(rng_state, train_state, recipe, ema_state)
+    if layout is not None:
+        small["layout.json"] = layout
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        _tidy(root)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        backbone.save_adapter(tmp / "adapter")
+        if staged is None:
+            stage_checkpoint(run_dir, step)
+        if backbone is not None:
+            backbone.save_adapter(tmp / "adapter")
         with open(tmp / "optimizer.pt", "wb") as f:
             torch.save(optimizer_state, f)
             _sync(f)
@@ -137,6 +171,19 @@ def save_checkpoint(
         raise
     prune_checkpoints(run_dir, step, keep_last)
     return final
+
+
+def stage_checkpoint(run_dir: Path, step: int) -> Path:
+    """Create (empty) the temp folder ``save_checkpoint`` writes checkpoint ``step`` into, after removing the temp
+    folders of dead writers. A sharded save stages it on the main process, every process writes its shards into it,
+    then the main process's ``save_checkpoint(staged=...)`` completes, seals and installs it."""
+    root = Path(run_dir) / "checkpoints"
+    tmp = root / f".tmp-{step}-{os.getpid()}"
+    root.mkdir(parents=True, exist_ok=True)
+    _tidy(root)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
 
 
 def _small_files(
@@ -253,6 +300,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         ema = path / "ema.safetensors"
+        from tpflow.train.checkpoint_shards import read_layout
+
         ckpt = Checkpoint(
             path=path,
             step=int(manifest["step"]),
@@ -262,6 +311,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
             rng_state=torch.load(path / "rng.pt", map_location="cpu", weights_only=True),
             train_state=json.loads((path / "state.json").read_text()),
             recipe=json.loads((path / "recipe.json").read_text()),
+            layout=read_layout(path),
         )
     except Exception as err:  # a file that passed its checksum but does not parse: written by something else
         raise CheckpointError(f"Cannot load checkpoint {path}: {type(err).__name__}: {err}") from err
@@ -340,9 +390,10 @@ def _verify(path: Path) -> str | None:
         }
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         return f"has an unreadable manifest ({type(err).__name__}: {err})"
-    missing = [n for n in REQUIRED if n not in files] + (
-        [] if any(n.startswith("adapter/") for n in files) else ["adapter/"]
+    weights = any(n.startswith("adapter/") for n in files) or (
+        "layout.json" in files and any(n.startswith("shards/") for n in files)  # a sharded checkpoint's
     )
+    missing = [n for n in REQUIRED if n not in files] + ([] if weights else ["adapter/"])
     if missing:
         return f"is incomplete (manifest lacks {', '.join(missing)})"
     for name, (expected_size, sha256) in files.items():

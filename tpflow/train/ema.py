@@ -70,11 +70,15 @@ class EMA:
         for shadow, param in zip(self.shadow, self.params, strict=True):
             shadow.copy_(param.detach())
 
-    def state_dict(self) -> dict[str, Tensor]:
+    def state_dict(self, gather: bool = True) -> dict[str, Tensor]:
         """The shadow values as CPU float32 tensors, keyed by ``names`` (a sharded run's gathered into full tensors on
-        the main process, ``None`` on the others: a collective, every process calls it; ``tpflow.train.sharding``)."""
+        the main process, ``None`` on the others: a collective, every process calls it; ``tpflow.train.sharding``;
+        with ``gather`` False, this process's shards as they are: a sharded checkpoint)."""
         from tpflow.shards import gathered_to_host, is_sharded
 
+        if not gather:
+            return {name: s.detach() if is_sharded(s) else s.detach().cpu().clone()
+                    for name, s in zip(self.names, self.shadow, strict=True)}  # fmt: skip
         return {name: gathered_to_host(s.detach()) if is_sharded(s) else s.detach().cpu().clone()
                 for name, s in zip(self.names, self.shadow, strict=True)}  # fmt: skip
 

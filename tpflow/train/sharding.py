@@ -18,13 +18,12 @@ What tpflow does around it:
   losses are as many on every process: one per window step, or, for the plans that train a subset of steps
   (trained-fraction, window-per-image), one per step each trajectory trains, the same number for every trajectory.
   The recompute-free modes are refused; evaluation needs its images to split equally.
-* **Checkpoints in the unsharded format.** A checkpoint gathers the weights (the transformer's state dict, which
-  the main process's adapter writes as its own), the AdamW moments, the EMA and NFT's old policy into full
-  tensors on the main process's host, one tensor at a time: it is the checkpoint an unsharded run writes, so a run
-  resumes on any number of processes, sharded or not, and export and eval read it unchanged. On resume, the weights
-  load before sharding and the moments are sharded as they load (:func:`like`). The cost: the main process's host
-  holds the whole state while a checkpoint is written (16 bytes a parameter for a full fine-tune: about 180 GiB for
-  FLUX.1-dev).
+* **Checkpoints.** By default every process writes its own shards (``tpflow.train.checkpoint_shards``: DCP,
+  safetensors files, nothing gathered), read back into any layout. With ``checkpoint_layout = "gathered"`` the
+  weights (the transformer's state dict, which the main process's adapter writes as its own), the AdamW moments, the
+  EMA and NFT's old policy are gathered into full tensors on the main process's host, one tensor at a time, and
+  written in the unsharded format; on resume those weights load before sharding and the moments are sharded as they
+  load (:func:`like`). Its cost: the main process's host holds the whole state while a checkpoint is written.
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ from tpflow.train.resume import checkpoint_to_resume, restoring, train_command
 from tpflow.train.run_lock import RunDirLock
 from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, fit_segments, truncate_after
 from tpflow.train.sampling import EpochSampler
+from tpflow.train.sharded_save import restore_sharded, save_sharded
 from tpflow.train.sharding import GatheredBackbone, equal_eval_shares, gathered_state, shard
 from tpflow.train.trackers import Trackers, tracker_dir
 from tpflow.types import PromptItem, Rollout
@@ -175,9 +176,10 @@ class Trainer:
         self.epoch_sampler = EpochSampler(*parts, train, recipe.rollout, recipe.build("plan"))
 
     def _shard(self, checkpoint: Checkpoint | None) -> None:
-        """FSDP2 over every process (``tpflow.train.sharding``): a checkpoint's weights load whole first (its format
-        is the unsharded one), then each block is sharded; the fp16 scaler becomes the sharded one."""
-        if checkpoint is not None:
+        """FSDP2 over every process (``tpflow.train.sharding``): an unsharded checkpoint's weights load whole first,
+        then each block is sharded (a sharded checkpoint's load into the shards: ``_restore``); the fp16 scaler
+        becomes the sharded one."""
+        if checkpoint is not None and checkpoint.layout is None:
             with restoring(checkpoint.path):
                 self.backbone.load_adapter(checkpoint.adapter_dir)
         shard(self.backbone, resolve_device(getattr(self.recipe.backbone.options, "device", None)), None)
@@ -380,10 +382,22 @@ class Trainer:
             self.dist.check_in_sync(self._named_trainable())
         path = None
         backbone, states = self.backbone, None
-        if self.dist.sharded:  # gathered into full tensors by every process (collectives), written by the main one
+        if self.dist.sharded and self.settings.checkpoint_layout == "sharded":  # every process writes its shards
+            path = save_sharded(
+                self.run_dir,
+                self.optimizer.global_step,
+                backbone=self.backbone,
+                optimizer_state=self.optimizer.state_dict(gather=False),
+                ema_state=self.ema.state_dict(gather=False) if self.ema is not None else None,
+                is_main=self.dist.is_main,
+                processes=self.dist.world_size,
+                **self._small_state(),
+            )
+            backbone = None  # fmt: skip
+        elif self.dist.sharded:  # gathered into full tensors by every process (collectives), written by the main one
             backbone = GatheredBackbone(self.backbone, gathered_state(self.backbone))
             states = self._states()
-        if self.dist.is_main:
+        if self.dist.is_main and backbone is not None:
             optimizer_state, ema_state = states or self._states()
             path = save_checkpoint(
                 self.run_dir,
@@ -391,16 +405,9 @@ class Trainer:
                 backbone=backbone,
                 optimizer_state=optimizer_state,
                 ema_state=ema_state,
-                rng_state=capture_rng_state(),
-                # last_eval: a resumed run's metrics lines repeat it until its next eval, as the uninterrupted run's
-                train_state={
-                    "epoch": self.epoch,
-                    "global_step": self.optimizer.global_step,
-                    "last_eval": self.last_eval,
-                },
-                recipe=self.recipe.data,
-                keep_last=self.settings.keep_checkpoints,
+                **self._small_state(),
             )
+        if path is not None:
             self.console.print(f"checkpoint: {path}")
         self._saved = (self.epoch, self.optimizer.global_step)
         if collective:
@@ -408,6 +415,20 @@ class Trainer:
         return path
 
     # ---- private -----------------------------------------------------------------------------------------------
+
+    def _small_state(self) -> dict[str, Any]:
+        """A checkpoint's RNG states, train state, recipe and how many to keep."""
+        return {
+            "rng_state": capture_rng_state(),
+            # last_eval: a resumed run's metrics lines repeat it until its next eval, as the uninterrupted run's
+            "train_state": {
+                "epoch": self.epoch,
+                "global_step": self.optimizer.global_step,
+                "last_eval": self.last_eval,
+            },
+            "recipe": self.recipe.data,
+            "keep_last": self.settings.keep_checkpoints,
+        }
 
     def _states(self) -> tuple[dict, dict[str, torch.Tensor] | None]:
         """The optimizer's and the EMA's state for a checkpoint (gathered when sharded)."""
@@ -428,11 +449,15 @@ class Trainer:
             return
         path = ckpt.path
         with restoring(path):  # a checkpoint that does not fit: one paragraph; a bug keeps its traceback
-            if not self.dist.sharded:  # sharded: loaded before sharding (_shard)
-                self.backbone.load_adapter(ckpt.adapter_dir)
-            self.optimizer.load_state_dict(ckpt.optimizer_state)
-            if self.ema is not None and ckpt.ema_state is not None:
-                self.ema.load_state_dict(ckpt.ema_state)
+            if ckpt.layout is not None:  # a sharded checkpoint, read into this run's layout (weights in place)
+                optimizer_state, ema_state = restore_sharded(ckpt, self.backbone)
+            else:
+                if not self.dist.sharded:  # sharded: loaded before sharding (_shard)
+                    self.backbone.load_adapter(ckpt.adapter_dir)
+                optimizer_state, ema_state = ckpt.optimizer_state, ckpt.ema_state
+            self.optimizer.load_state_dict(optimizer_state)
+            if self.ema is not None and ema_state is not None:
+                self.ema.load_state_dict(ema_state)
             elif self.ema is not None:  # no EMA in the checkpoint: average from the restored adapter, not its init
                 self.ema.reset()
             restore_rng_state(ckpt.rng_state)
