@@ -152,6 +152,7 @@ def layout_gradient(
     mode: str = "no",
     model: str = "shapes-dit",
     device: str = "cpu",
+    gradient_checkpointing: bool = False,
 ) -> torch.Tensor:
     """The gradient of one GRPO optimizer step over ``share`` (this process's rows of one fixed 8-row batch) cut
     into micro-batches of ``micro``, ``accumulation`` per step: the flat gradient the step is taken with.
@@ -162,14 +163,15 @@ def layout_gradient(
     ``outcome``: one advantage per trajectory (outcome credit; reweight keeps one gradient per trajectory).
     ``plan = "branch"``: the rows come from TempFlow-GRPO's branches (:func:`branch_batch`), per-step credit.
     ``finetune = "full"``: the whole model trains; ``shard``: FSDP2 over the processes, after the rollout; ``mode``:
-    the update's precision; ``model``: shapes-dit from ``weights``, or "tiny-sd3" (a diffusers transformer), on
-    ``device``."""
+    the update's precision; ``model``: shapes-dit from ``weights``, or "tiny-sd3" (a diffusers transformer, with
+    ``gradient_checkpointing`` if asked), on ``device``."""
     import tpflow
 
     torch.manual_seed(0)  # the LoRA init: the same adapter on every call and process
     if model == "tiny-sd3":
         backbone = tpflow.build("backbone", "tiny-sd3", lora_init="gaussian", resolution=8, finetune=finetune,
-                                device=device)  # fmt: skip
+                                device=device, gradient_checkpointing=gradient_checkpointing)  # fmt: skip
+        assert backbone.transformer.is_gradient_checkpointing == gradient_checkpointing
     else:
         backbone = tpflow.build("backbone", "shapes-dit", weights=weights, lora_init="gaussian", finetune=finetune,
                                 device=device)  # fmt: skip
@@ -324,6 +326,10 @@ def sharded_layout_worker(rank: int, out: Path, weights: str, layouts: dict[str,
     for finetune in ("lora", "full"):  # a diffusers transformer (SD3's blocks; its last block's context unused)
         result[f"tiny-sd3-{finetune}"] = layout_gradient(weights, *layouts["3 + 3 | 2"][rank], accelerator,
                                                          finetune=finetune, shard=True, model="tiny-sd3")  # fmt: skip
+    # activation checkpointing per block (diffusers' gradient_checkpointing) inside the sharded blocks
+    result["tiny-sd3-full-checkpointed"] = layout_gradient(weights, *layouts["3 + 3 | 2"][rank], accelerator,
+                                                           finetune="full", shard=True, model="tiny-sd3",
+                                                           gradient_checkpointing=True)  # fmt: skip
     result["clipped"] = clipped_step(weights, EIGHT[:4] if rank == 0 else EIGHT[4:], accelerator, shard=True)
     result["checkpoint"] = sharded_checkpoint(out, rank)
     for mode in ("bf16", "fp16"):  # the update under mixed precision (fp16: the sharded gradient scaler)

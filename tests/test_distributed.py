@@ -142,8 +142,8 @@ def test_an_fsdp_sharded_step_is_the_unsharded_one_whatever_the_split(tmp_path, 
     gradient summed by its reduce-scatter and divided by the rows over both: one optimizer step of GRPO and of NFT,
     with a LoRA and with the whole model trained, on shapes-dit and (GRPO) tiny-sd3, equals the 1-process unsharded
     step within 1e-6 relative, however the rows are split (3 + 3 | 2: the short process pads its step with a
-    zero-weight micro-batch); under bf16 autocast and fp16 with the sharded gradient scaler, the step points where
-    the unsharded one does."""
+    zero-weight micro-batch), also with activation checkpointing in each sharded block; under bf16 autocast and fp16
+    with the sharded gradient scaler, the step points where the unsharded one does."""
     zero, one = spawn(sharded_layout_worker, tmp_path, str(tiny_weights), GRPO_LAYOUTS)
     worst = 0.0
     for finetune in ("lora", "full"):
@@ -167,6 +167,12 @@ def test_an_fsdp_sharded_step_is_the_unsharded_one_whatever_the_split(tmp_path, 
         relative = float((zero[key] - reference).norm() / reference.norm())
         print(f"tiny-sd3, {finetune}: {relative:.1e}")
         assert relative <= 1e-6, (key, relative)
+        if finetune == "full":  # recomputing each sharded block's activations in the backward changes nothing
+            checkpointed = zero["tiny-sd3-full-checkpointed"]
+            assert torch.equal(checkpointed, one["tiny-sd3-full-checkpointed"])
+            relative = float((checkpointed - reference).norm() / reference.norm())
+            print(f"tiny-sd3, full, gradient checkpointing: {relative:.1e}")
+            assert relative <= 1e-6, ("checkpointed", relative)
     # a clipped step: the norm is the whole gradient's (over both shards), the step the unsharded clipped one
     unsharded = clipped_step(str(tiny_weights), EVERYTHING, accumulation=2)  # the 8 rows in one step, as sharded
     assert zero["clipped"]["grad_norm"] > 1e-3 * 10
