@@ -30,38 +30,8 @@ from pydantic import Field
 from tpflow.backbones.diffusers_common import DTYPES, DiffusersBackboneOptions
 from tpflow.backbones.sd3 import SD3_LORA_TARGETS, SD3Backbone
 from tpflow.backbones.tiny_tokenizers import clip_tokenizer, t5_tokenizer
+from tpflow.memory.configs import SD3_VAE, SD35_MEDIUM_TRANSFORMER  # the published configurations
 from tpflow.registry import names, register
-
-SD35_MEDIUM_TRANSFORMER = {  # stabilityai/stable-diffusion-3.5-medium transformer/config.json
-    "sample_size": 128,
-    "patch_size": 2,
-    "in_channels": 16,
-    "num_layers": 24,
-    "attention_head_dim": 64,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 4096,
-    "caption_projection_dim": 1536,
-    "pooled_projection_dim": 2048,
-    "out_channels": 16,
-    "pos_embed_max_size": 384,
-    "dual_attention_layers": tuple(range(13)),
-    "qk_norm": "rms_norm",
-}
-SD3_VAE = {  # the SD3 / SD3.5 VAE configuration
-    "in_channels": 3,
-    "out_channels": 3,
-    "down_block_types": ("DownEncoderBlock2D",) * 4,
-    "up_block_types": ("UpDecoderBlock2D",) * 4,
-    "block_out_channels": (128, 256, 512, 512),
-    "layers_per_block": 2,
-    "latent_channels": 16,
-    "norm_num_groups": 32,
-    "sample_size": 1024,
-    "scaling_factor": 1.5305,
-    "shift_factor": 0.0609,
-    "use_quant_conv": False,
-    "use_post_quant_conv": False,
-}
 
 
 class RandomSD35Options(DiffusersBackboneOptions):

@@ -1,4 +1,5 @@
-"""benchmarks/memory_estimate.py: the live-bytes tracker, fake versus real tensors, and the formulas it relies on."""
+"""tpflow.memory (the estimate behind benchmarks/memory_estimate.py and `tpflow validate --gpu-memory`): the
+live-bytes tracker, fake versus real tensors, and the formulas it relies on."""
 
 from __future__ import annotations
 
@@ -16,11 +17,9 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "memory_estimat
 
 @pytest.fixture(scope="module")
 def me():
-    spec = importlib.util.spec_from_file_location("memory_estimate", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["memory_estimate"] = module
-    spec.loader.exec_module(module)
-    return module
+    import tpflow.memory
+
+    return tpflow.memory
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +117,8 @@ def test_epoch_buffer_formula_matches_a_real_rollout(me, tiny_sd3):
 def test_report_has_the_table_the_totals_and_the_caveat(me, tiny_sd3):
     setup, fake, _ = tiny_sd3
     text = me.report(setup, fake, unit=2**10)
-    assert "| component | KiB | note |" in text and "**peak, one process**" in text
+    assert "| component | KiB | note |" in text and "**estimated peak, one process**" in text
+    assert "update peak, no checkpointing (recipe) (KiB) | update peak, checkpointing (KiB)" in text
     assert "estimated, not measured on a gpu" in me.CAVEATS.lower()
 
 
@@ -140,3 +140,15 @@ def test_a_sharded_full_fine_tune_holds_its_share_plus_two_blocks(me):
     assert whole == sum(v for _, v, _, _ in rows)
     assert me.static_bytes(setup, fake, rows, 8) == whole - trained + -(-trained // 8) + 2 * block
     assert "sharded" in me.report(setup, fake, unit=2**10)
+
+
+def test_the_benchmark_script_writes_the_report_of_the_package(tmp_path, monkeypatch):
+    """benchmarks/memory_estimate.py is a thin CLI over tpflow.memory: its --tiny report is the package's."""
+    spec = importlib.util.spec_from_file_location("memory_estimate", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "memory_estimate", module)
+    spec.loader.exec_module(module)
+    text = module.main(["--tiny", "--out", str(tmp_path)])
+    assert (tmp_path / "memory_estimate.md").read_text() == text
+    assert text.startswith("# Estimated peak GPU memory per process")
+    assert "## tiny-sd3" in text and "## tiny-flux" in text

@@ -1,0 +1,55 @@
+"""Peak GPU memory per process of a recipe, ESTIMATED without a GPU: the real models at full size on fake tensors.
+
+Why: whether a recipe fits a GPU is wanted before the GPUs are booked, and on machines that have none. The real
+diffusers classes with the published configurations are built under ``FakeTensorMode`` (shapes, dtypes and
+storage sizes, no data: nothing allocated or computed), wrapped in tpflow's own backbones with its own LoRA, and
+tpflow's real code runs on them; a dispatch mode counts the live tensor bytes. Used by
+``tpflow validate --gpu-memory`` (``fit``) and ``benchmarks/memory_estimate.py`` (``report``,
+docs/results/memory_estimate.md).
+
+    live_bytes   LiveBytes: the live-bytes dispatch mode
+    autocast     CudaAutocast: CUDA autocast's casting policy without CUDA
+    configs      the published configurations, and which backbone loads which
+    models       tpflow's backbones around diffusers models of given configurations; text-encoder sizes
+    measure      Setup (a recipe's view), Probe / measure: the activations of tpflow's calls
+    accounting   per-process arithmetic: state, sharding, offload, epoch buffers, peaks
+    report       the markdown report and its caveats
+    fit          the verdict against a stated GPU memory, with re-estimated suggestions
+"""
+
+from tpflow.memory.accounting import (
+    GIB,
+    PerProcess,
+    component_rows,
+    epoch_buffers,
+    host_bytes,
+    peaks,
+    per_process,
+    state_rows,
+    static_bytes,
+)
+from tpflow.memory.autocast import CudaAutocast
+from tpflow.memory.configs import PUBLISHED, TINY_FLUX, TINY_SD3, TINY_VAE
+from tpflow.memory.fit import Fit, estimate_fit
+from tpflow.memory.live_bytes import LiveBytes
+from tpflow.memory.measure import (
+    NotModelled,
+    Probe,
+    Setup,
+    load_setup,
+    measure,
+    measure_with,
+    rollout_rows,
+    setup_of,
+    tiny_setup,
+)
+from tpflow.memory.models import build_backbone, conditioning, fake_module_to, latents, text_encoder_params
+from tpflow.memory.report import CAVEATS, report
+
+__all__ = [
+    "CAVEATS", "GIB", "PUBLISHED", "TINY_FLUX", "TINY_SD3", "TINY_VAE", "CudaAutocast", "Fit", "LiveBytes",
+    "NotModelled", "PerProcess", "Probe", "Setup", "build_backbone", "component_rows", "conditioning",
+    "epoch_buffers", "estimate_fit", "fake_module_to", "host_bytes", "latents", "load_setup", "measure",
+    "measure_with", "peaks", "per_process", "report", "rollout_rows", "setup_of", "state_rows", "static_bytes",
+    "text_encoder_params", "tiny_setup",
+]  # fmt: skip

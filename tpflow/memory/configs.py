@@ -1,0 +1,126 @@
+"""The published configurations the memory estimate builds its models from, and which recipe backbone uses which.
+
+Why here: the estimate builds the real diffusers classes at full size under ``FakeTensorMode`` (no weights), so it
+needs each model's ``config.json`` values without downloading them. Every dictionary is the published file's values
+(the source is named beside it); only what changes a tensor's shape is needed, the rest keeps diffusers' defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SD35_MEDIUM_TRANSFORMER = {  # stabilityai/stable-diffusion-3.5-medium transformer/config.json (2.24 B parameters)
+    "sample_size": 128,
+    "patch_size": 2,
+    "in_channels": 16,
+    "num_layers": 24,
+    "attention_head_dim": 64,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "caption_projection_dim": 1536,
+    "pooled_projection_dim": 2048,
+    "out_channels": 16,
+    "pos_embed_max_size": 384,
+    "dual_attention_layers": tuple(range(13)),
+    "qk_norm": "rms_norm",
+}
+SD3_VAE = {  # the SD3 / SD3.5 VAE configuration (stabilityai/stable-diffusion-3.5-medium vae/config.json)
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ("DownEncoderBlock2D",) * 4,
+    "up_block_types": ("UpDecoderBlock2D",) * 4,
+    "block_out_channels": (128, 256, 512, 512),
+    "layers_per_block": 2,
+    "latent_channels": 16,
+    "norm_num_groups": 32,
+    "sample_size": 1024,
+    "scaling_factor": 1.5305,
+    "shift_factor": 0.0609,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+}
+SD35_LARGE_TRANSFORMER = SD35_MEDIUM_TRANSFORMER | {  # stabilityai/stable-diffusion-3.5-large transformer/config.json
+    "num_layers": 38,
+    "num_attention_heads": 38,
+    "caption_projection_dim": 2432,
+    "pos_embed_max_size": 192,
+    "dual_attention_layers": (),
+}  # 8.1 B parameters
+FLUX_DEV_TRANSFORMER = {  # black-forest-labs/FLUX.1-dev transformer/config.json (11.9 B parameters)
+    "patch_size": 1,
+    "in_channels": 64,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+    "guidance_embeds": True,
+    "axes_dims_rope": (16, 56, 56),
+}
+FLUX_VAE = SD3_VAE | {"scaling_factor": 0.3611, "shift_factor": 0.1159}  # FLUX.1-dev vae/config.json
+QWEN_IMAGE_TRANSFORMER = {  # Qwen/Qwen-Image transformer/config.json (20.4 B parameters)
+    "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
+    "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False, "axes_dims_rope": (16, 56, 56),
+}  # fmt: skip
+QWEN_VAE = {  # Qwen/Qwen-Image vae/config.json (the latent mean and std do not change the memory)
+    "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+    "temperal_downsample": [False, True, True], "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16,
+}  # fmt: skip
+QWEN25_VL_7B = {  # Qwen/Qwen-Image text_encoder/config.json (Qwen2.5-VL-7B: 8.29 B parameters with its vision tower)
+    "text_config": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                    "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                    "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"}},
+    "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                      "out_hidden_size": 3584},
+    "vocab_size": 152064, "hidden_size": 3584,
+}  # fmt: skip
+CLIP_L = {  # openai/clip-vit-large-patch14 text_config (SD3 text_encoder, FLUX text_encoder)
+    "hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12, "num_hidden_layers": 12,
+    "vocab_size": 49408, "max_position_embeddings": 77, "projection_dim": 768, "hidden_act": "quick_gelu",
+}  # fmt: skip
+CLIP_G = {  # laion/CLIP-ViT-bigG-14-laion2B-39B-b160k text tower (SD3 text_encoder_2/config.json)
+    "hidden_size": 1280, "intermediate_size": 5120, "num_attention_heads": 20, "num_hidden_layers": 32,
+    "vocab_size": 49408, "max_position_embeddings": 77, "projection_dim": 1280, "hidden_act": "gelu",
+}  # fmt: skip
+T5_XXL = {  # google/t5-v1_1-xxl encoder (SD3 text_encoder_3, FLUX text_encoder_2 config.json)
+    "d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24, "vocab_size": 32128,
+    "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32,
+}  # fmt: skip
+
+# The test sizes of docs/architecture.md (tiny-sd3 / tiny-flux) for ``tiny_setup`` and the estimator's --tiny mode
+# (two blocks so that gradient checkpointing has something to save).
+TINY_SD3 = {
+    "sample_size": 32, "patch_size": 1, "in_channels": 4, "num_layers": 2, "attention_head_dim": 8,
+    "num_attention_heads": 4, "caption_projection_dim": 32, "joint_attention_dim": 32, "pooled_projection_dim": 64,
+    "out_channels": 4, "dual_attention_layers": (0,), "qk_norm": "rms_norm",
+}  # fmt: skip
+TINY_FLUX = {
+    "patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+    "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32, "axes_dims_rope": (4, 4, 8),
+    "guidance_embeds": True,
+}  # fmt: skip
+TINY_VAE = {
+    "block_out_channels": (4,), "layers_per_block": 1, "latent_channels": 4, "norm_num_groups": 1,
+    "use_quant_conv": False, "use_post_quant_conv": False,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the estimate builds for one registered backbone: the family tpflow wraps it in and its configurations."""
+
+    title: str  # as the report names it
+    kind: str  # "sd3", "flux" or "qwen": which tpflow backbone class and which conditioning shapes
+    transformer: dict
+    vae: dict
+
+
+# Registered backbone name -> the published model it loads. The tiny backbones are built by their own registered
+# factories instead (``tpflow.memory.measure.TINY_BACKBONES``): they are real models of their real (test) size.
+PUBLISHED = {
+    "sd3.5-medium": Model("SD3.5-Medium", "sd3", SD35_MEDIUM_TRANSFORMER, SD3_VAE),
+    "sd3.5-large": Model("SD3.5-Large", "sd3", SD35_LARGE_TRANSFORMER, SD3_VAE),
+    "flux.1-dev": Model("FLUX.1-dev", "flux", FLUX_DEV_TRANSFORMER, FLUX_VAE),
+    "qwen-image": Model("Qwen-Image", "qwen", QWEN_IMAGE_TRANSFORMER, QWEN_VAE),
+}

@@ -1,0 +1,282 @@
+"""The measurement: tpflow's real code paths run on a recipe's model, their live tensor bytes counted.
+
+A ``Probe`` builds the recipe's backbone (full size on fake tensors for a published model, the tiny backbones for
+real: they are small) and measures, each as the peak of live bytes minus what was alive before the call: the
+rollout's largest velocity call (no grad), one GRPO training micro-batch (``GRPO._step_loss`` + backward, with and
+without gradient checkpointing) and one VAE decode chunk of the scoring worker. ``measure`` takes the recipe's own
+sizes; a ``Probe`` kept open re-measures other sizes (``tpflow.memory.fit``'s suggestions) without rebuilding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tpflow.memory.autocast import CudaAutocast
+from tpflow.memory.configs import PUBLISHED, TINY_FLUX, TINY_SD3, TINY_VAE
+from tpflow.memory.live_bytes import LiveBytes
+from tpflow.memory.models import build_backbone, conditioning, count_bytes, largest_block_bytes, latents
+
+# the tiny backbones (tpflow/backbones/tiny.py): built by their own factories, at their own (test) size
+TINY_BACKBONES = {"tiny-sd3": "sd3", "tiny-sd3-large": "sd3", "tiny-flux": "flux", "tiny-qwen-image": "qwen"}
+
+
+class NotModelled(Exception):
+    """The recipe names something the estimate cannot build or run; the message says what and why."""
+
+
+@dataclass
+class Setup:
+    """What one estimate needs from a recipe (all validated recipe values)."""
+
+    name: str
+    kind: str  # "sd3", "flux" or "qwen"
+    backbone: Any  # the backbone options
+    rollout: Any
+    train: Any
+    optimizer: Any  # GRPOOptions
+    transformer_cfg: dict | None  # None: ``builder`` builds the model
+    vae_cfg: dict | None
+    text_len: int  # tokens of the transformer's text sequence
+    figures: dict[str, float] = field(default_factory=dict)
+    sampler: str = "cps"  # the recipe's [sampler] (the training step's log-probability)
+    title: str = ""  # the model, as the report names it
+    published: bool = True  # count the published model's text encoders (built on the meta device)
+    builder: Callable[[Any], Any] | None = None  # options -> backbone, for a model built for real (tiny)
+    notes: list[str] = field(default_factory=list)  # what the estimate leaves out for this recipe
+
+
+def setup_of(recipe: Any, name: str) -> Setup:
+    """The estimate's view of a validated recipe, or ``NotModelled`` saying why there is none."""
+    from tpflow import registry
+
+    backbone, options = recipe.backbone.name, recipe.backbone.options
+    if backbone == "shapes-dit":
+        raise NotModelled(
+            "shapes-dit is the embedded CPU-sized model (a few million parameters): its memory is negligible next to "
+            "any GPU's, so it is not estimated"
+        )
+    if backbone not in PUBLISHED and backbone not in TINY_BACKBONES:
+        raise NotModelled(
+            f"the estimate builds {', '.join(PUBLISHED)} at their published sizes and the tiny test backbones; "
+            f"backbone {backbone!r} is none of them"
+        )
+    if recipe.optimizer.name != "grpo":
+        raise NotModelled(
+            f"the estimate runs GRPO's training step (tpflow/optim/grpo.py); optimizer {recipe.optimizer.name!r} "
+            "keeps other state and runs another step, which it does not model"
+        )
+    kind = PUBLISHED[backbone].kind if backbone in PUBLISHED else TINY_BACKBONES[backbone]
+    text_len = options.max_sequence_length + (77 if kind == "sd3" else 0)  # SD3: CLIP 77 tokens + T5, concatenated
+    notes = []
+    recompute = getattr(recipe.optimizer.options, "recompute", "native")
+    if recompute != "native":
+        notes.append(
+            f'[optimizer] recompute = "{recompute}" keeps the first window steps\' graphs from the rollout to the '
+            "update; they are not counted, so the figures are a lower bound"
+        )
+    common = dict(sampler=recipe.sampler.name, notes=notes)
+    if backbone in PUBLISHED:
+        model = PUBLISHED[backbone]
+        return Setup(name, kind, options, recipe.rollout, recipe.train, recipe.optimizer.options, model.transformer,
+                     model.vae, text_len, title=model.title, **common)  # fmt: skip
+    factory = registry.get("backbone", backbone).factory
+    return Setup(name, kind, options, recipe.rollout, recipe.train, recipe.optimizer.options, None, None, text_len,
+                 title=backbone, published=False, builder=factory, **common)  # fmt: skip
+
+
+def load_setup(path: Path) -> Setup:
+    """``setup_of`` the recipe file at ``path``, named by its stem."""
+    from tpflow.recipe import load_recipe
+
+    return setup_of(load_recipe(path), path.stem)
+
+
+def tiny_setup(kind: str) -> Setup:
+    """A recipe-shaped setup at the test sizes of docs/architecture.md (fp32, no autocast): what --tiny and the tests
+    run."""
+    from tpflow.backbones.flux import FluxOptions
+    from tpflow.backbones.sd3 import SD3Options
+    from tpflow.optim.grpo import GRPOOptions
+    from tpflow.settings import RolloutSettings, TrainSettings
+
+    sd3 = kind == "sd3"
+    options = (SD3Options if sd3 else FluxOptions)(
+        dtype="fp32", resolution=16 if sd3 else 32, lora_rank=4, max_sequence_length=8
+    )
+    rollout = RolloutSettings(num_steps=4, window_size=3, window_range=(0, 3), guidance=4.5 if sd3 else 3.5)
+    return Setup(
+        f"tiny-{kind}", kind, options, rollout, TrainSettings(rollout_batch=2, prompts_per_epoch=2, group_size=2),
+        GRPOOptions(micro_batch_size=2), TINY_SD3 if sd3 else TINY_FLUX, TINY_VAE, 8 + (77 if sd3 else 0),
+        title=f"tiny {kind}", published=False,
+    )  # fmt: skip
+
+
+def rollout_rows(num_steps: int, width: int, start: int, n: int, noise_rows: int | None = None,
+                 completions: str | None = "ode", baseline_noise: str = "shared") -> list[int]:  # fmt: skip
+    """Rows of the one velocity call of each step k of ``tpflow.rollout.rollout`` (max_batch unset), [K] ints.
+
+    At step k: the main trajectory (n rows; the P noise rows before the window), an independent baseline (n rows,
+    from step 0), and every ODE branch started before k: the shared baseline j = 0 (P rows) and completions
+    j = 1..W-1 (n rows each). ``noise_rows`` P defaults to n (``same_noise`` off).
+    """
+    p = n if noise_rows is None else noise_rows
+    rows = []
+    for k in range(num_steps):
+        count = n if k >= start else p
+        if completions is not None and baseline_noise == "independent":
+            count += n
+        if completions == "ode":
+            started = [j for j in range(width) if start + j < k]
+            count += sum((p if baseline_noise == "shared" else 0) if j == 0 else n for j in started)
+        rows.append(count)
+    return rows
+
+
+def largest_rollout_rows(setup: Setup, max_batch: int | None = None) -> int:
+    """Rows of the largest velocity call over the window starts the recipe samples, capped by ``max_batch``."""
+    r, n = setup.rollout, setup.train.rollout_batch
+    lo, hi = r.window_range
+    starts = range(lo, hi - r.window_size + 1)
+    rows = max(max(rollout_rows(r.num_steps, r.window_size, s, n, None, r.completions, r.baseline_noise))
+               for s in starts)  # fmt: skip
+    return min(rows, max_batch or rows)
+
+
+class Probe:
+    """The setup's backbone built under ``LiveBytes`` (on fake tensors unless ``fake=False``); each method runs one
+    of tpflow's calls and returns its activation peak in bytes. Use as a context manager."""
+
+    def __init__(self, setup: Setup, fake: bool = True) -> None:
+        self.setup, self.fake = setup, fake and setup.builder is None  # the tiny factories build real tensors
+        self._stack = ExitStack()
+
+    def __enter__(self) -> Probe:
+        from tpflow.backbones.diffusers_common import DTYPES
+
+        s = self.setup
+        if self.fake:
+            self._stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        self.tracker = self._stack.enter_context(LiveBytes())
+        if s.builder is not None:
+            self.backbone = s.builder(s.backbone.model_copy(update={"device": "cpu", "prompt_cache": 0}))
+        else:
+            self.backbone = build_backbone(s.kind, s.transformer_cfg, s.vae_cfg, s.backbone)
+        self.trainable = self.backbone.trainable_parameters()  # a full fine-tune's: every weight (fp32 masters)
+        precision = s.train.mixed_precision
+        self.autocast = CudaAutocast(DTYPES[precision]) if precision != "no" else None
+        self._grads = False
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.backbone = self.trainable = None
+        self._stack.close()
+
+    def statics(self) -> dict[str, Any]:
+        """Sizes read off the built model: latent, transformer, largest block, VAE, trained parameters."""
+        s, backbone, live = self.setup, self.backbone, self.tracker.live  # live: before the probes below
+        cond = conditioning(backbone, s.kind, 1, s.text_len).tensors  # one prompt's, as the rollout keeps them
+        return {
+            "latent_numel": latents(backbone, 1).numel(),
+            "embeds_bytes": sum(t.numel() * t.element_size() for t in cond.values()),  # [L, D] + pooled [P] / mask
+            "weights_tracked": live,
+            "transformer_bytes": count_bytes(backbone.transformer) - sum(p.numel() * 4 for p in self.trainable),
+            "largest_block_bytes": largest_block_bytes(backbone.transformer),
+            "vae_bytes": count_bytes(backbone.vae),
+            "lora_params": sum(p.numel() for p in self.trainable),
+        }
+
+    def _peak(self, fn: Callable[[], Any], autocast: bool = True) -> int:
+        with ExitStack() as inner:
+            if autocast and self.autocast is not None:
+                inner.enter_context(self.autocast)
+            before = self.tracker.reset_peak()
+            fn()
+        return self.tracker.peak - before
+
+    def rollout(self, rows: int) -> int:
+        """The rollout's velocity call of ``rows`` rows, no grad (CFG doubles the transformer's rows inside)."""
+        s, backbone = self.setup, self.backbone
+        cond, z = conditioning(backbone, s.kind, rows, s.text_len), latents(backbone, rows)
+        sigma = torch.full((rows,), 0.5, device="cpu")
+        with torch.no_grad():
+            return self._peak(lambda: backbone.velocity(z, sigma, cond, s.rollout.guidance))
+
+    def train(self, rows: int, checkpointing: bool) -> int:
+        """One training micro-batch of ``rows`` trajectories: GRPO's own step loss (policy forward, the reference
+        forward when beta > 0, the KL) and its backward, with gradient checkpointing on or off."""
+        from tpflow.optim.grpo import GRPO
+        from tpflow.registry import build
+        from tpflow.types import Rollout, RolloutCost
+
+        s, backbone, b = self.setup, self.backbone, rows
+        if not self._grads:  # steady state: grads exist from the previous micro-batch and are accumulated in place
+            for p in self.trainable:
+                p.grad = torch.zeros_like(p)
+            self._grads = True
+        shape = latents(backbone, b).shape
+        step = (b, 1, *shape[1:])
+        part = Rollout(
+            latents=torch.randn(step, device="cpu"), next_latents=torch.randn(step, device="cpu"),
+            log_probs=torch.zeros(b, 1, device="cpu"),
+            sigmas=torch.tensor([[0.6, 0.5]], device="cpu").expand(b, 2).clone(),
+            noise_level=s.rollout.noise_level, guidance=s.rollout.guidance,
+            cond=conditioning(backbone, s.kind, b, s.text_len), final=torch.randn(shape, device="cpu"),
+            completions=None, cost=RolloutCost(nfe=0.0),
+        )  # fmt: skip
+        grpo, sampler = GRPO(s.optimizer), build("sampler", s.sampler)
+        if checkpointing:
+            backbone.transformer.enable_gradient_checkpointing()
+        else:
+            backbone.transformer.disable_gradient_checkpointing()
+
+        def step() -> None:  # the advantages [b] made inside the step, as the update loop makes them
+            grpo._step_loss(backbone, sampler, part, torch.ones(b, device="cpu"), 0).total.backward()
+
+        return self._peak(step)
+
+    def decode(self, chunk: int) -> int:
+        """One decode call of the scoring worker, ``chunk`` latents, fp32 VAE, in the worker's thread, where the
+        trainer's autocast (thread-local) is off."""
+        zc = latents(self.backbone, chunk)
+        with torch.no_grad():
+            return self._peak(lambda: self.backbone.decode(zc), autocast=False)
+
+    def attention_ops(self) -> list[str]:
+        return sorted(op for op in self.tracker.ops if "attention" in op)
+
+
+def measure(setup: Setup, fake: bool = True) -> dict[str, Any]:
+    """Activation peaks (bytes) of the rollout call, the training step (checkpointing on and off) and a decode, at
+    the recipe's sizes, with the static sizes of the model (``Probe.statics``)."""
+    with Probe(setup, fake) as probe:
+        return measure_with(probe)
+
+
+def measure_with(probe: Probe) -> dict[str, Any]:
+    """``measure`` on an open probe (kept open by the caller to re-measure other sizes)."""
+    setup = probe.setup
+    r, t, o = setup.rollout, setup.train, setup.optimizer
+    rows = largest_rollout_rows(setup, r.max_batch)
+    out: dict[str, Any] = {"rollout_rows": rows, **probe.statics()}
+    out["rollout_act"] = probe.rollout(rows)
+    for ckpt in (False, True):
+        out[f"train_act_ckpt_{ckpt}"] = probe.train(o.micro_batch_size, ckpt)
+    cfg_rows = (setup.kind == "sd3" and r.guidance != 1) or (setup.kind == "qwen" and r.guidance > 1)
+    out["train_rows"] = o.micro_batch_size * (2 if cfg_rows else 1)
+    # one decode chunk of the scoring worker: train.score_batch of the n·W completions + n finals of a rollout batch
+    chunk = min(t.score_batch, t.rollout_batch * (r.window_size + 1))
+    out["decode_act"] = probe.decode(chunk)
+    out["decode_rows"] = chunk
+    out["attention_ops"] = probe.attention_ops()
+    if not setup.published and setup.builder is not None:
+        from tpflow.memory.models import pipe_text_encoder_params
+
+        out["text_encoders"] = pipe_text_encoder_params(probe.backbone)
+    return out

@@ -1,0 +1,172 @@
+"""The models the estimate runs: tpflow's own backbone classes around diffusers models of given configurations.
+
+Why tpflow's classes and not a stand-in: the estimate is of what tpflow allocates (its LoRA, its CFG batching, its
+latent packing), so its own ``SD3Backbone`` / ``FluxBackbone`` / ``QwenImageBackbone`` run on the real diffusers
+transformer and VAE, built at full size under ``FakeTensorMode`` (no weights, nothing allocated). The text encoders
+are not built: their parameters are counted on the meta device, and the prompts' embeddings are made at the shapes
+they give (``conditioning``).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+from unittest import mock
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from tpflow.memory.configs import CLIP_G, CLIP_L, QWEN25_VL_7B, T5_XXL
+
+
+def count_bytes(module: torch.nn.Module) -> int:
+    """numel × element size of the parameters and buffers (shared storages once)."""
+    tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def largest_block_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the largest repeated block (what FSDP2 gathers at once for its forward or backward)."""
+    from tpflow.train.sharding import BLOCK_LISTS
+
+    blocks = [b for name in BLOCK_LISTS for b in getattr(module, name, None) or ()]
+    return max((count_bytes(b) for b in blocks), default=0)
+
+
+def text_encoder_params(kind: str) -> dict[str, int]:
+    """Parameter counts of the published models' text encoders, built on the meta device (nothing allocated)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    if kind == "qwen":
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        with torch.device("meta"):
+            model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**QWEN25_VL_7B))
+        return {"Qwen2.5-VL-7B": sum(p.numel() for p in model.parameters())}
+    with torch.device("meta"):
+        if kind == "sd3":
+            encoders = {
+                "CLIP-L": CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_L)),
+                "CLIP-G": CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_G)),
+                "T5-XXL encoder": T5EncoderModel(T5Config(**T5_XXL)),
+            }
+        else:
+            encoders = {
+                "CLIP-L": CLIPTextModel(CLIPTextConfig(**CLIP_L)),
+                "T5-XXL encoder": T5EncoderModel(T5Config(**T5_XXL)),
+            }
+    return {name: sum(p.numel() for p in m.parameters()) for name, m in encoders.items()}
+
+
+def pipe_text_encoder_params(backbone: Any) -> dict[str, int]:
+    """Parameter counts of the text encoders a built backbone's pipeline holds (the tiny backbones build theirs)."""
+    pipe = getattr(backbone, "pipe", None)
+    found = {}
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        encoder = getattr(pipe, name, None)
+        if isinstance(encoder, torch.nn.Module):
+            found[f"{name} ({type(encoder).__name__})"] = sum(p.numel() for p in encoder.parameters())
+    return found
+
+
+def build_backbone(kind: str, transformer_cfg: dict, vae_cfg: dict, options: Any) -> Any:
+    """tpflow's SD3Backbone / FluxBackbone / QwenImageBackbone around a transformer and VAE of the given
+    configurations (no encoders). Call it under FakeTensorMode for full sizes. ``options``: the recipe's validated
+    backbone section (its device is replaced by the CPU, its prompt cache by none)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+
+    from tpflow.backbones.flux import FluxBackbone
+    from tpflow.backbones.sd3 import SD3Backbone
+
+    if kind == "qwen":
+        return _qwen_backbone(transformer_cfg, vae_cfg, options)
+    options = options.model_copy(update={"device": "cpu", "prompt_cache": 0})
+    vae = AutoencoderKL(**vae_cfg)
+    if kind == "sd3":
+        from diffusers import SD3Transformer2DModel
+
+        pipe: Any = types.SimpleNamespace(
+            transformer=SD3Transformer2DModel(**transformer_cfg),
+            vae=vae,
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+            vae_scale_factor=2 ** (len(vae_cfg["block_out_channels"]) - 1),
+        )
+    else:
+        from diffusers import FluxPipeline, FluxTransformer2DModel
+
+        pipe = types.SimpleNamespace(
+            transformer=FluxTransformer2DModel(**transformer_cfg),
+            vae=vae,
+            scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15),
+            vae_scale_factor=2 ** (len(vae_cfg["block_out_channels"]) - 1),
+            _prepare_latent_image_ids=FluxPipeline._prepare_latent_image_ids,
+        )
+    with fake_module_to():
+        return (SD3Backbone if kind == "sd3" else FluxBackbone)(pipe, options)
+
+
+def _qwen_backbone(transformer_cfg: dict, vae_cfg: dict, options: Any) -> Any:
+    """tpflow's QwenImageBackbone around a transformer and VAE of the given configurations (no text encoder)."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+
+    from tpflow.backbones.qwen_image import QwenImageBackbone
+
+    options = options.model_copy(update={"device": "cpu", "prompt_cache": 0})
+    pipe: Any = types.SimpleNamespace(
+        transformer=QwenImageTransformer2DModel(**transformer_cfg),
+        vae=AutoencoderKLQwenImage(**vae_cfg),
+        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                                  base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02),
+        vae_scale_factor=2 ** len(vae_cfg["temperal_downsample"]),
+        _pack_latents=QwenImagePipeline._pack_latents,
+        _unpack_latents=QwenImagePipeline._unpack_latents,
+    )  # fmt: skip
+    with fake_module_to():
+        return QwenImageBackbone(pipe, options)
+
+
+def fake_module_to() -> Any:
+    """A context in which ``Module.to`` converts FakeTensor parameters (see ``_swap_fake``)."""
+    return mock.patch.object(torch.utils, "swap_tensors", _swap_fake)
+
+
+def _swap_fake(t1: torch.Tensor, t2: torch.Tensor, _swap: Callable = torch.utils.swap_tensors) -> None:
+    """``torch.utils.swap_tensors`` after dropping FakeTensorMode's weak memo of the two tensors.
+
+    ``Module.to`` swaps fake parameters with their converted copies, and ``swap_tensors`` refuses tensors that are
+    weakly referenced; FakeTensorMode memoizes every fake tensor it makes in a WeakValueDictionary (a cache of
+    real-to-fake conversions, which these runs do not use).
+    """
+    for t in (t1, t2):
+        if isinstance(t, FakeTensor):
+            t.fake_mode.fake_tensor_converter.meta_converter.tensor_memo.clear()
+    _swap(t1, t2)
+
+
+def conditioning(backbone: Any, kind: str, rows: int, text_len: int, device: str = "cpu") -> Any:
+    """Prompt embeddings of ``rows`` prompts with the shapes the real encoders give (values irrelevant)."""
+    from tpflow.types import Conditioning
+
+    cfg, dtype = backbone.transformer.config, backbone.dtype
+    embeds = torch.randn(rows, text_len, cfg.joint_attention_dim, dtype=dtype, device=device)  # [rows, L, D]
+    if kind == "qwen":  # prompt embeddings padded to max_sequence_length with their mask, and the negative prompt's
+        mask = torch.ones(rows, text_len, dtype=torch.long, device=device)
+        negative = {"prompt_embeds": embeds[:1].clone(), "mask": mask[:1].clone()}
+        return Conditioning({"prompt_embeds": embeds, "mask": mask}, {"negative": negative})
+    pooled_dim = cfg.pooled_projection_dim
+    pooled = torch.randn(rows, pooled_dim, dtype=dtype, device=device)  # [rows, P]
+    if kind == "sd3":
+        negative = {"prompt_embeds": embeds[:1].clone(), "pooled": pooled[:1].clone()}
+        return Conditioning({"prompt_embeds": embeds, "pooled": pooled}, {"negative": negative})
+    txt_ids = torch.zeros(text_len, 3, dtype=dtype, device=device)
+    return Conditioning({"prompt_embeds": embeds, "pooled": pooled}, {"txt_ids": txt_ids, "img_ids": backbone.img_ids})
+
+
+def latents(backbone: Any, rows: int) -> torch.Tensor:
+    return backbone.initial_noise(rows)  # [rows, C, h, w] (SD3) or packed [rows, S, 4C] (FLUX), float32

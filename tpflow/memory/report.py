@@ -1,0 +1,147 @@
+"""The markdown report of ``benchmarks/memory_estimate.py`` (docs/results/memory_estimate.md): per recipe, the
+component table and the estimated peaks per number of processes, with and without gradient checkpointing and, for a
+sharded recipe, with the shards offloaded to the host."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tpflow.memory.accounting import GIB, component_rows, epoch_buffers, host_bytes, peaks, static_bytes
+
+CAVEATS = """\
+**Estimated, not measured on a GPU; validate with `benchmarks/gpu_smoke.py` on a GPU** (it prints
+`torch.cuda.max_memory_allocated`). `tpflow validate RECIPE --num-processes N --gpu-memory GIB` runs the same
+estimate for one recipe and says whether it fits (docs/distributed.md, "Will it fit?").
+
+Method. The real diffusers transformer and VAE classes with the published configurations (in
+`tpflow/memory/configs.py`, each beside the `config.json` it copies) are built under
+`torch._subclasses.fake_tensor.FakeTensorMode`: every tensor has its real shape, dtype and storage size but no data,
+so nothing is allocated and nothing is computed. tpflow's own `SD3Backbone` / `FluxBackbone` / `QwenImageBackbone`
+(with tpflow's peft LoRA on the recipe's targets and rank, or every weight trained) run their real code on them:
+`velocity` for the largest rollout call, `GRPO._step_loss` + `backward()` for one training micro-batch, `decode`
+for one scoring chunk. A `TorchDispatchMode` (`LiveBytes`) adds the bytes of each new tensor storage and subtracts
+them when the storage is freed, so its peak is the peak of live tensor bytes; an activation figure is that peak
+minus what was alive before the call. Weights, LoRA state and epoch buffers are numel × element size (the text
+encoders' parameters counted on the meta device).
+
+Caveats.
+- Attention kernel: the fake tensors live on the CPU device (autograd cannot run backward on fake CUDA tensors
+  without a CUDA driver), where `scaled_dot_product_attention` dispatches to the flash kernel
+  (`_scaled_dot_product_flash_attention_for_cpu`): it keeps the output and a float32 log-sum-exp [B, H, L], never
+  the L×L matrix — the same footprint as the flash / memory-efficient kernels PyTorch picks on an A100/H100 for
+  these fp16/bf16, head-dim 64/128 shapes. The math kernel would add B·H·L² elements per attention (about 13 GiB
+  per attention for the SD3.5-M rollout call) and is not what a GPU runs. The kernels' backward workspaces (flash
+  v2 keeps a float32 dq accumulator of the size of q) are not modelled.
+- Autocast: the trainer runs rollouts and updates under `accelerator.autocast()` (CUDA autocast with the recipe's
+  `mixed_precision`). CUDA autocast cannot be switched on without a CUDA device, so `CudaAutocast` (a
+  `TorchFunctionMode`) applies its policy at the Python call: matmul-type ops (linear, matmul, conv,
+  scaled_dot_product_attention, ...) cast their floating inputs to the low-precision dtype, with the cast of leaf
+  weights cached as autocast caches them; `layer_norm`, `group_norm`, `softmax`, `exp`, `pow`, `sum`, ... cast to
+  float32. Ops reached only through a C++ decomposition are not cast, unlike CUDA autocast.
+- The CUDA caching allocator rounds blocks up (512 B, 2 MiB segments) and fragments; `max_memory_reserved` is
+  typically 5-20 % above the live-bytes peak estimated here. The CUDA context (~0.5 GiB) and cuBLAS/cuDNN
+  workspaces are not counted.
+- Sharding (`[train] shard = "fsdp"`, P > 1 processes): each process holds 1/P of the rows marked sharded plus two
+  gathered blocks (the one computing and the one prefetched); the gradients of a block before their
+  reduce-scatter are taken to fit in that allowance. Offload (`[train] offload = true`): the sharded rows live in
+  the host's pinned memory instead, the GPU keeps the two gathered blocks. On one process nothing is sharded, so
+  nothing is offloaded.
+- Data-dependent Python reads of fake tensors (validity checks such as `bool((std == 0).all())`, logged floats)
+  read 0, so checks pass and logged diagnostics are 0; no memory depends on them.
+- Not counted: reward models (GenEval's Mask2Former + CLIP, PickScore's CLIP-H ~2 GiB in fp16; OCR runs on the CPU),
+  evaluation sampling (`eval.batch_size` rows, ODE, no completions: smaller than the rollout call), and the
+  prompt-encoding forward of the text encoders (short, before the rollout).
+
+What the code does about it (tpflow/train/trainer.py, tpflow/train/scoring.py), after the first version of this
+estimate showed three problems:
+- The scoring worker decodes and scores `train.score_batch` latents per call (default 16; it used to decode a
+  whole rollout batch, n·(W+1) latents, in one fp32 VAE call, the largest activation of every recipe at 512 px).
+- The decoded images are dropped once scored (they used to stay referenced until the update ended).
+- The rollouts keep no completion latents once scored, and the per-batch list is released right after
+  `Rollout.cat`: the update holds one copy of the epoch's rollout tensors (two only during the concatenation).
+- Epoch buffers scale with the trajectories a process holds, so they shrink with more processes; weights and the
+  activations do not.
+"""
+
+
+def report(setup: Any, m: dict[str, Any], world_sizes: tuple[int, ...] = (1, 8, 32), unit: int = GIB) -> str:
+    """One recipe's markdown section: the component table and the estimated peaks per number of processes."""
+    b, t = setup.backbone, setup.train
+    u = {GIB: "GiB", 2**20: "MiB", 2**10: "KiB"}[unit]
+    rows = component_rows(setup, m, unit)
+    static = static_bytes(setup, m, rows, 1)
+    ckpt = b.gradient_checkpointing
+    cfg = " (×2 with CFG)" if setup.kind in ("sd3", "qwen") and setup.rollout.guidance != 1 else ""
+    rows_t = m["train_rows"]
+    act = [
+        (f"largest rollout velocity call, {m['rollout_rows']} rows{cfg}", m["rollout_act"], "no_grad"),
+        (
+            f"VAE decode of one scoring chunk, {m['decode_rows']} latents",
+            m["decode_act"],
+            "no_grad, fp32, scoring thread",
+        ),
+        (
+            f"training micro-batch, {rows_t} transformer rows, no checkpointing",
+            m["train_act_ckpt_False"],
+            "policy fwd + reference fwd + bwd" + ("" if ckpt else "; **recipe**"),
+        ),
+        (
+            f"training micro-batch, {rows_t} transformer rows, gradient checkpointing",
+            m["train_act_ckpt_True"],
+            "policy fwd + reference fwd + bwd" + ("; **recipe**" if ckpt else ""),
+        ),
+    ]
+    total = t.prompts_per_epoch * t.group_size
+    buf = epoch_buffers(setup, m, total)
+    kept = [
+        ("rollout tensors of the epoch", buf["rollout"], f"{total} trajectories"),
+        ("`Rollout.cat` copy during the update", buf["rollout_copy"], "while concatenating only"),
+    ]
+    lines = [f"## {setup.name} ({setup.title}, {b.dtype}, {b.resolution} px, mixed_precision = {t.mixed_precision})"]
+    lines += ["", f"| component | {u} | note |", "|---|---:|---|"]
+    sharded = t.shard == "fsdp"
+    lines += [f"| {n} | {v / unit:.2f} | {note}{'; sharded' if s and sharded else ''} |" for n, v, note, s in rows]
+    lines += [f"| **weights and optimizer state** | **{static / unit:.2f}** | |"]
+    lines += [f"| activations: {n} | {v / unit:.2f} | {note} |" for n, v, note in act]
+    lines += [f"| epoch, one process: {n} | {v / unit:.2f} | {note} |" for n, v, note in kept]
+    sampling, update = peaks(setup, m, static, total)
+    phases = f"sampling {sampling / unit:.1f}, update {update / unit:.1f}"
+    lines += [f"| **estimated peak, one process** ({phases}) | **{max(sampling, update) / unit:.1f}** | |", ""]
+    lines += processes_table(setup, m, rows, world_sizes, unit)
+    if sharded:
+        block = m["largest_block_bytes"] / unit
+        lines += ["", f"Sharded (FSDP2): on P > 1 processes each holds 1/P of the rows marked sharded, plus two "
+                  f"gathered blocks ({block:.2f} {u} each: the one computing and the one prefetched). With "
+                  f"`offload = true` the sharded rows live in host memory (the last column), the blocks still come "
+                  f"over."]  # fmt: skip
+    lines += ["", f"Attention ops that ran: {', '.join(f'`{a}`' for a in m['attention_ops'])}.", ""]
+    return "\n".join(lines)
+
+
+def processes_table(setup: Any, m: dict[str, Any], rows: list, world_sizes: tuple[int, ...], unit: int) -> list[str]:
+    """The estimated per-process peaks on each number of processes: sampling, the update with gradient checkpointing
+    off and on (the recipe's marked), the recipe's peak, and for a sharded recipe the peak with ``offload = true``
+    (and the host memory per process it takes)."""
+    u = {GIB: "GiB", 2**20: "MiB", 2**10: "KiB"}[unit]
+    ckpt, sharded = setup.backbone.gradient_checkpointing, setup.train.shard == "fsdp"
+    mark = {c: " (recipe)" if c == ckpt else "" for c in (False, True)}
+    head = (f"| processes | trajectories each | sampling peak ({u}) "
+            f"| update peak, no checkpointing{mark[False]} ({u}) | update peak, checkpointing{mark[True]} ({u}) "
+            f"| peak ({u}) |")  # fmt: skip
+    if sharded:
+        head += f" peak with offload ({u}) | host memory with offload ({u}) |"
+    lines = [head, "|---:" * (8 if sharded else 6) + "|"]
+    offload = dataclasses.replace(setup, train=setup.train.model_copy(update={"offload": True})) if sharded else None
+    total = setup.train.prompts_per_epoch * setup.train.group_size
+    for world in world_sizes:
+        each = -(-total // world)
+        static = static_bytes(setup, m, rows, world)
+        sampling, update = peaks(setup, m, static, each)
+        updates = [peaks(setup, m, static, each, c)[1] for c in (False, True)]
+        cells = [world, each, *(f"{v / unit:.1f}" for v in (sampling, *updates, max(sampling, update)))]
+        if offload is not None:
+            light = peaks(offload, m, static_bytes(offload, m, rows, world), each)
+            cells += [f"{max(light) / unit:.1f}", f"{host_bytes(offload, rows, world) / unit:.1f}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
