@@ -2,6 +2,7 @@
 
     tpflow components [KIND]                 # what is registered: names, options, where they come from
     tpflow validate RECIPE [--set k=v ...]   # check every section of a recipe without loading weights
+    tpflow validate RECIPE --gpu-memory 80   # ... and whether it fits 80 GiB per GPU (estimated, no GPU needed)
     tpflow credit 50,46,40,47,52,55 ...      # per-step rewards of each credit assigner (tpflow.cli_listing)
     tpflow train RECIPE [--resume [PATH]]    # the training loop (TP-GRPO, Flow-GRPO, ...)
     tpflow shapes pretrain                   # rebuild the embedded shapes model
@@ -115,10 +116,21 @@ def validate(
         ),
     ] = 1,
     num_machines: Annotated[int, typer.Option("--num-machines", min=1, help="Machines taking part (with it).")] = 1,
+    gpu_memory: Annotated[
+        float | None,
+        typer.Option(
+            "--gpu-memory",
+            metavar="GIB",
+            help="Also estimate the peak GPU memory of each of the --num-processes × --num-machines processes (the "
+            "real model's shapes on fake tensors: no weights, no GPU) and say whether it fits in GIB GiB per GPU, "
+            "with what would help when not; exit 2 when it does not fit (docs/distributed.md, 'Will it fit?').",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Check every section of a recipe against its component, without loading any weights.
 
-    Example: tpflow validate recipes/geneval_tp.toml --no-machine --num-processes 8 --num-machines 4
+    Example: tpflow validate recipes/geneval_tp.toml --no-machine --num-processes 8 --num-machines 4 --gpu-memory 80
     """
     from tpflow.experiments.spec import is_experiment_file
     from tpflow.preflight import check_machine, default_run_dir
@@ -127,8 +139,12 @@ def validate(
     if is_experiment_file(recipe):  # an experiment: the file and every (arm, seed) recipe (docs/experiments.md)
         from tpflow.experiments.command import validate as validate_experiment
 
+        if gpu_memory is not None:
+            warn("--gpu-memory estimates one recipe; validate an arm's recipe with it (docs/distributed.md).")
         validate_experiment(recipe)
         return
+    if gpu_memory is not None and not gpu_memory > 0:
+        raise UserError(f"--gpu-memory is the memory of one GPU in GiB, a number > 0; got {gpu_memory:g}.")
     loaded = load_recipe(recipe, set_ or [])
     warn_broken_plugins()
     if num_processes * num_machines > 1:
@@ -137,15 +153,58 @@ def validate(
         layout = layout_report(loaded, num_processes * num_machines)  # before the table: a bad layout exits 2
     else:
         layout = None
-    report = check_machine(loaded, default_run_dir(loaded)) if machine else None
-    if not offline:
-        loaded.preflight()  # the remote reward's server: up, and serving the recipe's reward
     console = make_console()
+    # The estimate needs no weights: it runs before the machine check, so that a machine without them still gets
+    # the memory answer (printed before the missing-weights paragraph).
+    fit = _memory_fit(loaded, recipe, num_processes * num_machines, gpu_memory) if gpu_memory is not None else None
+    try:
+        report = check_machine(loaded, default_run_dir(loaded)) if machine else None
+        if not offline:
+            loaded.preflight()  # the remote reward's server: up, and serving the recipe's reward
+    except UserError:
+        if fit is not None:
+            _print_lines(console, fit.lines())
+        raise
     console.print(_recipe_table(recipe, loaded))
     if report is not None:
         _print_machine(console, report)
     if layout is not None:
         console.print(layout, highlight=False, soft_wrap=True)
+    if fit is not None:
+        _print_lines(console, fit.lines())
+        if not fit.fits:
+            raise UserError(fit.paragraph())
+
+
+def _memory_fit(loaded: Recipe, recipe: Path, processes: int, gib: float) -> Any:
+    """``tpflow.memory.estimate_fit`` for validate's --gpu-memory, or None with a warning where the estimate cannot
+    model the recipe (a backbone or optimizer it does not build, the embedded shapes-dit) or fails: the rest of
+    validate still runs, and its exit status is theirs."""
+    from tpflow.memory import NotModelled, estimate_fit
+
+    make_console(stderr=True).print(
+        f"estimating the memory per GPU on {processes} process{'es' if processes > 1 else ''} (fake tensors: no "
+        "weights, no GPU; about 20 s for a paper-scale model)",
+        style="dim",
+        highlight=False,
+        soft_wrap=True,
+    )
+    try:
+        return estimate_fit(loaded, processes, gib, name=str(recipe))
+    except NotModelled as exc:
+        warn(f"--gpu-memory: no memory estimate: {exc}. Nothing was checked against {gib:g} GiB.")
+    except Exception as exc:  # an estimator failure must not hide the rest of validate's checks
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        warn(
+            f"--gpu-memory: the memory estimate failed ({type(exc).__name__}: {reason}). Nothing was checked "
+            f"against {gib:g} GiB."
+        )
+    return None
+
+
+def _print_lines(console: Console, lines: list[str]) -> None:
+    for line in lines:
+        console.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
 def _recipe_table(recipe: Path, loaded: Recipe) -> Table:

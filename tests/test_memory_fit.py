@@ -1,0 +1,226 @@
+"""`tpflow validate RECIPE --num-processes N --gpu-memory GIB` (tpflow.memory.fit): the verdict's arithmetic, the
+suggestions as real re-estimates, the offload accounting, and the command's exit status and output order. Tiny
+models only (tiny-sd3 built for real, or the test sizes on fake tensors): seconds each."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tests.cli_run import tpflow
+from tpflow.memory import GIB, Fit, PerProcess, estimate_fit, tiny_setup
+from tpflow.memory.accounting import component_rows, host_bytes, per_process, static_bytes
+from tpflow.recipe import load_recipe
+
+TINY_SD3 = """
+[backbone]
+name = "tiny-sd3"
+seed = 0
+resolution = 16
+device = "cpu"
+{backbone}
+[reward]
+name = "image-stat"
+[dataset]
+name = "shapes"
+test_size = 6
+[credit]
+name = "consistent"
+[optimizer]
+name = "grpo"
+beta = 1e-3
+micro_batch_size = 8
+gradient_accumulation_steps = 1
+[rollout]
+num_steps = 4
+window_size = 3
+window_range = [0, 4]
+guidance = 2.0
+max_batch = 2
+[train]
+prompts_per_epoch = 2
+group_size = 4
+rollout_batch = 4
+"""
+
+
+def tiny_recipe(tmp_path: Path, backbone: str = "") -> Path:
+    """tiny-sd3 trained without gradient checkpointing on micro-batches of 8, rollout calls of 2 rows: the update
+    is the peak, so both of its suggestions (checkpointing, a smaller micro-batch) apply."""
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY_SD3.format(backbone=backbone))
+    return path
+
+
+def figures(sampling: float, update: float) -> PerProcess:
+    """Per-process figures in GiB (only the two peaks matter to the verdict)."""
+    return PerProcess(1, 8, 0, 0, 0, 0, 0, 0, int(sampling * GIB), int(update * GIB))
+
+
+def test_the_verdict_is_the_larger_peak_against_the_stated_memory():
+    fits = Fit("r.toml", None, 10, figures(5, 7))
+    assert fits.fits and fits.headroom == 3 * GIB
+    assert fits.verdict() == "fits in 10 GiB per GPU: 3.0 GiB headroom at the update peak of 7.0 GiB"
+    tight = Fit("r.toml", None, 8, figures(7.5, 7))  # 0.5 GiB left: under the allocator's 5-20 %
+    assert tight.fits and "0.5 GiB headroom at the sampling peak of 7.5 GiB (tight" in tight.verdict()
+    over = Fit("r.toml", None, 6.5, figures(5, 7))
+    assert not over.fits and over.headroom == -GIB // 2
+    assert over.verdict() == "does not fit in 6.5 GiB per GPU: the update peak is 7.0 GiB, 0.5 GiB over"
+    paragraph = over.paragraph()
+    assert "\n" not in paragraph and paragraph.startswith("r.toml does not fit in 6.5 GiB per GPU on 1 process")
+    assert "Nothing tried fits" in paragraph and "estimated, not measured" in paragraph
+    assert Fit("r.toml", None, 7, figures(5, 7)).fits  # equal to the peak: fits, no headroom
+
+
+def test_the_figures_add_up_and_the_epoch_is_split_over_the_processes(tmp_path):
+    fit = estimate_fit(load_recipe(tiny_recipe(tmp_path)), 2, 80)
+    f = fit.figures
+    assert fit.fits and f.world == 2 and f.trajectories == 4  # 2 prompts x 4 copies over 2 processes
+    assert f.sampling == f.static + f.epoch + f.rollout_act + f.decode_act
+    assert f.update == f.static + f.epoch + max(f.epoch, f.train_act)
+    assert f.peak == max(f.sampling, f.update) and fit.headroom == 80 * GIB - f.peak
+    text = "\n".join(fit.lines())
+    assert "memory per GPU on 2 processes (tiny-sd3; estimated, not measured on a GPU" in text
+    assert "verdict (estimate): fits in 80 GiB per GPU" in text and "what would help" not in text
+
+
+def test_each_suggestion_is_the_estimate_of_the_recipe_changed_so(tmp_path):
+    """Below the peak, the suggestions are the changes that lower it, each with the figures a fresh estimate of the
+    recipe with that ``--set`` gives (the training step re-measured at the smaller micro-batch)."""
+    path = tiny_recipe(tmp_path)
+    first = estimate_fit(load_recipe(path), 1, 80)
+    assert first.figures.update > first.figures.sampling
+    fit = estimate_fit(load_recipe(path), 1, first.figures.peak * 0.97 / GIB)
+    assert not fit.fits
+    labels = [s.label() for s in fit.suggestions]
+    assert "--set backbone.gradient_checkpointing=true" in labels
+    assert any(label.startswith("--set optimizer.micro_batch_size=") for label in labels), labels
+    for suggestion in fit.suggestions:
+        again = estimate_fit(load_recipe(path, list(suggestion.overrides)), 1, 80).figures
+        assert again == suggestion.figures, suggestion.label()
+        assert suggestion.figures.peak < fit.figures.peak
+    smaller = next(s for s in fit.suggestions if "micro_batch_size" in s.label())
+    assert smaller.figures.peak <= fit.gpu_bytes  # the largest micro-batch that fits: 4 of 8
+    assert smaller.overrides == ("optimizer.micro_batch_size=4",)
+    assert "Estimated to fit:" in fit.paragraph() and "micro_batch_size=4" in fit.paragraph()
+
+
+@pytest.fixture(scope="module")
+def sharded_full():
+    """The tiny SD3 test size fully fine-tuned with shard = "fsdp", measured on fake tensors."""
+    from tpflow.memory import measure
+
+    setup = tiny_setup("sd3")
+    setup.backbone = setup.backbone.model_copy(update={"finetune": "full"})
+    setup.train = setup.train.model_copy(update={"shard": "fsdp"})
+    return setup, measure(setup)
+
+
+def test_offload_moves_the_sharded_rows_to_the_host(sharded_full):
+    """offload = true: the GPU keeps the unsharded rows and two gathered blocks, each process's 1/P of the sharded
+    rows is in host memory; on one process nothing is sharded, so nothing moves; without sharding it is inert."""
+    setup, m = sharded_full
+    offload = dataclasses.replace(setup, train=setup.train.model_copy(update={"offload": True}))
+    rows = component_rows(setup, m)
+    whole = sum(v for _, v, _, _ in rows)
+    sharded = sum(v for _, v, _, s in rows if s)
+    block = m["largest_block_bytes"]
+    assert sharded > 0 and block > 0
+    assert static_bytes(offload, m, rows, 8) == whole - sharded + 2 * block
+    assert static_bytes(setup, m, rows, 8) == whole - sharded + -(-sharded // 8) + 2 * block
+    assert host_bytes(offload, rows, 8) == -(-sharded // 8) and host_bytes(setup, rows, 8) == 0
+    assert static_bytes(offload, m, rows, 1) == whole and host_bytes(offload, rows, 1) == 0
+    unsharded = dataclasses.replace(offload, train=offload.train.model_copy(update={"shard": "none"}))
+    assert static_bytes(unsharded, m, rows, 8) == whole and host_bytes(unsharded, rows, 8) == 0
+    on, off = per_process(offload, m, 8), per_process(setup, m, 8)
+    assert off.peak - on.peak == -(-sharded // 8) and on.host == -(-sharded // 8)
+
+
+def test_the_report_has_the_checkpointing_and_offload_columns(sharded_full):
+    from tpflow.memory import report
+
+    setup, m = sharded_full
+    text = report(setup, m, world_sizes=(1, 2), unit=2**10)
+    head = next(line for line in text.splitlines() if line.startswith("| processes"))
+    assert "update peak, no checkpointing (recipe) (KiB) | update peak, checkpointing (KiB)" in head
+    assert head.endswith("| peak with offload (KiB) | host memory with offload (KiB) |")
+    two = next(line for line in text.splitlines() if line.startswith("| 2 | "))
+    cells = [float(c) for c in two.strip("|").split("|")[2:]]
+    assert cells[4] < cells[3] and cells[5] > 0  # offload lowers the peak by the host's share
+    assert abs((cells[3] - cells[4]) - cells[5]) < 0.15  # rounding of three .1f figures
+
+
+def test_validate_says_it_does_not_fit_in_one_paragraph_and_exit_2(tmp_path):
+    path = tiny_recipe(tmp_path)
+    out = tpflow("validate", str(path), "--no-machine", "--gpu-memory", "0.001")
+    assert out.returncode == 2 and "Traceback" not in out.stderr + out.stdout
+    errors = [line for line in out.stderr.splitlines() if line.strip() and not line.startswith("estimating")]
+    assert len(errors) == 1 and errors[0].startswith("error: "), out.stderr
+    assert "does not fit in 0.001 GiB per GPU on 1 process" in errors[0]
+    assert "verdict (estimate): does not fit in 0.001 GiB per GPU" in out.stdout
+    assert "what would help (each re-estimated):" in out.stdout and "valid" in out.stdout
+    ok = tpflow("validate", str(path), "--no-machine", "--num-processes", "2", "--gpu-memory", "80")
+    assert ok.returncode == 0, ok.stderr
+    assert "memory per GPU on 2 processes" in ok.stdout and "verdict (estimate): fits in 80 GiB" in ok.stdout
+    bad = tpflow("validate", str(path), "--no-machine", "--gpu-memory", "0")
+    assert bad.returncode == 2 and "--gpu-memory is the memory of one GPU in GiB" in bad.stderr
+
+
+def test_validate_without_weights_prints_the_estimate_before_the_missing_weights_paragraph(tmp_path, monkeypatch):
+    """A paper backbone whose weights are not here: the estimate needs none, so it comes first, then the machine
+    check's paragraph (exit 2). The published SD3.5-M configuration is swapped for the test size to stay fast."""
+    from typer.testing import CliRunner
+
+    from tpflow import cli
+    from tpflow.memory import TINY_SD3, TINY_VAE, configs
+
+    monkeypatch.setitem(configs.PUBLISHED, "sd3.5-medium", configs.Model("SD3.5-M test size", "sd3", TINY_SD3,
+                                                                          TINY_VAE))  # fmt: skip
+    text = TINY_SD3_PAPER.format(weights=tmp_path / "no-such-folder")
+    (tmp_path / "paper.toml").write_text(text)
+    result = CliRunner().invoke(cli.app, ["validate", str(tmp_path / "paper.toml"), "--gpu-memory", "80"])
+    assert result.exit_code == 2, result.output
+    output = result.output
+    assert "Traceback" not in output
+    verdict, error = output.find("verdict (estimate): fits in 80 GiB"), output.find("error:")
+    assert 0 <= verdict < error, output
+    assert "no-such-folder" in output[error:] and output.count("error:") == 1
+
+
+TINY_SD3_PAPER = """
+[backbone]
+name = "sd3.5-medium"
+pretrained = "{weights}"
+device = "cpu"
+resolution = 16
+max_sequence_length = 8
+[reward]
+name = "image-stat"
+[dataset]
+name = "shapes"
+test_size = 6
+[optimizer]
+name = "grpo"
+micro_batch_size = 2
+[rollout]
+num_steps = 4
+window_size = 3
+window_range = [0, 4]
+[train]
+prompts_per_epoch = 2
+group_size = 2
+rollout_batch = 2
+"""
+
+
+def test_a_backbone_the_estimate_cannot_build_is_a_warning_not_a_failure(tmp_path, tiny_weights):
+    from tests.test_train import tiny_recipe as shapes_recipe
+
+    out = tpflow("validate", str(shapes_recipe(tmp_path, tiny_weights, reward="image-stat")), "--no-machine",
+                 "--gpu-memory", "80")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    flat = " ".join(out.stderr.split())
+    assert "warning: --gpu-memory: no memory estimate: shapes-dit is the embedded CPU-sized model" in flat
+    assert "Nothing was checked against 80 GiB" in flat and "verdict" not in out.stdout
