@@ -94,7 +94,7 @@ class Fit:
             out.append("  what would help (each re-estimated):" if self.suggestions else "  nothing tried fits")
             for suggestion in [*self.suggestions, *([self.together] if self.together else [])]:
                 g = suggestion.figures
-                verdict = "fits" if g.peak <= self.gpu_bytes else "does not fit"
+                verdict = "does not fit" if g.peak > self.gpu_bytes else "fits" + self._tight(g)
                 label = suggestion.label() + (" (together)" if suggestion is self.together else "")
                 out.append(f"    {label}: peak {size(g.peak)} (sampling {size(g.sampling)}, update "
                            f"{size(g.update)}), {verdict}")  # fmt: skip
@@ -105,11 +105,13 @@ class Fit:
         f, gpu = self.figures, f"{self.gpu_gib:g} GiB"
         phase = "sampling" if f.sampling >= f.update else "update"
         if self.fits:
-            tight = " (tight: under the allocator's usual 5-20 %)" if self.headroom < 0.2 * f.peak else ""
-            return (
-                f"fits in {gpu} per GPU: {size(self.headroom)} headroom at the {phase} peak of {size(f.peak)}{tight}"
-            )
+            headroom = f"{size(self.headroom)} headroom at the {phase} peak of {size(f.peak)}"
+            return f"fits in {gpu} per GPU: {headroom}{self._tight(f)}"
         return f"does not fit in {gpu} per GPU: the {phase} peak is {size(f.peak)}, {size(-self.headroom)} over"
+
+    def _tight(self, f: PerProcess) -> str:
+        """A warning for a fit whose headroom is below the allocator's usual 5-20 % over the live bytes."""
+        return " (tight: under the allocator's usual 5-20 %)" if self.gpu_bytes - f.peak < 0.2 * f.peak else ""
 
     def paragraph(self) -> str:
         """The one-paragraph error of ``tpflow validate`` when the recipe does not fit."""
