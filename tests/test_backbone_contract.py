@@ -17,6 +17,7 @@ from .conftest import exact_fp32
 
 PROMPTS = ["a photo of a red cat", "two dogs"]
 K = 3
+WAN_CLIP = {"height": 32, "width": 32, "num_frames": 5}  # 5 frames: 2 latent frames
 # real backbone -> (its tiny twin, the twin's pipeline, pipeline call options at the twin's size, guidance)
 TWINS = {
     "sd3.5-medium": ("tiny-sd3", lambda: tiny.tiny_sd3_pipeline(0), {"height": 16, "width": 16}, 4.5),
@@ -24,6 +25,9 @@ TWINS = {
     "flux.1-dev": ("tiny-flux", lambda: tiny.tiny_flux_pipeline(0), {"height": 16, "width": 16}, 3.5),
     "qwen-image": ("tiny-qwen-image", lambda: tiny.tiny_qwen_image_pipeline(0),
                    {"height": 32, "width": 32, "negative_prompt": [" ", " "]}, 4.0),
+    "wan2.1-t2v-1.3b": ("tiny-wan", lambda: tiny.tiny_wan_pipeline(0), WAN_CLIP, 4.5),
+    "wan2.1-t2v-14b": ("tiny-wan", lambda: tiny.tiny_wan_pipeline(0), WAN_CLIP, 4.5),
+    "wan2.2-t2v-a14b": ("tiny-wan2.2", lambda: tiny.tiny_wan22_pipeline(0), WAN_CLIP, 4.0),
 }  # fmt: skip
 
 
@@ -35,8 +39,9 @@ def _no_tf32():
 
 def _pipeline(pipe, z0: torch.Tensor, options: dict, guidance: float) -> torch.Tensor:
     scale = {"true_cfg_scale": guidance} if "negative_prompt" in options else {"guidance_scale": guidance}
-    return pipe(prompt=PROMPTS, num_inference_steps=K, latents=z0.clone(), output_type="latent",
-                max_sequence_length=32, **options, **scale).images  # fmt: skip
+    out = pipe(prompt=PROMPTS, num_inference_steps=K, latents=z0.clone(), output_type="latent",
+               max_sequence_length=32, **options, **scale)  # fmt: skip
+    return out.frames if hasattr(out, "frames") else out.images  # a video pipeline's output holds frames
 
 
 def test_every_diffusers_backbone_has_a_twin_here():

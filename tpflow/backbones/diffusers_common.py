@@ -317,15 +317,21 @@ class PipelineParts:
     adapter: Any  # diffusers_lora.LoraAdapter on ``transformer``, or full_finetune.FullWeights (finetune = "full")
 
 
-def setup_pipeline(pipe: Any, options: DiffusersBackboneOptions, encoders: Sequence[str]) -> PipelineParts:
+def setup_pipeline(
+    pipe: Any, options: DiffusersBackboneOptions, encoders: Sequence[str], trained: str = "transformer",
+    frozen: Sequence[str] = (),
+) -> PipelineParts:  # fmt: skip
     """Place a pipeline's parts and add the LoRA (or unfreeze the transformer: ``finetune = "full"``). The text
-    encoders named in ``encoders`` are frozen on the text device."""
+    encoders named in ``encoders`` are frozen on the text device; ``trained`` names the transformer that trains
+    (Wan2.2: one of its two experts) and ``frozen`` other transformers, placed with it in its dtype and frozen."""
     from tpflow.backbones import diffusers_lora as lora
     from tpflow.backbones import full_finetune as full
 
     device, dtype = resolve_device(options.device), DTYPES[options.dtype]
     text_device = device if options.text_encoders_device == "model" else torch.device("cpu")
-    transformer = place(pipe.transformer, device, dtype)
+    transformer = place(getattr(pipe, trained), device, dtype)
+    for name in frozen:
+        place(getattr(pipe, name), device, dtype).requires_grad_(False).eval()
     vae = place(pipe.vae, device, torch.float32).requires_grad_(False).eval()
     for name in encoders:
         encoder = getattr(pipe, name, None)
@@ -345,7 +351,8 @@ def setup_pipeline(pipe: Any, options: DiffusersBackboneOptions, encoders: Seque
     if options.compile_blocks:
         compile_blocks(transformer)
     cache = PromptCache(options.prompt_cache)
-    return PipelineParts(device, dtype, text_device, transformer, vae, pipe.vae_scale_factor, cache, adapter)
+    scale = getattr(pipe, "vae_scale_factor", None) or pipe.vae_scale_factor_spatial  # Wan: spatial and temporal
+    return PipelineParts(device, dtype, text_device, transformer, vae, scale, cache, adapter)
 
 
 REPEATED_BLOCKS = ("transformer_blocks", "single_transformer_blocks", "blocks")  # SD3, FLUX, shapes-dit

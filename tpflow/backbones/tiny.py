@@ -24,6 +24,8 @@ from tpflow.backbones.flux import FLUX_LORA_TARGETS, FLUX_LORA_TARGETS_HELP, TIM
 from tpflow.backbones.qwen_image import QWEN_LORA_TARGETS, QwenImageBackbone
 from tpflow.backbones.sd3 import SD3_LORA_TARGETS, SD3_LORA_TARGETS_HELP, SD3Backbone
 from tpflow.backbones.tiny_tokenizers import QWEN_VOCAB_SIZE, clip_tokenizer, qwen_tokenizer, t5_tokenizer
+from tpflow.backbones.wan import WAN_LORA_TARGETS, WanBackbone, clip_reward_problems
+from tpflow.backbones.wan22 import Wan22Backbone, expert_problems
 from tpflow.registry import register
 
 
@@ -272,6 +274,72 @@ def tiny_qwen_image(options: TinyQwenImageOptions) -> QwenImageBackbone:
     return QwenImageBackbone(tiny_qwen_image_pipeline(options.seed), options)
 
 
+class TinyWanOptions(TinyOptions):
+    resolution: int = Field(32, ge=16, description="Clip height and width in pixels (the tiny VAE downsamples 8×).")
+    width: int | None = Field(None, ge=16, description="Clip width in pixels (default: the height).")
+    num_frames: int = Field(5, ge=1, description="Frames per clip: 4k + 1.")
+    flow_shift: float = Field(3.0, gt=0, description="Static shift of the flow-matching schedule.")
+    lora_targets: list[str] = Field(default_factory=lambda: list(WAN_LORA_TARGETS), description="LoRA targets.")
+    negative_prompt: str = Field("", description="Prompt of the unconditional CFG branch.")
+
+
+def tiny_wan_pipeline(seed: int = 0, flow_shift: float = 3.0) -> Any:
+    """A ``WanPipeline`` at test size: two Wan transformer blocks, a 2-layer UMT5 encoder, a Wan VAE with 4 latent
+    channels (8× spatial, 4× temporal compression, as the real one), random weights; its scheduler is the Euler
+    flow-matching one with static shift ``flow_shift`` (what the backbone's schedule is: tpflow/backbones/wan.py)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = t5_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+            text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        )  # fmt: skip
+        vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                               temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.0, 0.3],
+                               latents_std=[1.5, 0.8, 1.0, 1.2]).eval()  # fmt: skip
+        config = UMT5Config(d_model=32, d_ff=37, d_kv=8, num_heads=4, num_layers=2, relative_attention_num_buckets=8,
+                            vocab_size=len(tokenizer))  # fmt: skip
+        text_encoder = UMT5EncoderModel(config).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=flow_shift)
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae,
+                       scheduler=scheduler)  # fmt: skip
+
+
+class TinyWan22Options(TinyWanOptions):
+    flow_shift: float = Field(12.0, gt=0, description="Static shift of the flow-matching schedule.")
+    train_expert: Literal["high", "low"] = Field("high", description="Which expert trains.")
+    low_noise_guidance: float | None = Field(None, ge=1.0, description="CFG scale of the low-noise expert.")
+
+
+def tiny_wan22_pipeline(seed: int = 0, flow_shift: float = 12.0) -> Any:
+    """``tiny_wan_pipeline`` with a second expert (``transformer_2``, seeded ``seed + 1``) and Wan2.2 A14B's
+    boundary 0.875: with 3 steps at shift 12 the first two run the high-noise expert, the last the low-noise one."""
+    pipe = tiny_wan_pipeline(seed, flow_shift)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        second = type(pipe.transformer)(**pipe.transformer.config)
+    from diffusers import WanPipeline
+
+    return WanPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, transformer=pipe.transformer,
+                       vae=pipe.vae, scheduler=pipe.scheduler, transformer_2=second, boundary_ratio=0.875)  # fmt: skip
+
+
+@register("backbone", "tiny-wan2.2", options=TinyWan22Options)
+def tiny_wan22(options: TinyWan22Options) -> Wan22Backbone:
+    """Wan22Backbone over ``tiny_wan22_pipeline(seed)``."""
+    return Wan22Backbone(tiny_wan22_pipeline(options.seed, options.flow_shift), options)  # type: ignore[arg-type]
+
+
+@register("backbone", "tiny-wan", options=TinyWanOptions)
+def tiny_wan(options: TinyWanOptions) -> WanBackbone:
+    """WanBackbone over ``tiny_wan_pipeline(seed)``."""
+    return WanBackbone(tiny_wan_pipeline(options.seed, options.flow_shift), options)  # type: ignore[arg-type]
+
+
 @register("backbone", "tiny-flux", options=TinyFluxOptions)
 def tiny_flux(options: TinyFluxOptions) -> FluxBackbone:
     """FluxBackbone over ``tiny_flux_pipeline(seed)``."""
@@ -293,4 +361,6 @@ def _check_machine(options: TinyOptions, settings: dict) -> list[str]:
 
 
 tiny_sd3.check_machine = _check_machine  # type: ignore[attr-defined]
+tiny_wan.check_recipe = clip_reward_problems  # type: ignore[attr-defined]
+tiny_wan22.check_recipe = expert_problems  # type: ignore[attr-defined]
 tiny_flux.check_machine = _check_machine  # type: ignore[attr-defined]
