@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tpflow.inspect.traces import Trajectories, paper_labels
+from tpflow.video import frame_strip
 
 DPI = 120
 STYLE = {"font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9, "legend.fontsize": 8, "figure.dpi": DPI}
@@ -141,7 +142,8 @@ def plot_completions(t: Trajectories, credit: str, path: Path) -> Path:
             framed = set() if turning is None else {i + 1 for i in turning[b].nonzero().flatten().tolist()}
             for j in range(width + 1):
                 ax = axes[b][j]
-                ax.imshow(t.images[b, j].permute(1, 2, 0).clamp(0, 1).numpy(), interpolation="nearest")
+                shown = frame_strip(t.images[b, j][None])[0]  # a clip [F, 3, H, W]: a strip of its frames
+                ax.imshow(shown.permute(1, 2, 0).clamp(0, 1).numpy(), interpolation="nearest")
                 ax.set_xticks([])
                 ax.set_yticks([])
                 ax.set_xlabel(f"{float(t.trace[b, j]):.3f}", labelpad=1)

@@ -265,7 +265,7 @@ class AdamWLoop:
             self.precision.add_scaled(self._params, out.grads)
         elif out.deferred:
             deferred.append(out.total)
-        else:
+        elif out.total.requires_grad:  # else its rows ran a frozen module only (Wan2.2's other expert): gradient 0
             self.precision.backward(out.total)
         totals.add(out, rows, first)
         return rows

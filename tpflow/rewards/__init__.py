@@ -1,6 +1,6 @@
 """Reward models. Importing this package registers them (heavy models load lazily, on the first call)."""
 
-from tpflow.rewards import aesthetic, clipscore, image_stat, ocr, pickscore, remote, weighted
+from tpflow.rewards import aesthetic, clipscore, frames, image_stat, ocr, pickscore, remote, weighted
 from tpflow.rewards.geneval import reward as geneval_reward
 from tpflow.rewards.shapes_clip import ShapesClipReward
 from tpflow.rewards.shapes_geneval import ShapesGenevalReward
@@ -10,6 +10,7 @@ __all__ = [
     "ShapesGenevalReward",
     "aesthetic",
     "clipscore",
+    "frames",
     "geneval_reward",
     "image_stat",
     "ocr",

@@ -33,6 +33,7 @@ from tpflow.rewards.call import DEFAULT_POLICY, RewardPolicy, call_reward, rewar
 from tpflow.rollout import sample_ode
 from tpflow.settings import EvalSettings
 from tpflow.types import PromptItem
+from tpflow.video import frame_strip
 
 logger = logging.getLogger(__name__)
 EVAL_SEED_OFFSET = 12_345  # the trainer evaluates with noise seeded train.seed + this, at every eval
@@ -150,7 +151,7 @@ def _score_mine(
         for name, values in out.details.items():
             details[name] += values.tolist()
         shown += [
-            (mine[start + j], to_uint8(images[j : j + 1].cpu()))
+            (mine[start + j], to_uint8(frame_strip(images[j : j + 1]).cpu()))  # a clip: a strip of its frames
             for j in range(len(part))
             if mine[start + j] in in_grid
         ]
