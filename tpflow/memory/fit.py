@@ -217,8 +217,6 @@ def _suggest(fit: Fit, recipe: Any, m: dict[str, Any], probe: Probe) -> None:
         switches.append(("backbone.gradient_checkpointing=true",))
     if world > 1 and train.shard != "fsdp":
         switches.append(('train.shard="fsdp"',))
-    if world > 1 and not getattr(train, "offload", False):
-        switches.append((*(() if train.shard == "fsdp" else ('train.shard="fsdp"',)), "train.offload=true"))
     if setup.published and backbone.text_encoders_device == "model":
         switches.append(('backbone.text_encoders_device="cpu"',))
     sizes = [

@@ -44,9 +44,9 @@ Caveats.
   workspaces are not counted.
 - Sharding (`[train] shard = "fsdp"`, P > 1 processes): each process holds 1/P of the rows marked sharded plus two
   gathered blocks (the one computing and the one prefetched); the gradients of a block before their
-  reduce-scatter are taken to fit in that allowance. Offload (`[train] offload = true`): the sharded rows live in
-  the host's pinned memory instead, the GPU keeps the two gathered blocks. On one process nothing is sharded, so
-  nothing is offloaded.
+  reduce-scatter are taken to fit in that allowance. Offload (FSDP2's `CPUOffloadPolicy`, not yet an option of
+  tpflow: estimated to say what it would save): the sharded rows live in the host's pinned memory instead, the GPU
+  keeps the two gathered blocks. On one process nothing is sharded, so nothing is offloaded.
 - Data-dependent Python reads of fake tensors (validity checks such as `bool((std == 0).all())`, logged floats)
   read 0, so checks pass and logged diagnostics are 0; no memory depends on them.
 - Not counted: reward models (GenEval's Mask2Former + CLIP, PickScore's CLIP-H ~2 GiB in fp16; OCR runs on the CPU),
@@ -113,8 +113,8 @@ def report(setup: Any, m: dict[str, Any], world_sizes: tuple[int, ...] = (1, 8, 
         block = m["largest_block_bytes"] / unit
         lines += ["", f"Sharded (FSDP2): on P > 1 processes each holds 1/P of the rows marked sharded, plus two "
                   f"gathered blocks ({block:.2f} {u} each: the one computing and the one prefetched). With "
-                  f"`offload = true` the sharded rows live in host memory (the last column), the blocks still come "
-                  f"over."]  # fmt: skip
+                  f"offload (FSDP2's CPUOffloadPolicy, not yet a tpflow option) the sharded rows would live in host "
+                  f"memory (the last column), the blocks still coming over."]  # fmt: skip
     lines += ["", f"Attention ops that ran: {', '.join(f'`{a}`' for a in m['attention_ops'])}.", ""]
     return "\n".join(lines)
 
