@@ -4,12 +4,14 @@ aggregate, and the frame strips that grids show clips as."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import pytest
 import tomllib
 import torch
+from PIL import Image
 
 from tpflow.errors import RecipeError
 from tpflow.recipe import validate_recipe
@@ -41,7 +43,8 @@ def video_recipe(name: str, run_dir: Path, backbone: str = "tiny-wan") -> dict:
 
 
 def test_every_method_trains_an_epoch_on_clips(tmp_path):
-    """Each method's recipe on tiny-wan: the LoRA moves, the eval scores clips, its grid shows frame strips."""
+    """Each method's recipe on tiny-wan: the LoRA moves, the eval scores clips, its grid shows frame strips and an
+    animated WebP beside it plays the clips."""
     seen = {kind: set() for kind in ("credit", "plan", "sampler", "optimizer")}
     for name in RECIPES:
         recipe = validate_recipe(video_recipe(name, tmp_path / name))
@@ -55,7 +58,12 @@ def test_every_method_trains_an_epoch_on_clips(tmp_path):
         assert metrics["optimizer_steps"] >= 1 and math.isfinite(metrics["eval_reward"]), name
         traces = read_jsonl(tmp_path / name / "traces.jsonl")
         assert len(traces) == 8 and all(math.isfinite(r["trace"][-1]) for r in traces), name
-        assert list((tmp_path / name / "samples").glob("eval_*.png")), name
+        grids = sorted((tmp_path / name / "samples").glob("eval_*.png"))
+        assert grids, name
+        with Image.open(grids[-1].with_suffix(".webp")) as clips:  # beside each grid of strips, the clips playing
+            assert clips.n_frames == 5 and clips.is_animated, name
+        about = json.loads(grids[-1].with_suffix(".png.json").read_text())
+        assert about["clips"] == grids[-1].with_suffix(".webp").name and about["strip"].endswith("0, 1, 3, 4"), name
     from tpflow import registry
 
     for kind, names in seen.items():  # the recipes above cover every registered one
@@ -125,3 +133,18 @@ def test_a_wan22_window_its_trained_expert_never_runs_is_refused(tmp_path):
     data["train"]["shard"] = "fsdp"
     with pytest.raises(RecipeError, match="not supported for Wan2.2"):
         validate_recipe(data)
+
+
+def test_tpflow_sample_of_a_video_recipe_writes_strips_and_the_playing_clips(tmp_path):
+    from tests.cli_run import tpflow
+    from tests.test_train import tiny_recipe
+
+    recipe = tiny_recipe(
+        tmp_path, None, reward='frames"\nreward = "image-stat', backbone='name = "tiny-wan"\nseed = 0'
+    )
+    out = tpflow("sample", str(recipe), "--prompt", "a red circle", "--n", "2", "--steps", "3",
+                 "--out", str(tmp_path / "sheet.png"))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "2 clips" in out.stdout and (tmp_path / "sheet.png").is_file()
+    with Image.open(tmp_path / "sheet.webp") as clips:
+        assert clips.n_frames == 5

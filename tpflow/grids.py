@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ class Tile:
     mark: bool | None = None  # True: pass (green frame), False: fail (red), None: no frame
     info: dict[str, Any] = field(default_factory=dict)  # more entries of this tile in the tile map
     note: str = ""  # one short line drawn above the caption, e.g. the image's reward ("score 0.734")
+    frames: torch.Tensor | None = None  # a clip's frames [F, 3, H, W] uint8 (``image``: a strip of some of them)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,35 @@ def captioned_grid(
         group: a wider gap after every ``group`` columns (0: none).
         max_tile: larger images are shrunk to this side (None: never).
     """
+    canvas, size, boxes = _draw(tiles, columns, headers, group, max_tile)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    canvas.save(path)  # zlib level 6: optimize=True is 8x slower for 4% less
+    grid = Grid(path, size, boxes, [t.caption for t in tiles])
+    _write_tile_map(grid, tiles, headers, about)
+    return grid
+
+
+def clip_grid(
+    tiles: list[Tile], columns: int, path: Path, max_tile: int | None = None, ms_per_frame: int = 250
+) -> Path:
+    """An animated WebP of clips laid out as ``captioned_grid`` lays out images: frame f of the animation shows each
+    tile's frame f (``Tile.frames``), with the same captions, marks and notes; it loops."""
+    count = min(t.frames.shape[0] for t in tiles if t.frames is not None)
+    pictures = []
+    for f in range(count):
+        shown = [replace(t, image=t.frames[f].float() / 255) if t.frames is not None else t for t in tiles]
+        pictures.append(_draw(shown, columns, None, 0, max_tile)[0])
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pictures[0].save(path, save_all=True, append_images=pictures[1:], duration=ms_per_frame, loop=0, quality=90)
+    return path
+
+
+def _draw(
+    tiles: list[Tile], columns: int, headers: list[str] | None, group: int, max_tile: int | None
+) -> tuple[Image.Image, tuple[int, int], list[tuple[int, int, int, int]]]:
+    """The grid's picture, its size and each tile's image box (``captioned_grid``'s layout)."""
     h, w = tiles[0].image.shape[-2:]
     scale = max(1, math.ceil(MIN_TILE / max(h, w)))
     shrink = min(1.0, max_tile / max(h, w)) if max_tile else 1.0
@@ -123,12 +153,7 @@ def captioned_grid(
         box = (left, top, left + tile_w, top + tile_h)
         boxes.append(box)
         _frame_and_caption(draw, tile, box, font, chars, notes, line_h)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    canvas.save(path)  # zlib level 6: optimize=True is 8x slower for 4% less
-    grid = Grid(path, (width, height), boxes, [t.caption for t in tiles])
-    _write_tile_map(grid, tiles, headers, about)
-    return grid
+    return canvas, (width, height), boxes
 
 
 def _sized(image: np.ndarray, tile_w: int, tile_h: int, shrink: float, scale: int) -> Image.Image:

@@ -229,7 +229,9 @@ def sample(
     Example: tpflow sample runs/shapes_tp --prompt "a photo of a red circle" --prompt "two blue squares" --n 4
     """
     from tpflow.evaluation.sample import sample_images
-    from tpflow.grids import Tile, captioned_grid
+    from tpflow.grids import Tile, captioned_grid, clip_grid
+    from tpflow.rewards._images import to_uint8
+    from tpflow.video import frame_strip
 
     if out.suffix.lower() != ".png":
         raise UserError(f"--out {out} should name a .png file.")
@@ -248,12 +250,16 @@ def sample(
     steps = steps or resolved.recipe.eval.num_steps  # the recipe's eval steps, as tpflow eval
     batch = resolved.recipe.eval.batch_size
     images = sample_images(resolved, prompt, n, steps, scale, seed, precision.autocast, ema, batch)
-    tiles = [Tile(image, text, info={"index": r}) for r, (image, text) in
-             enumerate(zip(images, [p for p in prompt for _ in range(n)], strict=True))]  # fmt: skip
+    clips = images.ndim == 5  # a video backbone's: strips on the PNG, the clips playing in a WebP beside it
+    frames = to_uint8(images) if clips else [None] * len(images)
+    tiles = [Tile(frame_strip(image[None])[0], text, info={"index": r}, frames=f) for r, (image, text, f) in
+             enumerate(zip(images, [p for p in prompt for _ in range(n)], frames, strict=True))]  # fmt: skip
     grid = captioned_grid(tiles, n, out)
+    if clips:
+        clip_grid(tiles, n, out.with_suffix(".webp"))
     make_console().print(
-        f"wrote {grid.path} ({len(grid.boxes)} images of {resolved.label}, {steps} steps, guidance {scale:g}, "
-        f"seed {seed})",
+        f"wrote {grid.path}{' and ' + str(out.with_suffix('.webp')) if clips else ''} ({len(grid.boxes)} "
+        f"{'clips' if clips else 'images'} of {resolved.label}, {steps} steps, guidance {scale:g}, seed {seed})",
         highlight=False,
         markup=False,
     )

@@ -14,7 +14,6 @@ import torch
 from tpflow.devices import cpu_generator
 from tpflow.evaluation.targets import Target, load_model
 from tpflow.rollout import sample_ode
-from tpflow.video import frame_strip
 
 
 @torch.no_grad()
@@ -29,7 +28,7 @@ def sample_images(
     ema: bool = True,
     batch_size: int = 16,
 ) -> torch.Tensor:
-    """[len(prompts)·n, 3, H, W] images in [0, 1], prompt-major (a video backbone's clips as strips of frames)."""
+    """[len(prompts)·n, 3, H, W] images in [0, 1], prompt-major (a video backbone's clips [.., F, 3, H, W])."""
     torch.manual_seed(target.recipe.train.seed)
     backbone = load_model(target, ema=ema)
     rows = [p for p in prompts for _ in range(n)]
@@ -41,5 +40,5 @@ def sample_images(
         with autocast():
             latents = sample_ode(backbone, cond, z0[start : start + len(part)], backbone.sigmas(steps), guidance,
                                  batch_size)  # fmt: skip
-        images.append(frame_strip(backbone.decode(latents)).float().cpu())
+        images.append(backbone.decode(latents).float().cpu())
     return torch.cat(images)

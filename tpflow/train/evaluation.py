@@ -26,14 +26,14 @@ import torch
 
 from tpflow.devices import cpu_generator
 from tpflow.distributed import Distributed
-from tpflow.grids import EVAL_TILE, GRID_IMAGES, Grid, Tile, captioned_grid, columns_for, shown_images
+from tpflow.grids import EVAL_TILE, GRID_IMAGES, Grid, Tile, captioned_grid, clip_grid, columns_for, shown_images
 from tpflow.interfaces import Backbone, PromptDataset, RewardModel
 from tpflow.rewards._images import to_uint8
 from tpflow.rewards.call import DEFAULT_POLICY, RewardPolicy, call_reward, reward_name
 from tpflow.rollout import sample_ode
 from tpflow.settings import EvalSettings
 from tpflow.types import PromptItem
-from tpflow.video import frame_strip
+from tpflow.video import frame_strip, strip_frames
 
 logger = logging.getLogger(__name__)
 EVAL_SEED_OFFSET = 12_345  # the trainer evaluates with noise seeded train.seed + this, at every eval
@@ -151,7 +151,7 @@ def _score_mine(
         for name, values in out.details.items():
             details[name] += values.tolist()
         shown += [
-            (mine[start + j], to_uint8(frame_strip(images[j : j + 1]).cpu()))  # a clip: a strip of its frames
+            (mine[start + j], to_uint8(images[j : j + 1].cpu()))  # [1, 3, H, W], or a clip's [1, F, 3, H, W]
             for j in range(len(part))
             if mine[start + j] in in_grid
         ]
@@ -179,7 +179,8 @@ def grid_tiles(scored: Scored, everything: list[PromptItem], source: str | None 
         if source is not None:
             info["source"] = source
         note = f"score {scored.scores[r]:.3f}"  # every reward's figure on its tile, not only in eval.json
-        tiles.append(Tile(pixels[0].float() / 255, item.prompt, verdict, info, note))
+        frames = pixels[0] if pixels.ndim == 5 else None  # a clip: its strip on the PNG, all its frames animated
+        tiles.append(Tile(frame_strip(pixels)[0].float() / 255, item.prompt, verdict, info, note, frames))
     return tiles
 
 
@@ -188,7 +189,11 @@ def save_eval_grid(scored: Scored, everything: list[PromptItem], path: Path) -> 
     per_prompt = min(len(scored.scores) // max(1, len(everything)), GRID_IMAGES)
     tiles = grid_tiles(scored, everything)
     columns = columns_for(per_prompt, len(tiles))
-    return captioned_grid(tiles, columns, path, max_tile=EVAL_TILE, about={"shows": scored.grid_rule})
+    about = {"shows": scored.grid_rule}
+    if tiles and tiles[0].frames is not None:  # clips: the PNG shows strips, the WebP beside it plays them
+        about["clips"] = clip_grid(tiles, columns, Path(path).with_suffix(".webp"), max_tile=EVAL_TILE).name
+        about["strip"] = "each tile shows frames " + ", ".join(map(str, strip_frames(tiles[0].frames.shape[0])))
+    return captioned_grid(tiles, columns, path, max_tile=EVAL_TILE, about=about)
 
 
 def summarize(scored: Scored, everything: list[PromptItem]) -> dict[str, float]:
