@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -55,6 +55,14 @@ class WeightedOptions(BaseModel):
 
     rewards: list[WeightedPart] = Field(
         ..., min_length=1, description="The rewards to add: a list of {name, weight, options, label}."
+    )
+    combine: Literal["sum", "zscore_sum"] = Field(
+        "sum",
+        description="How the parts make the advantage. 'sum': the weighted sum of their scores is the reward, and the "
+        "group normalises the sum (the flow_grpo reference's multi_score). 'zscore_sum': each part's step rewards are "
+        "group-normalised (and clipped) on their own and the advantage is Σ weight · z (DanceGRPO's and MixGRPO's "
+        "multi-reward advantages), so a part's scale does not decide its share. The scores logged and shown are the "
+        "weighted sum either way.",
     )
 
     @field_validator("rewards")
@@ -113,6 +121,13 @@ class WeightedReward:
         """Each part's preflight (a ``remote`` part checks its server), before a run starts."""
         for part in options.rewards:
             registry.preflight("reward", part.name, registry.validate_options("reward", part.name, part.options))
+
+    def zscored_parts(self) -> dict[str, float] | None:
+        """With ``combine = "zscore_sum"``: each part's ``details`` key and weight, whose advantages the trainer
+        normalises apart and sums (``tpflow.train.reward_parts``); None with ``combine = "sum"``."""
+        if self.options.combine != "zscore_sum":
+            return None
+        return {key: weight for key, weight, _ in self.parts}
 
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:
         """Score images [N, 3, H, W] in [0, 1] with every part; ``scores`` [N] float32, the weighted sum."""

@@ -31,6 +31,7 @@ class ScoredBatch:
     decode_s: float = 0.0
     reward_s: float = 0.0
     images: Tensor | None = None  # [n, W+1, 3, H, W] float32 on the CPU (completions j, then the final), if kept
+    part_traces: dict[str, Tensor] = field(default_factory=dict)  # detail name -> [n, W+1], as ``trace``
 
 
 def _use_cuda_device(index: int | None) -> None:
@@ -113,16 +114,24 @@ def score_rollout(
     start = time.perf_counter()
     scores, details = _reward(reward, images, rows_prompts, rows_meta, chunk, policy)
     reward_s = time.perf_counter() - start
-    trace = torch.full((n, window + 1), float("nan"), device="cpu")  # host bookkeeping (tpflow.devices)
-    if width:
-        trace[:, :width] = scores[: n * width].view(n, width)
-    trace[:, window] = scores[n * width :]
+    trace = _as_trace(scores, n, width, window)
     final_details = {k: v[n * width :] for k, v in details.items()}
+    part_traces = {k: _as_trace(v, n, width, window) for k, v in details.items()}  # each detail traced alike
     kept = None
     if keep_images:
         host = images.detach().float().cpu()
         kept = torch.cat([host[: n * width].view(n, width, *host.shape[1:]), host[n * width :, None]], dim=1)
-    return ScoredBatch(trace, final_details, decode_s, reward_s, kept)  # [n, W+1, 3, H, W] or None
+    return ScoredBatch(trace, final_details, decode_s, reward_s, kept, part_traces)  # kept: [n, W+1, 3, H, W]
+
+
+def _as_trace(scores: Tensor, n: int, width: int, window: int) -> Tensor:
+    """Scores [n·W' + n] (completions trajectory-major, then the finals) as a trace [n, W+1]: columns 0..W'-1 the
+    completions, column W the final, NaN where nothing was scored (host bookkeeping, tpflow.devices)."""
+    trace = torch.full((n, window + 1), float("nan"), device="cpu")
+    if width:
+        trace[:, :width] = scores[: n * width].view(n, width)
+    trace[:, window] = scores[n * width :]
+    return trace
 
 
 def _reward(

@@ -57,6 +57,7 @@ from tpflow.train.out_of_memory import out_of_memory_message
 from tpflow.train.progress import PhaseProgress
 from tpflow.train.prompt_sampler import check_layout, layout_line, plan_epoch
 from tpflow.train.resume import checkpoint_to_resume, restoring, train_command
+from tpflow.train.reward_parts import zscore_sum_advantages, zscored_parts
 from tpflow.train.run_lock import RunDirLock
 from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, fit_segments, truncate_after
 from tpflow.train.sampling import EpochSampler
@@ -283,7 +284,12 @@ class Trainer:
         items = rows.items.tolist()
         starts = items if self.recipe.rollout.same_noise else None
         groups = prompt_groups([self.train_items[i].prompt for i in items], starts)  # [N] ints
-        advantages = self.optimizer.advantages(rows.step_rewards, groups)  # [N, W] float64, the same everywhere
+        parts = zscored_parts(self.reward)  # several rewards, each normalised on its own (tpflow.train.reward_parts)
+        advantages = (  # [N, W] float64, the same everywhere
+            zscore_sum_advantages(parts, self.credit, sampled.scored, self.optimizer, groups, self.dist.gather)
+            if parts
+            else self.optimizer.advantages(rows.step_rewards, groups)
+        )
         n, rank = sampled.num_rows, self.dist.rank
         batch = Rollout.cat(sampled.rollouts)
         sampled.rollouts.clear()  # the update holds the concatenated copy only
