@@ -42,7 +42,7 @@ _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "reward": ("tpflow.rewards",),
     "credit": ("tpflow.credit",),
     "optimizer": ("tpflow.optim",),
-    "dataset": ("tpflow.data", "tpflow.shapes.prompts"),
+    "dataset": ("tpflow.data", "tpflow.shapes.prompts", "tpflow.shapes.video_world"),
 }
 
 _KIND_WORDS = {

@@ -13,9 +13,10 @@ learned null text, batched with the conditional one in a single call (docs/algor
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -36,21 +37,23 @@ WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "shapes" / "weights"
 WEIGHTS_FILE = "shapes_dit.safetensors"
 
 
-def save_model(model: torch.nn.Module, directory: Path, state: dict[str, Tensor] | None = None) -> None:
-    """A full fine-tune's weights: ``shapes_dit.safetensors`` with its .json config, as ``shapes pretrain`` writes
-    them (so the folder is also a ``weights`` value for a later run); from ``state`` when given."""
+def save_model(
+    model: torch.nn.Module, directory: Path, state: dict[str, Tensor] | None = None, file: str = WEIGHTS_FILE
+) -> None:
+    """A full fine-tune's weights: ``shapes_dit.safetensors`` (``file``) with its .json config, as ``shapes
+    pretrain`` writes them (so the folder is also a ``weights`` value for a later run); from ``state`` when given."""
     from tpflow.shapes.model import save_checkpoint
 
-    save_checkpoint(model, Path(directory) / WEIGHTS_FILE, state=state)
+    save_checkpoint(model, Path(directory) / file, state=state)
 
 
-def model_state(directory: Path) -> dict[str, Tensor]:
+def model_state(directory: Path, file: str = WEIGHTS_FILE) -> dict[str, Tensor]:
     """The state dict ``save_model`` wrote (safetensors)."""
     from safetensors.torch import load_file
 
-    path = Path(directory) / WEIGHTS_FILE
+    path = Path(directory) / file
     if not path.is_file():
-        raise UserError(f"No shapes-dit weights at {path}: a full fine-tune's checkpoint holds {WEIGHTS_FILE}.")
+        raise UserError(f"No shapes-world weights at {path}: a full fine-tune's checkpoint holds {file}.")
     return load_file(str(path))
 
 
@@ -92,18 +95,20 @@ class ShapesDitOptions(BaseModel):
     )
 
 
-def resolve_weights(weights: str | None) -> Path:
-    """The .safetensors path named by the ``weights`` option; UserError saying how to create it when missing."""
-    path = WEIGHTS_DIR / WEIGHTS_FILE if weights is None else Path(weights).expanduser()
+def resolve_weights(
+    weights: str | None, file: str = WEIGHTS_FILE, name: str = "shapes-dit",
+    create: str = "`tpflow shapes pretrain --out DIR` (about 45 minutes on 2 CPU cores)",
+) -> Path:  # fmt: skip
+    """The .safetensors path named by the ``weights`` option (``file`` in a folder, or the shipped one); UserError
+    saying how to create it (``create``) when missing."""
+    path = WEIGHTS_DIR / file if weights is None else Path(weights).expanduser()
     if path.is_dir():
-        path = path / WEIGHTS_FILE
+        path = path / file
     if not path.is_file():
-        where = (
-            "The shipped shapes-dit weights are" if weights is None else f"The shapes-dit weights {str(path)!r} are"
-        )
+        where = f"The shipped {name} weights are" if weights is None else f"The {name} weights {str(path)!r} are"
         raise UserError(
-            f"{where} missing ({path}). Create them with `tpflow shapes pretrain --out DIR` (about 45 minutes on 2 "
-            "CPU cores) and pass weights = 'DIR/shapes_dit.safetensors' in the [backbone] section."
+            f"{where} missing ({path}). Create them with {create} and pass weights = 'DIR/{file}' in the [backbone] "
+            "section."
         )
     return path
 
@@ -117,66 +122,94 @@ class ShapesBackbone:
     ``trainable_parameters`` are the LoRA matrices only.
     """
 
+    # what the video shapes world's backbone (tpflow/backbones/shapes_video.py) replaces
+    weights_file = WEIGHTS_FILE
+    model_name = "shapes-dit"
+    options_class: type[BaseModel] = ShapesDitOptions
+
+    @staticmethod
+    def _resolve(weights: str | None) -> Path:
+        return resolve_weights(weights)
+
+    @staticmethod
+    def _model(config: Any) -> torch.nn.Module:
+        from tpflow.shapes.model import ShapesDiT, ShapesDiTConfig
+
+        return ShapesDiT(ShapesDiTConfig.from_dict(config) if isinstance(config, dict) else config)
+
+    @staticmethod
+    def _tokenize(prompts: list[str], max_tokens: int) -> tuple[Tensor, Tensor]:
+        return vocab.tokenize(prompts, max_tokens)
+
+    def _load(self, path: Path) -> ShapesDiT:
+        return load_checkpoint(path, self.device)
+
     @staticmethod
     def prompt_warnings(prompts: Sequence[str]) -> list[str]:
         """What the closed vocabulary loses of these prompts (``vocab.prompt_warnings``); no weights needed."""
         return vocab.prompt_warnings(list(prompts))
 
-    @staticmethod
-    def check_machine(options: ShapesDitOptions, settings: dict) -> list[str]:
+    @classmethod
+    def check_machine(cls, options: ShapesDitOptions, settings: dict) -> list[str]:
         """The weights file exists, is a safetensors file and has its model config (the .json beside it or the
         file's metadata), and the LoRA targets name layers of that model (built from the config, random weights); the
         header is read, not the weights."""
         from tpflow.backbones.lora_targets import structure, target_problems
         from tpflow.preflight import safetensors_problem
-        from tpflow.shapes.model import ShapesDiTConfig, read_config
+        from tpflow.shapes.model import read_config
 
+        name = cls.model_name
         try:
-            path = resolve_weights(options.weights)
+            path = cls._resolve(options.weights)
         except UserError as exc:
             return [f"[backbone] {exc}"]
-        problem = safetensors_problem(path, "[backbone] The shapes-dit weights")
+        problem = safetensors_problem(path, f"[backbone] The {name} weights")
         if problem is None:
             try:
-                config = ShapesDiTConfig.from_dict(read_config(path))
+                config = read_config(path)
+                cls._model(config)  # the config builds the model (a bad value raises here)
             except Exception as exc:  # no config in the metadata, or a .json beside it that does not parse
                 problem = (
-                    f"[backbone] The shapes-dit weights {path} have no readable model config ({type(exc).__name__}: "
+                    f"[backbone] The {name} weights {path} have no readable model config ({type(exc).__name__}: "
                     f"{exc}): expected {path.with_suffix('.json')} or a 'config' in the file's metadata."
                 )
         if problem:
             return [f"{problem} Use a file written by `tpflow shapes pretrain`."]
-        model = structure(lambda: ShapesDiT(config), meta=False)  # 1.7 M parameters
-        return target_problems(model, options.lora_targets, "shapes-dit")
+        model = structure(lambda: cls._model(config), meta=False)  # 1.7 M parameters
+        return target_problems(model, options.lora_targets, name)
 
-    @staticmethod
-    def weight_sources(options: ShapesDitOptions, settings: dict) -> list[WeightSource]:
+    @classmethod
+    def weight_sources(cls, options: ShapesDitOptions, settings: dict) -> list[WeightSource]:
         """Where the weights come from (``tpflow.weights``); a missing file is ``check_machine``'s problem."""
         try:
-            path = resolve_weights(options.weights)
+            path = cls._resolve(options.weights)
         except UserError:
             return []
         origin = "shipped file" if options.weights is None else "local file"
-        return [WeightSource("shapes-dit weights (option weights)", str(path), f"{origin} {path}")]
+        return [WeightSource(f"{cls.model_name} weights (option weights)", str(path), f"{origin} {path}")]
 
     def __init__(self, options: ShapesDitOptions | None = None) -> None:
-        self.options = options = options or ShapesDitOptions()
+        self.options = options = options or type(self).options_class()
         self.device = resolve_device(options.device)
-        self.weights_path = resolve_weights(options.weights)
+        self.weights_path = self._resolve(options.weights)
         try:
-            model = load_checkpoint(self.weights_path, self.device)
+            model = self._load(self.weights_path)
         except Exception as exc:  # random bytes, another model's weights, a bad config beside the file
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UserError(
-                f"The shapes-dit weights {self.weights_path} could not be loaded ({type(exc).__name__}: {reason}): "
-                "expected a safetensors file written by `tpflow shapes pretrain`, with its .json config beside it."
+                f"The {self.model_name} weights {self.weights_path} could not be loaded ({type(exc).__name__}: "
+                f"{reason}): expected a safetensors file written by `tpflow shapes pretrain`, with its .json config "
+                "beside it."
             ) from None
         model.requires_grad_(False)
         if options.finetune == "full":
             from tpflow.backbones.full_finetune import FullWeights
 
+            file = self.weights_file
             self.model: ShapesDiT = model
-            self.adapter: ShapesLora | FullWeights = FullWeights(model, save_model, model_state)
+            self.adapter: ShapesLora | FullWeights = FullWeights(
+                model, functools.partial(save_model, file=file), functools.partial(model_state, file=file)
+            )
         else:
             self.adapter = ShapesLora(model, options, self.device)
             self.model = self.adapter.model
@@ -191,14 +224,18 @@ class ShapesBackbone:
 
     def encode(self, prompts: Sequence[str]) -> Conditioning:
         """Word ids and their mask, [N, max_tokens] each (the text encoder runs inside ``velocity``)."""
-        tokens, mask = vocab.tokenize(list(prompts), self.config.max_tokens)
+        tokens, mask = self._tokenize(list(prompts), self.config.max_tokens)
         return Conditioning(tensors={"tokens": tokens.to(self.device), "mask": mask.to(self.device)})
 
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> Tensor:
         """z_0 ~ N(0, I): [n, 3, 32, 32] float32 on the model's device, drawn on the generator's device (the CPU by
         tpflow's rule, ``tpflow.devices``)."""
+        return randn((n, *self.latent_shape()), generator, self.device)
+
+    def latent_shape(self) -> tuple[int, ...]:
+        """One sample's pixels: (C, H, W)."""
         cfg = self.config
-        return randn((n, cfg.channels, cfg.image_size, cfg.image_size), generator, self.device)
+        return (cfg.channels, cfg.image_size, cfg.image_size)
 
     def sigmas(self, num_steps: int) -> Tensor:
         """SD3's shifted schedule ``sd3_sigmas(num_steps, shift)``: [K + 1] float32, the final 0 included."""

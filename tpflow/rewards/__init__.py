@@ -4,10 +4,12 @@ from tpflow.rewards import aesthetic, clipscore, frames, image_stat, ocr, picksc
 from tpflow.rewards.geneval import reward as geneval_reward
 from tpflow.rewards.shapes_clip import ShapesClipReward
 from tpflow.rewards.shapes_geneval import ShapesGenevalReward
+from tpflow.rewards.shapes_video import ShapesVideoReward
 
 __all__ = [
     "ShapesClipReward",
     "ShapesGenevalReward",
+    "ShapesVideoReward",
     "aesthetic",
     "clipscore",
     "frames",

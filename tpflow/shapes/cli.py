@@ -2,6 +2,7 @@
 
     tpflow shapes pretrain --minutes 45 --out runs/shapes-pretrain    # writes shapes_dit.safetensors + .json
     tpflow shapes clip-pretrain --minutes 11 --out runs/shapes-clip --threads 1   # shapes_clip.safetensors + .json
+    tpflow shapes video-pretrain --minutes 60 --out runs/shapes-video   # shapes_video_dit.safetensors + .json
 
 Use the result with ``weights = "runs/shapes-pretrain/shapes_dit.safetensors"`` in a recipe's [backbone] section
 (``name = "shapes-dit"``), or copy both files into ``tpflow/shapes/weights/`` to replace the shipped model; the
@@ -89,4 +90,29 @@ def clip_pretrain(
         split=split,
         progress=progress,
     )
+    typer.echo(str(path))
+
+
+@shapes_app.command("video-pretrain")
+def video_pretrain(
+    minutes: Annotated[float, typer.Option(help="Wall-clock budget of the training loop, in minutes.")] = 60.0,
+    out: Annotated[
+        Path, typer.Option(help="Output folder for shapes_video_dit.safetensors (EMA weights) and its .json.")
+    ] = Path("runs/shapes-video-pretrain"),
+    seed: Annotated[int, typer.Option(help="Seed of the initialisation, prompts, renderings and noise.")] = 0,
+    batch_size: Annotated[int, typer.Option(help="Clips per training step.")] = 24,
+    lr: Annotated[float, typer.Option(help="AdamW peak learning rate (after a linear warm-up).")] = 1e-3,
+    threads: Annotated[int, typer.Option(help="Torch CPU threads; 0: every core.")] = 0,
+    max_steps: Annotated[int, typer.Option(help="Stop after this many steps (0: only the time budget).")] = 0,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar (otherwise print log lines).")] = True,
+) -> None:
+    """Pretrain the video shapes world's model (shapes-video-dit) by rectified flow on clips rendered on the fly."""
+    from tpflow.shapes.video_pretrain import video_pretrain as run
+
+    if minutes <= 0 or batch_size < 1 or lr <= 0 or threads < 0 or max_steps < 0:
+        typer.echo("error: --minutes and --lr must be positive, --batch-size at least 1, --threads and --max-steps "
+                   "at least 0.", err=True)  # fmt: skip
+        raise typer.Exit(2)
+    path = run(minutes=minutes, out=out, seed=seed, batch_size=batch_size, lr=lr, progress=progress,
+               threads=threads or None, max_steps=max_steps or None)  # fmt: skip
     typer.echo(str(path))

@@ -224,33 +224,41 @@ class ShapesDiT(nn.Module):
             null: [N] bool, rows that use the learned null text instead of their prompt (CFG), or None.
         """
         cfg, n = self.config, x.shape[0]
+        p, g = cfg.patch_size, self.grid
+        patches = x.reshape(n, cfg.channels, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(n, g * g, -1)
+        out = self.joint(self.x_embed(patches) + self.pos_embed, sigma, tokens, mask, null, x.dtype)  # [N, g², C·p·p]
+        out = out.reshape(n, g, g, cfg.channels, p, p).permute(0, 3, 1, 4, 2, 5)
+        return out.reshape(n, cfg.channels, cfg.image_size, cfg.image_size)
+
+    def joint(
+        self, image: Tensor, sigma: Tensor, tokens: Tensor, mask: Tensor, null: Tensor | None, dtype: torch.dtype
+    ) -> Tensor:
+        """The text encoder, the conditioning and the joint blocks over embedded image tokens [N, T, width]; returns
+        the output patches [N, T, proj_out's width] (what ``forward`` and the video model share). ``dtype``: the
+        input pixels' (the null text and the timestep embedding are cast to it, under autocast too)."""
+        cfg, n = self.config, image.shape[0]
         length = tokens.shape[1]
         mask = mask.bool()
         if null is None or not bool(null.any()):
             text = self.encode_text(tokens, mask)
         else:  # encode only the conditional rows; the null rows take the learned null text
             null = null.bool()
-            text = self.null_text[:length].to(x.dtype).expand(n, length, -1).clone()
+            text = self.null_text[:length].to(dtype).expand(n, length, -1).clone()
             keep = (~null).nonzero().squeeze(1)
             if keep.numel():
                 text[keep] = self.encode_text(tokens[keep], mask[keep]).to(text.dtype)
             mask = mask | null[:, None]
         weights = mask.to(text.dtype)[..., None]
         pooled = (text * weights).sum(1) / weights.sum(1).clamp(min=1.0)  # [N, width]
-        c = self.time_embed(timestep_embedding(1000.0 * sigma.reshape(n), cfg.width).to(x.dtype))
+        c = self.time_embed(timestep_embedding(1000.0 * sigma.reshape(n), cfg.width).to(dtype))
         c = c + self.text_pool(pooled)
-
-        p, g = cfg.patch_size, self.grid
-        patches = x.reshape(n, cfg.channels, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(n, g * g, -1)
-        h = torch.cat([text, self.x_embed(patches) + self.pos_embed], dim=1)  # [N, L + g², width]
-        image_mask = torch.ones(n, g * g, dtype=torch.bool, device=x.device)
+        h = torch.cat([text, image], dim=1)  # [N, L + T, width]
+        image_mask = torch.ones(n, image.shape[1], dtype=torch.bool, device=image.device)
         bias = _key_bias(torch.cat([mask, image_mask], dim=1), h.dtype)
         for block in self.blocks:
             h = block(h, c, bias)
         shift, scale = self.adaln_out(c)[:, None].chunk(2, dim=-1)
-        out = self.proj_out(self.norm_out(h[:, length:]) * (1 + scale) + shift)  # [N, g², C·p·p]
-        out = out.reshape(n, g, g, cfg.channels, p, p).permute(0, 3, 1, 4, 2, 5)
-        return out.reshape(n, cfg.channels, cfg.image_size, cfg.image_size)
+        return self.proj_out(self.norm_out(h[:, length:]) * (1 + scale) + shift)
 
 
 def _key_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:

@@ -218,11 +218,14 @@ def _adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> 
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99), fused=True)
 
 
-def _optimizer_step(model: ShapesDiT, optimizer: torch.optim.Optimizer, batch: tuple, gen, lr: float) -> float:
-    """One rectified-flow step at learning rate ``lr`` (gradient norm clipped at 1); returns the loss."""
+def _optimizer_step(
+    model: ShapesDiT, optimizer: torch.optim.Optimizer, batch: tuple, gen, lr: float, loss: Callable = flow_loss
+) -> float:
+    """One rectified-flow step at learning rate ``lr`` (gradient norm clipped at 1; ``loss``: images' or clips');
+    returns the loss."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    loss = flow_loss(model, *batch, gen)
+    loss = loss(model, *batch, gen)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)

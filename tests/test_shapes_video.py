@@ -1,0 +1,128 @@
+"""The video shapes world: its prompts and splits, clips and detector reward (accuracy on rendered clips), the clip
+DiT, its pretraining command, its backbone (a noise-0 rollout is the ODE) and a training epoch of its recipe."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tpflow.registry import build
+from tpflow.shapes import video_world
+from tpflow.shapes.video_model import ShapesVideoConfig, ShapesVideoDiT
+
+ROOT = Path(__file__).resolve().parent.parent
+OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up"}
+
+
+@pytest.fixture(scope="module")
+def video_weights(tmp_path_factory) -> Path:
+    """A clip DiT after 3 pretraining steps (random-ish weights, the real file format)."""
+    from tpflow.shapes.video_pretrain import video_pretrain
+
+    out = tmp_path_factory.mktemp("video-weights")
+    return video_pretrain(minutes=1, out=out, batch_size=2, max_steps=3, progress=False, threads=1)
+
+
+def test_the_world_has_96_prompts_and_the_train_split_never_asks_for_a_held_out_triple():
+    items = video_world.all_items()
+    assert len(items) == 96 and len({it.prompt for it in items}) == 96
+    dataset = build("dataset", "shapes-video")
+    train, test = dataset.split("train"), dataset.split("test")
+    assert len(test) == 96 and sum(it.metadata["held_out"] for it in test) == 2 * len(video_world.HELD_OUT)
+    assert not any(it.metadata["held_out"] for it in train) and len(train) == video_world.TRAIN_SIZE
+    tokens, mask = video_world.tokenize([it.prompt for it in items])
+    assert not bool((tokens == 1).any()) and int(mask.sum(1).max()) <= video_world.MAX_TOKENS  # no <unk>
+
+
+def test_the_detector_reward_is_exact_on_rendered_clips_of_the_held_out_prompts():
+    """Each test prompt rendered 3 times: every clip strictly correct for its prompt; the same clips judged against
+    the opposite direction fail the motion check, against another colour the colour check."""
+    reward = build("reward", "shapes-video")
+    items = [it for it in video_world.all_items() for _ in range(3)]
+    rng = np.random.default_rng(7)
+    clips = torch.stack([video_world.render_clip(it.metadata, rng) for it in items])
+    assert clips.shape == (288, 8, 3, 32, 32)
+    meta = [it.metadata for it in items]
+    out = reward(clips, [m["prompt"] for m in meta], meta)
+    assert float(out.details["strict"].mean()) == 1.0 and float(out.scores.mean()) == 1.0
+    flipped = [dict(m, direction=OPPOSITE[m["direction"]]) for m in meta]
+    wrong = reward(clips, [m["prompt"] for m in flipped], flipped)
+    assert float(wrong.details["motion"].max()) == 0.0 and float(wrong.details["count"].min()) == 1.0
+    recoloured = [dict(m, color="green" if m["color"] != "green" else "red") for m in meta]
+    assert float(reward(clips, [m["prompt"] for m in meta], recoloured).details["color"].max()) == 0.0
+
+
+def test_objects_move_the_prompts_way_and_stay_inside_the_frame():
+    rng = np.random.default_rng(0)
+    for direction, (dx, dy) in video_world.DIRECTIONS.items():
+        meta = {"color": "red", "shape": "square", "count": 2, "direction": direction}
+        clip = video_world.render_clip(meta, rng)
+        ink = (clip < 0.9).any(dim=1)  # [F, H, W] pixels that are not background
+        assert not bool(ink[:, 0, :].any() or ink[:, -1, :].any() or ink[:, :, 0].any() or ink[:, :, -1].any())
+        ys, xs = ink[0].nonzero().float().mean(0), ink[-1].nonzero().float().mean(0)
+        assert (float(xs[1] - ys[1]) * dx + float(xs[0] - ys[0]) * dy) > 10  # 14 px of travel
+
+
+def test_the_clip_dit_starts_at_velocity_0_and_its_patches_round_trip():
+    torch.manual_seed(0)
+    model = ShapesVideoDiT(ShapesVideoConfig(width=32, heads=2, depth=1, text_width=32))
+    x = torch.randn(2, 8, 3, 32, 32)
+    tokens, mask = video_world.tokenize(["a red circle moving left", "two blue squares moving up"])
+    assert torch.equal(model(x, torch.rand(2), tokens, mask), torch.zeros_like(x))  # adaLN-zero output
+    torch.nn.init.normal_(model.proj_out.weight)
+    for block in model.blocks:  # out of adaLN-zero's identity: the tokens attend to each other
+        torch.nn.init.normal_(block.adaln[-1].weight, std=0.1)
+    sigma = torch.rand(2)
+    v = model(x, sigma, tokens, mask)
+    v.square().mean().backward()
+    assert v.shape == x.shape and model.x_embed.weight.grad.abs().sum() > 0 and model.time_pos.grad.abs().sum() > 0
+    later = x.clone()
+    later[:, 4:] += 1.0  # the second half of the frames changes: every output frame may see it (joint attention)
+    assert (model(later, sigma, tokens, mask)[:, :4] - v[:, :4]).abs().max() > 1e-4
+
+
+def test_video_pretrain_writes_weights_the_backbone_loads(video_weights):
+    backbone = build("backbone", "shapes-video-dit", weights=str(video_weights))
+    z0 = backbone.initial_noise(2, torch.Generator().manual_seed(0))
+    assert z0.shape == (2, 8, 3, 32, 32)
+    from tpflow.rollout import Window, rollout, sample_ode
+    from tpflow.samplers.cps import CpsSampler
+
+    cond, sigmas = backbone.encode(["a red circle moving left", "two blue squares moving up"]), backbone.sigmas(4)
+    with torch.no_grad():
+        ode = sample_ode(backbone, cond, z0, sigmas, 3.0)
+        out = rollout(backbone, CpsSampler(), cond, z0, sigmas, Window(0, 3), 0.0, 3.0, completions=None)
+    torch.testing.assert_close(out.final, ode, rtol=0, atol=1e-6)  # noise level 0 is the ODE
+    assert backbone.decode(ode).shape == (2, 8, 3, 32, 32)
+
+
+def test_the_recipe_trains_an_epoch(tmp_path, video_weights):
+    from tpflow.recipe import load_recipe
+    from tpflow.train.trainer import Trainer
+
+    sets = [f'backbone.weights="{video_weights}"', "train.epochs=1", "train.prompts_per_epoch=2", "train.group_size=4",
+            "train.rollout_batch=8", "rollout.num_steps=4", "rollout.window_size=3", "rollout.window_range=[0, 3]",
+            "eval.num_prompts=4", "eval.batch_size=4", "eval.num_steps=4", f'train.run_dir="{tmp_path}"']  # fmt: skip
+    recipe = load_recipe(ROOT / "recipes" / "shapes_video_flowgrpo.toml", sets)
+    trainer = Trainer(recipe)
+    before = [p.detach().clone() for p in trainer.backbone.trainable_parameters()]
+    metrics = trainer.fit()
+    assert metrics["optimizer_steps"] >= 1 and "eval_reward" in metrics and "reward_motion" in metrics
+    assert any(not torch.equal(a, p) for a, p in zip(before, trainer.backbone.trainable_parameters(), strict=True))
+    assert list((tmp_path / "samples").glob("eval_*.webp"))
+
+
+def test_bad_video_pretrain_arguments_exit_2():
+    from tests.cli_run import tpflow
+
+    out = tpflow("shapes", "video-pretrain", "--minutes", "0")
+    assert out.returncode == 2 and "must be positive" in out.stderr
+
+
+def test_random_items_of_the_train_split_are_never_held_out():
+    rng = random.Random(0)
+    assert not any(video_world.random_item(rng, "train").metadata["held_out"] for _ in range(500))
