@@ -205,9 +205,17 @@ def validate_recipe(data: dict[str, Any], where: str = "recipe", path: Path | No
     ]
     problems += _device_names(components)
     problems += shard_problems(sections)
+    problems += watched_problems(sections)
     if problems:
         raise RecipeError(f"{where}: " + " ".join(problems))
     return Recipe(components=components, settings=settings, data=data, path=path)
+
+
+def watched_problems(sections: dict[str, Any]) -> list[str]:
+    """What ``[eval] rewards`` names that the registry refuses (``tpflow.rewards.watched.recipe_problems``)."""
+    from tpflow.rewards.watched import recipe_problems
+
+    return recipe_problems(sections)
 
 
 def shard_problems(sections: dict[str, Any]) -> list[str]:

@@ -207,6 +207,20 @@ class TrainSettings(BaseModel):
         return self
 
 
+class WatchedReward(BaseModel):
+    """A reward the evaluation scores its images with beside the trained one, which training never optimises."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., description="Registered reward name, e.g. 'aesthetic'.")
+    options: dict = Field(default_factory=dict, description="The reward's own options.")
+    label: str | None = Field(None, description="Its name in the metrics, eval_watch_<label> (default: its name).")
+
+    @property
+    def key(self) -> str:
+        return self.label or self.name
+
+
 class EvalSettings(BaseModel):
     """Periodic evaluation by ODE sampling on held-out prompts (docs/algorithm.md §6.3)."""
 
@@ -248,6 +262,12 @@ class EvalSettings(BaseModel):
         description="Non-finite (NaN, inf) evaluation scores: 'stop' retries the call (train.reward_retries) then "
         "stops, as training always does; 'warn' keeps them, with one warning naming how many images (they are null "
         "in metrics.jsonl and eval.json).",
+    )
+    rewards: list[WatchedReward] = Field(
+        default_factory=list,
+        description="Rewards the run does not train on, scored on the same evaluation images (eval_watch_<label>): "
+        "a guard against reward hacking. A run warns when its trained reward rose since the first evaluation while "
+        "a watched one fell, each beyond twice its standard error (docs/rewards.md, 'Watching for reward hacking').",
     )
 
 

@@ -26,6 +26,7 @@ from tpflow.evaluation.targets import Target, load_model
 from tpflow.grids import EVAL_TILE, Grid, Tile, captioned_grid, columns_for
 from tpflow.preflight import prompt_warnings
 from tpflow.rewards.call import recipe_policy
+from tpflow.rewards.watched import with_watched
 from tpflow.train.evaluation import (
     Scored,
     eval_seed,
@@ -128,7 +129,7 @@ def evaluate_target(
     seed = eval_seed(recipe.train.seed, recipe.eval.seed) if options.seed is None else options.seed
     torch.manual_seed(recipe.train.seed)  # as the trainer: a freshly made adapter starts from the same values
     backbone = load_model(target, ema=options.ema)
-    reward = recipe.build("reward")
+    reward = with_watched(recipe.build("reward"), recipe.eval)  # and the rewards it watches, [eval] rewards
     policy = recipe_policy(recipe.train, settings)  # time limit, retries, non-finite scores: as in training
     scored = score_prompts(
         backbone, reward, items, settings, seed, dist, autocast, settings.images_per_prompt, progress, policy

@@ -30,6 +30,7 @@ from tpflow.grids import EVAL_TILE, GRID_IMAGES, Grid, Tile, captioned_grid, cli
 from tpflow.interfaces import Backbone, PromptDataset, RewardModel
 from tpflow.rewards._images import to_uint8
 from tpflow.rewards.call import DEFAULT_POLICY, RewardPolicy, call_reward, reward_name
+from tpflow.rewards.watched import standard_errors
 from tpflow.rollout import sample_ode
 from tpflow.settings import EvalSettings
 from tpflow.types import PromptItem
@@ -216,6 +217,7 @@ def summarize(scored: Scored, everything: list[PromptItem]) -> dict[str, float]:
     metrics = {"eval_reward": sum(scored.scores) / count}
     for name, values in scored.details.items():
         metrics[f"eval_{name}"] = sum(values) / count
+    metrics.update(standard_errors(scored.details, scored.scores))  # with watched rewards (tpflow.rewards.watched)
     strict = scored.details.get("strict")
     tags = [everything[k].metadata.get("tag") for k in scored.prompt_index]  # [R]
     if all(tags):

@@ -41,6 +41,7 @@ from tpflow.precision import Precision
 from tpflow.preflight import check_machine
 from tpflow.recipe import Recipe
 from tpflow.rewards.call import recipe_policy
+from tpflow.rewards.watched import hacking_warnings, with_watched
 from tpflow.train.allocator import keep_freed_memory
 from tpflow.train.checkpoint import (
     Checkpoint,
@@ -354,6 +355,12 @@ class Trainer:
     def reward(self, model: RewardModel) -> None:
         self.epoch_sampler.reward = model
 
+    def _eval_reward(self) -> RewardModel:
+        """The trained reward, with the watched ones of ``[eval] rewards`` beside it (built at the first eval)."""
+        if getattr(self, "_watched", None) is None:
+            self._watched = with_watched(self.reward, self.recipe.eval)
+        return self._watched
+
     def evaluate(self, epoch: int) -> dict[str, float]:
         """ODE samples of the held-out prompts (EMA weights when enabled): mean reward and per-tag accuracy
         (``tpflow.train.evaluation``)."""
@@ -364,7 +371,7 @@ class Trainer:
         with swap:
             metrics = evaluate(
                 self.backbone,
-                self.reward,
+                self._eval_reward(),
                 self.test_items,
                 self.recipe.eval,
                 seed=eval_seed(self.settings.seed, self.recipe.eval.seed),  # the same noise at every eval
@@ -375,6 +382,8 @@ class Trainer:
             )
         if self.eval_split != "test":
             metrics["eval_on_train_split"] = 1.0  # no held-out prompts (warned at the start)
+        for warning in hacking_warnings(self.last_eval, metrics) if self.dist.is_main else []:
+            self.console.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
         self.logger.track(metrics, step=self.optimizer.global_step)  # the step of the weights evaluated
         self.logger.log_image("eval_samples", grid, step=self.optimizer.global_step)
         return metrics

@@ -1,0 +1,111 @@
+"""Rewards the evaluation watches but the run does not train on (``[eval] rewards``): a guard against reward hacking.
+
+A policy trained on one reward learns what that reward pays for, wanted or not: PickScore rises while images grow
+over-saturated, GenEval's detector is fooled by grids of objects. Watching other rewards on the same evaluation
+images shows it: ``eval_watch_<label>`` beside ``eval_reward``, in metrics.jsonl, eval.json and the trackers, and a
+warning when, between two evaluations, the trained reward rose while a watched one fell, each by more than twice the
+standard error of the difference (the evaluation images are the same noise each time, so this is conservative).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+
+from tpflow.rewards.call import check_output
+from tpflow.types import RewardOutput
+
+PREFIX = "watch_"  # the details key (and eval_ metric) of a watched reward's scores
+
+
+class WatchedRewards:
+    """RewardModel: the trained reward's output, with each watched reward's scores added as ``watch_<label>``."""
+
+    def __init__(self, reward: Any, watched: list[tuple[str, Any]]) -> None:
+        self.reward, self.watched = reward, watched
+        self.accepts_clips = getattr(reward, "accepts_clips", False)
+
+    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:
+        out = self.reward(images, prompts, metadata)
+        scores, details = check_output(out, len(images), self.reward)
+        for label, model in self.watched:
+            watched, _ = check_output(model(images, prompts, metadata), len(images), label)
+            details[PREFIX + label] = watched
+        return RewardOutput(scores=scores, details=details)
+
+
+def with_watched(reward: Any, settings: Any) -> Any:
+    """``reward`` wrapped with the watched rewards of ``settings`` (``[eval] rewards``), or as it is without any."""
+    from tpflow import registry
+
+    if not settings.rewards:
+        return reward
+    watched = [(w.key, registry.build("reward", w.name, **w.options)) for w in settings.rewards]
+    return WatchedRewards(reward, watched)
+
+
+def recipe_problems(sections: dict[str, Any]) -> list[str]:
+    """One sentence per ``[eval] rewards`` entry whose name or options the registry refuses, or a repeated label."""
+    from tpflow import registry
+
+    problems, labels = [], []
+    for i, watched in enumerate(sections["eval"].rewards):
+        where = f"[eval] rewards[{i}] ({watched.name!r})"
+        labels.append(watched.key)
+        try:
+            registry.validate_options("reward", watched.name, watched.options)
+        except Exception as exc:  # an unknown name or bad options: the registry's own sentence
+            problems.append(f"{where}: {exc}")
+    repeated = sorted({k for k in labels if labels.count(k) > 1})
+    if repeated:
+        problems.append(f"[eval] rewards: labels must be unique, {', '.join(repeated)} repeats: give a label.")
+    return problems
+
+
+def standard_errors(details: dict[str, list[float]], scores: list[float]) -> dict[str, float]:
+    """``eval_reward_se`` and ``eval_watch_<label>_se``: the standard error of each mean over the images (only
+    when the evaluation watches a reward)."""
+    watched = {k: v for k, v in details.items() if k.startswith(PREFIX)}
+    if not watched:
+        return {}
+    return {"eval_reward_se": _se(scores), **{f"eval_{k}_se": _se(v) for k, v in watched.items()}}
+
+
+def _se(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    if len(finite) < 2:
+        return math.nan
+    mean = sum(finite) / len(finite)
+    return math.sqrt(sum((v - mean) ** 2 for v in finite) / (len(finite) - 1) / len(finite))
+
+
+def hacking_warnings(before: dict[str, float], now: dict[str, float]) -> list[str]:
+    """One sentence per watched reward that fell while the trained reward rose between two evaluations, each change
+    beyond twice its standard error (√(se₀² + se₁²))."""
+
+    def moved(name: str) -> float | None:
+        a, b = before.get(f"eval_{name}"), now.get(f"eval_{name}")
+        sa, sb = before.get(f"eval_{name}_se"), now.get(f"eval_{name}_se")
+        if None in (a, b, sa, sb) or not all(map(math.isfinite, (a, b, sa, sb))):
+            return None
+        change = b - a
+        return change if abs(change) > 2 * math.hypot(sa, sb) else 0.0
+
+    rose = moved("reward")
+    if not rose or rose <= 0:
+        return []
+    out = []
+    for key in now:
+        if key.startswith("eval_" + PREFIX) and not key.endswith("_se"):
+            name = key.removeprefix("eval_")
+            fell = moved(name)
+            if fell and fell < 0:
+                out.append(
+                    f"possible reward hacking: the trained reward rose by {rose:+.4f} since the last evaluation while "
+                    f"the watched reward {name.removeprefix(PREFIX)} fell by {fell:+.4f} (each beyond twice its "
+                    "standard error); look at the evaluation's sample grid."
+                )
+    return out
