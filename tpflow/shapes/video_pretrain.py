@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tpflow.devices import cpu_generator
 from tpflow.shapes import video_world
 from tpflow.shapes.pretrain import NULL_TEXT_P, _adamw, _cores, _ema_update, _optimizer_step, _save, _timed_loop
 from tpflow.shapes.video_model import ShapesVideoConfig, ShapesVideoDiT
@@ -37,9 +38,9 @@ def clip_batch(batch_size: int, prompt_rng: random.Random, clip_rng: np.random.G
 def clip_flow_loss(model: ShapesVideoDiT, x: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, gen):
     """mean‖v_θ(z(σ), σ) − (ε − x)‖² over clips, logit-normal σ, 10% null-text rows."""
     n = x.shape[0]
-    sigma = torch.sigmoid(torch.randn(n, generator=gen))
-    noise = torch.randn(x.shape, generator=gen)
-    null = torch.rand(n, generator=gen) < NULL_TEXT_P
+    sigma = torch.sigmoid(torch.randn(n, generator=gen, device="cpu"))  # CPU-only pretraining
+    noise = torch.randn(x.shape, generator=gen, device="cpu")
+    null = torch.rand(n, generator=gen, device="cpu") < NULL_TEXT_P
     s = sigma.view(n, 1, 1, 1, 1)
     return F.mse_loss(model((1 - s) * x + s * noise, sigma, tokens, mask, null), noise - x)
 
@@ -72,7 +73,7 @@ def video_pretrain(
     optimizer = _adamw(list(model.parameters()), lr, weight_decay)
     params, ema_params = list(model.parameters()), list(ema_model.parameters())
     prompt_rng, clip_rng = random.Random(seed), np.random.default_rng(seed)
-    gen = torch.Generator().manual_seed(seed)
+    gen = cpu_generator(seed)
     console = Console(stderr=True)
     n_params = sum(p.numel() for p in params)
     console.print(f"shapes video pretrain: {n_params / 1e6:.2f} M parameters, batch {batch_size}, {minutes:g} min")

@@ -45,11 +45,7 @@ from tpflow.rewards.watched import hacking_warnings, with_watched
 from tpflow.train.allocator import keep_freed_memory
 from tpflow.train.checkpoint import (
     Checkpoint,
-    capture_rng_state,
     find_checkpoint,
-    park_newer,
-    restore_rng_state,
-    save_checkpoint,
 )
 from tpflow.train.ema import EMA
 from tpflow.train.epoch import EpochRows, Sampled, combine_update_metrics, prompt_groups
@@ -59,11 +55,11 @@ from tpflow.train.progress import PhaseProgress
 from tpflow.train.prompt_sampler import check_layout, layout_line, plan_epoch
 from tpflow.train.resume import checkpoint_to_resume, restoring, train_command
 from tpflow.train.reward_parts import zscore_sum_advantages, zscored_parts
+from tpflow.train.run_checkpoints import RunCheckpoints
 from tpflow.train.run_lock import RunDirLock
-from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, fit_segments, truncate_after
+from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, fit_segments
 from tpflow.train.sampling import EpochSampler
-from tpflow.train.sharded_save import restore_sharded, save_sharded
-from tpflow.train.sharding import GatheredBackbone, equal_eval_shares, gathered_state, shard
+from tpflow.train.sharding import equal_eval_shares, shard
 from tpflow.train.trackers import Trackers, tracker_dir
 from tpflow.types import PromptItem, Rollout
 
@@ -85,7 +81,7 @@ def _unlock_on_error(init: Any) -> Any:
     return wrapper
 
 
-class Trainer:
+class Trainer(RunCheckpoints):
     """Builds every component of a recipe and runs its epochs; see the module docstring."""
 
     @_unlock_on_error
@@ -388,67 +384,6 @@ class Trainer:
         self.logger.log_image("eval_samples", grid, step=self.optimizer.global_step)
         return metrics
 
-    def save(self, collective: bool = True) -> Path | None:
-        """Write a checkpoint of the current state (atomic, main process only); returns its directory there.
-
-        With ``collective`` (every process calls it) the processes first check that their adapters are equal and
-        wait for the write to finish."""
-        if collective:
-            self.dist.check_in_sync(self._named_trainable())
-        path = None
-        backbone, states = self.backbone, None
-        if self.dist.sharded and self.settings.checkpoint_layout == "sharded":  # every process writes its shards
-            path = save_sharded(
-                self.run_dir,
-                self.optimizer.global_step,
-                backbone=self.backbone,
-                optimizer_state=self.optimizer.state_dict(gather=False),
-                ema_state=self.ema.state_dict(gather=False) if self.ema is not None else None,
-                is_main=self.dist.is_main,
-                processes=self.dist.world_size,
-                **self._small_state(),
-            )
-            backbone = None  # fmt: skip
-        elif self.dist.sharded:  # gathered into full tensors by every process (collectives), written by the main one
-            backbone = GatheredBackbone(self.backbone, gathered_state(self.backbone))
-            states = self._states()
-        if self.dist.is_main and backbone is not None:
-            optimizer_state, ema_state = states or self._states()
-            path = save_checkpoint(
-                self.run_dir,
-                self.optimizer.global_step,
-                backbone=backbone,
-                optimizer_state=optimizer_state,
-                ema_state=ema_state,
-                **self._small_state(),
-            )
-        if path is not None:
-            self.console.print(f"checkpoint: {path}")
-        self._saved = (self.epoch, self.optimizer.global_step)
-        if collective:
-            self.dist.barrier()
-        return path
-
-    # ---- private -----------------------------------------------------------------------------------------------
-
-    def _small_state(self) -> dict[str, Any]:
-        """A checkpoint's RNG states, train state, recipe and how many to keep."""
-        return {
-            "rng_state": capture_rng_state(),
-            # last_eval: a resumed run's metrics lines repeat it until its next eval, as the uninterrupted run's
-            "train_state": {
-                "epoch": self.epoch,
-                "global_step": self.optimizer.global_step,
-                "last_eval": self.last_eval,
-            },
-            "recipe": self.recipe.data,
-            "keep_last": self.settings.keep_checkpoints,
-        }
-
-    def _states(self) -> tuple[dict, dict[str, torch.Tensor] | None]:
-        """The optimizer's and the EMA's state for a checkpoint (gathered when sharded)."""
-        return self.optimizer.state_dict(), self.ema.state_dict() if self.ema is not None else None
-
     def _phase(self, description: str, total: int | None) -> None:
         self._description = description  # what an out-of-memory error names
         if self._progress is not None:
@@ -457,42 +392,6 @@ class Trainer:
     def _advance(self) -> None:
         if self._progress is not None:
             self._progress.advance()
-
-    def _restore(self, ckpt: Checkpoint | None) -> None:
-        """Put a checkpoint's adapter, optimizer, EMA and RNG states in place (None: nothing to restore)."""
-        if ckpt is None:
-            return
-        path = ckpt.path
-        with restoring(path):  # a checkpoint that does not fit: one paragraph; a bug keeps its traceback
-            if ckpt.layout is not None:  # a sharded checkpoint, read into this run's layout (weights in place)
-                optimizer_state, ema_state = restore_sharded(ckpt, self.backbone)
-            else:
-                if not self.dist.sharded:  # sharded: loaded before sharding (_shard)
-                    self.backbone.load_adapter(ckpt.adapter_dir)
-                optimizer_state, ema_state = ckpt.optimizer_state, ckpt.ema_state
-            self.optimizer.load_state_dict(optimizer_state)
-            if self.ema is not None and ema_state is not None:
-                self.ema.load_state_dict(ema_state)
-            elif self.ema is not None:  # no EMA in the checkpoint: average from the restored adapter, not its init
-                self.ema.reset()
-            restore_rng_state(ckpt.rng_state)
-            self.epoch = int(ckpt.train_state["epoch"])
-        self.last_eval = dict(ckpt.train_state.get("last_eval") or {})
-        if path.resolve().parent == (self.run_dir / "checkpoints").resolve():  # this run's own (not a warm start)
-            self._saved = (self.epoch, self.optimizer.global_step)
-        if self.dist.is_main:
-            truncate_after(self.run_dir, self.epoch - 1)
-            parked = park_newer(self.run_dir, self.optimizer.global_step)  # a rewind abandons the newer ones
-            if parked:
-                self.console.print(
-                    f"[yellow]note:[/] resuming from an older checkpoint abandons the newer ones: "
-                    f"{', '.join(p.name.removeprefix('abandoned-') for p in parked)} moved to "
-                    f"{parked[0].parent}/abandoned-*, where --resume and tpflow eval no longer pick them.",
-                    soft_wrap=True,
-                    highlight=False,
-                )
-        self.dist.barrier()
-        self.console.print(f"resumed from {path} (epoch {self.epoch}, step {self.optimizer.global_step})")
 
     def _named_trainable(self) -> list[tuple[str, torch.Tensor]]:
         return [(str(k), p) for k, p in enumerate(self.backbone.trainable_parameters())]
