@@ -113,3 +113,19 @@ def test_a_frame_count_or_size_the_vae_cannot_take_is_one_paragraph():
         build("backbone", "tiny-wan", num_frames=4)
     with pytest.raises(UserError, match="multiple of 16"):
         build("backbone", "tiny-wan", resolution=24)
+
+
+@pytest.mark.parametrize("name", ["wan_dancegrpo", "wan_tp"])
+def test_a_wan_recipe_without_weights_is_one_paragraph_naming_them(monkeypatch, tmp_path, name):
+    from pathlib import Path
+
+    from tests.cli_run import tpflow
+    from tpflow.weights import download_command
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / f"{name}.toml"
+    out = tpflow("validate", str(recipe))
+    err = " ".join(out.stderr.split())
+    assert out.returncode == 2 and "Traceback" not in err
+    assert download_command("Wan-AI/Wan2.1-T2V-1.3B-Diffusers") in err
