@@ -28,6 +28,7 @@ TWINS = {
     "wan2.1-t2v-1.3b": ("tiny-wan", lambda: tiny.tiny_wan_pipeline(0), WAN_CLIP, 4.5),
     "wan2.1-t2v-14b": ("tiny-wan", lambda: tiny.tiny_wan_pipeline(0), WAN_CLIP, 4.5),
     "wan2.2-t2v-a14b": ("tiny-wan2.2", lambda: tiny.tiny_wan22_pipeline(0), WAN_CLIP, 4.0),
+    "wan2.2-ti2v-5b": ("tiny-wan2.2-ti2v", lambda: tiny.tiny_wan_pipeline(0, expand_timesteps=True), WAN_CLIP, 5.0),
 }  # fmt: skip
 
 

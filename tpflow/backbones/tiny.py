@@ -283,7 +283,7 @@ class TinyWanOptions(TinyOptions):
     negative_prompt: str = Field("", description="Prompt of the unconditional CFG branch.")
 
 
-def tiny_wan_pipeline(seed: int = 0, flow_shift: float = 3.0) -> Any:
+def tiny_wan_pipeline(seed: int = 0, flow_shift: float = 3.0, expand_timesteps: bool = False) -> Any:
     """A ``WanPipeline`` at test size: two Wan transformer blocks, a 2-layer UMT5 encoder, a Wan VAE with 4 latent
     channels (8× spatial, 4× temporal compression, as the real one), random weights; its scheduler is the Euler
     flow-matching one with static shift ``flow_shift`` (what the backbone's schedule is: tpflow/backbones/wan.py)."""
@@ -306,7 +306,7 @@ def tiny_wan_pipeline(seed: int = 0, flow_shift: float = 3.0) -> Any:
         text_encoder = UMT5EncoderModel(config).eval()
     scheduler = FlowMatchEulerDiscreteScheduler(shift=flow_shift)
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae,
-                       scheduler=scheduler)  # fmt: skip
+                       scheduler=scheduler, expand_timesteps=expand_timesteps)  # fmt: skip
 
 
 class TinyWan22Options(TinyWanOptions):
@@ -332,6 +332,12 @@ def tiny_wan22_pipeline(seed: int = 0, flow_shift: float = 12.0) -> Any:
 def tiny_wan22(options: TinyWan22Options) -> Wan22Backbone:
     """Wan22Backbone over ``tiny_wan22_pipeline(seed)``."""
     return Wan22Backbone(tiny_wan22_pipeline(options.seed, options.flow_shift), options)  # type: ignore[arg-type]
+
+
+@register("backbone", "tiny-wan2.2-ti2v", options=TinyWanOptions)
+def tiny_wan22_ti2v(options: TinyWanOptions) -> WanBackbone:
+    """WanBackbone over ``tiny_wan_pipeline(seed, expand_timesteps=True)``: Wan2.2 TI2V's one timestep per token."""
+    return WanBackbone(tiny_wan_pipeline(options.seed, options.flow_shift, expand_timesteps=True), options)  # type: ignore[arg-type]
 
 
 @register("backbone", "tiny-wan", options=TinyWanOptions)
@@ -361,6 +367,6 @@ def _check_machine(options: TinyOptions, settings: dict) -> list[str]:
 
 
 tiny_sd3.check_machine = _check_machine  # type: ignore[attr-defined]
-tiny_wan.check_recipe = clip_reward_problems  # type: ignore[attr-defined]
+tiny_wan.check_recipe = tiny_wan22_ti2v.check_recipe = clip_reward_problems  # type: ignore[attr-defined]
 tiny_wan22.check_recipe = expert_problems  # type: ignore[attr-defined]
 tiny_flux.check_machine = _check_machine  # type: ignore[attr-defined]

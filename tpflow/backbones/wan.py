@@ -167,9 +167,13 @@ class WanBackbone(AdapterMethods):
     def _guided(self, model: Any, z: Tensor, t: Tensor, embeds: Tensor, cond: Conditioning, guidance: float) -> Tensor:
         """One expert's guided velocity for rows z [n, ...] at timesteps t [n] (1000·σ)."""
         n, x = z.shape[0], z.to(self.dtype)
+        if getattr(self.pipe.config, "expand_timesteps", False):  # Wan2.2 TI2V: one timestep per token, as the pipe
+            _, _, f, h, w = z.shape
+            _, ph, pw = model.config.patch_size
+            t = t[:, None].expand(n, f * (h // ph) * (w // pw))  # [n, tokens]
         if guidance != 1:
             embeds = torch.cat([cond.extras["negative"]["prompt_embeds"].expand(n, -1, -1), embeds])
-            x, t = torch.cat([x, x]), t.repeat(2)
+            x, t = torch.cat([x, x]), torch.cat([t, t])
         v = model(hidden_states=x, timestep=t, encoder_hidden_states=embeds, return_dict=False)[0]
         if guidance == 1:
             return v.float()
@@ -213,6 +217,32 @@ def wan21_t2v_14b(options: Wan14BOptions) -> WanBackbone:
     return WanBackbone(pipe, options)
 
 
+class WanTI2VOptions(WanOptions):
+    """Options of ``wan2.2-ti2v-5b`` (its text-to-video use; the official ti2v-5B config: 121 frames of 704×1280,
+    shift 5, guidance 5)."""
+
+    pretrained: str = Field(
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+        description="Hub id (read from the local HF cache) or a local folder in diffusers layout.",
+    )
+    resolution: int = Field(704, ge=16, description="Clip height in pixels (a multiple of 32).")
+    width: int | None = Field(1280, ge=16, description="Clip width in pixels (a multiple of 32).")
+    num_frames: int = Field(121, ge=1, description="Frames per clip: 4k + 1.")
+    flow_shift: float = Field(5.0, gt=0, description="Static shift of the flow-matching schedule (ti2v-5B: 5).")
+
+
+@register("backbone", "wan2.2-ti2v-5b", options=WanTI2VOptions)
+def wan22_ti2v_5b(options: WanTI2VOptions) -> WanBackbone:
+    """Wan2.2 TI2V 5B as a text-to-video model (its 16× VAE; one timestep per token, the pipeline's
+    ``expand_timesteps``); as ``wan2.1-t2v-1.3b``."""
+    from diffusers import WanPipeline
+
+    pipe = load_pipeline(WanPipeline, options.pretrained, DTYPES[options.dtype], "Wan2.2-TI2V-5B")
+    return WanBackbone(pipe, options)
+
+
+attach_preflight(wan22_ti2v_5b, "WanTransformer3DModel", "Wan2.2-TI2V-5B")
 attach_preflight(wan21_t2v_1_3b, "WanTransformer3DModel", "Wan2.1-T2V-1.3B")
 attach_preflight(wan21_t2v_14b, "WanTransformer3DModel", "Wan2.1-T2V-14B")
 wan21_t2v_1_3b.check_recipe = wan21_t2v_14b.check_recipe = clip_reward_problems  # type: ignore[attr-defined]
+wan22_ti2v_5b.check_recipe = clip_reward_problems  # type: ignore[attr-defined]
