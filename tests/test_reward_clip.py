@@ -390,3 +390,21 @@ def test_clip_rewards_state_every_device(pick_dirs, open_clip_ckpt, tmp_path: Pa
         ):
             reward(uint8_images(2, 40, 48), PROMPTS[:2], [{}, {}])
     assert not watch.calls, "\n".join(sorted(set(watch.calls)))
+
+
+def test_temporal_consistency_is_the_mean_cosine_of_consecutive_frames(open_clip_ckpt, no_tf32):
+    """Clips of 3 frames: the score is the mean of the two consecutive cosines by hand; a still clip scores 1; an
+    image is a clip of one frame (1); a clip reward (accepts_clips)."""
+    model, path = open_clip_ckpt
+    reward = registry.build("reward", "temporal-consistency", model=TINY_ARCH, pretrained=str(path), device="cpu")
+    assert reward.accepts_clips
+    frames = uint8_images(6, 32, 32, seed=5).view(2, 3, 3, 32, 32)
+    still = frames[:1, :1].expand(1, 3, 3, 32, 32)
+    out = reward(torch.cat([frames, still]), PROMPTS[:3], [{}] * 3)
+    image, _ = hand_embeddings(model, frames.flatten(0, 1), ["x"] * 6)
+    image = image.view(2, 3, -1)
+    pairs = (image[:, 1:] * image[:, :-1]).sum(-1)  # [2, 2]
+    torch.testing.assert_close(out.scores[:2], pairs.mean(1), rtol=0, atol=ATOL)
+    torch.testing.assert_close(out.details["min_cosine"][:2], pairs.min(1).values, rtol=0, atol=ATOL)
+    assert abs(float(out.scores[2]) - 1) < 1e-5
+    assert reward(frames[:, 0], PROMPTS[:2], [{}] * 2).scores.tolist() == [1.0, 1.0]

@@ -1,6 +1,16 @@
 """Reward models. Importing this package registers them (heavy models load lazily, on the first call)."""
 
-from tpflow.rewards import aesthetic, clipscore, frames, image_stat, ocr, pickscore, remote, weighted
+from tpflow.rewards import (
+    aesthetic,
+    clipscore,
+    frames,
+    image_stat,
+    ocr,
+    pickscore,
+    remote,
+    temporal_consistency,
+    weighted,
+)
 from tpflow.rewards.geneval import reward as geneval_reward
 from tpflow.rewards.shapes_clip import ShapesClipReward
 from tpflow.rewards.shapes_geneval import ShapesGenevalReward
@@ -18,5 +28,6 @@ __all__ = [
     "ocr",
     "pickscore",
     "remote",
+    "temporal_consistency",
     "weighted",
 ]
