@@ -126,3 +126,21 @@ def test_bad_video_pretrain_arguments_exit_2():
 def test_random_items_of_the_train_split_are_never_held_out():
     rng = random.Random(0)
     assert not any(video_world.random_item(rng, "train").metadata["held_out"] for _ in range(500))
+
+
+def test_inspect_trajectory_of_a_video_recipe_plays_its_completions(tmp_path, video_weights):
+    """inspect-trajectory on clips: the completions' frame strips in completions.png and the clips playing in
+    completions.webp (a row per trajectory, a column per j)."""
+    from PIL import Image
+
+    from tpflow.inspect import inspect_sampled
+    from tpflow.recipe import load_recipe
+
+    sets = [f'backbone.weights="{video_weights}"', "rollout.num_steps=4", "rollout.window_size=3",
+            "rollout.window_range=[0, 3]", 'credit.name="consistent"']  # fmt: skip
+    recipe = load_recipe(ROOT / "recipes" / "shapes_video_flowgrpo.toml", sets)
+    result = inspect_sampled(recipe, "a red circle moving left", n=2, seed=0, out=tmp_path, warn=lambda _: None)
+    assert result.trajectories.images.shape[:3] == (2, 4, 8)  # [n, W+1, F, ...]
+    with Image.open(tmp_path / "completions.webp") as clips:
+        assert clips.n_frames == 8
+    assert (tmp_path / "completions.png").is_file()

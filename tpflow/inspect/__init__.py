@@ -87,6 +87,8 @@ def inspect_sampled(
         plots.plot_credit(t, out / "credit.png"),
         _write_json({**to_json(t), "turning_points_marked": marked}, out / "trace.json"),
     ]
+    if t.images is not None and t.images.ndim == 6:  # clips [n, W+1, F, 3, H, W]: the completions playing
+        files.append(plots.completion_clips(t, out / "completions.webp"))
     return Inspection(t, marked, files)
 
 

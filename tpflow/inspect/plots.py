@@ -160,6 +160,23 @@ def plot_completions(t: Trajectories, credit: str, path: Path) -> Path:
         return _save(fig, path)
 
 
+def completion_clips(t: Trajectories, path: Path) -> Path:
+    """A video backbone's completions as an animated WebP: one row per trajectory, one column per j = 0..W (as
+    completions.png lays out their frame strips), each tile playing its clip, its reward under it."""
+    from tpflow.grids import Tile, clip_grid
+    from tpflow.rewards._images import to_uint8
+
+    n, width = t.trace.shape[0], t.width
+    tiles = [
+        Tile(
+            t.images[b, j, 0], f"traj {b}, j={j}", note=f"{float(t.trace[b, j]):.3f}", frames=to_uint8(t.images[b, j])
+        )
+        for b in range(n)
+        for j in range(width + 1)
+    ]
+    return clip_grid(tiles, width + 1, path)
+
+
 def plot_credit(t: Trajectories, path: Path) -> Path:
     """One panel per assigner: the step reward r_i of every trajectory, turning points marked."""
     import matplotlib
