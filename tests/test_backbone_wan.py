@@ -115,7 +115,7 @@ def test_a_frame_count_or_size_the_vae_cannot_take_is_one_paragraph():
         build("backbone", "tiny-wan", resolution=24)
 
 
-@pytest.mark.parametrize("name", ["wan_dancegrpo", "wan_tp"])
+@pytest.mark.parametrize("name", ["wan_dancegrpo", "wan_tp", "wan22_mixgrpo"])
 def test_a_wan_recipe_without_weights_is_one_paragraph_naming_them(monkeypatch, tmp_path, name):
     from pathlib import Path
 
@@ -128,4 +128,5 @@ def test_a_wan_recipe_without_weights_is_one_paragraph_naming_them(monkeypatch, 
     out = tpflow("validate", str(recipe))
     err = " ".join(out.stderr.split())
     assert out.returncode == 2 and "Traceback" not in err
-    assert download_command("Wan-AI/Wan2.1-T2V-1.3B-Diffusers") in err
+    model = "Wan-AI/Wan2.2-T2V-A14B-Diffusers" if name.startswith("wan22") else "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    assert download_command(model) in err
