@@ -223,12 +223,12 @@ def branch_batch(backbone, sampler, retain=None):
 
 def nft_layout_gradient(
     weights: str, share: list[int], micro: int, accumulation: int, accelerator=None, finetune: str = "lora",
-    shard: bool = False,
+    shard: bool = False, name: str = "nft", mode: str = "no",
 ) -> torch.Tensor:  # fmt: skip
     """``layout_gradient`` for the nft optimizer: the gradient of its one optimizer step over ``share`` (this
     process's samples of one fixed batch of 8 final samples) in micro-batches of ``micro``, ``accumulation`` per
-    step. Each sample's times t and noise ε must not depend on the layout. ``finetune`` and ``shard`` as for
-    ``layout_gradient``."""
+    step. Each sample's times t and noise ε must not depend on the layout. ``finetune``, ``shard`` and ``mode`` as
+    for ``layout_gradient``; ``name = "awm"``: the awm optimizer (its times stratified over the same schedule)."""
     import tpflow
     from tpflow.rollout import Window, rollout
 
@@ -244,11 +244,12 @@ def nft_layout_gradient(
         from tpflow.train.sharding import shard as fully_shard
 
         fully_shard(backbone, torch.device("cpu"), None)
+    times = {"timesteps_per_sample": 2} if name == "nft" else {"train_timesteps": 2, "timestep_fraction": 1.0}
     optimizer = tpflow.build(
-        "optimizer", "nft", micro_batch_size=micro, gradient_accumulation_steps=accumulation, max_grad_norm=1e9,
-        num_timesteps=4, timesteps_per_sample=2, seed=11,
+        "optimizer", name, micro_batch_size=micro, gradient_accumulation_steps=accumulation, max_grad_norm=1e9,
+        num_timesteps=4, seed=11, **times,
     )  # fmt: skip
-    return one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator)
+    return one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator, mode)
 
 
 def one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator=None, mode="no") -> torch.Tensor:
@@ -285,13 +286,13 @@ def layout_worker(
 ) -> dict:
     """For each layout (rank -> (rows, micro, accumulation)), the gradient of its one optimizer step here (GRPO's;
     with ``optimizer = "grpo+grpo-retain+grpo-reweight"`` also from the rollout's retained graphs and its per-row
-    gradients; with "nft" DiffusionNFT's)."""
+    gradients; with "nft+awm" DiffusionNFT's and AWM's)."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
-    if optimizer == "nft":
-        return {name: nft_layout_gradient(weights, *layout[rank], accelerator=accelerator)
-                for name, layout in layouts.items()}  # fmt: skip
+    if optimizer == "nft+awm":  # DiffusionNFT's and AWM's, keyed "<optimizer>/<layout>", from one start
+        return {f"{opt}/{name}": nft_layout_gradient(weights, *layout[rank], accelerator=accelerator, name=opt)
+                for opt in ("nft", "awm") for name, layout in layouts.items()}  # fmt: skip
     if optimizer == "grpo":
         return {name: layout_gradient(weights, *layout[rank], accelerator=accelerator)
                 for name, layout in layouts.items()}  # fmt: skip

@@ -216,19 +216,22 @@ def _check_sharded_checkpoint(zero: dict, one: dict) -> None:
 
 
 def test_an_nft_steps_gradient_is_the_same_on_two_processes_whatever_the_split(tmp_path, tiny_weights):
-    """DiffusionNFT draws each sample's times and noise from its own index among the update's samples, so one step
-    over 8 samples split over 2 processes gives the 1-process gradient (an earlier release drew ε per micro-batch
-    and per process)."""
+    """DiffusionNFT and AWM draw each sample's times and noise from its own index among the update's samples, so
+    one step over 8 samples split over 2 processes gives the 1-process gradient (an earlier release drew ε per
+    micro-batch and per process)."""
     everything = list(range(8))
     layouts = {
         "4 + 4": [(everything[:4], 4, 1), (everything[4:], 4, 1)],
         "3 + 3 | 2": [(everything[:6], 3, 2), (everything[6:], 3, 2)],
     }
-    zero, one = spawn(layout_worker, tmp_path, str(tiny_weights), layouts, "nft")
-    reference = nft_layout_gradient(str(tiny_weights), everything, 8, 1)
-    for name in layouts:
-        assert torch.equal(zero[name], one[name]), f"{name}: every process steps with the same gradient"
-        torch.testing.assert_close(zero[name], reference, rtol=1e-5, atol=1e-7, msg=name)
+    zero, one = spawn(layout_worker, tmp_path, str(tiny_weights), layouts, "nft+awm")
+    for optimizer in ("nft", "awm"):
+        reference = nft_layout_gradient(str(tiny_weights), everything, 8, 1, name=optimizer)
+        assert reference.abs().max() > 0
+        for name in layouts:
+            key = f"{optimizer}/{name}"
+            assert torch.equal(zero[key], one[key]), f"{key}: every process steps with the same gradient"
+            torch.testing.assert_close(zero[key], reference, rtol=1e-5, atol=1e-7, msg=key)
 
 
 @pytest.mark.parametrize("processes", [1, 2])

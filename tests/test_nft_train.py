@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.test_preflight import assert_one_paragraph, run_cli
@@ -40,12 +41,26 @@ old_decay_rate = 0.25
 """
 
 
+AWM_SECTION = """[optimizer]
+name = "awm"
+learning_rate = 1e-2
+kl_weight = 1e-3
+micro_batch_size = 4
+gradient_accumulation_steps = 1
+num_timesteps = 4
+train_timesteps = 2
+timestep_fraction = 1.0
+old_decay_rate = 0.25
+"""
+
+
 def nft_recipe(
     tmp_path: Path,
     weights: Path | None,
     reward: str = "image-stat",
     credit: str = "outcome",
     backbone: str | None = None,
+    section: str = NFT_SECTION,
 ) -> Path:
     """The trainer tests' tiny recipe (2 prompts x 4 copies, cps at 0.7 in a 3-step window, CFG 2) with the nft
     optimizer (KL on, the old policy lagging from the second step) and a built-in reward; ``backbone`` as in
@@ -53,7 +68,7 @@ def nft_recipe(
     path = tiny_recipe(tmp_path, weights, credit=credit, reward=reward, backbone=backbone)
     text = path.read_text()
     assert GRPO_SECTION in text
-    path.write_text(text.replace(GRPO_SECTION, NFT_SECTION))
+    path.write_text(text.replace(GRPO_SECTION, section))
     return path
 
 
@@ -73,10 +88,11 @@ def test_validate_refuses_per_step_credit(tmp_path, tiny_weights):
     assert code == 0, err
 
 
-def test_components_lists_both_optimizers():
+def test_components_lists_every_optimizer():
     code, out = run_cli("components", "optimizer")
     assert code == 0, out
     assert "grpo" in out and "nft" in out and "timesteps_per_sample" in out and "clip_range" in out
+    assert "awm" in out and "train_timesteps" in out and "ghuber_power" in out
 
 
 def _optimizer_specific_uses(source: str, filename: str) -> list[str]:
@@ -90,7 +106,7 @@ def _optimizer_specific_uses(source: str, filename: str) -> list[str]:
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
         and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
     }  # fmt: skip
-    words = re.compile(r"\b(grpo|nft)\b", re.IGNORECASE)
+    words = re.compile(r"\b(grpo|nft|awm)\b", re.IGNORECASE)
     options = {"clip_range", "gradient_accumulation_steps", "adv_clip_max", "kl_weight", "timesteps_per_sample"}
     hits = []
     for node in ast.walk(tree):
@@ -146,16 +162,17 @@ def test_the_base_seed_follows_train_seed_not_what_was_built_before(tmp_path, ti
     assert Trainer(other, run_dir=tmp_path / "other").optimizer._seed != plain
 
 
-def test_kill_9_then_resume_continues_exactly(tmp_path, tiny_weights):
+@pytest.mark.parametrize("section", [NFT_SECTION, AWM_SECTION], ids=["nft", "awm"])
+def test_kill_9_then_resume_continues_exactly(tmp_path, tiny_weights, section):
     straight_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
     straight_dir.mkdir()
     killed_dir.mkdir()
     sets = ["train.epochs=4", "eval.every=0"]
-    straight = Trainer(load_recipe(nft_recipe(straight_dir, tiny_weights), sets))
+    straight = Trainer(load_recipe(nft_recipe(straight_dir, tiny_weights, section=section), sets))
     straight.fit()
     assert straight.optimizer.global_step >= 4 and straight.optimizer.updates == 4
 
-    recipe = nft_recipe(killed_dir, tiny_weights)
+    recipe = nft_recipe(killed_dir, tiny_weights, section=section)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), *sys.path])}
     command = [sys.executable, "-m", "tpflow.cli", "train", str(recipe), *[a for s in sets for a in ("--set", s)]]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)

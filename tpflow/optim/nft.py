@@ -241,7 +241,7 @@ class NFT(AdamWLoop):
         if advantages.dim() != 2 or advantages.shape[0] != n or advantages.shape[1] < 1:
             raise ValueError(f"advantages must be [N, 1] with N = {n}, got {tuple(advantages.shape)}.")
         device = batch.final.device
-        r = optimality(advantages[:, -1].to(device=device, dtype=torch.float32), o.adv_clip_max)  # [N]
+        r = self._sample_weights(advantages[:, -1].to(device=device, dtype=torch.float32))  # [N]
         schedule = backbone.sigmas(o.num_timesteps)[: o.num_timesteps].to(device=device, dtype=torch.float32)
         seed = self._draw_seed()
         order_generator = cpu_generator(seed)  # the sample order only: it decides which samples share a step
@@ -254,7 +254,7 @@ class NFT(AdamWLoop):
             for p in range(o.num_inner_epochs):
                 order = torch.randperm(n, generator=order_generator, device="cpu")  # [N] host
                 keys[:] = [(self._seed, self.updates, p)]
-                times[:] = [draw_times(keys[0], first, n, o.num_timesteps, o.timesteps_per_sample).to(device)]
+                times[:] = [self._draw_times(keys[0], first, n).to(device)]  # [N, T] schedule indices
                 host = order.tolist()  # a host tensor's values: no wait for a device
                 host = [host[i : i + o.micro_batch_size] for i in range(0, n, o.micro_batch_size)]
                 yield list(zip(to_device(order, device).split(o.micro_batch_size), host, strict=True))
@@ -262,7 +262,7 @@ class NFT(AdamWLoop):
         def losses(rows: tuple[Tensor, list[int]]) -> Iterator[LossThunk]:
             mb, host_rows = rows  # the micro-batch's samples, on the device and on the host
             x0, cond = batch.final[mb], batch.cond.index(mb)
-            t = [schedule[times[0][mb, j]] for j in range(o.timesteps_per_sample)]  # T × [M]
+            t = [schedule[times[0][mb, j]] for j in range(times[0].shape[1])]  # T × [M]
             noise = [draw_noise(keys[0], [first + i for i in host_rows], j, shape, device) for j in range(len(t))]
             x_t = [forward_noising(x0.float(), tj, ej).to(x0.dtype) for tj, ej in zip(t, noise, strict=True)]
             # v_old and v_ref of every time first, under one swap of the old policy per micro-batch (no graph of
@@ -270,7 +270,7 @@ class NFT(AdamWLoop):
             frozen = self._frozen(backbone, x_t, t, cond, batch.guidance)
             for j, (v_old, v_ref) in enumerate(frozen):
                 yield functools.partial(self._row_loss, backbone, x0, x_t[j], t[j], cond, batch.guidance, r[mb],
-                                        v_old, v_ref)  # fmt: skip
+                                        v_old, v_ref, noise[j])  # fmt: skip
 
         filler = (torch.zeros(1, dtype=torch.long, device=device), [0])  # a sharded step's padding: sample 0, weight 0
         result = self.run(passes(), losses, on_step, filler=filler)
@@ -278,9 +278,22 @@ class NFT(AdamWLoop):
         self._update_old(decay)
         self.updates += 1
         result["trajectories_trained"] = float(n)
-        result["optimality_mean"] = float(r.mean()) if n else 0.5
-        result["old_decay"] = decay
+        result.update(self._pass_metrics(r, decay))
         return result
+
+    # ---- what a sibling on final samples replaces (tpflow.optim.awm) --------------------------------------------
+
+    def _sample_weights(self, advantages: Tensor) -> Tensor:
+        """[N] per-sample weight of the loss from the advantages [N]: NFT's optimality r in [0, 1]."""
+        return optimality(advantages, self.options.adv_clip_max)
+
+    def _draw_times(self, key: tuple[int, ...], first: int, n: int) -> Tensor:
+        """[n, T] long schedule indices of the samples' training times (from their global rows: layout-free)."""
+        o = self.options
+        return draw_times(key, first, n, o.num_timesteps, o.timesteps_per_sample)
+
+    def _pass_metrics(self, r: Tensor, decay: float) -> dict[str, float]:
+        return {"optimality_mean": float(r.mean()) if len(r) else 0.5, "old_decay": decay}
 
     def loss(self, backbone: Backbone, batch: Rollout, rows: Tensor, r: Tensor, t: Tensor, noise: Tensor) -> NFTLoss:
         """The loss of the samples ``rows`` [M] of ``batch`` at times t [M] with noise ε [M, ...] and optimality r
@@ -316,7 +329,7 @@ class NFT(AdamWLoop):
 
     def _loss(
         self, backbone: Backbone, x0: Tensor, x_t: Tensor, t: Tensor, cond: Conditioning, guidance: float, r: Tensor,
-        v_old: Tensor, v_ref: Tensor | None,
+        v_old: Tensor, v_ref: Tensor | None, noise: Tensor | None = None,
     ) -> NFTLoss:  # fmt: skip
         """The NFT loss from v_θ (the one forward with grad, in its own autocast region) and the frozen velocities."""
         o = self.options
@@ -326,10 +339,10 @@ class NFT(AdamWLoop):
 
     def _row_loss(
         self, backbone: Backbone, x0: Tensor, x_t: Tensor, t: Tensor, cond: Conditioning, guidance: float, r: Tensor,
-        v_old: Tensor, v_ref: Tensor | None,
+        v_old: Tensor, v_ref: Tensor | None, noise: Tensor | None = None,
     ) -> RowLoss:  # fmt: skip
         """:meth:`_loss` as the loop takes it: summed over the M samples, with its parts as row sums."""
-        out = self._loss(backbone, x0, x_t, t, cond, guidance, r, v_old, v_ref)
+        out = self._loss(backbone, x0, x_t, t, cond, guidance, r, v_old, v_ref, noise)
         sums = {
             "loss": out.rows.detach().sum(),
             "policy_loss": out.policy_rows.sum(),

@@ -1,0 +1,109 @@
+"""AWM (``[optimizer] name = "awm"``, docs/algorithm.md "AWM"): the loss and its gradient against float64 hand
+computations for every weighting, the inert on-policy ratio, the stratified times against the public code's strata,
+the update (the adapter trains, the KL-EMA copy lags by min(0.001·n, 0.3)), one step's gradient whatever its
+micro-batches, and under CPU bf16 autocast and fp16 with a gradient scaler. 2 processes and kill -9 resume:
+tests/test_distributed.py and tests/test_nft_train.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tpflow
+from tests.distributed_workers import nft_layout_gradient
+from tpflow.optim.awm_loss import EPS, awm_loss, matching_value, stratified_indices
+
+WEIGHTINGS = ["ghuber", "huber", "uniform", "t", "t2"]
+
+
+def _hand_value(m: float, t: float, weighting: str, p: float) -> float:
+    return {"ghuber": -t * ((m + EPS) ** p - EPS**p) / p, "huber": -t * ((m + EPS) ** 0.5 - 1e-5), "uniform": -m,
+            "t": -t * m, "t2": -t * t * m}[weighting]  # fmt: skip
+
+
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+def test_loss_and_gradient_equal_a_float64_hand_computation(weighting):
+    """Rows L = −A'·exp(ℓ − sg ℓ) + β·mean(v − v_ref)² + γ·mean(v − v_ema)²: its value −A' + the KLs, its gradient
+    −A'·∂ℓ/∂v + 2β(v − v_ref)/D + 2γ(v − v_ema)/D, by hand in float64 (ℓ's derivative by a central difference)."""
+    g = torch.Generator().manual_seed(0)
+    n, d = 3, 5
+    v = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    u, v_ref, v_ema = (torch.randn(n, d, generator=g, dtype=torch.float64) for _ in range(3))
+    t = torch.tensor([0.9, 0.5, 0.2], dtype=torch.float64)
+    a = torch.tensor([0.7, -1.0, 0.2], dtype=torch.float64)
+    beta, gamma, p = 0.01, 0.5, 0.25
+    out = awm_loss(v, u, t, a, 1.0, weighting, p, v_ref, beta, v_ema, gamma)
+    out.rows.sum().backward()
+    for i in range(n):
+        m = float(((v[i].detach() - u[i]) ** 2).mean())
+        vi = v[i].detach()
+        kl, ema = float(((vi - v_ref[i]) ** 2).mean()), float(((vi - v_ema[i]) ** 2).mean())
+        assert abs(float(out.rows[i].detach()) - (-float(a[i]) + beta * kl + gamma * ema)) < 1e-12
+        assert abs(float(out.policy_rows[i]) + float(a[i])) < 1e-15  # the ratio is 1 on policy
+        h = 1e-6  # dℓ/dm by a central difference, then the chain rule through m = mean((v − u)²)
+        dl_dm = (_hand_value(m + h, float(t[i]), weighting, p) - _hand_value(m - h, float(t[i]), weighting, p)) / 2 / h
+        grad = (-float(a[i]) * dl_dm * 2 * (v[i] - u[i]) / d + 2 * beta * (v[i] - v_ref[i]) / d
+                + 2 * gamma * (v[i] - v_ema[i]) / d).detach()  # fmt: skip
+        torch.testing.assert_close(v.grad[i], grad, rtol=1e-6, atol=1e-9)
+    assert torch.equal(out.mse, ((v.detach() - u) ** 2).mean(1))
+    assert float(matching_value(torch.zeros(1, dtype=torch.float64), torch.ones(1), "ghuber", p)) == 0.0
+
+
+def test_the_clip_is_inert_on_policy_and_the_loss_refuses_bad_shapes():
+    v = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    for clip in (1e-6, 1.0):
+        out = awm_loss(v, torch.zeros(2, 3), torch.full((2,), 0.5), torch.tensor([1.0, -1.0]), clip)
+        assert out.policy_rows.tolist() == [-1.0, 1.0]
+    with pytest.raises(ValueError, match="shape of v"):
+        awm_loss(v, torch.zeros(2, 4), torch.full((2,), 0.5), torch.ones(2), 1.0)
+
+
+def test_the_stratified_times_are_the_public_codes_strata():
+    """K = 14, fraction 0.9: discrete_wo_init bounds [1, 2, 4, 6, 8, 10, 12] (strata {1}, {2, 3}, ..., {10, 11});
+    discrete from 0 (strata {0, 1}, ..., {10, 11}); u → 0 and u → 1 reach each stratum's ends."""
+    for lower, strata in ((1, [[1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]),
+                          (0, [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]])):  # fmt: skip
+        low = stratified_indices(torch.zeros(1, 6), lower, 12, 6)[0].tolist()
+        high = stratified_indices(torch.full((1, 6), 1 - 1e-9, dtype=torch.float64), lower, 12, 6)[0].tolist()
+        assert low == [s[0] for s in strata] and high == [s[-1] for s in strata]
+    drawn = stratified_indices(torch.rand(1000, 6, generator=torch.Generator().manual_seed(1)), 1, 12, 6)
+    assert {tuple(sorted(set(drawn[:, k].tolist()))) for k in range(6)} == {(1,), (2, 3), (4, 5), (6, 7), (8, 9),
+                                                                             (10, 11)}  # fmt: skip
+    with pytest.raises(Exception, match="strata do not fit"):
+        tpflow.build("optimizer", "awm", num_timesteps=6, train_timesteps=6)
+
+
+def test_update_trains_the_adapter_and_the_kl_ema_copy_lags(tiny_weights):
+    from tests.test_nft import build_backbone, final_samples
+
+    backbone = build_backbone("shapes-dit", tiny_weights)
+    optimizer = tpflow.build("optimizer", "awm", num_timesteps=4, train_timesteps=2, timestep_fraction=1.0,
+                             micro_batch_size=4, learning_rate=1e-2, seed=3)  # fmt: skip
+    optimizer.bind(backbone)
+    before = [p.detach().clone() for p in optimizer._params]
+    advantages = torch.tensor([[1.0], [-1.0], [0.5], [-0.5]], dtype=torch.float64)
+    with optimizer.sampling_policy():  # the live adapter samples: no swap
+        assert all(p is q for p, q in zip(optimizer._params, backbone.trainable_parameters(), strict=True))
+    metrics = optimizer.update(backbone, None, final_samples(backbone), advantages)
+    after = [p.detach() for p in optimizer._params]
+    assert metrics["optimizer_steps"] == 1 and metrics["ema_decay"] == pytest.approx(1e-3)
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    for old, b, a in zip(optimizer.old, before, after, strict=True):  # θ_ema ← d·θ_ema + (1 − d)·θ, θ_ema was θ_0
+        torch.testing.assert_close(old, 1e-3 * b + (1 - 1e-3) * a, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("micro,accumulation", [(4, 2), (2, 4), (3, 3)])
+def test_a_steps_gradient_does_not_depend_on_its_micro_batches(tiny_weights, micro, accumulation):
+    whole = nft_layout_gradient(str(tiny_weights), list(range(8)), 8, 1, name="awm")
+    split = nft_layout_gradient(str(tiny_weights), list(range(8)), micro, accumulation, name="awm")
+    assert whole.abs().max() > 0
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_the_step_under_mixed_precision_points_where_fp32_does(tiny_weights, mode):
+    """CPU bf16 autocast, and fp16 with the gradient scaler: the step's gradient has cosine ≥ 0.999 to fp32's."""
+    exact = nft_layout_gradient(str(tiny_weights), list(range(8)), 4, 2, name="awm")
+    mixed = nft_layout_gradient(str(tiny_weights), list(range(8)), 4, 2, name="awm", mode=mode)
+    cosine = float(torch.nn.functional.cosine_similarity(mixed.double(), exact.double(), dim=0))
+    assert torch.isfinite(mixed).all() and cosine >= 0.999, cosine
