@@ -115,7 +115,7 @@ def test_a_frame_count_or_size_the_vae_cannot_take_is_one_paragraph():
         build("backbone", "tiny-wan", resolution=24)
 
 
-@pytest.mark.parametrize("name", ["wan_dancegrpo", "wan_tp", "wan22_mixgrpo"])
+@pytest.mark.parametrize("name", ["wan_flowgrpo", "wan_dancegrpo", "wan_tp", "wan22_mixgrpo"])
 def test_a_wan_recipe_without_weights_is_one_paragraph_naming_them(monkeypatch, tmp_path, name):
     from pathlib import Path
 
