@@ -408,3 +408,34 @@ def test_temporal_consistency_is_the_mean_cosine_of_consecutive_frames(open_clip
     torch.testing.assert_close(out.details["min_cosine"][:2], pairs.min(1).values, rtol=0, atol=ATOL)
     assert abs(float(out.scores[2]) - 1) < 1e-5
     assert reward(frames[:, 0], PROMPTS[:2], [{}] * 2).scores.tolist() == [1.0, 1.0]
+
+
+def test_hpsv2_is_the_cosine_of_the_checkpoints_embeddings(open_clip_ckpt, no_tf32):
+    """HPSv2.1's score: the cosine of the fine-tuned model's image and text embeddings (the hpsv2 package's
+    diagonal of image_features @ text_featuresᵀ), on a tiny architecture with its checkpoint file."""
+    model, path = open_clip_ckpt
+    reward = registry.build("reward", "hpsv2", model=TINY_ARCH, checkpoint=str(path), device="cpu")
+    images = uint8_images(3, 32, 32, seed=4)
+    out = reward(images, PROMPTS[:3], [{}] * 3)
+    image, text = hand_embeddings(model, images, PROMPTS[:3])
+    torch.testing.assert_close(out.scores, (image * text).sum(-1), rtol=0, atol=ATOL)
+
+
+def test_hpsv2_without_its_checkpoint_is_one_paragraph_before_any_weights_load(tmp_path, monkeypatch):
+    from tests.cli_run import tpflow
+    from tests.test_train import tiny_recipe
+    from tpflow.errors import UserError
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    reward = registry.build("reward", "hpsv2")
+    with pytest.raises(UserError, match="xswu/HPSv2"):
+        reward.load()
+    (source,) = registry.get("reward", "hpsv2").factory.weight_sources(reward.options, {})
+    assert source.problem and "never downloads" in source.problem
+    recipe = tiny_recipe(tmp_path, None, reward="hpsv2", backbone='name = "tiny-sd3"\nseed = 0')
+    out = tpflow("validate", str(recipe))
+    err = " ".join(out.stderr.split())
+    assert out.returncode == 2 and "HPS_v2.1_compressed.pt of xswu/HPSv2 is not in the Hugging Face cache" in err
+    assert "Traceback" not in err
+    described = tpflow("components", "reward", "hpsv2")
+    assert described.returncode == 0 and "checkpoint" in described.stdout and "ViT-H-14" in described.stdout

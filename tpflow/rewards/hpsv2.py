@@ -1,0 +1,111 @@
+"""Reward ``hpsv2``: Human Preference Score v2.1 (Wu et al., arXiv 2306.09341), an open_clip ViT-H-14 fine-tuned on
+human preferences, as DanceGRPO and MixGRPO train with it.
+
+    [reward]
+    name = "hpsv2"
+    checkpoint = "/models/HPS_v2.1_compressed.pt"   # or omit: the file of xswu/HPSv2 in the Hugging Face cache
+
+Score = cos(image_emb, text_emb) of the fine-tuned model (the ``hpsv2`` package's ``score``: the diagonal of
+image_features @ text_featuresᵀ, both L2-normalised; about 0.2-0.35 for SD-class images). The model is built by
+open_clip from its ``ViT-H-14`` architecture and the HPS checkpoint (read with ``torch.load(weights_only=True)``:
+a state dict of tensors, never an arbitrary pickle), its preprocessing open_clip's for that architecture (224 px,
+OpenAI mean and std), as the ``hpsv2`` package does it. Why not that package: it downloads the checkpoint and the
+open_clip ViT-H-14 weights when it is imported or first called, pins its own open_clip fork, and adds nothing the
+formula above needs; tpflow never downloads at run time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from tpflow.devices import resolve_device
+from tpflow.errors import UserError
+from tpflow.registry import register
+from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip
+from tpflow.types import RewardOutput
+from tpflow.weights import WeightSource, cached_file, download_command
+
+REPO, FILE = "xswu/HPSv2", "HPS_v2.1_compressed.pt"  # the published checkpoint (HPS v2.1)
+WHERE = "reward 'hpsv2' (options checkpoint, model)"
+
+
+class HPSv2Options(BaseModel):
+    """Options of the HPSv2.1 reward."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: str | None = Field(
+        None,
+        description=f"The HPS checkpoint file ({FILE}); None: the file of {REPO} in the Hugging Face cache "
+        f"(fetch it once with {download_command(REPO)}).",
+    )
+    model: str = Field("ViT-H-14", description="open_clip architecture the checkpoint belongs to (HPS: ViT-H-14).")
+    device: str = Field("auto", description='Torch device of the model; "auto" picks CUDA when available.')
+
+
+def checkpoint_path(options: HPSv2Options) -> Path:
+    """The checkpoint file the options name, or a UserError saying how to get it (nothing is downloaded)."""
+    if options.checkpoint is not None:
+        path = Path(options.checkpoint).expanduser()
+        if not path.is_file():
+            raise UserError(
+                f"{WHERE}: the HPS checkpoint {path} does not exist. Download {FILE} from the Hugging Face repo "
+                f"{REPO} ({download_command(REPO)}) and set checkpoint to it."
+            )
+        return path
+    found = cached_file(REPO, FILE)
+    if found is None:
+        raise UserError(
+            f"{WHERE}: {FILE} of {REPO} is not in the Hugging Face cache, and tpflow never downloads weights. Fetch "
+            f"it with {download_command(REPO)} (on a machine with network, then copy the cache), or set checkpoint "
+            "to the file."
+        )
+    return Path(found)
+
+
+@register("reward", "hpsv2", options=HPSv2Options)
+class HPSv2Reward:
+    """RewardModel: HPSv2.1 of each image for its prompt; ``scores`` [N] float32 on the CPU (the cosine)."""
+
+    @staticmethod
+    def weight_sources(options: HPSv2Options, settings: dict) -> list[WeightSource]:
+        """Where the checkpoint will be read from, found without the network (``tpflow.weights``)."""
+        what = "reward 'hpsv2' checkpoint (option checkpoint)"
+        try:
+            path = checkpoint_path(options)
+        except UserError as exc:
+            return [WeightSource(what, options.checkpoint or f"{REPO}/{FILE}", None, str(exc))]
+        origin = "local file" if options.checkpoint else "Hugging Face cache"
+        return [WeightSource(what, str(path), f"{origin} {path}", path=str(path))]
+
+    def __init__(self, options: HPSv2Options | None = None):
+        self.options = options or HPSv2Options()
+        self.device = resolve_device(self.options.device)
+        self._lock = threading.Lock()
+        self._clip: OpenClip | None = None
+
+    def load(self) -> OpenClip:
+        """Load the model now (the first call does it otherwise)."""
+        with self._lock:
+            if self._clip is None:
+                path = checkpoint_path(self.options)
+                self._clip = load_open_clip(self.options.model, str(path), self.device, WHERE)
+            return self._clip
+
+    @torch.no_grad()
+    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:
+        """Score images [N, 3, H, W] in [0, 1] for their prompts; ``scores`` [N] float32."""
+        if len(images) != len(prompts):
+            raise ValueError(f"Got {len(images)} images for {len(prompts)} prompts.")
+        clip = self.load()
+        pixels = clip.preprocess(images)
+        tokens = clip.tokenizer(list(prompts)).to(pixels.device)
+        image, text = l2_normalize(clip.model.encode_image(pixels)), l2_normalize(clip.model.encode_text(tokens))
+        return RewardOutput(scores=(image * text).sum(-1).float().cpu(), details={})
