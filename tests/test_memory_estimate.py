@@ -152,3 +152,101 @@ def test_the_benchmark_script_writes_the_report_of_the_package(tmp_path, monkeyp
     assert (tmp_path / "memory_estimate.md").read_text() == text
     assert text.startswith("# Estimated peak GPU memory per process")
     assert "## tiny-sd3" in text and "## tiny-flux" in text
+
+
+@pytest.fixture(scope="module")
+def tiny_wan(me):
+    """The fake-tensor and the real-tensor measurement of tiny-wan's sizes (5 frames of 32 px, CFG 4.5)."""
+    setup = me.tiny_setup("wan")
+    return setup, me.measure(setup, fake=True), me.measure(setup, fake=False)
+
+
+def test_the_tiny_wan_sizes_are_tiny_wans():
+    from tpflow.backbones.tiny import tiny_wan_pipeline
+    from tpflow.memory import TINY_WAN, TINY_WAN_VAE
+
+    def plain(values: dict) -> dict:  # tuples and lists alike
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+
+    pipe = tiny_wan_pipeline()
+    for config, model in ((TINY_WAN, pipe.transformer), (TINY_WAN_VAE, pipe.vae)):
+        assert plain({k: model.config[k] for k in config}) == plain(config)
+
+
+def test_wan_fake_estimate_equals_real_cpu_measurement(tiny_wan):
+    """The wan kind: tpflow's WanBackbone on diffusers' Wan transformer and VAE. Latents [C, F', h, w] = [4, 2, 4, 4]
+    for 5 frames of 32 px, CFG doubling the training rows, one prompt's embeddings [L, text_dim], and the peaks of the
+    velocity call, the training step (checkpointing on and off) and the clip decode on fake tensors equal to the real
+    tiny model's, byte for byte."""
+    _, fake, real = tiny_wan
+    keys = ("rollout_act", "decode_act", "train_act_ckpt_False", "train_act_ckpt_True")
+    assert all(real[k] > 0 for k in keys)
+    assert {k: fake[k] for k in keys} == {k: real[k] for k in keys}
+    assert fake["latent_numel"] == 4 * 2 * 4 * 4 and fake["embeds_bytes"] == 8 * 32 * 4  # fp32 [L, text_dim]
+    assert fake["train_rows"] == 4 and fake["frozen_bytes"] == 0  # 2 trajectories x [uncond; cond]; one expert
+    assert fake["train_act_ckpt_True"] < fake["train_act_ckpt_False"]
+    assert any("flash_attention" in op for op in fake["attention_ops"])
+
+
+def test_wan_report_names_the_clip_size_and_the_cfg_rows(me, tiny_wan):
+    setup, fake, _ = tiny_wan
+    text = me.report(setup, fake, unit=2**10)
+    assert text.startswith("## tiny-wan (tiny wan, fp32, 5 frames of 32×32 px, mixed_precision = no)")
+    assert f"largest rollout velocity call, {fake['rollout_rows']} rows (×2 with CFG)" in text
+
+
+def test_wan22_holds_its_frozen_expert_whole_in_the_model_dtype(me):
+    """Wan2.2's options (a ``train_expert``): two experts of the one configuration, the trained one with its LoRA,
+    the other frozen in bf16, a row of its own (unsharded) in the component table and in the static bytes."""
+    from diffusers import WanTransformer3DModel
+
+    from tpflow.backbones.wan22 import Wan22Options
+    from tpflow.memory.models import count_bytes
+
+    one = me.tiny_setup("wan")
+    one.backbone = one.backbone.model_copy(update={"dtype": "bf16"})
+    two = me.tiny_setup("wan")
+    two.backbone = Wan22Options(dtype="bf16", resolution=32, num_frames=5, lora_rank=4, max_sequence_length=8)
+    m1, m2 = me.measure(one), me.measure(two)
+    with FakeTensorMode(allow_non_fake_inputs=True), me.fake_module_to():
+        expert = WanTransformer3DModel(**me.TINY_WAN).to(torch.bfloat16)
+    assert m2["frozen_bytes"] == count_bytes(expert) == m2["transformer_bytes"] == m1["transformer_bytes"] > 0
+    rows = me.component_rows(two, m2)
+    assert ("frozen expert's weights and buffers", m2["frozen_bytes"], "bf16, not trained", False) in rows
+    static = me.static_bytes(two, m2, rows, 1)
+    assert static - me.static_bytes(one, m1, me.component_rows(one, m1), 1) == m2["frozen_bytes"]
+    assert 0 < m2["rollout_act"] - m1["rollout_act"] <= 64  # one expert runs each call; + the test's bool [rows]
+
+
+@pytest.mark.parametrize(("completion_steps", "start"), [(1, 0), (2, 0), (3, 2), (5, 1)])
+def test_rollout_rows_of_completions_of_fewer_steps_match_the_engine(me, tiny_weights, completion_steps, start):
+    """``completion_steps`` c: a completion takes a row at its c − 1 nodes after its start (whose step reuses the
+    main trajectory's velocity); c = 1 adds no row at all."""
+    from tpflow.devices import cpu_generator
+    from tpflow.registry import build
+    from tpflow.rollout import Window, rollout
+
+    n, steps, width = 3, 8, 4
+    backbone = build("backbone", "shapes-dit", weights=str(tiny_weights))
+    calls: list[int] = []
+    velocity = backbone.velocity
+    backbone.velocity = lambda z, sigma, cond, guidance: calls.append(z.shape[0]) or velocity(z, sigma, cond, guidance)
+    cond, generator = backbone.encode(["a red circle"] * n), cpu_generator(0)
+    with torch.no_grad():
+        rollout(backbone, build("sampler", "cps"), cond, backbone.initial_noise(n, generator), backbone.sigmas(steps),
+                Window(start, width), 0.7, 1.0, "ode", generator=generator,
+                completion_steps=completion_steps)  # fmt: skip
+    assert calls == me.rollout_rows(steps, width, start, n, completion_steps=completion_steps)
+    if completion_steps == 1:
+        assert calls == [n] * steps
+
+
+def test_the_wan_recipes_rollout_rows_follow_their_credit(me):
+    """wan_dancegrpo's ``outcome`` credit reads no completions, so its rollout makes none (tpflow/train/sampling.py):
+    one trajectory per call and the final alone decoded; wan_tp's TP-GRPO completions take one step each, on the
+    main trajectory's velocity, so its calls stay at the rollout batch too, but its scoring decodes n·(W + 1)."""
+    root = SCRIPT.parent.parent / "recipes"
+    dance, tp = me.load_setup(root / "wan_dancegrpo.toml"), me.load_setup(root / "wan_tp.toml")
+    assert dance.kind == tp.kind == "wan" and dance.text_len == tp.text_len == 226
+    assert dance.completions is None and me.largest_rollout_rows(dance) == 1
+    assert tp.completions == "ode" and me.largest_rollout_rows(tp) == 8

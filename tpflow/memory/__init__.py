@@ -11,6 +11,7 @@ docs/results/memory_estimate.md).
     autocast     CudaAutocast: CUDA autocast's casting policy without CUDA
     configs      the published configurations, and which backbone loads which
     models       tpflow's backbones around diffusers models of given configurations; text-encoder sizes
+    wan          the Wan video backbones (Wan2.2's frozen expert) and their prompt embeddings
     measure      Setup (a recipe's view), Probe / measure: the activations of tpflow's calls
     accounting   per-process arithmetic: state, sharding, offload, epoch buffers, peaks
     report       the markdown report and its caveats
@@ -29,13 +30,14 @@ from tpflow.memory.accounting import (
     static_bytes,
 )
 from tpflow.memory.autocast import CudaAutocast
-from tpflow.memory.configs import PUBLISHED, TINY_FLUX, TINY_SD3, TINY_VAE
+from tpflow.memory.configs import PUBLISHED, TINY_FLUX, TINY_SD3, TINY_VAE, TINY_WAN, TINY_WAN_VAE
 from tpflow.memory.fit import Fit, estimate_fit
 from tpflow.memory.live_bytes import LiveBytes
 from tpflow.memory.measure import (
     NotModelled,
     Probe,
     Setup,
+    largest_rollout_rows,
     load_setup,
     measure,
     measure_with,
@@ -47,9 +49,9 @@ from tpflow.memory.models import build_backbone, conditioning, fake_module_to, l
 from tpflow.memory.report import CAVEATS, report
 
 __all__ = [
-    "CAVEATS", "GIB", "PUBLISHED", "TINY_FLUX", "TINY_SD3", "TINY_VAE", "CudaAutocast", "Fit", "LiveBytes",
-    "NotModelled", "PerProcess", "Probe", "Setup", "build_backbone", "component_rows", "conditioning",
-    "epoch_buffers", "estimate_fit", "fake_module_to", "host_bytes", "latents", "load_setup", "measure",
-    "measure_with", "peaks", "per_process", "report", "rollout_rows", "setup_of", "state_rows", "static_bytes",
-    "text_encoder_params", "tiny_setup",
+    "CAVEATS", "GIB", "PUBLISHED", "TINY_FLUX", "TINY_SD3", "TINY_VAE", "TINY_WAN", "TINY_WAN_VAE", "CudaAutocast",
+    "Fit", "LiveBytes", "NotModelled", "PerProcess", "Probe", "Setup", "build_backbone", "component_rows",
+    "conditioning", "epoch_buffers", "estimate_fit", "fake_module_to", "host_bytes", "largest_rollout_rows", "latents",
+    "load_setup", "measure", "measure_with", "peaks", "per_process", "report", "rollout_rows", "setup_of",
+    "state_rows", "static_bytes", "text_encoder_params", "tiny_setup",
 ]  # fmt: skip

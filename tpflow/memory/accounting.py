@@ -71,7 +71,8 @@ def _published_encoders(kind: str) -> dict[str, int]:
 
 def component_rows(setup: Any, m: dict[str, Any], unit: int = GIB) -> list[Row]:
     """Everything a process holds outside the activations and the epoch's tensors: the trained model's rows
-    (``state_rows``), the VAE, and the text encoders (on the GPU unless ``text_encoders_device = "cpu"``)."""
+    (``state_rows``), Wan2.2's frozen expert, the VAE, and the text encoders (on the GPU unless
+    ``text_encoders_device = "cpu"``)."""
     b = setup.backbone
     wbytes = {"fp16": 2, "bf16": 2, "fp32": 4}[b.dtype]
     on_gpu = b.text_encoders_device == "model"
@@ -79,6 +80,8 @@ def component_rows(setup: Any, m: dict[str, Any], unit: int = GIB) -> list[Row]:
     u = {GIB: "GiB", 2**20: "MiB", 2**10: "KiB"}[unit]
     trained = state_rows(setup, m)
     rows: list[Row] = [trained[0], ("VAE weights", m["vae_bytes"], "fp32", False)]
+    if m.get("frozen_bytes"):  # Wan2.2: the expert that does not train, whole on every process (no sharding yet)
+        rows.insert(1, ("frozen expert's weights and buffers", m["frozen_bytes"], f"{b.dtype}, not trained", False))
     for name, count in encoders.items():
         where = b.dtype if on_gpu else f"on the CPU (text_encoders_device), {count * wbytes / unit:.2f} {u} there"
         rows.append((f"{name} weights ({count / 1e9:.2f} B params)", count * wbytes if on_gpu else 0, where, False))

@@ -2,7 +2,8 @@
 
 Why here: the estimate builds the real diffusers classes at full size under ``FakeTensorMode`` (no weights), so it
 needs each model's ``config.json`` values without downloading them. Every dictionary is the published file's values
-(the source is named beside it); only what changes a tensor's shape is needed, the rest keeps diffusers' defaults.
+(the source is named beside it) unless its comment says otherwise (UMT5-XXL's sizes are stated, not copied); only
+what changes a tensor's shape is needed, the rest keeps diffusers' defaults.
 """
 
 from __future__ import annotations
@@ -87,9 +88,31 @@ T5_XXL = {  # google/t5-v1_1-xxl encoder (SD3 text_encoder_3, FLUX text_encoder_
     "d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24, "vocab_size": 32128,
     "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32,
 }  # fmt: skip
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json (1.42 B parameters): its values as diffusers'
+# scripts/convert_wan_to_diffusers.py writes them ("Wan-T2V-1.3B"); rope_max_seq_len is WanTransformer3DModel's default
+WAN21_T2V_1_3B_TRANSFORMER = {
+    "patch_size": (1, 2, 2), "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16,
+    "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30, "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024,
+}  # fmt: skip
+# Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json (14.3 B parameters; the same script's "Wan-T2V-14B"); each of
+# Wan2.2-T2V-A14B's two experts has this configuration (its "Wan2.2-T2V-A14B" entry, both stages)
+WAN21_T2V_14B_TRANSFORMER = WAN21_T2V_1_3B_TRANSFORMER | {
+    "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40,
+}  # fmt: skip
+# AutoencoderKLWan() defaults: the Wan2.1 VAE (base_dim 96, z_dim 16, 4x temporal and 8x spatial compression), which
+# the same script builds for Wan2.1 and Wan2.2-A14B alike (127 M parameters)
+WAN_VAE: dict = {}
+# The UMT5-XXL encoder of the Wan T2V pipelines (text_encoder, google/umt5-xxl's encoder): NOT a copied config.json,
+# the sizes stated here (T5-XXL's with UMT5's 256384-token vocabulary); its parameters (5.68 B) are counted from it on
+# the meta device
+UMT5_XXL = {
+    "d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24, "vocab_size": 256384,
+    "feed_forward_proj": "gated-gelu",
+}  # fmt: skip
 
-# The test sizes of docs/architecture.md (tiny-sd3 / tiny-flux) for ``tiny_setup`` and the estimator's --tiny mode
-# (two blocks so that gradient checkpointing has something to save).
+# The test sizes of docs/architecture.md (tiny-sd3 / tiny-flux / tiny-wan) for ``tiny_setup`` and the estimator's
+# --tiny mode (two blocks so that gradient checkpointing has something to save).
 TINY_SD3 = {
     "sample_size": 32, "patch_size": 1, "in_channels": 4, "num_layers": 2, "attention_head_dim": 8,
     "num_attention_heads": 4, "caption_projection_dim": 32, "joint_attention_dim": 32, "pooled_projection_dim": 64,
@@ -99,6 +122,16 @@ TINY_FLUX = {
     "patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
     "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32, "axes_dims_rope": (4, 4, 8),
     "guidance_embeds": True,
+}  # fmt: skip
+TINY_WAN = {  # tiny-wan's transformer (tpflow/backbones/tiny.py, tiny_wan_pipeline)
+    "patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 12, "in_channels": 4, "out_channels": 4,
+    "text_dim": 32, "freq_dim": 32, "ffn_dim": 32, "num_layers": 2, "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 32,
+}  # fmt: skip
+TINY_WAN_VAE = {  # tiny-wan's VAE: 4 latent channels, 8x spatial and 4x temporal compression as the real one
+    "base_dim": 8, "z_dim": 4, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1,
+    "temperal_downsample": [False, True, True], "latents_mean": [0.1, -0.2, 0.0, 0.3],
+    "latents_std": [1.5, 0.8, 1.0, 1.2],
 }  # fmt: skip
 TINY_VAE = {
     "block_out_channels": (4,), "layers_per_block": 1, "latent_channels": 4, "norm_num_groups": 1,
@@ -111,7 +144,7 @@ class Model:
     """What the estimate builds for one registered backbone: the family tpflow wraps it in and its configurations."""
 
     title: str  # as the report names it
-    kind: str  # "sd3", "flux" or "qwen": which tpflow backbone class and which conditioning shapes
+    kind: str  # "sd3", "flux", "qwen" or "wan": which tpflow backbone class and which conditioning shapes
     transformer: dict
     vae: dict
 
@@ -123,4 +156,7 @@ PUBLISHED = {
     "sd3.5-large": Model("SD3.5-Large", "sd3", SD35_LARGE_TRANSFORMER, SD3_VAE),
     "flux.1-dev": Model("FLUX.1-dev", "flux", FLUX_DEV_TRANSFORMER, FLUX_VAE),
     "qwen-image": Model("Qwen-Image", "qwen", QWEN_IMAGE_TRANSFORMER, QWEN_VAE),
+    "wan2.1-t2v-1.3b": Model("Wan2.1-T2V-1.3B", "wan", WAN21_T2V_1_3B_TRANSFORMER, WAN_VAE),
+    "wan2.1-t2v-14b": Model("Wan2.1-T2V-14B", "wan", WAN21_T2V_14B_TRANSFORMER, WAN_VAE),
+    "wan2.2-t2v-a14b": Model("Wan2.2-T2V-A14B", "wan", WAN21_T2V_14B_TRANSFORMER, WAN_VAE),  # two experts of this
 }

@@ -162,14 +162,19 @@ def _quiet_diffusers() -> Iterator[None]:
 
 
 def _variant(recipe: Any, overrides: tuple[str, ...]) -> Any | None:
-    """The recipe with ``overrides`` applied and validated, or None when the recipe cannot take them."""
+    """The recipe with ``overrides`` applied and validated, or None when the recipe cannot take them. Validated
+    outside the probe's fake-tensor and live-bytes modes: a recipe check that computes with tensors (Wan2.2's
+    schedule against its expert boundary) would read 0 from fake ones and refuse the variant."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
     from tpflow.errors import UserError
     from tpflow.recipe import apply_overrides, validate_recipe
 
     data = copy.deepcopy(recipe.data)
     try:
         apply_overrides(data, overrides)
-        return validate_recipe(data, where="variant", path=recipe.path)
+        with _disable_current_modes():
+            return validate_recipe(data, where="variant", path=recipe.path)
     except UserError:
         return None
 

@@ -19,12 +19,16 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tpflow.memory.autocast import CudaAutocast
-from tpflow.memory.configs import PUBLISHED, TINY_FLUX, TINY_SD3, TINY_VAE
+from tpflow.memory.configs import PUBLISHED, TINY_FLUX, TINY_SD3, TINY_VAE, TINY_WAN, TINY_WAN_VAE
 from tpflow.memory.live_bytes import LiveBytes
 from tpflow.memory.models import build_backbone, conditioning, count_bytes, largest_block_bytes, latents
+from tpflow.memory.wan import frozen_expert, step_sigmas
 
 # the tiny backbones (tpflow/backbones/tiny.py): built by their own factories, at their own (test) size
-TINY_BACKBONES = {"tiny-sd3": "sd3", "tiny-sd3-large": "sd3", "tiny-flux": "flux", "tiny-qwen-image": "qwen"}
+TINY_BACKBONES = {
+    "tiny-sd3": "sd3", "tiny-sd3-large": "sd3", "tiny-flux": "flux", "tiny-qwen-image": "qwen", "tiny-wan": "wan",
+    "tiny-wan2.2": "wan", "tiny-wan2.2-ti2v": "wan",
+}  # fmt: skip
 
 
 class NotModelled(Exception):
@@ -36,7 +40,7 @@ class Setup:
     """What one estimate needs from a recipe (all validated recipe values)."""
 
     name: str
-    kind: str  # "sd3", "flux" or "qwen"
+    kind: str  # "sd3", "flux", "qwen" or "wan"
     backbone: Any  # the backbone options
     rollout: Any
     train: Any
@@ -46,6 +50,7 @@ class Setup:
     text_len: int  # tokens of the transformer's text sequence
     figures: dict[str, float] = field(default_factory=dict)
     sampler: str = "cps"  # the recipe's [sampler] (the training step's log-probability)
+    completions: str | None = "ode"  # what the rollout completes ([rollout] completions); None: the credit reads none
     title: str = ""  # the model, as the report names it
     published: bool = True  # count the published model's text encoders (built on the meta device)
     builder: Callable[[Any], Any] | None = None  # options -> backbone, for a model built for real (tiny)
@@ -81,7 +86,7 @@ def setup_of(recipe: Any, name: str) -> Setup:
             f'[optimizer] recompute = "{recompute}" keeps the first window steps\' graphs from the rollout to the '
             "update; they are not counted, so the figures are a lower bound"
         )
-    common = dict(sampler=recipe.sampler.name, notes=notes)
+    common = dict(sampler=recipe.sampler.name, notes=notes, completions=made_completions(recipe))
     if backbone in PUBLISHED:
         model = PUBLISHED[backbone]
         return Setup(name, kind, options, recipe.rollout, recipe.train, recipe.optimizer.options, model.transformer,
@@ -89,6 +94,16 @@ def setup_of(recipe: Any, name: str) -> Setup:
     factory = registry.get("backbone", backbone).factory
     return Setup(name, kind, options, recipe.rollout, recipe.train, recipe.optimizer.options, None, None, text_len,
                  title=backbone, published=False, builder=factory, **common)  # fmt: skip
+
+
+def made_completions(recipe: Any) -> str | None:
+    """The completions the trainer's rollouts make (tpflow/train/sampling.py): the recipe's ``[rollout]
+    completions`` when its credit assigner reads them (TP-GRPO's), none for one that does not (``outcome``)."""
+    from tpflow import registry
+    from tpflow.interfaces import capability
+
+    credit = registry.get("credit", recipe.credit.name).factory
+    return recipe.rollout.completions if capability(credit, "needs_completions") else None
 
 
 def load_setup(path: Path) -> Setup:
@@ -100,7 +115,9 @@ def load_setup(path: Path) -> Setup:
 
 def tiny_setup(kind: str) -> Setup:
     """A recipe-shaped setup at the test sizes of docs/architecture.md (fp32, no autocast): what --tiny and the tests
-    run."""
+    run. ``kind`` "wan": tiny-wan's sizes (5 frames of 32 px)."""
+    if kind == "wan":
+        return _tiny_wan_setup()
     from tpflow.backbones.flux import FluxOptions
     from tpflow.backbones.sd3 import SD3Options
     from tpflow.optim.grpo import GRPOOptions
@@ -118,23 +135,44 @@ def tiny_setup(kind: str) -> Setup:
     )  # fmt: skip
 
 
+def _tiny_wan_setup() -> Setup:
+    """``tiny_setup("wan")``: tiny-wan's transformer and VAE, 5 frames of 32 px, CFG 4.5."""
+    from tpflow.backbones.wan import WanOptions
+    from tpflow.optim.grpo import GRPOOptions
+    from tpflow.settings import RolloutSettings, TrainSettings
+
+    options = WanOptions(dtype="fp32", resolution=32, num_frames=5, lora_rank=4, max_sequence_length=8)
+    rollout = RolloutSettings(num_steps=4, window_size=3, window_range=(0, 3), guidance=4.5)
+    return Setup(
+        "tiny-wan", "wan", options, rollout, TrainSettings(rollout_batch=2, prompts_per_epoch=2, group_size=2),
+        GRPOOptions(micro_batch_size=2), TINY_WAN, TINY_WAN_VAE, 8, title="tiny wan", published=False,
+    )  # fmt: skip
+
+
 def rollout_rows(num_steps: int, width: int, start: int, n: int, noise_rows: int | None = None,
-                 completions: str | None = "ode", baseline_noise: str = "shared") -> list[int]:  # fmt: skip
+                 completions: str | None = "ode", baseline_noise: str = "shared",
+                 completion_steps: int | str | None = None) -> list[int]:  # fmt: skip
     """Rows of the one velocity call of each step k of ``tpflow.rollout.rollout`` (max_batch unset), [K] ints.
 
     At step k: the main trajectory (n rows; the P noise rows before the window), an independent baseline (n rows,
-    from step 0), and every ODE branch started before k: the shared baseline j = 0 (P rows) and completions
-    j = 1..W-1 (n rows each). ``noise_rows`` P defaults to n (``same_noise`` off).
+    from step 0), and every ODE branch started before k that takes a step at k: the shared baseline j = 0 (P rows)
+    and completions j = 1..W-1 (n rows each). An exact completion steps at every k after its start; one of
+    ``completion_steps`` c steps at its nodes (``tpflow.rollout.parts.completion_nodes``) between its start, whose
+    step reuses the main trajectory's velocity, and K. ``noise_rows`` P defaults to n (``same_noise`` off).
     """
+    from tpflow.rollout.parts import completion_nodes
+
     p = n if noise_rows is None else noise_rows
+    steps = None if completion_steps in (None, "all") else int(completion_steps)
+    nodes = [completion_nodes(start + j, num_steps, steps) for j in range(width)]  # None: every step
     rows = []
     for k in range(num_steps):
         count = n if k >= start else p
         if completions is not None and baseline_noise == "independent":
             count += n
         if completions == "ode":
-            started = [j for j in range(width) if start + j < k]
-            count += sum((p if baseline_noise == "shared" else 0) if j == 0 else n for j in started)
+            live = [j for j in range(width) if start + j < k and (nodes[j] is None or k in nodes[j][1:-1])]
+            count += sum((p if baseline_noise == "shared" else 0) if j == 0 else n for j in live)
         rows.append(count)
     return rows
 
@@ -144,8 +182,8 @@ def largest_rollout_rows(setup: Setup, max_batch: int | None = None) -> int:
     r, n = setup.rollout, setup.train.rollout_batch
     lo, hi = r.window_range
     starts = range(lo, hi - r.window_size + 1)
-    rows = max(max(rollout_rows(r.num_steps, r.window_size, s, n, None, r.completions, r.baseline_noise))
-               for s in starts)  # fmt: skip
+    rows = max(max(rollout_rows(r.num_steps, r.window_size, s, n, None, setup.completions, r.baseline_noise,
+                                r.completion_steps)) for s in starts)  # fmt: skip
     return min(rows, max_batch or rows)
 
 
@@ -181,6 +219,7 @@ class Probe:
     def statics(self) -> dict[str, Any]:
         """Sizes read off the built model: latent, transformer, largest block, VAE, trained parameters."""
         s, backbone, live = self.setup, self.backbone, self.tracker.live  # live: before the probes below
+        frozen = frozen_expert(backbone)  # Wan2.2's expert that does not train; None for the others
         cond = conditioning(backbone, s.kind, 1, s.text_len).tensors  # one prompt's, as the rollout keeps them
         return {
             "latent_numel": latents(backbone, 1).numel(),
@@ -189,6 +228,7 @@ class Probe:
             "transformer_bytes": count_bytes(backbone.transformer) - sum(p.numel() * 4 for p in self.trainable),
             "largest_block_bytes": largest_block_bytes(backbone.transformer),
             "vae_bytes": count_bytes(backbone.vae),
+            "frozen_bytes": count_bytes(frozen) if frozen is not None else 0,
             "lora_params": sum(p.numel() for p in self.trainable),
         }
 
@@ -225,7 +265,7 @@ class Probe:
         part = Rollout(
             latents=torch.randn(step, device="cpu"), next_latents=torch.randn(step, device="cpu"),
             log_probs=torch.zeros(b, 1, device="cpu"),
-            sigmas=torch.tensor([[0.6, 0.5]], device="cpu").expand(b, 2).clone(),
+            sigmas=torch.tensor([step_sigmas(backbone)], device="cpu").expand(b, 2).clone(),
             noise_level=s.rollout.noise_level, guidance=s.rollout.guidance,
             cond=conditioning(backbone, s.kind, b, s.text_len), final=torch.randn(shape, device="cpu"),
             completions=None, cost=RolloutCost(nfe=0.0),
@@ -268,10 +308,11 @@ def measure_with(probe: Probe) -> dict[str, Any]:
     out["rollout_act"] = probe.rollout(rows)
     for ckpt in (False, True):
         out[f"train_act_ckpt_{ckpt}"] = probe.train(o.micro_batch_size, ckpt)
-    cfg_rows = (setup.kind == "sd3" and r.guidance != 1) or (setup.kind == "qwen" and r.guidance > 1)
+    cfg_rows = (setup.kind in ("sd3", "wan") and r.guidance != 1) or (setup.kind == "qwen" and r.guidance > 1)
     out["train_rows"] = o.micro_batch_size * (2 if cfg_rows else 1)
     # one decode chunk of the scoring worker: train.score_batch of the n·W completions + n finals of a rollout batch
-    chunk = min(t.score_batch, t.rollout_batch * (r.window_size + 1))
+    # (the n finals alone when the rollout makes no completions)
+    chunk = min(t.score_batch, t.rollout_batch * (r.window_size + 1 if setup.completions else 1))
     out["decode_act"] = probe.decode(chunk)
     out["decode_rows"] = chunk
     out["attention_ops"] = probe.attention_ops()

@@ -1,10 +1,10 @@
 """The models the estimate runs: tpflow's own backbone classes around diffusers models of given configurations.
 
 Why tpflow's classes and not a stand-in: the estimate is of what tpflow allocates (its LoRA, its CFG batching, its
-latent packing), so its own ``SD3Backbone`` / ``FluxBackbone`` / ``QwenImageBackbone`` run on the real diffusers
-transformer and VAE, built at full size under ``FakeTensorMode`` (no weights, nothing allocated). The text encoders
-are not built: their parameters are counted on the meta device, and the prompts' embeddings are made at the shapes
-they give (``conditioning``).
+latent packing), so its own ``SD3Backbone`` / ``FluxBackbone`` / ``QwenImageBackbone`` (and the Wan video
+backbones: ``tpflow.memory.wan``) run on the real diffusers transformer and VAE, built at full size under
+``FakeTensorMode`` (no weights, nothing allocated). The text encoders are not built: their parameters are counted on
+the meta device, and the prompts' embeddings are made at the shapes they give (``conditioning``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from unittest import mock
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from tpflow.memory.configs import CLIP_G, CLIP_L, QWEN25_VL_7B, T5_XXL
+from tpflow.memory.configs import CLIP_G, CLIP_L, QWEN25_VL_7B, T5_XXL, UMT5_XXL
 
 
 def count_bytes(module: torch.nn.Module) -> int:
@@ -38,6 +38,12 @@ def text_encoder_params(kind: str) -> dict[str, int]:
     """Parameter counts of the published models' text encoders, built on the meta device (nothing allocated)."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
+    if kind == "wan":
+        from transformers import UMT5Config, UMT5EncoderModel
+
+        with torch.device("meta"):
+            umt5 = UMT5EncoderModel(UMT5Config(**UMT5_XXL))
+        return {"UMT5-XXL encoder": sum(p.numel() for p in umt5.parameters())}
     if kind == "qwen":
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -71,9 +77,9 @@ def pipe_text_encoder_params(backbone: Any) -> dict[str, int]:
 
 
 def build_backbone(kind: str, transformer_cfg: dict, vae_cfg: dict, options: Any) -> Any:
-    """tpflow's SD3Backbone / FluxBackbone / QwenImageBackbone around a transformer and VAE of the given
-    configurations (no encoders). Call it under FakeTensorMode for full sizes. ``options``: the recipe's validated
-    backbone section (its device is replaced by the CPU, its prompt cache by none)."""
+    """tpflow's SD3Backbone / FluxBackbone / QwenImageBackbone / WanBackbone around a transformer and VAE of the
+    given configurations (no encoders). Call it under FakeTensorMode for full sizes. ``options``: the recipe's
+    validated backbone section (its device is replaced by the CPU, its prompt cache by none)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
 
     from tpflow.backbones.flux import FluxBackbone
@@ -81,6 +87,11 @@ def build_backbone(kind: str, transformer_cfg: dict, vae_cfg: dict, options: Any
 
     if kind == "qwen":
         return _qwen_backbone(transformer_cfg, vae_cfg, options)
+    if kind == "wan":
+        from tpflow.memory.wan import build_wan_backbone
+
+        with fake_module_to():
+            return build_wan_backbone(transformer_cfg, vae_cfg, options)
     options = options.model_copy(update={"device": "cpu", "prompt_cache": 0})
     vae = AutoencoderKL(**vae_cfg)
     if kind == "sd3":
@@ -153,6 +164,10 @@ def conditioning(backbone: Any, kind: str, rows: int, text_len: int, device: str
     """Prompt embeddings of ``rows`` prompts with the shapes the real encoders give (values irrelevant)."""
     from tpflow.types import Conditioning
 
+    if kind == "wan":  # UMT5 embeddings padded to max_sequence_length, and the negative prompt's
+        from tpflow.memory.wan import wan_conditioning
+
+        return wan_conditioning(backbone, rows, text_len, device)
     cfg, dtype = backbone.transformer.config, backbone.dtype
     embeds = torch.randn(rows, text_len, cfg.joint_attention_dim, dtype=dtype, device=device)  # [rows, L, D]
     if kind == "qwen":  # prompt embeddings padded to max_sequence_length with their mask, and the negative prompt's
@@ -169,4 +184,6 @@ def conditioning(backbone: Any, kind: str, rows: int, text_len: int, device: str
 
 
 def latents(backbone: Any, rows: int) -> torch.Tensor:
-    return backbone.initial_noise(rows)  # [rows, C, h, w] (SD3) or packed [rows, S, 4C] (FLUX), float32
+    """Initial noise, float32: [rows, C, h, w] (SD3), packed [rows, S, 4C] (FLUX, Qwen-Image), [rows, C, F', h, w]
+    (Wan)."""
+    return backbone.initial_noise(rows)

@@ -18,12 +18,17 @@ Method. The real diffusers transformer and VAE classes with the published config
 `tpflow/memory/configs.py`, each beside the `config.json` it copies) are built under
 `torch._subclasses.fake_tensor.FakeTensorMode`: every tensor has its real shape, dtype and storage size but no data,
 so nothing is allocated and nothing is computed. tpflow's own `SD3Backbone` / `FluxBackbone` / `QwenImageBackbone`
-(with tpflow's peft LoRA on the recipe's targets and rank, or every weight trained) run their real code on them:
-`velocity` for the largest rollout call, `GRPO._step_loss` + `backward()` for one training micro-batch, `decode`
-for one scoring chunk. A `TorchDispatchMode` (`LiveBytes`) adds the bytes of each new tensor storage and subtracts
-them when the storage is freed, so its peak is the peak of live tensor bytes; an activation figure is that peak
-minus what was alive before the call. Weights, LoRA state and epoch buffers are numel × element size (the text
-encoders' parameters counted on the meta device).
+/ `WanBackbone` (with tpflow's peft LoRA on the recipe's targets and rank, or every weight trained) run their real
+code on them: `velocity` for the largest rollout call, `GRPO._step_loss` + `backward()` for one training
+micro-batch, `decode` for one scoring chunk (Wan: the `AutoencoderKLWan` decode of whole clips, frame by frame as
+diffusers runs it, in fp32). A `TorchDispatchMode` (`LiveBytes`) adds the bytes of each new tensor storage and
+subtracts them when the storage is freed, so its peak is the peak of live tensor bytes; an activation figure is
+that peak minus what was alive before the call. Weights, LoRA state and epoch buffers are numel × element size (the
+text encoders' parameters counted on the meta device; Wan's UMT5-XXL encoder from a transformers `UMT5Config` of
+the sizes stated in `tpflow/memory/configs.py`, not from a copied file). Wan2.2's frozen expert counts whole, in
+the model dtype. The rollout call counts the ODE completions only where the recipe's credit reads them (the trainer
+makes none for `outcome`, and then decodes only the finals); a completion of `completion_steps` c takes a row only
+at its c − 1 steps after the first, which reuses the main trajectory's velocity.
 
 Caveats.
 - Attention kernel: the fake tensors live on the CPU device (autograd cannot run backward on fake CUDA tensors
@@ -72,12 +77,12 @@ def report(setup: Any, m: dict[str, Any], world_sizes: tuple[int, ...] = (1, 8, 
     rows = component_rows(setup, m, unit)
     static = static_bytes(setup, m, rows, 1)
     ckpt = b.gradient_checkpointing
-    cfg = " (×2 with CFG)" if setup.kind in ("sd3", "qwen") and setup.rollout.guidance != 1 else ""
+    cfg = " (×2 with CFG)" if setup.kind in ("sd3", "qwen", "wan") and setup.rollout.guidance != 1 else ""
     rows_t = m["train_rows"]
     act = [
-        (f"largest rollout velocity call, {m['rollout_rows']} rows{cfg}", m["rollout_act"], "no_grad"),
+        (f"largest rollout velocity call, {plural(m['rollout_rows'], 'row')}{cfg}", m["rollout_act"], "no_grad"),
         (
-            f"VAE decode of one scoring chunk, {m['decode_rows']} latents",
+            f"VAE decode of one scoring chunk, {plural(m['decode_rows'], 'latent')}",
             m["decode_act"],
             "no_grad, fp32, scoring thread",
         ),
@@ -98,7 +103,10 @@ def report(setup: Any, m: dict[str, Any], world_sizes: tuple[int, ...] = (1, 8, 
         ("rollout tensors of the epoch", buf["rollout"], f"{total} trajectories"),
         ("`Rollout.cat` copy during the update", buf["rollout_copy"], "while concatenating only"),
     ]
-    lines = [f"## {setup.name} ({setup.title}, {b.dtype}, {b.resolution} px, mixed_precision = {t.mixed_precision})"]
+    size = f"{b.resolution} px"
+    if setup.kind == "wan":  # clips: frames of height × width
+        size = f"{b.num_frames} frames of {b.resolution}×{b.width or b.resolution} px"
+    lines = [f"## {setup.name} ({setup.title}, {b.dtype}, {size}, mixed_precision = {t.mixed_precision})"]
     lines += ["", f"| component | {u} | note |", "|---|---:|---|"]
     sharded = t.shard == "fsdp"
     lines += [f"| {n} | {v / unit:.2f} | {note}{'; sharded' if s and sharded else ''} |" for n, v, note, s in rows]
@@ -117,6 +125,10 @@ def report(setup: Any, m: dict[str, Any], world_sizes: tuple[int, ...] = (1, 8, 
                   f"memory (the last column), the blocks still coming over."]  # fmt: skip
     lines += ["", f"Attention ops that ran: {', '.join(f'`{a}`' for a in m['attention_ops'])}.", ""]
     return "\n".join(lines)
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def processes_table(setup: Any, m: dict[str, Any], rows: list, world_sizes: tuple[int, ...], unit: int) -> list[str]:
