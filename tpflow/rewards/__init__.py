@@ -3,13 +3,13 @@
 from tpflow.rewards import (
     aesthetic,
     clipscore,
+    consistency,
     frames,
     hpsv2,
     image_stat,
     ocr,
     pickscore,
     remote,
-    temporal_consistency,
     weighted,
 )
 from tpflow.rewards.geneval import reward as geneval_reward
@@ -30,6 +30,6 @@ __all__ = [
     "ocr",
     "pickscore",
     "remote",
-    "temporal_consistency",
+    "consistency",
     "weighted",
 ]

@@ -37,14 +37,18 @@ class WatchedRewards:
         return RewardOutput(scores=scores, details=details)
 
 
-def with_watched(reward: Any, settings: Any) -> Any:
-    """``reward`` wrapped with the watched rewards of ``settings`` (``[eval] rewards``), or as it is without any."""
+def build_watched(settings: Any) -> list[tuple[str, Any]]:
+    """The watched rewards of ``settings`` (``[eval] rewards``), built (each loads its weights at its first call)."""
     from tpflow import registry
 
-    if not settings.rewards:
-        return reward
-    watched = [(w.key, registry.build("reward", w.name, **w.options)) for w in settings.rewards]
-    return WatchedRewards(reward, watched)
+    return [(w.key, registry.build("reward", w.name, **w.options)) for w in settings.rewards]
+
+
+def with_watched(reward: Any, settings: Any, watched: list[tuple[str, Any]] | None = None) -> Any:
+    """``reward`` wrapped with the watched rewards of ``settings`` (or ``watched``, built already), or as it is
+    without any."""
+    watched = build_watched(settings) if watched is None else watched
+    return WatchedRewards(reward, watched) if watched else reward
 
 
 def recipe_problems(sections: dict[str, Any]) -> list[str]:

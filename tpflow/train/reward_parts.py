@@ -1,11 +1,11 @@
 """Multi-reward advantages that normalise each reward on its own (``[reward] combine = "zscore_sum"``).
 
-With several rewards, the flow_grpo reference sums their scores and normalises the sum within the group: a reward
-whose scores spread widely decides the advantage's sign. DanceGRPO and MixGRPO normalise each reward within the
-group and sum the z-scores, A = Σ_m w_m · clip((R_m − mean_g) / (std_g + eps)), so that every reward counts by its
-weight whatever its scale. Here each part's reward trace goes through the run's credit assigner (its step rewards)
-and the optimizer's own ``advantages`` (its group statistics, eps and clip), and the weighted advantages are added:
-the same path as a single reward's, once per part.
+With several rewards, the reference sums their scores and normalises the sum within the group: a reward whose
+scores spread widely decides the advantage's sign. Two of the rival methods' public code (docs/rewards.md names
+them) normalise each reward within the group and sum the z-scores, A = Σ_m w_m · clip((R_m − mean_g) / (std_g +
+eps)), so that every reward counts by its weight whatever its scale. Here each part's reward trace goes through the
+run's credit assigner (its step rewards) and the optimizer's own ``advantages`` (its group statistics, eps and
+clip), and the weighted advantages are added: the same path as a single reward's, once per part.
 """
 
 from __future__ import annotations

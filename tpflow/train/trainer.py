@@ -41,7 +41,7 @@ from tpflow.precision import Precision
 from tpflow.preflight import check_machine
 from tpflow.recipe import Recipe
 from tpflow.rewards.call import recipe_policy
-from tpflow.rewards.watched import hacking_warnings, with_watched
+from tpflow.rewards.watched import build_watched, hacking_warnings, with_watched
 from tpflow.train.allocator import keep_freed_memory
 from tpflow.train.checkpoint import (
     Checkpoint,
@@ -352,10 +352,11 @@ class Trainer(RunCheckpoints):
         self.epoch_sampler.reward = model
 
     def _eval_reward(self) -> RewardModel:
-        """The trained reward, with the watched ones of ``[eval] rewards`` beside it (built at the first eval)."""
+        """The trained reward (whichever the run holds now), with the watched ones of ``[eval] rewards`` beside it
+        (built at the first eval)."""
         if getattr(self, "_watched", None) is None:
-            self._watched = with_watched(self.reward, self.recipe.eval)
-        return self._watched
+            self._watched = build_watched(self.recipe.eval)
+        return with_watched(self.reward, self.recipe.eval, self._watched)
 
     def evaluate(self, epoch: int) -> dict[str, float]:
         """ODE samples of the held-out prompts (EMA weights when enabled): mean reward and per-tag accuracy
