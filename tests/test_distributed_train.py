@@ -104,8 +104,9 @@ def _final_adapter(run: Path) -> dict[str, torch.Tensor]:
     if (path / "adapter").is_dir():
         return safetensors.torch.load_file(next((path / "adapter").glob("*.safetensors")))
     layout = load_checkpoint(path).layout
-    tensors = checkpoint_shards.empty(path / "shards", list(layout["model"].values()), None)
-    checkpoint_shards.read(path / "shards", tensors)
+    meta = checkpoint_shards.stored(path / "shards")
+    tensors = checkpoint_shards.empty(meta, list(layout["model"].values()), None)
+    checkpoint_shards.read(path / "shards", tensors, meta)
     return {name: tensors[key] for name, key in layout["model"].items()}
 
 

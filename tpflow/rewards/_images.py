@@ -184,6 +184,26 @@ def load_open_clip(arch: str, pretrained: str, device: torch.device, where: str)
     )
 
 
+class LazyOpenClip:
+    """An open_clip model built at its first ``get()`` (``load_open_clip``), once, under a lock: the rewards build
+    it in the scoring thread, where the first calls of two threads must share one model. ``pretrained`` may be a
+    callable giving the checkpoint path then (a cache lookup that must not run when the recipe is built)."""
+
+    def __init__(self, arch: str, pretrained: str | Callable[[], str], device: torch.device, where: str) -> None:
+        import threading
+
+        self.arch, self.pretrained, self.device, self.where = arch, pretrained, device, where
+        self._lock = threading.Lock()
+        self._clip: OpenClip | None = None
+
+    def get(self) -> OpenClip:
+        with self._lock:
+            if self._clip is None:
+                pretrained = self.pretrained() if callable(self.pretrained) else self.pretrained
+                self._clip = load_open_clip(self.arch, pretrained, self.device, self.where)
+            return self._clip
+
+
 def open_clip_source(what: str, arch: str, pretrained: str, where: str) -> WeightSource:
     """Where ``load_open_clip(arch, pretrained)`` will read its checkpoint (``tpflow.weights``), or why it cannot.
 

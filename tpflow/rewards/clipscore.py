@@ -12,7 +12,6 @@ downloaded: fetch them once (``hf download timm/vit_large_patch14_clip_224.opena
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +21,7 @@ from torch import Tensor
 
 from tpflow.devices import resolve_device
 from tpflow.registry import register
-from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip, open_clip_source
+from tpflow.rewards._images import LazyOpenClip, OpenClip, l2_normalize, open_clip_source
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
 
@@ -62,17 +61,12 @@ class ClipScoreReward:
     def __init__(self, options: ClipScoreOptions | None = None):
         self.options = options or ClipScoreOptions()
         self.device = resolve_device(self.options.device)  # in the building thread, on its current GPU
-        self._lock = threading.Lock()
-        self._clip: OpenClip | None = None
+        where = "reward 'clipscore' (options model, pretrained)"
+        self._clip = LazyOpenClip(self.options.model, self.options.pretrained, self.device, where)
 
     def load(self) -> OpenClip:
         """Load the open_clip model now (the first call does it otherwise)."""
-        with self._lock:
-            if self._clip is None:
-                where = "reward 'clipscore' (options model, pretrained)"
-                o = self.options
-                self._clip = load_open_clip(o.model, o.pretrained, self.device, where)
-            return self._clip
+        return self._clip.get()
 
     @torch.no_grad()
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:

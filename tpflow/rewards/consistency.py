@@ -15,7 +15,6 @@ similar pair. Takes clips [N, F, 3, H, W] in [0, 1] (``accepts_clips``); an imag
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +24,7 @@ from torch import Tensor
 
 from tpflow.devices import resolve_device
 from tpflow.registry import register
-from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip, open_clip_source
+from tpflow.rewards._images import LazyOpenClip, OpenClip, l2_normalize, open_clip_source
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
 
@@ -61,15 +60,11 @@ class TemporalConsistencyReward:
     def __init__(self, options: TemporalConsistencyOptions | None = None):
         self.options = options or TemporalConsistencyOptions()
         self.device = resolve_device(self.options.device)
-        self._lock = threading.Lock()
-        self._clip: OpenClip | None = None
+        self._clip = LazyOpenClip(self.options.model, self.options.pretrained, self.device, WHERE)
 
     def load(self) -> OpenClip:
         """Load the open_clip model now (the first call does it otherwise)."""
-        with self._lock:
-            if self._clip is None:
-                self._clip = load_open_clip(self.options.model, self.options.pretrained, self.device, WHERE)
-            return self._clip
+        return self._clip.get()
 
     @torch.no_grad()
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:

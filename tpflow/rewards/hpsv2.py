@@ -16,7 +16,6 @@ formula above needs; tpflow never downloads at run time.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from torch import Tensor
 from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.registry import register
-from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip
+from tpflow.rewards._images import LazyOpenClip, OpenClip, l2_normalize
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource, cached_file, download_command
 
@@ -88,16 +87,11 @@ class HPSv2Reward:
     def __init__(self, options: HPSv2Options | None = None):
         self.options = options or HPSv2Options()
         self.device = resolve_device(self.options.device)
-        self._lock = threading.Lock()
-        self._clip: OpenClip | None = None
+        self._clip = LazyOpenClip(self.options.model, lambda: str(checkpoint_path(self.options)), self.device, WHERE)
 
     def load(self) -> OpenClip:
         """Load the model now (the first call does it otherwise)."""
-        with self._lock:
-            if self._clip is None:
-                path = checkpoint_path(self.options)
-                self._clip = load_open_clip(self.options.model, str(path), self.device, WHERE)
-            return self._clip
+        return self._clip.get()
 
     @torch.no_grad()
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:

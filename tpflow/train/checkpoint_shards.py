@@ -103,7 +103,7 @@ def write(directory: Path, tensors: dict[str, Tensor]) -> None:
     save(tensors, storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True))
 
 
-def stored(directory: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+def stored(directory: Path) -> Stored:
     """Every key of a shards folder with its full shape and dtype (read from the safetensors headers)."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
@@ -111,12 +111,16 @@ def stored(directory: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
     return {key: (m.size, m.properties.dtype) for key, m in meta.items()}
 
 
-def read(directory: Path, targets: dict[str, Tensor]) -> None:
-    """Load ``targets``' keys from ``directory`` into them, in place, resharded to their layout: DTensors (a sharded
-    run: a collective) read the slices their shards cover; plain tensors read whole, without a process group."""
+Stored = dict[str, tuple[torch.Size, torch.dtype]]  # what ``stored`` returns: read once per checkpoint read
+
+
+def read(directory: Path, targets: dict[str, Tensor], meta: Stored) -> None:
+    """Load ``targets``' keys from ``directory`` (whose ``stored`` keys are ``meta``) into them, in place, resharded
+    to their layout: DTensors (a sharded run: a collective) read the slices their shards cover; plain tensors read
+    whole, without a process group."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader, load
 
-    missing = sorted(set(targets) - set(stored(directory)))
+    missing = sorted(set(targets) - set(meta))
     if missing:
         raise UserError(f"its shards lack {missing[:4]} (written by another model or optimizer)")
     sharded = any(is_sharded(t) for t in targets.values())
@@ -126,10 +130,10 @@ def read(directory: Path, targets: dict[str, Tensor]) -> None:
         load(targets, storage_reader=HuggingFaceStorageReader(str(directory)), no_dist=not sharded)
 
 
-def empty(directory: Path, keys: list[str], mesh: Any | None) -> dict[str, Tensor]:
-    """Tensors to read ``keys`` into: on the host, whole (``mesh`` None), or sharded on dim 0 over ``mesh`` as FSDP2
-    shards every parameter-shaped state (moments, EMA, old policy)."""
-    meta = stored(directory)
+def empty(meta: Stored, keys: list[str], mesh: Any | None) -> dict[str, Tensor]:
+    """Tensors to read ``keys`` (of ``meta``, a shards folder's ``stored``) into: on the host, whole (``mesh``
+    None), or sharded on dim 0 over ``mesh`` as FSDP2 shards every parameter-shaped state (moments, EMA, old
+    policy)."""
     if mesh is None:
         return {k: torch.zeros(meta[k][0], dtype=meta[k][1], device="cpu") for k in keys}
     from torch.distributed.tensor import Shard
@@ -156,14 +160,15 @@ def read_layout(path: Path) -> dict | None:
 
 def load_weights(backbone: Any, path: Path, layout: dict) -> None:
     """A sharded checkpoint's trained weights into ``backbone``, in place (its layout: sharded or whole)."""
-    named = matching(backbone, path, layout)
-    read(Path(path) / SHARDS, {layout["model"][name]: p for name, p in named.items()})
-
-
-def matching(backbone: Any, path: Path, layout: dict) -> dict[str, Tensor]:
-    """``trained_named(backbone)``, refused unless its names and shapes are the checkpoint's."""
-    named = trained_named(backbone)
     meta = stored(Path(path) / SHARDS)
+    named = matching(backbone, layout, meta)
+    read(Path(path) / SHARDS, {layout["model"][name]: p for name, p in named.items()}, meta)
+
+
+def matching(backbone: Any, layout: dict, meta: Stored) -> dict[str, Tensor]:
+    """``trained_named(backbone)``, refused unless its names and shapes are the checkpoint's (``meta``: its shards'
+    ``stored``)."""
+    named = trained_named(backbone)
     unknown = sorted(set(layout["model"]) ^ set(named))
     unknown = unknown or [
         f"{name}: {list(meta[key][0])} there, {list(named[name].shape)} here"
@@ -183,6 +188,7 @@ def full_ema(path: Path, layout: dict) -> dict[str, Tensor] | None:
     ema = layout.get("ema")
     if not ema:
         return None
-    tensors = empty(Path(path) / SHARDS, list(ema.values()), None)
-    read(Path(path) / SHARDS, tensors)
+    meta = stored(Path(path) / SHARDS)
+    tensors = empty(meta, list(ema.values()), None)
+    read(Path(path) / SHARDS, tensors, meta)
     return {name: tensors[key] for name, key in ema.items()}

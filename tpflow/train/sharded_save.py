@@ -19,6 +19,7 @@ from tpflow.train.checkpoint_shards import (
     matching,
     read,
     split,
+    stored,
     trained_named,
     write,
     write_layout,
@@ -67,10 +68,11 @@ def restore_sharded(ckpt: Any, backbone: Any) -> tuple[dict, dict[str, Tensor] |
     and the EMA's states with their tensors read into the run's layout (sharded over its processes as its
     parameters are, or whole), ready for their ``load_state_dict``. One collective read when the run is sharded."""
     layout = ckpt.layout
-    named = matching(backbone, ckpt.path, layout)
+    shards = Path(ckpt.path) / SHARDS
+    meta = stored(shards)  # the safetensors headers, read once
+    named = matching(backbone, layout, meta)
     mesh = next((p.device_mesh for p in named.values() if is_sharded(p)), None)
     ema = layout.get("ema") or {}
-    shards = Path(ckpt.path) / SHARDS
-    tensors = empty(shards, [*markers(ckpt.optimizer_state), *ema.values()], mesh)
-    read(shards, {**{layout["model"][n]: p for n, p in named.items()}, **tensors})
+    tensors = empty(meta, [*markers(ckpt.optimizer_state), *ema.values()], mesh)
+    read(shards, {**{layout["model"][n]: p for n, p in named.items()}, **tensors}, meta)
     return fill(ckpt.optimizer_state, tensors), ({n: tensors[k] for n, k in ema.items()} if ema else None)
