@@ -125,16 +125,17 @@ def test_no_ema_and_foreign_rng_values(tmp_path: Path):
 def test_crash_mid_write_leaves_no_step_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: str):
     first = _save(tmp_path, 2)
     import tpflow.train.checkpoint as ck
+    import tpflow.train.checkpoint_files as files  # where the manifest is written
 
     if fail == "manifest":
-        real = ck._write
+        real = files._write
 
         def write(path: Path, data: bytes) -> None:
             if path.name == ck.MANIFEST:
                 raise KeyboardInterrupt  # killed while writing the manifest
             real(path, data)
 
-        monkeypatch.setattr(ck, "_write", write)
+        monkeypatch.setattr(files, "_write", write)
         with pytest.raises(KeyboardInterrupt):
             _save(tmp_path, 4)
     else:
