@@ -43,6 +43,9 @@ def _enter(rank: int, world_size: int, port: int, worker: Callable, out: Path, a
     try:
         result = worker(rank, out, *args)
         torch.save(result, out / f"rank{rank}.pt")
+        # both done before either tears its group down: a peer's gloo threads still waiting on a destroyed group
+        # end the process with "terminate called without an active exception" (SIGABRT) now and then
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 
