@@ -11,6 +11,7 @@ from tpflow.rewards import (
     ocr,
     pickscore,
     remote,
+    vlm_judge,
     weighted,
 )
 from tpflow.rewards.geneval import reward as geneval_reward
@@ -33,5 +34,6 @@ __all__ = [
     "pickscore",
     "remote",
     "consistency",
+    "vlm_judge",
     "weighted",
 ]

@@ -1,0 +1,226 @@
+"""The ``vlm-judge`` reward on a tiny Qwen2.5-VL built here (random weights, two text layers, a one-block vision
+tower) with a byte-level tokenizer built in code, saved once per module and loaded through the reward's own path.
+
+The random judge says nothing about images: these tests check the plumbing (shapes, the answer position, batching,
+parsing, the fallback, the error paths), not the quality of its scores.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from tpflow import registry
+from tpflow.errors import UserError
+from tpflow.rewards._vlm import budget_size, judge_pixels, parse_score
+
+PROMPTS = ["a red cube", "two blue spheres on a table", "a green frog", "a cat"]
+
+# A Qwen2-VL chat template cut to what the reward sends: one user turn of an image and a text, then the assistant.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_judge(folder: Path) -> torch.nn.Module:
+    """Write a tiny Qwen2.5-VL judge (model, tokenizer, image processor, chat template) to ``folder``."""
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2Tokenizer,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    from tpflow.backbones.tiny_tokenizers import _bytes_to_unicode
+
+    vocab = {symbol: i for i, symbol in enumerate(_bytes_to_unicode())}  # one token per byte: digits are single
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, bos_token=None, eos_token="<|endoftext|>",
+                               pad_token="<|endoftext|>")  # fmt: skip
+    specials = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    ids = dict(zip(specials, tokenizer.convert_tokens_to_ids(specials), strict=True))
+    text = {"hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "rope_theta": 1e6, "vocab_size": len(tokenizer), "bos_token_id": None,
+            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+            "rope_scaling": {"mrope_section": [2, 2, 4], "rope_type": "default", "type": "default"}}  # fmt: skip
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 32,
+                       "fullatt_block_indexes": [0], "window_size": 56},
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(),
+        chat_template=CHAT_TEMPLATE,
+    )
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def judge_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-vlm-judge")
+    tiny_judge(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def judge(judge_folder: Path):
+    """The logits-mode reward over the tiny judge, loaded once (the tests share its model)."""
+    reward = registry.build("reward", "vlm-judge", model=str(judge_folder), device="cpu", dtype="float32",
+                            batch_size=4, max_pixels=56 * 84)  # fmt: skip
+    reward.load()
+    return reward
+
+
+def images(n: int, seed: int = 0, h: int = 64, w: int = 96) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.rand(n, 3, h, w, generator=g, device="cpu")
+
+
+def test_logits_mode_is_the_expected_digit_under_the_judges_own_logits(judge):
+    """Score = (E[d] - 1) / 4 with E[d] = Σ d·softmax(logits of "1".."5") at the last position of the judge's input,
+    computed here in float64 from the model's full logits, row by row, without the reward's batching."""
+    x = images(3)
+    out = judge(x, PROMPTS[:3], [{}] * 3)
+    assert out.scores.shape == (3,) and out.scores.dtype == torch.float32 and out.scores.device.type == "cpu"
+    assert ((out.scores >= 0) & (out.scores <= 1)).all()
+    tokenizer = judge._processor.tokenizer
+    digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(1, 6)]
+    for i in range(3):
+        batch = judge.inputs(x[i : i + 1], PROMPTS[i : i + 1])
+        assert tokenizer.decode(batch["input_ids"][0]).endswith("<|im_start|>assistant\nFinal Score: ")
+        with torch.no_grad():
+            logits = judge._model(**batch).logits[0, -1].double()  # [V]
+        p = logits[digits].softmax(-1)
+        expected = float((p * torch.arange(1, 6, dtype=torch.float64)).sum())
+        assert abs(float(out.details["vlm_judge_score"][i]) - expected) < 1e-5
+        assert abs(float(out.scores[i]) - (expected - 1) / 4) < 1e-6
+        mass = float(logits.softmax(-1)[digits].sum())
+        assert abs(float(out.details["vlm_judge_token_mass"][i]) - mass) < 1e-6
+
+
+def test_scores_do_not_depend_on_the_batch(judge):
+    """Left padding in a batch of 4 (prompts of different lengths) gives each image the score it has alone."""
+    x = images(4, seed=1)
+    together = judge(x, PROMPTS, [{}] * 4).scores
+    judge.options.batch_size = 1
+    try:
+        alone = judge(x, PROMPTS, [{}] * 4).scores
+    finally:
+        judge.options.batch_size = 4
+    torch.testing.assert_close(together, alone, rtol=0, atol=1e-5)
+    assert judge(x[:0], [], []).scores.shape == (0,)
+
+
+@pytest.mark.parametrize(
+    ("text", "marker", "expected"),
+    [
+        ("Score: 4", "", 4.0),
+        ("4/5", "", 4.0),
+        ("I'd say 3.5", "", 3.5),
+        ("none", "", None),
+        ("", "", None),
+        ("10", "", None),  # off the 1-5 scale
+        ("0 stars", "", None),
+        ("cat (object): 1\nFinal Score: 4", "Final Score:", 4.0),  # the number after the marker, not the first
+        ("final score: 2.5 out of 5", "Final Score:", 2.5),
+        ("no marker, 3", "Final Score:", 3.0),
+        ("Final Score: unclear", "Final Score:", None),
+    ],
+)
+def test_the_parser_reads_the_first_number_on_the_scale(text, marker, expected):
+    assert parse_score(text, 1, 5, marker) == expected
+
+
+def test_answer_mode_parses_the_greedy_answer_and_falls_back_with_a_warning(judge_folder, judge, monkeypatch, caplog):
+    """The answer mode generates, decodes what follows the input, parses it; an answer with no score scores the
+    fallback, marked in its detail and counted in a warning, never an error."""
+    reward = registry.build("reward", "vlm-judge", model=str(judge_folder), device="cpu", dtype="float32",
+                            score_from="answer", max_new_tokens=3, fallback_score=2, max_pixels=56 * 84)  # fmt: skip
+    reward._model, reward._processor, reward._digit_ids = judge._model, judge._processor, judge._digit_ids
+    x = images(4, seed=2)
+    real = reward(x, PROMPTS, [{}] * 4)  # the random judge's own greedy answers: parsed or the fallback
+    assert real.scores.shape == (4,) and set(real.details) == {"vlm_judge_score", "vlm_judge_unparsed"}
+    fell = real.details["vlm_judge_unparsed"] == 1
+    assert (real.details["vlm_judge_score"][fell] == 2).all()
+    tokenizer = judge._processor.tokenizer
+    answers = iter(["4/5", "none", "I'd say 3.5", "Final Score: 9"])
+    original = type(judge._model).generate
+
+    def scripted(self, input_ids, **kwargs):  # the prompt, then a scripted answer per row
+        rows = [torch.tensor(tokenizer.encode(next(answers), add_special_tokens=False)) for _ in input_ids]
+        width = max(len(r) for r in rows)
+        pad = tokenizer.pad_token_id
+        tail = torch.stack([torch.cat([r, torch.full((width - len(r),), pad, device="cpu")]) for r in rows])
+        return torch.cat([input_ids, tail], 1)
+
+    monkeypatch.setattr(type(judge._model), "generate", scripted)
+    before = reward.unparsed
+    with caplog.at_level(logging.WARNING, logger="tpflow.rewards.vlm_judge"):
+        out = reward(x, PROMPTS, [{}] * 4)
+    monkeypatch.setattr(type(judge._model), "generate", original)
+    assert out.details["vlm_judge_score"].tolist() == [4.0, 2.0, 3.5, 2.0]
+    assert out.details["vlm_judge_unparsed"].tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert out.scores.tolist() == [0.75, 0.25, 0.625, 0.25]
+    assert reward.unparsed == before + 2
+    assert "2 of 4 answers gave no score" in caplog.text
+
+
+def test_the_pixel_budget_and_the_resize():
+    assert budget_size(512, 512, 28, 3136, 512 * 512) == (504, 504)
+    h, w = budget_size(1024, 768, 28, 3136, 256 * 256)
+    assert h % 28 == w % 28 == 0 and h * w <= 256 * 256 and h > w
+    assert budget_size(10, 10, 28, 3136, 10**6) == (56, 56)  # up to the minimum
+    x = images(2, seed=3)
+    both = judge_pixels(x, (56, 84))
+    assert both.shape == (2, 3, 56, 84) and both.dtype == torch.uint8
+    assert torch.equal(both[1:], judge_pixels(x[1:], (56, 84)))
+
+
+def test_options_are_checked():
+    with pytest.raises(UserError, match="scale_min"):
+        registry.build("reward", "vlm-judge", scale_min=5, scale_max=5)
+    with pytest.raises(UserError, match="prompt"):
+        registry.build("reward", "vlm-judge", template="Rate this image.")
+    with pytest.raises(UserError, match="fallback_score"):
+        registry.build("reward", "vlm-judge", fallback_score=7)
+
+
+def test_missing_judge_is_one_paragraph_before_any_weights_load(tmp_path, monkeypatch):
+    from tests.cli_run import tpflow
+    from tests.test_train import tiny_recipe
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    reward = registry.build("reward", "vlm-judge")
+    with pytest.raises(UserError, match="CodeGoat24/UnifiedReward-qwen-7b"):
+        reward.load()
+    (source,) = registry.get("reward", "vlm-judge").factory.weight_sources(reward.options, {})
+    assert source.problem and "never downloads" in source.problem and "download CodeGoat24" in source.problem
+    folder = registry.build("reward", "vlm-judge", model=str(tmp_path / "nowhere"))
+    with pytest.raises(UserError, match="does not exist"):
+        folder.load()
+    recipe = tiny_recipe(tmp_path, None, reward="vlm-judge", backbone='name = "tiny-sd3"\nseed = 0')
+    out = tpflow("validate", str(recipe))
+    err = " ".join(out.stderr.split())
+    assert out.returncode == 2 and "'CodeGoat24/UnifiedReward-qwen-7b' is not in the Hugging Face cache" in err
+    assert "Traceback" not in err
+    described = tpflow("components", "reward", "vlm-judge", columns="80")
+    assert described.returncode == 0
+    for option in ("score_from", "answer_prefix", "batch_size", "max_pixels", "fallback_score", "scale_max"):
+        assert option in described.stdout

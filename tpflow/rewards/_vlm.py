@@ -1,0 +1,76 @@
+"""Helpers of the ``vlm-judge`` reward: its default question, the parsing of a judge's answer, the pixel budget.
+
+Kept apart from the reward so that each can be tested without a model (the parser on strings, the resize on
+tensors), and so that a pairwise judge can reuse them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from torch import Tensor
+
+from tpflow.rewards._images import clip_preprocess, to_uint8
+
+# The pointwise text-to-image question of UnifiedReward (Wang et al., arXiv 2503.05236), in its public inference
+# script for the Qwen2.5-VL judges (github.com/CodeGoat24/UnifiedReward,
+# inference_qwen/image_generation/qwen_point_score_image_generation.py), reworded: the same two criteria (alignment
+# with the caption, overall quality), the same 1-5 scale, the same "Final Score:" answer format and "Text Caption:
+# [...]" slot, which are what the judge was fine-tuned to read and write. The upstream question also asks for a
+# list of the caption's elements before the score; that list is left out here, because the reward reads the score
+# straight after the answer prefix (one forward pass), not after a generated list.
+DEFAULT_TEMPLATE = (
+    "You are given a text caption and an image generated from it. Evaluate the image on two criteria:\n"
+    "1. Alignment with the caption: how faithfully the image shows the objects, their attributes and their "
+    "relations as the caption describes them.\n"
+    "2. Overall image quality: clarity, detail, colour and aesthetic appeal.\n"
+    "Assign a score from 1 to 5 after 'Final Score:'.\n"
+    "Text Caption: [{prompt}]"
+)
+
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+
+
+def parse_score(text: str, low: float, high: float, marker: str = "") -> float | None:
+    """The score a judge's answer gives: the first number after the last ``marker`` (when the answer has one; case
+    is ignored), else the first number of the answer; None when there is none or it lies outside [low, high].
+
+    "Score: 4" -> 4, "4/5" -> 4, "I'd say 3.5" -> 3.5, "none" -> None; with the scale 1-5, "10" -> None: a number
+    off the scale is not a score on it, and reading it as one would reward a confused judge.
+    """
+    if marker:
+        at = text.lower().rfind(marker.lower())
+        if at >= 0:
+            text = text[at + len(marker) :]
+    found = _NUMBER.search(text)
+    if found is None:
+        return None
+    value = float(found.group())
+    return value if math.isfinite(value) and low <= value <= high else None
+
+
+def budget_size(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(h, w) of an image resized for a Qwen-VL vision tower: multiples of ``factor`` (patch size × merge size),
+    the aspect ratio kept, the area within [min_pixels, max_pixels] (Qwen2-VL's ``smart_resize`` rule)."""
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def judge_pixels(images: Tensor, size: tuple[int, int]) -> Tensor:
+    """[N, 3, H, W] in [0, 1] -> [N, 3, h, w] uint8 (the device of ``images``) resized to ``size``.
+
+    Quantised to 8 bits first, as the reference judges PIL images, and resized image by image with PIL's
+    antialiased bicubic (``clip_preprocess``, squashed to the size): a score never depends on the rest of the batch.
+    """
+    x = clip_preprocess(images, max(size), size, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0), squash=True)  # [N, 3, h, w]
+    return to_uint8(x)
