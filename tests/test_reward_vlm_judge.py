@@ -182,6 +182,27 @@ def test_answer_mode_parses_the_greedy_answer_and_falls_back_with_a_warning(judg
     assert "2 of 4 answers gave no score" in caplog.text
 
 
+def test_two_threads_loading_at_once_share_one_judge(judge_folder):
+    """The first calls of two scoring threads load the judge once, under the reward's lock."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    reward = registry.build("reward", "vlm-judge", model=str(judge_folder), device="cpu", dtype="float32")
+    seen = []
+    original = type(reward)._score_token_ids
+
+    def counted(self, tokenizer):
+        seen.append(1)
+        return original(self, tokenizer)
+
+    type(reward)._score_token_ids = counted
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda _: reward.load(), range(2)))
+    finally:
+        type(reward)._score_token_ids = original
+    assert seen == [1] and reward._model is not None
+
+
 def test_the_pixel_budget_and_the_resize():
     assert budget_size(512, 512, 28, 3136, 512 * 512) == (504, 504)
     h, w = budget_size(1024, 768, 28, 3136, 256 * 256)
