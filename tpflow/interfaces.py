@@ -39,6 +39,10 @@ CAPABILITIES: dict[str, Any] = {
     # Optimizer: a tpflow.rollout.retain.Retain (or .reweight.Reweight) when its update reuses the rollout's forwards
     "retain": None,
     "consumes": "transitions",  # Optimizer (required on an instance)
+    # RewardModel: a group-relative reward (pairwise win rates): each call must hold whole prompt groups, every row
+    # at one trace column, so scoring calls it once per column with the batch's rows and the recipe check refuses
+    # batching that cuts a group (tpflow.rewards.groups)
+    "needs_whole_groups": False,
 }
 
 
@@ -145,7 +149,9 @@ class RolloutPlan(Protocol):
 
 @runtime_checkable
 class RewardModel(Protocol):
-    """Scores images; safe to call from a worker thread; heavy models load lazily on the first call."""
+    """Scores images; safe to call from a worker thread; heavy models load lazily on the first call. Optional
+    (``capability``): ``needs_whole_groups``, whether a call must hold whole prompt groups at one trace column
+    (default False)."""
 
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:
         """Score images [N, 3, H, W] in [0, 1] for their prompts and metadata; ``scores`` [N], higher is better."""

@@ -206,6 +206,7 @@ def validate_recipe(data: dict[str, Any], where: str = "recipe", path: Path | No
     problems += _device_names(components)
     problems += shard_problems(sections)
     problems += watched_problems(sections)
+    problems += whole_group_problems(sections)
     if problems:
         raise RecipeError(f"{where}: " + " ".join(problems))
     return Recipe(components=components, settings=settings, data=data, path=path)
@@ -216,6 +217,14 @@ def watched_problems(sections: dict[str, Any]) -> list[str]:
     from tpflow.rewards.watched import recipe_problems
 
     return recipe_problems(sections)
+
+
+def whole_group_problems(sections: dict[str, Any]) -> list[str]:
+    """Where a reward that needs whole groups per call (pairwise) meets batching that cuts a group
+    (``tpflow.rewards.groups.whole_group_problems``)."""
+    from tpflow.rewards.groups import whole_group_problems as problems
+
+    return problems(sections)
 
 
 def shard_problems(sections: dict[str, Any]) -> list[str]:

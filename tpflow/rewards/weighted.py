@@ -25,6 +25,7 @@ from torch import Tensor
 
 from tpflow import registry
 from tpflow.errors import UnknownComponentError, UserError
+from tpflow.interfaces import capability
 from tpflow.registry import register
 from tpflow.rewards.call import check_output
 from tpflow.types import RewardOutput
@@ -79,6 +80,11 @@ class WeightedOptions(BaseModel):
                 entry = registry.get("reward", part.name)
             except UnknownComponentError as exc:
                 raise UnknownComponentError(f"{where}: {exc}") from None
+            if capability(entry.factory, "needs_whole_groups"):  # its calls would hold chunks, not whole groups
+                raise ValueError(
+                    f"{where} compares images within their group, so it must be the recipe's [reward] itself, not a "
+                    "part of a sum (its judge may be any reward, a weighted sum too)"
+                )
             try:
                 entry.options.model_validate(part.options)
             except ValidationError as exc:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from tpflow.distributed import Distributed
+from tpflow.rewards.groups import group_key
 from tpflow.train.prompt_sampler import RolloutBatch
 from tpflow.train.scoring import ScoredBatch
 from tpflow.types import Credit, PromptItem, Rollout
@@ -30,7 +31,7 @@ def prompt_groups(prompts: list[str], starts: list[int] | None = None) -> list[i
     rows by their initial noise too. Two items with the same text start from different z_0, and a group that shares
     its start compares the copies of that start alone (one shared ODE prefix, or siblings of one ODE state); pooling
     two starts would mix them (docs/algorithm.md §5 item 9)."""
-    keys = [" ".join(p.lower().split()) for p in prompts]
+    keys = [group_key(p) for p in prompts]  # the key a group-relative reward groups its call's rows by too
     table: dict[object, int] = {}
     if starts is None:
         return [table.setdefault(k, len(table)) for k in keys]

@@ -3,7 +3,8 @@
 One job turns a rollout batch's final latents [n, ...] and completion latents [n, W, ...] into its reward trace
 [n, W+1]: decode in chunks, call the reward model through ``tpflow.rewards.call.call_reward`` (output checked, a
 time limit, one retry if it raises or returns non-finite scores, then a clear message: the trainer stops; the last
-checkpoint stays intact).
+checkpoint stays intact). A reward that needs whole groups (a pairwise win rate) is called once per trace column
+instead of in chunks: every trajectory of the batch at that column in one call.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor
 
 from tpflow.devices import current_cuda_device
-from tpflow.interfaces import RewardModel
+from tpflow.interfaces import RewardModel, capability
 from tpflow.rewards.call import DEFAULT_POLICY, RewardPolicy, call_reward
 
 
@@ -112,7 +113,10 @@ def score_rollout(
         images = torch.cat([decode(part) for part in latents.split(chunk)])  # [n·W + n, 3, H, W]
     decode_s = time.perf_counter() - start
     start = time.perf_counter()
-    scores, details = _reward(reward, images, rows_prompts, rows_meta, chunk, policy)
+    if capability(reward, "needs_whole_groups"):  # a group-relative reward: one call per column, groups whole
+        scores, details = _reward_by_column(reward, images, rows_prompts, rows_meta, n, width, policy)
+    else:
+        scores, details = _reward(reward, images, rows_prompts, rows_meta, chunk, policy)
     reward_s = time.perf_counter() - start
     trace = _as_trace(scores, n, width, window)
     final_details = {k: v[n * width :] for k, v in details.items()}
@@ -132,6 +136,34 @@ def _as_trace(scores: Tensor, n: int, width: int, window: int) -> Tensor:
         trace[:, :width] = scores[: n * width].view(n, width)
     trace[:, window] = scores[n * width :]
     return trace
+
+
+def _reward_by_column(
+    reward: RewardModel,
+    images: Tensor,
+    prompts: list[str],
+    metadata: list[dict],
+    n: int,
+    width: int,
+    policy: RewardPolicy,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Scores [n·W' + n] and details of a reward that needs whole groups (``tpflow.rewards.groups``): one call per
+    trace column j holding the n trajectories' images at j, so a group-relative reward compares each image with its
+    siblings at the same column and no chunk cuts a group. The rows come back in ``images``' order (completions
+    trajectory-major b·W' + j, then the finals)."""
+    grid = torch.arange(n * width, device="cpu").view(n, width)  # [n, W'] row of trajectory b's completion j
+    columns = [grid[:, j] for j in range(width)] + [torch.arange(n * width, n * width + n, device="cpu")]
+    calls = []
+    for rows in columns:  # [n] rows of one column
+        picked = rows.tolist()
+        texts, meta = [prompts[k] for k in picked], [metadata[k] for k in picked]
+        calls.append(_reward(reward, images[rows.to(images.device)], texts, meta, n, policy))
+    order = torch.cat(columns)  # [n·W' + n] column-major: the rows of each call, call after call
+    scores = torch.cat([c[0] for c in calls])  # [n·W' + n] in call order
+    details = {k: torch.cat([c[1][k] for c in calls]) for k in calls[0][1]}
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device="cpu")  # call position of each row
+    return scores[back], {k: v[back] for k, v in details.items()}
 
 
 def _reward(
