@@ -3,7 +3,7 @@
 One job turns a rollout batch's final latents [n, ...] and completion latents [n, W, ...] into its reward trace
 [n, W+1]: decode in chunks, call the reward model through ``tpflow.rewards.call.call_reward`` (output checked, a
 time limit, one retry if it raises or returns non-finite scores, then a clear message: the trainer stops; the last
-checkpoint stays intact). A reward that needs whole groups (a pairwise win rate) is called once per trace column
+checkpoint stays intact). A reward that needs whole groups (a win rate among siblings) is called once per trace column
 instead of in chunks: every trajectory of the batch at that column in one call.
 """
 
