@@ -6,6 +6,7 @@ with ``weights_only=True``). An assertion that fails in a worker fails the test 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -231,7 +232,8 @@ def nft_layout_gradient(
     """``layout_gradient`` for the nft optimizer: the gradient of its one optimizer step over ``share`` (this
     process's samples of one fixed batch of 8 final samples) in micro-batches of ``micro``, ``accumulation`` per
     step. Each sample's times t and noise ε must not depend on the layout. ``finetune``, ``shard`` and ``mode`` as
-    for ``layout_gradient``; ``name = "awm"``: the awm optimizer (its times stratified over the same schedule)."""
+    for ``layout_gradient``; ``name = "awm"``: the awm optimizer (its times stratified over the same schedule);
+    ``"dgpo"``: the dgpo optimizer (its group weights over the two prompts' groups, wherever their rows lie)."""
     import tpflow
     from tpflow.rollout import Window, rollout
 
@@ -241,13 +243,16 @@ def nft_layout_gradient(
     prompts = ["a photo of a red circle", "a photo of two squares"] * 4
     z0 = backbone.initial_noise(8, cpu_generator(0))
     batch = rollout(backbone, sampler, backbone.encode(prompts), z0, backbone.sigmas(3), Window(0, 1), 0.0, 2.0,
-                    None, transitions=False).index(torch.tensor(share))  # fmt: skip
+                    None, transitions=False)  # fmt: skip
+    groups = torch.tensor([0, 1] * 4, dtype=torch.long, device="cpu")  # the prompts' groups, as the trainer numbers
+    batch = dataclasses.replace(batch, groups=groups).index(torch.tensor(share))
     advantages = torch.randn(8, 1, generator=cpu_generator(3), dtype=torch.float64)[share]
     if shard:
         from tpflow.train.sharding import shard as fully_shard
 
         fully_shard(backbone, torch.device("cpu"), None)
-    times = {"timesteps_per_sample": 2} if name == "nft" else {"train_timesteps": 2, "timestep_fraction": 1.0}
+    times = {"nft": {"timesteps_per_sample": 2}, "awm": {"train_timesteps": 2, "timestep_fraction": 1.0},
+             "dgpo": {"train_timesteps": 2, "trunc_steps": 3}}[name]  # fmt: skip
     optimizer = tpflow.build(
         "optimizer", name, micro_batch_size=micro, gradient_accumulation_steps=accumulation, max_grad_norm=1e9,
         num_timesteps=4, seed=11, **times,
@@ -289,13 +294,13 @@ def layout_worker(
 ) -> dict:
     """For each layout (rank -> (rows, micro, accumulation)), the gradient of its one optimizer step here (GRPO's;
     with ``optimizer = "grpo+grpo-retain+grpo-reweight"`` also from the rollout's retained graphs and its per-row
-    gradients; with "nft+awm" DiffusionNFT's and AWM's)."""
+    gradients; with "nft+awm+dgpo" DiffusionNFT's, AWM's and DGPO's)."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
-    if optimizer == "nft+awm":  # DiffusionNFT's and AWM's, keyed "<optimizer>/<layout>", from one start
+    if optimizer.startswith("nft"):  # e.g. "nft+awm+dgpo": each, keyed "<optimizer>/<layout>", from one start
         return {f"{opt}/{name}": nft_layout_gradient(weights, *layout[rank], accelerator=accelerator, name=opt)
-                for opt in ("nft", "awm") for name, layout in layouts.items()}  # fmt: skip
+                for opt in optimizer.split("+") for name, layout in layouts.items()}  # fmt: skip
     if optimizer == "grpo":
         return {name: layout_gradient(weights, *layout[rank], accelerator=accelerator)
                 for name, layout in layouts.items()}  # fmt: skip

@@ -167,7 +167,7 @@ def test_validate_unknown_component_exits_2_listing_names(plugin, tmp_path):
     out = tpflow("validate", str(tmp_path / "r.toml"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "[optimizer]" in out.stderr and "'ppo' is not a registered optimizer" in out.stderr
-    assert "Available: awm, grpo" in out.stderr
+    assert "Available: awm, dgpo, grpo" in out.stderr
 
 
 def test_validate_bad_override_and_missing_file(tmp_path):

@@ -218,14 +218,14 @@ def _check_sharded_checkpoint(zero: dict, one: dict) -> None:
 def test_an_nft_steps_gradient_is_the_same_on_two_processes_whatever_the_split(tmp_path, tiny_weights):
     """DiffusionNFT and AWM draw each sample's times and noise from its own index among the update's samples, so
     one step over 8 samples split over 2 processes gives the 1-process gradient (an earlier release drew ε per
-    micro-batch and per process)."""
+    micro-batch and per process); DGPO draws them per group, and its group weights add every process's rows."""
     everything = list(range(8))
     layouts = {
         "4 + 4": [(everything[:4], 4, 1), (everything[4:], 4, 1)],
         "3 + 3 | 2": [(everything[:6], 3, 2), (everything[6:], 3, 2)],
     }
-    zero, one = spawn(layout_worker, tmp_path, str(tiny_weights), layouts, "nft+awm")
-    for optimizer in ("nft", "awm"):
+    zero, one = spawn(layout_worker, tmp_path, str(tiny_weights), layouts, "nft+awm+dgpo")
+    for optimizer in ("nft", "awm", "dgpo"):
         reference = nft_layout_gradient(str(tiny_weights), everything, 8, 1, name=optimizer)
         assert reference.abs().max() > 0
         for name in layouts:

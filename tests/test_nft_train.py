@@ -53,6 +53,19 @@ timestep_fraction = 1.0
 old_decay_rate = 0.25
 """
 
+DGPO_SECTION = """[optimizer]
+name = "dgpo"
+learning_rate = 1e-2
+kl_weight = 1e-3
+micro_batch_size = 4
+gradient_accumulation_steps = 1
+num_timesteps = 4
+train_timesteps = 2
+trunc_steps = 3
+old_decay_rate = 0.25
+switch_ema_ref = 1
+"""
+
 
 def nft_recipe(
     tmp_path: Path,
@@ -93,6 +106,7 @@ def test_components_lists_every_optimizer():
     assert code == 0, out
     assert "grpo" in out and "nft" in out and "timesteps_per_sample" in out and "clip_range" in out
     assert "awm" in out and "train_timesteps" in out and "ghuber_power" in out
+    assert "dgpo" in out and "beta_dpo" in out and "switch_ema_ref" in out
 
 
 def _optimizer_specific_uses(source: str, filename: str) -> list[str]:
@@ -106,7 +120,7 @@ def _optimizer_specific_uses(source: str, filename: str) -> list[str]:
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
         and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
     }  # fmt: skip
-    words = re.compile(r"\b(grpo|nft|awm)\b", re.IGNORECASE)
+    words = re.compile(r"\b(grpo|nft|awm|dgpo)\b", re.IGNORECASE)
     options = {"clip_range", "gradient_accumulation_steps", "adv_clip_max", "kl_weight", "timesteps_per_sample"}
     hits = []
     for node in ast.walk(tree):
@@ -162,7 +176,7 @@ def test_the_base_seed_follows_train_seed_not_what_was_built_before(tmp_path, ti
     assert Trainer(other, run_dir=tmp_path / "other").optimizer._seed != plain
 
 
-@pytest.mark.parametrize("section", [NFT_SECTION, AWM_SECTION], ids=["nft", "awm"])
+@pytest.mark.parametrize("section", [NFT_SECTION, AWM_SECTION, DGPO_SECTION], ids=["nft", "awm", "dgpo"])
 def test_kill_9_then_resume_continues_exactly(tmp_path, tiny_weights, section):
     straight_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
     straight_dir.mkdir()

@@ -204,6 +204,10 @@ class Rollout:
     means: Tensor | None = None  # [N, W, ...] float32 transition means μ_old at rollout time (RatioNorm), or None
     # the first M steps' differentiable log-probs ("retain") or their per-trajectory gradients ("reweight"), or None
     retained: RetainedSteps | ReweightedSteps | None = None
+    # [N] long on the CPU: each trajectory's prompt group, numbered over the epoch's rows of every process (the ids
+    # ``Optimizer.advantages`` got), set by the trainer before the update; None where no trainer set them. An update
+    # whose loss couples a group's members (DGPO's group weight) reads it; the others never need it.
+    groups: Tensor | None = None
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -229,6 +233,7 @@ class Rollout:
             trained=None if self.trained is None else self.trained[rows],
             means=None if self.means is None else self.means[rows],
             retained=None if self.retained is None else self.retained.index(rows),
+            groups=None if self.groups is None else self.groups[rows.cpu()],
         )
 
     def transitions(self, rows: Tensor, steps: Tensor) -> Rollout:
@@ -247,6 +252,7 @@ class Rollout:
             completions=None,
             cost=self.cost,
             means=None if self.means is None else self.means[rows, steps].unsqueeze(1),
+            groups=None if self.groups is None else self.groups[rows.cpu()],
         )
 
     @staticmethod
@@ -285,6 +291,7 @@ class Rollout:
             trained=trained,
             means=None if first.means is None else torch.cat([r.means for r in rollouts]),
             retained=_cat_retained([r.retained for r in rollouts], [len(r) for r in rollouts]),
+            groups=None if any(r.groups is None for r in rollouts) else torch.cat([r.groups for r in rollouts]),
         )
 
 

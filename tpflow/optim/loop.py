@@ -197,6 +197,12 @@ class AdamWLoop:
     def extra_state(self) -> dict:
         return {}
 
+    def before_step(self, micro_batches: list[Any]) -> None:
+        """Called once per optimizer step on every process (collectives allowed), with the step's micro-batches on
+        this process (possibly none), before their first loss: a loss that couples rows across micro-batches or
+        processes (DGPO's group weight, ``tpflow.optim.dgpo``) computes what it needs of the whole step here, at the
+        weights the step starts from. Nothing by default."""
+
     def load_extra_state(self, state: dict) -> None:
         """Check and restore the subclass's part of ``state`` (raise ``UserError`` for another optimizer's)."""
 
@@ -229,6 +235,7 @@ class AdamWLoop:
                 rows, deferred = 0.0, []  # deferred: the step's losses through shared graphs (RowLoss.deferred)
                 mine = micro_batches[step * accumulation : (step + 1) * accumulation]
                 padding = int(self._dist.max(len(mine))) - len(mine) if lockstep else 0
+                self.before_step(mine)
                 for mb in mine:
                     for thunk in losses(mb):
                         rows += self._backward(thunk, totals, self.global_step == steps_before, deferred)

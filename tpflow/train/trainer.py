@@ -22,6 +22,7 @@ uninterrupted one, and the trajectories an epoch samples do not depend on the nu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import random
 import time
@@ -288,7 +289,8 @@ class Trainer(RunCheckpoints):
             else self.optimizer.advantages(rows.step_rewards, groups)
         )
         n, rank = sampled.num_rows, self.dist.rank
-        batch = Rollout.cat(sampled.rollouts)
+        local_groups = torch.tensor(groups[rank * n : (rank + 1) * n], dtype=torch.long, device="cpu")  # [n] host
+        batch = dataclasses.replace(Rollout.cat(sampled.rollouts), groups=local_groups)
         sampled.rollouts.clear()  # the update holds the concatenated copy only
         update_start = time.perf_counter()
         update = self._update(epoch, batch, advantages[rank * n : (rank + 1) * n])

@@ -1,0 +1,122 @@
+"""DGPO (``[optimizer] name = "dgpo"``, docs/algorithm.md "DGPO"): the loss, its trust region and its gradient
+against float64 hand computations, the group weight over rows split anywhere, σ(0) = ½ at the base model, the
+update (the adapter trains, the lagged copy moves after the step, the rollouts switch to it after switch_ema_ref
+steps), one step's gradient whatever its micro-batches, and under CPU bf16 autocast and fp16 with a gradient scaler.
+2 processes and kill -9 resume: tests/test_distributed.py and tests/test_nft_train.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import tpflow
+from tests.distributed_workers import nft_layout_gradient
+from tpflow.errors import UserError
+from tpflow.optim.dgpo_loss import dgpo_loss, group_scores, group_weights, matching_mse
+
+
+def test_loss_trust_region_and_gradient_equal_a_float64_hand_computation():
+    """Rows w·A·L̃_θ + β·mean(v − v_ref)²: L̃ = L_θ unless the row is clipped ((A > 0 and exp(L_old − L_θ) > 1 + c)
+    or (A ≤ 0 and exp(L_old − L_θ) < 1 − c)), where its policy gradient is 0."""
+    g = torch.Generator().manual_seed(0)
+    n, d, c, beta = 4, 6, 0.05, 0.1
+    v = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    u, v_ref = (torch.randn(n, d, generator=g, dtype=torch.float64) for _ in range(2))
+    l_theta = ((v.detach() - u) ** 2).mean(1)
+    # rows 0, 1: A > 0 with ratio 1.2 (clipped) and 1.01 (kept); rows 2, 3: A ≤ 0 with ratio 0.8 (clipped), 0.99
+    l_old = l_theta + torch.log(torch.tensor([1.2, 1.01, 0.8, 0.99], dtype=torch.float64))
+    a = torch.tensor([1.5, 0.7, -0.4, 0.0], dtype=torch.float64)
+    w = torch.tensor([0.3, 0.3, 0.9, 0.9], dtype=torch.float64)
+    out = dgpo_loss(v, u, a, w, l_old, c, v_ref, beta)
+    out.rows.sum().backward()
+    assert out.clipped.tolist() == [1.0, 0.0, 1.0, 0.0]
+    for i in range(n):
+        kl = float(((v[i].detach() - v_ref[i]) ** 2).mean())
+        want = float(w[i] * a[i] * l_theta[i]) + beta * kl
+        assert abs(float(out.rows[i].detach()) - want) < 1e-12
+        policy_grad = 0.0 if i in (0, 2) else float(w[i] * a[i])
+        grad = (policy_grad * 2 * (v[i] - u[i]) / d + 2 * beta * (v[i] - v_ref[i]) / d).detach()
+        torch.testing.assert_close(v.grad[i], grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out.mse, l_theta, rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="shape of v"):
+        dgpo_loss(v, torch.zeros(n, d + 1), a, w, l_old, c)
+
+
+def test_the_group_weight_is_the_sigmoid_of_the_groups_mean_score_wherever_its_rows_lie():
+    """s_g = Σ_{i∈g} A_i·β_dpo·(L_θ,i − L_ref,i)/G_g by hand; partial sums over any split of the rows add up to it."""
+    g = torch.Generator().manual_seed(1)
+    a, lt, lr = (torch.randn(6, generator=g, dtype=torch.float64) for _ in range(3))
+    groups = torch.tensor([0, 1, 0, 2, 1, 0])
+    sums, counts = group_scores(a, lt, lr, groups, 10.0, 3)
+    for k in range(3):
+        rows = [i for i in range(6) if int(groups[i]) == k]
+        s = sum(float(a[i]) * 10.0 * (float(lt[i]) - float(lr[i])) for i in rows) / len(rows)
+        assert abs(float(group_weights(sums, counts)[k]) - 1 / (1 + math.exp(-s))) < 1e-14
+    first = group_scores(a[:4], lt[:4], lr[:4], groups[:4], 10.0, 3)
+    second = group_scores(a[4:], lt[4:], lr[4:], groups[4:], 10.0, 3)
+    torch.testing.assert_close(first[0] + second[0], sums, rtol=0, atol=1e-14)
+    assert torch.equal(first[1] + second[1], counts)
+    assert torch.equal(matching_mse(torch.ones(2, 3), torch.zeros(2, 3)), torch.ones(2, dtype=torch.float64))
+
+
+def _optimizer(**options):
+    base = dict(num_timesteps=4, train_timesteps=2, trunc_steps=3, micro_batch_size=4, learning_rate=1e-2, seed=3)
+    return tpflow.build("optimizer", "dgpo", **{**base, **options})
+
+
+def test_update_at_the_base_model_weighs_every_group_a_half_and_the_lagged_copy_follows(tiny_weights):
+    """With a zero-initialised LoRA, θ = base: L_θ = L_ref, s_g = 0 and w_g = σ(0) = ½ exactly; after the step the
+    copy moves with d = min(0.001·0, 0.3) = 0, i.e. it copies θ; the rollouts switch to it after switch_ema_ref."""
+    from tests.test_nft import build_backbone, final_samples
+
+    backbone = build_backbone("shapes-dit", tiny_weights)
+    optimizer = _optimizer(switch_ema_ref=0)
+    optimizer.bind(backbone)
+    before = [p.detach().clone() for p in optimizer._params]
+    advantages = torch.tensor([[1.0], [-1.0], [0.5], [-0.5]], dtype=torch.float64)
+    batch = final_samples(backbone)
+    with pytest.raises(UserError, match="group ids"):
+        optimizer.update(backbone, None, batch, advantages)
+    batch = dataclasses.replace(batch, groups=torch.tensor([0, 0, 1, 1]))
+    with optimizer.sampling_policy():  # step 0: the live adapter samples
+        assert all(p.data_ptr() != o.data_ptr() for p, o in zip(optimizer._params, optimizer.old, strict=True))
+    metrics = optimizer.update(backbone, None, batch, advantages)
+    assert metrics["optimizer_steps"] == 1 and metrics["group_weight"] == 0.5 and metrics["old_decay"] == 0.0
+    after = [p.detach() for p in optimizer._params]
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert all(torch.equal(old, a) for old, a in zip(optimizer.old, after, strict=True))
+    with optimizer.sampling_policy():  # past switch_ema_ref = 0 steps: the copy's values sample
+        assert all(torch.equal(p, o) for p, o in zip(optimizer._params, optimizer.old, strict=True))
+
+
+def test_recipe_checks_refuse_step_credit_and_sharding():
+    from types import SimpleNamespace
+
+    from tpflow.optim.dgpo import DGPO, DGPOOptions
+
+    problems = DGPO.check_recipe(DGPOOptions(), {"credit": SimpleNamespace(name="turning-point"),
+                                                 "train": SimpleNamespace(shard="fsdp")})  # fmt: skip
+    assert len(problems) == 2 and "outcome" in problems[0] and "fsdp" in problems[1]
+    with pytest.raises(ValueError, match="trunc_steps"):
+        DGPOOptions(train_timesteps=6, trunc_steps=4)
+
+
+@pytest.mark.parametrize("micro,accumulation", [(4, 2), (3, 3)])
+def test_a_steps_gradient_does_not_depend_on_its_micro_batches(tiny_weights, micro, accumulation):
+    """The group weights add the rows of every micro-batch of the step (the two groups' rows are interleaved)."""
+    whole = nft_layout_gradient(str(tiny_weights), list(range(8)), 8, 1, name="dgpo")
+    split = nft_layout_gradient(str(tiny_weights), list(range(8)), micro, accumulation, name="dgpo")
+    assert whole.abs().max() > 0
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_the_step_under_mixed_precision_points_where_fp32_does(tiny_weights, mode):
+    """CPU bf16 autocast, and fp16 with the gradient scaler: the step's gradient has cosine ≥ 0.999 to fp32's."""
+    exact = nft_layout_gradient(str(tiny_weights), list(range(8)), 4, 2, name="dgpo")
+    mixed = nft_layout_gradient(str(tiny_weights), list(range(8)), 4, 2, name="dgpo", mode=mode)
+    cosine = float(torch.nn.functional.cosine_similarity(mixed.double(), exact.double(), dim=0))
+    assert torch.isfinite(mixed).all() and cosine >= 0.999, cosine
