@@ -221,6 +221,18 @@ class WatchedReward(BaseModel):
         return self.label or self.name
 
 
+DIVERSITY_SPECS = '"shapes-clip", "shapes-clip:<weights>", "clip:<arch>", "clip:<arch>:<pretrained>" or "pixels"'
+
+
+def diversity_problem(spec: str) -> str | None:
+    """Why ``spec`` names no embedding of ``eval.diversity`` (tpflow.rewards.diversity), or None; read here, before
+    anything loads."""
+    kind, _, rest = spec.partition(":")
+    if (kind == "pixels" and not rest) or kind == "shapes-clip" or (kind == "clip" and rest.split(":", 1)[0]):
+        return None
+    return f"eval.diversity = {spec!r} names no embedding: use {DIVERSITY_SPECS}."
+
+
 class EvalSettings(BaseModel):
     """Periodic evaluation by ODE sampling on held-out prompts (docs/algorithm.md §6.3)."""
 
@@ -269,6 +281,26 @@ class EvalSettings(BaseModel):
         "a guard against reward hacking. A run warns when its trained reward rose since the first evaluation while "
         "a watched one fell, each beyond twice its standard error (docs/rewards.md, 'Watching for reward hacking').",
     )
+    diversity: str | None = Field(
+        None,
+        description="Diversity within groups, eval_diversity: the mean pairwise 1 - cos of the embeddings of each "
+        "prompt's images_per_prompt (>= 2) images, by 'shapes-clip', 'clip:<arch>[:<pretrained>]' or 'pixels'.",
+    )
+
+    @model_validator(mode="after")
+    def _diversity_needs_groups(self) -> EvalSettings:
+        """A group of one image has no diversity: refuse the recipe rather than log a meaningless number."""
+        if self.diversity is None:
+            return self
+        problem = diversity_problem(self.diversity)
+        if problem is not None:
+            raise ValueError(problem)
+        if self.images_per_prompt < 2:
+            raise ValueError(
+                f"eval.diversity = {self.diversity!r} measures how a prompt's images differ from each other: set "
+                "eval.images_per_prompt to 2 or more (4: GenEval's), or leave eval.diversity out."
+            )
+        return self
 
 
 TRACKER_PACKAGES = {"tensorboard": "pip install tensorboard", "wandb": "pip install 'tpflow[wandb]'"}

@@ -196,12 +196,18 @@ def _report_eval(console: Console, results: list[Any], folder: Path, ema: bool) 
     """The main process's output of an eval: the tables (target, and baseline with the difference when there is
     one), each warning once (target and baseline often share them), and the files written under ``folder``."""
     from tpflow.evaluation.run import write_outputs
+    from tpflow.rewards.watched import hacking_warnings
+    from tpflow.train.evaluation import summarize
 
     result, base = results[0], (results[1] if len(results) > 1 else None)
     for table in _eval_tables(result, base):
         console.print(table)
     for warning in dict.fromkeys(w for r in results for w in r.settings["warnings"]):  # target's, baseline's
         warn(warning)
+    if base is not None:  # the trained reward up on the baseline's while a watched one (or the diversity) fell
+        mine, theirs = (summarize(r.scored, r.items) for r in (result, base))
+        for warning in hacking_warnings(theirs, mine, since="over the baseline"):
+            warn(warning)
     for path in write_outputs(folder, result, base, ema):
         console.print(f"wrote {path}", highlight=False, markup=False)
     console.print(f"the grids show {result.scored.grid_rule}", highlight=False, markup=False)
@@ -286,13 +292,17 @@ def _progress(console: Console, description: str) -> Any:
 
 def _eval_tables(result: Any, baseline: Any | None) -> list[Table]:
     """Per category: images, mean reward, GenEval strict accuracy (when the reward has it). The ``overall`` row is
-    the mean over images (training's ``eval_*``); GenEval's score, the mean over tags, has a row of its own. With a
-    baseline, one table per figure (target, baseline, difference), so that each fits 80 columns."""
+    the mean over images (training's ``eval_*``); GenEval's score, the mean over tags, has a row of its own. The
+    watched rewards (``watch_<label>``) and the diversity within groups (``[eval] rewards``, ``diversity``) have a
+    table of their own beside. With a baseline, one table per figure (target, baseline, difference), so that each
+    fits 80 columns."""
     from tpflow.evaluation.paired import SEEDS_NOTE, paired_intervals
     from tpflow.evaluation.run import OVERALL, difference
+    from tpflow.rewards.watched import DIVERSITY, PREFIX
 
     mine = result.categories()
     figures = [key for key in ("reward", "strict") if key in mine["overall"]]
+    watched = [key for key in mine["overall"] if key.startswith(PREFIX) or key == DIVERSITY]
     prompts = str(result.settings["prompts"])
     if prompts == "test" and result.settings["split"] != "test":
         prompts = f"{result.settings['split']} split, no test split"
@@ -303,19 +313,26 @@ def _eval_tables(result: Any, baseline: Any | None) -> list[Table]:
     theirs = baseline.categories() if baseline is not None else {}
     delta = difference(result, baseline) if baseline is not None else {}
     spans = paired_intervals(result, baseline) if baseline is not None else {}
-    groups = [figures] if baseline is None else [[key] for key in figures]
+    groups = [figures, *([watched] if watched else [])] if baseline is None else [[k] for k in figures + watched]
     tables = []
     for keys in groups:
         table = Table(
-            title=title if baseline is None else f"{title}: {keys[0]} vs baseline {escape(baseline.target.label)}"
+            title=title
+            if baseline is None
+            else f"{title}: {'watched ' if keys[0] in watched else ''}{keys[0].removeprefix(PREFIX)} vs baseline "
+            f"{escape(baseline.target.label)}"
         )
+        if baseline is None and keys is not figures:
+            table.title = f"{title}: watched, not trained on"
         table.add_column("category", no_wrap=True)
         table.add_column("images", justify="right", no_wrap=True)
         for key in keys:
-            table.add_column(key, justify="right", no_wrap=True)
+            name = key.removeprefix(PREFIX)  # a watched reward by its label: the title says watched
+            table.add_column(name, justify="right", no_wrap=True)
             if baseline is not None:
                 table.add_column("baseline", justify="right", no_wrap=True)
-                table.add_column(f"Δ {key} [95% t]" if spans else f"Δ {key}", justify="right", no_wrap=True)
+                short = "Δ" if key in watched else f"Δ {key}"  # narrow enough for 80 columns
+                table.add_column(f"{short} [95% t]" if spans else short, justify="right", no_wrap=True)
         for category, row in mine.items():
             label = "overall (images)" if category == OVERALL and "strict_tags" in row else category
             cells = [label, str(int(row["images"]))]

@@ -26,6 +26,7 @@ from tpflow.evaluation.targets import Target, load_model
 from tpflow.grids import EVAL_TILE, Grid, Tile, captioned_grid, columns_for
 from tpflow.preflight import prompt_warnings
 from tpflow.rewards.call import recipe_policy
+from tpflow.rewards.diversity import build_embedder
 from tpflow.rewards.watched import with_watched
 from tpflow.train.evaluation import (
     Scored,
@@ -37,6 +38,11 @@ from tpflow.train.evaluation import (
     summarize,
 )
 from tpflow.types import PromptItem
+
+NO_DIVERSITY = (
+    "the recipe's eval.diversity is not measured: one image per prompt has no siblings to differ from (pass "
+    "--images-per-prompt 2 or more)."
+)
 
 
 @dataclass(frozen=True)
@@ -131,14 +137,17 @@ def evaluate_target(
     backbone = load_model(target, ema=options.ema)
     reward = with_watched(recipe.build("reward"), recipe.eval)  # and the rewards it watches, [eval] rewards
     policy = recipe_policy(recipe.train, settings)  # time limit, retries, non-finite scores: as in training
+    spec = recipe.eval.diversity  # measured only where a prompt has several images (said in the warnings)
+    embed = build_embedder(spec) if spec is not None and settings.images_per_prompt > 1 else None
     scored = score_prompts(
-        backbone, reward, items, settings, seed, dist, autocast, settings.images_per_prompt, progress, policy
+        backbone, reward, items, settings, seed, dist, autocast, settings.images_per_prompt, progress, policy, embed
     )
     described = {
         "prompts": options.prompts,
         "split": split,  # the dataset split sampled: "train" for --prompts test of a dataset without a test split
         "warnings": ([no_test_split(recipe.dataset.name)] if options.prompts == "test" and split != "test" else [])
-        + prompt_warnings(recipe, [item.prompt for item in items]),
+        + prompt_warnings(recipe, [item.prompt for item in items])
+        + ([NO_DIVERSITY] if spec is not None and embed is None else []),
         "num_prompts": len(items),
         "images_per_prompt": settings.images_per_prompt,
         "steps": settings.num_steps,

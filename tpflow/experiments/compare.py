@@ -242,6 +242,7 @@ def compare(experiment: Experiment, loaded: tuple[dict[str, dict[int, dict]], li
     }  # fmt: skip
     registration = lock.read(experiment.out)
     base_rows = table.get(endpoint.baseline, {})
+    guard = watched_report(runs, spec.experiment.seeds, endpoint, list(spec.arms))
     return {
         "experiment": spec.experiment.name,
         "endpoint": endpoint.model_dump(),
@@ -250,12 +251,60 @@ def compare(experiment: Experiment, loaded: tuple[dict[str, dict[int, dict]], li
         "runs": table,
         "arms": {arm: arm_summary(rows, base_rows) for arm, rows in table.items()},
         "missing": missing,
+        "watched": guard,
         "source": spec.experiment.summaries or str(experiment.out),
         "registered": None if registration is None else registration["registered"],
         "git_commit": None if registration is None else registration["git_commit"],
         "amendments": [] if registration is None else [
             {k: a[k] for k in ("time", "reason", "runs_existing")} for a in registration["amendments"]],
     }  # fmt: skip
+
+
+def watched_report(runs: dict[str, dict[int, dict]], seeds: list[int], endpoint: Endpoint, arms: list[str]) -> dict:
+    """The hacking guard over the runs (docs/rewards.md, "Watching for reward hacking"): when their evaluations hold
+    watched rewards (``eval_watch_<label>``) or the diversity within groups (``eval_diversity``), each of those and
+    ``eval_reward`` under the endpoint's statistic, per arm (mean over its seeds, 95% t) and per arm − the
+    baseline (paired over seeds, 95% t, and the standard error of the mean difference), with the warnings of
+    ``tpflow.rewards.watched.hacking_warnings``: an arm whose trained reward rose over the baseline's while a
+    watched figure fell, each beyond twice the standard error of its paired difference, and a run whose trained
+    reward rose from its first evaluation to its last while a watched figure fell. Empty when nothing is watched."""
+    from tpflow.rewards.watched import DIVERSITY, PREFIX, hacking_warnings
+
+    every = [run for by_seed in runs.values() for run in by_seed.values()]
+    watched = {k for run in every for e in run["evals"] for k in e if k.startswith("eval_" + PREFIX)}
+    watched |= {f"eval_{DIVERSITY}"} & {k for run in every for e in run["evals"] for k in e}
+    names = sorted(k for k in watched if not k.endswith("_se"))
+    if not names:
+        return {}
+    metrics, kind, base = ["eval_reward", *names], endpoint.statistic, runs.get(endpoint.baseline, {})
+
+    def level(run: dict, metric: str) -> float:  # a run's own value: auc, else its last evaluation
+        values = curve(run, metric)[1]
+        return auc(run, metric) if kind == "auc" else (values[-1] if values else math.nan)
+
+    levels = {}
+    for arm in (a for a in arms if a in runs):
+        spans = {m: t_interval([level(run, m) for run in runs[arm].values()]) for m in metrics}
+        levels[arm] = {m: {"mean": v[0], "low": v[1], "high": v[2]} for m, v in spans.items()}
+    differences, warnings = {}, []
+    for arm in (a for a in arms if a != endpoint.baseline and a in runs):
+        paired = [s for s in seeds if s in runs[arm] and s in base]
+        rows, zero, now = {}, {}, {}
+        for m in metrics:
+            diffs = [paired_statistic(kind, m, runs[arm][s], base[s]) for s in paired]
+            mean, low, high, p = t_interval(diffs)
+            se = float(np.std(diffs, ddof=1) / math.sqrt(len(diffs))) if len(diffs) > 1 else math.nan
+            rows[m] = {"mean": mean, "low": low, "high": high, "p": p, "se": se, "seeds": len(diffs)}
+            zero.update({m: 0.0, f"{m}_se": 0.0})
+            now.update({m: mean, f"{m}_se": se})
+        differences[arm] = rows
+        warnings += hacking_warnings(zero, now, since=f"in {arm} over {endpoint.baseline} ({kind}, paired over seeds)")
+    for arm in (a for a in arms if a in runs):
+        for seed, run in sorted(runs[arm].items()):
+            if len(run["evals"]) > 1:
+                since = f"in {arm}/seed_{seed} from its first evaluation to its last"
+                warnings += hacking_warnings(run["evals"][0], run["evals"][-1], since=since)
+    return {"statistic": kind, "metrics": metrics, "arms": levels, "differences": differences, "warnings": warnings}
 
 
 def _own(run: dict, endpoint: Endpoint) -> float:
@@ -304,6 +353,27 @@ def markdown(result: dict) -> str:
             curve_text = ", ".join(f"{x}: {y:.4f}" for x, y in zip(row["epochs"], row["values"], strict=True))
             lines.append(f"| {arm} | {seed} | {row['statistic']:.4f} | {curve_text} | {row['nfe_per_traj']:.1f} | "
                          f"{row['epoch_s']:.1f} | {row['optimizer_steps']:.1f} |")  # fmt: skip
+    lines += _watched_markdown(result.get("watched") or {}, e["baseline"])
     if result["missing"]:
         lines += ["", "Missing or unfinished runs (left out of the pairs): " + ", ".join(result["missing"]) + "."]
     return "\n".join(lines) + "\n"
+
+
+def _watched_markdown(guard: dict, baseline: str) -> list[str]:
+    """The hacking guard's lines of the report (``watched_report``): one table, a row per figure, the arms' levels
+    and each arm − baseline with its interval; then its warnings, or that there are none."""
+    if not guard:
+        return []
+    arms, others, differences = list(guard["arms"]), list(guard["differences"]), guard["differences"].values()
+    lines = ["", f"Watched, not trained on ({guard['statistic']}; the trained reward first): each arm's mean over its "
+             "seeds [95% t], each arm − baseline paired over seeds [95% t].", "",
+             "| figure | " + " | ".join(arms) + " | " + " | ".join(f"{a} − {baseline}" for a in others) + " |",
+             "|---" * (1 + len(arms) + len(others)) + "|"]  # fmt: skip
+    for m in guard["metrics"]:
+        cells = [f"{a[m]['mean']:.4f} [{a[m]['low']:.4f}, {a[m]['high']:.4f}]" for a in guard["arms"].values()]
+        cells += [f"{d[m]['mean']:+.4f} [{d[m]['low']:+.4f}, {d[m]['high']:+.4f}]" for d in differences]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += [""] + ([f"- **Warning**: {w}" for w in guard["warnings"]] or [
+        "No hacking warning: no trained reward rose while a watched figure fell, each beyond twice its standard error."
+    ])  # fmt: skip
+    return lines

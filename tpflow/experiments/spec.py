@@ -165,8 +165,18 @@ def flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _sets(table: dict[str, Any]) -> list[str]:
     """A table of overrides as ``--set`` strings; values written as JSON, which TOML reads the same for strings,
-    numbers, booleans and arrays."""
-    return [f"{key}={json.dumps(value)}" for key, value in flatten(table).items()]
+    numbers, booleans and arrays, but tables inside a value (``eval.rewards = [{ name = "x" }]``) as TOML's inline
+    tables, which JSON's objects are not."""
+    return [f"{key}={_toml(value)}" for key, value in flatten(table).items()]
+
+
+def _toml(value: Any) -> str:
+    """``value`` as a TOML value: inline tables and arrays of them spelled out, anything else as JSON."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return json.dumps(value)
 
 
 def is_experiment_file(path: Path) -> bool:

@@ -19,6 +19,7 @@ from tpflow.rewards.call import check_output
 from tpflow.types import RewardOutput
 
 PREFIX = "watch_"  # the details key (and eval_ metric) of a watched reward's scores
+DIVERSITY = "diversity"  # eval.diversity's details key (tpflow.rewards.diversity), watched as a reward is
 
 
 class WatchedRewards:
@@ -71,9 +72,10 @@ def recipe_problems(sections: dict[str, Any]) -> list[str]:
 
 def standard_errors(details: dict[str, list[float]], scores: list[float]) -> dict[str, float]:
     """``eval_reward_se`` and ``eval_watch_<label>_se``: the standard error of each mean over the images (only
-    when the evaluation watches a reward)."""
+    when the evaluation watches a reward or the diversity, whose own standard error is over the prompts:
+    ``tpflow.train.evaluation.summarize``)."""
     watched = {k: v for k, v in details.items() if k.startswith(PREFIX)}
-    if not watched:
+    if not watched and DIVERSITY not in details:
         return {}
     return {"eval_reward_se": _se(scores), **{f"eval_{k}_se": _se(v) for k, v in watched.items()}}
 
@@ -86,9 +88,14 @@ def _se(values: list[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in finite) / (len(finite) - 1) / len(finite))
 
 
-def hacking_warnings(before: dict[str, float], now: dict[str, float]) -> list[str]:
-    """One sentence per watched reward that fell while the trained reward rose between two evaluations, each change
-    beyond twice its standard error (√(se₀² + se₁²))."""
+def hacking_warnings(
+    before: dict[str, float], now: dict[str, float], since: str = "since the last evaluation"
+) -> list[str]:
+    """One sentence per watched reward (and the diversity within groups, ``eval_diversity``) that fell while the
+    trained reward rose between two evaluations, each change beyond twice its standard error (√(se₀² + se₁²)).
+
+    ``before`` and ``now`` may also be differences: ``{"eval_x": 0, "eval_x_se": 0}`` against a mean paired
+    difference and its standard error (``tpflow compare``'s arms over seeds); ``since`` says against what."""
 
     def moved(name: str) -> float | None:
         a, b = before.get(f"eval_{name}"), now.get(f"eval_{name}")
@@ -103,13 +110,16 @@ def hacking_warnings(before: dict[str, float], now: dict[str, float]) -> list[st
         return []
     out = []
     for key in now:
-        if key.startswith("eval_" + PREFIX) and not key.endswith("_se"):
+        if (key.startswith("eval_" + PREFIX) or key == f"eval_{DIVERSITY}") and not key.endswith("_se"):
             name = key.removeprefix("eval_")
             fell = moved(name)
             if fell and fell < 0:
+                what = f"the watched reward {name.removeprefix(PREFIX)}"
+                if name == DIVERSITY:
+                    what = "the diversity within groups (eval_diversity: do a prompt's images collapse to one?)"
                 out.append(
-                    f"possible reward hacking: the trained reward rose by {rose:+.4f} since the last evaluation while "
-                    f"the watched reward {name.removeprefix(PREFIX)} fell by {fell:+.4f} (each beyond twice its "
-                    "standard error); look at the evaluation's sample grid."
+                    f"possible reward hacking: the trained reward rose by {rose:+.4f} {since} while "
+                    f"{what} fell by {fell:+.4f} (each beyond twice its standard error); look at the evaluation's "
+                    "sample grid."
                 )
     return out

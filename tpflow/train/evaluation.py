@@ -30,6 +30,8 @@ from tpflow.grids import EVAL_TILE, GRID_IMAGES, Grid, Tile, captioned_grid, cli
 from tpflow.interfaces import Backbone, PromptDataset, RewardModel
 from tpflow.rewards._images import to_uint8
 from tpflow.rewards.call import DEFAULT_POLICY, RewardPolicy, call_reward, reward_name
+from tpflow.rewards.diversity import DETAIL as DIVERSITY
+from tpflow.rewards.diversity import Embedder, diversity_se, sibling_distances
 from tpflow.rewards.watched import standard_errors
 from tpflow.rollout import sample_ode
 from tpflow.settings import EvalSettings
@@ -83,17 +85,21 @@ def score_prompts(
     images_per_prompt: int = 1,
     progress: Callable[[int], None] | None = None,
     policy: RewardPolicy = DEFAULT_POLICY,
+    embed: Embedder | None = None,
 ) -> Scored:
     """ODE samples (``settings.num_steps`` steps, ``settings.guidance``) of ``images_per_prompt`` images per prompt,
     decoded and scored in batches of ``settings.batch_size``; call it on every process (it gathers).
 
     Each batch's reward call goes through ``call_reward`` under ``policy`` (time limit, retries, output checks, as
-    in training); non-finite scores kept by ``policy`` (``eval.nonfinite_rewards = "warn"``) get one warning."""
+    in training); non-finite scores kept by ``policy`` (``eval.nonfinite_rewards = "warn"``) get one warning.
+    With ``embed`` (``eval.diversity``) and two or more images per prompt, each image's mean embedding distance to
+    its prompt's other images is the detail ``diversity`` (tpflow.rewards.diversity), computed once gathered: a
+    prompt's images may lie in several batches and processes."""
     n = images_per_prompt
     grid_rows, grid_rule = shown_images(len(everything), n)
     mine = list(range(dist.rank, len(everything) * n, dist.world_size))  # this process's image rows
-    rows, shown = _score_mine(backbone, reward, everything, mine, n, set(grid_rows), settings, seed, autocast,
-                              progress, policy)  # fmt: skip
+    rows, shown, embedded = _score_mine(backbone, reward, everything, mine, n, set(grid_rows), settings, seed,
+                                        autocast, progress, policy, embed if n > 1 else None)  # fmt: skip
     rows = sorted(dist.gather_objects(rows))
     bad = sum(not math.isfinite(score) for _, score, _ in rows)
     if bad and dist.is_main:
@@ -104,10 +110,14 @@ def score_prompts(
         )  # fmt: skip
     shown = sorted(dist.gather_objects(shown), key=lambda pair: pair[0])
     names = list(rows[0][2]) if rows else []
+    details = {name: [d[name] for _, _, d in rows] for name in names}
+    if embed is not None and n > 1:
+        vectors = torch.stack([v for _, v in sorted(dist.gather_objects(embedded), key=lambda pair: pair[0])])
+        details[DIVERSITY] = sibling_distances(vectors, [r // n for r, _, _ in rows])  # [R]
     return Scored(
         prompt_index=[r // n for r, _, _ in rows],
         scores=[score for _, score, _ in rows],
-        details={name: [d[name] for _, _, d in rows] for name in names},
+        details=details,
         grid=[pixels for _, pixels in shown],
         grid_rows=[r for r, _ in shown],
         grid_rule=grid_rule,
@@ -126,15 +136,18 @@ def _score_mine(
     autocast: Callable[[], AbstractContextManager],
     progress: Callable[[int], None] | None,
     policy: RewardPolicy,
-) -> tuple[list[tuple[int, float, dict[str, float]]], list[tuple[int, torch.Tensor]]]:
+    embed: Embedder | None = None,
+) -> tuple[list[tuple[int, float, dict[str, float]]], list[tuple[int, torch.Tensor]], list[tuple[int, torch.Tensor]]]:
     """This process's share of ``score_prompts``: the images of rows ``mine`` (image r: prompt r // n), sampled,
-    decoded and scored in batches; returns (image row, score, details) per image and (image row, [1, 3, H, W]
-    uint8) for those of ``in_grid``, ungathered. Each starts from its row of one seeded draw over every image, so
-    that its noise does not depend on the number of processes."""
+    decoded and scored in batches; returns (image row, score, details) per image, (image row, [1, 3, H, W] uint8)
+    for those of ``in_grid`` and, with ``embed``, (image row, [D] embedding on the CPU) per image, ungathered. Each
+    starts from its row of one seeded draw over every image, so that its noise does not depend on the number of
+    processes."""
     items = [everything[r // n] for r in mine]
     shown: list[tuple[int, torch.Tensor]] = []  # (image row, [1, 3, H, W] uint8) for the sample grid
+    embedded: list[tuple[int, torch.Tensor]] = []  # (image row, [D]) for the diversity within groups
     if not items:
-        return [], shown
+        return [], shown, embedded
     z0 = backbone.initial_noise(len(everything) * n, cpu_generator(seed))[mine]  # same z_0 on every device
     scores: list[float] = []
     details: dict[str, list[float]] = defaultdict(list)
@@ -156,13 +169,15 @@ def _score_mine(
             for j in range(len(part))
             if mine[start + j] in in_grid
         ]
+        if embed is not None:
+            embedded += [(mine[start + j], v.clone()) for j, v in enumerate(embed(images))]  # [D] each
         if progress is not None:
             progress(len(part))
     rows = [
         (r, score, {name: v[j] for name, v in details.items()})
         for j, (r, score) in enumerate(zip(mine, scores, strict=True))
     ]  # (image row, score, details)
-    return rows, shown
+    return rows, shown, embedded
 
 
 def grid_tiles(scored: Scored, everything: list[PromptItem], source: str | None = None) -> list[Tile]:
@@ -218,6 +233,8 @@ def summarize(scored: Scored, everything: list[PromptItem]) -> dict[str, float]:
     for name, values in scored.details.items():
         metrics[f"eval_{name}"] = sum(values) / count
     metrics.update(standard_errors(scored.details, scored.scores))  # with watched rewards (tpflow.rewards.watched)
+    if DIVERSITY in scored.details:  # eval.diversity: its standard error is over the prompts, not the images
+        metrics[f"eval_{DIVERSITY}_se"] = diversity_se(scored.details[DIVERSITY], scored.prompt_index)
     strict = scored.details.get("strict")
     tags = [everything[k].metadata.get("tag") for k in scored.prompt_index]  # [R]
     if all(tags):
@@ -258,14 +275,16 @@ def evaluate(
     autocast: Callable[[], AbstractContextManager],
     grid: Path,
     policy: RewardPolicy = DEFAULT_POLICY,
+    embed: Embedder | None = None,
 ) -> dict[str, float]:
     """The trainer's evaluation: ``summarize`` of ``settings.images_per_prompt`` images per prompt of ``everything``
     (each from its own row of the seeded noise); process 0 writes ``grid``.
 
-    Call it on every process (it gathers), with the weights to evaluate already in place (e.g. the EMA swapped in)."""
+    Call it on every process (it gathers), with the weights to evaluate already in place (e.g. the EMA swapped in);
+    ``embed``: the embedding of ``eval.diversity`` (``score_prompts``)."""
     n = settings.images_per_prompt
     scored = score_prompts(backbone, reward, everything, settings, seed, dist, autocast, images_per_prompt=n,
-                           policy=policy)  # fmt: skip
+                           policy=policy, embed=embed)  # fmt: skip
     if dist.is_main:
         save_eval_grid(scored, everything, grid)
     return summarize(scored, everything)

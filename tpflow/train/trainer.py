@@ -42,6 +42,7 @@ from tpflow.precision import Precision
 from tpflow.preflight import check_machine
 from tpflow.recipe import Recipe
 from tpflow.rewards.call import recipe_policy
+from tpflow.rewards.diversity import Embedder, build_embedder
 from tpflow.rewards.watched import build_watched, hacking_warnings, with_watched
 from tpflow.train.allocator import keep_freed_memory
 from tpflow.train.checkpoint import (
@@ -360,6 +361,13 @@ class Trainer(RunCheckpoints):
             self._watched = build_watched(self.recipe.eval)
         return with_watched(self.reward, self.recipe.eval, self._watched)
 
+    def _diversity_embedding(self) -> Embedder | None:
+        """The embedding of ``[eval] diversity`` (tpflow.rewards.diversity), built at the first eval; None without."""
+        spec = self.recipe.eval.diversity
+        if spec is not None and getattr(self, "_embed", None) is None:
+            self._embed = build_embedder(spec)
+        return None if spec is None else self._embed
+
     def evaluate(self, epoch: int) -> dict[str, float]:
         """ODE samples of the held-out prompts (EMA weights when enabled): mean reward and per-tag accuracy
         (``tpflow.train.evaluation``)."""
@@ -378,6 +386,7 @@ class Trainer(RunCheckpoints):
                 autocast=self.precision.autocast,
                 grid=grid,
                 policy=recipe_policy(self.settings, self.recipe.eval),
+                embed=self._diversity_embedding(),
             )
         if self.eval_split != "test":
             metrics["eval_on_train_split"] = 1.0  # no held-out prompts (warned at the start)
