@@ -10,7 +10,8 @@ adapter-disabled model. What differs, besides the loss:
   schedule among its first ``trunc_steps`` + 1 (every row trains at the same M times, as the code broadcasts them),
   and the noise ε is one per (group, time): a group's members are compared at the same (t, ε).
 * **The group weight** w_g = σ(s_g) needs every member of a group at the step's starting weights, wherever the
-  members lie (micro-batches, processes). ``before_step`` (the loop's hook) computes it: a pass without gradient over
+  members lie (micro-batches, processes). A pass takes the rows group by group (the groups in random order), as
+  the code deals them out, so that a micro-batch of G rows is one group. ``before_step`` (the loop's hook) computes it: a pass without gradient over
   the step's rows gives L_θ, L_old and L_ref, the per-group sums are added over processes, then the step's losses
   read w_g. The frozen velocities of that pass are kept for the losses, so the extra cost is one forward of v_θ
   without gradient per row. The code computes s_g in its gradient pass over whole groups; the weights are the same.
@@ -215,7 +216,7 @@ class DGPO(NFT):
 
         def passes() -> Iterator[list[Any]]:
             for p in range(o.num_inner_epochs):
-                order = torch.randperm(n, generator=order_generator, device="cpu")  # [N] host
+                order = self._group_order(groups, order_generator)  # [N] host
                 state["key"] = (self._seed, self.updates, p)
                 pick = torch.randperm(o.trunc_steps + 1, generator=derived_generator(*state["key"], "dgpo-t"),
                                       device="cpu")  # fmt: skip
@@ -251,6 +252,14 @@ class DGPO(NFT):
         return result
 
     # ---- private -----------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _group_order(groups: Tensor, generator: torch.Generator) -> Tensor:
+        """[N] long host: the rows group by group, the groups in random order (the code deals a prompt's copies out
+        contiguously and does not shuffle them), so that micro-batches of G rows hold whole groups."""
+        ids = groups.unique()  # sorted
+        shuffled = ids[torch.randperm(len(ids), generator=generator, device="cpu")]
+        return torch.cat([(groups == g).nonzero().squeeze(1) for g in shuffled.tolist()]) if len(ids) else groups
 
     def _frozen_three(
         self, backbone: Backbone, x_t: Tensor, t: Tensor, cond: Any
