@@ -11,10 +11,11 @@ adapter-disabled model. What differs, besides the loss:
   and the noise ε is one per (group, time): a group's members are compared at the same (t, ε).
 * **The group weight** w_g = σ(s_g) needs every member of a group at the step's starting weights, wherever the
   members lie (micro-batches, processes). A pass takes the rows group by group (the groups in random order), as
-  the code deals them out, so that a micro-batch of G rows is one group. ``before_step`` (the loop's hook) computes it: a pass without gradient over
-  the step's rows gives L_θ, L_old and L_ref, the per-group sums are added over processes, then the step's losses
-  read w_g. The frozen velocities of that pass are kept for the losses, so the extra cost is one forward of v_θ
-  without gradient per row. The code computes s_g in its gradient pass over whole groups; the weights are the same.
+  the code deals them out, so that a micro-batch of G rows is one group. ``before_step`` (the loop's hook)
+  computes w_g: a pass without gradient over the step's rows gives L_θ, L_old and L_ref, the per-group sums are
+  added over processes, then the step's losses read w_g. The frozen velocities of that pass are kept for the
+  losses, so the extra cost is one forward of v_θ without gradient per row. The code computes s_g in its gradient
+  pass over whole groups; the weights are the same.
 * **The lagged copy** ("EMA reference") moves after every optimizer step, θ_old ← d·θ_old + (1 − d)·θ with
   d = min(rate·n, cap), n the steps before it (the first step copies θ); the rollouts sample with the live adapter
   until ``switch_ema_ref`` steps have passed, then with the copy.
