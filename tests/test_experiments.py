@@ -272,3 +272,22 @@ def test_a_sweep_of_an_uncommitted_experiment_file_warns(tmp_path, tiny_weights,
     committed = tpflow("sweep", str(path))
     assert committed.returncode == 0 and "git" not in committed.stderr
     assert json.loads((repo / "exp" / "registration.json").read_text())["git_commit"]
+
+
+def test_auc_over_seconds_is_the_mean_level_over_the_baselines_training_seconds():
+    """auc_seconds by hand: the baseline evaluated at 0, 10, 20 s (0.5, 0.6, 0.7) has area 12 over 20 s, 0.60; an
+    arm twice as fast per second (0.5, 0.7, 0.8 at 0, 5, 10 s, then held) has (3 + 3.75 + 8) / 20 = 0.7375; an arm
+    slower than the baseline is cut at 20 s by interpolation."""
+    from tpflow.experiments.compare import auc_seconds, paired_statistic
+
+    def run(points):
+        return {"evals": [{"epoch": i, "seconds": s, "eval_reward": v} for i, (s, v) in enumerate(points)]}
+
+    base = run([(0.0, 0.5), (10.0, 0.6), (20.0, 0.7)])
+    fast = run([(0.0, 0.5), (5.0, 0.7), (10.0, 0.8)])
+    slow = run([(0.0, 0.5), (20.0, 0.6), (40.0, 0.9)])
+    assert auc_seconds(base, "eval_reward", 20.0) == pytest.approx(0.60, abs=1e-12)
+    assert auc_seconds(fast, "eval_reward", 20.0) == pytest.approx(14.75 / 20, abs=1e-12)
+    assert paired_statistic("auc_seconds", "eval_reward", fast, base) == pytest.approx(14.75 / 20 - 0.60, abs=1e-12)
+    assert auc_seconds(slow, "eval_reward", 20.0) == pytest.approx(0.55, abs=1e-12)  # (0.5 + 0.6) / 2
+    assert math.isnan(auc_seconds(run([(0.0, 0.5)]), "eval_reward", 20.0))

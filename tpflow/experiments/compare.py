@@ -4,7 +4,8 @@ Each run is read as a summary: every evaluation with its epoch and the training 
 metrics.jsonl, or from the committed summaries the file names). An endpoint is a metric and a statistic (``auc``:
 the trapezoid area under the curve over the evaluated epochs divided by their span, the mean level over training;
 ``final``: the last evaluation; ``at_baseline_seconds``: the arm's curve at the training seconds the baseline's run
-took, against the baseline's final value). Arms are paired by seed: the primary is the mean of the per-seed
+took, against the baseline's final value; ``auc_seconds``: the area under the curve against training seconds over
+the baseline's training seconds, divided by them, for both, the reward gained per second of training). Arms are paired by seed: the primary is the mean of the per-seed
 differences with its two-sided 95% t interval and p value (``tpflow.intervals``), a percentile bootstrap of the same
 differences beside it as a cross-check (too narrow at a few seeds: the t interval is the one to read), and the
 smallest difference these seeds detect at 80% power from the spread observed (noncentral t). The secondary family,
@@ -73,10 +74,25 @@ def at_seconds(run: dict, seconds: float, metric: str) -> float:
     return float(np.interp(seconds, [p[0] for p in points], [p[1] for p in points]))
 
 
+def auc_seconds(run: dict, metric: str, until: float) -> float:
+    """The trapezoid area under the curve against training seconds, from its first evaluation to ``until`` seconds
+    (interpolated between evaluations, the last one held after), divided by that span: the mean level over the first
+    ``until`` seconds of training (NaN without two evaluations or a positive span)."""
+    points = [(e["seconds"], float(e[metric])) for e in run["evals"] if e.get(metric) is not None]
+    if len(points) < 2 or until <= points[0][0]:
+        return math.nan
+    px, py = [p[0] for p in points], [p[1] for p in points]
+    xs = sorted({x for x in px if x < until} | {until})
+    return float(np.trapezoid(np.interp(xs, px, py), xs) / (until - xs[0]))
+
+
 def paired_statistic(kind: str, metric: str, arm: dict, base: dict) -> float:
     """One seed's difference arm − baseline for an endpoint (``STATISTICS`` in tpflow.experiments.spec)."""
     if kind == "auc":
         return auc(arm, metric) - auc(base, metric)
+    if kind == "auc_seconds":  # both over the baseline's training seconds
+        until = base["evals"][-1]["seconds"]
+        return auc_seconds(arm, metric, until) - auc_seconds(base, metric, until)
     if kind == "final":
         return curve(arm, metric)[1][-1] - curve(base, metric)[1][-1]
     last = base["evals"][-1]["seconds"]  # at_baseline_seconds: equal training seconds
@@ -308,9 +324,12 @@ def watched_report(runs: dict[str, dict[int, dict]], seeds: list[int], endpoint:
 
 
 def _own(run: dict, endpoint: Endpoint) -> float:
-    """A run's own value of the endpoint's statistic (the last evaluation for at_baseline_seconds)."""
+    """A run's own value of the endpoint's statistic (the last evaluation for at_baseline_seconds; for auc_seconds
+    its area over its own training seconds)."""
     if endpoint.statistic == "auc":
         return auc(run, endpoint.metric)
+    if endpoint.statistic == "auc_seconds":
+        return auc_seconds(run, endpoint.metric, run["evals"][-1]["seconds"]) if run["evals"] else math.nan
     values = curve(run, endpoint.metric)[1]
     return values[-1] if values else math.nan
 

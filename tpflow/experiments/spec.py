@@ -44,11 +44,13 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-Statistic = Literal["auc", "final", "at_baseline_seconds"]
+Statistic = Literal["auc", "final", "at_baseline_seconds", "auc_seconds"]
 STATISTICS = (
     "auc: the trapezoid area under the evaluation curve over its epochs, divided by their span (the mean level over "
     "training); final: the last evaluation; at_baseline_seconds: the arm's curve at the training seconds the "
-    "baseline's run took, against the baseline's final value (equal compute)."
+    "baseline's run took, against the baseline's final value (equal compute); auc_seconds: the area under the curve "
+    "against training seconds over the baseline's training seconds, divided by them, for the arm and the baseline "
+    "alike (the mean level over equal compute: what an arm that learns faster per second gains)."
 )
 
 
