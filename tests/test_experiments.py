@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 
 from tests.cli_run import tpflow
 from tests.test_train import tiny_recipe
-from tpflow.errors import UserError
+from tpflow.errors import RecipeError, UserError
 from tpflow.experiments import lock
 from tpflow.experiments.compare import compare, detectable_effect, markdown
 from tpflow.experiments.spec import load_experiment
@@ -291,3 +292,53 @@ def test_auc_over_seconds_is_the_mean_level_over_the_baselines_training_seconds(
     assert paired_statistic("auc_seconds", "eval_reward", fast, base) == pytest.approx(14.75 / 20 - 0.60, abs=1e-12)
     assert auc_seconds(slow, "eval_reward", 20.0) == pytest.approx(0.55, abs=1e-12)  # (0.5 + 0.6) / 2
     assert math.isnan(auc_seconds(run([(0.0, 0.5)]), "eval_reward", 20.0))
+
+
+def test_secondary_baselines_join_the_holm_family_and_arms_may_replace_a_section(tmp_path):
+    """``[secondary] baselines``: each arm against each further baseline (never itself), in one Holm family; an arm's
+    ``replace = ["optimizer"]`` swaps the base recipe's whole section (another optimizer's options)."""
+    from tpflow.recipe import load_recipe
+
+    root = Path(__file__).resolve().parent.parent
+    path = tmp_path / "e.toml"
+    path.write_text(f"""[experiment]
+name = "x"
+recipe = "{root / "recipes" / "shapes_flowgrpo.toml"}"
+seeds = [0, 1, 2]
+[arms.a]
+credit.name = "outcome"
+[arms.b]
+replace = ["optimizer"]
+[arms.b.optimizer]
+name = "nft"
+learning_rate = 3e-3
+[arms.c]
+credit.name = "outcome"
+[primary]
+arm = "b"
+baseline = "a"
+[secondary]
+arms = ["b", "c"]
+baselines = ["b"]
+""")
+    experiment = load_experiment(path, check_arms=False)
+    overrides = {run.arm: run.overrides for run in experiment.runs() if run.seed == 0}
+    assert overrides["b"][0] == 'optimizer={"name" = "nft", "learning_rate" = 0.003}'
+    recipe = load_recipe(experiment.recipe, list(overrides["b"]))
+    assert recipe.optimizer.name == "nft" and recipe.optimizer.options.learning_rate == 3e-3
+
+    def run(values):
+        evals = [{"epoch": e, "seconds": 10.0 * e, "eval_reward": v} for e, v in zip((0, 1), values, strict=True)]
+        return {"evals": evals, "train": {}}
+
+    runs = {"a": {s: run([0.5, 0.5 + 0.01 * s]) for s in (0, 1, 2)}, "b": {s: run([0.5, 0.6 + 0.01 * s * s])
+            for s in (0, 1, 2)}, "c": {s: run([0.5, 0.55 - 0.02 * s]) for s in (0, 1, 2)}}  # fmt: skip
+    result = compare(experiment, (runs, []))
+    names = [c["name"] for c in result["secondary"]]
+    assert names == ["c − a: auc of eval_reward", "c − b: auc of eval_reward"]  # not b − a (the primary), not b − b
+    c_minus_b = [(0.55 - 0.02 * s - 0.6 - 0.01 * s * s) / 2 for s in (0, 1, 2)]
+    assert result["secondary"][1]["differences"] == pytest.approx(c_minus_b, abs=1e-12)
+    bad = path.read_text().replace('baselines = ["b"]', 'baselines = ["z"]')
+    path.write_text(bad)
+    with pytest.raises(RecipeError, match="baselines"):
+        load_experiment(path, check_arms=False)

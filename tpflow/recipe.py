@@ -157,13 +157,19 @@ def parse_value(text: str) -> Any:
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> None:
-    """Apply ``section.key=value`` (or ``section.key.sub=value``) overrides to the TOML data in place."""
+    """Apply ``section.key=value`` (or ``section.key.sub=value``) overrides to the TOML data in place; a whole
+    section given as an inline table, ``section={name = "nft", learning_rate = 3e-3}``, replaces that section (to
+    swap a component, whose options differ, from the command line or an experiment's arm)."""
     for item in overrides:
         key, sep, value = item.partition("=")
         parts = [p.strip() for p in key.strip().split(".")]
+        if sep and len(parts) == 1 and parts[0] in SECTIONS and isinstance(parse_value(value.strip()), dict):
+            data[parts[0]] = parse_value(value.strip())
+            continue
         if not sep or len(parts) < 2 or not all(parts):
             raise RecipeError(
-                f"Bad override {item!r}: expected section.key=value, e.g. --set optimizer.learning_rate=1e-4."
+                f"Bad override {item!r}: expected section.key=value, e.g. --set optimizer.learning_rate=1e-4 (or a "
+                "whole section as an inline table: --set 'optimizer={name = \"nft\", learning_rate = 3e-3}')."
             )
         if parts[0] not in SECTIONS:
             raise RecipeError(f"Bad override {item!r}: unknown section {parts[0]!r}. {_sections_hint(parts[0])}")

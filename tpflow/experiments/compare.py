@@ -5,14 +5,16 @@ metrics.jsonl, or from the committed summaries the file names). An endpoint is a
 the trapezoid area under the curve over the evaluated epochs divided by their span, the mean level over training;
 ``final``: the last evaluation; ``at_baseline_seconds``: the arm's curve at the training seconds the baseline's run
 took, against the baseline's final value; ``auc_seconds``: the area under the curve against training seconds over
-the baseline's training seconds, divided by them, for both, the reward gained per second of training). Arms are paired by seed: the primary is the mean of the per-seed
-differences with its two-sided 95% t interval and p value (``tpflow.intervals``), a percentile bootstrap of the same
-differences beside it as a cross-check (too narrow at a few seeds: the t interval is the one to read), and the
-smallest difference these seeds detect at 80% power from the spread observed (noncentral t). The secondary family,
-every (arm, endpoint) of ``[secondary]`` but the primary, is Holm-adjusted together. Cost per epoch: NFE per
-trajectory, seconds, optimizer steps. Every seed is listed; a run that is missing or unfinished is named and its seed
-left out of the pairs that need it. Each arm is also summarised over its seeds (``arm_summary``): the mean statistic
-with its t interval, the mean cost, and its seconds per epoch as a paired ratio to the baseline's.
+the baseline's training seconds, divided by them, for both: the reward gained per second of training). Arms are
+paired by seed: the primary is the mean of the per-seed differences with its two-sided 95% t interval and p value
+(``tpflow.intervals``), a percentile bootstrap of the same differences beside it as a cross-check (too narrow at a
+few seeds: the t interval is the one to read), and the smallest difference these seeds detect at 80% power from
+the spread observed (noncentral t). The secondary family, every (arm, baseline, endpoint) of ``[secondary]`` but
+the primary (its arms against the primary's baseline and any further ``baselines``), is Holm-adjusted together.
+Cost per epoch: NFE per trajectory, seconds, optimizer steps. Every seed is listed; a run that is missing or
+unfinished is named and its seed left out of the pairs that need it. Each arm is also summarised over its seeds
+(``arm_summary``): the mean statistic with its t interval, the mean cost, and its seconds per epoch as a paired
+ratio to the baseline's.
 """
 
 from __future__ import annotations
@@ -226,8 +228,8 @@ def compare(experiment: Experiment, loaded: tuple[dict[str, dict[int, dict]], li
     endpoint: Endpoint = spec.primary
     runs, missing = load_runs(experiment) if loaded is None else loaded
 
-    def paired(arm: str, metric: str, kind: str) -> Comparison | None:
-        mine, base = runs.get(arm, {}), runs.get(endpoint.baseline, {})
+    def paired(arm: str, metric: str, kind: str, baseline: str = endpoint.baseline) -> Comparison | None:
+        mine, base = runs.get(arm, {}), runs.get(baseline, {})
         seeds = [s for s in spec.experiment.seeds if s in mine and s in base]
         if len(seeds) < 2:
             return None
@@ -235,17 +237,19 @@ def compare(experiment: Experiment, loaded: tuple[dict[str, dict[int, dict]], li
         mean, low, high, p = t_interval(diffs)
         sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
         b_low, b_high = bootstrap(diffs)
-        name = f"{arm} − {endpoint.baseline}: {kind} of {metric}"
+        name = f"{arm} − {baseline}: {kind} of {metric}"
         return Comparison(name, arm, metric, kind, seeds, diffs, mean, low, high, p, b_low, b_high, sd,
                           detectable_effect(sd, len(diffs)))  # fmt: skip
 
     primary = paired(endpoint.arm, endpoint.metric, endpoint.statistic)
     endpoints = spec.secondary.endpoints or [endpoint]
+    primary_key = (endpoint.arm, endpoint.baseline, endpoint.metric, endpoint.statistic)
     family = [
-        paired(arm, e.metric, e.statistic)
+        paired(arm, e.metric, e.statistic, baseline)
+        for baseline in [endpoint.baseline, *spec.secondary.baselines]
         for arm in spec.secondary.arms
         for e in endpoints
-        if (arm, e.metric, e.statistic) != (endpoint.arm, endpoint.metric, endpoint.statistic)
+        if arm != baseline and (arm, baseline, e.metric, e.statistic) != primary_key
     ]
     secondary = [c for c in family if c is not None]
     adjusted = holm({c.name: c.p for c in secondary}) if secondary else {}

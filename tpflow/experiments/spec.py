@@ -95,6 +95,10 @@ class Secondary(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     arms: list[str] = Field(default_factory=list, description="Arms compared with the primary's baseline.")
+    baselines: list[str] = Field(
+        default_factory=list,
+        description="Further baselines each secondary arm (but itself) is compared with, in the same Holm family.",
+    )
     endpoints: list[SecondaryEndpoint] = Field(
         default_factory=list,
         description="The endpoints of each secondary arm (default: the primary's); the family is every (arm, "
@@ -114,11 +118,20 @@ class ExperimentFile(BaseModel):
     @model_validator(mode="after")
     def _arms_named(self) -> ExperimentFile:
         names = set(self.arms)
-        for where, arm in [("primary.arm", self.primary.arm), ("primary.baseline", self.primary.baseline)] + [
-            (f"secondary.arms[{i}]", a) for i, a in enumerate(self.secondary.arms)
-        ]:
+        for where, arm in (
+            [("primary.arm", self.primary.arm), ("primary.baseline", self.primary.baseline)]
+            + [(f"secondary.arms[{i}]", a) for i, a in enumerate(self.secondary.arms)]
+            + [(f"secondary.baselines[{i}]", a) for i, a in enumerate(self.secondary.baselines)]
+        ):
             if arm not in names:
                 raise ValueError(f"{where} = {arm!r} is not an arm; the arms are: {', '.join(sorted(names))}.")
+        for name, table in self.arms.items():
+            replaced = table.get("replace", [])
+            if not isinstance(replaced, list) or not all(isinstance(table.get(r), dict) for r in replaced):
+                raise ValueError(
+                    f"arms.{name}.replace = {replaced!r}: list the sections this arm replaces whole, each given as "
+                    f'a table of the arm (e.g. replace = ["optimizer"] with [arms.{name}.optimizer]).'
+                )
         if self.primary.arm == self.primary.baseline:
             raise ValueError("primary.arm and primary.baseline are the same arm: the endpoint is their difference.")
         return self
@@ -148,7 +161,7 @@ class Experiment:
         out = []
         for seed in self.spec.experiment.seeds:
             for arm, table in self.spec.arms.items():
-                overrides = [*_sets(self.spec.task), *_sets(table), f"train.seed={seed}"]
+                overrides = [*_sets(self.spec.task), *_arm_sets(table), f"train.seed={seed}"]
                 out.append(Run(arm, seed, tuple(overrides), self.out / arm / f"seed_{seed}"))
         return out
 
@@ -170,6 +183,16 @@ def _sets(table: dict[str, Any]) -> list[str]:
     numbers, booleans and arrays, but tables inside a value (``eval.rewards = [{ name = "x" }]``) as TOML's inline
     tables, which JSON's objects are not."""
     return [f"{key}={_toml(value)}" for key, value in flatten(table).items()]
+
+
+def _arm_sets(table: dict[str, Any]) -> list[str]:
+    """An arm's overrides: each section it names in ``replace`` (e.g. ``replace = ["optimizer"]`` with an
+    ``[arms.X.optimizer]`` table) as one whole-section override that replaces the base recipe's section, then the
+    rest key by key (``_sets``)."""
+    replaced = list(table.get("replace", []))
+    whole = [f"{section}={_toml(table[section])}" for section in replaced]
+    rest = {k: v for k, v in table.items() if k != "replace" and k not in replaced}
+    return [*whole, *_sets(rest)]
 
 
 def _toml(value: Any) -> str:
