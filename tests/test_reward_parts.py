@@ -97,3 +97,25 @@ def test_an_unknown_combination_is_refused():
 
 def test_a_single_process_gather_is_the_identity():
     assert Distributed(None).gather(torch.ones(2)).tolist() == [1.0, 1.0]
+
+
+def test_two_processes_each_get_the_one_process_advantages():
+    """zscore_sum over 2 processes: each holds half of the rows (a group split between them) and gathers every
+    process's part rewards in process order before normalising, so both get the 1-process advantages [N, 1]."""
+    a = [0.125, 0.5, 0.25, 0.875, 3.0, 1.0, 2.0, 2.5]
+    b = [10.0, 30.0, 20.0, 50.0, 5.0, 7.0, 6.0, 5.5]
+    weights = {"a": 1.0, "b": 0.5}
+    optimizer, credit = build("optimizer", "grpo"), build("credit", "outcome")
+    whole = zscore_sum_advantages(weights, credit, [_Scored({"a": a, "b": b})], optimizer, GROUPS, lambda t: t)
+    halves = [_Scored({"a": a[:3], "b": b[:3]}), _Scored({"a": a[3:], "b": b[3:]})]  # group "a" split 3 | 1
+    locals_ = {k: [credit(h.part_traces[k]).step_rewards.double() for h in halves] for k in weights}
+    for rank, half in enumerate(halves):
+        calls = iter(locals_[k] for k in weights)  # the parts in the order zscore_sum_advantages gathers them
+
+        def gather(local, rank=rank, calls=calls):  # Distributed.gather: every process's rows, rank 0's first
+            both = next(calls)
+            torch.testing.assert_close(local, both[rank], rtol=0, atol=0)
+            return torch.cat(both)
+
+        got = zscore_sum_advantages(weights, credit, [half], optimizer, GROUPS, gather)
+        torch.testing.assert_close(got, whole, rtol=0, atol=0)
