@@ -7,7 +7,17 @@ from tpflow.plans.base import BatchPlan
 from tpflow.plans.branch import BranchPlan
 from tpflow.plans.per_image import WindowPerImagePlan
 from tpflow.plans.schedule import WindowSchedulePlan
+from tpflow.plans.solver import DpmSolverPlan, SaSolverPlan
 from tpflow.plans.trained_fraction import TrainedFractionPlan
 from tpflow.plans.window import WindowPlan
 
-__all__ = ["BatchPlan", "BranchPlan", "TrainedFractionPlan", "WindowPerImagePlan", "WindowPlan", "WindowSchedulePlan"]
+__all__ = [
+    "BatchPlan",
+    "BranchPlan",
+    "DpmSolverPlan",
+    "SaSolverPlan",
+    "TrainedFractionPlan",
+    "WindowPerImagePlan",
+    "WindowPlan",
+    "WindowSchedulePlan",
+]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -37,6 +38,24 @@ def draw_window(num_steps: int, size: int, window_range: tuple[int, int], rng: r
 
 
 @dataclass(frozen=True)
+class Solver:
+    """A solver that samples the whole trajectory in place of the window and the Euler steps around it
+    (``tpflow.plans.solver``, ``tpflow.rollout.solver``): final samples only, nothing stored.
+
+    ``method``: DPM-Solver++(2M) (deterministic) or SA-Solver's predictor–corrector (τ = ``[rollout] noise_level``
+    where the step's destination σ lies in ``noise_range``, else 0). ``grid``: the backbone's own K-step schedule or
+    diffusers' flow sigmas at ``flow_shift``. ``first_sigma`` replaces σ_0 and ``halve_last`` sets σ_{K−1} to
+    σ_{K−2}/2 (AWM's edits of the grid, where SA-Solver's last step returns the data prediction made at σ_{K−1})."""
+
+    method: Literal["dpm-solver++", "sa-solver"]
+    grid: Literal["schedule", "flow-sigmas"] = "schedule"
+    flow_shift: float = 3.0
+    first_sigma: float | None = None
+    halve_last: bool = False
+    noise_range: tuple[float, float] = (0.3, 0.9)
+
+
+@dataclass(frozen=True)
 class BatchPlan:
     """One rollout batch's plan: per-trajectory window starts, the window size and the trained steps."""
 
@@ -45,6 +64,7 @@ class BatchPlan:
     trained: Tensor | None = None  # [N, W] bool on the host, the stored steps the update trains; None: all
     branch: bool = False  # branch at every window step from the ODE path instead of one SDE path (``rollout``)
     tail_ratio: float | None = None  # DPM-Solver++(2M) after the window on int((K − e)·ρ) nodes (None: Euler steps)
+    solver: Solver | None = None  # a whole-trajectory solver instead of the window (final samples only)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not self.starts or min(self.starts) < 0:

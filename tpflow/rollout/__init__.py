@@ -11,6 +11,8 @@ stores, and each takes only its own options:
 - :class:`RowWindowsEngine`: a window per trajectory (Flow-GRPO-Fast, MixGRPO across a mixed batch).
 - :class:`BranchEngine`: TempFlow-GRPO's branching from the ODE path.
 - :class:`DpmTailEngine`: MixGRPO-Flash's DPM-Solver++(2M) after the window.
+- :class:`SolverEngine`: a whole trajectory by DPM-Solver++(2M) or SA-Solver, final samples only (DGPO's and AWM's
+  rollouts).
 
 A rollout plan (``tpflow.plans``) names its engine through its ``BatchPlan``; :func:`engine_for` builds it and
 :func:`rollout_from_settings` runs it as a recipe's ``[rollout]`` section asks.
@@ -29,6 +31,7 @@ from tpflow.rollout.inputs import RolloutInputs
 from tpflow.rollout.ode import sample_ode
 from tpflow.rollout.parts import baseline_generator, completion_nodes
 from tpflow.rollout.per_row import RowWindowsEngine
+from tpflow.rollout.solver import SolverEngine
 from tpflow.rollout.tail import DpmTailEngine
 from tpflow.rollout.window import Completions, FinalSamplesEngine, WindowEngine, rollout
 
@@ -40,6 +43,7 @@ __all__ = [
     "FinalSamplesEngine",
     "RolloutInputs",
     "RowWindowsEngine",
+    "SolverEngine",
     "Window",
     "WindowEngine",
     "baseline_generator",

@@ -16,6 +16,7 @@ from tpflow.rollout.inputs import RolloutInputs
 from tpflow.rollout.per_row import RowWindowsEngine
 from tpflow.rollout.retain import Retain
 from tpflow.rollout.reweight import Reweight
+from tpflow.rollout.solver import SolverEngine
 from tpflow.rollout.tail import DpmTailEngine
 from tpflow.rollout.window import Completions, FinalSamplesEngine, WindowEngine
 from tpflow.samplers.dpm_solver import compressed_tail, post_window_nodes
@@ -39,11 +40,17 @@ def engine_for(
     store_means: bool = False,
     retain: Retain | Reweight | None = None,
 ) -> Engine:
-    """The engine a plan names: the branch (TempFlow-GRPO), the DPM-Solver tail (MixGRPO-Flash), per-row windows, or
-    the one window, with completions when the credit reads them and transitions when the optimizer trains them.
+    """The engine a plan names: a whole-trajectory solver (AWM's SA-Solver, DGPO's DPM-Solver++), the branch
+    (TempFlow-GRPO), the DPM-Solver tail (MixGRPO-Flash), per-row windows, or the one window, with completions when
+    the credit reads them and transitions when the optimizer trains them.
     ``retain`` (a recompute-free update, ``tpflow.rollout.retain`` or ``.reweight``) is the one window's only: the
     GRPO options' recipe check refuses it with any other plan before anything loads."""
     batch_plan = plan if isinstance(plan, BatchPlan) else None
+    if batch_plan is not None and batch_plan.solver is not None:  # a whole-trajectory solver: final samples only
+        if transitions or completions is not None or retain is not None:
+            raise ValueError("a whole-trajectory solver (plans dpm-solver, sa-solver) makes final samples only: "
+                             "pass transitions=False, no completions and no retain.")  # fmt: skip
+        return SolverEngine(batch_plan.solver, settings.noise_level)
     # one window for the batch, every step trained (a DPM-Solver tail after it or not): what retain runs with grads
     one_window = batch_plan is None or (batch_plan.uniform and batch_plan.trained is None)  # the branch's too
     # reweight back-propagates a trained subset of one window's pairs too (DanceGRPO's trained-fraction)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
 
@@ -32,9 +33,10 @@ def dpm_solver_2m_step(
     x0_prev: Tensor | None = None,
     sigma_prev: float | None = None,
 ) -> Tensor:
-    """One DPM-Solver++(2M) step of z [N, ...] at σ = ``sigma`` to ``sigma_next`` (module docstring), float32 inside,
-    returned in z's dtype. ``x0`` is x̂_0 at σ; ``x0_prev`` the one at ``sigma_prev`` (the node before), or None for
-    the first-order step. σ⁺ = 0 returns x̂_0 (the step's exact limit)."""
+    """One DPM-Solver++(2M) step of z [N, ...] at σ = ``sigma`` to ``sigma_next`` (module docstring), float32 inside
+    (float64 for float64 latents, so that a float64 check is one), returned in z's dtype. ``x0`` is x̂_0 at σ;
+    ``x0_prev`` the one at ``sigma_prev`` (the node before), or None for the first-order step. σ⁺ = 0 returns x̂_0
+    (the step's exact limit)."""
     if not 0 <= sigma_next < sigma < 1 or (sigma_prev is not None and not sigma < sigma_prev <= 1):
         raise ValueError(f"DPM-Solver steps need 0 <= σ⁺ < σ < σ_prev <= 1 and σ < 1; got {sigma_prev}, {sigma}, "
                          f"{sigma_next}.")  # fmt: skip
@@ -43,10 +45,11 @@ def dpm_solver_2m_step(
     h = _lam(sigma_next) - _lam(sigma)
     alpha_next = 1 - sigma_next
     factor = math.expm1(-h)  # e^{−h} − 1
-    out = (sigma_next / sigma) * z.float() - alpha_next * factor * x0.float()
+    dtype = torch.promote_types(z.dtype, torch.float32)
+    out = (sigma_next / sigma) * z.to(dtype) - alpha_next * factor * x0.to(dtype)
     if x0_prev is not None and sigma_prev is not None and sigma_prev < 1:
         ratio = (_lam(sigma) - _lam(sigma_prev)) / h  # r0 = h' / h
-        out = out - 0.5 * alpha_next * factor * (x0.float() - x0_prev.float()) / ratio
+        out = out - 0.5 * alpha_next * factor * (x0.to(dtype) - x0_prev.to(dtype)) / ratio
     return out.to(z.dtype)
 
 

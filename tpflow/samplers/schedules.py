@@ -33,3 +33,22 @@ def sd3_sigmas(num_steps: int, shift: float = 3.0) -> Tensor:
     scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
     scheduler.set_timesteps(num_steps)
     return scheduler.sigmas.float().clone()
+
+
+def flow_sigmas(num_steps: int, shift: float = 3.0) -> Tensor:
+    """diffusers' ``use_flow_sigmas`` grid (``DPMSolverMultistepScheduler``, ``SASolverScheduler``):
+    σ_j = φ(0.999·(1 − j/K)) for j = 0..K − 1 with φ(u) = shift·u/(1 + (shift − 1)·u), then σ_K = 0, computed in
+    float64 and stored in float32 as diffusers stores it. σ_0 = φ(0.999) < 1 (0.99967 at shift 3), so λ = log(α/σ)
+    is finite at every node; the grid is not SD3's own (``sd3_sigmas``), which starts at 1.
+
+    Returns:
+        [K + 1] float32 sigmas, the terminal 0 included.
+    """
+    check_num_steps(num_steps)
+    import numpy as np
+    import torch
+
+    u = 1.0 - np.linspace(1, 1 / 1000, num_steps + 1)  # diffusers' num_train_timesteps = 1000
+    sigmas = np.flip(shift * u / (1 + (shift - 1) * u))[:-1]
+    values = np.concatenate([sigmas, [0.0]]).astype(np.float32).tolist()
+    return torch.tensor(values, dtype=torch.float32, device="cpu")  # a host schedule, as the backbones' own
