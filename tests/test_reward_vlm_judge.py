@@ -2,7 +2,8 @@
 tower) with a byte-level tokenizer built in code, saved once per module and loaded through the reward's own path.
 
 The random judge says nothing about images: these tests check the plumbing (shapes, the answer position, batching,
-parsing, the fallback, the error paths), not the quality of its scores.
+parsing, the fallback, the error paths, the pair question and its use by ``pairwise``), not the quality of its
+scores.
 """
 
 from __future__ import annotations
@@ -221,6 +222,10 @@ def test_options_are_checked():
         registry.build("reward", "vlm-judge", template="Rate this image.")
     with pytest.raises(UserError, match="fallback_score"):
         registry.build("reward", "vlm-judge", fallback_score=7)
+    with pytest.raises(UserError, match="pair_template"):
+        registry.build("reward", "vlm-judge", pair_template="Which is better?")
+    with pytest.raises(UserError, match="pair_answers"):
+        registry.build("reward", "vlm-judge", pair_answers=["1", "1"])
 
 
 def test_missing_judge_is_one_paragraph_before_any_weights_load(tmp_path, monkeypatch):
@@ -247,5 +252,95 @@ def test_missing_judge_is_one_paragraph_before_any_weights_load(tmp_path, monkey
     assert "`hf download CodeGoat24/UnifiedReward-qwen-7b`" in err or "huggingface-cli download" in err
     described = tpflow("components", "reward", "vlm-judge", columns="80")
     assert described.returncode == 0
-    for option in ("score_from", "answer_prefix", "batch_size", "max_pixels", "fallback_score", "scale_max"):
+    for option in ("score_from", "answer_prefix", "batch_size", "max_pixels", "fallback_score", "scale_max",
+                   "pair_template", "pair_answer_prefix", "pair_answers"):  # fmt: skip
         assert option in described.stdout
+
+
+def pair_probability(judge, a: torch.Tensor, b: torch.Tensor, prompt: str) -> float:
+    """P(a better) by hand, float64: the chat of two images and the default pair question built here, the processor
+    called directly on 8-bit pixels at the judge's size (56×84 for 64×96 images within 56·84 pixels), the model's
+    full logits at the last position, the softmax over the tokens "1" and "2" only."""
+    from tpflow.rewards._vlm import DEFAULT_PAIR_TEMPLATE
+
+    processor = judge._processor
+    question = DEFAULT_PAIR_TEMPLATE.replace("{prompt}", prompt)
+    content = [{"type": "image"}, {"type": "image"}, {"type": "text", "text": question}]
+    chat = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)  # fmt: skip
+    pixels = judge_pixels(torch.stack([a, b]), (56, 84))  # [2, 3, 56, 84] uint8: a first
+    batch = processor(text=[chat + "Image "], images=list(pixels), do_resize=False, return_tensors="pt")
+    with torch.no_grad():
+        logits = judge._model(**batch).logits[0, -1].double()  # [V]
+    ids = [processor.tokenizer.convert_tokens_to_ids(t) for t in ("1", "2")]
+    return float(logits[ids].softmax(-1)[0])
+
+
+def test_compare_is_the_first_answers_share_under_the_judges_own_logits(judge):
+    """compare(a, b) = softmax(logit "1", logit "2")[0] after "Image ", both images in one chat, a shown first;
+    [N] float64 in [0, 1]; the order shown matters (the pairwise reward averages both)."""
+    a, b = images(3, seed=4), images(3, seed=5)
+    p = judge.compare(a, b, PROMPTS[:3], [{}] * 3)
+    assert p.shape == (3,) and p.dtype == torch.float64 and p.device.type == "cpu"
+    assert ((p >= 0) & (p <= 1)).all()
+    tokenizer = judge._processor.tokenizer
+    batch = judge.pair_inputs(a[:1], b[:1], PROMPTS[:1])
+    text = tokenizer.decode(batch["input_ids"][0])
+    assert text.count("<|vision_start|>") == 2
+    assert text.endswith("[a red cube]<|im_end|>\n<|im_start|>assistant\nImage ")
+    for i in range(3):
+        assert abs(float(p[i]) - pair_probability(judge, a[i], b[i], PROMPTS[i])) < 1e-6
+    swapped = judge.compare(b, a, PROMPTS[:3], [{}] * 3)
+    assert abs(float(swapped[0]) - pair_probability(judge, b[0], a[0], PROMPTS[0])) < 1e-6
+    assert not torch.allclose(p, swapped, rtol=0, atol=1e-7)  # the hand computation above tells a from b
+    assert judge.compare(a[:0], b[:0], [], []).shape == (0,)
+
+
+def test_compare_does_not_depend_on_the_batch(judge):
+    """Left padding (prompts of different lengths) in forwards of 2 pairs (batch_size 4) or 1 gives each pair the
+    probability it has alone."""
+    a, b = images(4, seed=6), images(4, seed=7)
+    together = judge.compare(a, b, PROMPTS, [{}] * 4)
+    judge.options.batch_size = 1
+    try:
+        alone = judge.compare(a, b, PROMPTS, [{}] * 4)
+    finally:
+        judge.options.batch_size = 4
+    torch.testing.assert_close(together, alone, rtol=0, atol=1e-6)
+
+
+def test_pairwise_asks_the_vlm_judge_about_both_orders_of_every_pair(judge_folder, judge, monkeypatch):
+    """``judge = { name = "vlm-judge" }`` in ``pairwise``: a PairwiseJudge, asked about the 4 pairs of a group of 3
+    and a group of 2 in both orders, ``judge_batch`` 3 pairs per call; each win rate is the mean over its siblings
+    of ½ (p(i, j) + 1 − p(j, i)) with p from compare pair by pair, in [0, 1], summing to G/2 in a group of G."""
+    from tpflow.rewards.pairwise import PairwiseJudge
+
+    options = {"model": str(judge_folder), "device": "cpu", "dtype": "float32", "max_pixels": 56 * 84}
+    reward = registry.build("reward", "pairwise", judge={"name": "vlm-judge", "options": options}, judge_batch=3)
+    assert isinstance(reward.judge, PairwiseJudge) and type(reward.judge) is type(judge)
+    reward.judge = judge  # the module's loaded judge, the same options but for batch_size
+    calls: list[int] = []
+    original = judge.compare
+
+    def counted(images_a, images_b, prompts, metadata):
+        calls.append(len(prompts))
+        return original(images_a, images_b, prompts, metadata)
+
+    monkeypatch.setattr(judge, "compare", counted)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[0]]  # groups: rows 0, 2, 4 and rows 1, 3
+    x = images(5, seed=8)
+    out = reward(x, prompts, [{}] * 5)
+    assert calls == [3, 1, 3, 1]  # 4 unordered pairs, 3 per call, once in each order
+    assert out.details["pairs"].tolist() == [2, 1, 2, 1, 2]
+    rates = out.scores.double()
+    assert ((rates >= 0) & (rates <= 1)).all()
+    for group in ([0, 2, 4], [1, 3]):
+        for i in group:
+            siblings = [j for j in group if j != i]
+            expected = sum(
+                (float(original(x[i : i + 1], x[j : j + 1], prompts[i : i + 1], [{}]))
+                 + 1 - float(original(x[j : j + 1], x[i : i + 1], prompts[i : i + 1], [{}]))) / 2
+                for j in siblings
+            ) / len(siblings)  # fmt: skip
+            assert abs(float(rates[i]) - expected) < 1e-5
+        assert abs(float(rates[group].sum()) - len(group) / 2) < 1e-5

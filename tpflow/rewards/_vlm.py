@@ -1,7 +1,8 @@
-"""Helpers of the ``vlm-judge`` reward: its default question, the parsing of a judge's answer, the pixel budget.
+"""Helpers of the ``vlm-judge`` reward: its default questions (one image, a pair), the parsing of a judge's
+answer, the pixel budget.
 
 Kept apart from the reward so that each can be tested without a model (the parser on strings, the resize on
-tensors), and so that a pairwise judge can reuse them.
+tensors).
 """
 
 from __future__ import annotations
@@ -26,6 +27,23 @@ DEFAULT_TEMPLATE = (
     "relations as the caption describes them.\n"
     "2. Overall image quality: clarity, detail, colour and aesthetic appeal.\n"
     "Assign a score from 1 to 5 after 'Final Score:'.\n"
+    "Text Caption: [{prompt}]"
+)
+
+# The pairwise text-to-image question of UnifiedReward's Qwen2.5-VL judges (its public script
+# inference_qwen/image_generation/qwen_pair_rank_image_generation.py), reworded: two images of one caption, the same
+# two criteria as the pointwise question, the caption in the same "Text Caption: [...]" slot, and the conclusion
+# "Image 1 is better." or "Image 2 is better." that the judge was fine-tuned to write. The upstream question also
+# offers a tie ("Both images are equally good."); it is left out, because the reward reads only the tokens "1" and
+# "2" after the answer prefix "Image ", and a judge that cannot tell the two apart puts about equal mass on both.
+DEFAULT_PAIR_TEMPLATE = (
+    "You are given a text caption and two images generated from it, Image 1 and Image 2. Compare the two images on "
+    "two criteria:\n"
+    "1. Alignment with the caption: how faithfully each image shows the objects, their attributes and their "
+    "relations as the caption describes them.\n"
+    "2. Overall image quality: clarity, detail, colour and aesthetic appeal.\n"
+    'Pick the image that fits the caption better while looking better, and conclude with "Image 1 is better." or '
+    '"Image 2 is better."\n'
     "Text Caption: [{prompt}]"
 )
 

@@ -31,6 +31,26 @@ parsing. ``answer`` is for judges that must reason before they answer (``answer_
 Score = (s - scale_min) / (scale_max - scale_min), in [0, 1]; the raw s is the detail ``vlm_judge_score``. Images
 are quantised to 8 bits and resized to multiples of the vision tower's patch × merge size within ``max_pixels``
 (``_vlm.judge_pixels``), prompts left-padded within a batch of ``batch_size``. Weights are never downloaded.
+
+**Pairs.** ``compare(images_a, images_b, prompts, metadata)`` asks the judge which of two images of one prompt is
+better (``tpflow.rewards.pairwise.PairwiseJudge``), as Pref-GRPO (arXiv 2508.20751) asks UnifiedReward: both images
+in one chat, image a first, then ``pair_template`` (by default UnifiedReward's pairwise image-generation question,
+reworded), the answer started with ``pair_answer_prefix`` ("Image "); P(a better) is the softmax over the logits of
+the two ``pair_answers`` ("1", "2") only, at the answer position: one forward pass per ``batch_size // 2`` pairs
+(a pair row holds two images), in every ``score_from`` mode. It is the raw probability for the order shown; the
+``pairwise`` reward judges both orders and averages them, which cancels the judge's bias for the first image::
+
+    [reward]
+    name = "pairwise"
+    judge = { name = "vlm-judge", options = { model = "CodeGoat24/UnifiedReward-qwen-7b" } }
+    judge_batch = 16
+
+Why a method of ``vlm-judge`` rather than a sibling reward: it is the same judge (same weights, processor, pixel
+budget, device, one load serving both questions), and ``pairwise`` picks the question from the class, so naming
+``vlm-judge`` as the judge now gets Pref-GRPO's pairwise judgement with no second reward whose single-image scores
+would duplicate this one's. The scalar route (each image rated once, the ratings compared: G passes per group
+instead of G(G − 1)) stays open through a served judge, ``judge = { name = "remote", options = { url = "...",
+reward = "vlm-judge" } }``, which sends single images.
 """
 
 from __future__ import annotations
@@ -47,7 +67,7 @@ from torch import Tensor
 from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.registry import register
-from tpflow.rewards._vlm import DEFAULT_TEMPLATE, budget_size, judge_pixels, parse_score
+from tpflow.rewards._vlm import DEFAULT_PAIR_TEMPLATE, DEFAULT_TEMPLATE, budget_size, judge_pixels, parse_score
 from tpflow.types import RewardOutput
 from tpflow.weights import MODEL_FILES, WeightSource, download_command, model_folder
 
@@ -79,8 +99,11 @@ class VLMJudgeOptions(BaseModel):
     max_new_tokens: int = Field(8, ge=1, description="Answer mode: tokens generated.")
     answer_marker: str = Field("Final Score:", description="Answer mode: read the number after it.")
     fallback_score: float | None = Field(None, description="Answer mode, no score found; None: scale_min.")
-    batch_size: int = Field(8, ge=1, description="Images per forward pass.")
+    batch_size: int = Field(8, ge=1, description="Images per forward pass (a pair is two).")
     max_pixels: int = Field(512 * 512, ge=1, description="Pixel budget of an image.")
+    pair_template: str = Field(DEFAULT_PAIR_TEMPLATE, description="Pairs: question; {prompt} is their prompt.")
+    pair_answer_prefix: str = Field("Image ", description="Pairs: start of the judge's answer, given.")
+    pair_answers: tuple[str, str] = Field(("1", "2"), description="Pairs: the tokens naming image a and b.")
     device: str = Field("auto", description='Torch device; "auto": CUDA when available.')
     dtype: Literal["float32", "float16", "bfloat16"] = Field("bfloat16", description="Model precision.")
 
@@ -90,6 +113,10 @@ class VLMJudgeOptions(BaseModel):
             raise ValueError(f"scale_min ({self.scale_min}) must be below scale_max ({self.scale_max}).")
         if "{prompt}" not in self.template:
             raise ValueError("template must contain {prompt}, where the image's prompt goes.")
+        if "{prompt}" not in self.pair_template:
+            raise ValueError("pair_template must contain {prompt}, where the pair's prompt goes.")
+        if not all(self.pair_answers) or self.pair_answers[0] == self.pair_answers[1]:
+            raise ValueError(f"pair_answers {list(self.pair_answers)} must be two different non-empty tokens.")
         fallback = self.fallback_score
         if fallback is not None and not self.scale_min <= fallback <= self.scale_max:
             raise ValueError(f"fallback_score {fallback} is outside the scale {self.scale_min}-{self.scale_max}.")
@@ -99,6 +126,7 @@ class VLMJudgeOptions(BaseModel):
 @register("reward", "vlm-judge", options=VLMJudgeOptions)
 class VLMJudgeReward:
     """RewardModel: a VLM judge's score of each image for its prompt, in [0, 1]; ``scores`` [N] float32 on the CPU.
+    Also a ``PairwiseJudge``: ``compare`` gives P(a better) of two images of one prompt (``pairwise``'s judge).
 
     The model and processor load on the first call (or ``load()``), once, under a lock: the reward may be built
     without weights and called from the scoring thread. ``details``: ``vlm_judge_score`` (raw, on the judge's scale)
@@ -160,19 +188,22 @@ class VLMJudgeReward:
             ids.append(encoded[0])
         return ids
 
-    def texts(self, prompts: Sequence[str]) -> list[str]:
-        """The judge's input text of each prompt: its chat template around the image and the question, then the
-        start of the answer."""
+    def texts(self, prompts: Sequence[str], images: int = 1) -> list[str]:
+        """The judge's input text of each prompt: its chat template around the image (or, with ``images = 2``, the
+        pair's two images) and the question, then the start of the answer."""
+        o = self.options
+        template, prefix = (o.template, o.answer_prefix) if images == 1 else (o.pair_template, o.pair_answer_prefix)
         texts = []
         for prompt in prompts:
-            question = self.options.template.replace("{prompt}", prompt)
-            messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+            question = template.replace("{prompt}", prompt)
+            content = [{"type": "image"}] * images + [{"type": "text", "text": question}]
+            messages = [{"role": "user", "content": content}]
             chat = self._processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            texts.append(chat + self.options.answer_prefix)
+            texts.append(chat + prefix)
         return texts
 
-    def inputs(self, images: Tensor, prompts: Sequence[str]) -> Any:
-        """The processor's batch (ids left-padded, pixel patches, grids) on the model's device."""
+    def _pixels(self, images: Tensor) -> Tensor:
+        """Images [n, 3, H, W] in [0, 1] -> [n, 3, h, w] uint8 on the CPU, resized within the pixel budget."""
         ip = self._processor.image_processor
         size = ip.size if isinstance(ip.size, dict) else vars(ip.size)
         min_pixels = size.get("shortest_edge") or getattr(ip, "min_pixels", None) or 56 * 56
@@ -180,11 +211,59 @@ class VLMJudgeReward:
         target = budget_size(
             *images.shape[-2:], factor, min(min_pixels, self.options.max_pixels), self.options.max_pixels
         )
-        pixels = judge_pixels(images, target).cpu()  # [n, 3, h, w] uint8
-        batch = self._processor(
-            text=self.texts(prompts), images=list(pixels), padding=True, do_resize=False, return_tensors="pt"
-        )
+        return judge_pixels(images, target).cpu()
+
+    def _batch(self, texts: list[str], pixels: list[Tensor]) -> Any:
+        """The processor's batch (ids left-padded, pixel patches, grids) on the model's device; ``pixels`` in the
+        order their images appear in ``texts``."""
+        batch = self._processor(text=texts, images=pixels, padding=True, do_resize=False, return_tensors="pt")
         return batch.to(self._model.device)
+
+    def inputs(self, images: Tensor, prompts: Sequence[str]) -> Any:
+        """The processor's batch of images [n, 3, H, W] and their prompts, one image per row."""
+        return self._batch(self.texts(prompts), list(self._pixels(images)))
+
+    def pair_inputs(self, images_a: Tensor, images_b: Tensor, prompts: Sequence[str]) -> Any:
+        """The processor's batch of pairs: row i shows images_a[i], then images_b[i] [n, 3, H, W] each, and asks
+        ``pair_template`` about prompts[i]."""
+        if images_a.shape != images_b.shape:
+            raise ValueError(f"Pairs of images of shapes {tuple(images_a.shape)} and {tuple(images_b.shape)}.")
+        pixels_a, pixels_b = self._pixels(images_a), self._pixels(images_b)  # [n, 3, h, w] uint8 each
+        pixels = [image for pair in zip(pixels_a, pixels_b, strict=True) for image in pair]  # a0, b0, a1, b1, ...
+        return self._batch(self.texts(prompts, images=2), pixels)
+
+    def _pair_token_ids(self) -> list[int]:
+        """Token ids of the two ``pair_answers``; each must be one token."""
+        ids = []
+        for answer in self.options.pair_answers:
+            encoded = self._processor.tokenizer.encode(answer, add_special_tokens=False)
+            if len(encoded) != 1:
+                raise UserError(
+                    f"reward 'vlm-judge': the judge's tokenizer splits the pair answer {answer!r} into "
+                    f"{len(encoded)} tokens; compare reads one token per answer. Set pair_answers to single tokens."
+                )
+            ids.append(encoded[0])
+        return ids
+
+    @torch.no_grad()
+    def compare(
+        self, images_a: Tensor, images_b: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]
+    ) -> Tensor:
+        """P(a better) [N] float64 on the CPU for N pairs, images_a, images_b [N, 3, H, W] in [0, 1] of prompts [N]:
+        the softmax over the two ``pair_answers``' logits at the answer position, the first's share. Image a is
+        shown first; the ``pairwise`` reward averages both orders."""
+        if not len(images_a) == len(images_b) == len(prompts):
+            raise ValueError(f"Got {len(images_a)} and {len(images_b)} images for {len(prompts)} prompts.")
+        self.load()
+        ids = torch.tensor(self._pair_token_ids(), dtype=torch.long, device="cpu")
+        step = max(1, self.options.batch_size // 2)  # a pair row holds two images
+        out: list[Tensor] = []
+        for start in range(0, len(prompts), step):
+            chunk = slice(start, start + step)
+            batch = self.pair_inputs(images_a[chunk], images_b[chunk], prompts[chunk])
+            logits = self._model(**batch, logits_to_keep=1).logits[:, -1].double().cpu()  # [n, V] answer position
+            out.append(logits[:, ids].softmax(-1)[:, 0])  # [n]
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64, device="cpu")
 
     @torch.no_grad()
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:
