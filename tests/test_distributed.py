@@ -141,9 +141,9 @@ def test_an_fsdp_sharded_step_is_the_unsharded_one_whatever_the_split(tmp_path, 
     """``[train] shard = "fsdp"``: FSDP2 over 2 processes (each block's weights, gradients and moments halved), the
     gradient summed by its reduce-scatter and divided by the rows over both: one optimizer step of GRPO and of NFT,
     with a LoRA and with the whole model trained, on shapes-dit and (GRPO) tiny-sd3, equals the 1-process unsharded
-    step within 1e-6 relative, however the rows are split (3 + 3 | 2: the short process pads its step with a
-    zero-weight micro-batch), also with activation checkpointing in each sharded block; under bf16 autocast and fp16
-    with the sharded gradient scaler, the step points where the unsharded one does."""
+    step within 1e-6 relative (tiny-sd3 with a LoRA: 2e-6), however the rows are split (3 + 3 | 2: the short
+    process pads its step with a zero-weight micro-batch), also with activation checkpointing in each sharded block;
+    under bf16 autocast and fp16 with the sharded gradient scaler, the step points where the unsharded one does."""
     zero, one = spawn(sharded_layout_worker, tmp_path, str(tiny_weights), GRPO_LAYOUTS)
     worst = 0.0
     for finetune in ("lora", "full"):
@@ -166,7 +166,9 @@ def test_an_fsdp_sharded_step_is_the_unsharded_one_whatever_the_split(tmp_path, 
         assert torch.equal(zero[key], one[key]) and reference.norm() > 0
         relative = float((zero[key] - reference).norm() / reference.norm())
         print(f"tiny-sd3, {finetune}: {relative:.1e}")
-        assert relative <= 1e-6, (key, relative)
+        # float32 sums in another order: 9.2e-7 with 2 threads, 1.09e-6 with 1 (the LoRA gradient is a product of
+        # small factors); a real layout bug is of the order of the gradient itself
+        assert relative <= 2e-6, (key, relative)
         if finetune == "full":  # recomputing each sharded block's activations in the backward changes nothing
             checkpointed = zero["tiny-sd3-full-checkpointed"]
             assert torch.equal(checkpointed, one["tiny-sd3-full-checkpointed"])
