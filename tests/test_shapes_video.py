@@ -20,11 +20,12 @@ OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up"}
 
 @pytest.fixture(scope="module")
 def video_weights(tmp_path_factory) -> Path:
-    """A clip DiT after 3 pretraining steps (random-ish weights, the real file format)."""
+    """A clip DiT after 3 pretraining steps from scratch (random-ish weights whose clips score apart, the real file
+    format)."""
     from tpflow.shapes.video_pretrain import video_pretrain
 
     out = tmp_path_factory.mktemp("video-weights")
-    return video_pretrain(minutes=1, out=out, batch_size=2, max_steps=3, progress=False, threads=1)
+    return video_pretrain(minutes=1, out=out, batch_size=2, max_steps=3, progress=False, threads=1, init="none")
 
 
 def test_the_world_has_96_prompts_and_the_train_split_never_asks_for_a_held_out_triple():
@@ -67,22 +68,25 @@ def test_objects_move_the_prompts_way_and_stay_inside_the_frame():
         assert (float(xs[1] - ys[1]) * dx + float(xs[0] - ys[0]) * dy) > 10  # 14 px of travel
 
 
-def test_the_clip_dit_starts_at_velocity_0_and_its_patches_round_trip():
+def test_the_clip_dit_starts_at_velocity_0_and_its_frames_see_each_other():
     torch.manual_seed(0)
     model = ShapesVideoDiT(ShapesVideoConfig(width=32, heads=2, depth=1, text_width=32))
     x = torch.randn(2, 8, 3, 32, 32)
     tokens, mask = video_world.tokenize(["a red circle moving left", "two blue squares moving up"])
     assert torch.equal(model(x, torch.rand(2), tokens, mask), torch.zeros_like(x))  # adaLN-zero output
     torch.nn.init.normal_(model.proj_out.weight)
-    for block in model.blocks:  # out of adaLN-zero's identity: the tokens attend to each other
+    for block in [*model.blocks, *model.temporal]:  # out of adaLN-zero's identity: the tokens attend to each other
         torch.nn.init.normal_(block.adaln[-1].weight, std=0.1)
     sigma = torch.rand(2)
     v = model(x, sigma, tokens, mask)
     v.square().mean().backward()
-    assert v.shape == x.shape and model.x_embed.weight.grad.abs().sum() > 0 and model.time_pos.grad.abs().sum() > 0
+    grads = [model.x_embed.weight.grad, model.temporal[0].frame_pos.grad, model.temporal[0].attn.to_q.weight.grad]
+    assert v.shape == x.shape and all(g.abs().sum() > 0 for g in grads)
     later = x.clone()
-    later[:, 4:] += 1.0  # the second half of the frames changes: every output frame may see it (joint attention)
+    later[:, 4:] += 1.0  # the second half of the frames changes: the first half sees it (temporal attention)
     assert (model(later, sigma, tokens, mask)[:, :4] - v[:, :4]).abs().max() > 1e-4
+    alone = model(x[:1], sigma[:1], tokens[:1], mask[:1])  # a clip's velocity never depends on another clip
+    torch.testing.assert_close(alone, v[:1], rtol=1e-5, atol=1e-5)
 
 
 def test_video_pretrain_writes_weights_the_backbone_loads(video_weights):
@@ -144,3 +148,51 @@ def test_inspect_trajectory_of_a_video_recipe_plays_its_completions(tmp_path, vi
     with Image.open(tmp_path / "completions.webp") as clips:
         assert clips.n_frames == 8
     assert (tmp_path / "completions.png").is_file()
+
+
+def test_an_inflated_video_model_draws_each_frame_as_the_image_model():
+    """Inflation (tpflow.shapes.video_init): the temporal blocks start as the identity, so every frame of any clip
+    gets the image model's velocity for that frame: the video model starts from what the image model draws."""
+    from tpflow.shapes.model import ShapesDiT, ShapesDiTConfig
+    from tpflow.shapes.video_init import inflate
+
+    torch.manual_seed(0)
+    sizes = dict(width=32, heads=2, depth=2, text_width=32)
+    image = ShapesDiT(ShapesDiTConfig(**sizes))
+    for p in image.parameters():  # out of adaLN-zero's zeros: every layer matters
+        torch.nn.init.normal_(p, std=0.2)
+    video = inflate(ShapesVideoDiT(ShapesVideoConfig(frames=3, **sizes)), image)
+    x = torch.randn(2, 3, 3, 32, 32, device="cpu")
+    sigma = torch.rand(2, device="cpu")
+    tokens, mask = video_world.tokenize(["a red circle left of a blue square", "two blue squares"])
+    null = torch.tensor([False, True], device="cpu")
+    with torch.no_grad():
+        got = video(x, sigma, tokens, mask, null)
+        for f in range(3):
+            want = image(x[:, f], sigma, tokens, mask, null)
+            torch.testing.assert_close(got[:, f], want, rtol=1e-5, atol=1e-5)
+    assert want.abs().mean() > 0.1  # not two zeros
+    for block in video.temporal:  # once the temporal blocks act, a frame sees the others
+        torch.nn.init.normal_(block.adaln[-1].weight, std=0.2)
+    later = x.clone()
+    later[:, 2] += 1.0
+    with torch.no_grad():
+        assert (
+            video(later, sigma, tokens, mask, null)[:, 0] - video(x, sigma, tokens, mask, null)[:, 0]
+        ).abs().max() > 1e-4
+    with pytest.raises(Exception, match="width"):  # sizes must match one to one
+        inflate(ShapesVideoDiT(ShapesVideoConfig(width=64, heads=2, depth=2, text_width=64)), image)
+
+
+def test_video_pretrain_continues_from_a_video_checkpoint_and_refuses_a_missing_one(tmp_path, video_weights):
+    from safetensors.torch import load_file
+
+    from tests.cli_run import tpflow
+    from tpflow.shapes.video_init import start_model
+
+    model = ShapesVideoDiT(ShapesVideoConfig())
+    assert start_model(model, video_weights) == f"continued {video_weights.name}"
+    saved = load_file(str(video_weights))
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    out = tpflow("shapes", "video-pretrain", "--init", str(tmp_path / "nothing.safetensors"), "--max-steps", "1")
+    assert out.returncode == 2 and "no such file" in out.stderr and "Traceback" not in out.stderr

@@ -16,6 +16,8 @@ from typing import Annotated
 
 import typer
 
+from tpflow.cli_common import user_errors
+
 shapes_app = typer.Typer(
     name="shapes",
     help="The embedded shapes world: a tiny text-to-image flow model trained on rendered shapes.",
@@ -94,16 +96,24 @@ def clip_pretrain(
 
 
 @shapes_app.command("video-pretrain")
+@user_errors
 def video_pretrain(
     minutes: Annotated[float, typer.Option(help="Wall-clock budget of the training loop, in minutes.")] = 60.0,
     out: Annotated[
         Path, typer.Option(help="Output folder for shapes_video_dit.safetensors (EMA weights) and its .json.")
     ] = Path("runs/shapes-video-pretrain"),
     seed: Annotated[int, typer.Option(help="Seed of the initialisation, prompts, renderings and noise.")] = 0,
-    batch_size: Annotated[int, typer.Option(help="Clips per training step.")] = 24,
-    lr: Annotated[float, typer.Option(help="AdamW peak learning rate (after a linear warm-up).")] = 1e-3,
+    batch_size: Annotated[int, typer.Option(help="Clips per training step.")] = 12,
+    lr: Annotated[float, typer.Option(help="AdamW peak learning rate (after a linear warm-up).")] = 5e-4,
     threads: Annotated[int, typer.Option(help="Torch CPU threads; 0: every core.")] = 0,
     max_steps: Annotated[int, typer.Option(help="Stop after this many steps (0: only the time budget).")] = 0,
+    init: Annotated[
+        str,
+        typer.Option(
+            help="Starting weights: 'image' (the shipped shapes-dit, inflated), 'none' (from scratch), or a "
+            "shapes_dit.safetensors (inflated) or shapes_video_dit.safetensors (continued)."
+        ),
+    ] = "image",
     progress: Annotated[bool, typer.Option(help="Show a progress bar (otherwise print log lines).")] = True,
 ) -> None:
     """Pretrain the video shapes world's model (shapes-video-dit) by rectified flow on clips rendered on the fly."""
@@ -114,5 +124,5 @@ def video_pretrain(
                    "at least 0.", err=True)  # fmt: skip
         raise typer.Exit(2)
     path = run(minutes=minutes, out=out, seed=seed, batch_size=batch_size, lr=lr, progress=progress,
-               threads=threads or None, max_steps=max_steps or None)  # fmt: skip
+               threads=threads or None, max_steps=max_steps or None, init=init)  # fmt: skip
     typer.echo(str(path))

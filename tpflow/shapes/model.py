@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -231,11 +232,20 @@ class ShapesDiT(nn.Module):
         return out.reshape(n, cfg.channels, cfg.image_size, cfg.image_size)
 
     def joint(
-        self, image: Tensor, sigma: Tensor, tokens: Tensor, mask: Tensor, null: Tensor | None, dtype: torch.dtype
+        self,
+        image: Tensor,
+        sigma: Tensor,
+        tokens: Tensor,
+        mask: Tensor,
+        null: Tensor | None,
+        dtype: torch.dtype,
+        between: Callable[[int, Tensor, Tensor], Tensor] | None = None,
     ) -> Tensor:
         """The text encoder, the conditioning and the joint blocks over embedded image tokens [N, T, width]; returns
         the output patches [N, T, proj_out's width] (what ``forward`` and the video model share). ``dtype``: the
-        input pixels' (the null text and the timestep embedding are cast to it, under autocast too)."""
+        input pixels' (the null text and the timestep embedding are cast to it, under autocast too). ``between(i,
+        image_tokens, c)``: applied to the image tokens [N, T, width] after block i, with the conditioning c [N,
+        width] (the video model's temporal layers)."""
         cfg, n = self.config, image.shape[0]
         length = tokens.shape[1]
         mask = mask.bool()
@@ -255,8 +265,10 @@ class ShapesDiT(nn.Module):
         h = torch.cat([text, image], dim=1)  # [N, L + T, width]
         image_mask = torch.ones(n, image.shape[1], dtype=torch.bool, device=image.device)
         bias = _key_bias(torch.cat([mask, image_mask], dim=1), h.dtype)
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             h = block(h, c, bias)
+            if between is not None:
+                h = torch.cat([h[:, :length], between(i, h[:, length:], c)], dim=1)
         shift, scale = self.adaln_out(c)[:, None].chunk(2, dim=-1)
         return self.proj_out(self.norm_out(h[:, length:]) * (1 + scale) + shift)
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from tpflow.devices import cpu_generator
 from tpflow.shapes import video_world
 from tpflow.shapes.pretrain import NULL_TEXT_P, _adamw, _cores, _ema_update, _optimizer_step, _save, _timed_loop
+from tpflow.shapes.video_init import start_model
 from tpflow.shapes.video_model import ShapesVideoConfig, ShapesVideoDiT
 
 WEIGHTS_FILE = "shapes_video_dit.safetensors"
@@ -49,8 +50,8 @@ def video_pretrain(
     minutes: float = 60.0,
     out: Path = Path("runs/shapes-video-pretrain"),
     seed: int = 0,
-    batch_size: int = 24,
-    lr: float = 1e-3,
+    batch_size: int = 12,
+    lr: float = 5e-4,  # below the image model's 1e-3: the inflated spatial layers are already trained
     warmup: int = 200,
     ema: float = 0.999,
     log_every: int = 100,
@@ -59,16 +60,19 @@ def video_pretrain(
     max_steps: int | None = None,
     weight_decay: float = 0.01,
     threads: int | None = None,
+    init: str | Path | None = "image",
 ) -> Path:
-    """Train a ShapesVideoDiT from scratch for ``minutes`` (or ``max_steps``) and save its EMA weights as
+    """Train a ShapesVideoDiT for ``minutes`` (or ``max_steps``) and save its EMA weights as
     ``out/shapes_video_dit.safetensors`` (config and stats in the .json beside it); the arguments as
-    ``tpflow.shapes.pretrain.pretrain``'s; ``threads``: torch CPU threads (None: every core)."""
+    ``tpflow.shapes.pretrain.pretrain``'s; ``threads``: torch CPU threads (None: every core); ``init``: where the
+    weights start (``video_init.start_model``: "image", the shipped image model inflated, by default)."""
     from rich.console import Console
 
     torch.set_num_threads(threads or _cores())
     config = config or ShapesVideoConfig()
     torch.manual_seed(seed)
     model = ShapesVideoDiT(config).train()
+    started = start_model(model, init)
     ema_model = copy.deepcopy(model).eval().requires_grad_(False)
     optimizer = _adamw(list(model.parameters()), lr, weight_decay)
     params, ema_params = list(model.parameters()), list(ema_model.parameters())
@@ -76,7 +80,8 @@ def video_pretrain(
     gen = cpu_generator(seed)
     console = Console(stderr=True)
     n_params = sum(p.numel() for p in params)
-    console.print(f"shapes video pretrain: {n_params / 1e6:.2f} M parameters, batch {batch_size}, {minutes:g} min")
+    console.print(f"shapes video pretrain: {n_params / 1e6:.2f} M parameters, batch {batch_size}, {minutes:g} min, "
+                  f"init {started}")  # fmt: skip
 
     def update(step: int, batch: tuple) -> float:
         rate = lr * min(1.0, (step + 1) / max(warmup, 1))
@@ -86,5 +91,7 @@ def video_pretrain(
 
     batches = functools.partial(clip_batch, batch_size, prompt_rng, clip_rng, config.max_tokens)
     run = _timed_loop(batches, update, console, minutes * 60.0, max_steps, log_every, progress)
-    hyper = dict(seed=seed, batch_size=batch_size, lr=lr, warmup=warmup, ema=ema, weight_decay=weight_decay)
+    hyper = dict(
+        init=started, seed=seed, batch_size=batch_size, lr=lr, warmup=warmup, ema=ema, weight_decay=weight_decay
+    )
     return _save(ema_model, Path(out) / WEIGHTS_FILE, config, run, n_params, hyper, console)
