@@ -90,6 +90,30 @@ def cached_file(repo_id: str, filename: str) -> str | None:
     return found if isinstance(found, str) and os.path.isfile(found) else None
 
 
+def hub_checkpoint(given: str | None, repo_id: str, filename: str, where: str, what: str) -> Path:
+    """A reward's single checkpoint file: ``given`` (a local path) when set, else ``filename`` of ``repo_id`` in the
+    Hugging Face cache; a ``UserError`` saying how to get it otherwise (nothing is downloaded). ``where`` names the
+    reward and its options for the message, ``what`` the checkpoint ("the HPS checkpoint")."""
+    from tpflow.errors import UserError
+
+    if given is not None:
+        path = Path(given).expanduser()
+        if not path.is_file():
+            raise UserError(
+                f"{where}: {what} {path} does not exist. Download {filename} from the Hugging Face repo {repo_id} "
+                f"({download_command(repo_id)}) and set checkpoint to it."
+            )
+        return path
+    found = cached_file(repo_id, filename)
+    if found is None:
+        raise UserError(
+            f"{where}: {filename} of {repo_id} is not in the Hugging Face cache, and tpflow never downloads weights. "
+            f"Fetch it with {download_command(repo_id)} (on a machine with network, then copy the cache), or set "
+            "checkpoint to the file."
+        )
+    return Path(found)
+
+
 def model_folder(
     what: str, name: str, needs: Sequence[Sequence[str]], how: str, kind: str = "model folder"
 ) -> WeightSource:

@@ -29,7 +29,7 @@ from tpflow.errors import UserError
 from tpflow.registry import register
 from tpflow.rewards._images import LazyOpenClip, OpenClip, l2_normalize
 from tpflow.types import RewardOutput
-from tpflow.weights import WeightSource, cached_file, download_command
+from tpflow.weights import WeightSource, download_command, hub_checkpoint
 
 REPO, FILE = "xswu/HPSv2", "HPS_v2.1_compressed.pt"  # the published checkpoint (HPS v2.1)
 WHERE = "reward 'hpsv2' (options checkpoint, model)"
@@ -51,22 +51,7 @@ class HPSv2Options(BaseModel):
 
 def checkpoint_path(options: HPSv2Options) -> Path:
     """The checkpoint file the options name, or a UserError saying how to get it (nothing is downloaded)."""
-    if options.checkpoint is not None:
-        path = Path(options.checkpoint).expanduser()
-        if not path.is_file():
-            raise UserError(
-                f"{WHERE}: the HPS checkpoint {path} does not exist. Download {FILE} from the Hugging Face repo "
-                f"{REPO} ({download_command(REPO)}) and set checkpoint to it."
-            )
-        return path
-    found = cached_file(REPO, FILE)
-    if found is None:
-        raise UserError(
-            f"{WHERE}: {FILE} of {REPO} is not in the Hugging Face cache, and tpflow never downloads weights. Fetch "
-            f"it with {download_command(REPO)} (on a machine with network, then copy the cache), or set checkpoint "
-            "to the file."
-        )
-    return Path(found)
+    return hub_checkpoint(options.checkpoint, REPO, FILE, WHERE, "the HPS checkpoint")
 
 
 @register("reward", "hpsv2", options=HPSv2Options)

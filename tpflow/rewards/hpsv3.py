@@ -40,7 +40,7 @@ from tpflow.errors import UserError
 from tpflow.registry import register
 from tpflow.rewards._vlm import budget_size, judge_pixels
 from tpflow.types import RewardOutput
-from tpflow.weights import WeightSource, cached_file, download_command, model_folder
+from tpflow.weights import WeightSource, download_command, hub_checkpoint, model_folder
 
 REPO, FILE = "MizzenAI/HPSv3", "HPSv3.safetensors"
 BASE = "Qwen/Qwen2-VL-7B-Instruct"
@@ -152,22 +152,7 @@ class HPSv3Options(BaseModel):
 
 def checkpoint_path(options: HPSv3Options) -> Path:
     """The checkpoint file the options name, or a UserError saying how to get it (nothing is downloaded)."""
-    if options.checkpoint is not None:
-        path = Path(options.checkpoint).expanduser()
-        if not path.is_file():
-            raise UserError(
-                f"{WHERE}: the HPSv3 checkpoint {path} does not exist. Download {FILE} from the Hugging Face repo "
-                f"{REPO} ({download_command(REPO)}) and set checkpoint to it."
-            )
-        return path
-    found = cached_file(REPO, FILE)
-    if found is None:
-        raise UserError(
-            f"{WHERE}: {FILE} of {REPO} is not in the Hugging Face cache, and tpflow never downloads weights. Fetch "
-            f"it with {download_command(REPO)} (on a machine with network, then copy the cache), or set checkpoint "
-            "to the file."
-        )
-    return Path(found)
+    return hub_checkpoint(options.checkpoint, REPO, FILE, WHERE, "the HPSv3 checkpoint")
 
 
 def base_source(options: HPSv3Options) -> WeightSource:

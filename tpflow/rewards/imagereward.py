@@ -43,7 +43,7 @@ from tpflow.errors import UserError
 from tpflow.registry import register
 from tpflow.rewards._images import clip_preprocess
 from tpflow.types import RewardOutput
-from tpflow.weights import WeightSource, cached_file, download_command, model_folder
+from tpflow.weights import WeightSource, cached_file, download_command, hub_checkpoint, model_folder
 
 REPO, FILE, CONFIG_FILE = "THUDM/ImageReward", "ImageReward.pt", "med_config.json"
 TOKENIZER = "google-bert/bert-base-uncased"
@@ -218,22 +218,7 @@ class ImageRewardOptions(BaseModel):
 
 def checkpoint_path(options: ImageRewardOptions) -> Path:
     """The checkpoint file the options name, or a UserError saying how to get it (nothing is downloaded)."""
-    if options.checkpoint is not None:
-        path = Path(options.checkpoint).expanduser()
-        if not path.is_file():
-            raise UserError(
-                f"{WHERE}: the ImageReward checkpoint {path} does not exist. Download {FILE} from the Hugging Face "
-                f"repo {REPO} ({download_command(REPO)}) and set checkpoint to it."
-            )
-        return path
-    found = cached_file(REPO, FILE)
-    if found is None:
-        raise UserError(
-            f"{WHERE}: {FILE} of {REPO} is not in the Hugging Face cache, and tpflow never downloads weights. Fetch "
-            f"it with {download_command(REPO)} (on a machine with network, then copy the cache), or set checkpoint "
-            "to the file."
-        )
-    return Path(found)
+    return hub_checkpoint(options.checkpoint, REPO, FILE, WHERE, "the ImageReward checkpoint")
 
 
 def tokenizer_source(options: ImageRewardOptions) -> WeightSource:
