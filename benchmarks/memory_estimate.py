@@ -21,7 +21,8 @@ from tpflow.memory import CAVEATS, GIB, load_setup, measure, report, tiny_setup
 
 RECIPES = (
     "geneval_tp", "ocr_tp", "pickscore_tp", "flux_pickscore_tp", "pickscore_sd35large_tp", "geneval_qwenimage_tp",
-    "geneval_flowgrpo_full", "geneval_qwenimage_flowgrpo_sharded", "wan_dancegrpo", "wan_tp",
+    "geneval_flowgrpo_full", "geneval_qwenimage_flowgrpo_sharded", "wan_dancegrpo", "wan_tp", "geneval_nft",
+    "geneval_awm", "geneval_dgpo",
 )  # fmt: skip
 
 

@@ -92,6 +92,32 @@ def test_update_at_the_base_model_weighs_every_group_a_half_and_the_lagged_copy_
         assert all(torch.equal(p, o) for p, o in zip(optimizer._params, optimizer.old, strict=True))
 
 
+def test_the_one_batch_loss_is_half_the_advantage_times_the_matching_error_at_the_base_model(tiny_weights):
+    """``DGPO.loss`` (what the memory estimate runs): at θ = base and with the lagged copy equal to θ the ratio is 1
+    (nothing clipped) and each row is ½·A·mean(v_θ(x_t) − (ε − x₀))², by hand; its gradient reaches the adapter."""
+    from tests.test_nft import build_backbone, final_samples
+
+    backbone = build_backbone("shapes-dit", tiny_weights)
+    optimizer = _optimizer()
+    optimizer.bind(backbone)
+    batch = final_samples(backbone)
+    rows, g = torch.tensor([0, 2, 3]), torch.Generator().manual_seed(5)
+    t = torch.tensor([0.2, 0.5, 0.9])
+    noise = torch.randn(batch.final[rows].shape, generator=g)
+    a = torch.tensor([1.0, -0.5, 0.25])
+    out = optimizer.loss(backbone, batch, rows, a, t, noise)
+    x0 = batch.final[rows].double()
+    tt = t.double().reshape(-1, *([1] * (x0.dim() - 1)))
+    x_t = (1 - tt) * x0 + tt * noise.double()
+    with torch.no_grad():
+        v = backbone.velocity(x_t.float(), t, batch.cond.index(rows), 1.0).double()
+    want = 0.5 * a.double() * ((v - (noise.double() - x0)) ** 2).flatten(1).mean(1)
+    torch.testing.assert_close(out.rows.detach().double(), want, rtol=1e-5, atol=1e-7)
+    assert out.clipped.sum() == 0
+    out.rows.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in optimizer._params)
+
+
 def test_recipe_checks_refuse_step_credit_and_sharding():
     from types import SimpleNamespace
 

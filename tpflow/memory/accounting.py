@@ -22,9 +22,12 @@ def epoch_buffers(setup: Any, m: dict[str, Any], trajectories: int) -> dict[str,
     are dropped once scored), the prompt's conditioning tensors as the backbone makes them (embeddings [L, D] +
     pooled [P] in the transformer's dtype, fp32 under full fine-tuning; Qwen-Image's mask [L] int64), sigmas and
     log-probs. The update concatenates the batches (``Rollout.cat``) and then releases them: two copies only at that
-    moment (``rollout_copy``). Decoded images are not kept.
+    moment (``rollout_copy``). Decoded images are not kept. An optimizer that consumes final samples (NFT, AWM,
+    DGPO) has the rollout store no window (W = 0): the final latent, the conditioning and one sigma per trajectory.
     """
-    w = setup.rollout.window_size
+    from tpflow.memory.measure import optimizer_of
+
+    w = setup.rollout.window_size if optimizer_of(setup).consumes == "transitions" else 0
     latent = m["latent_numel"] * 4  # fp32; SD3.5 / FLUX: 16 channels at 1/8 of the resolution (FLUX packed)
     per_traj = (2 * w + 1) * latent + m["embeds_bytes"] + (w + 1) * 4 + w * 4  # + sigmas [W+1], log_probs [W] fp32
     return {"rollout": trajectories * per_traj, "rollout_copy": trajectories * per_traj}
@@ -34,19 +37,28 @@ def state_rows(setup: Any, m: dict[str, Any]) -> list[Row]:
     """The trained model's weights and optimizer state: (name, bytes, note, sharded under ``shard = "fsdp"``).
 
     LoRA: the frozen base in the recipe's dtype, the adapter, its gradient, AdamW moments and EMA in fp32. Full
-    fine-tuning: fp32 master weights, gradients, moments, EMA, and the KL reference's frozen copy when beta > 0 (in
-    fp32, on the device once used; tpflow/backbones/full_finetune.py). Sharded, each process holds 1/P of each."""
-    b, t, o = setup.backbone, setup.train, setup.optimizer
+    fine-tuning: fp32 master weights, gradients, moments, EMA, and the KL reference's frozen copy when the optimizer
+    runs a reference pass (``uses_reference``; in fp32, on the device once used; tpflow/backbones/full_finetune.py).
+    Both: each copy of the trained parameters the optimizer keeps (``kept_copies``: NFT's old policy, AWM's and
+    DGPO's lagged copies), in fp32. Sharded, each process holds 1/P of each."""
+    from tpflow.memory.measure import optimizer_of
+
+    b, t = setup.backbone, setup.train
+    optimizer = optimizer_of(setup)
     n = m["lora_params"]
+    kept: list[Row] = [(f"{name} ({setup.optimizer_name})", n * 4, f"fp32; {note}", True)
+                       for name, note in getattr(optimizer, "kept_copies", list)()]  # fmt: skip
     if getattr(b, "finetune", "lora") == "full":
+        reference = getattr(optimizer, "uses_reference", lambda: True)()
         return [
             (f"transformer weights, fp32 masters ({n / 1e9:.2f} B params)", n * 4, "fp32, trained", True),
             ("transformer buffers", m["transformer_bytes"], "", False),
             ("gradients", n * 4, "fp32", True),
             ("AdamW states (exp_avg, exp_avg_sq)", n * 8, "fp32", True),
             ("EMA copy of the model", n * 4 if t.ema else 0, "fp32" if t.ema else "ema off", True),
-            ("KL reference: frozen initial copy", n * 4 if getattr(o, "beta", 0) > 0 else 0,
-             "fp32" if getattr(o, "beta", 0) > 0 else "beta = 0: none", True),
+            ("KL reference: frozen initial copy", n * 4 if reference else 0,
+             "fp32" if reference else "no reference pass: none", True),
+            *kept,
         ]  # fmt: skip
     return [
         (
@@ -59,6 +71,7 @@ def state_rows(setup: Any, m: dict[str, Any]) -> list[Row]:
         ("LoRA grads", n * 4, "fp32", True),
         ("AdamW states (exp_avg, exp_avg_sq)", n * 8, "fp32", True),
         ("EMA copy of the LoRA", n * 4 if t.ema else 0, "fp32" if t.ema else "ema off", True),
+        *kept,
     ]
 
 

@@ -28,9 +28,9 @@ FLOAT32_OPS = frozenset(  # CUDA autocast's float32 list (the ops a diffusion tr
 class CudaAutocast(TorchFunctionMode):
     """CUDA autocast's casting policy applied at the Python call, for devices where autocast cannot be enabled."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, cache: bool = True) -> None:
         super().__init__()
-        self.dtype = dtype
+        self.dtype, self.cache = dtype, cache  # cache False: tpflow.precision's regions (cache_enabled=False)
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # leaf weight -> its cast, as autocast
         self._depth = 0
 
@@ -47,7 +47,7 @@ class CudaAutocast(TorchFunctionMode):
     def _cast(self, to: torch.dtype, t: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point() or t.dtype in (to, torch.float64):
             return t
-        if to != torch.float32 and t.is_leaf and t.requires_grad:
+        if self.cache and to != torch.float32 and t.is_leaf and t.requires_grad:
             hit = self._cache.get(id(t))
             if hit is None or hit[0] is not t:
                 hit = self._cache[id(t)] = (t, t.to(to))

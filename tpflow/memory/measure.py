@@ -2,8 +2,9 @@
 
 A ``Probe`` builds the recipe's backbone (full size on fake tensors for a published model, the tiny backbones for
 real: they are small) and measures, each as the peak of live bytes minus what was alive before the call: the
-rollout's largest velocity call (no grad), one GRPO training micro-batch (``GRPO._step_loss`` + backward, with and
-without gradient checkpointing) and one VAE decode chunk of the scoring worker. ``measure`` takes the recipe's own
+rollout's largest velocity call (no grad), one training micro-batch with and without gradient checkpointing (GRPO's
+``_step_loss`` + backward; for an optimizer on final samples, NFT's, AWM's or DGPO's, its ``loss`` of one
+micro-batch at one time + backward) and one VAE decode chunk of the scoring worker. ``measure`` takes the recipe's own
 sizes; a ``Probe`` kept open re-measures other sizes (``tpflow.memory.fit``'s suggestions) without rebuilding.
 """
 
@@ -44,7 +45,7 @@ class Setup:
     backbone: Any  # the backbone options
     rollout: Any
     train: Any
-    optimizer: Any  # GRPOOptions
+    optimizer: Any  # the optimizer's options (GRPOOptions, NFTOptions, ...)
     transformer_cfg: dict | None  # None: ``builder`` builds the model
     vae_cfg: dict | None
     text_len: int  # tokens of the transformer's text sequence
@@ -55,6 +56,15 @@ class Setup:
     published: bool = True  # count the published model's text encoders (built on the meta device)
     builder: Callable[[Any], Any] | None = None  # options -> backbone, for a model built for real (tiny)
     notes: list[str] = field(default_factory=list)  # what the estimate leaves out for this recipe
+    optimizer_name: str = "grpo"  # the registered optimizer whose options ``optimizer`` holds
+
+
+def optimizer_of(setup: Setup) -> Any:
+    """The recipe's optimizer, built from its options (not bound): what it consumes, its kept copies, whether it
+    runs a KL reference, and its training step."""
+    from tpflow import registry
+
+    return registry.get("optimizer", setup.optimizer_name).factory(setup.optimizer)
 
 
 def setup_of(recipe: Any, name: str) -> Setup:
@@ -72,10 +82,11 @@ def setup_of(recipe: Any, name: str) -> Setup:
             f"the estimate builds {', '.join(PUBLISHED)} at their published sizes and the tiny test backbones; "
             f"backbone {backbone!r} is none of them"
         )
-    if recipe.optimizer.name != "grpo":
+    optimizer = registry.get("optimizer", recipe.optimizer.name).factory(recipe.optimizer.options)
+    if not modelled_step(optimizer):
         raise NotModelled(
-            f"the estimate runs GRPO's training step (tpflow/optim/grpo.py); optimizer {recipe.optimizer.name!r} "
-            "keeps other state and runs another step, which it does not model"
+            f"the estimate runs GRPO's training step, or the one-micro-batch ``loss`` of an optimizer on final "
+            f"samples (NFT, AWM, DGPO); optimizer {recipe.optimizer.name!r} has neither"
         )
     kind = PUBLISHED[backbone].kind if backbone in PUBLISHED else TINY_BACKBONES[backbone]
     text_len = options.max_sequence_length + (77 if kind == "sd3" else 0)  # SD3: CLIP 77 tokens + T5, concatenated
@@ -86,7 +97,12 @@ def setup_of(recipe: Any, name: str) -> Setup:
             f'[optimizer] recompute = "{recompute}" keeps the first window steps\' graphs from the rollout to the '
             "update; they are not counted, so the figures are a lower bound"
         )
-    common = dict(sampler=recipe.sampler.name, notes=notes, completions=made_completions(recipe))
+    common = dict(
+        sampler=recipe.sampler.name,
+        notes=notes,
+        completions=made_completions(recipe),
+        optimizer_name=recipe.optimizer.name,
+    )
     if backbone in PUBLISHED:
         model = PUBLISHED[backbone]
         return Setup(name, kind, options, recipe.rollout, recipe.train, recipe.optimizer.options, model.transformer,
@@ -94,6 +110,16 @@ def setup_of(recipe: Any, name: str) -> Setup:
     factory = registry.get("backbone", backbone).factory
     return Setup(name, kind, options, recipe.rollout, recipe.train, recipe.optimizer.options, None, None, text_len,
                  title=backbone, published=False, builder=factory, **common)  # fmt: skip
+
+
+def modelled_step(optimizer: Any) -> bool:
+    """Whether the estimate can run the optimizer's training step: GRPO's (a subclass too), or ``loss(backbone,
+    batch, rows, weights, t, noise)`` of an optimizer that consumes final samples."""
+    from tpflow.optim.grpo import GRPO
+
+    if isinstance(optimizer, GRPO):
+        return True
+    return getattr(optimizer, "consumes", None) == "final_samples" and callable(getattr(optimizer, "loss", None))
 
 
 def made_completions(recipe: Any) -> str | None:
@@ -210,10 +236,12 @@ class Probe:
         precision = s.train.mixed_precision
         self.autocast = CudaAutocast(DTYPES[precision]) if precision != "no" else None
         self._grads = False
+        self.optimizer, self._bound = optimizer_of(s), None  # bound at its first training step
+        self.train_rows = 0
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.backbone = self.trainable = None
+        self.backbone = self.trainable = self.optimizer = self._bound = None
         self._stack.close()
 
     def statics(self) -> dict[str, Any]:
@@ -249,17 +277,41 @@ class Probe:
             return self._peak(lambda: backbone.velocity(z, sigma, cond, s.rollout.guidance))
 
     def train(self, rows: int, checkpointing: bool) -> int:
-        """One training micro-batch of ``rows`` trajectories: GRPO's own step loss (policy forward, the reference
-        forward when beta > 0, the KL) and its backward, with gradient checkpointing on or off."""
-        from tpflow.optim.grpo import GRPO
-        from tpflow.registry import build
-        from tpflow.types import Rollout, RolloutCost
-
-        s, backbone, b = self.setup, self.backbone, rows
+        """One training micro-batch of ``rows`` trajectories and its backward, with gradient checkpointing on or
+        off: GRPO's own step loss (policy forward, the reference forward when beta > 0, the KL), or, for an
+        optimizer on final samples, its ``loss`` of ``rows`` samples at one time (its frozen forwards without grad,
+        v_θ with grad). The largest number of rows the transformer saw (CFG doubles them) is ``train_rows``."""
+        backbone, b = self.backbone, rows
         if not self._grads:  # steady state: grads exist from the previous micro-batch and are accumulated in place
             for p in self.trainable:
                 p.grad = torch.zeros_like(p)
             self._grads = True
+        if checkpointing:
+            backbone.transformer.enable_gradient_checkpointing()
+        else:
+            backbone.transformer.disable_gradient_checkpointing()
+        step = self._final_sample_step(b) if self.optimizer.consumes == "final_samples" else self._grpo_step(b)
+        seen: list[int] = []
+
+        def count(module: Any, args: tuple, kwargs: dict) -> None:
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            seen.append(int(hidden.shape[0]))
+
+        hook = backbone.transformer.register_forward_pre_hook(count, with_kwargs=True)
+        try:
+            peak = self._peak_of_step(step)
+        finally:
+            hook.remove()
+        self.train_rows = max(seen, default=0)
+        return peak
+
+    def _grpo_step(self, b: int) -> Callable[[], None]:
+        """GRPO's ``_step_loss`` + backward on one stored step of ``b`` trajectories."""
+        from tpflow.optim.grpo import GRPO
+        from tpflow.registry import build
+        from tpflow.types import Rollout, RolloutCost
+
+        s, backbone = self.setup, self.backbone
         shape = latents(backbone, b).shape
         step = (b, 1, *shape[1:])
         part = Rollout(
@@ -271,15 +323,49 @@ class Probe:
             completions=None, cost=RolloutCost(nfe=0.0),
         )  # fmt: skip
         grpo, sampler = GRPO(s.optimizer), build("sampler", s.sampler)
-        if checkpointing:
-            backbone.transformer.enable_gradient_checkpointing()
-        else:
-            backbone.transformer.disable_gradient_checkpointing()
 
         def step() -> None:  # the advantages [b] made inside the step, as the update loop makes them
             grpo._step_loss(backbone, sampler, part, torch.ones(b, device="cpu"), 0).total.backward()
 
-        return self._peak(step)
+        return step
+
+    def _final_sample_step(self, b: int) -> Callable[[], None]:
+        """The optimizer's ``loss`` of ``b`` final samples at one time t = ½ (unit weights) + backward. The
+        optimizer is bound once, outside the measured call: its kept copies are state (``kept_copies``), not
+        activations. Its other training times' frozen velocities (a few latents per row) are not counted."""
+        from tpflow.types import Rollout, RolloutCost
+
+        s, backbone = self.setup, self.backbone
+        if self._bound is None:
+            self._bound = self.optimizer
+            self._bound.bind(backbone)
+        shape = latents(backbone, b).shape
+        empty = (b, 0, *shape[1:])  # no stored window (``Optimizer.consumes`` = "final_samples")
+        part = Rollout(
+            latents=torch.zeros(empty, device="cpu"), next_latents=torch.zeros(empty, device="cpu"),
+            log_probs=torch.zeros(b, 0, device="cpu"), sigmas=torch.zeros(b, 1, device="cpu"),
+            noise_level=0.0, guidance=s.rollout.guidance, cond=conditioning(backbone, s.kind, b, s.text_len),
+            final=torch.randn(shape, device="cpu"), completions=None, cost=RolloutCost(nfe=0.0),
+        )  # fmt: skip
+        rows, t = torch.arange(b, device="cpu"), torch.full((b,), 0.5, device="cpu")
+        noise, weights = torch.randn(shape, device="cpu"), torch.ones(b, device="cpu")
+
+        def step() -> None:
+            self._bound.loss(backbone, part, rows, weights, t, noise).rows.sum().backward()
+
+        return step
+
+    def _peak_of_step(self, step: Callable[[], None]) -> int:
+        """A training step's peak under the recipe's autocast. An optimizer on final samples runs its frozen
+        forwards without grad before v_θ: under one region with autocast's weight cache, v_θ would reuse casts made
+        without grad, so its step runs as ``tpflow.precision`` runs it, without the cache."""
+        if self.optimizer.consumes != "final_samples" or self.autocast is None:
+            return self._peak(step)
+        saved, self.autocast = self.autocast, CudaAutocast(self.autocast.dtype, cache=False)
+        try:
+            return self._peak(step)
+        finally:
+            self.autocast = saved
 
     def decode(self, chunk: int) -> int:
         """One decode call of the scoring worker, ``chunk`` latents, fp32 VAE, in the worker's thread, where the
@@ -308,8 +394,7 @@ def measure_with(probe: Probe) -> dict[str, Any]:
     out["rollout_act"] = probe.rollout(rows)
     for ckpt in (False, True):
         out[f"train_act_ckpt_{ckpt}"] = probe.train(o.micro_batch_size, ckpt)
-    cfg_rows = (setup.kind in ("sd3", "wan") and r.guidance != 1) or (setup.kind == "qwen" and r.guidance > 1)
-    out["train_rows"] = o.micro_batch_size * (2 if cfg_rows else 1)
+    out["train_rows"] = probe.train_rows  # the transformer's rows in the step (CFG doubles them)
     # one decode chunk of the scoring worker: train.score_batch of the n·W completions + n finals of a rollout batch
     # (the n finals alone when the rollout makes no completions)
     chunk = min(t.score_batch, t.rollout_batch * (r.window_size + 1 if setup.completions else 1))

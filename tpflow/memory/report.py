@@ -17,18 +17,22 @@ estimate for one recipe and says whether it fits (docs/distributed.md, "Will it 
 Method. The real diffusers transformer and VAE classes with the published configurations (in
 `tpflow/memory/configs.py`, each beside the `config.json` it copies) are built under
 `torch._subclasses.fake_tensor.FakeTensorMode`: every tensor has its real shape, dtype and storage size but no data,
-so nothing is allocated and nothing is computed. tpflow's own `SD3Backbone` / `FluxBackbone` / `QwenImageBackbone`
-/ `WanBackbone` (with tpflow's peft LoRA on the recipe's targets and rank, or every weight trained) run their real
-code on them: `velocity` for the largest rollout call, `GRPO._step_loss` + `backward()` for one training
-micro-batch, `decode` for one scoring chunk (Wan: the `AutoencoderKLWan` decode of whole clips, frame by frame as
+so nothing is allocated and nothing is computed. tpflow's own `SD3Backbone` / `FluxBackbone` / `QwenImageBackbone` /
+`WanBackbone` (with tpflow's peft LoRA on the recipe's targets and rank, or every weight trained) run their real
+code on them: `velocity` for the largest rollout call, `GRPO._step_loss` + `backward()` for one training micro-batch
+(for an optimizer on final samples, NFT's, AWM's or DGPO's `loss` of one micro-batch at one time + `backward()`: its
+frozen forwards, then v_θ with grad; the frozen velocities of its other training times, a few latents per row, are
+not counted), `decode` for one scoring chunk (Wan: the `AutoencoderKLWan` decode of whole clips, frame by frame as
 diffusers runs it, in fp32). A `TorchDispatchMode` (`LiveBytes`) adds the bytes of each new tensor storage and
-subtracts them when the storage is freed, so its peak is the peak of live tensor bytes; an activation figure is
-that peak minus what was alive before the call. Weights, LoRA state and epoch buffers are numel × element size (the
-text encoders' parameters counted on the meta device; Wan's UMT5-XXL encoder from a transformers `UMT5Config` of
-the sizes stated in `tpflow/memory/configs.py`, not from a copied file). Wan2.2's frozen expert counts whole, in
-the model dtype. The rollout call counts the ODE completions only where the recipe's credit reads them (the trainer
-makes none for `outcome`, and then decodes only the finals); a completion of `completion_steps` c takes a row only
-at its c − 1 steps after the first, which reuses the main trajectory's velocity.
+subtracts them when the storage is freed, so its peak is the peak of live tensor bytes; an activation figure is that
+peak minus what was alive before the call. Weights, LoRA state and epoch buffers are numel × element size (the text
+encoders' parameters counted on the meta device; Wan's UMT5-XXL encoder from a transformers `UMT5Config` of the
+sizes stated in `tpflow/memory/configs.py`, not from a copied file). Wan2.2's frozen expert counts whole, in the
+model dtype, and every copy of the trained parameters an optimizer keeps (NFT's old policy, AWM's and DGPO's lagged
+copies) in fp32. An optimizer on final samples has its rollouts store the final latents only. The rollout call
+counts the ODE completions only where the recipe's credit reads them (the trainer makes none for `outcome`, and then
+decodes only the finals); a completion of `completion_steps` c takes a row only at its c − 1 steps after the first,
+which reuses the main trajectory's velocity.
 
 Caveats.
 - Attention kernel: the fake tensors live on the CPU device (autograd cannot run backward on fake CUDA tensors
@@ -70,6 +74,16 @@ estimate showed three problems:
 """
 
 
+def training_step(setup: Any) -> str:
+    """What the measured training micro-batch runs, in the report's words."""
+    from tpflow.memory.measure import optimizer_of
+
+    optimizer = optimizer_of(setup)
+    if optimizer.consumes == "final_samples":
+        return "frozen fwds (no grad) + trained fwd + bwd, one training time"
+    return "policy fwd + reference fwd + bwd" if optimizer.uses_reference() else "policy fwd + bwd (no reference)"
+
+
 def report(setup: Any, m: dict[str, Any], world_sizes: tuple[int, ...] = (1, 8, 32), unit: int = GIB) -> str:
     """One recipe's markdown section: the component table and the estimated peaks per number of processes."""
     b, t = setup.backbone, setup.train
@@ -79,6 +93,7 @@ def report(setup: Any, m: dict[str, Any], world_sizes: tuple[int, ...] = (1, 8, 
     ckpt = b.gradient_checkpointing
     cfg = " (×2 with CFG)" if setup.kind in ("sd3", "qwen", "wan") and setup.rollout.guidance != 1 else ""
     rows_t = m["train_rows"]
+    step = training_step(setup)
     act = [
         (f"largest rollout velocity call, {plural(m['rollout_rows'], 'row')}{cfg}", m["rollout_act"], "no_grad"),
         (
@@ -89,12 +104,12 @@ def report(setup: Any, m: dict[str, Any], world_sizes: tuple[int, ...] = (1, 8, 
         (
             f"training micro-batch, {rows_t} transformer rows, no checkpointing",
             m["train_act_ckpt_False"],
-            "policy fwd + reference fwd + bwd" + ("" if ckpt else "; **recipe**"),
+            step + ("" if ckpt else "; **recipe**"),
         ),
         (
             f"training micro-batch, {rows_t} transformer rows, gradient checkpointing",
             m["train_act_ckpt_True"],
-            "policy fwd + reference fwd + bwd" + ("; **recipe**" if ckpt else ""),
+            step + ("; **recipe**" if ckpt else ""),
         ),
     ]
     total = t.prompts_per_epoch * t.group_size

@@ -134,6 +134,9 @@ class AWM(NFT):
     def uses_reference(self) -> bool:
         return self.options.kl_weight > 0
 
+    def kept_copies(self) -> list[tuple[str, str]]:
+        return [("lagged (EMA) copy of the trained parameters", "the KL-EMA anchor")]
+
     def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
         """The live adapter samples (the lagged copy is only the loss's anchor)."""
         return contextlib.nullcontext()

@@ -44,7 +44,7 @@ from tpflow.devices import cpu_generator, to_device
 from tpflow.errors import UserError
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.optim.advantages import group_advantages
-from tpflow.optim.dgpo_loss import dgpo_loss, group_scores, group_weights, matching_mse
+from tpflow.optim.dgpo_loss import DGPOLoss, dgpo_loss, group_scores, group_weights, matching_mse
 from tpflow.optim.loop import RowLoss
 from tpflow.optim.nft import NFT, SEED_LIMIT
 from tpflow.optim.nft_loss import forward_noising, old_decay
@@ -132,6 +132,24 @@ class DGPO(NFT):
     def uses_reference(self) -> bool:
         o = self.options
         return o.kl_weight > 0 or not o.use_ema_ref
+
+    def kept_copies(self) -> list[tuple[str, str]]:
+        return [("lagged copy of the trained parameters", "the EMA reference; samples after switch_ema_ref")]
+
+    def loss(self, backbone: Backbone, batch: Rollout, rows: Tensor, r: Tensor, t: Tensor, noise: Tensor) -> DGPOLoss:
+        """The DGPO loss of the samples ``rows`` [M] of ``batch`` at times t [M] with noise ε [M, ...] and
+        advantages r [M], every row at the group weight σ(0) = ½ (its value at the base model; ``update`` computes
+        it per group in ``before_step``): the frozen forwards without grad, then v_θ with grad, as one (micro-batch,
+        time) of ``update``. The memory estimate (``tpflow.memory``) runs it."""
+        x0, cond = batch.final[rows], batch.cond.index(rows)
+        x_t = forward_noising(x0.float(), t, noise).to(x0.dtype)
+        _, v_old, v_ref = self._frozen_three(backbone, x_t, t, cond)
+        target = noise.float() - x0.float()
+        with self.precision.autocast():
+            v = backbone.velocity(x_t, t, cond, self.options.train_guidance)
+        half = torch.full((len(x0),), 0.5, device=x0.device)
+        return dgpo_loss(v, target, r, half, matching_mse(v_old, target), self.options.clip_range, v_ref,
+                         self.options.kl_weight)  # fmt: skip
 
     def advantages(self, step_rewards: Tensor, groups: Sequence) -> Tensor:
         """[N, 1] float64: the group-normalised final reward clipped at ±adv_clip_max, not rescaled."""

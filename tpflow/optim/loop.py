@@ -197,6 +197,12 @@ class AdamWLoop:
     def extra_state(self) -> dict:
         return {}
 
+    def kept_copies(self) -> list[tuple[str, str]]:
+        """(name, note) of each copy of the trained parameters the optimizer keeps beside AdamW's moments (NFT's old
+        policy, AWM's and DGPO's lagged copies), each in the parameters' dtype: what ``tpflow validate --gpu-memory``
+        adds to a process's state. None by default."""
+        return []
+
     def before_step(self, micro_batches: list[Any]) -> None:
         """Called once per optimizer step on every process (collectives allowed), with the step's micro-batches on
         this process (possibly none), before their first loss: a loss that couples rows across micro-batches or

@@ -160,6 +160,9 @@ class NFT(AdamWLoop):
         """The KL reference pass runs only with kl_weight > 0."""
         return self.options.kl_weight > 0
 
+    def kept_copies(self) -> list[tuple[str, str]]:
+        return [("old policy: a copy of the trained parameters", "samples the rollouts")]
+
     @staticmethod
     def check_recipe(options: NFTOptions, settings: dict) -> list[str]:
         """NFT trains on one reward per final image: a credit assigner that spreads rewards over window steps has
