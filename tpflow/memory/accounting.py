@@ -25,9 +25,9 @@ def epoch_buffers(setup: Any, m: dict[str, Any], trajectories: int) -> dict[str,
     moment (``rollout_copy``). Decoded images are not kept. An optimizer that consumes final samples (NFT, AWM,
     DGPO) has the rollout store no window (W = 0): the final latent, the conditioning and one sigma per trajectory.
     """
-    from tpflow.memory.measure import optimizer_of
+    from tpflow.memory.measure import on_final_samples, optimizer_of
 
-    w = setup.rollout.window_size if optimizer_of(setup).consumes == "transitions" else 0
+    w = 0 if on_final_samples(optimizer_of(setup)) else setup.rollout.window_size
     latent = m["latent_numel"] * 4  # fp32; SD3.5 / FLUX: 16 channels at 1/8 of the resolution (FLUX packed)
     per_traj = (2 * w + 1) * latent + m["embeds_bytes"] + (w + 1) * 4 + w * 4  # + sigmas [W+1], log_probs [W] fp32
     return {"rollout": trajectories * per_traj, "rollout_copy": trajectories * per_traj}

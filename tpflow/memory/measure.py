@@ -119,7 +119,14 @@ def modelled_step(optimizer: Any) -> bool:
 
     if isinstance(optimizer, GRPO):
         return True
-    return getattr(optimizer, "consumes", None) == "final_samples" and callable(getattr(optimizer, "loss", None))
+    return on_final_samples(optimizer) and callable(getattr(optimizer, "loss", None))
+
+
+def on_final_samples(optimizer: Any) -> bool:
+    """Whether the optimizer trains on final samples (``Optimizer.consumes``): its rollouts store no window."""
+    from tpflow.interfaces import capability
+
+    return capability(optimizer, "consumes") == "final_samples"
 
 
 def made_completions(recipe: Any) -> str | None:
@@ -290,7 +297,7 @@ class Probe:
             backbone.transformer.enable_gradient_checkpointing()
         else:
             backbone.transformer.disable_gradient_checkpointing()
-        step = self._final_sample_step(b) if self.optimizer.consumes == "final_samples" else self._grpo_step(b)
+        step = self._final_sample_step(b) if on_final_samples(self.optimizer) else self._grpo_step(b)
         seen: list[int] = []
 
         def count(module: Any, args: tuple, kwargs: dict) -> None:
@@ -359,7 +366,7 @@ class Probe:
         """A training step's peak under the recipe's autocast. An optimizer on final samples runs its frozen
         forwards without grad before v_θ: under one region with autocast's weight cache, v_θ would reuse casts made
         without grad, so its step runs as ``tpflow.precision`` runs it, without the cache."""
-        if self.optimizer.consumes != "final_samples" or self.autocast is None:
+        if not on_final_samples(self.optimizer) or self.autocast is None:
             return self._peak(step)
         saved, self.autocast = self.autocast, CudaAutocast(self.autocast.dtype, cache=False)
         try:

@@ -76,10 +76,10 @@ estimate showed three problems:
 
 def training_step(setup: Any) -> str:
     """What the measured training micro-batch runs, in the report's words."""
-    from tpflow.memory.measure import optimizer_of
+    from tpflow.memory.measure import on_final_samples, optimizer_of
 
     optimizer = optimizer_of(setup)
-    if optimizer.consumes == "final_samples":
+    if on_final_samples(optimizer):
         return "frozen fwds (no grad) + trained fwd + bwd, one training time"
     return "policy fwd + reference fwd + bwd" if optimizer.uses_reference() else "policy fwd + bwd (no reference)"
 
