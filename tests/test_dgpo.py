@@ -118,6 +118,33 @@ def test_the_one_batch_loss_is_half_the_advantage_times_the_matching_error_at_th
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in optimizer._params)
 
 
+@pytest.mark.parametrize("grid", ["schedule", "flow-sigmas"])
+def test_the_training_times_are_nodes_of_the_chosen_grid(tiny_weights, grid):
+    """Every velocity call of an update runs at M = 2 distinct nodes among the first trunc_steps + 1 of the chosen
+    grid: the backbone's own K-step schedule, or diffusers' flow-sigmas grid (t = 0.99967, ... at shift 3), which the
+    code's DPM-Solver rollout runs on and reads its training times from."""
+    from tests.test_nft import build_backbone, final_samples
+    from tpflow.samplers.schedules import flow_sigmas
+
+    backbone = build_backbone("shapes-dit", tiny_weights)
+    optimizer = _optimizer(time_grid=grid, kl_weight=0.0, use_ema_ref=True)
+    optimizer.bind(backbone)
+    batch = dataclasses.replace(final_samples(backbone), groups=torch.tensor([0, 0, 1, 1]))
+    nodes = flow_sigmas(4, 3.0) if grid == "flow-sigmas" else backbone.sigmas(4)
+    seen, velocity = set(), backbone.velocity
+
+    def recording(x, t, cond, guidance):
+        seen.update(round(float(v), 6) for v in t.flatten())
+        return velocity(x, t, cond, guidance)
+
+    backbone.velocity = recording
+    optimizer.update(backbone, None, batch, torch.tensor([[1.0], [-1.0], [0.5], [-0.5]], dtype=torch.float64))
+    allowed = {round(float(v), 6) for v in nodes[:4]}
+    assert len(seen) == 2 and seen <= allowed
+    other = {round(float(v), 6) for v in (backbone.sigmas(4) if grid == "flow-sigmas" else flow_sigmas(4, 3.0))[:4]}
+    assert not seen & other  # the two grids share no node here: the times are the chosen grid's
+
+
 def test_recipe_checks_refuse_step_credit_and_sharding():
     from types import SimpleNamespace
 

@@ -22,11 +22,12 @@ adapter-disabled model. What differs, besides the loss:
 * Training forwards use ``train_guidance`` (the code: 1, the conditional prediction, whatever the rollout's CFG);
   the reference pass ``reference_guidance`` (the code's ``kl_cfg``).
 
-Where tpflow departs from the code, and why (docs/algorithm.md, "DGPO"): the rollout is the recipe's sampler (the
-code's DPM-Solver++ rollout on Sana's flow-sigmas grid is not reproduced; its config file was not readable), the
-times come from the backbone's own schedule, and a group split over optimizer steps is weighted by the members in
-each step (the code takes one step per epoch: set micro_batch_size × gradient_accumulation_steps ≥ the rows of a
-process's epoch to match it).
+Where tpflow departs from the code, and why (docs/algorithm.md, "DGPO"): the rollout is the recipe's (the code's
+DPM-Solver++ rollout on the flow-sigmas grid is ``[plan] name = "dpm-solver"``, whose grid is assumed from Sana's
+config: the code's file was not readable), the times come from the backbone's own schedule unless ``time_grid =
+"flow-sigmas"`` reads them from the rollout's grid as the code does, and a group split over optimizer steps is
+weighted by the members in each step (the code takes one step per epoch: set micro_batch_size ×
+gradient_accumulation_steps ≥ the rows of a process's epoch to match it).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -51,6 +52,7 @@ from tpflow.optim.nft_loss import forward_noising, old_decay
 from tpflow.optim.swap import swapped
 from tpflow.plans.base import derived_generator
 from tpflow.registry import register
+from tpflow.samplers.schedules import flow_sigmas
 from tpflow.types import Rollout
 
 
@@ -75,6 +77,10 @@ class DGPOOptions(BaseModel):
     num_timesteps: int = Field(10, ge=2, le=1000, description="K of the schedule the times are read from (10).")
     train_timesteps: int = Field(4, ge=1, le=1000, description="M: times per pass, shared by every row (4).")
     trunc_steps: int = Field(4, ge=0, le=999, description="Times come from schedule indices 0..trunc_steps.")
+    time_grid: Literal["schedule", "flow-sigmas"] = Field(
+        "schedule", description="Nodes the times are read from: the backbone's schedule or the flow-sigmas grid."
+    )
+    flow_shift: float = Field(3.0, gt=0, le=100, description="Shift of time_grid = 'flow-sigmas' (the code: 3).")
     switch_ema_ref: int = Field(500, ge=0, description="Steps after which the lagged copy samples the rollouts.")
     old_decay_flat: int = Field(0, ge=0, description="Optimizer steps before the lagged copy starts to lag.")
     old_decay_rate: float = Field(1e-3, ge=0, description="Growth of the copy's decay d per optimizer step.")
@@ -136,6 +142,15 @@ class DGPO(NFT):
     def kept_copies(self) -> list[tuple[str, str]]:
         return [("lagged copy of the trained parameters", "the EMA reference; samples after switch_ema_ref")]
 
+    def time_nodes(self, backbone: Backbone) -> Tensor:
+        """[K] host float32: the K nodes the training times are drawn from (index 0 the noisiest), the backbone's
+        own K-step schedule or, with ``time_grid = "flow-sigmas"``, diffusers' flow-sigmas grid that the code's
+        DPM-Solver rollout runs on (t = timesteps/1000: 0.9997, 0.9639, ... at K = 10, shift 3)."""
+        o = self.options
+        if o.time_grid == "flow-sigmas":
+            return flow_sigmas(o.num_timesteps, o.flow_shift)[: o.num_timesteps]
+        return backbone.sigmas(o.num_timesteps)[: o.num_timesteps].float().cpu()
+
     def loss(self, backbone: Backbone, batch: Rollout, rows: Tensor, r: Tensor, t: Tensor, noise: Tensor) -> DGPOLoss:
         """The DGPO loss of the samples ``rows`` [M] of ``batch`` at times t [M] with noise ε [M, ...] and
         advantages r [M], every row at the group weight σ(0) = ½ (its value at the base model; ``update`` computes
@@ -192,7 +207,7 @@ class DGPO(NFT):
         a = advantages[:, -1].to(device=device, dtype=torch.float32)  # [N]
         groups = batch.groups.to(device="cpu", dtype=torch.long)  # [N] host, global ids
         num_groups = int(self._dist.max(float(groups.max()) + 1 if n else 0.0))
-        schedule = backbone.sigmas(o.num_timesteps)[: o.num_timesteps].to(device=device, dtype=torch.float32)
+        schedule = self.time_nodes(backbone).to(device=device, dtype=torch.float32)  # [K]
         order_generator = cpu_generator(self._draw_seed())
         shape = tuple(batch.final.shape[1:])
         state: dict[str, Any] = {}  # the current pass: its key, times [M], noise per (group, j); the step's cache
