@@ -7,9 +7,12 @@ override them per model.
 from __future__ import annotations
 
 import importlib.util
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from tpflow.plans.base import Solver
 
 # Upper bounds of the counts: far above any real run (the paper's epoch is 48 prompts x 24 images; K = 10 steps), low
 # enough that a typo (an extra three zeros) fails at validation instead of hanging the epoch planner or the sampler.
@@ -250,6 +253,15 @@ class EvalSettings(BaseModel):
         40, ge=1, le=MAX_STEPS, description="ODE steps at evaluation (paper: 40 for SD3.5-M, 28 for FLUX)."
     )
     guidance: float = Field(4.5, ge=0.0, description="Guidance at evaluation (paper: as in training).")
+    solver: Literal["euler", "dpm-solver++"] = Field(
+        "euler",
+        description="The evaluation's ODE solver: Euler steps on the backbone's schedule, or DPM-Solver++(2M) (as "
+        "the dpm-solver rollout plan samples; DGPO's code evaluates with it) on the grid below.",
+    )
+    grid: Literal["schedule", "flow-sigmas"] = Field(
+        "schedule", description="Nodes of solver = 'dpm-solver++': the backbone's schedule or diffusers' flow sigmas."
+    )
+    flow_shift: float = Field(3.0, gt=0, le=100, description="Shift of grid = 'flow-sigmas' (DGPO: 3).")
     num_prompts: int | None = Field(
         None, ge=1, le=MAX_COUNT, description="Test prompts to use (None: the whole test split)."
     )
@@ -286,6 +298,24 @@ class EvalSettings(BaseModel):
         description="Diversity within groups, eval_diversity: the mean pairwise 1 - cos of the embeddings of each "
         "prompt's images_per_prompt (>= 2) images, by 'shapes-clip', 'clip:<arch>[:<pretrained>]' or 'pixels'.",
     )
+
+    def ode_solver(self) -> Solver | None:
+        """What ``tpflow.rollout.sample_ode`` runs: None for Euler steps, else DPM-Solver++ on ``grid``."""
+        from tpflow.plans.base import Solver
+
+        if self.solver == "euler":
+            return None
+        return Solver("dpm-solver++", grid=self.grid, flow_shift=self.flow_shift)
+
+    @model_validator(mode="after")
+    def _grid_needs_a_solver(self) -> EvalSettings:
+        """A grid only a DPM-Solver reads: refuse it with Euler steps rather than ignore it."""
+        if self.solver == "euler" and self.grid != "schedule":
+            raise ValueError(
+                f'eval.grid = "{self.grid}" is read only by eval.solver = "dpm-solver++"; Euler steps run on the '
+                'backbone\'s schedule. Set solver = "dpm-solver++" or drop grid.'
+            )
+        return self
 
     @model_validator(mode="after")
     def _diversity_needs_groups(self) -> EvalSettings:

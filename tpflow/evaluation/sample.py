@@ -1,7 +1,8 @@
 """``tpflow sample``: a few images of a trained run or adapter for a quick look, each with its prompt under it.
 
-One row per prompt, ``n`` images per row, ODE-sampled like ``tpflow eval`` (image j of prompt i starts from row
-i·n + j of one seeded noise draw). The grid is ``tpflow.grids.captioned_grid``, as every grid tpflow writes.
+One row per prompt, ``n`` images per row, ODE-sampled like ``tpflow eval`` with the recipe's ``[eval] solver``
+(image j of prompt i starts from row i·n + j of one seeded noise draw). The grid is ``tpflow.grids.captioned_grid``,
+as every grid tpflow writes.
 """
 
 from __future__ import annotations
@@ -39,6 +40,6 @@ def sample_images(
         cond = backbone.encode(part)
         with autocast():
             latents = sample_ode(backbone, cond, z0[start : start + len(part)], backbone.sigmas(steps), guidance,
-                                 batch_size)  # fmt: skip
+                                 batch_size, target.recipe.eval.ode_solver())  # fmt: skip
         images.append(backbone.decode(latents).float().cpu())
     return torch.cat(images)

@@ -30,7 +30,7 @@ from tpflow.plans.base import Solver, Window
 from tpflow.rollout.inputs import RolloutInputs, begin
 from tpflow.rollout.parts import Branch, Velocity
 from tpflow.rollout.window import stored_rollout
-from tpflow.samplers.dpm_solver import dpm_solver_2m_step
+from tpflow.samplers.dpm_solver import dpm_solver_2m
 from tpflow.samplers.sa_solver import flow_lambda, sa_step
 from tpflow.samplers.schedules import flow_sigmas
 from tpflow.types import Rollout
@@ -94,15 +94,7 @@ def _x0(engine: Velocity, main: Branch, z: Tensor, sigma: float) -> Tensor:
 
 def _dpm_solver(engine: Velocity, main: Branch, nodes: list[float]) -> Tensor:
     """DPM-Solver++(2M) from nodes[0] to 0 (module docstring): one call per node but the last."""
-    z, x0_prev, sigma_prev = main.z, None, None
-    for sigma, sigma_next in zip(nodes, nodes[1:], strict=False):
-        x0 = _x0(engine, main, z, sigma)
-        if sigma == 1:  # λ = −∞: the first-order step's limit σ⁺·z + (1 − σ⁺)·x̂_0, the Euler step
-            z = (sigma_next * z.to(x0.dtype) + (1 - sigma_next) * x0).to(z.dtype)
-        else:
-            z = dpm_solver_2m_step(z, x0, sigma, sigma_next, x0_prev, sigma_prev)
-        x0_prev, sigma_prev = x0, sigma
-    return z
+    return dpm_solver_2m(lambda z, sigma: _x0(engine, main, z, sigma), main.z, nodes)
 
 
 def _sa_solver(engine: Velocity, main: Branch, nodes: list[float], taus: list[float], noise) -> Tensor:

@@ -15,6 +15,7 @@ with the last window step's x̂_0. ``tests/test_samplers.py`` checks these steps
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -51,6 +52,22 @@ def dpm_solver_2m_step(
         ratio = (_lam(sigma) - _lam(sigma_prev)) / h  # r0 = h' / h
         out = out - 0.5 * alpha_next * factor * (x0.to(dtype) - x0_prev.to(dtype)) / ratio
     return out.to(z.dtype)
+
+
+def dpm_solver_2m(x0_of: Callable[[Tensor, float], Tensor], z: Tensor, nodes: list[float]) -> Tensor:
+    """DPM-Solver++(2M) of z [N, ...] from nodes[0] down to nodes[-1] = 0: ``x0_of(z, σ)`` (one velocity call, x̂_0 =
+    z − σ·v) at every node but the last, the first step first order (the Euler step when σ_0 = 1, where λ = −∞),
+    every later one second order on the previous node's x̂_0, the last returning x̂_0. The rollout's solver plan and
+    the evaluation's ``solver = "dpm-solver++"`` both run it."""
+    x0_prev, sigma_prev = None, None
+    for sigma, sigma_next in zip(nodes, nodes[1:], strict=False):
+        x0 = x0_of(z, sigma)
+        if sigma == 1:  # λ = −∞: the first-order step's limit σ⁺·z + (1 − σ⁺)·x̂_0, the Euler step
+            z = (sigma_next * z.to(x0.dtype) + (1 - sigma_next) * x0).to(z.dtype)
+        else:
+            z = dpm_solver_2m_step(z, x0, sigma, sigma_next, x0_prev, sigma_prev)
+        x0_prev, sigma_prev = x0, sigma
+    return z
 
 
 def compressed_tail(sigmas_fine: Tensor, num_steps: int, after: int, nodes: int) -> list[float]:

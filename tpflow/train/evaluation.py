@@ -158,7 +158,7 @@ def _score_mine(
         with autocast():
             latents = sample_ode(backbone, cond, z0[start : start + len(part)],
                                  backbone.sigmas(settings.num_steps), settings.guidance,
-                                 settings.batch_size)  # fmt: skip
+                                 settings.batch_size, settings.ode_solver())  # fmt: skip
         images = backbone.decode(latents)
         out = call_reward(reward, images, prompts, [it.metadata for it in part], policy)
         scores += out.scores.tolist()
