@@ -1,7 +1,7 @@
 """The ``tpflow`` command line.
 
     tpflow components [KIND]                 # what is registered: names, options, where they come from
-    tpflow validate RECIPE [--set k=v ...]   # check every section of a recipe without loading weights
+    tpflow validate RECIPE [--set k=v ...]   # check every section of a recipe without loading weights (cli_validate)
     tpflow validate RECIPE --gpu-memory 80   # ... and whether it fits 80 GiB per GPU (estimated, no GPU needed)
     tpflow credit 50,46,40,47,52,55 ...      # per-step rewards of each credit assigner (tpflow.cli_listing)
     tpflow train RECIPE [--resume [PATH]]    # the training loop (TP-GRPO, Flow-GRPO, ...)
@@ -46,6 +46,7 @@ from tpflow.cli_common import (
     warn_broken_plugins,
 )
 from tpflow.cli_listing import register as register_listing
+from tpflow.cli_validate import register as register_validate
 from tpflow.errors import UserError
 from tpflow.evaluation.commands import register as register_evaluation
 from tpflow.experiments.command import register as register_experiments
@@ -55,7 +56,6 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from tpflow.inspect import Inspection
-    from tpflow.preflight import MachineReport
     from tpflow.recipe import Recipe
     from tpflow.train.trainer import Trainer
 
@@ -93,148 +93,7 @@ def _root(
     """TurningPoint-GRPO and its baselines for flow-matching text-to-image models."""
 
 
-@app.command()
-@user_errors
-def validate(
-    recipe: Annotated[Path, typer.Argument(help="Recipe TOML file.")],
-    set_: Overrides = None,
-    offline: Annotated[bool, typer.Option(help="Skip contacting services (the remote reward's server).")] = False,
-    machine: Annotated[
-        bool,
-        typer.Option(
-            help="Also check this machine: devices, the files the recipe names, its prompts, the run dir "
-            "(--no-machine: the values only, for a recipe meant for another machine)."
-        ),
-    ] = True,
-    num_processes: Annotated[
-        int,
-        typer.Option(
-            "--num-processes",
-            min=1,
-            help="Also check the epoch's layout on this many processes per machine, as "
-            "`tpflow train --num-processes` would (docs/distributed.md).",
-        ),
-    ] = 1,
-    num_machines: Annotated[int, typer.Option("--num-machines", min=1, help="Machines taking part (with it).")] = 1,
-    gpu_memory: Annotated[
-        float | None,
-        typer.Option(
-            "--gpu-memory",
-            metavar="GIB",
-            help="Also estimate the peak GPU memory of each of the --num-processes × --num-machines processes (the "
-            "real model's shapes on fake tensors: no weights, no GPU) and say whether it fits in GIB GiB per GPU, "
-            "with what would help when not; exit 2 when it does not fit (docs/distributed.md, 'Will it fit?').",
-            show_default=False,
-        ),
-    ] = None,
-) -> None:
-    """Check every section of a recipe against its component, without loading any weights.
-
-    Example: tpflow validate recipes/geneval_tp.toml --no-machine --num-processes 8 --num-machines 4 --gpu-memory 80
-    """
-    from tpflow.experiments.spec import is_experiment_file
-    from tpflow.preflight import check_machine, default_run_dir
-    from tpflow.recipe import load_recipe
-
-    if is_experiment_file(recipe):  # an experiment: the file and every (arm, seed) recipe (docs/experiments.md)
-        from tpflow.experiments.command import validate as validate_experiment
-
-        if gpu_memory is not None:
-            warn("--gpu-memory estimates one recipe; validate an arm's recipe with it (docs/distributed.md).")
-        validate_experiment(recipe)
-        return
-    if gpu_memory is not None and not gpu_memory > 0:
-        raise UserError(f"--gpu-memory is the memory of one GPU in GiB, a number > 0; got {gpu_memory:g}.")
-    loaded = load_recipe(recipe, set_ or [])
-    warn_broken_plugins()
-    if num_processes * num_machines > 1:
-        from tpflow.preflight import layout_report
-
-        layout = layout_report(loaded, num_processes * num_machines)  # before the table: a bad layout exits 2
-    else:
-        layout = None
-    console = make_console()
-    # The estimate needs no weights: it runs before the machine check, so that a machine without them still gets
-    # the memory answer (printed before the missing-weights paragraph).
-    fit = _memory_fit(loaded, recipe, num_processes * num_machines, gpu_memory) if gpu_memory is not None else None
-    try:
-        report = check_machine(loaded, default_run_dir(loaded)) if machine else None
-        if not offline:
-            loaded.preflight()  # the remote reward's server: up, and serving the recipe's reward
-    except UserError:
-        if fit is not None:
-            _print_lines(console, fit.lines())
-        raise
-    console.print(_recipe_table(recipe, loaded))
-    if report is not None:
-        _print_machine(console, report)
-    if layout is not None:
-        console.print(layout, highlight=False, soft_wrap=True)
-    if fit is not None:
-        _print_lines(console, fit.lines())
-        if not fit.fits:
-            raise UserError(fit.paragraph())
-
-
-def _memory_fit(loaded: Recipe, recipe: Path, processes: int, gib: float) -> Any:
-    """``tpflow.memory.estimate_fit`` for validate's --gpu-memory, or None with a warning where the estimate cannot
-    model the recipe (a backbone or optimizer it does not build, the embedded shapes-dit) or fails: the rest of
-    validate still runs, and its exit status is theirs."""
-    from tpflow.memory import NotModelled, estimate_fit
-
-    make_console(stderr=True).print(
-        f"estimating the memory per GPU on {processes} process{'es' if processes > 1 else ''} (fake tensors: no "
-        "weights, no GPU; about 20 s for a paper-scale model)",
-        style="dim",
-        highlight=False,
-        soft_wrap=True,
-    )
-    try:
-        return estimate_fit(loaded, processes, gib, name=str(recipe))
-    except NotModelled as exc:
-        warn(f"--gpu-memory: no memory estimate: {exc}. Nothing was checked against {gib:g} GiB.")
-    except Exception as exc:  # an estimator failure must not hide the rest of validate's checks
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        warn(
-            f"--gpu-memory: the memory estimate failed ({type(exc).__name__}: {reason}). Nothing was checked "
-            f"against {gib:g} GiB."
-        )
-    return None
-
-
-def _print_lines(console: Console, lines: list[str]) -> None:
-    for line in lines:
-        console.print(line, highlight=False, soft_wrap=True, markup=False)
-
-
-def _recipe_table(recipe: Path, loaded: Recipe) -> Table:
-    """validate's table: every component (section, registered name, options) and every settings section with the
-    values the recipe resolved to, defaults included, so that what a run would use is seen before it runs."""
-    table = Table(title=f"{recipe}: valid", show_lines=True)
-    table.add_column("section", no_wrap=True)
-    table.add_column("name", no_wrap=True, style="bold cyan")
-    table.add_column("options", overflow="fold")
-    for kind, spec in loaded.components.items():
-        table.add_row(kind, spec.name, _format_values(spec.options))
-    for section, settings in loaded.settings.items():
-        table.add_row(section, "", _format_values(settings))
-    return table
-
-
-def _print_machine(console: Console, report: MachineReport) -> None:
-    """validate's machine check (``tpflow.preflight.MachineReport``): where each weight would be read from (nothing
-    is loaded), the device, then the check's warnings."""
-    weights = Table(title="weights: where each will be read from (nothing loaded)", show_lines=True)
-    weights.add_column("section", no_wrap=True)
-    weights.add_column("weight")
-    weights.add_column("from", overflow="fold")
-    for kind, source in report.weights:
-        weights.add_row(kind, escape(source.what), escape(source.where or ""))
-    if report.weights:
-        console.print(weights)
-    console.print(f"device: {escape(report.device)}", highlight=False, soft_wrap=True)
-    for text in report.warnings:
-        warn(text)
+register_validate(app)  # here: `tpflow --help` lists validate before train
 
 
 @app.command()
@@ -527,10 +386,6 @@ def export(
 register_evaluation(app)  # tpflow eval, tpflow sample (after export in the help)
 register_probe(app)  # tpflow probe
 register_experiments(app)  # tpflow sweep, tpflow compare
-
-
-def _format_values(model: Any) -> str:
-    return "\n".join(f"{k} = {v!r}" for k, v in model.model_dump().items()) or "-"
 
 
 def main(argv: list[str] | None = None) -> None:
