@@ -1,9 +1,10 @@
 """``CudaAutocast``: CUDA autocast's casting policy applied at the Python call, for a machine without CUDA.
 
-Why: the trainer runs rollouts and updates under ``accelerator.autocast()`` (CUDA autocast in the recipe's
-``mixed_precision``), which decides the dtype, hence the bytes, of every activation. CUDA autocast cannot be switched
-on without a CUDA device, so this ``TorchFunctionMode`` casts as it would: matmul-type ops cast their floating inputs
-to the low-precision dtype (leaf weights' casts cached, as autocast caches them), the float32-list ops to float32.
+Why: the trainer runs rollouts and updates under ``tpflow.precision``'s regions (CUDA autocast in the recipe's
+``mixed_precision``, without the weight cache), which decide the dtype, hence the bytes, of every activation. CUDA
+autocast cannot be switched on without a CUDA device, so this ``TorchFunctionMode`` casts as it would: matmul-type
+ops cast their floating inputs to the low-precision dtype (afresh at each call: no cache, as ``cache_enabled=False``),
+the float32-list ops to float32.
 Ops reached only through a C++ decomposition are not cast, unlike CUDA autocast.
 """
 
@@ -28,30 +29,13 @@ FLOAT32_OPS = frozenset(  # CUDA autocast's float32 list (the ops a diffusion tr
 class CudaAutocast(TorchFunctionMode):
     """CUDA autocast's casting policy applied at the Python call, for devices where autocast cannot be enabled."""
 
-    def __init__(self, dtype: torch.dtype, cache: bool = True) -> None:
+    def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()
-        self.dtype, self.cache = dtype, cache  # cache False: tpflow.precision's regions (cache_enabled=False)
-        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # leaf weight -> its cast, as autocast
-        self._depth = 0
-
-    def __enter__(self) -> CudaAutocast:
-        self._depth += 1
-        return super().__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self._depth -= 1
-        if self._depth == 0:
-            self._cache.clear()  # as autocast empties its cache when the outermost context exits
-        super().__exit__(*exc)
+        self.dtype = dtype
 
     def _cast(self, to: torch.dtype, t: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point() or t.dtype in (to, torch.float64):
             return t
-        if self.cache and to != torch.float32 and t.is_leaf and t.requires_grad:
-            hit = self._cache.get(id(t))
-            if hit is None or hit[0] is not t:
-                hit = self._cache[id(t)] = (t, t.to(to))
-            return hit[1]
         return t.to(to)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001

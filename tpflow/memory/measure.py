@@ -62,9 +62,13 @@ class Setup:
 def optimizer_of(setup: Setup) -> Any:
     """The recipe's optimizer, built from its options (not bound): what it consumes, its kept copies, whether it
     runs a KL reference, and its training step."""
+    return _optimizer(setup.optimizer_name, setup.optimizer)
+
+
+def _optimizer(name: str, options: Any) -> Any:
     from tpflow import registry
 
-    return registry.get("optimizer", setup.optimizer_name).factory(setup.optimizer)
+    return registry.get("optimizer", name).factory(options)
 
 
 def setup_of(recipe: Any, name: str) -> Setup:
@@ -82,8 +86,7 @@ def setup_of(recipe: Any, name: str) -> Setup:
             f"the estimate builds {', '.join(PUBLISHED)} at their published sizes and the tiny test backbones; "
             f"backbone {backbone!r} is none of them"
         )
-    optimizer = registry.get("optimizer", recipe.optimizer.name).factory(recipe.optimizer.options)
-    if not modelled_step(optimizer):
+    if not modelled_step(_optimizer(recipe.optimizer.name, recipe.optimizer.options)):
         raise NotModelled(
             f"the estimate runs GRPO's training step, or the one-micro-batch ``loss`` of an optimizer on final "
             f"samples (NFT, AWM, DGPO); optimizer {recipe.optimizer.name!r} has neither"
@@ -306,7 +309,7 @@ class Probe:
 
         hook = backbone.transformer.register_forward_pre_hook(count, with_kwargs=True)
         try:
-            peak = self._peak_of_step(step)
+            peak = self._peak(step)
         finally:
             hook.remove()
         self.train_rows = max(seen, default=0)
@@ -361,18 +364,6 @@ class Probe:
             self._bound.loss(backbone, part, rows, weights, t, noise).rows.sum().backward()
 
         return step
-
-    def _peak_of_step(self, step: Callable[[], None]) -> int:
-        """A training step's peak under the recipe's autocast. An optimizer on final samples runs its frozen
-        forwards without grad before v_θ: under one region with autocast's weight cache, v_θ would reuse casts made
-        without grad, so its step runs as ``tpflow.precision`` runs it, without the cache."""
-        if not on_final_samples(self.optimizer) or self.autocast is None:
-            return self._peak(step)
-        saved, self.autocast = self.autocast, CudaAutocast(self.autocast.dtype, cache=False)
-        try:
-            return self._peak(step)
-        finally:
-            self.autocast = saved
 
     def decode(self, chunk: int) -> int:
         """One decode call of the scoring worker, ``chunk`` latents, fp32 VAE, in the worker's thread, where the

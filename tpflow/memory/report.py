@@ -42,11 +42,11 @@ Caveats.
   these fp16/bf16, head-dim 64/128 shapes. The math kernel would add B·H·L² elements per attention (about 13 GiB
   per attention for the SD3.5-M rollout call) and is not what a GPU runs. The kernels' backward workspaces (flash
   v2 keeps a float32 dq accumulator of the size of q) are not modelled.
-- Autocast: the trainer runs rollouts and updates under `accelerator.autocast()` (CUDA autocast with the recipe's
-  `mixed_precision`). CUDA autocast cannot be switched on without a CUDA device, so `CudaAutocast` (a
-  `TorchFunctionMode`) applies its policy at the Python call: matmul-type ops (linear, matmul, conv,
-  scaled_dot_product_attention, ...) cast their floating inputs to the low-precision dtype, with the cast of leaf
-  weights cached as autocast caches them; `layer_norm`, `group_norm`, `softmax`, `exp`, `pow`, `sum`, ... cast to
+- Autocast: the trainer runs rollouts and updates in `tpflow.precision`'s regions (CUDA autocast with the recipe's
+  `mixed_precision` and `cache_enabled=False`). CUDA autocast cannot be switched on without a CUDA device, so
+  `CudaAutocast` (a `TorchFunctionMode`) applies its policy at the Python call: matmul-type ops (linear, matmul, conv,
+  scaled_dot_product_attention, ...) cast their floating inputs to the low-precision dtype, afresh at each call (no
+  weight cache, as the trainer's regions); `layer_norm`, `group_norm`, `softmax`, `exp`, `pow`, `sum`, ... cast to
   float32. Ops reached only through a C++ decomposition are not cast, unlike CUDA autocast.
 - The CUDA caching allocator rounds blocks up (512 B, 2 MiB segments) and fragments; `max_memory_reserved` is
   typically 5-20 % above the live-bytes peak estimated here. The CUDA context (~0.5 GiB) and cuBLAS/cuDNN
