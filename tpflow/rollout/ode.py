@@ -9,7 +9,7 @@ from torch import Tensor
 from tpflow.devices import to_device
 from tpflow.interfaces import Backbone
 from tpflow.plans.base import Solver
-from tpflow.samplers.dpm_solver import dpm_solver_2m
+from tpflow.samplers.dpm_solver import data_prediction, dpm_solver_2m
 from tpflow.samplers.euler import euler_step
 from tpflow.types import Conditioning
 
@@ -51,10 +51,8 @@ def _dpm(backbone: Backbone, cond: Conditioning, z: Tensor, sigmas: Tensor, guid
     """DPM-Solver++(2M) of one chunk z [M, ...] on ``solver``'s nodes (``tpflow.rollout.solver.solver_nodes``)."""
     from tpflow.rollout.solver import solver_nodes
 
-    def x0_of(x: Tensor, sigma: float) -> Tensor:  # x̂_0 = x − σ·v, float32 (float64 latents: float64)
+    def x0_of(x: Tensor, sigma: float) -> Tensor:
         level = to_device(torch.tensor(sigma, device="cpu").to(torch.float32), x.device).expand(x.shape[0])
-        v = backbone.velocity(x, level, cond, guidance)
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        return x.to(dtype) - sigma * v.to(dtype)
+        return data_prediction(x, backbone.velocity(x, level, cond, guidance), sigma)
 
     return dpm_solver_2m(x0_of, z, solver_nodes(solver, sigmas))

@@ -30,7 +30,7 @@ from tpflow.plans.base import Solver, Window
 from tpflow.rollout.inputs import RolloutInputs, begin
 from tpflow.rollout.parts import Branch, Velocity
 from tpflow.rollout.window import stored_rollout
-from tpflow.samplers.dpm_solver import dpm_solver_2m
+from tpflow.samplers.dpm_solver import data_prediction, dpm_solver_2m
 from tpflow.samplers.sa_solver import flow_lambda, sa_step
 from tpflow.samplers.schedules import flow_sigmas
 from tpflow.types import Rollout
@@ -88,8 +88,7 @@ class SolverEngine:
 def _x0(engine: Velocity, main: Branch, z: Tensor, sigma: float) -> Tensor:
     """x̂_0 = z − σ·v(z, σ) [N, ...], in float32 (float64 for float64 latents): one velocity call."""
     (v,) = engine.at([Branch(z, main.rows)], sigma)
-    dtype = torch.promote_types(z.dtype, torch.float32)
-    return z.to(dtype) - sigma * v.to(dtype)
+    return data_prediction(z, v, sigma)
 
 
 def _dpm_solver(engine: Velocity, main: Branch, nodes: list[float]) -> Tensor:

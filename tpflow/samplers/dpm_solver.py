@@ -54,6 +54,12 @@ def dpm_solver_2m_step(
     return out.to(z.dtype)
 
 
+def data_prediction(z: Tensor, v: Tensor, sigma: float) -> Tensor:
+    """x̂_0 = z − σ·v of a flow-matching velocity, in float32 (float64 for float64 latents)."""
+    dtype = torch.promote_types(z.dtype, torch.float32)
+    return z.to(dtype) - sigma * v.to(dtype)
+
+
 def dpm_solver_2m(x0_of: Callable[[Tensor, float], Tensor], z: Tensor, nodes: list[float]) -> Tensor:
     """DPM-Solver++(2M) of z [N, ...] from nodes[0] down to nodes[-1] = 0: ``x0_of(z, σ)`` (one velocity call, x̂_0 =
     z − σ·v) at every node but the last, the first step first order (the Euler step when σ_0 = 1, where λ = −∞),
