@@ -107,3 +107,66 @@ def test_the_step_under_mixed_precision_points_where_fp32_does(tiny_weights, mod
     mixed = nft_layout_gradient(str(tiny_weights), list(range(8)), 4, 2, name="awm", mode=mode)
     cosine = float(torch.nn.functional.cosine_similarity(mixed.double(), exact.double(), dim=0))
     assert torch.isfinite(mixed).all() and cosine >= 0.999, cosine
+
+
+def _recorded_guidance(backbone) -> list[float]:
+    """Every velocity call's guidance from now on (the backbone's method wrapped in place)."""
+    seen, velocity = [], backbone.velocity
+
+    def recording(x, t, cond, guidance):
+        seen.append(float(guidance))
+        return velocity(x, t, cond, guidance)
+
+    backbone.velocity = recording
+    return seen
+
+
+@pytest.mark.parametrize("train_guidance,want", [(1.0, 1.0), (None, 3.0), (2.0, 2.0)])
+def test_the_update_runs_every_velocity_at_train_guidance(tiny_weights, train_guidance, want):
+    """Final samples rolled out at CFG 3: v_θ, the KL-EMA copy's and the reference's velocities all run at
+    ``train_guidance`` (the code's train.cfg = False: 1), or at the rollout's 3 when it is None."""
+    from tests.test_nft import build_backbone, final_samples
+
+    backbone = build_backbone("shapes-dit", tiny_weights)
+    batch = final_samples(backbone, guidance=3.0)
+    optimizer = tpflow.build("optimizer", "awm", num_timesteps=4, train_timesteps=2, timestep_fraction=1.0,
+                             micro_batch_size=4, kl_weight=1e-3, train_guidance=train_guidance, seed=3)  # fmt: skip
+    optimizer.bind(backbone)
+    seen = _recorded_guidance(backbone)
+    optimizer.update(backbone, None, batch, torch.tensor([[1.0], [-1.0], [0.5], [-0.5]], dtype=torch.float64))
+    assert len(seen) == 2 * 3  # one micro-batch at 2 times: v_ema, v_ref, v_θ
+    assert set(seen) == {want}
+    assert batch.guidance == 3.0  # the rollout is not changed
+
+
+def test_the_loss_without_cfg_equals_a_hand_computation_at_guidance_one(tiny_weights):
+    """``AWM.loss`` with ``train_guidance = 1`` on samples rolled out at CFG 3: m = mean (v_θ(x_t, t; CFG 1) − (ε −
+    x₀))², the row −A' + β·mean (v_θ − v_ref)² + γ·mean (v_θ − v_ema)² (v_ema = v_θ at bind), all by hand from
+    conditional velocities; the CFG-3 matching error differs."""
+    from tests.test_nft import build_backbone, final_samples
+
+    backbone = build_backbone("shapes-dit", tiny_weights)
+    batch = final_samples(backbone, guidance=3.0)
+    beta = 0.1
+    optimizer = tpflow.build("optimizer", "awm", kl_weight=beta, train_guidance=1.0, seed=3)
+    optimizer.bind(backbone)
+    rows, t = torch.tensor([0, 2, 3]), torch.tensor([0.3, 0.6, 0.9])
+    noise = torch.randn(batch.final[rows].shape, generator=torch.Generator().manual_seed(4))
+    a = torch.tensor([1.0, -0.5, 0.25])
+    out = optimizer.loss(backbone, batch, rows, a, t, noise)
+    x0, cond = batch.final[rows].double(), batch.cond.index(rows)
+    tt = t.double().reshape(-1, *([1] * (x0.dim() - 1)))
+    x_t = ((1 - tt) * x0 + tt * noise.double()).float()
+    with torch.no_grad():
+        v = backbone.velocity(x_t, t, cond, 1.0).double()
+        v3 = backbone.velocity(x_t, t, cond, 3.0).double()
+        with backbone.reference():
+            v_ref = backbone.velocity(x_t, t, cond, 1.0).double()
+    target = noise.double() - x0
+    m = ((v - target) ** 2).flatten(1).mean(1)
+    kl = ((v - v_ref) ** 2).flatten(1).mean(1)
+    torch.testing.assert_close(out.mse, m, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(out.kl_rows, kl, rtol=1e-4, atol=1e-9)
+    torch.testing.assert_close(out.rows.detach().double(), -a.double() + beta * kl, rtol=1e-5, atol=1e-7)
+    assert out.ema_rows.abs().max() < 1e-10  # the KL-EMA copy is θ at bind
+    assert (((v3 - target) ** 2).flatten(1).mean(1) - m).abs().min() > 1e-4  # CFG 3 would be another loss

@@ -11,7 +11,11 @@ each update, the KL to the adapter-disabled model. What differs is its loss only
   steps so far;
 * the advantages are rescaled to A' = clip(A, ±c)/c ∈ [−1, 1];
 * the training times are stratified: T = 6 schedule indices, one per stratum of bounds long(linspace(lower,
-  ⌊K·0.9⌋, T + 1)) (lower = 1: the code's ``discrete_wo_init``, 0: ``discrete``).
+  ⌊K·0.9⌋, T + 1)) (lower = 1: the code's ``discrete_wo_init``, 0: ``discrete``);
+* the loss's three velocities (v_θ, the KL-EMA copy's, the reference's) run at ``train_guidance``: the code's
+  ``train.cfg`` is False in every public config (``base_awm.py`` and all six of ``dgx_awm.py``), so it trains the
+  conditional prediction (CFG 1); ``train.cfg = True`` would train at the sampling ``guidance_scale``, which is
+  ``train_guidance = None`` here.
 
 Where tpflow departs from the code, and why (docs/algorithm.md, "AWM"): the code draws the T indices once per
 micro-batch, shared by its samples; here each sample draws its own from its global row (as NFT's times), so that an
@@ -23,23 +27,26 @@ the final samples.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
-from tpflow.interfaces import Backbone
+from tpflow.interfaces import Backbone, Sampler
 from tpflow.optim.awm_loss import AWMLoss, Weighting, awm_loss, stratified_indices
 from tpflow.optim.loop import RowLoss
 from tpflow.optim.nft import NFT, SEED_LIMIT
 from tpflow.plans.base import derived_generator
 from tpflow.registry import register
-from tpflow.types import Conditioning
+from tpflow.types import Conditioning, Rollout
 
 
 class AWMOptions(BaseModel):
-    """Options of the ``awm`` optimizer; defaults are the public code's SD3.5-M GenEval config (``dgx_awm.py``)."""
+    """Options of the ``awm`` optimizer; defaults are the public code's SD3.5-M GenEval config (``dgx_awm.py``) but
+    ``train_guidance``, whose default keeps what tpflow ran before the option (the shipped recipes set the code's)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -58,6 +65,14 @@ class AWMOptions(BaseModel):
         1.0, ge=0, description="γ: weight of mean((v_θ − v_ema)²) to the lagged adapter copy (the code's ema_beta)."
     )
     clip_range: float = Field(1.0, gt=0, description="ε of the ratio clip (inert on policy; the code: 1).")
+    train_guidance: float | None = Field(
+        None,
+        ge=1,
+        description="CFG of the loss's velocities (v_θ, the KL-EMA copy's and the reference's). The code's "
+        "train.cfg = False, in every public config, is 1 (the conditional prediction; the shipped recipes set it); "
+        "None trains at the rollout's guidance, as train.cfg = True would, and as tpflow did before this option "
+        "(docs/results.md §2.8's AWM arm, at CFG 3).",
+    )
     weighting: Weighting = Field("ghuber", description="The matching value ℓ(m, t) (tpflow/optim/awm_loss.py).")
     ghuber_power: float = Field(0.25, gt=0, le=1, description="p of the ghuber weighting.")
     adv_clip_max: float = Field(5.0, gt=0, description="c: A' = clip(A, ±c)/c (the code: 5).")
@@ -140,6 +155,26 @@ class AWM(NFT):
     def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
         """The live adapter samples (the lagged copy is only the loss's anchor)."""
         return contextlib.nullcontext()
+
+    def update(
+        self,
+        backbone: Backbone,
+        sampler: Sampler,
+        batch: Rollout,
+        advantages: Tensor,
+        on_step: Callable[[int], object] | None = None,
+    ) -> dict[str, float]:
+        """NFT's update (``tpflow.optim.nft``) of ``batch``'s final samples, its velocities at ``train_guidance``."""
+        return super().update(backbone, sampler, self._at_train_guidance(batch), advantages, on_step)
+
+    def loss(self, backbone: Backbone, batch: Rollout, rows: Tensor, r: Tensor, t: Tensor, noise: Tensor) -> AWMLoss:
+        """NFT's one-batch ``loss`` (what the memory estimate runs), at ``train_guidance``."""
+        return super().loss(backbone, self._at_train_guidance(batch), rows, r, t, noise)  # type: ignore[return-value]
+
+    def _at_train_guidance(self, batch: Rollout) -> Rollout:
+        """``batch`` with the guidance its loss's velocities run at (the rollout's when ``train_guidance`` is None)."""
+        g = self.options.train_guidance
+        return batch if g is None or g == batch.guidance else dataclasses.replace(batch, guidance=g)
 
     def _sample_weights(self, advantages: Tensor) -> Tensor:
         """A' = clip(A, ±c)/c ∈ [−1, 1]."""
