@@ -421,6 +421,92 @@ def test_hpsv2_is_the_cosine_of_the_checkpoints_embeddings(open_clip_ckpt, no_tf
     torch.testing.assert_close(out.scores, (image * text).sum(-1), rtol=0, atol=ATOL)
 
 
+def hpsv2_package_transform(image: torch.Tensor, size: int) -> torch.Tensor:
+    """[3, H, W] on the uint8 grid -> [3, size, size] float64: the hpsv2 package's validation transform, rewritten
+    here line by line in float64 from its open_clip fork (tgxs002/HPSv2, hpsv2/src/open_clip/transform.py:
+    ``image_transform(resize_longest_max=True)``, what ``create_model_and_transforms(light_augmentation=True)`` in
+    hpsv2/img_score.py builds): ToTensor, ``ResizeMaxSize(size, fill=0)`` (torchvision's bicubic resize of the
+    tensor, unclamped), Normalize with open_clip's OpenAI mean and std."""
+    import open_clip
+    import torchvision.transforms.functional as F
+    from torchvision.transforms import InterpolationMode
+
+    img = image.double()
+    height, width = img.shape[1:]
+    scale = size / float(max(height, width))
+    if scale != 1.0:
+        new_size = tuple(round(dim * scale) for dim in (height, width))
+        img = F.resize(img, new_size, InterpolationMode.BICUBIC)
+        pad_h, pad_w = size - new_size[0], size - new_size[1]
+        img = F.pad(img, padding=[pad_w // 2, pad_h // 2, pad_w - pad_w // 2, pad_h - pad_h // 2], fill=0)
+    mean = torch.tensor(open_clip.OPENAI_DATASET_MEAN, dtype=torch.float64)[:, None, None]
+    std = torch.tensor(open_clip.OPENAI_DATASET_STD, dtype=torch.float64)[:, None, None]
+    return (img - mean) / std
+
+
+@pytest.mark.parametrize(("h", "w"), [(576, 1024), (832, 480), (150, 200), (1024, 1024), (17, 301)])
+def test_hpsv2_preprocessing_is_the_packages_resize_longest_and_pad(h: int, w: int):
+    """Wan-sized frames both ways, a small image scaled up, a square one and a thin one, at HPS's 224 px: tpflow's
+    float32 preprocessing equals the package's transform in float64 to float32 rounding; the non-square ones keep
+    their whole content between black bars."""
+    import open_clip
+
+    from tpflow.rewards._images import pad_preprocess
+
+    images = uint8_images(2, h, w, seed=h + w)
+    expected = torch.stack([hpsv2_package_transform(x, 224) for x in images])  # [2, 3, 224, 224]
+    got = pad_preprocess(images, 224, open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD)
+    assert got.shape == expected.shape == (2, 3, 224, 224) and got.dtype == torch.float32
+    assert (got.double() - expected).abs().max() < 1e-5
+    if h != w:  # the bars are black before normalisation: exactly -mean / std
+        black = (0 - torch.tensor(open_clip.OPENAI_DATASET_MEAN)) / torch.tensor(open_clip.OPENAI_DATASET_STD)
+        torch.testing.assert_close(got[:, :, 0, 0], black.expand(2, 3), rtol=0, atol=1e-6)
+
+
+def test_hpsv2_preprocessing_keeps_the_cubics_overshoot():
+    """The package resizes a float tensor and never clamps: on a noise image scaled up (150² -> 224², a square,
+    so nothing is padded or cropped) the cubic overshoots [0, 1], and tpflow keeps the overshoot; open_clip's
+    default preprocessing of the same image (``clip_preprocess``, each pass clamped as PIL does) does not."""
+    import open_clip
+
+    from tpflow.rewards._images import pad_preprocess
+
+    mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
+    images = uint8_images(1, 150, 150, seed=7)
+    expected = hpsv2_package_transform(images[0], 224)[None]  # [1, 3, 224, 224]
+    std64, mean64 = (torch.tensor(v, dtype=torch.float64)[:, None, None] for v in (std, mean))
+    unnormalised = expected * std64 + mean64
+    assert unnormalised.min() < -0.01 and unnormalised.max() > 1.01  # the overshoot this test is about
+    got = pad_preprocess(images, 224, mean, std)
+    assert (got.double() - expected).abs().max() < 1e-5
+    clamped = clip_preprocess(images, 224, (224, 224), mean, std, offset="round")
+    assert (clamped.double() - expected).abs().max() > 0.03
+
+
+@pytest.mark.parametrize(("h", "w"), [(36, 64), (60, 34), (20, 30)])
+def test_hpsv2_scores_the_packages_padded_image(open_clip_ckpt, no_tf32, h: int, w: int):
+    """Non-square images through the reward (tiny architecture, 32 px): the score is the cosine of the model's
+    embeddings of the package's transform of each image (computed in float64 here, fed in float32), and it differs
+    from the score of the centre-cropped image, so the test tells padding from cropping."""
+    import open_clip
+
+    model, path = open_clip_ckpt
+    reward = registry.build("reward", "hpsv2", model=TINY_ARCH, checkpoint=str(path), device="cpu")
+    images = uint8_images(3, h, w, seed=h)
+    out = reward(images, PROMPTS[:3], [{}] * 3)
+    padded = torch.stack([hpsv2_package_transform(x, 32) for x in images]).float()  # [3, 3, 32, 32]
+    cropped = clip_preprocess(images, 32, (32, 32), open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD)
+    tokens = open_clip.get_tokenizer(TINY_ARCH)(PROMPTS[:3])
+    with torch.no_grad():
+        text = torch.nn.functional.normalize(model.encode_text(tokens), dim=-1)
+        expected, other = (
+            (torch.nn.functional.normalize(model.encode_image(pixels), dim=-1) * text).sum(-1)
+            for pixels in (padded, cropped)
+        )
+    torch.testing.assert_close(out.scores, expected, rtol=0, atol=ATOL)
+    assert (other - expected).abs().max() > 100 * ATOL
+
+
 def test_hpsv2_without_its_checkpoint_is_one_paragraph_before_any_weights_load(tmp_path, monkeypatch):
     from tests.cli_run import tpflow
     from tests.test_train import tiny_recipe

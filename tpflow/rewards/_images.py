@@ -94,6 +94,40 @@ def clip_preprocess(
     return (x - mean_t) / std_t
 
 
+def pad_preprocess(images: Tensor, size: int, mean: Sequence[float], std: Sequence[float]) -> Tensor:
+    """open_clip's ``ResizeMaxSize`` validation transform in torch, image by image: the longest side resized to
+    ``size`` (antialiased bicubic, aspect kept), the rest padded with black, then normalised.
+
+    What the hpsv2 package scores with: its open_clip fork's ``image_transform(..., resize_longest_max=True)``, which
+    ``create_model_and_transforms(light_augmentation=True)`` builds (tgxs002/HPSv2, ``hpsv2/img_score.py`` and
+    ``hpsv2/src/open_clip/transform.py``). The package resizes the float tensor of the 8-bit image with torchvision
+    (``F.resize``, bicubic, antialiased) and never clamps, so the cubic's overshoot past [0, 1] is kept here too;
+    the shorter side is ``round(side · size / longest)`` (half to even) and the margin is split with the odd pixel
+    at the bottom and the right. One difference: an image whose longest side is already ``size`` is padded here,
+    where the package returns it unpadded (a non-square input its ViT cannot take).
+
+    Args:
+        images: [N, 3, H, W] float in [0, 1] (any device).
+        size: the model's square input side (224 for HPS's ViT-H-14).
+        mean, std: per-channel normalisation of the model.
+    Returns:
+        [N, 3, size, size] float32, normalised (padding becomes -mean / std).
+    """
+    x = to_uint8(images).float() / 255  # [N, 3, H, W] on the uint8 grid, like the package's ToTensor()
+    h, w = x.shape[-2:]
+    scale = size / float(max(h, w))
+    new_h, new_w = round(h * scale), round(w * scale)  # the package's rounding, computed the same way
+    rows = _resample_matrix(h, new_h, "bicubic", x.device)  # [new_h, H]
+    cols = _resample_matrix(w, new_w, "bicubic", x.device)  # [new_w, W]
+    x = torch.einsum("ih,nchw,jw->ncij", rows, x, cols)  # [N, 3, new_h, new_w], not clamped
+    top, left = (size - new_h) // 2, (size - new_w) // 2
+    out = x.new_zeros(*x.shape[:2], size, size)  # [N, 3, size, size] black
+    out[..., top : top + new_h, left : left + new_w] = x
+    mean_t = torch.tensor(mean, dtype=x.dtype, device=x.device)[:, None, None]
+    std_t = torch.tensor(std, dtype=x.dtype, device=x.device)[:, None, None]
+    return (out - mean_t) / std_t
+
+
 def _resample_matrix(size_in: int, size_out: int, mode: str, device: torch.device) -> Tensor:
     """[size_out, size_in] float32 weights of PIL's antialiased resampling along one axis.
 

@@ -8,10 +8,16 @@ human preferences, as DanceGRPO and MixGRPO train with it.
 Score = cos(image_emb, text_emb) of the fine-tuned model (the ``hpsv2`` package's ``score``: the diagonal of
 image_features @ text_featuresᵀ, both L2-normalised; about 0.2-0.35 for SD-class images). The model is built by
 open_clip from its ``ViT-H-14`` architecture and the HPS checkpoint (read with ``torch.load(weights_only=True)``:
-a state dict of tensors, never an arbitrary pickle), its preprocessing open_clip's for that architecture (224 px,
-OpenAI mean and std), as the ``hpsv2`` package does it. Why not that package: it downloads the checkpoint and the
-open_clip ViT-H-14 weights when it is imported or first called, pins its own open_clip fork, and adds nothing the
-formula above needs; tpflow never downloads at run time.
+a state dict of tensors, never an arbitrary pickle).
+
+Preprocessing is the package's, not open_clip's default: the package's ``score`` and its evaluation build the model
+with ``light_augmentation=True``, whose validation transform resizes the *longest* side to 224 px and pads the rest
+with black (its open_clip fork's ``ResizeMaxSize``), then normalises with OpenAI's mean and std
+(``_images.pad_preprocess``). A square image loses nothing either way; a 480×832 Wan frame is scored whole, on a
+129×224 band between black bars, where open_clip's default (shortest side to 224, centre crop) would keep only its
+middle 58 %. Why not that package: it downloads the checkpoint and the open_clip ViT-H-14 weights when it is
+imported or first called, pins its own open_clip fork, and adds nothing the formula above needs; tpflow never
+downloads at run time.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from torch import Tensor
 from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.registry import register
-from tpflow.rewards._images import LazyOpenClip, OpenClip, l2_normalize
+from tpflow.rewards._images import LazyOpenClip, OpenClip, l2_normalize, pad_preprocess
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource, download_command, hub_checkpoint
 
@@ -78,13 +84,25 @@ class HPSv2Reward:
         """Load the model now (the first call does it otherwise)."""
         return self._clip.get()
 
+    def preprocess(self, images: Tensor) -> Tensor:
+        """[N, 3, H, W] in [0, 1] -> [N, 3, s, s] model input on the model's device: the package's resize of the
+        longest side to s, black padding, normalisation (``_images.pad_preprocess``)."""
+        clip = self.load()
+        if clip.crop[0] != clip.crop[1]:
+            raise UserError(
+                f"{WHERE}: {self.options.model!r} takes {clip.crop[0]}x{clip.crop[1]} images; the HPS "
+                "preprocessing pads to a square."
+            )
+        device = next(clip.model.parameters()).device
+        return pad_preprocess(images.to(device), clip.crop[0], clip.mean, clip.std)
+
     @torch.no_grad()
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:
         """Score images [N, 3, H, W] in [0, 1] for their prompts; ``scores`` [N] float32."""
         if len(images) != len(prompts):
             raise ValueError(f"Got {len(images)} images for {len(prompts)} prompts.")
         clip = self.load()
-        pixels = clip.preprocess(images)
+        pixels = self.preprocess(images)  # [N, 3, 224, 224]
         tokens = clip.tokenizer(list(prompts)).to(pixels.device)
         image, text = l2_normalize(clip.model.encode_image(pixels)), l2_normalize(clip.model.encode_text(tokens))
         return RewardOutput(scores=(image * text).sum(-1).float().cpu(), details={})
