@@ -292,3 +292,54 @@ def test_on_cuda_the_retained_gradient_is_the_native_one(mode):
                                        fresh, **layout)  # fmt: skip
     cosine = float(torch.nn.functional.cosine_similarity(kept.double(), native.double(), dim=0))
     assert cosine >= (0.9999 if mode == "no" else 0.999), cosine
+
+
+def test_one_non_finite_trajectory_leaves_the_retained_step_finite(model):
+    """One NaN row in z₀: native drops the losses of the micro-batch holding it and steps on the others' finite
+    gradient. The retained graph is one batched forward over every row, so back-propagating the finite micro-batch
+    through it would carry 0·NaN into every weight: the update recomputes that step natively instead."""
+    backbone, sampler = model
+    layout = {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "beta": 0.0}
+    retain = tpflow.build("optimizer", "grpo", recompute="retain", **layout).retain
+    z0 = backbone.initial_noise(len(PROMPTS), torch.Generator().manual_seed(2))
+    z0[3] = float("nan")
+    inputs = RolloutInputs(backbone, backbone.encode(PROMPTS), z0, backbone.sigmas(5), GUIDANCE, None,
+                           torch.Generator().manual_seed(3), None)  # fmt: skip
+    batch = WindowEngine(sampler, WINDOW, 0.8, None, False, retain).run(inputs)
+    assert not torch.isfinite(batch.retained.parts[0].log_prob).all()
+    kept, _, metrics = first_step_gradient(backbone, sampler, batch, ADVANTAGES, recompute="retain", **layout)
+    native, _, native_metrics = first_step_gradient(backbone, sampler, dataclasses.replace(batch, retained=None),
+                                                    ADVANTAGES, **layout)  # fmt: skip
+    assert torch.isfinite(native).all() and native.norm() > 0
+    assert torch.isfinite(kept).all(), "the retained backward carried the NaN row into the weights"
+    assert metrics["retained_graphs_used"] == 0.0
+    assert torch.equal(kept, native) and metrics["nonfinite_losses"] == native_metrics["nonfinite_losses"] > 0
+
+
+def test_only_the_first_steps_rollout_batches_keep_graphs(model):
+    """Four rollout batches of 4 rows and a first optimizer step of 4 rows: the batches past it keep no graph (none
+    could be read by an on-policy step; each would be held through every native step), and the update's gradients
+    are native's. A first step whose rows move past the kept batch (zero-advantage rows skipped) recomputes that
+    micro-batch natively."""
+    from tpflow.types import Rollout
+
+    backbone, sampler = model
+    layout = {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "beta": 0.0}
+    retain = tpflow.build("optimizer", "grpo", recompute="retain", **layout).retain
+    assert [retain.for_batch(first) is not None for first in (0, 4, 8, 12)] == [True, False, False, False]
+    skipped = torch.cat([ADVANTAGES] * 4)
+    skipped[1] = 0  # the first step trains rows 0, 2 (kept graphs) and 3, 4 (row 4 past them: native)
+    for advantages, used in ((torch.cat([ADVANTAGES] * 4), 1.0), (skipped, 1.0)):
+        batches = [sample(backbone, sampler, retain.for_batch(4 * k)) for k in range(4)]  # a backward frees them
+        batch = Rollout.cat(batches)
+        assert len(batch.retained.parts) == 1 and batch.retained.end == 4
+        kept, grads, metrics = first_step_gradient(backbone, sampler, batch, advantages, recompute="retain",
+                                                    **layout)  # fmt: skip
+        native, native_grads, _ = first_step_gradient(backbone, sampler, dataclasses.replace(batch, retained=None),
+                                                      advantages, **layout)  # fmt: skip
+        assert metrics["retained_graphs_used"] == used and len(grads) == len(native_grads) >= 2
+        for step in range(len(grads)):
+            a, b = (torch.cat([g.flatten() for g in gs[step]]) for gs in (grads, native_grads))
+            assert relative(a, b) < 1e-5, (step, relative(a, b))
+    with pytest.raises(ValueError, match="first rollout batches"):
+        Rollout.cat([batches[1], batches[0]])

@@ -110,6 +110,11 @@ class RetainedSteps:
     def steps(self) -> int:
         return self.parts[0].log_prob.shape[1]
 
+    @property
+    def end(self) -> int:
+        """One past the last epoch row the parts cover (the batches after them keep no graphs: ``Retain.rows``)."""
+        return self.starts[-1] + self.parts[-1].log_prob.shape[0]
+
     def select(self, rows: Tensor) -> RetainedPart:
         """The rows ``rows`` ([m] host long, any order) as one part, gathered from the parts that hold them."""
         bounds = torch.tensor([*self.starts[1:], 2**62], dtype=torch.long, device="cpu")  # host bookkeeping
@@ -131,12 +136,14 @@ class RetainedSteps:
         return RetainedSteps((self.select(rows.cpu()),), (0,))
 
     @staticmethod
-    def cat(retained: list[RetainedSteps], sizes: list[int]) -> RetainedSteps:
-        """The retained steps of consecutive rollout batches of ``sizes`` rows each, their parts kept apart."""
+    def cat(retained: list[RetainedSteps | None], sizes: list[int]) -> RetainedSteps:
+        """The retained steps of consecutive rollout batches of ``sizes`` rows each, their parts kept apart; the
+        batches past the first optimizer step's rows keep none (None) and are left out."""
         parts, starts, offset = [], [], 0
         for kept, size in zip(retained, sizes, strict=True):
-            parts += kept.parts
-            starts += [offset + s for s in kept.starts]
+            if kept is not None:
+                parts += kept.parts
+                starts += [offset + s for s in kept.starts]
             offset += size
         return RetainedSteps(tuple(parts), tuple(starts))
 
@@ -267,8 +274,9 @@ class Rollout:
             raise ValueError("Rollouts to concatenate need the same window size, noise level and guidance.")
         if len({r.means is None for r in rollouts}) > 1:
             raise ValueError("Rollouts to concatenate must all store their transition means, or none of them.")
-        if len({r.retained is None for r in rollouts}) > 1 and not isinstance(first.retained, ReweightedSteps):
-            raise ValueError("Rollouts to concatenate must all retain their steps' graphs, or none of them.")
+        kept = [r.retained is not None for r in rollouts]
+        if kept != sorted(kept, reverse=True):  # the first optimizer step's batches keep them (Retain/Reweight.rows)
+            raise ValueError("Only the first rollout batches of an epoch keep retained graphs or gradients.")
         completions = None if first.completions is None else torch.cat([r.completions for r in rollouts])
         trained = None  # a batch without a mask trains every stored step
         if any(r.trained is not None for r in rollouts):

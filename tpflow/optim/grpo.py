@@ -73,14 +73,15 @@ class GRPO(AdamWLoop):
         reads them, reweight back-propagates at the loss scale the update will use."""
         o = self.options
         conditional = o.cfg_gradient == "conditional"
+        first_step = o.gradient_accumulation_steps * o.micro_batch_size  # rows of the on-policy step
         if o.recompute == "reweight":
             weighted = o.step_weight != "uniform" or o.ratio_norm_reweight
-            first_step = o.gradient_accumulation_steps * o.micro_batch_size  # rows of the on-policy step
             return Reweight(o.max_retained_steps, weighted, context=lambda: conditional_only(conditional),
                             loss_scale=lambda: self.precision.loss_scale(), rows=first_step)  # fmt: skip
         if o.recompute != "retain":
             return None
-        return Retain(o.max_retained_steps, o.beta > 0 or o.ratio_norm, lambda: conditional_only(conditional))
+        return Retain(o.max_retained_steps, o.beta > 0 or o.ratio_norm, lambda: conditional_only(conditional),
+                      rows=first_step)  # fmt: skip
 
     def __init__(self, options: GRPOOptions | None = None) -> None:
         super().__init__()

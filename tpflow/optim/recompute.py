@@ -99,17 +99,39 @@ def retained_passes(batch: Rollout, micro_batches: list[tuple[Tensor, Tensor]], 
         if not torch.equal(steps, steps[:, :1].expand_as(steps)):
             raise ValueError("reweight kept one gradient per trajectory, and the advantages differ by step: the "
                              "credit assigner declares same_reward_every_step wrongly.")  # fmt: skip
+    takes = [use] * len(first)  # per first-step micro-batch: whether it takes the kept graphs or gradients
     if isinstance(batch.retained, RetainedSteps) and first:
-        starts = batch.retained.starts
-        ends = [*starts[1:], len(batch)]
-        rows = torch.cat(first)  # [m] host
-        touched = {p for p in range(len(starts)) if ((rows >= starts[p]) & (rows < ends[p])).any()}
-        covered = sum(ends[p] - starts[p] for p in touched)
-        use = len(rows) >= options.retain_min_trained * covered
-    first = accumulation if use else 0
-    passes = [[(*mb, k < first) for k, mb in enumerate(micro_batches)]]
+        takes, use = _retained_graphs_taken(batch, first, options.retain_min_trained)
+    passes = [[(*mb, k < len(takes) and takes[k]) for k, mb in enumerate(micro_batches)]]
     passes += [[(*mb, False) for mb in micro_batches]] * (options.num_inner_epochs - 1)
     return passes, use
+
+
+def _retained_graphs_taken(batch: Rollout, first: list[Tensor], min_trained: float) -> tuple[list[bool], bool]:
+    """Which of the first step's micro-batches (``first``, host rows each) back-propagate the retained graphs, and
+    whether any does.
+
+    A micro-batch with a row past the kept rollout batches (``Retain.rows``: the zero-advantage filter moved the
+    step's rows on) recomputes natively. The graphs of a rollout batch are one batched forward, so a backward through
+    them runs every row of it: when one of its rows is not finite (a NaN latent, an overflowed activation), 0·NaN
+    reaches every weight's gradient, where native drops only the non-finite micro-batch's losses; and when the step
+    trains fewer than ``min_trained`` of the rows of the batches it touches, native is cheaper. Either way the whole
+    step recomputes natively (one host read for the finiteness)."""
+    kept: RetainedSteps = batch.retained
+    takes = [bool((rows < kept.end).all()) for rows in first]
+    rows = torch.cat([r for r, t in zip(first, takes, strict=True) if t] or [torch.zeros(0, dtype=torch.long)])
+    ends = [*kept.starts[1:], kept.end]
+    touched = [p for p in range(len(kept.starts)) if ((rows >= kept.starts[p]) & (rows < ends[p])).any()]
+    covered = sum(ends[p] - kept.starts[p] for p in touched)
+    if not touched or len(rows) < min_trained * covered:
+        return [False] * len(first), False
+    spans = [slice(kept.starts[p], ends[p]) for p in touched]
+    values = [kept.parts[p].log_prob.detach() for p in touched]
+    values += [t[span] for span in spans for t in (batch.latents, batch.next_latents, batch.log_probs)]
+    finite = torch.stack([torch.isfinite(v).all() for v in values]).all()
+    if not bool(finite):  # the one host read
+        return [False] * len(first), False
+    return takes, True
 
 
 def retained_step(kept: RetainedPart | None, part: Rollout, i: int) -> StepOutput | None:

@@ -18,8 +18,10 @@ Three choices keep it the native update up to float rounding:
 * **Each step's graph starts at a detached latent**, as the update's recompute does: no gradient through the chain.
 
 Memory: each retained step holds its forward activations for the batch until the update's first optimizer step
-back-propagates them (a batch it does not train keeps them until the epoch's rollouts are dropped).
-``steps`` caps how many window steps are retained (the first M); the rest are recomputed natively.
+back-propagates them. Only the rollout batches that hold the first optimizer step's rows (``rows``, as reweight caps
+its buffers) keep graphs: a later batch's could be read by no on-policy step and would be held through every native
+step of the update. ``steps`` caps how many window steps are retained (the first M); the rest are recomputed
+natively.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class Retain:
     keep_mean: bool = False  # keep the differentiable transition mean too (the KL with β > 0, RatioNorm)
     # the optimizer's context around the policy's velocity call (e.g. tpflow.guidance.conditional_only)
     context: Callable[[], contextlib.AbstractContextManager] = field(default=contextlib.nullcontext)
+    # the first optimizer step's rows on this process (gradient_accumulation_steps × micro_batch_size): a rollout
+    # batch of the epoch starting past them keeps no graphs (``for_batch``); None: every batch keeps them
+    rows: int | None = None
 
     def covers(self, i: int) -> bool:
         """Whether window step i (0-based) is retained."""
@@ -51,9 +56,12 @@ class Retain:
         """Graphs are per step whatever the credit."""
         return self
 
-    def for_batch(self, first_row: int) -> Retain:
-        """Every rollout batch keeps its graphs (the update decides which to use: ``retain_min_trained``)."""
-        return self
+    def for_batch(self, first_row: int) -> Retain | None:
+        """For the rollout batch whose first row is the process's epoch row ``first_row``: None past the first
+        optimizer step's rows (the update's first step trains the epoch's first informative rows; a first-step
+        micro-batch with a row past the kept batches recomputes natively). Which kept graphs the update uses is its
+        decision (``retain_min_trained``)."""
+        return None if self.rows is not None and first_row >= self.rows else self
 
     def log(self, backbone, engine, width: int) -> RetainedLog:
         """The record of one rollout batch."""
