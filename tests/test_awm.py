@@ -170,3 +170,26 @@ def test_the_loss_without_cfg_equals_a_hand_computation_at_guidance_one(tiny_wei
     torch.testing.assert_close(out.rows.detach().double(), -a.double() + beta * kl, rtol=1e-5, atol=1e-7)
     assert out.ema_rows.abs().max() < 1e-10  # the KL-EMA copy is θ at bind
     assert (((v3 - target) ** 2).flatten(1).mean(1) - m).abs().min() > 1e-4  # CFG 3 would be another loss
+
+
+@pytest.mark.parametrize("unit,decays", [("epoch", [0.1, 0.2, 0.3]), ("step", [0.4, 0.8, 0.9])])
+def test_the_kl_ema_decay_counts_epochs_or_optimizer_steps(tiny_weights, unit, decays):
+    """Three updates of 4 optimizer steps each (rate 0.1, cap 0.9): with ``old_decay_unit = "epoch"`` d is 0.1·e
+    after epoch e (the code's count at its one step per epoch), with "step" 0.1·(steps so far), capped; the copy
+    moves once per update either way, θ_ema ← d·θ_ema + (1 − d)·θ, by hand."""
+    from tests.test_nft import build_backbone, final_samples
+
+    backbone = build_backbone("shapes-dit", tiny_weights)
+    optimizer = tpflow.build("optimizer", "awm", num_timesteps=4, train_timesteps=2, timestep_fraction=1.0,
+                             micro_batch_size=1, learning_rate=1e-2, old_decay_rate=0.1, old_decay_max=0.9,
+                             old_decay_unit=unit, seed=3)  # fmt: skip
+    optimizer.bind(backbone)
+    batch, advantages = final_samples(backbone), torch.tensor([[1.0], [-1.0], [0.5], [-0.5]], dtype=torch.float64)
+    ema = [p.detach().clone() for p in optimizer._params]  # the copy starts as θ
+    for d in decays:
+        metrics = optimizer.update(backbone, None, batch, advantages)
+        assert metrics["optimizer_steps"] == 4 and metrics["ema_decay"] == pytest.approx(d, abs=1e-12)
+        ema = [d * e + (1 - d) * p.detach() for e, p in zip(ema, optimizer._params, strict=True)]
+        for old, want in zip(optimizer.old, ema, strict=True):
+            torch.testing.assert_close(old, want, rtol=0, atol=1e-7)
+    assert optimizer.global_step == 12 and optimizer.updates == 3

@@ -6,6 +6,7 @@ steps), one step's gradient whatever its micro-batches, and under CPU bf16 autoc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -173,3 +174,75 @@ def test_the_step_under_mixed_precision_points_where_fp32_does(tiny_weights, mod
     mixed = nft_layout_gradient(str(tiny_weights), list(range(8)), 4, 2, name="dgpo", mode=mode)
     cosine = float(torch.nn.functional.cosine_similarity(mixed.double(), exact.double(), dim=0))
     assert torch.isfinite(mixed).all() and cosine >= 0.999, cosine
+
+
+@pytest.mark.parametrize("unit", ["epoch", "step"])
+def test_the_lagged_copy_moves_per_epoch_or_per_step_and_the_switch_counts_the_same(tiny_weights, unit):
+    """Three updates of 2 optimizer steps (one group each; rate 0.1, cap 0.9, switch_ema_ref 1). ``"epoch"``: the
+    copy stays put through an update's steps, then moves once, d = 0.1·(updates before): 0, 0.1, 0.2 (the code's
+    count at its one step per epoch); the rollouts switch to the copy after 2 updates. ``"step"``: it moves after
+    every step, d = 0.1·(steps before): 0, 0.1, ..., 0.5, and the switch comes after the first update's 2 steps."""
+    from tests.test_nft import build_backbone, final_samples
+
+    backbone = build_backbone("shapes-dit", tiny_weights)
+    optimizer = _optimizer(micro_batch_size=2, old_decay_rate=0.1, old_decay_max=0.9, old_decay_unit=unit,
+                           switch_ema_ref=1)  # fmt: skip
+    optimizer.bind(backbone)
+    batch = dataclasses.replace(final_samples(backbone), groups=torch.tensor([0, 0, 1, 1]))
+    advantages = torch.tensor([[1.0], [-1.0], [0.5], [-0.5]], dtype=torch.float64)
+    ema = [p.detach().clone() for p in optimizer._params]
+    step = 0
+
+    def on_step(k: int) -> None:  # after each step: the hand copy follows "step"; "epoch" keeps the copy put
+        nonlocal ema, step
+        assert k == step
+        if unit == "step":
+            d = min(0.1 * k, 0.9)
+            ema = [d * e + (1 - d) * p.detach() for e, p in zip(ema, optimizer._params, strict=True)]
+        for old, want in zip(optimizer.old, ema, strict=True):
+            torch.testing.assert_close(old, want, rtol=0, atol=1e-7)
+        step += 1
+
+    switched = []
+    for e in range(3):
+        switched.append(not isinstance(optimizer.sampling_policy(), contextlib.nullcontext))  # the copy swapped in
+        metrics = optimizer.update(backbone, None, batch, advantages, on_step=on_step)
+        assert metrics["optimizer_steps"] == 2
+        if unit == "epoch":
+            d = 0.1 * e
+            ema = [d * o + (1 - d) * p.detach() for o, p in zip(ema, optimizer._params, strict=True)]
+        assert metrics["old_decay"] == pytest.approx(0.1 * e if unit == "epoch" else 0.1 * (2 * e + 1), abs=1e-12)
+        for old, want in zip(optimizer.old, ema, strict=True):
+            torch.testing.assert_close(old, want, rtol=0, atol=1e-7)
+    assert switched == ([False, False, True] if unit == "epoch" else [False, True, True])
+
+
+def test_the_update_logs_the_group_scores_and_the_spread_of_the_group_weights(tiny_weights):
+    """At the base model every s_g is 0 (w_g = ½, no spread); with the adapter moved off the base the logged s_g
+    are non-zero, σ of their min and max are the weights' min and max, and the rows' mean weight lies between."""
+    from tests.test_nft import build_backbone, final_samples, perturb
+    from tpflow.optim.dgpo_loss import score_metrics
+
+    s = [torch.tensor([0.5, -2.0]), torch.tensor([1.0])]
+    w = torch.sigmoid(torch.tensor([0.5, -2.0, 1.0], dtype=torch.float64))
+    assert score_metrics(s) == pytest.approx({
+        "group_score_mean": -0.5 / 3, "group_score_abs_mean": 3.5 / 3, "group_score_min": -2.0,
+        "group_score_max": 1.0, "group_weight_std": float(w.std(correction=0)), "group_weight_min": float(w.min()),
+        "group_weight_max": float(w.max())}, abs=1e-12)  # fmt: skip
+    assert score_metrics([]) == {}
+    backbone = build_backbone("shapes-dit", tiny_weights)
+    batch = dataclasses.replace(final_samples(backbone), groups=torch.tensor([0, 0, 1, 1]))
+    advantages = torch.tensor([[1.0], [-1.0], [0.5], [-0.5]], dtype=torch.float64)
+    optimizer = _optimizer()
+    optimizer.bind(backbone)
+    base = optimizer.update(backbone, None, batch, advantages)
+    assert base["group_score_mean"] == base["group_score_abs_mean"] == base["group_weight_std"] == 0.0
+    assert base["group_weight_min"] == base["group_weight_max"] == 0.5
+    optimizer = _optimizer(learning_rate=1e-12)  # a step too small to move anything measurable
+    optimizer.bind(backbone)
+    perturb(optimizer._params, 0.05, seed=7)
+    moved = optimizer.update(backbone, None, batch, advantages)
+    assert moved["group_score_abs_mean"] > 1e-6 and moved["group_weight_std"] > 0
+    assert moved["group_weight_min"] == pytest.approx(1 / (1 + math.exp(-moved["group_score_min"])), abs=1e-12)
+    assert moved["group_weight_max"] == pytest.approx(1 / (1 + math.exp(-moved["group_score_max"])), abs=1e-12)
+    assert moved["group_weight_min"] - 1e-9 <= moved["group_weight"] <= moved["group_weight_max"] + 1e-9

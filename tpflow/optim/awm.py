@@ -7,8 +7,10 @@ backbone's schedule with fresh noise, one outcome reward per image, a lagged cop
 each update, the KL to the adapter-disabled model. What differs is its loss only (``tpflow.optim.awm_loss``) and:
 
 * the rollouts sample with the live adapter (the code's ``off_policy = False``); the lagged copy is the "KL-EMA"
-  anchor of the loss, θ_ema ← d·θ_ema + (1 − d)·θ after each update with d = min(0.001·n, 0.3), n the optimizer
-  steps so far;
+  anchor of the loss, θ_ema ← d·θ_ema + (1 − d)·θ after each update (epoch) with d = min(0.001·n, 0.3). The code's
+  n is its optimizer steps so far, and it takes one step per epoch, so in effect n counts epochs: n is the epochs
+  so far with ``old_decay_unit = "epoch"`` (the default), the optimizer steps with ``"step"`` (what tpflow counted
+  before the option; the two differ only where an epoch takes several steps);
 * the advantages are rescaled to A' = clip(A, ±c)/c ∈ [−1, 1];
 * the training times are stratified: T = 6 schedule indices, one per stratum of bounds long(linspace(lower,
   ⌊K·0.9⌋, T + 1)) (lower = 1: the code's ``discrete_wo_init``, 0: ``discrete``);
@@ -39,6 +41,7 @@ from tpflow.interfaces import Backbone, Sampler
 from tpflow.optim.awm_loss import AWMLoss, Weighting, awm_loss, stratified_indices
 from tpflow.optim.loop import RowLoss
 from tpflow.optim.nft import NFT, SEED_LIMIT
+from tpflow.optim.nft_loss import old_decay
 from tpflow.plans.base import derived_generator
 from tpflow.registry import register
 from tpflow.types import Conditioning, Rollout
@@ -89,9 +92,16 @@ class AWMOptions(BaseModel):
         description="'discrete_wo_init': strata from index 1 (never t = 1; GenEval, OCR); 'discrete': from 0 "
         "(PickScore).",
     )
-    old_decay_flat: int = Field(0, ge=0, description="Optimizer steps before the lagged copy starts to lag.")
-    old_decay_rate: float = Field(1e-3, ge=0, description="Growth of the copy's decay d per optimizer step.")
+    old_decay_flat: int = Field(0, ge=0, description="n (in old_decay_unit) before the lagged copy starts to lag.")
+    old_decay_rate: float = Field(1e-3, ge=0, description="Growth of the copy's decay d per unit of n.")
     old_decay_max: float = Field(0.3, ge=0, lt=1, description="Cap of d (the code: 0.3).")
+    old_decay_unit: Literal["epoch", "step"] = Field(
+        "epoch",
+        description="What n of d = min(rate·(n − flat), cap) counts: 'epoch', the updates so far, what the code "
+        "does in effect (it takes one optimizer step per epoch and counts steps); 'step', the optimizer steps so far, "
+        "what tpflow counted before this option (docs/results.md §2.8: 8 steps an epoch). The copy moves once per "
+        "epoch either way.",
+    )
     micro_batch_size: int = Field(3, ge=1, description="Samples per forward/backward pass (GenEval: 3).")
     gradient_accumulation_steps: int = Field(
         1,
@@ -193,6 +203,13 @@ class AWM(NFT):
 
     def _pass_metrics(self, r: Tensor, decay: float) -> dict[str, float]:
         return {"advantage_weight_mean": float(r.abs().mean()) if len(r) else 0.0, "ema_decay": decay}
+
+    def _old_decay(self) -> float:
+        """d of the KL-EMA copy's move that ends this update: n the epochs so far, this one included (the code's
+        step count at one step per epoch), or the optimizer steps so far (``old_decay_unit``)."""
+        o = self.options
+        n = self.updates + 1 if o.old_decay_unit == "epoch" else self.global_step
+        return old_decay(n, o.old_decay_flat, o.old_decay_rate, o.old_decay_max)
 
     def _loss(
         self, backbone: Backbone, x0: Tensor, x_t: Tensor, t: Tensor, cond: Conditioning, guidance: float, r: Tensor,

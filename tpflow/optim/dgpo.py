@@ -16,9 +16,15 @@ adapter-disabled model. What differs, besides the loss:
   added over processes, then the step's losses read w_g. The frozen velocities of that pass are kept for the
   losses, so the extra cost is one forward of v_θ without gradient per row. The code computes s_g in its gradient
   pass over whole groups; the weights are the same.
-* **The lagged copy** ("EMA reference") moves after every optimizer step, θ_old ← d·θ_old + (1 − d)·θ with
-  d = min(rate·n, cap), n the steps before it (the first step copies θ); the rollouts sample with the live adapter
-  until ``switch_ema_ref`` steps have passed, then with the copy.
+* **The lagged copy** ("EMA reference") moves by θ_old ← d·θ_old + (1 − d)·θ with d = min(rate·n, cap) (the first
+  move copies θ); the rollouts sample with the live adapter until n > ``switch_ema_ref``, then with the copy. The
+  code moves it after every optimizer step, n its steps before, and takes one step per epoch: in effect the copy
+  moves once per epoch and n counts epochs, which is ``old_decay_unit = "epoch"`` (the default: one move after each
+  update, n the updates before it). ``"step"`` moves it after every optimizer step, n the steps before it (what
+  tpflow did before the option); the two differ only where an epoch takes several steps.
+* **The group scores are logged**: ``group_score_mean``, ``group_score_abs_mean``, ``group_score_min``,
+  ``group_score_max`` of s_g, and ``group_weight_std``, ``group_weight_min``, ``group_weight_max`` of w_g, over the
+  (group, time) pairs of the update's steps (``group_weight`` is w_g's mean over the rows).
 * Training forwards use ``train_guidance`` (the code: 1, the conditional prediction, whatever the rollout's CFG);
   the reference pass ``reference_guidance`` (the code's ``kl_cfg``).
 
@@ -45,7 +51,7 @@ from tpflow.devices import cpu_generator, to_device
 from tpflow.errors import UserError
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.optim.advantages import group_advantages
-from tpflow.optim.dgpo_loss import DGPOLoss, dgpo_loss, group_scores, group_weights, matching_mse
+from tpflow.optim.dgpo_loss import DGPOLoss, dgpo_loss, group_scores, group_weights, matching_mse, score_metrics
 from tpflow.optim.loop import RowLoss
 from tpflow.optim.nft import NFT, SEED_LIMIT
 from tpflow.optim.nft_loss import forward_noising, old_decay
@@ -81,10 +87,19 @@ class DGPOOptions(BaseModel):
         "schedule", description="Nodes the times are read from: the backbone's schedule or the flow-sigmas grid."
     )
     flow_shift: float = Field(3.0, gt=0, le=100, description="Shift of time_grid = 'flow-sigmas' (the code: 3).")
-    switch_ema_ref: int = Field(500, ge=0, description="Steps after which the lagged copy samples the rollouts.")
-    old_decay_flat: int = Field(0, ge=0, description="Optimizer steps before the lagged copy starts to lag.")
-    old_decay_rate: float = Field(1e-3, ge=0, description="Growth of the copy's decay d per optimizer step.")
+    switch_ema_ref: int = Field(
+        500, ge=0, description="The lagged copy samples the rollouts once n (in old_decay_unit) exceeds this."
+    )
+    old_decay_flat: int = Field(0, ge=0, description="n (in old_decay_unit) before the lagged copy starts to lag.")
+    old_decay_rate: float = Field(1e-3, ge=0, description="Growth of the copy's decay d per unit of n.")
     old_decay_max: float = Field(0.3, ge=0, lt=1, description="Cap of d (the code: 0.3).")
+    old_decay_unit: Literal["epoch", "step"] = Field(
+        "epoch",
+        description="'epoch': the copy moves once after each update and n counts updates (epochs), what the code "
+        "does in effect (it moves the copy after every optimizer step, n its steps, and takes one step per epoch); "
+        "'step': it moves after every optimizer step and n counts steps, what tpflow did before this option "
+        "(docs/results.md §2.8: 8 steps an epoch). n also times switch_ema_ref.",
+    )
     micro_batch_size: int = Field(16, ge=1, description="Samples per forward/backward pass (the code: 16).")
     gradient_accumulation_steps: int = Field(
         1, ge=1, description="Micro-batches per optimizer step (the code: one step per epoch)."
@@ -172,8 +187,10 @@ class DGPO(NFT):
         return group_advantages(step_rewards[:, -1:], groups, global_std=o.global_std, clip=o.adv_clip_max)
 
     def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
-        """The live adapter samples until ``switch_ema_ref`` steps have passed, then the lagged copy."""
-        if self._params and self.global_step > self.options.switch_ema_ref:
+        """The live adapter samples until n (updates or optimizer steps so far) exceeds ``switch_ema_ref``, then the
+        lagged copy."""
+        n = self.updates if self.options.old_decay_unit == "epoch" else self.global_step
+        if self._params and n > self.options.switch_ema_ref:
             return swapped(self._params, self.old)
         return contextlib.nullcontext()
 
@@ -191,7 +208,8 @@ class DGPO(NFT):
         on_step: Callable[[int], object] | None = None,
     ) -> dict[str, float]:
         """One pass (``num_inner_epochs`` passes) over the final samples of ``batch`` with advantages [N, 1] and its
-        prompt groups (``batch.groups``); the lagged copy moves after every optimizer step."""
+        prompt groups (``batch.groups``); the lagged copy moves after every optimizer step or once after the update
+        (``old_decay_unit``)."""
         if self._optimizer is None:
             self.bind(backbone)
         o = self.options
@@ -211,6 +229,7 @@ class DGPO(NFT):
         order_generator = cpu_generator(self._draw_seed())
         shape = tuple(batch.final.shape[1:])
         state: dict[str, Any] = {}  # the current pass: its key, times [M], noise per (group, j); the step's cache
+        scores: list[Tensor] = []  # each step's s_g of the (group, time) pairs with rows, for the metrics
 
         def noise_of(g: int, j: int) -> Tensor:  # ε [...] of group g at the pass's j-th time (CPU draw, cached)
             table = state["noise"]
@@ -247,6 +266,7 @@ class DGPO(NFT):
                 both = self._dist.gather(torch.stack([sums, counts])[None])  # [P, 2, G, M]
                 sums, counts = both[:, 0].sum(0), both[:, 1].sum(0)
             state["weights"], state["cache"] = group_weights(sums, counts), cache  # [G, M]
+            scores.append(sums[counts > 0] / counts[counts > 0])
 
         def passes() -> Iterator[list[Any]]:
             for p in range(o.num_inner_epochs):
@@ -269,8 +289,12 @@ class DGPO(NFT):
                 yield functools.partial(self._row_loss_dgpo, backbone, x_t, t, cond, target, a[mb],
                                         weights[:, j], l_old, v_ref)  # fmt: skip
 
-        def stepped(k: int) -> None:  # after each optimizer step taken: the lagged copy moves, then the EMA
-            self._update_old(old_decay(k, o.old_decay_flat, o.old_decay_rate, o.old_decay_max))
+        def decay(count: int) -> float:
+            return old_decay(count, o.old_decay_flat, o.old_decay_rate, o.old_decay_max)
+
+        def stepped(k: int) -> None:  # after each optimizer step taken: the lagged copy moves ("step"), then the EMA
+            if o.old_decay_unit == "step":
+                self._update_old(decay(k))
             if on_step is not None:
                 on_step(k)
 
@@ -279,10 +303,14 @@ class DGPO(NFT):
             result = self.run(passes(), losses, stepped)
         finally:
             self._prepare = None
+        if o.old_decay_unit == "epoch":  # once per update, n the updates before it
+            result["old_decay"] = decay(self.updates)
+            self._update_old(result["old_decay"])
+        else:
+            result["old_decay"] = decay(max(self.global_step - 1, 0))
         self.updates += 1
         result["trajectories_trained"] = float(n)
-        result["old_decay"] = old_decay(max(self.global_step - 1, 0), o.old_decay_flat, o.old_decay_rate,
-                                        o.old_decay_max)  # fmt: skip
+        result.update(score_metrics(scores))
         return result
 
     # ---- private -----------------------------------------------------------------------------------------------

@@ -64,6 +64,24 @@ def group_weights(sums: Tensor, counts: Tensor) -> Tensor:
     return torch.sigmoid(sums / counts.clamp(min=1.0))
 
 
+def score_metrics(scores: list[Tensor]) -> dict[str, float]:
+    """The update's group scores s_g (one [pairs] tensor per step: the (group, time) pairs with rows) and weights
+    σ(s_g), summarised: s_g's mean, mean |s_g|, min and max; w_g's (population) std, min and max. Empty: none."""
+    if not scores or sum(len(s) for s in scores) == 0:
+        return {}
+    s = torch.cat(scores).double()
+    w = torch.sigmoid(s)
+    return {
+        "group_score_mean": float(s.mean()),
+        "group_score_abs_mean": float(s.abs().mean()),
+        "group_score_min": float(s.min()),
+        "group_score_max": float(s.max()),
+        "group_weight_std": float(w.std(correction=0)),
+        "group_weight_min": float(w.min()),
+        "group_weight_max": float(w.max()),
+    }
+
+
 def dgpo_loss(
     v: Tensor,
     target: Tensor,

@@ -277,7 +277,7 @@ class NFT(AdamWLoop):
 
         filler = (torch.zeros(1, dtype=torch.long, device=device), [0])  # a sharded step's padding: sample 0, weight 0
         result = self.run(passes(), losses, on_step, filler=filler)
-        decay = old_decay(self.global_step, o.old_decay_flat, o.old_decay_rate, o.old_decay_max)
+        decay = self._old_decay()
         self._update_old(decay)
         self.updates += 1
         result["trajectories_trained"] = float(n)
@@ -297,6 +297,11 @@ class NFT(AdamWLoop):
 
     def _pass_metrics(self, r: Tensor, decay: float) -> dict[str, float]:
         return {"optimality_mean": float(r.mean()) if len(r) else 0.5, "old_decay": decay}
+
+    def _old_decay(self) -> float:
+        """η of the soft update that ends this update: :func:`old_decay` of the optimizer steps taken so far."""
+        o = self.options
+        return old_decay(self.global_step, o.old_decay_flat, o.old_decay_rate, o.old_decay_max)
 
     def loss(self, backbone: Backbone, batch: Rollout, rows: Tensor, r: Tensor, t: Tensor, noise: Tensor) -> NFTLoss:
         """The loss of the samples ``rows`` [M] of ``batch`` at times t [M] with noise ε [M, ...] and optimality r
