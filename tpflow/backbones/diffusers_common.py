@@ -6,6 +6,7 @@ Plain functions, one options base model and the ``PipelineParts`` container; the
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from tpflow.backbones.placement import place
 from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.samplers.schedules import check_num_steps
@@ -200,12 +202,24 @@ def attach_preflight(factory: Any, transformer_class: str, model_name: str) -> N
     factory.weight_sources = weight_sources
 
 
-def load_pipeline(pipeline_cls: Any, pretrained: str, dtype: torch.dtype, model_name: str, **kwargs: Any) -> Any:
+def fp32_parts(options: DiffusersBackboneOptions, trained: str = "transformer") -> tuple[str, ...]:
+    """The pipeline parts loaded in float32 whatever ``dtype``: the VAE (it decodes in fp32: loaded in ``dtype`` and
+    upcast, it would decode with rounded weights) and, under ``finetune = "full"``, the trained transformer (its
+    fp32 masters and KL reference are then the stored weights exactly, not their rounding to ``dtype``)."""
+    return ("vae", trained) if options.finetune == "full" else ("vae",)
+
+
+def load_pipeline(
+    pipeline_cls: Any, pretrained: str, dtype: torch.dtype, model_name: str, fp32: Sequence[str] = ("vae",),
+    **kwargs: Any,
+) -> Any:  # fmt: skip
     """``pipeline_cls.from_pretrained`` with a UserError that says which weights are missing and how to get them.
 
     The weights are found first (``pretrained_source``: a local folder, or a snapshot in the Hugging Face cache) and
     that folder is loaded, with ``local_files_only=True``: never the network, so no hub warnings and no stall, with
-    or without HF_HUB_OFFLINE.
+    or without HF_HUB_OFFLINE. Every part is loaded in ``dtype`` by its own class, which keeps the float32 modules
+    its class names (``tpflow.backbones.placement``), but the parts named in ``fp32`` (``fp32_parts``): those are
+    loaded in float32 from their subfolder and handed to the pipeline.
     """
     source = pretrained_source(pretrained, model_name)
     if source.problem or source.path is None:
@@ -216,6 +230,14 @@ def load_pipeline(pipeline_cls: Any, pretrained: str, dtype: torch.dtype, model_
 
     kwargs["dtype" if hasattr(pipeline_utils, "_resolve_dtype") else "torch_dtype"] = dtype
     try:
+        index = json.loads((Path(source.path) / "model_index.json").read_text())
+        for name in fp32:
+            library, class_name = index.get(name) or (None, None)
+            if class_name is not None and name not in kwargs:
+                part_cls = getattr(importlib.import_module(library), class_name)
+                kwargs[name] = part_cls.from_pretrained(
+                    source.path, subfolder=name, local_files_only=True, torch_dtype=torch.float32
+                )
         return pipeline_cls.from_pretrained(source.path, local_files_only=True, **kwargs)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -295,14 +317,6 @@ class PromptCache:
         return out
 
 
-def place(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """Move a module to ``device`` and cast it to ``dtype`` only when it is not already in it."""
-    module.to(device)
-    if any(p.dtype != dtype for p in module.parameters() if p.is_floating_point()):
-        module.to(dtype=dtype)
-    return module
-
-
 @dataclass
 class PipelineParts:
     """A diffusers pipeline's parts, placed for training: what both diffusers backbones hold."""
@@ -325,11 +339,12 @@ def setup_pipeline(
     encoders named in ``encoders`` are frozen on the text device; ``trained`` names the transformer that trains
     (Wan2.2: one of its two experts) and ``frozen`` other transformers, placed with it in its dtype and frozen."""
     from tpflow.backbones import diffusers_lora as lora
-    from tpflow.backbones import full_finetune as full
+    from tpflow.backbones import full_finetune
 
     device, dtype = resolve_device(options.device), DTYPES[options.dtype]
     text_device = device if options.text_encoders_device == "model" else torch.device("cpu")
-    transformer = place(getattr(pipe, trained), device, dtype)
+    full = options.finetune == "full"  # fp32 masters: the transformer is placed in float32, never rounded first
+    transformer = place(getattr(pipe, trained), device, torch.float32 if full else dtype)
     for name in frozen:
         place(getattr(pipe, name), device, dtype).requires_grad_(False).eval()
     vae = place(pipe.vae, device, torch.float32).requires_grad_(False).eval()
@@ -337,8 +352,10 @@ def setup_pipeline(
         encoder = getattr(pipe, name, None)
         if encoder is not None:
             place(encoder, text_device, dtype).requires_grad_(False).eval()
-    if options.finetune == "full":  # before compiling: the reference copy is a plain module
-        adapter: Any = full.FullWeights(transformer, full.diffusers_save, full.diffusers_state)
+    if full:  # before compiling: the reference copy is a plain module
+        adapter: Any = full_finetune.FullWeights(
+            transformer, full_finetune.diffusers_save, full_finetune.diffusers_state
+        )
         dtype = torch.float32
     else:
         config = lora.add_lora(

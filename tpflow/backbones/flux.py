@@ -25,6 +25,7 @@ from tpflow.backbones.diffusers_common import (
     DiffusersBackboneOptions,
     attach_preflight,
     decode_latents,
+    fp32_parts,
     load_pipeline,
     scheduler_sigmas,
     setup_pipeline,
@@ -167,7 +168,9 @@ def flux_1_dev(options: FluxOptions) -> FluxBackbone:
     """FLUX.1-dev from a hub id (local HF cache) or a local folder; fails fast, naming what is missing."""
     from diffusers import FluxPipeline
 
-    pipe = load_pipeline(FluxPipeline, options.pretrained, DTYPES[options.dtype], "FLUX.1-dev")
+    pipe = load_pipeline(
+        FluxPipeline, options.pretrained, DTYPES[options.dtype], "FLUX.1-dev", fp32=fp32_parts(options)
+    )
     return FluxBackbone(pipe, options)
 
 

@@ -29,6 +29,7 @@ from tpflow.backbones.diffusers_common import (
     DTYPES,
     DiffusersBackboneOptions,
     attach_preflight,
+    fp32_parts,
     load_pipeline,
     scheduler_sigmas,
     setup_pipeline,
@@ -167,7 +168,9 @@ def qwen_image(options: QwenImageOptions) -> QwenImageBackbone:
     fails fast, naming what is missing."""
     from diffusers import QwenImagePipeline
 
-    pipe = load_pipeline(QwenImagePipeline, options.pretrained, DTYPES[options.dtype], "Qwen-Image")
+    pipe = load_pipeline(
+        QwenImagePipeline, options.pretrained, DTYPES[options.dtype], "Qwen-Image", fp32=fp32_parts(options)
+    )
     return QwenImageBackbone(pipe, options)
 
 

@@ -26,6 +26,7 @@ from tpflow.backbones.diffusers_common import (
     DiffusersBackboneOptions,
     attach_preflight,
     decode_latents,
+    fp32_parts,
     load_pipeline,
     scheduler_sigmas,
     setup_pipeline,
@@ -142,7 +143,9 @@ def sd35_medium(options: SD3Options) -> SD3Backbone:
     """SD3.5-Medium from a hub id (local HF cache) or a local folder; fails fast, naming what is missing."""
     from diffusers import StableDiffusion3Pipeline
 
-    pipe = load_pipeline(StableDiffusion3Pipeline, options.pretrained, DTYPES[options.dtype], "SD3.5-Medium")
+    pipe = load_pipeline(
+        StableDiffusion3Pipeline, options.pretrained, DTYPES[options.dtype], "SD3.5-Medium", fp32=fp32_parts(options)
+    )
     return SD3Backbone(pipe, options)
 
 
@@ -167,7 +170,9 @@ def sd35_large(options: SD3LargeOptions) -> SD3Backbone:
     backbone as SD3.5-Medium, whose code reads everything else from the checkpoint's configs."""
     from diffusers import StableDiffusion3Pipeline
 
-    pipe = load_pipeline(StableDiffusion3Pipeline, options.pretrained, DTYPES[options.dtype], "SD3.5-Large")
+    pipe = load_pipeline(
+        StableDiffusion3Pipeline, options.pretrained, DTYPES[options.dtype], "SD3.5-Large", fp32=fp32_parts(options)
+    )
     return SD3Backbone(pipe, options)
 
 

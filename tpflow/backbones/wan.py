@@ -35,6 +35,7 @@ from tpflow.backbones.diffusers_common import (
     DTYPES,
     DiffusersBackboneOptions,
     attach_preflight,
+    fp32_parts,
     load_pipeline,
     scheduler_sigmas,
     setup_pipeline,
@@ -197,7 +198,9 @@ def wan21_t2v_1_3b(options: WanOptions) -> WanBackbone:
     folder; fails fast, naming what is missing."""
     from diffusers import WanPipeline
 
-    pipe = load_pipeline(WanPipeline, options.pretrained, DTYPES[options.dtype], "Wan2.1-T2V-1.3B")
+    pipe = load_pipeline(
+        WanPipeline, options.pretrained, DTYPES[options.dtype], "Wan2.1-T2V-1.3B", fp32=fp32_parts(options)
+    )
     return WanBackbone(pipe, options)
 
 
@@ -213,7 +216,9 @@ def wan21_t2v_14b(options: Wan14BOptions) -> WanBackbone:
     """Wan2.1 T2V 14B; as ``wan2.1-t2v-1.3b``."""
     from diffusers import WanPipeline
 
-    pipe = load_pipeline(WanPipeline, options.pretrained, DTYPES[options.dtype], "Wan2.1-T2V-14B")
+    pipe = load_pipeline(
+        WanPipeline, options.pretrained, DTYPES[options.dtype], "Wan2.1-T2V-14B", fp32=fp32_parts(options)
+    )
     return WanBackbone(pipe, options)
 
 
@@ -237,7 +242,9 @@ def wan22_ti2v_5b(options: WanTI2VOptions) -> WanBackbone:
     ``expand_timesteps``); as ``wan2.1-t2v-1.3b``."""
     from diffusers import WanPipeline
 
-    pipe = load_pipeline(WanPipeline, options.pretrained, DTYPES[options.dtype], "Wan2.2-TI2V-5B")
+    pipe = load_pipeline(
+        WanPipeline, options.pretrained, DTYPES[options.dtype], "Wan2.2-TI2V-5B", fp32=fp32_parts(options)
+    )
     return WanBackbone(pipe, options)
 
 

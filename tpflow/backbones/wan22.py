@@ -26,7 +26,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from tpflow.backbones.diffusers_common import DTYPES, attach_preflight, load_pipeline
+from tpflow.backbones.diffusers_common import DTYPES, attach_preflight, fp32_parts, load_pipeline
 from tpflow.backbones.wan import WanBackbone, WanOptions, clip_reward_problems
 from tpflow.registry import register
 from tpflow.types import Conditioning
@@ -134,7 +134,13 @@ def wan22_t2v_a14b(options: Wan22Options) -> Wan22Backbone:
     folder; fails fast, naming what is missing."""
     from diffusers import WanPipeline
 
-    pipe = load_pipeline(WanPipeline, options.pretrained, DTYPES[options.dtype], "Wan2.2-T2V-A14B")
+    pipe = load_pipeline(
+        WanPipeline,
+        options.pretrained,
+        DTYPES[options.dtype],
+        "Wan2.2-T2V-A14B",
+        fp32=fp32_parts(options, EXPERTS[options.train_expert]),
+    )
     return Wan22Backbone(pipe, options)
 
 
