@@ -71,7 +71,7 @@ def test_per_row_gradients_are_each_rows_own_backward(name, guidance, max_batch)
     with per_row.recording(n):
         v = engine([Branch(z, torch.arange(n))], 1)[0]
     losses = (v.float() * weights).flatten(1).sum(1)  # [n]
-    grads = per_row.gradients(losses.sum(), n)
+    grads = per_row.gradients(losses, n)
     params = per_row.params
     reached = set()
     for i in range(n):
@@ -365,3 +365,65 @@ def test_the_branch_back_propagates_each_trajectorys_step(model, mode):
     native, _, _ = first_step_gradient(backbone, sampler, dataclasses.replace(batch, retained=None), ADVANTAGES,
                                        **layout)  # fmt: skip
     assert native.norm() > 0 and relative(kept, native) < 1e-5, relative(kept, native)
+
+
+def _per_row_of(backbone, guidance: float = 2.0):
+    """One recorded velocity call of ``backbone`` over the test's prompts and per-row losses of it ([n])."""
+    from tpflow.rollout.parts import Branch, Velocity
+
+    n = len(PROMPTS)
+    z = backbone.initial_noise(n, torch.Generator().manual_seed(2))
+    engine = Velocity(backbone, backbone.encode(PROMPTS), backbone.sigmas(4), guidance, None)
+    per_row = PerRowGradients.of(backbone)
+    engine.on_chunk = per_row.chunk
+    with per_row.recording(n):
+        v = engine([Branch(z, torch.arange(n))], 1)[0]
+    weights = torch.randn(v.shape, generator=torch.Generator().manual_seed(3))
+    return per_row, (v.float() * weights).flatten(1).sum(1)  # [n]
+
+
+def test_reweight_is_refused_where_the_layers_batch_is_not_the_rows():
+    """Before anything loads: a backbone that folds frames into its layers' batch (shapes-video-dit runs its blocks
+    on [N·F, T, width]: the rule would credit frames to other trajectories, cosine 0.002 to native measured), and
+    compiled blocks (autograd gives the hooked outputs no gradient: the step would be zero)."""
+    with pytest.raises(RecipeError, match="folds more than the trajectories"):
+        load_recipe("recipes/shapes_video_flowgrpo.toml", ['optimizer.recompute="reweight"'])
+    with pytest.raises(RecipeError, match="compile_blocks"):
+        overrides = ['optimizer.recompute="reweight"', "optimizer.beta=0", "backbone.compile_blocks=true"]
+        load_recipe("recipes/shapes_flowgrpo.toml", overrides)
+    assert load_recipe("recipes/shapes_video_flowgrpo.toml", ['optimizer.recompute="retain"']) is not None
+
+
+def test_the_row_rule_is_checked_where_it_runs(monkeypatch):
+    """The same assumptions checked at the first back-propagated step, for a backbone no recipe check knows: one
+    row's loss alone must reach only the layer rows credited to it. shapes-video-dit's folded frames are caught
+    there; shapes-dit's rows pass (and the check runs once per parameter set)."""
+    from tpflow.errors import UserError
+    from tpflow.rollout import per_row_grads
+
+    monkeypatch.setattr(per_row_grads, "_CHECKED", {})
+    torch.manual_seed(0)
+    video = tpflow.build("backbone", "shapes-video-dit", lora_init="gaussian")
+    per_row, losses = _per_row_of(video)
+    with pytest.raises(UserError, match="reached rows credited to another"):
+        per_row.gradients(losses, len(PROMPTS))
+    image = tpflow.build("backbone", "shapes-dit", lora_init="gaussian")
+    per_row, losses = _per_row_of(image)
+    assert all(g is not None for g in per_row.gradients(losses, len(PROMPTS)))
+    assert per_row_grads._checked(per_row.params[0])
+
+
+def test_compiled_blocks_are_refused_at_the_first_step(tiny_weights, monkeypatch):
+    """Inside blocks compiled through AOTAutograd the forward hooks fire, but autograd returns no gradient for the
+    tensors they recorded: every per-row gradient would be missing and the step zero, so the run stops instead."""
+    from tpflow.errors import UserError
+    from tpflow.rollout import per_row_grads
+
+    monkeypatch.setattr(per_row_grads, "_CHECKED", {})
+    torch._dynamo.reset()
+    backbone = tpflow.build("backbone", "shapes-dit", weights=str(tiny_weights), lora_init="gaussian")
+    for block in backbone.model.blocks:
+        block.compile(backend="aot_eager")  # what compile_blocks does, without inductor's minutes of codegen
+    per_row, losses = _per_row_of(backbone)
+    with pytest.raises(UserError, match="autograd returned no gradient"):
+        per_row.gradients(losses, len(PROMPTS))

@@ -35,6 +35,10 @@ CAPABILITIES: dict[str, Any] = {
     "needs_completions": False,  # CreditAssigner (required on an instance)
     "marks_turning_points": False,  # CreditAssigner: it can mark turning points (the run logs them per trajectory)
     "same_reward_every_step": False,  # CreditAssigner: every step of a trajectory gets one reward (outcome credit)
+    # Backbone: every trainable linear layer sees the velocity call's rows (or its CFG copies of them, in blocks) as
+    # its leading dimension, nothing else folded in (frames, tokens): what reweight's per-row gradients need
+    # (tpflow.rollout.per_row_grads); a backbone that folds frames into the batch says False
+    "per_row_layers": True,
     "needs_old_means": False,  # Optimizer: the rollout must store each step's transition mean (RatioNorm)
     # Optimizer: a tpflow.rollout.retain.Retain (or .reweight.Reweight) when its update reuses the rollout's forwards
     "retain": None,

@@ -42,6 +42,10 @@ class ShapesVideoDitOptions(ShapesDitOptions):
 class ShapesVideoBackbone(ShapesBackbone):
     """Backbone of the video shapes world: ShapesVideoDiT plus a peft LoRA adapter (``ShapesBackbone``'s code)."""
 
+    # its blocks run on [N·F, T, width] (spatial) and [N·T, F, width] (temporal): frames folded into the batch, so a
+    # linear layer's leading dimension is not the rows (recompute = "reweight" refused: tpflow.optim.recompute)
+    per_row_layers = False
+
     weights_file = WEIGHTS_FILE
     model_name = "shapes-video-dit"
     options_class = ShapesVideoDitOptions

@@ -63,11 +63,34 @@ def retain_problems(options: Any, settings: dict) -> list[str]:
             'Use recompute = "retain" (it keeps the means), or beta = 0 and ratio_norm = false.'
         )
     backbone = settings.get("backbone")
+    if mode == "reweight" and backbone is not None:
+        problems += _per_row_problems(backbone)
     if mode == "reweight" and getattr(getattr(backbone, "options", None), "finetune", "lora") == "full":
         problems.append(
             '[optimizer] recompute = "reweight" takes per-trajectory gradients at the trainable linear layers, and '
             '[backbone] finetune = "full" trains every weight (norms, embeddings, biases too), whose per-row '
             'gradients it cannot form. Use recompute = "retain" or "native" for a full fine-tune.'
+        )
+    return problems
+
+
+def _per_row_problems(backbone: Any) -> list[str]:
+    """Why reweight's per-row gradients (``tpflow.rollout.per_row_grads``) cannot be taken from the recipe's
+    ``[backbone]`` (its ComponentSpec): a model that folds frames into its layers' batch, or compiled blocks."""
+    problems = []
+    if not capability(registry.get("backbone", backbone.name).factory, "per_row_layers"):
+        problems.append(
+            f'[optimizer] recompute = "reweight" forms one gradient per trajectory from the rows of each trainable '
+            f"linear layer's batch, and [backbone] name = {backbone.name!r} folds more than the trajectories into "
+            f"that batch (its blocks run on frames × rows), so a frame's share would be credited to another "
+            f'trajectory. Use recompute = "retain" or "native" with this backbone.'
+        )
+    if getattr(backbone.options, "compile_blocks", False):
+        problems.append(
+            '[optimizer] recompute = "reweight" records each trainable linear layer\'s input and output with forward '
+            "hooks and differentiates the recorded outputs, and inside blocks compiled by [backbone] compile_blocks = "
+            "true autograd returns no gradient for them (every per-trajectory gradient would be missing and the step "
+            'zero). Use compile_blocks = false with reweight, or recompute = "retain" or "native".'
         )
     return problems
 

@@ -15,8 +15,13 @@ runs [unconditional; conditional] copies of a chunk's c rows as one batch of k·
 backbone follows, ``tpflow.guidance``), or calls the transformer once per copy (k = 1 per call). A layer call of m
 rows in the chunk of c rows therefore holds k = m / c blocks of the chunk's rows, in order, and its share folds onto
 them by summing the blocks. A layer that saw its batch flattened with the tokens (m = c·T rows in row-major order)
-would be folded wrongly; no tpflow backbone does that to a LoRA-targeted layer, and the contract test
-(tests/test_recompute_reweight.py) checks each against one backward per row.
+would be folded wrongly, and so would one whose batch holds frames × rows (a factorised video model: such a
+backbone declares ``per_row_layers = False`` and the recipe check refuses reweight with it). The contract test
+(tests/test_recompute_reweight.py) checks each backbone against one backward per row, and the rule is checked where
+it runs too: the first rollout step back-propagated with a set of parameters (:meth:`PerRowGradients.gradients`,
+``check``) differentiates one row's loss alone and refuses the run if its gradient reaches a layer position the rule
+credits to another row (frames folded in, rows mixed by the model), or if autograd returns no gradient for any
+recorded output (blocks compiled by ``torch.compile``, whose hooks fire outside the graph autograd sees).
 
 Every trainable parameter must be the weight or bias of an ``nn.Linear`` (peft LoRA's A and B are); anything else is
 refused with the parameter's name.
@@ -25,6 +30,7 @@ refused with the parameter's name.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -32,6 +38,15 @@ import torch
 from torch import Tensor, nn
 
 from tpflow.errors import UserError
+
+# id → weak reference of the first trainable parameter of every parameter set whose row layout has been checked
+# (once per process; a tensor's == is elementwise, so no WeakSet)
+_CHECKED: dict[int, weakref.ref] = {}
+
+
+def _checked(param: Tensor) -> bool:
+    ref = _CHECKED.get(id(param))
+    return ref is not None and ref() is param
 
 
 @dataclass
@@ -113,26 +128,61 @@ class PerRowGradients:
             for handle in handles:
                 handle.remove()
 
-    def gradients(self, loss: Tensor, n: int) -> list[Tensor | None]:
-        """∂loss/∂θ per row, [n, *θ.shape] float32 for each parameter (None: no recorded call reached it), from the
-        calls recorded since :meth:`recording`; frees them."""
+    def gradients(self, losses: Tensor, n: int) -> list[Tensor | None]:
+        """∂Σ losses/∂θ per row, [n, *θ.shape] float32 for each parameter (None: no recorded call reached it), from
+        the calls recorded since :meth:`recording` (``losses`` [n]: each row's differentiable loss); frees them. The
+        first call for this parameter set checks the row rule first (module docstring)."""
         calls, self.calls = self.calls, []
         if not calls:
             return [None] * len(self.params)
         out: list[Tensor | None] = [None] * len(self.params)
         # outside the rollout's autocast region: the backward as the update's runs, the contractions in float32
-        with torch.autocast(loss.device.type, enabled=False):
-            grads = torch.autograd.grad(loss, [c.y for c in calls], allow_unused=True)
+        with torch.autocast(losses.device.type, enabled=False), torch.enable_grad():  # the rollout runs without
+            if not _checked(self.params[0]) and losses.requires_grad:
+                self._check_rows(losses, calls)
+            grads = torch.autograd.grad(losses.sum(), [c.y for c in calls], allow_unused=True)
+            if losses.requires_grad and all(g is None for g in grads):
+                raise UserError(_NO_GRADIENT)
             for call, g in zip(calls, grads, strict=True):
                 if g is not None:
                     self._add(out, call, g, n)
         return out
 
+    def _check_rows(self, losses: Tensor, calls: list[_Call]) -> None:
+        """Differentiate one row's loss alone (the last row with a non-zero loss, so a chunk offset is exercised)
+        and refuse the run if a recorded layer output credited to another row by the rule gets any of its gradient,
+        or none of them does. One extra backward, once per process."""
+        live = (losses.detach() != 0).nonzero()
+        if len(live) == 0:
+            return
+        r = int(live[-1, 0])  # the one host read
+        grads = torch.autograd.grad(losses[r], [c.y for c in calls], retain_graph=True, allow_unused=True)
+        if all(g is None for g in grads):
+            raise UserError(_NO_GRADIENT)
+        leaks, shapes = [], []
+        for call, g in zip(calls, grads, strict=True):
+            if g is None:
+                continue
+            first, c = call.chunk
+            if g.shape[0] % c:
+                raise UserError(_FOLDED.format(m=g.shape[0], c=c))
+            g = g.detach().reshape(g.shape[0] // c, c, -1)  # [k, c, rest]
+            other = torch.ones(c, dtype=torch.bool, device=g.device)
+            if first <= r < first + c:
+                other[r - first] = False
+            leaks.append(g[:, other].abs().amax() if other.any() else g.new_zeros(()))
+            shapes.append((call.x.shape[0], c))
+        leaked = torch.stack(leaks).amax(dim=0) if leaks else None
+        if leaked is not None and float(leaked) > 0:
+            m, c = next(shape for shape, value in zip(shapes, leaks, strict=True) if float(value) > 0)
+            raise UserError(_FOLDED.format(m=m, c=c))
+        _CHECKED[id(self.params[0])] = weakref.ref(self.params[0])
+
     def _add(self, out: list[Tensor | None], call: _Call, g: Tensor, n: int) -> None:
         first, c = call.chunk
         m = call.x.shape[0]
         if m % c:
-            raise ValueError(f"a linear layer ran on {m} rows in a velocity call of {c}: cannot tell its rows apart.")
+            raise UserError(_FOLDED.format(m=m, c=c))
         k = m // c
         x = call.x.detach().reshape(k, c, -1, call.x.shape[-1]).float()  # [k, c, T, in]
         g = g.reshape(k, c, -1, g.shape[-1]).float()  # [k, c, T, out]
@@ -143,3 +193,19 @@ class PerRowGradients:
             if out[slot] is None:
                 out[slot] = torch.zeros((n, *self.params[slot].shape), dtype=torch.float32, device=g.device)
             out[slot][first : first + c] += share()
+
+
+_NO_GRADIENT = (
+    '[optimizer] recompute = "reweight" records each trainable linear layer\'s output with forward hooks and '
+    "differentiates those outputs, and autograd returned no gradient for any of them: the layers ran where autograd "
+    "does not see the hooked tensors (blocks compiled by torch.compile, [backbone] compile_blocks = true), so every "
+    "per-trajectory gradient would be missing and the step zero. Use compile_blocks = false with reweight, or "
+    'recompute = "retain" or "native".'
+)
+_FOLDED = (
+    '[optimizer] recompute = "reweight" credits each row of a trainable linear layer\'s batch to one trajectory (the '
+    "batch holding the velocity call's rows, or its CFG copies of them, in blocks), and this backbone's layers ran "
+    "on {m} rows for a call of {c} rows in a way that rule does not hold for: one trajectory's loss reached rows "
+    "credited to another (frames or tokens folded into the batch, or rows mixed by the model). Its per-trajectory "
+    'gradients would be wrong, so the run stops here. Use recompute = "retain" or "native" with this backbone.'
+)

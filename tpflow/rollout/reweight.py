@@ -101,8 +101,8 @@ class ReweightLog:
         size = out.log_prob.shape[0]
         live = out.std.reshape(-1).expand(size) != 0  # [P] bool
         with torch.enable_grad():
-            loss = torch.where(live, out.log_prob, 0.0).sum() * self.scale
-        grads = self.per_row.gradients(loss, size)  # per parameter [P, *θ.shape] or None
+            losses = torch.where(live, out.log_prob, 0.0) * self.scale  # [P]
+        grads = self.per_row.gradients(losses, size)  # per parameter [P, *θ.shape] or None
         self._allocate(n, live.device)
         rows = torch.arange(n, device=live.device) if pick is None else pick
         steps = torch.full_like(rows, self.t) if positions is None else positions
