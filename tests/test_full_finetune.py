@@ -164,3 +164,31 @@ def test_a_run_without_a_kl_keeps_no_initial_copy(tmp_path, tiny_weights):
     assert Trainer(full_recipe(tmp_path / "b", tiny_weights)).backbone.adapter._reference is not None
     nft = Trainer(full_recipe(tmp_path / "c", tiny_weights, "nft", extra=["optimizer.kl_weight=0"]))
     assert nft.backbone.adapter._reference is None
+
+
+def test_a_gathered_checkpoint_of_a_sharded_full_fine_tune_loads_with_diffusers(tmp_path):
+    """Under FSDP the transformer's class is torch's ``FSDPSD3Transformer2DModel``; the gathered checkpoint's
+    ``config.json`` names ``SD3Transformer2DModel`` all the same, so ``diffusers.AutoModel.from_pretrained`` (and the
+    class's own) loads the saved folder into the model that was trained. One process, one gloo group of size 1."""
+    import json
+
+    import diffusers
+    import torch.distributed as dist
+
+    from tpflow.train.sharding import GatheredBackbone, gathered_state, shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        backbone = tpflow.build("backbone", "tiny-sd3", seed=0, finetune="full")
+        shard(backbone, torch.device("cpu"), None)
+        assert type(backbone.transformer).__name__ == "FSDPSD3Transformer2DModel"
+        state = gathered_state(backbone)
+        GatheredBackbone(backbone, state).save_adapter(tmp_path / "transformer")
+    finally:
+        dist.destroy_process_group()
+    config = json.loads((tmp_path / "transformer" / "config.json").read_text())
+    assert config["_class_name"] == "SD3Transformer2DModel"
+    model = diffusers.AutoModel.from_pretrained(str(tmp_path / "transformer"))
+    assert type(model) is diffusers.SD3Transformer2DModel
+    loaded = model.state_dict()
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)

@@ -121,9 +121,15 @@ def diffusers_save(module: torch.nn.Module, directory: Path, state: dict[str, to
     if state is None:
         module.save_pretrained(str(directory), safe_serialization=True)
         return
+    import json
+
     from safetensors.torch import save_file
 
-    module.save_config(str(directory))
+    # save_config names the module's class, which under FSDP is torch's FSDP<Model> subclass, a name diffusers
+    # cannot load; the config names the model's own class (the first of its classes that is not torch's)
+    config = json.loads(module.to_json_string())
+    config["_class_name"] = next(c for c in type(module).__mro__ if not c.__module__.startswith("torch.")).__name__
+    (Path(directory) / module.config_name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     save_file(tensors, str(Path(directory) / "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
 
