@@ -32,7 +32,9 @@ class DiffusersBackboneOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     dtype: Literal["fp32", "fp16", "bf16"] = Field(
-        "fp16", description="Transformer and text-encoder dtype (the VAE always decodes in fp32)."
+        "fp16",
+        description="Transformer and text-encoder dtype, but for the modules each model keeps in fp32 (the VAE is "
+        "loaded and decodes in fp32; a full fine-tune's transformer is loaded in fp32).",
     )
     device: str | None = Field(None, description="Torch device; default: cuda when available, else cpu.")
     resolution: int = Field(512, ge=16, description="Image height and width in pixels.")

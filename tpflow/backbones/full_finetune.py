@@ -3,7 +3,8 @@
 ``[backbone] finetune = "full"`` builds a backbone whose trainable parameters are the whole transformer (text encoders
 and VAE stay frozen) instead of a LoRA adapter. What differs from LoRA, and why:
 
-* **fp32 master weights.** The transformer is upcast to float32 and trained there; the recipe's ``mixed_precision``
+* **fp32 master weights.** The transformer is loaded in float32 (the stored weights exactly, not their rounding to
+  ``[backbone] dtype``: ``diffusers_common.fp32_parts``) and trained there; the recipe's ``mixed_precision``
   (autocast) computes in bf16 / fp16. AdamW steps on bf16 weights lose most updates below the weight's precision
   (its 8 mantissa bits), which is why every full fine-tuning recipe of the field keeps fp32 masters (16 bytes a
   parameter with AdamW: weight, gradient, two moments). The backbone's inputs follow the weights (float32).
@@ -34,7 +35,8 @@ class FullWeights:
     """The transformer's own weights as the trained parameters (composition: a backbone holds one as its adapter).
 
     Args:
-        module: the transformer, as built (its weights are the KL reference); upcast to float32 and unfrozen here.
+        module: the transformer, as built (its weights are the KL reference), in float32 (cast here if it is not) and
+            unfrozen here.
         save: writes ``module`` into a folder (the backbone's model format, safetensors), its weights from the given
             state dict when there is one (a sharded run's, gathered).
         load_state: reads the state dict ``save`` wrote from a folder (safetensors only; never unpickles).
