@@ -342,3 +342,36 @@ baselines = ["b"]
     path.write_text(bad)
     with pytest.raises(RecipeError, match="baselines"):
         load_experiment(path, check_arms=False)
+
+
+def test_time_to_a_threshold_by_hand_and_censored():
+    """seconds_to_threshold by hand: a baseline at 0.5, 0.6, 0.7 after 0, 10, 20 s reaches 0.65 at 15 s; an arm at
+    0.5, 0.7 after 0, 4 s reaches it at 3 s: log speed-up ln(15 / 3). A run that never reaches it counts its total
+    seconds (censored, a lower bound); epochs alike. The threshold is required by these statistics only."""
+    from pydantic import ValidationError
+
+    from tpflow.experiments.compare import paired_statistic, time_to
+    from tpflow.experiments.spec import Endpoint
+
+    def run(points):  # (epoch, seconds, value)
+        return {"evals": [{"epoch": e, "seconds": s, "eval_reward": v} for e, s, v in points]}
+
+    base = run([(0, 0.0, 0.5), (8, 10.0, 0.6), (16, 20.0, 0.7)])
+    fast = run([(0, 0.0, 0.5), (2, 4.0, 0.7), (4, 8.0, 0.6)])
+    never = run([(0, 0.0, 0.5), (8, 9.0, 0.64), (16, 18.0, 0.62)])
+    assert time_to(base, "eval_reward", 0.65) == (pytest.approx(15.0), True)
+    assert time_to(fast, "eval_reward", 0.65) == (pytest.approx(3.0), True)  # the first crossing, not the last
+    assert time_to(never, "eval_reward", 0.65) == (18.0, False)
+    assert time_to(base, "eval_reward", 0.65, "epoch") == (pytest.approx(12.0), True)
+    got = paired_statistic("seconds_to_threshold", "eval_reward", fast, base, 0.65)
+    assert got == pytest.approx(math.log(15.0 / 3.0), abs=1e-12)
+    assert paired_statistic("epochs_to_threshold", "eval_reward", fast, base, 0.65) == pytest.approx(
+        math.log(12.0 / 1.5), abs=1e-12
+    )
+    assert paired_statistic("seconds_to_threshold", "eval_reward", never, base, 0.65) == pytest.approx(
+        math.log(15.0 / 18.0), abs=1e-12
+    )
+    with pytest.raises(ValidationError, match="set threshold"):
+        Endpoint(arm="a", baseline="b", statistic="seconds_to_threshold")
+    with pytest.raises(ValidationError, match="drop threshold"):
+        Endpoint(arm="a", baseline="b", statistic="auc", threshold=0.6)

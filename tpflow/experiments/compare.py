@@ -88,8 +88,26 @@ def auc_seconds(run: dict, metric: str, until: float) -> float:
     return float(np.trapezoid(np.interp(xs, px, py), xs) / (until - xs[0]))
 
 
-def paired_statistic(kind: str, metric: str, arm: dict, base: dict) -> float:
+def time_to(run: dict, metric: str, threshold: float, axis: str = "seconds") -> tuple[float, bool]:
+    """When the curve first reaches ``threshold``, in training ``axis`` ("seconds" or "epoch"), linearly
+    interpolated between the evaluations around the crossing, and whether it did: a run that never does gives its
+    last evaluation's (a lower bound of its time: censored)."""
+    points = [(float(e[axis]), float(e[metric])) for e in run["evals"] if e.get(metric) is not None]
+    if not points:
+        return math.nan, False
+    for (x0, y0), (x1, y1) in zip([(points[0][0], -math.inf), *points], points, strict=False):
+        if y1 >= threshold:
+            if y0 == -math.inf:  # at the first evaluation already
+                return x1, True
+            return x0 + (threshold - y0) / (y1 - y0) * (x1 - x0), True
+    return points[-1][0], False
+
+
+def paired_statistic(kind: str, metric: str, arm: dict, base: dict, threshold: float | None = None) -> float:
     """One seed's difference arm − baseline for an endpoint (``STATISTICS`` in tpflow.experiments.spec)."""
+    if kind in ("seconds_to_threshold", "epochs_to_threshold"):  # ln(baseline's time / arm's): the log speed-up
+        axis = "seconds" if kind == "seconds_to_threshold" else "epoch"
+        return math.log(time_to(base, metric, threshold, axis)[0] / time_to(arm, metric, threshold, axis)[0])
     if kind == "auc":
         return auc(arm, metric) - auc(base, metric)
     if kind == "auc_seconds":  # both over the baseline's training seconds
@@ -228,12 +246,13 @@ def compare(experiment: Experiment, loaded: tuple[dict[str, dict[int, dict]], li
     endpoint: Endpoint = spec.primary
     runs, missing = load_runs(experiment) if loaded is None else loaded
 
-    def paired(arm: str, metric: str, kind: str, baseline: str = endpoint.baseline) -> Comparison | None:
+    def paired(arm: str, metric: str, kind: str, baseline: str = endpoint.baseline,
+               threshold: float | None = endpoint.threshold) -> Comparison | None:  # fmt: skip
         mine, base = runs.get(arm, {}), runs.get(baseline, {})
         seeds = [s for s in spec.experiment.seeds if s in mine and s in base]
         if len(seeds) < 2:
             return None
-        diffs = [paired_statistic(kind, metric, mine[s], base[s]) for s in seeds]
+        diffs = [paired_statistic(kind, metric, mine[s], base[s], threshold) for s in seeds]
         mean, low, high, p = t_interval(diffs)
         sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1))
         b_low, b_high = bootstrap(diffs)
@@ -245,7 +264,7 @@ def compare(experiment: Experiment, loaded: tuple[dict[str, dict[int, dict]], li
     endpoints = spec.secondary.endpoints or [endpoint]
     primary_key = (endpoint.arm, endpoint.baseline, endpoint.metric, endpoint.statistic)
     family = [
-        paired(arm, e.metric, e.statistic, baseline)
+        paired(arm, e.metric, e.statistic, baseline, e.threshold)
         for baseline in [endpoint.baseline, *spec.secondary.baselines]
         for arm in spec.secondary.arms
         for e in endpoints
@@ -297,6 +316,7 @@ def watched_report(runs: dict[str, dict[int, dict]], seeds: list[int], endpoint:
     if not names:
         return {}
     metrics, kind, base = ["eval_reward", *names], endpoint.statistic, runs.get(endpoint.baseline, {})
+    kind = "auc" if endpoint.threshold is not None else kind  # a threshold is the trained reward's level only
 
     def level(run: dict, metric: str) -> float:  # a run's own value: auc, else its last evaluation
         values = curve(run, metric)[1]
@@ -334,6 +354,9 @@ def _own(run: dict, endpoint: Endpoint) -> float:
         return auc(run, endpoint.metric)
     if endpoint.statistic == "auc_seconds":
         return auc_seconds(run, endpoint.metric, run["evals"][-1]["seconds"]) if run["evals"] else math.nan
+    if endpoint.threshold is not None:  # its own time to the threshold (censored: its total)
+        axis = "seconds" if endpoint.statistic == "seconds_to_threshold" else "epoch"
+        return time_to(run, endpoint.metric, endpoint.threshold, axis)[0]
     values = curve(run, endpoint.metric)[1]
     return values[-1] if values else math.nan
 

@@ -44,14 +44,19 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-Statistic = Literal["auc", "final", "at_baseline_seconds", "auc_seconds"]
+Statistic = Literal["auc", "final", "at_baseline_seconds", "auc_seconds", "seconds_to_threshold",
+                    "epochs_to_threshold"]  # fmt: skip
 STATISTICS = (
     "auc: the trapezoid area under the evaluation curve over its epochs, divided by their span (the mean level over "
     "training); final: the last evaluation; at_baseline_seconds: the arm's curve at the training seconds the "
     "baseline's run took, against the baseline's final value (equal compute); auc_seconds: the area under the curve "
     "against training seconds over the baseline's training seconds, divided by them, for the arm and the baseline "
-    "alike (the mean level over equal compute: what an arm that learns faster per second gains)."
+    "alike (the mean level over equal compute: what an arm that learns faster per second gains); seconds_to_threshold: "
+    "the training seconds at which the curve first reaches the endpoint's threshold (linear between evaluations; a "
+    "run that never does counts its total training seconds, a lower bound), compared as ln(baseline's / arm's): the "
+    "log speed-up; epochs_to_threshold: the same in epochs."
 )
+THRESHOLD_STATISTICS = ("seconds_to_threshold", "epochs_to_threshold")
 
 
 class ExperimentSection(BaseModel):
@@ -82,13 +87,25 @@ class Endpoint(BaseModel):
     baseline: str
     metric: str = Field("eval_reward", description="A metric of the runs' metrics.jsonl evaluation lines.")
     statistic: Statistic = Field("auc", description=STATISTICS)
+    threshold: float | None = Field(
+        None, description="The level a *_to_threshold statistic times (fixed in advance); only with those."
+    )
+
+    @model_validator(mode="after")
+    def _threshold(self) -> Endpoint:
+        timed = self.statistic in THRESHOLD_STATISTICS
+        if timed != (self.threshold is not None):
+            raise ValueError(
+                f"statistic = {self.statistic!r} "
+                + ("times when the curve reaches a level: set threshold (fixed in advance)." if timed
+                   else "reads no threshold: drop threshold, or use seconds_to_threshold / epochs_to_threshold.")
+            )  # fmt: skip
+        return self
 
 
-class SecondaryEndpoint(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    metric: str = "eval_reward"
-    statistic: Statistic = Field("auc", description=STATISTICS)
+class SecondaryEndpoint(Endpoint):
+    arm: str = ""  # unused: a secondary endpoint belongs to every secondary arm
+    baseline: str = ""
 
 
 class Secondary(BaseModel):
