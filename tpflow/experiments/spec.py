@@ -51,10 +51,10 @@ STATISTICS = (
     "training); final: the last evaluation; at_baseline_seconds: the arm's curve at the training seconds the "
     "baseline's run took, against the baseline's final value (equal compute); auc_seconds: the area under the curve "
     "against training seconds over the baseline's training seconds, divided by them, for the arm and the baseline "
-    "alike (the mean level over equal compute: what an arm that learns faster per second gains); seconds_to_threshold: "
-    "the training seconds at which the curve first reaches the endpoint's threshold (linear between evaluations; a "
-    "run that never does counts its total training seconds, a lower bound), compared as ln(baseline's / arm's): the "
-    "log speed-up; epochs_to_threshold: the same in epochs."
+    "alike (the mean level over equal compute: what an arm that learns faster per second gains); "
+    "seconds_to_threshold: the training seconds at which the curve first reaches the endpoint's threshold (linear "
+    "between evaluations; a run that never does counts its total training seconds, a lower bound), compared as "
+    "ln(baseline's / arm's): the log speed-up; epochs_to_threshold: the same in epochs."
 )
 THRESHOLD_STATISTICS = ("seconds_to_threshold", "epochs_to_threshold")
 
