@@ -82,9 +82,10 @@ def judge_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def judge(judge_folder: Path):
-    """The logits-mode reward over the tiny judge, loaded once (the tests share its model)."""
+    """The logits-mode reward over the tiny judge with the one-forward question ("score-only"), loaded once (the
+    tests share its model)."""
     reward = registry.build("reward", "vlm-judge", model=str(judge_folder), device="cpu", dtype="float32",
-                            batch_size=4, max_pixels=56 * 84)  # fmt: skip
+                            batch_size=4, max_pixels=56 * 84, question="score-only")  # fmt: skip
     reward.load()
     return reward
 
@@ -92,6 +93,23 @@ def judge(judge_folder: Path):
 def images(n: int, seed: int = 0, h: int = 64, w: int = 96) -> torch.Tensor:
     g = torch.Generator(device="cpu").manual_seed(seed)
     return torch.rand(n, 3, h, w, generator=g, device="cpu")
+
+
+def scripted_generate(tokenizer, answers: list[str], seen: list[dict] | None = None):
+    """A stand-in for the model's ``generate``: the prompt, then the next of ``answers`` on each row (right-padded);
+    the keyword arguments of each call are appended to ``seen``."""
+    queue = iter(answers)
+
+    def generate(self, input_ids, **kwargs):
+        if seen is not None:
+            seen.append(kwargs)
+        rows = [torch.tensor(tokenizer.encode(next(queue), add_special_tokens=False), dtype=torch.long)
+                for _ in input_ids]  # fmt: skip
+        width = max(len(r) for r in rows)
+        pad = torch.full((width,), tokenizer.pad_token_id, dtype=torch.long)
+        return torch.cat([input_ids, torch.stack([torch.cat([r, pad[len(r) :]]) for r in rows])], 1)
+
+    return generate
 
 
 def test_logits_mode_is_the_expected_digit_under_the_judges_own_logits(judge):
@@ -141,7 +159,8 @@ def test_scores_do_not_depend_on_the_batch(judge):
         ("0 stars", "", None),
         ("cat (object): 1\nFinal Score: 4", "Final Score:", 4.0),  # the number after the marker, not the first
         ("final score: 2.5 out of 5", "Final Score:", 2.5),
-        ("no marker, 3", "Final Score:", 3.0),
+        ("no marker, 3", "Final Score:", None),  # an answer without its marker has no score
+        ("cat (object): 1\nsphere (object): 0", "Final Score:", None),  # cut off before the score: not its elements
         ("Final Score: unclear", "Final Score:", None),
     ],
 )
@@ -150,37 +169,140 @@ def test_the_parser_reads_the_first_number_on_the_scale(text, marker, expected):
 
 
 def test_answer_mode_parses_the_greedy_answer_and_falls_back_with_a_warning(judge_folder, judge, monkeypatch, caplog):
-    """The answer mode generates, decodes what follows the input, parses it; an answer with no score scores the
-    fallback, marked in its detail and counted in a warning, never an error."""
+    """The answer mode generates, decodes what follows the input, parses it after the answer prefix ("Final Score: "
+    here); an answer with no score scores the fallback, marked in its detail and counted in a warning, never an
+    error."""
     reward = registry.build("reward", "vlm-judge", model=str(judge_folder), device="cpu", dtype="float32",
-                            score_from="answer", max_new_tokens=3, fallback_score=2, max_pixels=56 * 84)  # fmt: skip
+                            score_from="answer", max_new_tokens=3, fallback_score=2, max_pixels=56 * 84,
+                            question="score-only")  # fmt: skip
     reward._model, reward._processor, reward._digit_ids = judge._model, judge._processor, judge._digit_ids
     x = images(4, seed=2)
     real = reward(x, PROMPTS, [{}] * 4)  # the random judge's own greedy answers: parsed or the fallback
     assert real.scores.shape == (4,) and set(real.details) == {"vlm_judge_score", "vlm_judge_unparsed"}
     fell = real.details["vlm_judge_unparsed"] == 1
     assert (real.details["vlm_judge_score"][fell] == 2).all()
-    tokenizer = judge._processor.tokenizer
-    answers = iter(["4/5", "none", "I'd say 3.5", "Final Score: 9"])
-    original = type(judge._model).generate
-
-    def scripted(self, input_ids, **kwargs):  # the prompt, then a scripted answer per row
-        rows = [torch.tensor(tokenizer.encode(next(answers), add_special_tokens=False)) for _ in input_ids]
-        width = max(len(r) for r in rows)
-        pad = tokenizer.pad_token_id
-        tail = torch.stack([torch.cat([r, torch.full((width - len(r),), pad, device="cpu")]) for r in rows])
-        return torch.cat([input_ids, tail], 1)
-
-    monkeypatch.setattr(type(judge._model), "generate", scripted)
+    answers = ["4/5", "none", "I'd say 3.5", "Final Score: 9"]
+    monkeypatch.setattr(type(judge._model), "generate", scripted_generate(judge._processor.tokenizer, answers))
     before = reward.unparsed
     with caplog.at_level(logging.WARNING, logger="tpflow.rewards.vlm_judge"):
         out = reward(x, PROMPTS, [{}] * 4)
-    monkeypatch.setattr(type(judge._model), "generate", original)
+    monkeypatch.undo()
     assert out.details["vlm_judge_score"].tolist() == [4.0, 2.0, 3.5, 2.0]
     assert out.details["vlm_judge_unparsed"].tolist() == [0.0, 1.0, 0.0, 1.0]
     assert out.scores.tolist() == [0.75, 0.25, 0.625, 0.25]
     assert reward.unparsed == before + 2
     assert "2 of 4 answers gave no score" in caplog.text
+
+
+# UnifiedReward's pointwise question, copied from its public inference script (CodeGoat24/UnifiedReward, commit
+# ed52f98, inference_qwen/image_generation/qwen_point_score_image_generation.py), with {prompt} left as the slot.
+UNIFIED_REWARD_QUESTION = (
+    "You are given a text caption and a generated image based on that caption. Your task is to evaluate this image "
+    "based on two key criteria:\n1. Alignment with the Caption: Assess how well this image aligns with the provided "
+    "caption. Consider the accuracy of depicted objects, their relationships, and attributes as described in the "
+    "caption.\n2. Overall Image Quality: Examine the visual quality of this image, including clarity, detail "
+    "preservation, color accuracy, and overall aesthetic appeal.\nExtract key elements from the provided text "
+    "caption, evaluate their presence in the generated image using the format: 'element (type): value' (where "
+    "value=0 means not generated, and value=1 means generated), and assign a score from 1 to 5 after 'Final "
+    "Score:'.\nYour task is provided as follows:\nText Caption: [{prompt}]"
+)
+QWEN_VL_UTILS_MAX_PIXELS = 16384 * 28 * 28  # qwen_vl_utils' MAX_PIXELS, which the script's process_vision_info uses
+
+
+def test_by_default_the_judge_is_asked_unifiedrewards_own_question_within_its_own_budget(judge_folder):
+    """The defaults are UnifiedReward's protocol: its question verbatim, nothing put in the judge's mouth (it writes
+    its element list, then its score), up to 512 new tokens and 16384·28² pixels as its script allows. The shorter
+    question stays an explicit option, with the answer started at "Final Score: "."""
+    from tpflow.rewards.vlm_judge import VLMJudgeOptions
+
+    default = VLMJudgeOptions()
+    assert default.template == UNIFIED_REWARD_QUESTION and default.answer_prefix == ""
+    assert default.max_pixels == QWEN_VL_UTILS_MAX_PIXELS and default.max_new_tokens == 512
+    reward = registry.build("reward", "vlm-judge", model=str(judge_folder), device="cpu", dtype="float32")
+    reward.load()
+    assert reward.writes_first
+    (text,) = reward.texts(["a red cube"])
+    assert text.endswith(
+        UNIFIED_REWARD_QUESTION.replace("{prompt}", "a red cube") + "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    brief = VLMJudgeOptions(question="score-only")
+    assert brief.answer_prefix == "Final Score: " and "Extract key elements" not in brief.template
+    assert VLMJudgeOptions(question="score-only", answer_prefix="").answer_prefix == ""  # explicit values win
+
+
+def test_the_processors_own_pixel_limit_caps_the_budget(judge_folder):
+    """UnifiedReward's script resizes within 16384·28², then calls the processor with its resize on, which holds the
+    image within the processor's own max_pixels (the tiny judge's: 112²): a 256² image is judged at 112², Qwen2-VL's
+    smart_resize of 256² within [56², 112²]; with a smaller option, the option's budget."""
+    reward = registry.build("reward", "vlm-judge", model=str(judge_folder), device="cpu", dtype="float32")
+    reward.load()
+    assert reward._pixels(images(1, h=256, w=256)).shape == (1, 3, 112, 112)
+    reward.options.max_pixels = 56 * 84
+    assert reward._pixels(images(1, h=256, w=256)).shape == (1, 3, 56, 56)
+
+
+def hand_digit_score(judge, image: torch.Tensor, prompt: str, written: str) -> float:
+    """E[d] by hand, float64: the default question in the chat, ``written`` after it as the judge's answer so far,
+    the processor called directly on the 8-bit pixels at 56×84 (Qwen2-VL's smart_resize of 64×96), the digits'
+    softmax at the last position."""
+    processor = judge._processor
+    content = [{"type": "image"}, {"type": "text", "text": UNIFIED_REWARD_QUESTION.replace("{prompt}", prompt)}]
+    chat = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)  # fmt: skip
+    batch = processor(text=[chat + written], images=list(judge_pixels(image[None], (56, 84))), do_resize=False,
+                      return_tensors="pt")  # fmt: skip
+    with torch.no_grad():
+        logits = judge._model(**batch).logits[0, -1].double()  # [V]
+    digits = [processor.tokenizer.convert_tokens_to_ids(str(d)) for d in range(1, 6)]
+    return float((logits[digits].softmax(-1) * torch.arange(1, 6, dtype=torch.float64)).sum())
+
+
+def test_default_logits_mode_reads_the_digit_where_the_judge_writes_its_score(
+    judge_folder, judge, monkeypatch, caplog
+):
+    """With UnifiedReward's question the judge writes first, greedily, until "Final Score:" (a stop string, at most
+    max_new_tokens); the score is the expected digit after what it wrote plus a space, as it writes "Final Score: 4".
+    Scripted answers: one that runs past the marker (cut there), one ending at it, one without it and an empty one
+    (the marker appended on its own line, marked and counted)."""
+    reward = registry.build("reward", "vlm-judge", model=str(judge_folder), device="cpu", dtype="float32",
+                            batch_size=4)  # fmt: skip
+    reward._model, reward._processor, reward._digit_ids = judge._model, judge._processor, judge._digit_ids
+    x = images(4, seed=9)
+    reward.options.max_new_tokens = 6  # too few to spell the marker: the random judge's answers get it appended
+    real = reward(x[:2], PROMPTS[:2], [{}] * 2)
+    assert set(real.details) == {"vlm_judge_score", "vlm_judge_token_mass", "vlm_judge_no_marker"}
+    assert real.details["vlm_judge_no_marker"].tolist() == [1.0, 1.0] and torch.isfinite(real.scores).all()
+
+    reward.options.max_new_tokens = 512
+    answers = ["cat (object): 1\nFinal Score: 4 because", "sphere (object): 0\nFinal Score:", "no marker here", ""]
+    seen: list[dict] = []
+    monkeypatch.setattr(type(judge._model), "generate", scripted_generate(judge._processor.tokenizer, answers, seen))
+    with caplog.at_level(logging.WARNING, logger="tpflow.rewards.vlm_judge"):
+        out = reward(x, PROMPTS, [{}] * 4)
+    monkeypatch.undo()
+    assert len(seen) == 1 and seen[0]["stop_strings"] == ["Final Score:"] and seen[0]["max_new_tokens"] == 512
+    assert seen[0]["do_sample"] is False
+    written = ["cat (object): 1\nFinal Score: ", "sphere (object): 0\nFinal Score: ", "no marker here\nFinal Score: ",
+               "Final Score: "]  # fmt: skip
+    for i in range(4):
+        expected = hand_digit_score(judge, x[i], PROMPTS[i], written[i])
+        assert abs(float(out.details["vlm_judge_score"][i]) - expected) < 1e-5
+        assert abs(float(out.scores[i]) - (expected - 1) / 4) < 1e-6
+    assert out.details["vlm_judge_no_marker"].tolist() == [0.0, 0.0, 1.0, 1.0]
+    assert "2 of 4 answers wrote no 'Final Score:'" in caplog.text
+
+
+def test_default_answer_mode_reads_the_number_after_the_marker_not_the_elements(judge_folder, judge, monkeypatch):
+    """Answer mode with UnifiedReward's question: the score is the number after "Final Score:", as its users read
+    it; an answer cut off inside its element list scores the fallback, not an element's 0 or 1."""
+    reward = registry.build("reward", "vlm-judge", model=str(judge_folder), device="cpu", dtype="float32",
+                            score_from="answer")  # fmt: skip
+    reward._model, reward._processor, reward._digit_ids = judge._model, judge._processor, judge._digit_ids
+    answers = ["cat (object): 1\nFinal Score: 3", "cat (object): 1\ncube (object): 1"]
+    monkeypatch.setattr(type(judge._model), "generate", scripted_generate(judge._processor.tokenizer, answers))
+    out = reward(images(2, seed=10), PROMPTS[:2], [{}] * 2)
+    assert out.details["vlm_judge_score"].tolist() == [3.0, 1.0]
+    assert out.details["vlm_judge_unparsed"].tolist() == [0.0, 1.0]
 
 
 def test_two_threads_loading_at_once_share_one_judge(judge_folder):
@@ -252,8 +374,8 @@ def test_missing_judge_is_one_paragraph_before_any_weights_load(tmp_path, monkey
     assert "`hf download CodeGoat24/UnifiedReward-qwen-7b`" in err or "huggingface-cli download" in err
     described = tpflow("components", "reward", "vlm-judge", columns="80")
     assert described.returncode == 0
-    for option in ("score_from", "answer_prefix", "batch_size", "max_pixels", "fallback_score", "scale_max",
-                   "pair_template", "pair_answer_prefix", "pair_answers"):  # fmt: skip
+    for option in ("question", "score_from", "answer_prefix", "batch_size", "max_pixels", "fallback_score",
+                   "scale_max", "pair_template", "pair_answer_prefix", "pair_answers"):  # fmt: skip
         assert option in described.stdout
 
 

@@ -1,5 +1,5 @@
-"""Helpers of the ``vlm-judge`` reward: its default questions (one image, a pair), the parsing of a judge's
-answer, the pixel budget.
+"""Helpers of the ``vlm-judge`` reward: its questions (one image, a pair), the parsing of a judge's answer, the
+pixel budget.
 
 Kept apart from the reward so that each can be tested without a model (the parser on strings, the resize on
 tensors).
@@ -14,14 +14,30 @@ from torch import Tensor
 
 from tpflow.rewards._images import clip_preprocess, to_uint8
 
-# The pointwise text-to-image question of UnifiedReward (Wang et al., arXiv 2503.05236), in its public inference
-# script for the Qwen2.5-VL judges (github.com/CodeGoat24/UnifiedReward,
-# inference_qwen/image_generation/qwen_point_score_image_generation.py), reworded: the same two criteria (alignment
-# with the caption, overall quality), the same 1-5 scale, the same "Final Score:" answer format and "Text Caption:
-# [...]" slot, which are what the judge was fine-tuned to read and write. The upstream question also asks for a
-# list of the caption's elements before the score; that list is left out here, because the reward reads the score
-# straight after the answer prefix (one forward pass), not after a generated list.
-DEFAULT_TEMPLATE = (
+# The pointwise text-to-image question of UnifiedReward (Wang et al., arXiv 2503.05236), verbatim from its public
+# inference script for the Qwen2.5-VL judges (github.com/CodeGoat24/UnifiedReward, commit ed52f98,
+# inference_qwen/image_generation/qwen_point_score_image_generation.py). The judge answers with the caption's
+# elements, one "element (type): 0 or 1" per line, then "Final Score: " and its score; the reward's default.
+UNIFIED_REWARD_TEMPLATE = (
+    "You are given a text caption and a generated image based on that caption. Your task is to evaluate this image "
+    "based on two key criteria:\n"
+    "1. Alignment with the Caption: Assess how well this image aligns with the provided caption. Consider the "
+    "accuracy of depicted objects, their relationships, and attributes as described in the caption.\n"
+    "2. Overall Image Quality: Examine the visual quality of this image, including clarity, detail preservation, "
+    "color accuracy, and overall aesthetic appeal.\n"
+    "Extract key elements from the provided text caption, evaluate their presence in the generated image using the "
+    "format: 'element (type): value' (where value=0 means not generated, and value=1 means generated), and assign a "
+    "score from 1 to 5 after 'Final Score:'.\n"
+    "Your task is provided as follows:\n"
+    "Text Caption: [{prompt}]"
+)
+
+# tpflow's shorter rewording of that question (the option question = "score-only"): the same two criteria, the same
+# 1-5 scale, the same "Final Score:" answer format and "Text Caption: [...]" slot, but no element list, so that the
+# answer can be started for the judge with "Final Score: " and the score read in one forward pass. UnifiedReward's
+# judges were fine-tuned on the question above; on this one they are used off their protocol, and may score the same
+# images differently.
+SCORE_ONLY_TEMPLATE = (
     "You are given a text caption and an image generated from it. Evaluate the image on two criteria:\n"
     "1. Alignment with the caption: how faithfully the image shows the objects, their attributes and their "
     "relations as the caption describes them.\n"
@@ -29,6 +45,17 @@ DEFAULT_TEMPLATE = (
     "Assign a score from 1 to 5 after 'Final Score:'.\n"
     "Text Caption: [{prompt}]"
 )
+
+# (question, the start of the judge's answer given to it) of each value of the reward's option ``question``.
+QUESTIONS = {
+    "unifiedreward": (UNIFIED_REWARD_TEMPLATE, ""),
+    "score-only": (SCORE_ONLY_TEMPLATE, "Final Score: "),
+}
+
+# The pixel budget of UnifiedReward's script: qwen_vl_utils' ``fetch_image`` (called by ``process_vision_info``)
+# resizes each image to multiples of 28 within [MIN_PIXELS, MAX_PIXELS] = [4·28², 16384·28²] (QwenLM/Qwen2.5-VL,
+# qwen-vl-utils/src/qwen_vl_utils/vision_process.py); the processor's own resize then leaves the size as it is.
+QWEN_VL_MAX_PIXELS = 16384 * 28 * 28
 
 # The pairwise text-to-image question of UnifiedReward's Qwen2.5-VL judges (its public script
 # inference_qwen/image_generation/qwen_pair_rank_image_generation.py), reworded: two images of one caption, the same
@@ -51,16 +78,20 @@ _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 
 
 def parse_score(text: str, low: float, high: float, marker: str = "") -> float | None:
-    """The score a judge's answer gives: the first number after the last ``marker`` (when the answer has one; case
-    is ignored), else the first number of the answer; None when there is none or it lies outside [low, high].
+    """The score a judge's answer gives: the first number after the last ``marker`` (case is ignored), or with no
+    marker the first number of the answer; None when there is none, when the answer lacks the marker, or when the
+    number lies outside [low, high].
 
     "Score: 4" -> 4, "4/5" -> 4, "I'd say 3.5" -> 3.5, "none" -> None; with the scale 1-5, "10" -> None: a number
-    off the scale is not a score on it, and reading it as one would reward a confused judge.
+    off the scale is not a score on it, and reading it as one would reward a confused judge. With the marker
+    "Final Score:", "cat (object): 1" -> None: an answer cut off before its score is not scored by its element list
+    (UnifiedReward's own readers, e.g. flow_grpo's, match "Final Score:" or score nothing).
     """
     if marker:
         at = text.lower().rfind(marker.lower())
-        if at >= 0:
-            text = text[at + len(marker) :]
+        if at < 0:
+            return None
+        text = text[at + len(marker) :]
     found = _NUMBER.search(text)
     if found is None:
         return None

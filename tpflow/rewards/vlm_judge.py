@@ -8,29 +8,40 @@ al., arXiv 2503.05236) scores text-to-image samples with its fine-tuned Qwen2.5-
     batch_size = 8
 
 The judge is any transformers image-text-to-text model of the Qwen-VL family (Qwen2-VL, Qwen2.5-VL) with its
-processor and chat template; it is shown the image and ``template`` (``{prompt}`` replaced by the prompt), and its
-answer starts with ``answer_prefix`` ("Final Score: "), so that the next token is the score. Two ways to read it:
+processor and chat template; it is shown the image and a question (``{prompt}`` replaced by the prompt). By default
+it is used by its own protocol, that of UnifiedReward's inference script
+(``inference_qwen/image_generation/qwen_point_score_image_generation.py``): ``question = "unifiedreward"`` asks
+UnifiedReward's question verbatim, the judge writes its answer (the caption's elements, "element (type): 0 or 1"
+line by line, then "Final Score: " and the score), and the image is resized within the script's pixel budget,
+16384·28² (qwen_vl_utils' ``MAX_PIXELS``). ``question = "score-only"`` asks tpflow's shorter rewording (same
+criteria and scale, no element list) and starts the answer with "Final Score: ", so that the score is read in one
+forward pass: cheaper, but off the judge's protocol, so it may score the same images differently. ``template`` and
+``answer_prefix`` override the question's. Two ways to read the score:
 
-* ``score_from = "logits"`` (the default): one forward pass, no generation. The score is the expected value of the
-  digits ``scale_min`` .. ``scale_max`` under the softmax of their logits at the answer position, a continuous
-  score that separates images the judge would both answer "4" for, and that never fails to parse. The detail
-  ``vlm_judge_token_mass`` is the probability the judge puts on those digits at all (low: the template or prefix
+* ``score_from = "logits"`` (the default): the expected value of the digits ``scale_min`` .. ``scale_max`` under
+  the softmax of their logits at the position where the score is written, a continuous score that separates
+  images the judge would both answer "4" for. With the default question the judge first writes greedily, at most
+  ``max_new_tokens`` tokens, up to ``answer_marker`` ("Final Score:"); one more forward pass over what it wrote
+  plus a space gives the digits' logits. An answer that reaches ``max_new_tokens`` without the marker gets it
+  appended (marked in the detail ``vlm_judge_no_marker`` and counted in a warning). When ``answer_prefix`` ends
+  with the marker (``question = "score-only"``) nothing is generated: one forward pass. The detail
+  ``vlm_judge_token_mass`` is the probability the judge puts on those digits at all (low: the question or prefix
   does not lead it to answer with a digit there).
 * ``score_from = "answer"``: greedy generation of ``max_new_tokens`` tokens, parsed by ``_vlm.parse_score`` (the
-  first number after ``answer_marker``, else the first number). An answer with no number on the scale scores
+  first number after the last ``answer_marker``, in ``answer_prefix`` and the answer), as UnifiedReward's users
+  read "Final Score: N" off the generated text. An answer with no number on the scale after the marker scores
   ``fallback_score`` (default: the scale's minimum, so that failing to answer never pays), is marked in the detail
   ``vlm_judge_unparsed`` and counted in a warning; it never stops training.
 
 Measured on the tiny random Qwen2.5-VL of the tests (2 text layers of width 32, a one-block vision tower; CPU,
-float32, one thread, 16 images of 128×128 px judged at 112×112 in batches of 8, median of 5 runs): ``logits`` 4.9 ms
-per image, ``answer`` with 8 new tokens 12.1 ms per image. Hence ``logits`` is the default: one forward instead of
-one plus up to ``max_new_tokens`` decoding steps, a smooth reward (an expected value, not a rounded integer) and no
-parsing. ``answer`` is for judges that must reason before they answer (``answer_prefix = ""``, a larger
-``max_new_tokens``).
+float32, one thread, 16 images of 128×128 px judged at 112×112 in batches of 8, median of 5 runs), with
+``question = "score-only"``: ``logits`` 4.9 ms per image, ``answer`` with 8 new tokens 12.1 ms per image. With the
+default question both modes also decode the element list, one step per token (docs/rewards.md estimates the cost).
 
 Score = (s - scale_min) / (scale_max - scale_min), in [0, 1]; the raw s is the detail ``vlm_judge_score``. Images
-are quantised to 8 bits and resized to multiples of the vision tower's patch × merge size within ``max_pixels``
-(``_vlm.judge_pixels``), prompts left-padded within a batch of ``batch_size``. Weights are never downloaded.
+are quantised to 8 bits and resized to multiples of the vision tower's patch × merge size within ``max_pixels`` and
+the processor's own maximum (``_vlm.judge_pixels``), prompts left-padded within a batch of ``batch_size``. Weights
+are never downloaded.
 
 **Pairs.** ``compare(images_a, images_b, prompts, metadata)`` asks the judge which of two images of one prompt is
 better (``tpflow.rewards.pairwise.PairwiseJudge``), as Pref-GRPO (arXiv 2508.20751) asks UnifiedReward: both images
@@ -67,7 +78,14 @@ from torch import Tensor
 from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.registry import register
-from tpflow.rewards._vlm import DEFAULT_PAIR_TEMPLATE, DEFAULT_TEMPLATE, budget_size, judge_pixels, parse_score
+from tpflow.rewards._vlm import (
+    DEFAULT_PAIR_TEMPLATE,
+    QUESTIONS,
+    QWEN_VL_MAX_PIXELS,
+    budget_size,
+    judge_pixels,
+    parse_score,
+)
 from tpflow.types import RewardOutput
 from tpflow.weights import MODEL_FILES, WeightSource, download_command, model_folder
 
@@ -91,16 +109,21 @@ class VLMJudgeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(UNIFIED_REWARD, description="Judge: a cached Hugging Face id or a local folder.")
-    template: str = Field(DEFAULT_TEMPLATE, description="Question; {prompt} is the image's prompt.")
-    answer_prefix: str = Field("Final Score: ", description="Start of the judge's answer, given.")
+    question: Literal["unifiedreward", "score-only"] = Field(
+        "unifiedreward",
+        description="\"unifiedreward\": UnifiedReward's own question, the judge lists the caption's elements "
+        'before its score; "score-only": a shorter rewording, answer started with "Final Score: ".',
+    )
+    template: str | None = Field(None, description="Question; {prompt} is the image's prompt. None: question's.")
+    answer_prefix: str | None = Field(None, description="Start of the judge's answer, given. None: question's.")
     score_from: Literal["logits", "answer"] = Field("logits", description="Score digits' logits, or parsed answer.")
     scale_min: int = Field(1, ge=0, le=9, description="Lowest score (a digit).")
     scale_max: int = Field(5, ge=0, le=9, description="Highest score (a digit).")
-    max_new_tokens: int = Field(8, ge=1, description="Answer mode: tokens generated.")
-    answer_marker: str = Field("Final Score:", description="Answer mode: read the number after it.")
+    max_new_tokens: int = Field(512, ge=1, description="Most tokens the judge writes (UnifiedReward's script: 512).")
+    answer_marker: str = Field("Final Score:", description="The score follows it (written, or in answer_prefix).")
     fallback_score: float | None = Field(None, description="Answer mode, no score found; None: scale_min.")
     batch_size: int = Field(8, ge=1, description="Images per forward pass (a pair is two).")
-    max_pixels: int = Field(512 * 512, ge=1, description="Pixel budget of an image.")
+    max_pixels: int = Field(QWEN_VL_MAX_PIXELS, ge=1, description="Pixel budget of an image (script's: 16384·28²).")
     pair_template: str = Field(DEFAULT_PAIR_TEMPLATE, description="Pairs: question; {prompt} is their prompt.")
     pair_answer_prefix: str = Field("Image ", description="Pairs: start of the judge's answer, given.")
     pair_answers: tuple[str, str] = Field(("1", "2"), description="Pairs: the tokens naming image a and b.")
@@ -109,6 +132,9 @@ class VLMJudgeOptions(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> VLMJudgeOptions:
+        template, prefix = QUESTIONS[self.question]
+        self.template = template if self.template is None else self.template
+        self.answer_prefix = prefix if self.answer_prefix is None else self.answer_prefix
         if self.scale_min >= self.scale_max:
             raise ValueError(f"scale_min ({self.scale_min}) must be below scale_max ({self.scale_max}).")
         if "{prompt}" not in self.template:
@@ -130,7 +156,8 @@ class VLMJudgeReward:
 
     The model and processor load on the first call (or ``load()``), once, under a lock: the reward may be built
     without weights and called from the scoring thread. ``details``: ``vlm_judge_score`` (raw, on the judge's scale)
-    and ``vlm_judge_token_mass`` (logits mode) or ``vlm_judge_unparsed`` (answer mode, 1 where the fallback scored).
+    and ``vlm_judge_token_mass`` (logits mode; with ``vlm_judge_no_marker`` when the judge writes first, 1 where it
+    wrote no marker) or ``vlm_judge_unparsed`` (answer mode, 1 where the fallback scored).
     """
 
     @staticmethod
@@ -146,7 +173,7 @@ class VLMJudgeReward:
         self._model: Any = None
         self._processor: Any = None
         self._digit_ids: list[int] = []
-        self.unparsed = 0  # answers that gave no score, over this instance's life
+        self.unparsed = 0  # answers that gave no score (or, logits mode, no marker) over this instance's life
 
     def load(self) -> None:
         """Load the judge and its processor now (the first call does it otherwise)."""
@@ -203,14 +230,16 @@ class VLMJudgeReward:
         return texts
 
     def _pixels(self, images: Tensor) -> Tensor:
-        """Images [n, 3, H, W] in [0, 1] -> [n, 3, h, w] uint8 on the CPU, resized within the pixel budget."""
+        """Images [n, 3, H, W] in [0, 1] -> [n, 3, h, w] uint8 on the CPU, resized within the pixel budget: the
+        option's and the processor's own (which UnifiedReward's script, calling the processor with its resize on,
+        applies after its own)."""
         ip = self._processor.image_processor
         size = ip.size if isinstance(ip.size, dict) else vars(ip.size)
         min_pixels = size.get("shortest_edge") or getattr(ip, "min_pixels", None) or 56 * 56
+        most = size.get("longest_edge") or getattr(ip, "max_pixels", None)
+        max_pixels = min(self.options.max_pixels, most) if most else self.options.max_pixels
         factor = ip.patch_size * ip.merge_size
-        target = budget_size(
-            *images.shape[-2:], factor, min(min_pixels, self.options.max_pixels), self.options.max_pixels
-        )
+        target = budget_size(*images.shape[-2:], factor, min(min_pixels, max_pixels), max_pixels)
         return judge_pixels(images, target).cpu()
 
     def _batch(self, texts: list[str], pixels: list[Tensor]) -> Any:
@@ -219,9 +248,34 @@ class VLMJudgeReward:
         batch = self._processor(text=texts, images=pixels, padding=True, do_resize=False, return_tensors="pt")
         return batch.to(self._model.device)
 
-    def inputs(self, images: Tensor, prompts: Sequence[str]) -> Any:
-        """The processor's batch of images [n, 3, H, W] and their prompts, one image per row."""
-        return self._batch(self.texts(prompts), list(self._pixels(images)))
+    def inputs(self, images: Tensor, prompts: Sequence[str], written: Sequence[str] | None = None) -> Any:
+        """The processor's batch of images [n, 3, H, W] and their prompts, one image per row; ``written``: what each
+        row's judge wrote after ``answer_prefix`` (``up_to_marker``), appended."""
+        texts = self.texts(prompts)
+        if written is not None:
+            texts = [text + more for text, more in zip(texts, written, strict=True)]
+        return self._batch(texts, list(self._pixels(images)))
+
+    @property
+    def writes_first(self) -> bool:
+        """Whether, in logits mode, the judge writes before its score: ``answer_prefix`` does not end with
+        ``answer_marker`` (UnifiedReward's question: it lists the caption's elements first)."""
+        return not self.options.answer_prefix.rstrip().endswith(self.options.answer_marker.rstrip())
+
+    def up_to_marker(self, answers: Sequence[str]) -> tuple[list[str], Tensor]:
+        """What each judge wrote, cut just after the first ``answer_marker`` and followed by a space (the judge
+        writes "Final Score: 4"), and [n] float64, 1 where an answer has no marker: it is then appended to the
+        answer on a line of its own."""
+        marker = self.options.answer_marker
+        written, missing = [], []
+        for answer in answers:
+            at = answer.find(marker)
+            if at >= 0:
+                written.append(answer[: at + len(marker)] + " ")
+            else:
+                written.append((answer.rstrip() + "\n" if answer.strip() else "") + marker + " ")
+            missing.append(float(at < 0))
+        return written, torch.tensor(missing, dtype=torch.float64, device="cpu")
 
     def pair_inputs(self, images_a: Tensor, images_b: Tensor, prompts: Sequence[str]) -> Any:
         """The processor's batch of pairs: row i shows images_a[i], then images_b[i] [n, 3, H, W] each, and asks
@@ -271,29 +325,41 @@ class VLMJudgeReward:
         if len(images) != len(prompts):
             raise ValueError(f"Got {len(images)} images for {len(prompts)} prompts.")
         self.load()
-        lo, hi, size = self.options.scale_min, self.options.scale_max, self.options.batch_size
+        o = self.options
+        lo, hi, size = o.scale_min, o.scale_max, o.batch_size
+        logits = o.score_from == "logits"
         raw: list[Tensor] = []
         other: list[Tensor] = []
+        flags: list[Tensor] = []  # 1 where the judge gave no score of its own (no marker, or unparsed)
         for start in range(0, len(prompts), size):
             chunk = slice(start, start + size)
-            batch = self.inputs(images[chunk], prompts[chunk])
-            if self.options.score_from == "logits":
-                score, mass = self._from_logits(batch)
+            texts, pixels = self.texts(prompts[chunk]), list(self._pixels(images[chunk]))
+            if logits and self.writes_first:
+                answers = self._generate(self._batch(texts, pixels), stop=o.answer_marker or None)
+                written, missing = self.up_to_marker(answers)
+                texts = [text + more for text, more in zip(texts, written, strict=True)]
+                flags.append(missing)
+            if logits:
+                score, mass = self._from_logits(self._batch(texts, pixels))
                 raw.append(score)
                 other.append(mass)
             else:
-                score, unparsed = self._from_answer(batch)
+                score, unparsed = self._from_answer(self._generate(self._batch(texts, pixels), stop=None))
                 raw.append(score)
-                other.append(unparsed)
-        score = torch.cat(raw) if raw else torch.zeros(0, dtype=torch.float64, device="cpu")  # [N] float64
-        extra = torch.cat(other) if other else torch.zeros(0, dtype=torch.float64, device="cpu")
-        name = "vlm_judge_token_mass" if self.options.score_from == "logits" else "vlm_judge_unparsed"
-        if self.options.score_from == "answer" and int(extra.sum()):
-            self._warn(int(extra.sum()), len(prompts))
-        return RewardOutput(
-            scores=((score - lo) / (hi - lo)).float(),
-            details={"vlm_judge_score": score.float(), name: extra.float()},
-        )
+                flags.append(unparsed)
+        empty = torch.zeros(0, dtype=torch.float64, device="cpu")
+        score = torch.cat(raw) if raw else empty  # [N] float64
+        details = {"vlm_judge_score": score.float()}
+        if logits:
+            details["vlm_judge_token_mass"] = (torch.cat(other) if other else empty).float()
+        if logits and self.writes_first:
+            details["vlm_judge_no_marker"] = (torch.cat(flags) if flags else empty).float()
+        if not logits:
+            details["vlm_judge_unparsed"] = (torch.cat(flags) if flags else empty).float()
+        missed = int(sum(float(f.sum()) for f in flags))
+        if missed:
+            self._warn(missed, len(prompts))
+        return RewardOutput(scores=((score - lo) / (hi - lo)).float(), details=details)
 
     def _from_logits(self, batch: Any) -> tuple[Tensor, Tensor]:
         """(expected score, probability of the score digits) [n] float64 on the CPU, from one forward pass."""
@@ -304,19 +370,26 @@ class VLMJudgeReward:
         mass = logits.softmax(-1)[:, ids].sum(-1)  # [n]
         return expected, mass
 
-    def _from_answer(self, batch: Any) -> tuple[Tensor, Tensor]:
-        """(parsed score or the fallback, 1 where it is the fallback) [n] float64 on the CPU, from greedy answers."""
+    def _generate(self, batch: Any, stop: str | None) -> list[str]:
+        """The judge's greedy answers to a batch, decoded; at most ``max_new_tokens`` tokens, a row ending once it
+        has written ``stop`` (when given)."""
         tokenizer = self._processor.tokenizer
+        until = {"stop_strings": [stop], "tokenizer": tokenizer} if stop else {}
         out = self._model.generate(
             **batch,
             do_sample=False,
             max_new_tokens=self.options.max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
+            **until,
         )
-        answers = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+        return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+
+    def _from_answer(self, answers: Sequence[str]) -> tuple[Tensor, Tensor]:
+        """(parsed score or the fallback, 1 where it is the fallback) [n] float64 on the CPU, each answer read after
+        ``answer_prefix`` (which may hold the marker)."""
         o = self.options
         fallback = float(o.scale_min if o.fallback_score is None else o.fallback_score)
-        parsed = [parse_score(a, o.scale_min, o.scale_max, o.answer_marker) for a in answers]
+        parsed = [parse_score(o.answer_prefix + a, o.scale_min, o.scale_max, o.answer_marker) for a in answers]
         scores = [fallback if p is None else p for p in parsed]
         missing = [float(p is None) for p in parsed]
         return (
@@ -328,8 +401,11 @@ class VLMJudgeReward:
         with self._lock:
             self.unparsed += count
             so_far = self.unparsed
-        logger.warning(
-            "vlm-judge: %d of %d answers gave no score on the scale %d-%d (scored the fallback, marked in the reward "
-            "detail vlm_judge_unparsed; %d so far).",
-            count, total, self.options.scale_min, self.options.scale_max, so_far,
-        )  # fmt: skip
+        o = self.options
+        if o.score_from == "logits":
+            what = f"wrote no {o.answer_marker!r} within max_new_tokens = {o.max_new_tokens} (appended, detail "
+            what += "vlm_judge_no_marker)"
+        else:
+            what = f"gave no score on the scale {o.scale_min}-{o.scale_max} (scored the fallback, marked in the "
+            what += "reward detail vlm_judge_unparsed)"
+        logger.warning("vlm-judge: %d of %d answers %s; %d so far.", count, total, what, so_far)
