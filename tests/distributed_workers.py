@@ -122,7 +122,44 @@ def collectives_worker(rank: int, out: Path) -> dict:
         "grad_b": b.grad,
         "grad_c_is_none": c.grad is None,
         "diverged": diverged,
+        "lockstep": lockstep_padding(rank),
     }
+
+
+def lockstep_padding(rank: int) -> dict:
+    """A module of two blocks sharded as tpflow shards a transformer, called 2 + rank times in one
+    ``Lockstep.batch``, then twice by both, then in different batches: whether its outputs are the unsharded ones,
+    the forwards each process repeated, and the error of the last batch."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tpflow.train.lockstep import Lockstep, LockstepError
+    from tpflow.train.sharding import device_mesh
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    inputs = [torch.randn(2, 4) for _ in range(2 + rank)]
+    with torch.no_grad():
+        unsharded = [model(x) for x in inputs]
+    mesh = device_mesh(torch.device("cpu"))
+    for block in model:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    lockstep = Lockstep(model, torch.device("cpu"))
+    with torch.no_grad():
+        with lockstep.batch():  # rank 0 runs out of calls first: it repeats its last one to join rank 1's third
+            outputs = [model(x) for x in inputs]
+        with lockstep.batch():  # as many on both: nothing repeated
+            outputs += [model(x) for x in inputs[:2]]
+        lockstep.batches += rank  # rank 1 a batch ahead (a bug): both processes stop at the same exchange
+        error = None
+        try:
+            with lockstep.batch():
+                model(inputs[0])
+        except LockstepError as exc:
+            error = str(exc)
+    expected = [*unsharded, *unsharded[:2]]
+    return {"equal": all(torch.equal(a, b) for a, b in zip(outputs, expected, strict=True)),
+            "repeats": lockstep.repeats, "error": error}  # fmt: skip
 
 
 def train_worker(rank: int, out: Path, recipe: str, overrides: list[str]) -> dict:
@@ -138,6 +175,7 @@ def train_worker(rank: int, out: Path, recipe: str, overrides: list[str]) -> dic
         "start": start,
         "end": [full(p.detach()).clone() for p in trainer.backbone.trainable_parameters()],
         "world_size": trainer.dist.world_size,
+        "repeats": trainer.lockstep.repeats if trainer.lockstep is not None else 0,  # forwards run to keep in step
     }
 
 

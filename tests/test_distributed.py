@@ -55,6 +55,11 @@ def test_collectives_on_two_processes(tmp_path):
         assert result["grad_c_is_none"], "a parameter no process trained keeps grad None, as on one process"
         assert result["diverged"] is not None and "ranks [1] disagree" in result["diverged"]
     assert torch.equal(zero["grad_a"], one["grad_a"]), "every process holds the same gradient, bit for bit"
+    # a sharded module's forwards in lockstep (tpflow.train.lockstep): rank 0 repeats one forward to join rank 1's
+    # third, each computes what it computes unsharded, and processes in different batches stop with an error
+    assert [r["lockstep"]["repeats"] for r in (zero, one)] == [1, 0]
+    assert all(r["lockstep"]["equal"] for r in (zero, one))
+    assert all("different rollout batches" in r["lockstep"]["error"] for r in (zero, one))
 
 
 EVERYTHING = list(range(8))

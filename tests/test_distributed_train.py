@@ -39,7 +39,12 @@ TIMING = ("_s", "time")  # metric names that measure wall time: never compared
 SMALL_BATCHES = ["train.rollout_batch=2", "optimizer.micro_batch_size=2"]  # 4 batches per epoch, 2 per process
 
 
-FSDP_SETS = [*SMALL_BATCHES, 'train.shard="fsdp"', "optimizer.learning_rate=1e-4"]
+# Velocity calls of one row: each rollout batch makes as many calls as it has rows alive, which depend on its window
+# start (the consistent credit's completions) and on its distinct prompts (same_noise: one row per distinct noise
+# before the window), so the two processes' batches make different numbers of them (tpflow.train.lockstep)
+UNEVEN_CALLS = ["rollout.max_batch=1", "rollout.same_noise=true"]
+REPLICATED_SETS = [*SMALL_BATCHES, "optimizer.learning_rate=1e-4", *UNEVEN_CALLS]  # the whole model on each process
+FSDP_SETS = [*REPLICATED_SETS, 'train.shard="fsdp"']
 # DanceGRPO's plan: every step SDE (dance-sde), int((K - 1)·0.6) = 1 of the first 3 trained per trajectory, outcome
 DANCE_SETS = ['plan.name="trained-fraction"', "plan.fraction=0.6", "plan.exclude_last=true",
               'sampler.name="dance-sde"', "rollout.window_size=4", "rollout.noise_level=0.3", 'credit.name="outcome"',
@@ -72,9 +77,9 @@ def two_process_runs(tmp_path_factory, tiny_weights) -> dict[str, tuple[Path, li
         (str(recipe(root, tiny_weights)), SMALL_BATCHES),
         (str(nft_recipe(nft, tiny_weights)), [*SMALL_BATCHES, "eval.every=0", "train.epochs=1"]),
         (str(fsdp_recipe(fsdp, tiny_weights)), FSDP_SETS),
-        (str(fsdp_recipe(full, tiny_weights)), [*SMALL_BATCHES, "optimizer.learning_rate=1e-4", "eval.every=0"]),
+        (str(fsdp_recipe(full, tiny_weights)), [*REPLICATED_SETS, "eval.every=0"]),
         (str(fsdp_recipe(dance, tiny_weights)), [*FSDP_SETS, *DANCE_SETS, 'train.checkpoint_layout="gathered"']),
-        (str(fsdp_recipe(dance_full, tiny_weights)), [*SMALL_BATCHES, "optimizer.learning_rate=1e-4", *DANCE_SETS]),
+        (str(fsdp_recipe(dance_full, tiny_weights)), [*REPLICATED_SETS, *DANCE_SETS]),
     ]
     zero, one = spawn(train_recipes_worker, root, runs)
     names = [("grpo", root), ("nft", nft), ("fsdp", fsdp), ("full", full), ("dance", dance),
@@ -270,10 +275,13 @@ def test_nft_on_two_processes_trains_one_model(two_process_runs):
 def test_an_fsdp_sharded_run_trains_the_whole_model_as_a_replicated_one_does(two_process_runs):
     """``[train] shard = "fsdp"`` on 2 processes: both end with one model (gathered whole), trained, where the same
     2-process run with the model replicated on each process ends, up to the float rounding of the sharded
-    reduction (its evaluations included: 6 images, 3 per process); both sample the same trajectories in epoch 0."""
+    reduction (its evaluations included: 6 images, 3 per process); both sample the same trajectories in epoch 0.
+    Their rollout batches make different numbers of velocity calls (``UNEVEN_CALLS``): the process with fewer
+    repeats forwards to stay in step, which changes nothing it samples (it aborted with "collective mismatch")."""
     root, (zero, one) = two_process_runs["fsdp"]
     replicated_root, (replicated, _) = two_process_runs["full"]
     assert zero["world_size"] == one["world_size"] == 2
+    assert zero["repeats"] + one["repeats"] > 0, "the test's batches make as many calls: nothing was padded"
     assert all(torch.equal(a, b) for a, b in zip(zero["end"], one["end"], strict=True))
     start, end = (torch.cat([t.flatten() for t in zero[k]]) for k in ("start", "end"))
     moved = end - start

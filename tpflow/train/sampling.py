@@ -8,6 +8,7 @@ the run lock). Randomness comes from each batch's seed only, so what it samples 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from tpflow.rewards.call import recipe_policy
 from tpflow.rollout import rollout_from_settings
 from tpflow.settings import RolloutSettings, TrainSettings
 from tpflow.train.epoch import Sampled
+from tpflow.train.lockstep import Lockstep
 from tpflow.train.prompt_sampler import RolloutBatch, noise_seed, plan_epoch
 from tpflow.train.scoring import ScoringWorker
 from tpflow.types import PromptItem
@@ -42,6 +44,7 @@ class EpochSampler:
     train: TrainSettings
     rollout: RolloutSettings
     plan: RolloutPlan = dataclasses.field(default_factory=WindowPlan)  # each batch's windows and trained steps
+    lockstep: Lockstep | None = None  # a sharded run's: each batch's forwards padded to every process's count
 
     def __call__(self, epoch: int, batches: list[RolloutBatch], phase: Phase, advance: Callable[[], None]) -> Sampled:
         """Roll out each local batch (its plan and noise from its seed) and score it in the background worker."""
@@ -73,7 +76,8 @@ class EpochSampler:
                 cond = encoded.index([text_row[it.prompt] for it in items])
                 # sampling_policy: the weights that collect the data (GRPO: the live adapter; NFT: its old policy)
                 # (the swap happens outside the autocast region: tpflow.precision)
-                with self.optimizer.sampling_policy(), self.precision.autocast():
+                padded = self.lockstep.batch() if self.lockstep is not None else contextlib.nullcontext()
+                with self.optimizer.sampling_policy(), self.precision.autocast(), padded:
                     out = rollout_from_settings(
                         self.backbone,
                         self.sampler,

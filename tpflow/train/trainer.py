@@ -52,6 +52,7 @@ from tpflow.train.checkpoint import (
 from tpflow.train.ema import EMA
 from tpflow.train.epoch import EpochRows, Sampled, combine_update_metrics, prompt_groups
 from tpflow.train.evaluation import eval_seed, eval_split, evaluate, no_test_split
+from tpflow.train.lockstep import Lockstep
 from tpflow.train.out_of_memory import out_of_memory_message
 from tpflow.train.progress import PhaseProgress
 from tpflow.train.prompt_sampler import check_layout, layout_line, plan_epoch
@@ -61,7 +62,7 @@ from tpflow.train.run_checkpoints import RunCheckpoints
 from tpflow.train.run_lock import RunDirLock
 from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, fit_segments
 from tpflow.train.sampling import EpochSampler
-from tpflow.train.sharding import equal_eval_shares, shard
+from tpflow.train.sharding import equal_eval_shares, shard, transformer_of
 from tpflow.train.trackers import Trackers, tracker_dir
 from tpflow.types import PromptItem, Rollout
 
@@ -151,6 +152,7 @@ class Trainer(RunCheckpoints):
         torch.manual_seed(train.seed)
         random.seed(train.seed)
         self.backbone = recipe.build("backbone")
+        self.lockstep: Lockstep | None = None  # sharded: each rollout batch's forwards in step over the processes
         self.sampler = recipe.build("sampler")
         reward = recipe.build("reward")
         self.credit = recipe.build("credit")
@@ -173,16 +175,19 @@ class Trainer(RunCheckpoints):
         torch.manual_seed(derived_rng(train.seed, "optimizer.bind").getrandbits(63))
         self.optimizer.bind(self.backbone, self.accelerator, self.precision)
         parts = (self.backbone, self.sampler, reward, self.optimizer, self.credit, self.precision, self.train_items)
-        self.epoch_sampler = EpochSampler(*parts, train, recipe.rollout, recipe.build("plan"))
+        self.epoch_sampler = EpochSampler(*parts, train, recipe.rollout, recipe.build("plan"), self.lockstep)
 
     def _shard(self, checkpoint: Checkpoint | None) -> None:
         """FSDP2 over every process (``tpflow.train.sharding``): an unsharded checkpoint's weights load whole first,
         then each block is sharded (a sharded checkpoint's load into the shards: ``_restore``); the fp16 scaler
-        becomes the sharded one."""
+        becomes the sharded one; each rollout batch's forwards are padded to every process's count
+        (``tpflow.train.lockstep``)."""
         if checkpoint is not None and checkpoint.layout is None:
             with restoring(checkpoint.path):
                 self.backbone.load_adapter(checkpoint.adapter_dir)
-        shard(self.backbone, resolve_device(getattr(self.recipe.backbone.options, "device", None)), None)
+        device = resolve_device(getattr(self.recipe.backbone.options, "device", None))
+        shard(self.backbone, device, None)
+        self.lockstep = Lockstep(transformer_of(self.backbone), device)
         self.dist.sharded = True
         self.precision.shard()
 
