@@ -326,6 +326,47 @@ def test_an_fsdp_run_killed_with_sigkill_resumes_identically_on_two_processes(tw
     assert _comparable_metrics(run) == _comparable_metrics(root / "run")
 
 
+def test_ctrl_c_to_a_sharded_runs_launcher_stops_the_processes_together_to_save(two_process_runs, tmp_path):
+    """SIGINT to the launcher of a sharded 2-process run once epoch 0 has ended, no checkpoint of a later state on
+    disk (save_every 3): the processes stop together at the next safe point of epoch 1 (a rollout batch's end, or
+    the end of its update) and write its checkpoint together, nothing temporary left behind. Its shards (weights,
+    AdamW's moments, the EMA) and RNG state are those of the uninterrupted run's checkpoint of the same step, bit
+    for bit, so --resume continues as that run did (as the SIGKILL test resumes such a checkpoint). It used to
+    print "saving epoch 1", die with "Connection reset by peer" and leave only a .tmp-* folder."""
+    root, _ = two_process_runs["fsdp"]
+    run = tmp_path / "run"
+    sets = [a for o in [*FSDP_SETS, "train.save_every=3"] for a in ("--set", o)]
+    command = [sys.executable, "-m", "tpflow.cli", "train", str(root / "tiny.toml"), "--run-dir", str(run),
+               "--num-processes", "2", *sets]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), *sys.path])}  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("epoch   0"):
+                os.kill(proc.pid, signal.SIGINT)  # the launcher alone: it passes the signal on to its processes
+                break
+        lines.append(proc.communicate(timeout=300)[0])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = "".join(lines)
+    assert proc.returncode == 130, output[-3000:]
+    assert "Interrupted: saving epoch" in output and "Traceback" not in output, output[-3000:]
+    (saved,) = (run / "checkpoints").iterdir()  # one checkpoint, no .tmp-* folder
+    ckpt = load_checkpoint(saved)
+    assert ckpt.train_state["epoch"] in (1, 2) and ckpt.layout["processes"] == 2
+    straight = load_checkpoint(root / "run" / "checkpoints" / saved.name)  # the same step, uninterrupted
+    assert straight.train_state["epoch"] == ckpt.train_state["epoch"]
+    for name in sorted(p.name for p in (straight.path / "shards").iterdir()):
+        ours, theirs = (safetensors.torch.load_file(c.path / "shards" / name) for c in (ckpt, straight))
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
+    assert torch.equal(ckpt.rng_state["torch"], straight.rng_state["torch"])
+
+
 def test_a_sharded_runs_checkpoint_holds_each_process_shards_and_loads_whole_on_one_process(two_process_runs):
     """``checkpoint_layout = "sharded"`` (the default): each of the 2 processes wrote its own safetensors file of
     shards, no adapter folder, nothing pickled; one process reads the weights back whole into a fresh backbone

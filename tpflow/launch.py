@@ -6,7 +6,9 @@ processes get the usual ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR`` e
 ``accelerate launch`` get the same thing from their accelerate config (docs/distributed.md).
 
 A process that fails with a clear error (exit status 2) makes the launcher stop the others and exit with that same
-status, instead of torchrun's traceback summary.
+status, instead of torchrun's traceback summary. On Ctrl-C the launcher passes the signal on and waits up to
+``STOP_WAIT_S`` for the processes, which stop together at a safe point and save (``tpflow.train.stop``), before it
+kills them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ def launched() -> bool:
     """True inside a process started by a distributed launcher (so it must not launch again)."""
     return any(name in os.environ for name in RUNNING_UNDER_LAUNCHER)
 
+
+STOP_WAIT_S = 600
+"""How long the launcher waits for its processes after Ctrl-C before it kills them (torchrun's own default, 30 s, is
+shorter than an update of a large model, which the processes finish before they save). The environment variable
+``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` overrides it."""
 
 LAUNCHER_OPTIONS = frozenset({"num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port"})
 """Options of ``tpflow train`` that the launcher consumes; every other argument and option goes to each process."""
@@ -70,7 +77,9 @@ def torchrun_args(
             f"--master-addr={main_process_ip}",
             f"--master-port={main_process_port}",
         ]
-    return [*where, f"--nproc-per-node={num_processes}", "-m", "tpflow.cli", *module_args]
+    wait = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(STOP_WAIT_S))
+    return [*where, f"--nproc-per-node={num_processes}", f"--shutdown-timeout={wait}", "-m", "tpflow.cli",
+            *module_args]  # fmt: skip
 
 
 def launch(args: list[str]) -> int:

@@ -14,8 +14,9 @@ One epoch (docs/architecture.md, "An epoch"; docs/algorithm.md §6.1):
 
 Every ``eval.every`` epochs (epoch 0 included) the EMA weights (when enabled) sample the held-out prompts by ODE.
 Checkpoints are written every ``train.save_every`` epochs, at the end and on Ctrl-C, by the main process only (as are
-the logs). Randomness is derived from (seed, epoch, rollout batch), so a resumed run continues exactly as an
-uninterrupted one, and the trajectories an epoch samples do not depend on the number of processes
+the logs; a sharded run's by every process; on several processes Ctrl-C stops them together first,
+``tpflow.train.stop``). Randomness is derived from (seed, epoch, rollout batch), so a resumed run continues exactly
+as an uninterrupted one, and the trajectories an epoch samples do not depend on the number of processes
 (docs/distributed.md).
 """
 
@@ -63,6 +64,7 @@ from tpflow.train.run_lock import RunDirLock
 from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, fit_segments
 from tpflow.train.sampling import EpochSampler
 from tpflow.train.sharding import equal_eval_shares, shard, transformer_of
+from tpflow.train.stop import StopRequest
 from tpflow.train.trackers import Trackers, tracker_dir
 from tpflow.types import PromptItem, Rollout
 
@@ -136,6 +138,8 @@ class Trainer(RunCheckpoints):
         self.nonfinite_epochs = 0
         self._weights_ahead = False  # True from an epoch's update until self.epoch counts it
         self._saved: tuple[int, int] | None = None  # (epoch, global_step) of the checkpoint last written or resumed
+        self._stop: StopRequest | None = None  # while fit runs: Ctrl-C recorded, for the processes to stop together
+        self._stopping = False  # True once they did (tpflow.train.stop)
         self._restore(checkpoint)
         self.dist.check_in_sync(self._named_trainable())
         self.logger = (
@@ -202,9 +206,13 @@ class Trainer(RunCheckpoints):
         self._progress = progress
         if self.dist.is_main:
             self.run_lock.acquire()  # a no-op unless an earlier fit released it
+        # several processes: Ctrl-C stops them together at a safe point (_stop_point), then they save together
+        self._stop, self._stopping = StopRequest(self.dist, self._say), False
         try:
+            self._stop.install()
             progress.start()
             for epoch in range(self.epoch, train.epochs):
+                self._stop_point()
                 if evaluation.every and epoch % evaluation.every == 0 and (epoch or evaluation.at_start):
                     # last_eval_epoch: which eval the repeated eval_* figures of the next lines are (eval@N)
                     self.last_eval = {**self.evaluate(epoch), "last_eval_epoch": epoch}
@@ -215,6 +223,7 @@ class Trainer(RunCheckpoints):
                 self.console.print(epoch_line(epoch, metrics))
                 if train.save_every and self.epoch % train.save_every == 0 and self.epoch < train.epochs:
                     self.save()
+            self._stop_point()
             if evaluation.every:
                 self.last_eval = {**self.evaluate(train.epochs), "last_eval_epoch": train.epochs}
                 final = self.last_eval
@@ -231,10 +240,22 @@ class Trainer(RunCheckpoints):
             self._interrupted()
             raise
         finally:
+            self._stop.remove()
+            self._stop = None
             progress.stop()
             self.logger.close()
             self.run_lock.release()
         return metrics
+
+    def _stop_point(self) -> None:
+        """A state to resume from, on every process at once (``tpflow.train.stop``): if any process was asked to
+        stop, all stop here (``KeyboardInterrupt``) and save together."""
+        if self._stop is not None and self._stop.agreed():
+            self._stopping = True
+            raise KeyboardInterrupt
+
+    def _say(self, text: str) -> None:
+        self.console.print(f"[yellow]{escape(text)}[/]", soft_wrap=True, highlight=False)
 
     def _print_header(self) -> None:
         """The run's first line (recipe, run dir, epochs, credit, adapter, device) and, on several processes, how an
@@ -253,12 +274,12 @@ class Trainer(RunCheckpoints):
             self.console.print(layout_line(plan, self.optimizer.batch_layout(), self.dist.world_size))
 
     def _interrupted(self) -> None:
-        """Ctrl-C: save the state if it is one to resume from, and say what --resume will do."""
+        """Ctrl-C: save the state if it is one to resume from, and say what --resume will do. Several processes
+        that stopped together (``_stop_point``) save together; one stopped at once saves alone, unless the run is
+        sharded, whose checkpoint needs every process."""
+        saved = self._saved is not None or find_checkpoint(self.run_dir)[0] is not None
+        after = "--resume continues from the newest one" if saved else "none was saved before, so the run starts again"
         if self._weights_ahead:  # updated (part-way, or wholly but not yet counted): not a state to resume from
-            saved = self._saved is not None or find_checkpoint(self.run_dir)[0] is not None
-            after = (
-                "--resume continues from the newest one" if saved else "none was saved before, so the run starts again"
-            )
             self.console.print(
                 f"[yellow]Interrupted during epoch {self.epoch}'s update: no checkpoint is written (it would "
                 f"mix two weight states); {after}.[/]"
@@ -269,6 +290,14 @@ class Trainer(RunCheckpoints):
             self.console.print(
                 f"[yellow]Interrupted: checkpoint {self.optimizer.global_step:08d} (epoch {self._saved[0]}) "
                 "already holds these weights; --resume continues from it.[/]"
+            )
+        elif self._stopping:  # every process stopped at the same safe point: they write it together
+            self.console.print(f"[yellow]Interrupted: saving epoch {self.epoch}; --resume continues here.[/]")
+            self.save()
+        elif self.dist.sharded:  # stopped at once (a second Ctrl-C): the others may be anywhere
+            self.console.print(
+                f"[yellow]Stopped at once: a sharded run's checkpoint is written by every process together, so none "
+                f"is written; {after}.[/]"
             )
         else:
             self.console.print(f"[yellow]Interrupted: saving epoch {self.epoch}; --resume continues here.[/]")
@@ -407,8 +436,10 @@ class Trainer(RunCheckpoints):
             self._progress.phase(description, total)
 
     def _advance(self) -> None:
+        """After each rollout batch and each scored batch (the same number on every process): a safe point."""
         if self._progress is not None:
             self._progress.advance()
+        self._stop_point()
 
     def _named_trainable(self) -> list[tuple[str, torch.Tensor]]:
         return [(str(k), p) for k, p in enumerate(self.backbone.trainable_parameters())]
