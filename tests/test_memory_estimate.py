@@ -200,6 +200,7 @@ def test_wan22_holds_its_frozen_expert_whole_in_the_model_dtype(me):
     the other frozen in bf16, a row of its own (unsharded) in the component table and in the static bytes."""
     from diffusers import WanTransformer3DModel
 
+    from tpflow.backbones.placement import place
     from tpflow.backbones.wan22 import Wan22Options
     from tpflow.memory.models import count_bytes
 
@@ -208,8 +209,8 @@ def test_wan22_holds_its_frozen_expert_whole_in_the_model_dtype(me):
     two = me.tiny_setup("wan")
     two.backbone = Wan22Options(dtype="bf16", resolution=32, num_frames=5, lora_rank=4, max_sequence_length=8)
     m1, m2 = me.measure(one), me.measure(two)
-    with FakeTensorMode(allow_non_fake_inputs=True), me.fake_module_to():
-        expert = WanTransformer3DModel(**me.TINY_WAN).to(torch.bfloat16)
+    with FakeTensorMode(allow_non_fake_inputs=True), me.fake_module_to():  # bf16 but for Wan's fp32 modules
+        expert = place(WanTransformer3DModel(**me.TINY_WAN), torch.device("cpu"), torch.bfloat16)
     assert m2["frozen_bytes"] == count_bytes(expert) == m2["transformer_bytes"] == m1["transformer_bytes"] > 0
     rows = me.component_rows(two, m2)
     assert ("frozen expert's weights and buffers", m2["frozen_bytes"], "bf16, not trained", False) in rows
