@@ -84,8 +84,34 @@ def test_non_finite_losses_are_skipped_and_counted(backbone):
     advantages = group_advantages(torch.randn(4, 3, generator=torch.Generator().manual_seed(3)), prompts)
     optimizer = tpflow.build("optimizer", "grpo", micro_batch_size=4, learning_rate=1e-2)
     metrics = optimizer.update(backbone, EditedLogProb(sampler, nan_on_first_step), batch, advantages)
-    assert metrics["nonfinite_losses"] == 1 and metrics["optimizer_steps"] == 1
+    # the first window step's loss of the one micro-batch: its 4 rows (the unit of rows_trained) skipped
+    assert metrics["nonfinite_losses"] == 4 and metrics["optimizer_steps"] == 1
     assert all(torch.isfinite(p).all() for p in backbone.trainable_parameters())
+
+
+def test_non_finite_losses_count_rows_under_native_and_reweight_alike():
+    """One NaN row in z₀, in a micro-batch of 2, 3 window steps: native skips that micro-batch's loss at each window
+    step, reweight the one loss it forms for the micro-batch's 3 steps; both count the 2 × 3 rows skipped (they
+    counted 3 and 1: losses, which the two modes bundle differently), and both step on the other micro-batch."""
+    import dataclasses
+
+    from tests.test_recompute_retain import ADVANTAGES, GUIDANCE, PROMPTS, WINDOW, first_step_gradient, moved_model
+    from tests.test_recompute_reweight import reweight_spec
+    from tpflow.rollout import RolloutInputs, WindowEngine
+
+    backbone, sampler = moved_model()
+    layout = {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "beta": 0.0}
+    z0 = backbone.initial_noise(len(PROMPTS), torch.Generator().manual_seed(2))
+    z0[3] = float("nan")
+    inputs = RolloutInputs(backbone, backbone.encode(PROMPTS), z0, backbone.sigmas(5), GUIDANCE, None,
+                           torch.Generator().manual_seed(3), None)  # fmt: skip
+    batch = WindowEngine(sampler, WINDOW, 0.8, None, False, reweight_spec(layout)).run(inputs)
+    kept, _, reweighted = first_step_gradient(backbone, sampler, batch, ADVANTAGES, recompute="reweight", **layout)
+    native, _, recomputed = first_step_gradient(backbone, sampler, dataclasses.replace(batch, retained=None),
+                                                ADVANTAGES, **layout)  # fmt: skip
+    assert torch.isfinite(kept).all() and torch.isfinite(native).all() and native.norm() > 0
+    assert reweighted["nonfinite_losses"] == recomputed["nonfinite_losses"] == 2 * WINDOW.size
+    assert reweighted["rows_trained"] == recomputed["rows_trained"] == 2 * WINDOW.size
 
 
 def test_a_non_finite_value_in_a_masked_row_does_not_drop_the_trained_rows(backbone):

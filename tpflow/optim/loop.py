@@ -224,8 +224,10 @@ class AdamWLoop:
         """Train over ``passes`` (per inner epoch, its micro-batches in order: row indices, in whatever form the
         subclass's ``losses`` takes) with the losses that ``losses(micro_batch)`` yields; ``on_step(n)`` after each
         optimizer step taken. Returns the update's metrics: row means of every ``RowLoss.sums`` entry, maxima
-        (overall and, as ``first_<name>``, before the first optimizer step), ``grad_norm``, ``nonfinite_losses``,
-        ``rows_trained``, ``optimizer_steps``, ``skipped_steps``.
+        (overall and, as ``first_<name>``, before the first optimizer step), ``grad_norm``, ``nonfinite_losses``
+        (how many rows, counted as ``rows_trained`` counts them, were skipped with a non-finite loss: one unit however
+        a mode bundles its losses, a window step's or reweight's several steps in one), ``rows_trained``,
+        ``optimizer_steps``, ``skipped_steps``.
 
         Sharded over several processes (FSDP2: every forward and backward is a collective), a step of a process
         with fewer micro-batches than another's is padded with ``filler`` (a micro-batch of its own, trained at
@@ -269,7 +271,7 @@ class AdamWLoop:
         flags = torch.stack([out.rows.detach().float(), torch.isfinite(out.total.detach()).float()])
         rows, finite = flags.tolist()  # the loss's one host read
         if rows == 0 or not finite:
-            totals.nonfinite += int(rows != 0)
+            totals.nonfinite += int(rows)  # rows, not losses: the unit of rows_trained, whatever a loss bundles
             if self._dist.sharded and out.total.requires_grad:  # lockstep: every process back-propagates every
                 # loss; a non-finite one makes the gradient norm non-finite and the step is skipped everywhere
                 self.precision.backward(out.total * 0)

@@ -447,7 +447,8 @@ class Trainer(RunCheckpoints):
     def _check_finite(self, update: dict[str, float]) -> None:
         if update.get("nonfinite_losses", 0) > 0:
             self.nonfinite_epochs += 1
-            self.console.print(f"[yellow]warning:[/] {int(update['nonfinite_losses'])} non-finite losses skipped.")
+            rows = int(update["nonfinite_losses"])  # rows, as rows_trained counts them (tpflow.optim.loop)
+            self.console.print(f"[yellow]warning:[/] non-finite losses skipped ({rows} rows).")
             if self.nonfinite_epochs >= MAX_NONFINITE_EPOCHS:
                 raise UserError(
                     f"Non-finite losses in {MAX_NONFINITE_EPOCHS} epochs in a row: the run stops. Lower "
