@@ -247,13 +247,16 @@ def judge(combo: dict[str, str], recipe_path: Path, weights: Path, cache: dict) 
         return Outcome(combo, "refused" if ok else "FAILED", text if ok else f"not one paragraph: {text}")
     reference = {**combo, **REFERENCE}
     key = tuple(sorted(reference.items()))
-    if key not in cache:
-        cache[key] = run_combination(recipe_path, overrides(reference, weights), nonfinite=reference == combo)
-    ref, finite = cache[key]
-    if reference != combo or finite is None:
-        grad, finite = run_combination(recipe_path, sets)
-    else:
-        grad = ref
+    try:  # accepted: anything raised from here on is a failure (the check should have refused it)
+        if key not in cache:
+            cache[key] = run_combination(recipe_path, overrides(reference, weights), nonfinite=reference == combo)
+        ref, finite = cache[key]
+        if reference != combo or finite is None:
+            grad, finite = run_combination(recipe_path, sets)
+        else:
+            grad = ref
+    except Exception as error:  # noqa: BLE001 - reported as the combination's failure
+        return Outcome(combo, "FAILED", f"accepted by the check, then raised {type(error).__name__}: {error}")
     distance = 1.0 - float(torch.nn.functional.cosine_similarity(grad, ref, dim=0))
     tolerance = TOLERANCE[combo["precision"]]
     bad = []

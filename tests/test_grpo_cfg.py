@@ -118,14 +118,23 @@ def test_the_forward_values_do_not_change(setting):
 
 
 def test_conditional_without_a_cfg_branch_is_refused(tmp_path, tiny_weights):
-    """At guidance 1 there is no unconditional branch: the recipe is refused before anything loads, and a backbone
-    whose guidance is not CFG (FLUX's embedding) is refused at the first update, each in one paragraph."""
+    """At guidance 1 there is no unconditional branch, nor in a guidance-distilled backbone (FLUX's embedding): both
+    recipes are refused before anything loads (the combination matrix found the second accepted, then stopped at the
+    first update), and a backbone no recipe check knows is still refused at the first update, each in one paragraph."""
     from tests.cli_run import tpflow as run
     from tests.test_train import tiny_recipe
 
     recipe = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
     result = run("validate", str(recipe), "--set", "optimizer.cfg_gradient=conditional", "--set", "rollout.guidance=1")
     assert result.returncode == 2 and "no unconditional branch" in result.stderr + result.stdout
+    from tpflow.errors import RecipeError
+    from tpflow.recipe import load_recipe
+
+    with pytest.raises(RecipeError, match="guidance-distilled"):
+        load_recipe(
+            recipe,
+            ['backbone={name = "tiny-flux", seed = 0, resolution = 16}', 'optimizer.cfg_gradient="conditional"'],
+        )
     flux = tpflow.build("backbone", "tiny-flux", seed=0, resolution=16)
     sampler = tpflow.build("sampler", "flow-sde")
     z0 = flux.initial_noise(2, torch.Generator().manual_seed(0))

@@ -39,6 +39,10 @@ CAPABILITIES: dict[str, Any] = {
     # its leading dimension, nothing else folded in (frames, tokens): what reweight's per-row gradients need
     # (tpflow.rollout.per_row_grads); a backbone that folds frames into the batch says False
     "per_row_layers": True,
+    # Backbone: its guidance is classifier-free guidance, an unconditional branch combined with the conditional one
+    # (tpflow.guidance.combine); False for a guidance-distilled model whose scale is an embedding (FLUX.1-dev), which
+    # cfg_gradient = "conditional" cannot hold constant
+    "cfg_branch": True,
     "needs_old_means": False,  # Optimizer: the rollout must store each step's transition mean (RatioNorm)
     # Optimizer: a tpflow.rollout.retain.Retain (or .reweight.Reweight) when its update reuses the rollout's forwards
     "retain": None,

@@ -174,4 +174,7 @@ def flux_1_dev(options: FluxOptions) -> FluxBackbone:
     return FluxBackbone(pipe, options)
 
 
+flux_1_dev.cfg_branch = False  # guidance-distilled: the scale is an embedding, no unconditional branch
+
+
 attach_preflight(flux_1_dev, "FluxTransformer2DModel", "FLUX.1-dev")

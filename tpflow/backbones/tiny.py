@@ -352,6 +352,9 @@ def tiny_flux(options: TinyFluxOptions) -> FluxBackbone:
     return FluxBackbone(tiny_flux_pipeline(options.seed), options)
 
 
+tiny_flux.cfg_branch = False  # as flux.1-dev
+
+
 def _check_machine(options: TinyOptions, settings: dict) -> list[str]:
     """The LoRA targets name layers of the tiny transformer, built without the pipeline (``tpflow.preflight``).
 

@@ -117,6 +117,14 @@ class GRPO(AdamWLoop):
                 "there is no unconditional branch to hold constant, so the option would change nothing. Drop it, or "
                 "set the guidance of the method you reproduce (SD3.5: 4.5)."
             )
+        backbone = settings.get("backbone")
+        if (options.cfg_gradient == "conditional" and guidance != 1 and backbone is not None
+                and not capability(registry.get("backbone", backbone.name).factory, "cfg_branch")):  # fmt: skip
+            problems.append(
+                f'[optimizer] cfg_gradient = "conditional" holds the unconditional branch of classifier-free guidance '
+                f"constant, and [backbone] name = {backbone.name!r} is guidance-distilled (its guidance "
+                f"{guidance:g} is an embedding of one call, no unconditional branch). Drop the option."
+            )
         problems += retain_problems(options, settings)
         sampler = settings["sampler"].name
         if options.ratio_norm and not capability(registry.get("sampler", sampler).factory, "gaussian_log_prob"):
