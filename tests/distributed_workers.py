@@ -225,13 +225,19 @@ def layout_gradient(
     retain = optimizer.retain if optimizer.retain is None else optimizer.retain.for_credit(outcome)
     rollout = {"window": two_window_batch, "branch": branch_batch}[plan]
     batch = rollout(backbone, sampler, retain).index(torch.tensor(share))
-    if shard:
-        from tpflow.train.sharding import shard as fully_shard
-
-        fully_shard(backbone, torch.device(device), None)
+    sync = shard_as_the_trainer_does(backbone, device) if shard else None
     advantages = torch.randn(8, 3, generator=cpu_generator(3), dtype=torch.float64)
     advantages = (advantages[:, :1].expand(8, 3).contiguous() if outcome else advantages)[share]
-    return one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator, mode)
+    return one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator, mode, sync)
+
+
+def shard_as_the_trainer_does(backbone, device: str = "cpu"):
+    """The backbone's transformer sharded over the processes; returns the gradient-sync switch the trainer gives its
+    precision (a LoRA's reduction deferred to the step's last backward; None for the whole model)."""
+    from tpflow.train.sharding import deferred_sync, shard
+
+    shard(backbone, torch.device(device), None)
+    return deferred_sync(backbone, torch.distributed.get_world_size())
 
 
 def two_window_batch(backbone, sampler, retain=None):
@@ -285,26 +291,27 @@ def nft_layout_gradient(
     groups = torch.tensor([0, 1] * 4, dtype=torch.long, device="cpu")  # the prompts' groups, as the trainer numbers
     batch = dataclasses.replace(batch, groups=groups).index(torch.tensor(share))
     advantages = torch.randn(8, 1, generator=cpu_generator(3), dtype=torch.float64)[share]
-    if shard:
-        from tpflow.train.sharding import shard as fully_shard
-
-        fully_shard(backbone, torch.device("cpu"), None)
+    sync = shard_as_the_trainer_does(backbone) if shard else None
     times = {"nft": {"timesteps_per_sample": 2}, "awm": {"train_timesteps": 2, "timestep_fraction": 1.0},
              "dgpo": {"train_timesteps": 2, "trunc_steps": 3}}[name]  # fmt: skip
     optimizer = tpflow.build(
         "optimizer", name, micro_batch_size=micro, gradient_accumulation_steps=accumulation, max_grad_norm=1e9,
         num_timesteps=4, seed=11, **times,
     )  # fmt: skip
-    return one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator, mode)
+    return one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator, mode, sync)
 
 
-def one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator=None, mode="no") -> torch.Tensor:
+def one_step_gradient(optimizer, backbone, sampler, batch, advantages, accelerator=None, mode="no",
+                      sync=None) -> torch.Tensor:  # fmt: skip
     """The flat gradient (clipping and all) of the one optimizer step ``optimizer.update`` takes over ``batch``,
-    its forward passes under ``mode`` ("no", "bf16" autocast, "fp16" with the gradient scaler)."""
+    its forward passes under ``mode`` ("no", "bf16" autocast, "fp16" with the gradient scaler); ``sync``: a sharded
+    run's gradient-sync switch (``shard_as_the_trainer_does``)."""
     from tpflow.precision import Precision
     from tpflow.shards import full
 
     precision = Precision(mode)
+    if sync is not None:
+        precision.shard(sync)
     optimizer.bind(backbone, accelerator, precision)
     seen = []
 

@@ -67,11 +67,13 @@ def recipe(tmp_path: Path, weights: Path) -> Path:
 def two_process_runs(tmp_path_factory, tiny_weights) -> dict[str, tuple[Path, list[dict]]]:
     """Two processes that train, in turn, the recipe for 2 epochs ("grpo"), its DiffusionNFT variant for 1 epoch
     without evaluations ("nft"), its whole model for 2 epochs FSDP-sharded ("fsdp") and replicated ("full", no
-    evaluations), and DanceGRPO's trained subset of steps for 1 epoch, whole model sharded ("dance") and replicated
-    ("dance-full"): for each, (its directory, what each rank returned)."""
+    evaluations), DanceGRPO's trained subset of steps for 1 epoch, whole model sharded ("dance") and replicated
+    ("dance-full"), and the recipe's LoRA sharded for 1 epoch ("lora-fsdp"): for each, (its directory, what each
+    rank returned)."""
     root = tmp_path_factory.mktemp("two-process")
-    nft, fsdp, full, dance, dance_full = (root / n for n in ("nft", "fsdp", "full", "dance", "dance-full"))
-    for folder in (nft, fsdp, full, dance, dance_full):
+    names = ("nft", "fsdp", "full", "dance", "dance-full", "lora-fsdp")
+    nft, fsdp, full, dance, dance_full, lora_fsdp = (root / n for n in names)
+    for folder in (nft, fsdp, full, dance, dance_full, lora_fsdp):
         folder.mkdir()
     runs = [
         (str(recipe(root, tiny_weights)), SMALL_BATCHES),
@@ -80,10 +82,14 @@ def two_process_runs(tmp_path_factory, tiny_weights) -> dict[str, tuple[Path, li
         (str(fsdp_recipe(full, tiny_weights)), [*REPLICATED_SETS, "eval.every=0"]),
         (str(fsdp_recipe(dance, tiny_weights)), [*FSDP_SETS, *DANCE_SETS, 'train.checkpoint_layout="gathered"']),
         (str(fsdp_recipe(dance_full, tiny_weights)), [*REPLICATED_SETS, *DANCE_SETS]),
+        (
+            str(recipe(lora_fsdp, tiny_weights)),
+            [*SMALL_BATCHES, 'train.shard="fsdp"', "train.epochs=1", "eval.every=0"],
+        ),
     ]
     zero, one = spawn(train_recipes_worker, root, runs)
     names = [("grpo", root), ("nft", nft), ("fsdp", fsdp), ("full", full), ("dance", dance),
-             ("dance-full", dance_full)]  # fmt: skip
+             ("dance-full", dance_full), ("lora-fsdp", lora_fsdp)]  # fmt: skip
     return {name: (folder, [zero["runs"][i], one["runs"][i]]) for i, (name, folder) in enumerate(names)}
 
 
@@ -324,6 +330,20 @@ def test_an_fsdp_run_killed_with_sigkill_resumes_identically_on_two_processes(tw
     straight, resumed = _final_adapter(root / "run"), _final_adapter(run)
     assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
     assert _comparable_metrics(run) == _comparable_metrics(root / "run")
+
+
+def test_an_fsdp_sharded_lora_run_ends_bitwise_where_the_replicated_one_does(two_process_runs):
+    """A LoRA on a sharded base, 2 processes, one epoch: its gradient is reduced once per step, after each process
+    summed its own losses as a replicated process does (``deferred_sync``), so it ends with the replicated run's
+    adapter after epoch 0, bit for bit (reduced after every loss, the sums rounded otherwise)."""
+    _, (zero, one) = two_process_runs["lora-fsdp"]
+    root, _ = two_process_runs["grpo"]
+    after_epoch_0 = sorted((root / "run" / "checkpoints").iterdir())[0]  # the replicated run's epoch-0 checkpoint
+    backbone = load_recipe(root / "tiny.toml", SMALL_BATCHES).build("backbone")
+    load_checkpoint(after_epoch_0).load_weights(backbone)
+    expected = [p.detach() for p in backbone.trainable_parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(zero["end"], expected, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(zero["end"], one["end"], strict=True))
 
 
 def test_ctrl_c_to_a_sharded_runs_launcher_stops_the_processes_together_to_save(two_process_runs, tmp_path):

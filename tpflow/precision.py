@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -81,8 +81,13 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False)
 
-    def backward(self, loss: Tensor) -> None:
-        """Back-propagate ``loss``, scaled under fp16 (outside any autocast region)."""
+    def backward(self, loss: Tensor, sync: bool = True) -> None:
+        """Back-propagate ``loss``, scaled under fp16 (outside any autocast region). Sharded with a
+        ``gradient_sync`` switch (``shard``), ``sync`` False keeps this backward's gradient whole on each process,
+        for a later backward's reduce-scatter to carry (the update loop's deferral to a step's last backward)."""
+        if self.gradient_sync is not None:
+            self.gradient_sync(sync)
+            self.pending_sync = not sync
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def add_scaled(self, params: Sequence[torch.nn.Parameter], grads: Sequence[Tensor | None]) -> None:
@@ -94,17 +99,22 @@ class Precision:
             if grad is not None:
                 param.grad = grad.to(param.dtype).clone() if param.grad is None else param.grad.add_(grad)
 
-    def shard(self) -> None:
+    def shard(self, gradient_sync: Callable[[bool], None] | None = None) -> None:
         """Under FSDP (``tpflow.train.sharding``): the fp16 scaler becomes torch's ShardedGradScaler, whose inf check
         is reduced over the processes (each sees only its shard of the gradients), and ``step`` skips a step whose
-        gradient norm is not finite (every process holds the same norm: they skip together)."""
+        gradient norm is not finite (every process holds the same norm: they skip together). ``gradient_sync``
+        (``tpflow.train.sharding.deferred_sync``) turns the reduce-scatter of each backward on or off: ``backward``'s
+        ``sync``."""
         self.sharded = True
+        self.gradient_sync = gradient_sync
         if self.scaler is not None:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.scaler = ShardedGradScaler(self.device_type)
 
     sharded = False
+    gradient_sync: Callable[[bool], None] | None = None
+    pending_sync = False  # a backward kept its gradient whole, and no backward has reduced it since
 
     def loss_scale(self) -> float:
         """The factor ``backward`` multiplies a loss by now (the fp16 scaler's scale: one host read; 1 otherwise)."""

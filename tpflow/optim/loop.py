@@ -25,7 +25,7 @@ its losses as thunks returning :class:`RowLoss`. The loop does the rest, the sam
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,7 +231,9 @@ class AdamWLoop:
 
         Sharded over several processes (FSDP2: every forward and backward is a collective), a step of a process
         with fewer micro-batches than another's is padded with ``filler`` (a micro-batch of its own, trained at
-        weight 0): every process runs as many losses per step (``tpflow.train.sharding``)."""
+        weight 0): every process runs as many losses per step (``tpflow.train.sharding``). Each backward is told
+        whether it is the step's last (``Precision.backward``'s ``sync``), where a LoRA's gradient is reduced over
+        the processes once per step (``tpflow.train.sharding.deferred_sync``)."""
         accumulation = self.options.gradient_accumulation_steps
         lockstep = self._dist.sharded and self._dist.enabled
         totals = _Totals()
@@ -243,17 +245,21 @@ class AdamWLoop:
                 rows, deferred = 0.0, []  # deferred: the step's losses through shared graphs (RowLoss.deferred)
                 mine = micro_batches[step * accumulation : (step + 1) * accumulation]
                 padding = int(self._dist.max(len(mine))) - len(mine) if lockstep else 0
+                if padding and filler is None:
+                    raise RuntimeError("a sharded step needs a filler micro-batch to pad with; none was given")
                 self.before_step(mine)
-                for mb in mine:
-                    for thunk in losses(mb):
-                        rows += self._backward(thunk, totals, self.global_step == steps_before, deferred)
-                for _ in range(padding):
-                    if filler is None:
-                        raise RuntimeError("a sharded step needs a filler micro-batch to pad with; none was given")
-                    for thunk in losses(filler):
-                        self._zero_backward(thunk)
+                parts = [*((mb, True) for mb in mine), *((filler, False) for _ in range(padding))]
+                for k, (mb, trained) in enumerate(parts):
+                    for thunk, last in _with_last(losses(mb)):
+                        sync = last and k == len(parts) - 1  # sharded: reduced once, at the step's last backward
+                        if trained:
+                            rows += self._backward(thunk, totals, self.global_step == steps_before, deferred, sync)
+                        else:
+                            self._zero_backward(thunk, sync)
                 if deferred:  # in one backward: it frees the graphs they share
                     self.precision.backward(sum(deferred))
+                if self.precision.pending_sync:
+                    raise RuntimeError("the sharded step's last loss had no backward to reduce its gradient with")
                 taken = self._step(rows, totals)
                 if taken is False:
                     skipped += 1
@@ -263,9 +269,9 @@ class AdamWLoop:
         result.update(optimizer_steps=float(self.global_step - steps_before), skipped_steps=float(skipped))
         return result
 
-    def _backward(self, thunk: LossThunk, totals: _Totals, first: bool, deferred: list[Tensor]) -> float:
+    def _backward(self, thunk: LossThunk, totals: _Totals, first: bool, deferred: list[Tensor], sync: bool) -> float:
         """Forward one loss in its autocast region and back-propagate it outside (a deferred one is appended to
-        ``deferred`` instead); returns the rows it trained."""
+        ``deferred`` instead; ``sync``: ``Precision.backward``'s); returns the rows it trained."""
         with self.precision.autocast() if self.autocast_each_loss else contextlib.nullcontext():
             out = thunk()
         flags = torch.stack([out.rows.detach().float(), torch.isfinite(out.total.detach()).float()])
@@ -274,24 +280,24 @@ class AdamWLoop:
             totals.nonfinite += int(rows)  # rows, not losses: the unit of rows_trained, whatever a loss bundles
             if self._dist.sharded and out.total.requires_grad:  # lockstep: every process back-propagates every
                 # loss; a non-finite one makes the gradient norm non-finite and the step is skipped everywhere
-                self.precision.backward(out.total * 0)
+                self.precision.backward(out.total * 0, sync)
             return 0.0
         if out.grads is not None:
             self.precision.add_scaled(self._params, out.grads)
         elif out.deferred:
             deferred.append(out.total)
         elif out.total.requires_grad:  # else its rows ran a frozen module only (Wan2.2's other expert): gradient 0
-            self.precision.backward(out.total)
+            self.precision.backward(out.total, sync)
         totals.add(out, rows, first)
         return rows
 
-    def _zero_backward(self, thunk: LossThunk) -> None:
+    def _zero_backward(self, thunk: LossThunk, sync: bool) -> None:
         """A padding loss of a sharded step: its forward and backward run (collectives every process must join), at
         weight 0; nothing is counted."""
         with self.precision.autocast() if self.autocast_each_loss else contextlib.nullcontext():
             out = thunk()
         if out.total.requires_grad:
-            self.precision.backward(torch.nan_to_num(out.total) * 0)
+            self.precision.backward(torch.nan_to_num(out.total) * 0, sync)
 
     def _step(self, rows: float, totals: _Totals) -> bool | None:
         """Divide the step's gradients by its rows over every process, clip, step. True: taken; False: skipped by
@@ -309,6 +315,17 @@ class AdamWLoop:
     def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
         """The live adapter collects the rollouts unless a subclass says otherwise."""
         return contextlib.nullcontext()
+
+
+def _with_last(items: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """(item, whether it is the last one) of ``items``, taken one ahead: the next loss thunk is built, not run,
+    before the current one runs."""
+    iterator, end = iter(items), object()
+    current = next(iterator, end)
+    while current is not end:
+        following = next(iterator, end)
+        yield current, following is end
+        current = following
 
 
 class _Totals:

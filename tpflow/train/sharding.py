@@ -12,12 +12,17 @@ What tpflow does around it:
 * **Sums, not means.** FSDP2 would average the gradients over processes; here every FSDP module reduces by sum
   (``set_force_sum_reduction_for_comms``, divide factor 1: gloo has no pre-multiplied sum) and the loop divides by
   the rows trained over every process, as it does unsharded (``Distributed.sync_gradients``).
+* **One reduction per step for a LoRA.** Its gradients are kept whole on each process through an optimizer step
+  and reduce-scattered at the step's last backward (:func:`deferred_sync`): the replicated run's gradient, bit for
+  bit. A full fine-tune reduces after every backward, as FSDP2 does by default (its gradient whole would cost 4
+  bytes per weight).
 * **Lockstep.** A sharded block's forward and backward are collectives, so every process must run the same number
   of them in the same order. The update loop pads a process's short optimizer steps with zero-weight micro-batches and
   back-propagates every loss, a masked or non-finite one at weight 0 (``tpflow.optim.loop``). A micro-batch's
   losses are as many on every process: one per window step, or, for the plans that train a subset of steps
   (trained-fraction, window-per-image), one per step each trajectory trains, the same number for every trajectory.
-  The recompute-free modes are refused; evaluation needs its images to split equally.
+  The rollouts pad their forwards likewise (``tpflow.train.lockstep``). The recompute-free modes are refused;
+  evaluation needs its images to split equally.
 * **Checkpoints.** By default every process writes its own shards (``tpflow.train.checkpoint_shards``: DCP,
   safetensors files, nothing gathered), read back into any layout. With ``checkpoint_layout = "gathered"`` the
   weights (the transformer's state dict, which the main process's adapter writes as its own), the AdamW moments, the
@@ -28,6 +33,7 @@ What tpflow does around it:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -112,6 +118,30 @@ def shard(backbone: Any, device: torch.device, compute_dtype: torch.dtype | None
         sharded.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied one) ...
         sharded.set_gradient_divide_factor(1.0)  # ... undivided: the loop divides by the rows trained
     return count
+
+
+def deferred_sync(backbone: Any, processes: int) -> Callable[[bool], None] | None:
+    """A switch of the reduce-scatter of every sharded module's gradients (FSDP2's ``set_requires_gradient_sync``),
+    for the update loop to defer it to each optimizer step's last backward (``Precision.shard``), or None where
+    deferring is not taken.
+
+    Deferred, each process sums its own losses' gradients whole and the processes' sums are reduced once: the
+    gradient of the replicated run, bit for bit (the per-loss reduce-scatters sum in another order, ~1e-7 relative
+    apart), and one reduce-scatter per step instead of one per loss (one per window step of every micro-batch). The
+    cost is the trained parameters' gradient held whole through the step: taken when they are at most 1/P of the
+    transformer's weights (a LoRA, whose gradient then costs less than the process's shard of the weights), not for a
+    full fine-tune, whose gradient whole (4 bytes per weight) would undo much of what sharding saves."""
+    module = transformer_of(backbone)
+    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    if trained * processes > sum(p.numel() for p in module.parameters()):
+        return None
+    modules = sharded_modules(module)
+
+    def switch(sync: bool) -> None:
+        for sharded in modules:
+            sharded.set_requires_gradient_sync(sync, recurse=False)
+
+    return switch
 
 
 def _shard_module(module: torch.nn.Module, mesh: Any, policy: Any) -> int:

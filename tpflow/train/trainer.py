@@ -63,7 +63,7 @@ from tpflow.train.run_checkpoints import RunCheckpoints
 from tpflow.train.run_lock import RunDirLock
 from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, fit_segments
 from tpflow.train.sampling import EpochSampler
-from tpflow.train.sharding import equal_eval_shares, shard, transformer_of
+from tpflow.train.sharding import deferred_sync, equal_eval_shares, shard, transformer_of
 from tpflow.train.stop import StopRequest
 from tpflow.train.trackers import Trackers, tracker_dir
 from tpflow.types import PromptItem, Rollout
@@ -184,7 +184,8 @@ class Trainer(RunCheckpoints):
     def _shard(self, checkpoint: Checkpoint | None) -> None:
         """FSDP2 over every process (``tpflow.train.sharding``): an unsharded checkpoint's weights load whole first,
         then each block is sharded (a sharded checkpoint's load into the shards: ``_restore``); the fp16 scaler
-        becomes the sharded one; each rollout batch's forwards are padded to every process's count
+        becomes the sharded one, and defers a LoRA's gradient reduction to each step's last backward
+        (``deferred_sync``); each rollout batch's forwards are padded to every process's count
         (``tpflow.train.lockstep``)."""
         if checkpoint is not None and checkpoint.layout is None:
             with restoring(checkpoint.path):
@@ -193,7 +194,7 @@ class Trainer(RunCheckpoints):
         shard(self.backbone, device, None)
         self.lockstep = Lockstep(transformer_of(self.backbone), device)
         self.dist.sharded = True
-        self.precision.shard()
+        self.precision.shard(deferred_sync(self.backbone, self.dist.world_size))
 
     # ---- public ------------------------------------------------------------------------------------------------
 
