@@ -17,7 +17,10 @@ without saving (``KeyboardInterrupt``), as a second Ctrl-C does; so does the lau
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -25,24 +28,31 @@ from typing import Any
 REPEAT_S = 2.0  # a SIGINT this soon after the first one repeats it (the terminal's and the launcher's copies)
 
 
+NOTICE = (
+    "Interrupted: the processes stop together at the next safe point (after this rollout batch, or after the update "
+    "in progress) and save; Ctrl-C again to stop at once without saving.\n"
+)
+
+
 class StopRequest:
     """SIGINT recorded, not raised, in the main thread between :meth:`install` and :meth:`remove` (a no-op on one
-    process, where Ctrl-C raises ``KeyboardInterrupt`` at once and the main process saves alone). ``say`` prints
-    what happens next when the first SIGINT comes."""
+    process, where Ctrl-C raises ``KeyboardInterrupt`` at once and the main process saves alone). The main process
+    says what happens next when the first SIGINT comes (on standard output, with one ``os.write``: a handler that
+    printed through Python's buffered streams could land inside the program's own write to them and fail)."""
 
-    def __init__(self, dist: Any, say: Any = print) -> None:
-        self.dist, self.say = dist, say
+    def __init__(self, dist: Any) -> None:
+        self.dist = dist
         self.requested_at: float | None = None
-        self._previous: Any = None
+        self._installed, self._previous = False, None
 
     def install(self) -> None:
         if self.dist.enabled and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+            self._installed, self._previous = True, signal.signal(signal.SIGINT, self._on_sigint)
 
     def remove(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        if self._installed:  # None: a handler not set from Python; Python's own then
+            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.default_int_handler)
+            self._installed = False
 
     def agreed(self) -> bool:
         """Whether any process was asked to stop (a collective: every process calls it at the same point)."""
@@ -52,9 +62,8 @@ class StopRequest:
         now = time.monotonic()
         if self.requested_at is None:
             self.requested_at = now
-            self.say(
-                "Interrupted: the processes stop together at the next safe point (after this rollout batch, or "
-                "after the update in progress) and save; Ctrl-C again to stop at once without saving."
-            )
+            if self.dist.is_main:
+                with contextlib.suppress(OSError, ValueError):
+                    os.write(sys.stdout.fileno(), NOTICE.encode())
         elif now - self.requested_at > REPEAT_S:
             raise KeyboardInterrupt

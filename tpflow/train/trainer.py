@@ -208,7 +208,7 @@ class Trainer(RunCheckpoints):
         if self.dist.is_main:
             self.run_lock.acquire()  # a no-op unless an earlier fit released it
         # several processes: Ctrl-C stops them together at a safe point (_stop_point), then they save together
-        self._stop, self._stopping = StopRequest(self.dist, self._say), False
+        self._stop, self._stopping = StopRequest(self.dist), False
         try:
             self._stop.install()
             progress.start()
@@ -254,9 +254,6 @@ class Trainer(RunCheckpoints):
         if self._stop is not None and self._stop.agreed():
             self._stopping = True
             raise KeyboardInterrupt
-
-    def _say(self, text: str) -> None:
-        self.console.print(f"[yellow]{escape(text)}[/]", soft_wrap=True, highlight=False)
 
     def _print_header(self) -> None:
         """The run's first line (recipe, run dir, epochs, credit, adapter, device) and, on several processes, how an
