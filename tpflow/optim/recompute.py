@@ -142,7 +142,9 @@ def _retained_graphs_taken(batch: Rollout, first: list[Tensor], min_trained: flo
     step recomputes natively (one host read for the finiteness)."""
     kept: RetainedSteps = batch.retained
     takes = [bool((rows < kept.end).all()) for rows in first]
-    rows = torch.cat([r for r, t in zip(first, takes, strict=True) if t] or [torch.zeros(0, dtype=torch.long)])
+    rows = torch.cat(
+        [r for r, t in zip(first, takes, strict=True) if t] or [torch.zeros(0, dtype=torch.long, device="cpu")]
+    )
     ends = [*kept.starts[1:], kept.end]
     touched = [p for p in range(len(kept.starts)) if ((rows >= kept.starts[p]) & (rows < ends[p])).any()]
     covered = sum(ends[p] - kept.starts[p] for p in touched)
