@@ -279,6 +279,11 @@ def compare(experiment: Experiment, loaded: tuple[dict[str, dict[int, dict]], li
                           "statistic": _own(run, endpoint), **cost(run)} for seed, run in sorted(seeds.items())}
         for arm, seeds in sorted(runs.items(), key=lambda item: list(spec.arms).index(item[0]))  # the file's order
     }  # fmt: skip
+    if endpoint.threshold is not None:  # which runs reached the threshold (the others are censored at their end)
+        axis = "seconds" if endpoint.statistic == "seconds_to_threshold" else "epoch"
+        for arm, seeds in runs.items():
+            for seed, run in seeds.items():
+                table[arm][str(seed)]["reached"] = time_to(run, endpoint.metric, endpoint.threshold, axis)[1]
     registration = lock.read(experiment.out)
     base_rows = table.get(endpoint.baseline, {})
     guard = watched_report(runs, spec.experiment.seeds, endpoint, list(spec.arms))
@@ -381,6 +386,13 @@ def markdown(result: dict) -> str:
                      f"[{p['low']:+.4f}, {p['high']:+.4f}], p = {p['p']:.3g}; bootstrap (cross-check) "
                      f"[{p['bootstrap_low']:+.4f}, {p['bootstrap_high']:+.4f}]. Spread of the differences "
                      f"{p['sd']:.4f}: these seeds detect {p['detectable']:.4f} at 80% power.")  # fmt: skip
+        if e.get("threshold") is not None:  # a log speed-up: its exp is the ratio of times
+            censored = [f"{arm} seed {seed}" for arm, seeds in result["runs"].items() for seed, row in seeds.items()
+                        if not row.get("reached", True)]  # fmt: skip
+            lines.append(f"Speed-up to {e['threshold']:g} ({e['baseline']}'s time ÷ {e['arm']}'s): "
+                         f"×{math.exp(p['mean']):.2f}, 95% t [×{math.exp(p['low']):.2f}, ×{math.exp(p['high']):.2f}]. "
+                         f"Never reached it (censored at their last evaluation): "
+                         f"{', '.join(censored) or 'none'}.")  # fmt: skip
     if result["secondary"]:
         lines += ["", "| secondary | difference [95% t] | p | Holm p |", "|---|---|---|---|"]
         for c in result["secondary"]:
