@@ -27,20 +27,6 @@ sys.path.insert(0, str(ROOT))
 BEGIN, END = "<!-- combinations:begin -->", "<!-- combinations:end -->"
 
 
-def tiny_weights(folder: Path) -> Path:
-    """The suite's tiny shapes-dit (tests/conftest.py's ``tiny_weights``)."""
-    import torch
-
-    from tpflow.shapes.model import ShapesDiT, ShapesDiTConfig, save_checkpoint
-
-    torch.manual_seed(1)
-    model = ShapesDiT(ShapesDiTConfig(width=32, depth=1, heads=2, text_width=32, text_layers=1))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return save_checkpoint(model, folder / "shapes_dit.safetensors")
-
-
 def accepted_by_check(recipe: Path, weights: Path):
     from tests.combinations import overrides
     from tpflow.errors import RecipeError
@@ -94,11 +80,12 @@ def main() -> int:
     args = parser.parse_args()
 
     from tests.combinations import FACTORS, SUITE_FACTORS, covering, judge, recipe_text
+    from tests.conftest import write_tiny_weights
 
     folder = Path(tempfile.mkdtemp(prefix="tpflow-matrix-"))
     recipe = folder / "tiny.toml"
     recipe.write_text(recipe_text(folder / "run"))
-    weights = tiny_weights(folder)
+    weights = write_tiny_weights(folder)
     if args.suite_rows:
         rows = covering(SUITE_FACTORS, accepted_by_check(recipe, weights), seed=args.seed)
         text = "SUITE_ROWS: list[tuple[str, ...]] = [  # in SUITE_FACTORS' order\n"

@@ -154,9 +154,9 @@ def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     registry.refresh_plugins()
 
 
-@pytest.fixture(scope="session")
-def tiny_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random shapes-dit (width 32, one block) on disk, its zero-initialised layers perturbed."""
+def write_tiny_weights(folder: Path) -> Path:
+    """A tiny random shapes-dit (width 32, one block) saved in ``folder``, its zero-initialised layers perturbed (the
+    ``tiny_weights`` fixture's; benchmarks/combinations.py writes the same)."""
     import torch
 
     from tpflow.shapes.model import ShapesDiT, ShapesDiTConfig, save_checkpoint
@@ -166,4 +166,10 @@ def tiny_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    return save_checkpoint(model, tmp_path_factory.mktemp("tiny-shapes") / "shapes_dit.safetensors")
+    return save_checkpoint(model, folder / "shapes_dit.safetensors")
+
+
+@pytest.fixture(scope="session")
+def tiny_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """:func:`write_tiny_weights` in a session folder."""
+    return write_tiny_weights(tmp_path_factory.mktemp("tiny-shapes"))

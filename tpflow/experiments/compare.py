@@ -103,10 +103,15 @@ def time_to(run: dict, metric: str, threshold: float, axis: str = "seconds") -> 
     return points[-1][0], False
 
 
+def _axis(statistic: str) -> str:
+    """The summary key a *_to_threshold statistic times along: training seconds or epochs."""
+    return "seconds" if statistic == "seconds_to_threshold" else "epoch"
+
+
 def paired_statistic(kind: str, metric: str, arm: dict, base: dict, threshold: float | None = None) -> float:
     """One seed's difference arm − baseline for an endpoint (``STATISTICS`` in tpflow.experiments.spec)."""
     if kind in ("seconds_to_threshold", "epochs_to_threshold"):  # ln(baseline's time / arm's): the log speed-up
-        axis = "seconds" if kind == "seconds_to_threshold" else "epoch"
+        axis = _axis(kind)
         return math.log(time_to(base, metric, threshold, axis)[0] / time_to(arm, metric, threshold, axis)[0])
     if kind == "auc":
         return auc(arm, metric) - auc(base, metric)
@@ -280,7 +285,7 @@ def compare(experiment: Experiment, loaded: tuple[dict[str, dict[int, dict]], li
         for arm, seeds in sorted(runs.items(), key=lambda item: list(spec.arms).index(item[0]))  # the file's order
     }  # fmt: skip
     if endpoint.threshold is not None:  # which runs reached the threshold (the others are censored at their end)
-        axis = "seconds" if endpoint.statistic == "seconds_to_threshold" else "epoch"
+        axis = _axis(endpoint.statistic)
         for arm, seeds in runs.items():
             for seed, run in seeds.items():
                 table[arm][str(seed)]["reached"] = time_to(run, endpoint.metric, endpoint.threshold, axis)[1]
@@ -360,7 +365,7 @@ def _own(run: dict, endpoint: Endpoint) -> float:
     if endpoint.statistic == "auc_seconds":
         return auc_seconds(run, endpoint.metric, run["evals"][-1]["seconds"]) if run["evals"] else math.nan
     if endpoint.threshold is not None:  # its own time to the threshold (censored: its total)
-        axis = "seconds" if endpoint.statistic == "seconds_to_threshold" else "epoch"
+        axis = _axis(endpoint.statistic)
         return time_to(run, endpoint.metric, endpoint.threshold, axis)[0]
     values = curve(run, endpoint.metric)[1]
     return values[-1] if values else math.nan

@@ -164,9 +164,7 @@ class PerRowGradients:
             if g is None:
                 continue
             first, c = call.chunk
-            if g.shape[0] % c:
-                raise UserError(_FOLDED.format(m=g.shape[0], c=c))
-            g = g.detach().reshape(g.shape[0] // c, c, -1)  # [k, c, rest]
+            g = _blocks(g.detach(), c).flatten(2)  # [k, c, rest]
             other = torch.ones(c, dtype=torch.bool, device=g.device)
             if first <= r < first + c:
                 other[r - first] = False
@@ -180,12 +178,8 @@ class PerRowGradients:
 
     def _add(self, out: list[Tensor | None], call: _Call, g: Tensor, n: int) -> None:
         first, c = call.chunk
-        m = call.x.shape[0]
-        if m % c:
-            raise UserError(_FOLDED.format(m=m, c=c))
-        k = m // c
-        x = call.x.detach().reshape(k, c, -1, call.x.shape[-1]).float()  # [k, c, T, in]
-        g = g.reshape(k, c, -1, g.shape[-1]).float()  # [k, c, T, out]
+        x = _blocks(call.x.detach(), c).float()  # [k, c, T, in]
+        g = _blocks(g, c).float()  # [k, c, T, out]
         weight, bias = self.slots[call.layer]
         for slot, share in ((weight, lambda: torch.einsum("kcto,kcti->coi", g, x)), (bias, lambda: g.sum((0, 2)))):
             if slot is None:
@@ -193,6 +187,15 @@ class PerRowGradients:
             if out[slot] is None:
                 out[slot] = torch.zeros((n, *self.params[slot].shape), dtype=torch.float32, device=g.device)
             out[slot][first : first + c] += share()
+
+
+def _blocks(t: Tensor, c: int) -> Tensor:
+    """A layer's tensor [m, ..., d] over a velocity call of ``c`` rows as its k = m / c blocks of those rows (the CFG
+    copies): [k, c, T, d]; a batch that is not whole blocks of the rows cannot be told apart."""
+    m = t.shape[0]
+    if m % c:
+        raise UserError(_FOLDED.format(m=m, c=c))
+    return t.reshape(m // c, c, -1, t.shape[-1])
 
 
 _NO_GRADIENT = (
