@@ -29,8 +29,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	@touch $(STAMP)
 
+# The suite runs on TEST_WORKERS processes (pytest-xdist), one test file per worker at a time (--dist loadfile: a
+# module's fixtures, its 2-process runs among them, are built once), one BLAS thread each: the tiny models gain
+# nothing from a second thread, and two files at once keep both cores busy. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # TP-GRPO on the embedded shapes world, on the CPU: 10 of the recipe's 20 epochs, evaluated at epochs 0, 5 and 10 so
 # that the eval reward shows while it runs (it moves by a few hundredths either way in 10 epochs: README). Measured on
