@@ -135,14 +135,30 @@ def test_eval_of_the_shipped_model_reproduces_the_epoch_0_eval(run, capsys, tmp_
 
 
 def test_baseline_prints_and_records_the_differences(run, capsys, tmp_path):
-    args = ["eval", str(run), "--steps", EVAL_STEPS, "--baseline", str(RECIPE), "--out", str(tmp_path / "vs")]
-    code, out, _ = cli(capsys, *args, *_sets(SMALL))
-    assert code in (0, None)
+    """The shipped recipe as baseline, but with another reward option and other eval settings (6 prompts, seed 7):
+    scored as the run is (its reward, its 12 prompts, its seed), so it reproduces the run's own epoch-0 evaluation
+    of the same base model exactly and pairs with it prompt by prompt; the screen says what scored both and what of
+    the baseline's recipe went unused. Then the table, the intervals and the comparison image."""
+    text = RECIPE.read_text().replace('name = "shapes-geneval"', 'name = "shapes-geneval"\nscore = "strict"', 1)
+    text = text.replace("num_prompts = 192", "num_prompts = 6\nseed = 7")
+    assert text.count("score = ") == 1 and "seed = 7" in text
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / RECIPE.name).write_text(text)
+    args = ["eval", str(run), "--baseline", str(tmp_path / "b" / RECIPE.name), "--out", str(tmp_path / "vs")]
+    code, out, err = cli(capsys, *args)
+    assert code in (0, None), err
     data = _eval_json(tmp_path / "vs")
+    for key in ("reward", "num_prompts", "images_per_prompt", "seed", "steps", "guidance"):
+        assert data["baseline"]["settings"][key] == data["target"]["settings"][key], key
+    assert data["baseline"]["scored_as"] == f"{run}@{data['target']['step']}" and data["baseline"]["kind"] == "recipe"
+    assert data["baseline"]["metrics"] == _eval_fields(read_jsonl(run / "metrics.jsonl")[0])  # the base model
+    flat = " ".join(out.split())
+    assert "target and baseline both scored by the target's reward 'shapes-geneval'" in flat
+    assert "the baseline gives only its model (shapes-dit, its base weights)" in flat
+    assert "not used from its own recipe: reward.score = 'strict', eval.num_prompts = 6, eval.seed = 7" in flat
     mine, theirs = data["target"]["categories"], data["baseline"]["categories"]
     for category, delta in data["difference"].items():
         assert delta["reward"] == pytest.approx(mine[category]["reward"] - theirs[category]["reward"])
-    flat = " ".join(out.split())
     assert "Δ reward [95% t]" in out and "not training's seed-to-seed spread" in flat
     overall = data["difference"]["overall"]["reward"]
     span = data["difference_interval"]["categories"]["overall"]["reward"]
@@ -430,3 +446,54 @@ def test_the_difference_has_a_paired_interval_over_prompts():
     other = _result([1.0, 1.0, 0.0], [0.9, 0.8, 0.1], "runs/c")
     other.items[0] = PromptItem("a bird", {"tag": "single_object"})
     assert paired_intervals(other, base) == {}  # other prompts: no pairs, and the table says so
+
+
+# ---- a comparison is of models: one reward, one eval set (tpflow.evaluation.scorer) --------------------------------
+
+
+def test_a_baseline_of_another_backbone_is_refused_before_anything_loads(capsys, monkeypatch):
+    """The target's eval settings belong to its backbone: a baseline whose images differ in kind is no pair."""
+    import tpflow.evaluation.run as run_module
+
+    monkeypatch.setattr(run_module, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    tiny = str(Path(__file__).resolve().parent.parent / "recipes" / "tiny_smoke.toml")
+    code, _, err = cli(capsys, "eval", str(RECIPE), "--baseline", tiny)
+    message = _one_paragraph(err)
+    assert code == 2 and "their images differ in kind" in message
+    assert "backbone.name 'shapes-dit' (target) vs 'tiny-sd3' (baseline)" in message
+    assert "backbone.resolution 'fixed' (target) vs" in message  # every difference named
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_named_as_such(capsys, tmp_path, recwarn):
+    """eval, sample and export of a run dir with logs but no checkpoints/: one paragraph saying so, and what to do;
+    export of a folder that is not there: one paragraph, no raw UserWarning before it."""
+    started = tmp_path / "started"
+    started.mkdir()
+    (started / "metrics.jsonl").write_text('{"epoch": 0, "eval_reward": 0.5}\n')
+    for args in (["eval", str(started)], ["sample", str(started), "--prompt", "x"],
+                 ["export", str(started), "--out", str(tmp_path / "out")]):  # fmt: skip
+        code, _, err = cli(capsys, *args)
+        message = _one_paragraph(err)
+        assert code == 2 and "is a run dir with nothing saved yet" in message and "neither" not in message, args
+        assert "tpflow train RECIPE --run-dir" in message and "metrics.jsonl" in message
+    code, _, err = cli(capsys, "export", str(tmp_path / "nope"), "--out", str(tmp_path / "out"))
+    assert code == 2 and "no such folder" in _one_paragraph(err)
+    assert not [w for w in recwarn if "checkpoint" in str(w.message)]  # once printed raw, with its source line
+
+
+def test_sample_writes_into_the_runs_samples_folder_by_default(run, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(capsys, "sample", str(run), "--prompt", "a red circle", "--n", "1", "--steps", "2")
+    assert code in (0, None), err
+    step = _newest_step(run)
+    written = run / "samples" / f"sample_step{step}.png"
+    assert written.is_file() and written.with_suffix(".png.json").is_file()
+    assert not (tmp_path / "samples.png").exists()
+    assert f"wrote {written}" in " ".join(out.split())
+
+
+def _newest_step(run: Path) -> int:
+    """The step of the run's newest checkpoint (what `tpflow sample RUN` loads)."""
+    from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
+
+    return load_checkpoint(find_checkpoint(run)[0]).step

@@ -373,6 +373,8 @@ def export(
     from tpflow.export import export as run_export
 
     summary = run_export(source, out, merge=merge, ema=ema, overwrite=overwrite)
+    for note in summary["skipped"]:
+        warn(note)
     console = make_console()
     what = "merged transformer" if merge else "LoRA adapter"
     console.print(

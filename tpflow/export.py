@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +26,11 @@ def export(source: Path, out: Path, merge: bool = False, ema: bool = True, overw
 
     ``out`` must not exist or be an empty folder, unless ``overwrite`` (then the files the export writes replace
     theirs; other files stay). Returns a summary (checkpoint path, step, whether EMA weights were used, what was
-    written).
+    written, and ``skipped``: the newer checkpoints passed over, each with why).
     """
     from tpflow.evaluation.targets import EXPORT_MANIFEST, EXPORT_RECIPE, apply_ema
     from tpflow.recipe import validate_recipe
-    from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
+    from tpflow.train.checkpoint import load_checkpoint
 
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -41,11 +40,7 @@ def export(source: Path, out: Path, merge: bool = False, ema: bool = True, overw
             f"--out {out} already exists and is not empty; the export would overwrite the files in it. Choose "
             "another --out, or pass --overwrite to write into it (the export's files are replaced, others stay)."
         )
-    path, notes = find_checkpoint(Path(source))
-    for note in notes:
-        warnings.warn(note, stacklevel=2)
-    if path is None:
-        raise UserError(f"No valid checkpoint in {source}: pass a run dir or a checkpoints/<step> dir.")
+    path, notes = _checkpoint_of(Path(source))
     ckpt = load_checkpoint(path)
     recipe = validate_recipe(ckpt.recipe, where=f"the recipe stored in {path}")
     backbone = recipe.build("backbone")
@@ -79,7 +74,29 @@ def export(source: Path, out: Path, merge: bool = False, ema: bool = True, overw
     # The recipe beside the adapter: `tpflow eval OUT` rebuilds the model it belongs to from it.
     (out / EXPORT_RECIPE).write_text(json.dumps(ckpt.recipe, indent=2, sort_keys=True))
     _readable_as_umask_allows(out, before)
-    return summary
+    return {**summary, "skipped": notes}  # newer checkpoints passed over, with why: the command warns of each
+
+
+def _checkpoint_of(source: Path) -> tuple[Path, list[str]]:
+    """The newest valid checkpoint under ``source`` and what newer ones were skipped; a UserError (one paragraph,
+    no warning before it) when there is none: no such folder, a run stopped before its first save, or none valid."""
+    from tpflow.evaluation.targets import nothing_saved
+    from tpflow.train.checkpoint import find_checkpoint
+
+    if not source.is_dir():
+        what = "not a folder" if source.exists() else "no such folder"
+        raise UserError(
+            f"No valid checkpoint in {source}: {what}. Pass a run dir (runs/NAME: its newest valid checkpoint) or a "
+            "checkpoint dir (runs/NAME/checkpoints/STEP)."
+        )
+    started = nothing_saved(source)
+    if started is not None:
+        raise UserError(started)
+    path, notes = find_checkpoint(source)
+    if path is None:
+        why = f" ({'; '.join(notes)})" if notes else ""
+        raise UserError(f"No valid checkpoint in {source}{why}: pass a run dir or a checkpoints/<step> dir.")
+    return path, notes
 
 
 def _stamps(folder: Path) -> dict[Path, int]:

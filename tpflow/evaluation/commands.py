@@ -81,7 +81,11 @@ def _eval_accelerator(recipe: Any) -> tuple[Any, Any]:
 BaselineOption = Annotated[
     str | None,
     typer.Option(
-        help="A second TARGET evaluated the same way; the table shows both and the difference.", show_default=False
+        help="A second TARGET (a run, checkpoint, export or recipe) scored exactly as TARGET is: by TARGET's "
+        "recipe's reward, watched rewards and eval settings (prompts, images per prompt, seed, steps, guidance), "
+        "with only its model (backbone and adapter or weights) taken from it; refused when its images would differ "
+        "in kind (another backbone, image size or frame count). The table shows both and the difference.",
+        show_default=False,
     ),
 ]
 PromptsOption = Annotated[
@@ -137,6 +141,7 @@ def eval_(
 ) -> None:
     """Sample TARGET on a prompt set by ODE and score it: a table per category (GenEval: strict accuracy per tag and
     overall), eval.json, a sample grid (with --baseline also a comparison image), each grid with its tile map.
+    With --baseline both are scored by TARGET's reward and eval settings: a comparison of models (one line says so).
 
     Example: tpflow eval runs/geneval_tp --prompts geneval --images-per-prompt 4 --baseline recipes/geneval_tp.toml
     """
@@ -144,11 +149,11 @@ def eval_(
     from tpflow.evaluation.run import EvalOptions, default_out, evaluate_target
 
     warn_broken_plugins()
-    targets = _checked_targets(target, baseline, prompts, recipe, checkpoint, set_, resolution)
     options = EvalOptions(
         prompts=prompts, num_prompts=num_prompts, steps=steps, guidance=guidance,
         images_per_prompt=images_per_prompt, seed=seed, batch_size=batch_size, ema=ema,
     )  # fmt: skip
+    targets = _checked_targets(target, baseline, options, recipe, checkpoint, set_, resolution)
     launch_if_asked(ctx, num_processes, num_machines, machine_rank, main_process_ip, main_process_port)
     accelerator, precision = _eval_accelerator(targets[0].recipe)
     dist = Distributed(accelerator)
@@ -165,20 +170,26 @@ def eval_(
 def _checked_targets(
     target: str,
     baseline: str | None,
-    prompts: str,
+    options: Any,
     recipe: Path | None,
     checkpoint: str | None,
     set_: list[str] | None,
     resolution: int | None,
 ) -> list[Any]:
-    """TARGET and the baseline (when given) resolved, each checked against this machine and its recipe's preflight,
-    and ``--prompts`` checked, all before any weights load or any process launches, so that a mistake costs
-    seconds; the checks' report is printed once every one has passed. Returns ``[target]`` or ``[target,
-    baseline]``."""
+    """TARGET and the baseline (when given) resolved, the baseline to be scored as TARGET is (its model in TARGET's
+    recipe: ``tpflow.evaluation.scorer``), each checked against this machine and its recipe's preflight, and
+    ``--prompts`` checked, all before any weights load or any process launches, so that a mistake costs seconds;
+    the checks' report, then what scores both, is printed once every one has passed. Returns ``[target]`` or
+    ``[target, baseline]``."""
+    from tpflow.evaluation.scorer import scored_as, scoring_line
     from tpflow.evaluation.targets import resolve_target
 
     resolved = resolve_target(target, recipe, checkpoint, set_, resolution)
-    other = resolve_target(baseline, None, None, set_, resolution) if baseline is not None else None
+    other, line = None, None
+    if baseline is not None:  # the comparison is of models: one reward, one eval set, for both
+        own = resolve_target(baseline, None, None, set_, resolution)
+        other, line = scored_as(resolved, own), scoring_line(resolved, own, options)
+    prompts = options.prompts
     from tpflow.preflight import check_machine
 
     reports = []
@@ -189,6 +200,8 @@ def _checked_targets(
     if prompts not in ("test", "train", "geneval", "ocr") and not Path(prompts).expanduser().is_file():
         raise UserError(f"--prompts {prompts!r} is neither test, train, geneval, ocr nor an existing prompt file.")
     print_report(*reports)  # every check passed: the device, where each weight comes from
+    if line is not None:
+        make_console().print(line, highlight=False, markup=False, soft_wrap=True)
     return [resolved, *([other] if other is not None else [])]
 
 
@@ -213,14 +226,22 @@ def _report_eval(console: Console, results: list[Any], folder: Path, ema: bool) 
     console.print(f"the grids show {result.scored.grid_rule}", highlight=False, markup=False)
 
 
+SampleOutOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="The PNG to write, its tile layout beside it in OUT.json (default: RUN/samples/sample_step<S>.png for "
+        "a run or checkpoint, beside the trainer's eval grids; ./samples.png for an export or a recipe).",
+        show_default=False,
+    ),
+]
+
+
 @user_errors
 def sample(
     target: Target,
     prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="A prompt (repeatable): one row each.")],
     n: Annotated[int, typer.Option("--n", min=1, help="Images per prompt.")] = 4,
-    out: Annotated[Path, typer.Option(help="The PNG to write (its tile layout goes to OUT.json).")] = Path(
-        "samples.png"
-    ),
+    out: SampleOutOption = None,
     steps: StepsOption = None,
     guidance: GuidanceOption = None,
     seed: Annotated[int, typer.Option(help="Noise seed.")] = 0,
@@ -239,11 +260,12 @@ def sample(
     from tpflow.rewards._images import to_uint8
     from tpflow.video import frame_strip
 
-    if out.suffix.lower() != ".png":
+    if out is not None and out.suffix.lower() != ".png":
         raise UserError(f"--out {out} should name a .png file.")
     from tpflow.evaluation.targets import resolve_target
 
     resolved = resolve_target(target, recipe, checkpoint, set_, resolution)
+    out = out or sample_out(resolved)
     from tpflow.preflight import check_machine
 
     print_report(check_machine(resolved.recipe, where=str(resolved.path)))  # devices, model files: before loading
@@ -268,7 +290,16 @@ def sample(
         f"{'clips' if clips else 'images'} of {resolved.label}, {steps} steps, guidance {scale:g}, seed {seed})",
         highlight=False,
         markup=False,
+        soft_wrap=True,  # one line, the path whole: the terminal wraps it
     )
+
+
+def sample_out(target: Any) -> Path:
+    """Where ``tpflow sample`` writes without --out: a run's (or checkpoint's run's) samples/ folder, beside the
+    trainer's eval grids, named for the checkpoint's step; ./samples.png for an exported adapter or a recipe."""
+    if target.kind in ("run", "checkpoint"):
+        return target.path / "samples" / f"sample_step{target.step}.png"
+    return Path("samples.png")
 
 
 def _progress(console: Console, description: str) -> Any:

@@ -34,6 +34,7 @@ class Target:
     checkpoint: Any = None  # a run's or checkpoint's: its weights load through it (an adapter or a sharded run's)
     ema_state: dict[str, torch.Tensor] | None = None  # the run's EMA of the adapter, when it kept one
     step: int | None = None  # optimizer step of the checkpoint
+    scored_as: str | None = None  # a baseline's: the target whose recipe scores it (tpflow.evaluation.scorer)
 
     @property
     def label(self) -> str:
@@ -57,6 +58,7 @@ class Target:
             "backbone": self.recipe.backbone.name,
             "step": self.step,
             "ema": bool(ema and self.ema_state is not None),
+            **({"scored_as": self.scored_as} if self.scored_as is not None else {}),
         }
 
 
@@ -90,9 +92,30 @@ def resolve_target(
         )
     if (path / "checkpoints").is_dir() or (path / "manifest.json").is_file():
         return _checkpoint_target(path, checkpoint, overrides, resolution)
+    started = nothing_saved(path)
+    if started is not None:
+        raise UserError(started)
     if checkpoint is not None:
         raise UserError(f"--checkpoint picks a checkpoint of a run dir; {path} has no checkpoints/ folder.")
     return _export_target(path, recipe, overrides, resolution)
+
+
+RUN_FILES = ("metrics.jsonl", "traces.jsonl", ".lock", "samples", "tensorboard")  # what a run writes before a save
+
+
+def nothing_saved(path: Path) -> str | None:
+    """What to say of a folder that is a run dir with nothing saved yet (a run stopped before its first checkpoint:
+    it has its logs but no ``checkpoints/``), or None when ``path`` is not one."""
+    found = [name for name in RUN_FILES if (path / name).exists()]
+    if not found or (path / "checkpoints").is_dir() or (path / "manifest.json").is_file():
+        return None
+    return (
+        f"{path} is a run dir with nothing saved yet: it has {', '.join(found)} but no checkpoints/ (a run writes "
+        "its first checkpoint every train.save_every epochs and at its end; this one stopped before that). There "
+        "are no trained weights to use: start the run again with the same `tpflow train RECIPE --run-dir "
+        f"{path}` (it tidies the stopped attempt's logs), or use the base model, `tpflow eval RECIPE`."
+        + (" Its evaluations so far are in metrics.jsonl." if "metrics.jsonl" in found else "")
+    )
 
 
 def _recipe_target(path: Path, checkpoint: str | None, overrides: list[str], resolution: int | None) -> Target:
