@@ -375,3 +375,70 @@ def test_time_to_a_threshold_by_hand_and_censored():
         Endpoint(arm="a", baseline="b", statistic="seconds_to_threshold")
     with pytest.raises(ValidationError, match="drop threshold"):
         Endpoint(arm="a", baseline="b", statistic="auc", threshold=0.6)
+
+
+def _scored_experiment(tmp_path, arms: str, metric: str = "eval_reward", task: str = "") -> Path:
+    """Two arms of the shapes recipe (no weights read) and a primary endpoint on ``metric``."""
+    root = Path(__file__).resolve().parent.parent
+    path = tmp_path / "scored.toml"
+    path.write_text(f"""[experiment]
+name = "scored"
+recipe = "{root / "recipes" / "shapes_flowgrpo.toml"}"
+seeds = [0, 1, 2]
+out = "{tmp_path / "exp"}"
+[task]
+{task}
+{arms}
+[primary]
+arm = "b"
+baseline = "a"
+metric = "{metric}"
+statistic = "final"
+""")
+    return path
+
+
+def test_compare_refuses_arms_scored_by_different_rewards_or_eval_settings(tmp_path):
+    """Two reward functions never share a row: arms that differ in the reward (an option of it) or in an eval
+    setting that changes the endpoint's metric, through a replaced section too, are refused in one paragraph naming
+    each difference, by the sweep's check (load_experiment) and by compare alike."""
+    reward = '[arms.a]\ncredit.name = "outcome"\n[arms.b]\nreward.score = "strict"\n'
+    path = _scored_experiment(tmp_path, reward)
+    with pytest.raises(RecipeError, match="not scored alike") as refused:
+        load_experiment(path)  # what `tpflow sweep` and `tpflow validate` read: refused before any run
+    assert "reward.score 'partial' (a) vs 'strict' (b)" in str(refused.value)
+    assert "eval_watch_x" in str(refused.value)  # how arms that train on different rewards are compared
+    with pytest.raises(RecipeError, match="reward.score"):
+        compare(load_experiment(path, check_arms=False), ({}, []))
+    replaced = ('[arms.a]\ncredit.name = "outcome"\n[arms.b]\nreplace = ["eval"]\n[arms.b.eval]\nnum_steps = 10\n'
+                "guidance = 3.0\nnum_prompts = 24\nimages_per_prompt = 2\nevery = 5\n")  # fmt: skip
+    with pytest.raises(RecipeError) as refused:
+        load_experiment(_scored_experiment(tmp_path, replaced))
+    message = " ".join(str(refused.value).split())
+    assert "eval.num_prompts 192 (a) vs 24 (b)" in message and "eval.images_per_prompt 1 (a) vs 2 (b)" in message
+    assert "eval.every" not in message and "batch_size" not in message  # these change no figure
+
+
+def test_compare_of_arms_with_their_own_rewards_reads_a_shared_watched_reward(tmp_path):
+    """Arms trained on different rewards, compared on a watched reward both are scored by: allowed, and the report
+    says eval_reward is per arm by design; the hacking guard does not difference it across arms."""
+    task = 'eval.rewards = [{name = "shapes-geneval", label = "g", options = {score = "strict"}}]'
+    arms = '[arms.a]\ncredit.name = "outcome"\n[arms.b]\nreward.score = "soft"\n'
+    experiment = load_experiment(_scored_experiment(tmp_path, arms, metric="eval_watch_g", task=task))
+
+    def run(values):
+        return {"evals": [{"epoch": e, "seconds": 10.0 * e, "eval_reward": v, "eval_reward_se": 0.01,
+                           "eval_watch_g": v / 2, "eval_watch_g_se": 0.01} for e, v in enumerate(values)],
+                "train": {}}  # fmt: skip
+
+    runs = {"a": {s: run([0.5, 0.5 + 0.01 * s]) for s in (0, 1, 2)},
+            "b": {s: run([0.5, 0.7 + 0.02 * s]) for s in (0, 1, 2)}}  # fmt: skip
+    result = compare(experiment, (runs, []))
+    assert result["primary"]["differences"] == pytest.approx([0.1, 0.105, 0.11], abs=1e-12)
+    assert (
+        list(result["per_arm"]) == ["eval_reward"]
+        and "reward.score 'partial' (a) vs 'soft' (b)" in (result["per_arm"]["eval_reward"])
+    )
+    assert "eval_reward" not in result["watched"]["differences"]["b"]
+    assert "eval_watch_g" in result["watched"]["differences"]["b"]
+    assert "eval_reward is per arm by design" in " ".join(markdown(result).split())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import numpy as np
 
 from tpflow.errors import UserError
 from tpflow.experiments import lock
-from tpflow.experiments.spec import Endpoint, Experiment
+from tpflow.experiments.spec import Endpoint, Experiment, check_scorers
 from tpflow.experiments.sweep import DONE
 from tpflow.intervals import holm, t_interval
 
@@ -249,6 +250,7 @@ def compare(experiment: Experiment, loaded: tuple[dict[str, dict[int, dict]], li
     the caller has read the runs already (the figure draws from the same summaries)."""
     spec = experiment.spec
     endpoint: Endpoint = spec.primary
+    per_arm = check_scorers(experiment)  # refuses arms scored unlike on an endpoint's metric, before any figure
     runs, missing = load_runs(experiment) if loaded is None else loaded
 
     def paired(arm: str, metric: str, kind: str, baseline: str = endpoint.baseline,
@@ -279,19 +281,10 @@ def compare(experiment: Experiment, loaded: tuple[dict[str, dict[int, dict]], li
     adjusted = holm({c.name: c.p for c in secondary}) if secondary else {}
     for c in secondary:
         c.holm_p = adjusted[c.name]
-    table = {
-        arm: {str(seed): {"epochs": curve(run, endpoint.metric)[0], "values": curve(run, endpoint.metric)[1],
-                          "statistic": _own(run, endpoint), **cost(run)} for seed, run in sorted(seeds.items())}
-        for arm, seeds in sorted(runs.items(), key=lambda item: list(spec.arms).index(item[0]))  # the file's order
-    }  # fmt: skip
-    if endpoint.threshold is not None:  # which runs reached the threshold (the others are censored at their end)
-        axis = _axis(endpoint.statistic)
-        for arm, seeds in runs.items():
-            for seed, run in seeds.items():
-                table[arm][str(seed)]["reached"] = time_to(run, endpoint.metric, endpoint.threshold, axis)[1]
+    table = _runs_table(runs, endpoint, list(spec.arms))
     registration = lock.read(experiment.out)
     base_rows = table.get(endpoint.baseline, {})
-    guard = watched_report(runs, spec.experiment.seeds, endpoint, list(spec.arms))
+    guard = watched_report(runs, spec.experiment.seeds, endpoint, list(spec.arms), set(per_arm))
     return {
         "experiment": spec.experiment.name,
         "endpoint": endpoint.model_dump(),
@@ -301,6 +294,7 @@ def compare(experiment: Experiment, loaded: tuple[dict[str, dict[int, dict]], li
         "arms": {arm: arm_summary(rows, base_rows) for arm, rows in table.items()},
         "missing": missing,
         "watched": guard,
+        "per_arm": per_arm,  # the guard's figures each arm scores its own way (not compared across arms), with why
         "source": spec.experiment.summaries or str(experiment.out),
         "registered": None if registration is None else registration["registered"],
         "git_commit": None if registration is None else registration["git_commit"],
@@ -309,14 +303,37 @@ def compare(experiment: Experiment, loaded: tuple[dict[str, dict[int, dict]], li
     }  # fmt: skip
 
 
-def watched_report(runs: dict[str, dict[int, dict]], seeds: list[int], endpoint: Endpoint, arms: list[str]) -> dict:
+def _runs_table(runs: dict[str, dict[int, dict]], endpoint: Endpoint, arms: list[str]) -> dict:
+    """Per arm (in the file's order) and seed: the endpoint's curve, the run's own statistic, its cost, and with a
+    threshold whether it reached it (the others are censored at their end)."""
+    table = {
+        arm: {str(seed): {"epochs": curve(run, endpoint.metric)[0], "values": curve(run, endpoint.metric)[1],
+                          "statistic": _own(run, endpoint), **cost(run)} for seed, run in sorted(seeds.items())}
+        for arm, seeds in sorted(runs.items(), key=lambda item: arms.index(item[0]))
+    }  # fmt: skip
+    if endpoint.threshold is not None:
+        axis = _axis(endpoint.statistic)
+        for arm, seeds in runs.items():
+            for seed, run in seeds.items():
+                table[arm][str(seed)]["reached"] = time_to(run, endpoint.metric, endpoint.threshold, axis)[1]
+    return table
+
+
+def watched_report(
+    runs: dict[str, dict[int, dict]],
+    seeds: list[int],
+    endpoint: Endpoint,
+    arms: list[str],
+    per_arm: Collection[str] = (),
+) -> dict:
     """The hacking guard over the runs (docs/rewards.md, "Watching for reward hacking"): when their evaluations hold
     watched rewards (``eval_watch_<label>``) or the diversity within groups (``eval_diversity``), each of those and
     ``eval_reward`` under the endpoint's statistic, per arm (mean over its seeds, 95% t) and per arm − the
     baseline (paired over seeds, 95% t, and the standard error of the mean difference), with the warnings of
     ``tpflow.rewards.watched.hacking_warnings``: an arm whose trained reward rose over the baseline's while a
     watched figure fell, each beyond twice the standard error of its paired difference, and a run whose trained
-    reward rose from its first evaluation to its last while a watched figure fell. Empty when nothing is watched."""
+    reward rose from its first evaluation to its last while a watched figure fell. Empty when nothing is watched.
+    ``per_arm``: figures each arm scores its own way (``check_scorers``), never differenced across arms."""
     from tpflow.rewards.watched import DIVERSITY, PREFIX, hacking_warnings
 
     every = [run for by_seed in runs.values() for run in by_seed.values()]
@@ -340,7 +357,7 @@ def watched_report(runs: dict[str, dict[int, dict]], seeds: list[int], endpoint:
     for arm in (a for a in arms if a != endpoint.baseline and a in runs):
         paired = [s for s in seeds if s in runs[arm] and s in base]
         rows, zero, now = {}, {}, {}
-        for m in metrics:
+        for m in (m for m in metrics if m not in per_arm):
             diffs = [paired_statistic(kind, m, runs[arm][s], base[s]) for s in paired]
             mean, low, high, p = t_interval(diffs)
             se = float(np.std(diffs, ddof=1) / math.sqrt(len(diffs))) if len(diffs) > 1 else math.nan
@@ -417,6 +434,9 @@ def markdown(result: dict) -> str:
             lines.append(f"| {arm} | {seed} | {row['statistic']:.4f} | {curve_text} | {row['nfe_per_traj']:.1f} | "
                          f"{row['epoch_s']:.1f} | {row['optimizer_steps']:.1f} |")  # fmt: skip
     lines += _watched_markdown(result.get("watched") or {}, e["baseline"])
+    for metric, why in (result.get("per_arm") or {}).items():
+        lines += ["", f"{metric} is per arm by design: the arms' recipes score it differently ({why}), so it is "
+                  "not compared across arms; the endpoints read figures every arm is scored by alike."]  # fmt: skip
     if result["missing"]:
         lines += ["", "Missing or unfinished runs (left out of the pairs): " + ", ".join(result["missing"]) + "."]
     return "\n".join(lines) + "\n"
@@ -434,7 +454,8 @@ def _watched_markdown(guard: dict, baseline: str) -> list[str]:
              "|---" * (1 + len(arms) + len(others)) + "|"]  # fmt: skip
     for m in guard["metrics"]:
         cells = [f"{a[m]['mean']:.4f} [{a[m]['low']:.4f}, {a[m]['high']:.4f}]" for a in guard["arms"].values()]
-        cells += [f"{d[m]['mean']:+.4f} [{d[m]['low']:+.4f}, {d[m]['high']:+.4f}]" for d in differences]
+        cells += [f"{d[m]['mean']:+.4f} [{d[m]['low']:+.4f}, {d[m]['high']:+.4f}]" if m in d else "(per arm)"
+                  for d in differences]  # fmt: skip
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += [""] + ([f"- **Warning**: {w}" for w in guard["warnings"]] or [
         "No hacking warning: no trained reward rose while a watched figure fell, each beyond twice its standard error."

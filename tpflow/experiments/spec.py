@@ -257,4 +257,51 @@ def load_experiment(path: Path, check_arms: bool = True) -> Experiment:
                 load_recipe(recipe, list(run.overrides))
             except RecipeError as exc:
                 raise RecipeError(f"{path}: arm {run.arm!r} (seed {run.seed}): {exc}") from None
+        check_scorers(experiment)  # before a sweep spends hours on runs no endpoint could compare
     return experiment
+
+
+def arm_recipes(experiment: Experiment) -> dict[str, Any]:
+    """Each arm's resolved recipe (at the first seed: a seed changes train.seed only, the same in every arm of a
+    pair), every ``replace``d section and override applied; RecipeError naming the arm otherwise."""
+    from tpflow.recipe import load_recipe
+
+    recipes: dict[str, Any] = {}
+    for run in experiment.runs():
+        if run.arm not in recipes:
+            try:
+                recipes[run.arm] = load_recipe(experiment.recipe, list(run.overrides))
+            except RecipeError as exc:
+                raise RecipeError(f"{experiment.path}: arm {run.arm!r}: {exc}") from None
+    return recipes
+
+
+def check_scorers(experiment: Experiment) -> dict[str, str]:
+    """Refuse, in one paragraph naming every difference, an experiment whose arms differ in what makes one of its
+    endpoints' metrics (the reward that scores it, the eval prompts, images, noise, steps, guidance, image size:
+    ``tpflow.evaluation.scorer.scoring``): their figures would not be one measure. Returns the hacking guard's
+    figures (the trained reward, each watched one, the diversity) that are per-arm by design, each with what
+    differs: ``tpflow compare`` says so and does not difference them across arms."""
+    from tpflow.evaluation.scorer import WATCHED, differences, listed, scoring
+
+    recipes, spec = arm_recipes(experiment), experiment.spec
+    base = spec.primary.baseline
+
+    def unlike(metric: str) -> list[str]:
+        mine = scoring(recipes[base], metric)
+        return [f"arm {arm!r}: {listed(found, base, arm)}" for arm, recipe in recipes.items()
+                if (found := differences(mine, scoring(recipe, metric)))]  # fmt: skip
+
+    metrics = dict.fromkeys(e.metric for e in [spec.primary, *spec.secondary.endpoints])
+    faults = [f"{metric} ({'; '.join(found)})" for metric in metrics if (found := unlike(metric))]
+    if faults:
+        raise RecipeError(
+            f"{experiment.path}: the arms are not scored alike, so an endpoint would compare figures of different "
+            f"measures: {'; '.join(faults)}. An experiment compares what its arms train, every arm scored by one "
+            "reward on one eval set: set the reward and [eval] in [task]. Arms that train on different rewards by "
+            'design are compared on a reward they share: add it to [task] as eval.rewards = [{name = "...", '
+            "label = \"x\"}] and make the endpoint's metric eval_watch_x (eval_reward is then each arm's own)."
+        )
+    guard = ["eval_reward", *dict.fromkeys(f"{WATCHED}{w.key}" for r in recipes.values() for w in r.eval.rewards)]
+    guard += ["eval_diversity"] if any(r.eval.diversity for r in recipes.values()) else []
+    return {metric: "; ".join(found) for metric in guard if (found := unlike(metric))}
