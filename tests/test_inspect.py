@@ -164,3 +164,17 @@ def test_inspect_scores_through_the_training_path(tmp_path, tiny_weights, plugin
     with pytest.raises(RewardError, match="failed twice.*non-finite"):
         sample_trajectories(recipe, _prompt(), n=2, seed=0)
     assert len(calls) == 2 * -(-8 // recipe.train.score_batch)  # every chunk scored twice: one retry
+
+
+def test_the_credit_a_run_trained_with_is_named_once_as_trained():
+    """credit.png's panel of the logged credit: ``consistent (as trained)`` when a checkpoint names the assigner,
+    ``as trained`` alone when none does (it read "as trained (as trained)")."""
+    from tpflow.inspect.traces import RunTraces, run_trajectories
+
+    records = [{"epoch": 0, "prompt": "a red circle", "trace": [0.1, 0.2, 0.4], "step_rewards": [0.1, 0.2],
+                "turning_points": [False, True]}]  # fmt: skip
+    unknown = run_trajectories(RunTraces(records, [0], None, "as trained"), None, n=1)
+    assert list(unknown.credits) == ["as trained"]
+    recipe = load_recipe(Path(tpflow.__file__).resolve().parent.parent / "recipes" / "shapes_tp.toml")
+    known = run_trajectories(RunTraces(records, [0], recipe, recipe.credit.name), None, n=1)
+    assert list(known.credits) == ["consistent (as trained)"]

@@ -180,6 +180,12 @@ class RunTraces:
     recipe: Recipe | None
     credit_name: str  # the assigner the run trained with ("as trained" when unknown)
 
+    @property
+    def trained_label(self) -> str:
+        """The name of the credit the run gave its trajectories, in plots: ``consistent (as trained)``, or ``as
+        trained`` alone when no checkpoint tells which assigner that was (not "as trained (as trained)")."""
+        return self.credit_name if self.recipe is None else f"{self.credit_name} (as trained)"
+
 
 def load_run(run_dir: Path) -> RunTraces:
     """Read ``run_dir/traces.jsonl`` and the recipe of its newest valid checkpoint (if any)."""
@@ -235,7 +241,7 @@ def run_trajectories(run: RunTraces, epoch: int | None, n: int) -> Trajectories:
         num_steps=num_steps,
         window_start=window_start,
         prompts=[r["prompt"] for r in rows],
-        credits={f"{run.credit_name} (as trained)": stored},
+        credits={run.trained_label: stored},
     )
 
 
