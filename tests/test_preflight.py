@@ -17,6 +17,8 @@ from tpflow.preflight import run_dir_problems
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = ROOT / "recipes" / "shapes_tp.toml"
+# prompt lines carry no metadata, so with them a reward that reads none (shapes-geneval would be refused for that)
+TEXT_FILE = ("reward.name=shapes-clip", "dataset.name=text-file")
 
 
 @pytest.fixture
@@ -94,7 +96,7 @@ CASES = {
     "random weights": (["backbone.weights={random_weights}"], ["{random_weights}", "not a safetensors file"]),
     "missing weights": (["backbone.weights={regular_file}.nope"], ["{regular_file}.nope", "missing"]),
     "prompts not utf-8": (
-        ["dataset.name=text-file", "dataset.path={not_utf8}"],
+        [*TEXT_FILE, "dataset.path={not_utf8}"],
         ["{not_utf8}", "not UTF-8", "line 2"],
     ),
     "prompts missing": (
@@ -112,8 +114,8 @@ CASES = {
         ["dataset.name=jsonl", "dataset.path={reserved_tag}"],
         ["tagged 'tags'", "eval_reward_tags is the mean over tags", "Rename the tag"],
     ),
-    "prompts from /dev/zero": (["dataset.name=text-file", "dataset.path=/dev/zero"], ["/dev/zero", "regular file"]),
-    "prompts a directory": (["dataset.name=text-file", "dataset.path=/"], ["is a directory"]),
+    "prompts from /dev/zero": ([*TEXT_FILE, "dataset.path=/dev/zero"], ["/dev/zero", "regular file"]),
+    "prompts a directory": ([*TEXT_FILE, "dataset.path=/"], ["is a directory"]),
     "run_dir is a file": (["train.run_dir={regular_file}"], ["{regular_file}", "not a directory"]),
     "run_dir under a file": (["train.run_dir={regular_file}/run"], ["{regular_file}", "not a directory"]),
 }
@@ -158,13 +160,14 @@ def test_cuda_on_a_machine_without_it(tmp_path, no_weights):
 def test_fifo_is_not_a_prompt_file(tmp_path, no_weights):
     fifo = tmp_path / "prompts.fifo"
     os.mkfifo(fifo)  # reading it would block for ever
-    code, err = run_cli("validate", str(SHAPES), "--set", "dataset.name=text-file", "--set", f"dataset.path={fifo}")
+    sets = [arg for o in (*TEXT_FILE, f"dataset.path={fifo}") for arg in ("--set", o)]
+    code, err = run_cli("validate", str(SHAPES), *sets)
     assert_one_paragraph(code, err, str(fifo), "not a regular file")
 
 
 def test_no_machine_checks_the_values_only(tmp_path, no_weights):
     """A recipe for another machine (its prompt files, its GPUs) validates its values with --no-machine."""
-    sets = ["--set", "dataset.name=text-file", "--set", "dataset.path=/elsewhere/prompts.txt"]
+    sets = [arg for o in (*TEXT_FILE, "dataset.path=/elsewhere/prompts.txt") for arg in ("--set", o)]
     code, err = run_cli("validate", str(SHAPES), *sets, "--no-machine")
     assert code == 0, err
     code, err = run_cli("validate", str(SHAPES), *sets)

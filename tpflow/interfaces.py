@@ -51,6 +51,18 @@ CAPABILITIES: dict[str, Any] = {
     # at one trace column, so scoring calls it once per column with the batch's rows and the recipe check refuses
     # batching that cuts a group (tpflow.rewards.groups)
     "needs_whole_groups": False,
+    # What a recipe check reads to match the reward with the backbone and the dataset before anything loads
+    # (tpflow.rewards.needs): a Backbone's ``decode`` gives clips [N, F, 3, H, W] (a video backbone), not images
+    "samples_clips": False,
+    "accepts_clips": False,  # RewardModel: it scores clips [N, F, 3, H, W]
+    "accepts_images": True,  # RewardModel: it scores images [N, 3, H, W] (False: clip-only, e.g. motion checks)
+    "needs_metadata": (),  # RewardModel: the metadata keys every prompt's item must carry (GenEval's tag, include)
+    # RewardModel: options -> the rewards it calls, [(where, name, options dict, on_frames)] (weighted's parts,
+    # frames' reward, pairwise's judge), whose needs are its own; on_frames: the part gets single frames (images)
+    "reward_parts": None,
+    # PromptDataset: the metadata keys every item carries, or None when only its files can tell (jsonl: checked item
+    # by item when the dataset is built)
+    "metadata_keys": None,
 }
 
 
@@ -63,7 +75,8 @@ def capability(component: Any, name: str) -> Any:
 
 @runtime_checkable
 class Backbone(Protocol):
-    """A text-to-image flow model plus its trainable adapter (LoRA)."""
+    """A text-to-image flow model plus its trainable adapter (LoRA). Optional (``capability``): ``samples_clips``,
+    whether ``decode`` gives clips [N, F, 3, H, W] (a text-to-video model; default False)."""
 
     def encode(self, prompts: Sequence[str]) -> Conditioning:
         """Encode N prompts (and whatever the unconditional branch needs) once per batch."""
@@ -159,7 +172,8 @@ class RolloutPlan(Protocol):
 class RewardModel(Protocol):
     """Scores images; safe to call from a worker thread; heavy models load lazily on the first call. Optional
     (``capability``): ``needs_whole_groups``, whether a call must hold whole prompt groups at one trace column
-    (default False)."""
+    (default False); ``accepts_clips`` / ``accepts_images``, what it scores (images only by default);
+    ``needs_metadata``, the metadata keys it reads (none by default); ``reward_parts``, the rewards it is made of."""
 
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:
         """Score images [N, 3, H, W] in [0, 1] for their prompts and metadata; ``scores`` [N], higher is better."""
@@ -247,7 +261,9 @@ class Optimizer(Protocol):
 
 @runtime_checkable
 class PromptDataset(Protocol):
-    """Prompts with their task metadata (GenEval-style tags, OCR targets...), in named splits."""
+    """Prompts with their task metadata (GenEval-style tags, OCR targets...), in named splits. Optional
+    (``capability``): ``metadata_keys``, the keys every item's metadata carries (None, the default: unknown until
+    built)."""
 
     splits: tuple[str, ...]
     """The split names this dataset has, e.g. ("train", "test")."""

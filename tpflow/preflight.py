@@ -156,7 +156,10 @@ def device_problems(options: BaseModel) -> list[str]:
 
 
 def dataset_problems(recipe: Recipe) -> list[str]:
-    """Build the prompt dataset (no weights) and check that each split is a non-empty list of prompt strings."""
+    """Build the prompt dataset (no weights) and check that each split is a non-empty list of prompt strings whose
+    metadata holds what the recipe's rewards read (``tpflow.rewards.needs.item_problems``)."""
+    from tpflow.rewards.needs import item_problems
+
     try:
         dataset = recipe.build("dataset")
         for split in getattr(dataset, "splits", ("train",)):
@@ -174,6 +177,9 @@ def dataset_problems(recipe: Recipe) -> list[str]:
                     f"the evaluation's figures use: eval_reward_{clash[0]} would be both that tag's mean and "
                     f"another figure ({', '.join(RESERVED_TAGS[t] for t in clash)}). Rename the tag."
                 ]
+            missing = item_problems({**recipe.components, **recipe.settings}, split, items)
+            if missing:
+                return [f"[dataset] ({recipe.dataset.name}): {' '.join(missing)}"]
     except UserError as exc:
         return [f"[dataset] ({recipe.dataset.name}): {exc}"]
     return []

@@ -212,6 +212,7 @@ def validate_recipe(data: dict[str, Any], where: str = "recipe", path: Path | No
     problems += _device_names(components)
     problems += shard_problems(sections)
     problems += watched_problems(sections)
+    problems += reward_need_problems(sections)
     problems += whole_group_problems(sections)
     if problems:
         raise RecipeError(f"{where}: " + " ".join(problems))
@@ -221,6 +222,14 @@ def validate_recipe(data: dict[str, Any], where: str = "recipe", path: Path | No
 def watched_problems(sections: dict[str, Any]) -> list[str]:
     """What ``[eval] rewards`` names that the registry refuses (``tpflow.rewards.watched.recipe_problems``)."""
     from tpflow.rewards.watched import recipe_problems
+
+    return recipe_problems(sections)
+
+
+def reward_need_problems(sections: dict[str, Any]) -> list[str]:
+    """Where a reward (trained, watched, or a part of one) meets a backbone whose samples it cannot score (clips,
+    images) or a dataset without the metadata it reads (``tpflow.rewards.needs.recipe_problems``)."""
+    from tpflow.rewards.needs import recipe_problems
 
     return recipe_problems(sections)
 

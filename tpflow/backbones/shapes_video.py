@@ -20,7 +20,6 @@ from pydantic import Field
 from torch import Tensor
 
 from tpflow.backbones.shapes import ShapesBackbone, ShapesDitOptions, resolve_weights
-from tpflow.backbones.wan import clip_reward_problems
 from tpflow.registry import register
 from tpflow.shapes import video_world
 from tpflow.shapes.video_model import ShapesVideoConfig, ShapesVideoDiT, load_video_checkpoint
@@ -49,7 +48,7 @@ class ShapesVideoBackbone(ShapesBackbone):
     weights_file = WEIGHTS_FILE
     model_name = "shapes-video-dit"
     options_class = ShapesVideoDitOptions
-    check_recipe = staticmethod(clip_reward_problems)
+    samples_clips = True  # its recipes need a reward that takes clips (tpflow.rewards.needs)
 
     @staticmethod
     def _resolve(weights: str | None) -> Path:

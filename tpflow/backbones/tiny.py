@@ -24,7 +24,7 @@ from tpflow.backbones.flux import FLUX_LORA_TARGETS, FLUX_LORA_TARGETS_HELP, TIM
 from tpflow.backbones.qwen_image import QWEN_LORA_TARGETS, QwenImageBackbone
 from tpflow.backbones.sd3 import SD3_LORA_TARGETS, SD3_LORA_TARGETS_HELP, SD3Backbone
 from tpflow.backbones.tiny_tokenizers import QWEN_VOCAB_SIZE, clip_tokenizer, qwen_tokenizer, t5_tokenizer
-from tpflow.backbones.wan import WAN_LORA_TARGETS, WanBackbone, clip_reward_problems
+from tpflow.backbones.wan import WAN_LORA_TARGETS, WanBackbone
 from tpflow.backbones.wan22 import Wan22Backbone, expert_problems
 from tpflow.registry import register
 
@@ -370,6 +370,6 @@ def _check_machine(options: TinyOptions, settings: dict) -> list[str]:
 
 
 tiny_sd3.check_machine = _check_machine  # type: ignore[attr-defined]
-tiny_wan.check_recipe = tiny_wan22_ti2v.check_recipe = clip_reward_problems  # type: ignore[attr-defined]
+tiny_wan.samples_clips = tiny_wan22_ti2v.samples_clips = tiny_wan22.samples_clips = True  # type: ignore[attr-defined]
 tiny_wan22.check_recipe = expert_problems  # type: ignore[attr-defined]
 tiny_flux.check_machine = _check_machine  # type: ignore[attr-defined]

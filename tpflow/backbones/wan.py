@@ -89,22 +89,6 @@ def check_clip_size(options: WanOptions, temporal: int, spatial: int) -> None:
         )
 
 
-def clip_reward_problems(options: WanOptions, sections: dict) -> list[str]:
-    """A video backbone's ``check_recipe`` (tpflow.recipe): its clips [N, F, 3, H, W] need a reward that takes
-    clips (one whose class says ``accepts_clips``, as ``frames`` does); an image reward would get 5-D tensors."""
-    from tpflow import registry
-
-    spec = sections.get("reward")
-    if spec is None or getattr(registry.get("reward", spec.name).factory, "accepts_clips", False):
-        return []
-    return [
-        "The [backbone] samples clips [N, F, 3, H, W], and [reward] "
-        f'name = "{spec.name}" scores images: wrap it, [reward] name = "frames", reward = "{spec.name}", options = '
-        '{...} (which frames: frames = "all" | "every" | "first" | "middle" | "last" | "ends"; aggregate = "mean" | '
-        '"min"; docs/rewards.md).'
-    ]
-
-
 class WanBackbone(AdapterMethods):
     """Backbone (tpflow.interfaces) around a ``WanPipeline``'s components.
 
@@ -251,5 +235,5 @@ def wan22_ti2v_5b(options: WanTI2VOptions) -> WanBackbone:
 attach_preflight(wan22_ti2v_5b, "WanTransformer3DModel", "Wan2.2-TI2V-5B")
 attach_preflight(wan21_t2v_1_3b, "WanTransformer3DModel", "Wan2.1-T2V-1.3B")
 attach_preflight(wan21_t2v_14b, "WanTransformer3DModel", "Wan2.1-T2V-14B")
-wan21_t2v_1_3b.check_recipe = wan21_t2v_14b.check_recipe = clip_reward_problems  # type: ignore[attr-defined]
-wan22_ti2v_5b.check_recipe = clip_reward_problems  # type: ignore[attr-defined]
+# clips [N, F, 3, H, W]: every reward of the recipe must take clips (tpflow.rewards.needs)
+wan21_t2v_1_3b.samples_clips = wan21_t2v_14b.samples_clips = wan22_ti2v_5b.samples_clips = True  # type: ignore[attr-defined]

@@ -27,7 +27,7 @@ from pydantic import Field
 from torch import Tensor
 
 from tpflow.backbones.diffusers_common import DTYPES, attach_preflight, fp32_parts, load_pipeline
-from tpflow.backbones.wan import WanBackbone, WanOptions, clip_reward_problems
+from tpflow.backbones.wan import WanBackbone, WanOptions
 from tpflow.registry import register
 from tpflow.types import Conditioning
 
@@ -99,14 +99,14 @@ class Wan22Backbone(WanBackbone):
 
 
 def expert_problems(options: Wan22Options, sections: dict) -> list[str]:
-    """Wan2.2's ``check_recipe``: a clip reward (as Wan2.1), a trained expert that the rollout window reaches (a
+    """Wan2.2's ``check_recipe``: a trained expert that the rollout window reaches (a
     window wholly on the other side of the boundary would train nothing: its rows' gradient is 0), and no sharding
     yet (the frozen expert would stay whole on every process; untested)."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from tpflow.backbones.diffusers_common import scheduler_sigmas
 
-    problems = clip_reward_problems(options, sections)
+    problems: list[str] = []
     rollout, train = sections.get("rollout"), sections.get("train")
     if getattr(train, "shard", "none") == "fsdp":
         problems.append('[train] shard = "fsdp" is not supported for Wan2.2\'s two experts yet; use shard = "none".')
@@ -146,3 +146,4 @@ def wan22_t2v_a14b(options: Wan22Options) -> Wan22Backbone:
 
 attach_preflight(wan22_t2v_a14b, "WanTransformer3DModel", "Wan2.2-T2V-A14B")
 wan22_t2v_a14b.check_recipe = expert_problems  # type: ignore[attr-defined]
+wan22_t2v_a14b.samples_clips = True  # type: ignore[attr-defined]  # a clip reward (tpflow.rewards.needs)

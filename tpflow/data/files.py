@@ -75,6 +75,8 @@ def _lines(path: str) -> list[tuple[int, str]]:
 class TextFileDataset:
     """PromptDataset: one prompt per line, blank lines skipped, no metadata; a test split with ``test_path``."""
 
+    metadata_keys = ()  # no metadata: a reward that reads some is refused with it (tpflow.rewards.needs)
+
     def __init__(self, options: FileDatasetOptions):
         self._items = {"train": [PromptItem(line, {}) for _, line in _lines(options.path)]}
         if options.test_path:
@@ -89,6 +91,8 @@ class TextFileDataset:
 class JsonlDataset:
     """PromptDataset: one JSON object per line with a ``prompt`` string, the other keys its metadata; a test split
     with ``test_path``."""
+
+    metadata_keys = None  # whatever its lines hold: checked item by item when it is built (tpflow.rewards.needs)
 
     def __init__(self, options: FileDatasetOptions):
         self._items = {"train": _read_jsonl(options.path)}

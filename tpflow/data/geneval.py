@@ -246,6 +246,8 @@ class GenevalDataset:
     """
 
     splits = ("train", "test")
+    # GenEval's metadata (exclude on counting items only); a metadata file is checked for tag and include when read
+    metadata_keys = ("tag", "include", "prompt")
 
     def __init__(self, options: GenevalDatasetOptions | None = None):
         o = options or GenevalDatasetOptions()

@@ -126,6 +126,7 @@ class OcrDataset:
     """
 
     splits = ("train", "test")
+    metadata_keys = ("target",)  # the text to render, generated or read from the prompt's quotes
 
     def __init__(self, options: OcrDatasetOptions | None = None):
         options = options or OcrDatasetOptions()

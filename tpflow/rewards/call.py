@@ -43,9 +43,11 @@ from tpflow.types import RewardOutput
 if TYPE_CHECKING:
     from tpflow.settings import EvalSettings, TrainSettings
 
+# Said of any reward call (training, evaluation, tpflow eval), which knows nothing of the run's checkpoints: it must
+# not promise one that may not exist (a run stopped before its first save has none)
 STOPPED = (
-    "Stopped: fix the reward (or its server) and run again; a training run resumes from its last checkpoint, which is "
-    "intact, with --resume."
+    "Stopped: fix the reward (or its server) and run again; a training run resumes with --resume from its last "
+    "checkpoint, if it wrote one (a run stopped before its first checkpoint starts again from the beginning)."
 )
 
 

@@ -50,6 +50,7 @@ class TemporalConsistencyReward:
     """RewardModel over clips: mean CLIP-image cosine of consecutive frames; ``scores`` [N] float32 on the CPU."""
 
     accepts_clips = True
+    accepts_images = False  # an image is a clip of one frame, scored 1 whatever it shows: nothing to train or watch
 
     @staticmethod
     def weight_sources(options: TemporalConsistencyOptions, settings: dict) -> list[WeightSource]:

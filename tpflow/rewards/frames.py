@@ -83,6 +83,11 @@ class FramesReward:
 
     accepts_clips = True  # a video backbone's recipe needs a reward that does (tpflow.recipe)
 
+    @staticmethod
+    def reward_parts(options: FramesOptions) -> list[tuple[str, str, dict[str, Any], bool]]:
+        """Its image reward, given single frames (``tpflow.interfaces.CAPABILITIES``)."""
+        return [("reward", options.reward, options.options, True)]
+
     def __init__(self, options: FramesOptions):
         self.options = options
         self.inner = registry.build("reward", options.reward, **options.options)

@@ -158,6 +158,11 @@ class PairwiseReward:
 
     needs_whole_groups = True  # tpflow.interfaces.CAPABILITIES: one call holds whole groups at one trace column
 
+    @staticmethod
+    def reward_parts(options: PairwiseOptions) -> list[tuple[str, str, dict[str, Any], bool]]:
+        """Its judge, given the same samples (``tpflow.interfaces.CAPABILITIES``)."""
+        return [("judge", options.judge.name, options.judge.options, False)]
+
     def __init__(self, options: PairwiseOptions):
         self.options = options
         self.judge = registry.build("reward", options.judge.name, **options.judge.options)

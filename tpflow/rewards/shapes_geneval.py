@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from tpflow.registry import register
-from tpflow.rewards.geneval.verdicts import SCORE_DESCRIPTION, ScoreName, verdicts
+from tpflow.rewards.geneval.verdicts import GENEVAL_METADATA, SCORE_DESCRIPTION, ScoreName, verdicts
 from tpflow.shapes.detect import detect_batch
 from tpflow.types import RewardOutput
 
@@ -57,6 +57,8 @@ class ShapesGenevalReward:
     holds ``strict`` and ``correct`` (0/1 each), ``partial`` and ``soft``. Stateless, so safe to call from several
     threads.
     """
+
+    needs_metadata = GENEVAL_METADATA  # each prompt's GenEval tag and include clauses (tpflow.rewards.needs)
 
     def __init__(self, options: ShapesGenevalOptions | None = None):
         self.options = options or ShapesGenevalOptions()

@@ -21,6 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
+from tpflow.errors import UserError
 from tpflow.registry import register
 from tpflow.shapes.detect import Detection, detect_batch
 from tpflow.shapes.video_world import DIRECTIONS, SPEED
@@ -63,16 +64,29 @@ def _centre(found: list[Detection]) -> tuple[float, float]:
     return sum(xs) / len(xs), sum(ys) / len(ys)
 
 
+def _judgeable(meta: Any) -> bool:
+    return isinstance(meta, dict) and all(k in meta for k in ShapesVideoReward.needs_metadata)
+
+
 @register("reward", "shapes-video", options=ShapesVideoOptions)
 class ShapesVideoReward:
     """RewardModel of the video shapes world: clips [N, F, 3, H, W] in [0, 1]; ``scores`` [N] float32 (CPU)."""
 
     accepts_clips = True
+    accepts_images = False  # motion compares the first frame with the last: an image has no motion to check
+    needs_metadata = ("shape", "color", "count", "direction")  # the shapes-video dataset's (tpflow.rewards.needs)
 
     def __init__(self, options: ShapesVideoOptions | None = None) -> None:
         self.options = options or ShapesVideoOptions()
 
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:
+        missing = next(((p, m) for p, m in zip(prompts, metadata, strict=True) if not _judgeable(m)), None)
+        if missing is not None:
+            raise UserError(
+                "Reward 'shapes-video' checks each clip against its prompt's metadata "
+                f"({', '.join(self.needs_metadata)}), and the prompt {missing[0][:60]!r} has metadata "
+                f"{str(missing[1])[:80]}: use the shapes-video dataset (docs/rewards.md, 'What a reward needs')."
+            )
         clips = images[:, None] if images.ndim == 4 else images
         n, frames = clips.shape[:2]
         found = detect_batch(torch.cat([clips[:, 0], clips[:, -1]]))  # the first frames, then the last

@@ -3,8 +3,9 @@
 A policy trained on one reward learns what that reward pays for, wanted or not: PickScore rises while images grow
 over-saturated, GenEval's detector is fooled by grids of objects. Watching other rewards on the same evaluation
 images shows it: ``eval_watch_<label>`` beside ``eval_reward``, in metrics.jsonl, eval.json and the trackers, and a
-warning when, between two evaluations, the trained reward rose while a watched one fell, each by more than twice the
-standard error of the difference (the evaluation images are the same noise each time, so this is conservative).
+warning (``hacking_warnings``) when, between two evaluations, a watched one fell beyond its noise: by more than twice
+the standard error of the difference while the trained reward rose as far, or by more than three times it whatever
+the trained reward did (the evaluation images are the same noise each time, so these are conservative).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from torch import Tensor
 
+from tpflow.interfaces import capability
 from tpflow.rewards.call import check_output
 from tpflow.types import RewardOutput
 
@@ -27,7 +29,7 @@ class WatchedRewards:
 
     def __init__(self, reward: Any, watched: list[tuple[str, Any]]) -> None:
         self.reward, self.watched = reward, watched
-        self.accepts_clips = getattr(reward, "accepts_clips", False)
+        self.accepts_clips = capability(reward, "accepts_clips")
 
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:
         out = self.reward(images, prompts, metadata)
@@ -88,38 +90,63 @@ def _se(values: list[float]) -> float:
     return math.sqrt(sum((v - mean) ** 2 for v in finite) / (len(finite) - 1) / len(finite))
 
 
+HACKING_SE = 2.0  # a watched figure's fall beside a rise of the trained reward: each beyond this many SEs
+FALL_SE = 3.0  # a watched figure's fall on its own, whatever the trained reward did: beyond this many SEs
+
+
 def hacking_warnings(
     before: dict[str, float], now: dict[str, float], since: str = "since the last evaluation"
 ) -> list[str]:
-    """One sentence per watched reward (and the diversity within groups, ``eval_diversity``) that fell while the
-    trained reward rose between two evaluations, each change beyond twice its standard error (√(se₀² + se₁²)).
+    """One sentence per watched reward (and the diversity within groups, ``eval_diversity``) that fell between two
+    evaluations beyond its noise, the standard error of the change √(se₀² + se₁²):
+
+    - by more than ``HACKING_SE`` of it while the trained reward rose by more than ``HACKING_SE`` of its own:
+      possible reward hacking;
+    - by more than ``FALL_SE`` of it, whatever the trained reward did: a run that falls apart (blank images at too
+      high a learning rate) need not raise its trained reward first, and a watched reward is there to see it.
 
     ``before`` and ``now`` may also be differences: ``{"eval_x": 0, "eval_x_se": 0}`` against a mean paired
     difference and its standard error (``tpflow compare``'s arms over seeds); ``since`` says against what."""
-
-    def moved(name: str) -> float | None:
-        a, b = before.get(f"eval_{name}"), now.get(f"eval_{name}")
-        sa, sb = before.get(f"eval_{name}_se"), now.get(f"eval_{name}_se")
-        if None in (a, b, sa, sb) or not all(map(math.isfinite, (a, b, sa, sb))):
-            return None
-        change = b - a
-        return change if abs(change) > 2 * math.hypot(sa, sb) else 0.0
-
-    rose = moved("reward")
-    if not rose or rose <= 0:
-        return []
+    trained = _change(before, now, "reward")
+    rose = trained is not None and trained[0] > HACKING_SE * trained[1]
     out = []
     for key in now:
-        if (key.startswith("eval_" + PREFIX) or key == f"eval_{DIVERSITY}") and not key.endswith("_se"):
-            name = key.removeprefix("eval_")
-            fell = moved(name)
-            if fell and fell < 0:
-                what = f"the watched reward {name.removeprefix(PREFIX)}"
-                if name == DIVERSITY:
-                    what = "the diversity within groups (eval_diversity: do a prompt's images collapse to one?)"
-                out.append(
-                    f"possible reward hacking: the trained reward rose by {rose:+.4f} {since} while "
-                    f"{what} fell by {fell:+.4f} (each beyond twice its standard error); look at the evaluation's "
-                    "sample grid."
-                )
+        if not (key.startswith("eval_" + PREFIX) or key == f"eval_{DIVERSITY}") or key.endswith("_se"):
+            continue
+        name = key.removeprefix("eval_")
+        moved = _change(before, now, name)
+        if moved is None:
+            continue
+        fell, se = moved
+        what = f"the watched reward {name.removeprefix(PREFIX)}"
+        if name == DIVERSITY:
+            what = "the diversity within groups (eval_diversity: do a prompt's images collapse to one?)"
+        if rose and fell < -HACKING_SE * se:
+            out.append(
+                f"possible reward hacking: the trained reward rose by {trained[0]:+.4f} {since} while {what} fell "
+                f"by {fell:+.4f} (each beyond twice its standard error); look at the evaluation's sample grid."
+            )
+        elif fell < -FALL_SE * se:
+            out.append(
+                f"{what} fell by {fell:+.4f} {since}, beyond {FALL_SE:g} times its standard error ({se:.4f}), while "
+                f"the trained reward {_trained_words(trained)}: the model may be falling apart (a learning rate too "
+                "high?) or learning what the trained reward does not see; look at the evaluation's sample grid."
+            )
     return out
+
+
+def _change(before: dict[str, float], now: dict[str, float], name: str) -> tuple[float, float] | None:
+    """(change of ``eval_<name>``, the standard error of the change), or None when either side lacks a finite one."""
+    a, b = before.get(f"eval_{name}"), now.get(f"eval_{name}")
+    sa, sb = before.get(f"eval_{name}_se"), now.get(f"eval_{name}_se")
+    if None in (a, b, sa, sb) or not all(map(math.isfinite, (a, b, sa, sb))):
+        return None
+    return b - a, math.hypot(sa, sb)
+
+
+def _trained_words(trained: tuple[float, float] | None) -> str:
+    if trained is None:
+        return "has no standard error to compare"
+    change, se = trained
+    verdict = "a fall beyond its noise" if change < -HACKING_SE * se else "within its noise"  # never a rise here
+    return f"changed by {change:+.4f} ({verdict}, its standard error {se:.4f})"

@@ -103,6 +103,14 @@ class WeightedReward:
     part is. ``scores`` [N] float32 on the CPU; ``details`` the parts' scores and their details.
     """
 
+    # it hands every part the samples it gets: what they all score, it scores (tpflow.rewards.needs checks each part)
+    accepts_clips = True
+
+    @staticmethod
+    def reward_parts(options: WeightedOptions) -> list[tuple[str, str, dict[str, Any], bool]]:
+        """Its parts, each given the same samples (``tpflow.interfaces.CAPABILITIES``)."""
+        return [(f"rewards[{i}]", part.name, part.options, False) for i, part in enumerate(options.rewards)]
+
     def __init__(self, options: WeightedOptions):
         self.options = options
         self.parts = [(p.key, p.weight, registry.build("reward", p.name, **p.options)) for p in options.rewards]

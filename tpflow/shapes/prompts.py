@@ -232,6 +232,7 @@ class ShapesDataset:
     """
 
     splits = SPLITS
+    metadata_keys = ("tag", "include", "exclude", "prompt", "held_out")  # GenEval's format (tpflow.rewards.needs)
 
     def __init__(self, options: ShapesDatasetOptions | None = None):
         options = options or ShapesDatasetOptions()

@@ -135,6 +135,7 @@ class ShapesVideoDataset:
     """PromptDataset of the video shapes world (module docstring): train without the held-out triples, test all."""
 
     splits = ("train", "test")
+    metadata_keys = ("tag", "color", "shape", "count", "direction", "held_out", "prompt")  # tpflow.rewards.needs
 
     def __init__(self, options: ShapesVideoDatasetOptions | None = None) -> None:
         options = options or ShapesVideoDatasetOptions()

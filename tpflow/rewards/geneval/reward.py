@@ -29,7 +29,7 @@ from torch import Tensor
 
 from tpflow.registry import register
 from tpflow.rewards.geneval.detectors import Detector, build_detector
-from tpflow.rewards.geneval.verdicts import SCORE_DESCRIPTION, ScoreName, verdicts
+from tpflow.rewards.geneval.verdicts import GENEVAL_METADATA, SCORE_DESCRIPTION, ScoreName, verdicts
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
 
@@ -71,6 +71,8 @@ class GenevalReward:
     load on the first call (or ``load()``), under the detector's lock, so the reward may be built without weights
     and called from a worker thread. ``scores`` [N] float32 on the CPU.
     """
+
+    needs_metadata = GENEVAL_METADATA  # each prompt's GenEval tag and include clauses (tpflow.rewards.needs)
 
     @staticmethod
     def weight_sources(options: GenevalOptions, settings: dict) -> list[WeightSource]:

@@ -30,6 +30,7 @@ the detections above 0.3. Other tags keep one threshold (0.3), so nothing change
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -100,7 +101,8 @@ def score(
 
     Args:
         detections: everything the detector found, in any order.
-        metadata: GenEval metadata (``tag``, ``include``, ``exclude``).
+        metadata: GenEval metadata (``tag``, ``include``, ``exclude``); without an include clause it asks nothing
+            (vacuously correct, partial credit 0): the rewards report such an item's verdicts as NaN (``verdicts``).
         image_size: (H, W) of the image; boxes are clipped to it.
         strict_count: on a ``counting`` prompt, count every detection of the asked class above 0.3 (not only those
             above 0.9) against the asked number (module docstring). False is GenEval's rule.
@@ -125,14 +127,15 @@ def score(
 
 
 def accuracy_by_tag(results: Sequence[GenevalResult], tags: Sequence[str], strict: bool = True) -> dict[str, float]:
-    """Fraction of (strictly, by default) correct images per tag, plus ``overall``: the mean over tags, as GenEval."""
+    """Fraction of (strictly, by default) correct images per tag, plus ``overall``: the mean over tags, as GenEval;
+    NaN over no image (an accuracy of no check is not a number, never 0 or 1)."""
     if len(results) != len(tags):
         raise ValueError(f"Got {len(results)} results for {len(tags)} tags.")
     hits: dict[str, list[bool]] = defaultdict(list)
     for result, tag in zip(results, tags, strict=True):
         hits[tag].append(result.strict_correct if strict else result.correct)
     accuracy = {tag: float(np.mean(v)) for tag, v in sorted(hits.items())}
-    accuracy["overall"] = float(np.mean(list(accuracy.values()))) if accuracy else 0.0
+    accuracy["overall"] = float(np.mean(list(accuracy.values()))) if accuracy else math.nan
     return accuracy
 
 
