@@ -11,6 +11,7 @@ launching its own.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -347,12 +348,14 @@ def test_an_fsdp_sharded_lora_run_ends_bitwise_where_the_replicated_one_does(two
 
 
 def test_ctrl_c_to_a_sharded_runs_launcher_stops_the_processes_together_to_save(two_process_runs, tmp_path):
-    """SIGINT to the launcher of a sharded 2-process run once epoch 0 has ended, no checkpoint of a later state on
-    disk (save_every 3): the processes stop together at the next safe point of epoch 1 (a rollout batch's end, or
-    the end of its update) and write its checkpoint together, nothing temporary left behind. Its shards (weights,
-    AdamW's moments, the EMA) and RNG state are those of the uninterrupted run's checkpoint of the same step, bit
-    for bit, so --resume continues as that run did (as the SIGKILL test resumes such a checkpoint). It used to
-    print "saving epoch 1", die with "Connection reset by peer" and leave only a .tmp-* folder."""
+    """SIGINT to the launcher of a sharded 2-process run once epoch 0 has ended, and SIGTERM to its process 1 (as
+    Slurm signals every process), no checkpoint of a later state on disk (save_every 3): the processes stop together
+    at the next safe point of epoch 1 (its start, the end of its evaluation or of a rollout batch), on SIGTERM or on
+    SIGINT (which one depends on whether process 1 ran its handler before that point's all-reduce), and write its
+    checkpoint together, nothing temporary left behind. Its shards (weights, AdamW's moments, the EMA) and RNG
+    state are those of the uninterrupted run's checkpoint of the same step, bit for bit, so --resume continues as
+    that run did (as the SIGKILL test resumes such a checkpoint). It used to print "saving epoch 1", die with
+    "Connection reset by peer" and leave only a .tmp-* folder; a SIGTERM to a process killed it."""
     root, _ = two_process_runs["fsdp"]
     run = tmp_path / "run"
     sets = [a for o in [*FSDP_SETS, "train.save_every=3"] for a in ("--set", o)]
@@ -367,6 +370,9 @@ def test_ctrl_c_to_a_sharded_runs_launcher_stops_the_processes_together_to_save(
         for line in proc.stdout:
             lines.append(line)
             if line.startswith("epoch   0"):
+                # SIGTERM to process 1 (the default action would kill it), and the launcher's copy of the SIGINT
+                # within 2 s: the same request
+                os.kill(_launched_process(proc.pid, rank=1), signal.SIGTERM)
                 os.kill(proc.pid, signal.SIGINT)  # the launcher alone: it passes the signal on to its processes
                 break
         lines.append(proc.communicate(timeout=300)[0])
@@ -375,7 +381,9 @@ def test_ctrl_c_to_a_sharded_runs_launcher_stops_the_processes_together_to_save(
             os.killpg(proc.pid, signal.SIGKILL)
     output = "".join(lines)
     assert proc.returncode == 130, output[-3000:]
-    assert "Interrupted: saving epoch" in output and "Traceback" not in output, output[-3000:]
+    assert re.search(r"Interrupted \((SIGTERM|Ctrl-C)\): saving epoch", output), output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert "interrupted (SIGINT); resume with" in output, output[-3000:]  # the launcher's line
     (saved,) = (run / "checkpoints").iterdir()  # one checkpoint, no .tmp-* folder
     ckpt = load_checkpoint(saved)
     assert ckpt.train_state["epoch"] in (1, 2) and ckpt.layout["processes"] == 2
@@ -385,6 +393,19 @@ def test_ctrl_c_to_a_sharded_runs_launcher_stops_the_processes_together_to_save(
         ours, theirs = (safetensors.torch.load_file(c.path / "shards" / name) for c in (ckpt, straight))
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
     assert torch.equal(ckpt.rng_state["torch"], straight.rng_state["torch"])
+
+
+def _launched_process(launcher: int, rank: int) -> int:
+    """The pid of the process of ``rank`` that the launcher ``launcher`` started (its child with RANK=rank)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            environ = (stat.parent / "environ").read_bytes().split(b"\0") if parent == launcher else []
+        except (OSError, ValueError, IndexError):
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return int(stat.parent.name)
+    raise AssertionError(f"no process of rank {rank} under launcher {launcher}")
 
 
 def test_a_sharded_runs_checkpoint_holds_each_process_shards_and_loads_whole_on_one_process(two_process_runs):

@@ -1,6 +1,6 @@
-"""Ctrl-C on several processes (tpflow.train.stop): recorded, not raised, until the processes agree to stop together;
-its repeat from the launcher is the same request; a later one stops at once. The 2-process run it serves is tested in
-tests/test_distributed_train.py."""
+"""Ctrl-C and SIGTERM (tpflow.train.stop): recorded, not raised, until the processes agree to stop together; its repeat
+from the launcher is the same request; a later one stops at once. The runs it serves are tested in
+tests/test_interrupt.py (1 process) and tests/test_distributed_train.py (2)."""
 
 from __future__ import annotations
 
@@ -44,12 +44,36 @@ def test_ctrl_c_is_recorded_until_the_processes_agree_and_a_later_one_stops_at_o
     assert signal.getsignal(signal.SIGINT) is before
 
 
-def test_one_process_keeps_ctrl_c_as_it_is():
-    class OneProcess(TwoProcesses):
-        enabled = False
+def test_one_process_records_sigint_and_sigterm_too_and_an_ignored_signal_stays_ignored():
+    """One process stops at a safe point as several do (it used to raise KeyboardInterrupt wherever Ctrl-C landed,
+    and SIGTERM killed it): no collective, the signal to exit with kept. A signal the process ignores (a background
+    job's SIGINT) stays ignored."""
 
-    before = signal.getsignal(signal.SIGINT)
-    stop = StopRequest(OneProcess())
+    class OneProcess(TwoProcesses):
+        enabled, is_main = False, True
+
+        def max(self, value: float) -> float:
+            raise AssertionError("no collective on one process")
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    stop = StopRequest(OneProcess(), notice=lambda signum: "")
     stop.install()
-    assert signal.getsignal(signal.SIGINT) is before and not stop.agreed()
-    stop.remove()
+    try:
+        assert not stop.agreed()
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # else the signal would end pytest
+        os.kill(os.getpid(), signal.SIGTERM)  # recorded, not the default's death
+        time.sleep(0.01)
+        _sigint()  # the same request: SIGTERM's status is kept
+        assert stop.agreed() and stop.signum == signal.SIGTERM
+    finally:
+        stop.remove()
+    assert {s: signal.getsignal(s) for s in before} == before
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        stop = StopRequest(OneProcess())
+        stop.install()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        stop.remove()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before[signal.SIGINT])

@@ -6,15 +6,17 @@ processes get the usual ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR`` e
 ``accelerate launch`` get the same thing from their accelerate config (docs/distributed.md).
 
 A process that fails with a clear error (exit status 2) makes the launcher stop the others and exit with that same
-status, instead of torchrun's traceback summary. On Ctrl-C the launcher passes the signal on and waits up to
-``STOP_WAIT_S`` for the processes, which stop together at a safe point and save (``tpflow.train.stop``), before it
-kills them.
+status, instead of torchrun's traceback summary. On Ctrl-C or SIGTERM (``kill``, Slurm, Kubernetes) the launcher
+passes the same signal on (torchrun's agent) and waits up to ``STOP_WAIT_S`` for the processes, which stop together
+at a safe point and save (``tpflow.train.stop``), before it kills them; it then exits with 128 + the signal's number
+(130 for SIGINT, 143 for SIGTERM).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Sequence
@@ -29,9 +31,9 @@ def launched() -> bool:
 
 
 STOP_WAIT_S = 600
-"""How long the launcher waits for its processes after Ctrl-C before it kills them (torchrun's own default, 30 s, is
-shorter than an update of a large model, which the processes finish before they save). The environment variable
-``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` overrides it."""
+"""How long the launcher waits for its processes after Ctrl-C or SIGTERM before it kills them (torchrun's own
+default, 30 s, is shorter than an update of a large model, which the processes finish before they save). The
+environment variable ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` overrides it."""
 
 LAUNCHER_OPTIONS = frozenset({"num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port"})
 """Options of ``tpflow train`` that the launcher consumes; every other argument and option goes to each process."""
@@ -95,12 +97,25 @@ def launch(args: list[str]) -> int:
     config, command, command_args = config_from_args(parse_args(args))
     try:
         elastic_launch(config, command)(*command_args)
-    except (KeyboardInterrupt, SignalException):  # Ctrl-C or a kill: the processes saved and stopped
-        print("tpflow: interrupted; resume with the same command and --resume.", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:  # Ctrl-C before torchrun's agent took SIGINT over
+        return _interrupted(signal.SIGINT)
+    except SignalException as exc:  # Ctrl-C or a kill: passed on to the processes, which saved and stopped
+        return _interrupted(exc.sigval)
     except ChildFailedError as exc:
         codes = [failure.exitcode for failure in exc.failures.values()]
+        if all(c in STOPPED for c in codes):  # a process got the signal, not the launcher: they stopped and saved
+            return _interrupted(max(codes) - 128)
         code = next((c for c in codes if c > 0), 1)  # negative: killed by a signal
         print(f"tpflow: one of the processes exited with status {codes[0]}; the others were stopped.", file=sys.stderr)
         return code
     return 0
+
+
+STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # the statuses of processes that stopped on a signal
+
+
+def _interrupted(signum: int) -> int:
+    """The launcher's last line after a stop on ``signum``, and the status to exit with: 128 + its number."""
+    name = signal.Signals(signum).name
+    print(f"tpflow: interrupted ({name}); resume with the same command and --resume.", file=sys.stderr)
+    return 128 + int(signum)

@@ -13,11 +13,11 @@ One epoch (docs/architecture.md, "An epoch"; docs/algorithm.md §6.1):
    the EMA.
 
 Every ``eval.every`` epochs (epoch 0 included) the EMA weights (when enabled) sample the held-out prompts by ODE.
-Checkpoints are written every ``train.save_every`` epochs, at the end and on Ctrl-C, by the main process only (as are
-the logs; a sharded run's by every process; on several processes Ctrl-C stops them together first,
-``tpflow.train.stop``). Randomness is derived from (seed, epoch, rollout batch), so a resumed run continues exactly
-as an uninterrupted one, and the trajectories an epoch samples do not depend on the number of processes
-(docs/distributed.md).
+Checkpoints are written every ``train.save_every`` epochs, at the end and on Ctrl-C or SIGTERM, by the main process
+only (as are the logs; a sharded run's by every process); a signal stops the run at the next safe point, after the
+update in progress, so no finished epoch is lost (``tpflow.train.stop``). Randomness is derived from (seed, epoch,
+rollout batch), so a resumed run continues exactly as an uninterrupted one, and the trajectories an epoch samples do
+not depend on the number of processes (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import random
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ from tpflow.train.run_lock import RunDirLock
 from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, fit_segments
 from tpflow.train.sampling import EpochSampler
 from tpflow.train.sharding import deferred_sync, equal_eval_shares, shard, transformer_of
-from tpflow.train.stop import StopRequest
+from tpflow.train.stop import REPEAT_S, Stopped, StopRequest, signal_name
 from tpflow.train.trackers import Trackers, tracker_dir
 from tpflow.types import PromptItem, Rollout
 
@@ -199,39 +200,21 @@ class Trainer(RunCheckpoints):
     # ---- public ------------------------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:
-        """Run the remaining epochs; returns the last epoch's metrics (with the last eval's)."""
-        train, evaluation = self.settings, self.recipe.eval
-        self._print_header()
-        metrics: dict[str, Any] = {}
+        """Run the remaining epochs; returns the last epoch's metrics (with the last eval's). A run resumed after
+        it finished says so and does nothing. SIGINT and SIGTERM stop it at the next safe point, with every
+        finished epoch saved (``tpflow.train.stop``)."""
         progress = PhaseProgress(self.console, self.dist.is_main, self.recipe.log.progress_lines_s)
         self._progress = progress
         if self.dist.is_main:
             self.run_lock.acquire()  # a no-op unless an earlier fit released it
-        # several processes: Ctrl-C stops them together at a safe point (_stop_point), then they save together
-        self._stop, self._stopping = StopRequest(self.dist), False
+        self._stop, self._stopping = StopRequest(self.dist, self._stop_notice), False
         try:
+            if self._finished():
+                return self._finished_already()
             self._stop.install()
+            self._print_header()
             progress.start()
-            for epoch in range(self.epoch, train.epochs):
-                self._stop_point()
-                if evaluation.every and epoch % evaluation.every == 0 and (epoch or evaluation.at_start):
-                    # last_eval_epoch: which eval the repeated eval_* figures of the next lines are (eval@N)
-                    self.last_eval = {**self.evaluate(epoch), "last_eval_epoch": epoch}
-                metrics = {**self.train_epoch(epoch), **self.last_eval}
-                self.epoch, self._weights_ahead = epoch + 1, False
-                # metrics.jsonl repeats the last eval on each epoch's line; the trackers got it at its own step
-                self.logger.log(metrics, step=self.optimizer.global_step, epoch=epoch, untracked=self.last_eval)
-                self.console.print(epoch_line(epoch, metrics))
-                if train.save_every and self.epoch % train.save_every == 0 and self.epoch < train.epochs:
-                    self.save()
-            self._stop_point()
-            if evaluation.every:
-                self.last_eval = {**self.evaluate(train.epochs), "last_eval_epoch": train.epochs}
-                final = self.last_eval
-                self.logger.log(final, step=self.optimizer.global_step, epoch=train.epochs, untracked=final)
-                metrics.update(final)
-            if self._saved != (self.epoch, self.optimizer.global_step):  # a finished run resumed: written already
-                self.save()
+            return self._run_epochs()
         except torch.cuda.OutOfMemoryError as exc:  # one paragraph naming the phase's batch setting, no checkpoint
             saved = self._saved is not None or find_checkpoint(self.run_dir)[0] is not None
             command = train_command(self.recipe, self.run_dir, resume=saved)  # every --set of the run included
@@ -246,14 +229,68 @@ class Trainer(RunCheckpoints):
             progress.stop()
             self.logger.close()
             self.run_lock.release()
+
+    def _run_epochs(self) -> dict[str, Any]:
+        """``fit``'s loop: each epoch (its evaluation first, when due), the checkpoints, the final evaluation."""
+        train, evaluation = self.settings, self.recipe.eval
+        metrics: dict[str, Any] = {}
+        for epoch in range(self.epoch, train.epochs):
+            self._stop_point()
+            due = evaluation.every and epoch % evaluation.every == 0 and (epoch or evaluation.at_start)
+            if due and self.last_eval.get("last_eval_epoch") != epoch:  # not done before a stop that saved it
+                # last_eval_epoch: which eval the repeated eval_* figures of the next lines are (eval@N)
+                self.last_eval = {**self.evaluate(epoch), "last_eval_epoch": epoch}
+                self._stop_point()
+            metrics = {**self.train_epoch(epoch), **self.last_eval}
+            self.epoch, self._weights_ahead = epoch + 1, False
+            # metrics.jsonl repeats the last eval on each epoch's line; the trackers got it at its own step
+            self.logger.log(metrics, step=self.optimizer.global_step, epoch=epoch, untracked=self.last_eval)
+            self.console.print(epoch_line(epoch, metrics))
+            if train.save_every and self.epoch % train.save_every == 0 and self.epoch < train.epochs:
+                self._save()
+        self._stop_point()
+        if evaluation.every:
+            self.last_eval = {**self.evaluate(train.epochs), "last_eval_epoch": train.epochs}
+            final = self.last_eval
+            self.logger.log(final, step=self.optimizer.global_step, epoch=train.epochs, untracked=final)
+            metrics.update(final)
+        # with the final figures, also over the same step's checkpoint (saved by a stop before the final evaluation)
+        if evaluation.every or self._saved != (self.epoch, self.optimizer.global_step):
+            self._save()
         return metrics
 
+    def _finished(self) -> bool:
+        """Resumed from the run's last checkpoint, written after its last epoch and its final evaluation."""
+        final = not self.recipe.eval.every or self.last_eval.get("last_eval_epoch") == self.settings.epochs
+        return self.epoch >= self.settings.epochs and final and self._saved == (self.epoch, self.optimizer.global_step)
+
+    def _finished_already(self) -> dict[str, Any]:
+        """``--resume`` of a finished run: say so and do nothing (it used to evaluate again, 56 s for 96 clips).
+        The final evaluation's metrics line, which resuming drops with every line past the checkpoint's epoch
+        (``truncate_after``), is written back as it was; the trackers have it already."""
+        epochs, step = self.settings.epochs, self.optimizer.global_step
+        if self.last_eval.get("last_eval_epoch") == epochs:
+            self.logger.log(self.last_eval, step=step, epoch=epochs, untracked=self.last_eval)
+        final = ", its final evaluation logged" if self.recipe.eval.every else ""
+        self.console.print(
+            f"The run is finished: all {epochs} epochs trained{final}, checkpoint {step:08d}; nothing to do. "
+            f"To train on, resume with more epochs (--epochs N, N > {epochs}).",
+            soft_wrap=True,
+            highlight=False,
+        )
+        return dict(self.last_eval)
+
+    def _save(self) -> None:
+        """``save`` with every process, finished even if a signal comes during it (``StopRequest.holding``)."""
+        with self._stop.holding() if self._stop is not None else contextlib.nullcontext():
+            self.save()
+
     def _stop_point(self) -> None:
-        """A state to resume from, on every process at once (``tpflow.train.stop``): if any process was asked to
-        stop, all stop here (``KeyboardInterrupt``) and save together."""
+        """A state to resume from, on every process at once (``tpflow.train.stop``): if any process got SIGINT or
+        SIGTERM, all stop here (``Stopped``) and save together."""
         if self._stop is not None and self._stop.agreed():
             self._stopping = True
-            raise KeyboardInterrupt
+            raise Stopped(self._stop.signum or signal.SIGINT)
 
     def _print_header(self) -> None:
         """The run's first line (recipe, run dir, epochs, credit, adapter, device) and, on several processes, how an
@@ -271,13 +308,53 @@ class Trainer(RunCheckpoints):
             plan = plan_epoch(len(self.train_items), self.settings, self.epoch)
             self.console.print(layout_line(plan, self.optimizer.batch_layout(), self.dist.world_size))
 
+    def _stop_notice(self, signum: int) -> str:
+        """What the first SIGINT or SIGTERM says (``StopRequest``; from its handler: attributes only): where the run
+        stops, what it saves, and what a second signal would keep instead."""
+        name, epoch, step, phase = signal_name(signum), self.epoch, self.optimizer.global_step, self._description
+        held = self._saved is not None and self._saved[1] == step  # a stop here writes nothing (_interrupted)
+        keep = f"checkpoint {step:08d} already holds that state" if held else f"saving epoch {epoch}'s starting state"
+        kept = self._saved
+        if self._stop is not None and self._stop.saving:
+            what, kept = "finishing the checkpoint being written, then stopping", (epoch, step)
+        elif self._weights_ahead:
+            then = f"starts at epoch {epoch + 1}" if epoch + 1 < self.settings.epochs else "makes the final evaluation"
+            what = f"finishing epoch {epoch}'s update, then saving; --resume {then}"
+        elif phase.startswith("eval") and epoch >= self.settings.epochs:
+            what = "finishing the final evaluation; the run then saves and ends as it would have"
+        elif phase.startswith("eval"):
+            kept_eval = "it is made again on --resume" if held else "its figures saved with it"
+            what = f"finishing the evaluation at epoch {epoch}, then stopping: {keep} ({kept_eval})"
+        elif phase.endswith("updating"):  # the update is counted: the next safe point is the next epoch's start
+            what = f"stopping before epoch {epoch}: {keep}"
+        else:
+            what = f"stopping after this rollout batch: {keep}; --resume samples epoch {epoch} again"
+        keeps = (
+            f"keeps only checkpoint {kept[1]:08d} (epoch {kept[0]})" if kept else "keeps nothing (none written yet)"
+        )
+        again = "Ctrl-C again" if signum == signal.SIGINT else f"A second {name}"
+        at_once = f"{again} ({REPEAT_S:g} s or more after this one) stops at once and {keeps}"
+        return f"Interrupted ({name}): {what}. {at_once}.\n"
+
     def _interrupted(self) -> None:
-        """Ctrl-C: save the state if it is one to resume from, and say what --resume will do. Several processes
-        that stopped together (``_stop_point``) save together; one stopped at once saves alone, unless the run is
-        sharded, whose checkpoint needs every process."""
+        """Stopped: save the state if it is one to resume from, and say what --resume will do. At a safe point
+        (``_stop_point``) the processes save together; a repeated signal (``Stopped.at_once``) writes nothing. A
+        ``KeyboardInterrupt`` raised anywhere else (no signal handler of ours: another thread, a library) saves
+        from the main process alone, unless the weights are part-way or the run is sharded."""
         saved = self._saved is not None or find_checkpoint(self.run_dir)[0] is not None
         after = "--resume continues from the newest one" if saved else "none was saved before, so the run starts again"
-        if self._weights_ahead:  # updated (part-way, or wholly but not yet counted): not a state to resume from
+        stop = self._stop
+        name = signal_name(stop.signum) if stop is not None and stop.signum else "Ctrl-C"
+        if stop is not None and stop.aborted is not None:  # a repeated signal: at once, nothing more written
+            kept = (
+                f"--resume continues from checkpoint {self._saved[1]:08d} (epoch {self._saved[0]})"
+                if self._saved
+                else after
+            )
+            self.console.print(
+                f"[yellow]Stopped at once ({signal_name(stop.aborted)} again): nothing more is saved; {kept}.[/]"
+            )
+        elif self._weights_ahead:  # updated (part-way, or wholly but not yet counted): not a state to resume from
             self.console.print(
                 f"[yellow]Interrupted during epoch {self.epoch}'s update: no checkpoint is written (it would "
                 f"mix two weight states); {after}.[/]"
@@ -286,13 +363,13 @@ class Trainer(RunCheckpoints):
             # No optimizer step since that checkpoint: rewriting it would change a written step's content (the
             # newer eval figures, the RNG state), and resuming from it repeats the same epochs exactly.
             self.console.print(
-                f"[yellow]Interrupted: checkpoint {self.optimizer.global_step:08d} (epoch {self._saved[0]}) "
+                f"[yellow]Interrupted ({name}): checkpoint {self.optimizer.global_step:08d} (epoch {self._saved[0]}) "
                 "already holds these weights; --resume continues from it.[/]"
             )
         elif self._stopping:  # every process stopped at the same safe point: they write it together
-            self.console.print(f"[yellow]Interrupted: saving epoch {self.epoch}; --resume continues here.[/]")
-            self.save()
-        elif self.dist.sharded:  # stopped at once (a second Ctrl-C): the others may be anywhere
+            self.console.print(f"[yellow]Interrupted ({name}): saving epoch {self.epoch}; --resume continues here.[/]")
+            self._save()
+        elif self.dist.sharded:  # stopped where no handler of ours ran: the others may be anywhere
             self.console.print(
                 f"[yellow]Stopped at once: a sharded run's checkpoint is written by every process together, so none "
                 f"is written; {after}.[/]"
@@ -403,8 +480,8 @@ class Trainer(RunCheckpoints):
     def evaluate(self, epoch: int) -> dict[str, float]:
         """ODE samples of the held-out prompts (EMA weights when enabled): mean reward and per-tag accuracy
         (``tpflow.train.evaluation``)."""
-        images = len(self.test_items) * self.recipe.eval.images_per_prompt
-        self._phase(f"eval at epoch {epoch}: sampling {images} images", None)
+        samples = len(self.test_items) * self.recipe.eval.images_per_prompt
+        self._phase(f"eval at epoch {epoch}: sampling {samples} {self._sample_noun()}", None)
         swap = self.ema.swapped() if self.ema is not None else contextlib.nullcontext()
         grid = self.run_dir / "samples" / f"eval_{epoch:04d}.png"
         with swap:
@@ -427,6 +504,12 @@ class Trainer(RunCheckpoints):
         self.logger.track(metrics, step=self.optimizer.global_step)  # the step of the weights evaluated
         self.logger.log_image("eval_samples", grid, step=self.optimizer.global_step)
         return metrics
+
+    def _sample_noun(self) -> str:
+        """What the eval's progress line counts: clips for a video backbone, whose one sample's latents have a frame
+        axis (``latent_shape``: (F, C, H, W) or (C, F, h, w), against an image's (C, H, W)), else images."""
+        shape = getattr(self.backbone, "latent_shape", None)
+        return "clips" if callable(shape) and len(shape()) == 4 else "images"
 
     def _phase(self, description: str, total: int | None) -> None:
         self._description = description  # what an out-of-memory error names
