@@ -196,14 +196,14 @@ def run_combination(recipe_path: Path, sets: list[str], nonfinite: bool = True) 
         trainer = Trainer(load_recipe(recipe_path, sets))
         params = list(trainer.backbone.trainable_parameters())
         grads: list[torch.Tensor] = []
-        step = trainer.optimizer._step
+        step = trainer.optimizer.loop._step
 
         def capture(rows, totals):
             grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().double()
                                     .flatten() for p in params]))  # fmt: skip
             raise _FirstStep
 
-        trainer.optimizer._step = capture
+        trainer.optimizer.loop._step = capture
         with contextlib.suppress(_FirstStep):
             trainer.train_epoch(0)
         if not grads:
@@ -212,7 +212,7 @@ def run_combination(recipe_path: Path, sets: list[str], nonfinite: bool = True) 
             return grads[0], None
         for p in params:
             p.grad = None
-        trainer.optimizer._step = step
+        trainer.optimizer.loop._step = step
         reward = trainer.reward
         trainer.reward = _Wrapped(reward, lambda images, *rest: reward(torch.nan_to_num(images, nan=0.0), *rest))
         _poisoned(trainer.backbone)

@@ -80,15 +80,17 @@ def test_update_trains_the_adapter_and_the_kl_ema_copy_lags(tiny_weights):
     optimizer = tpflow.build("optimizer", "awm", num_timesteps=4, train_timesteps=2, timestep_fraction=1.0,
                              micro_batch_size=4, learning_rate=1e-2, seed=3)  # fmt: skip
     optimizer.bind(backbone)
-    before = [p.detach().clone() for p in optimizer._params]
+    before = [p.detach().clone() for p in optimizer.loop.params]
     advantages = torch.tensor([[1.0], [-1.0], [0.5], [-0.5]], dtype=torch.float64)
     with optimizer.sampling_policy():  # the live adapter samples: no swap
-        assert all(p is q for p, q in zip(optimizer._params, backbone.trainable_parameters(), strict=True))
+        assert all(p is q for p, q in zip(optimizer.loop.params, backbone.trainable_parameters(), strict=True))
     metrics = optimizer.update(backbone, None, final_samples(backbone), advantages)
-    after = [p.detach() for p in optimizer._params]
+    after = [p.detach() for p in optimizer.loop.params]
     assert metrics["optimizer_steps"] == 1 and metrics["ema_decay"] == pytest.approx(1e-3)
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    for old, b, a in zip(optimizer.old, before, after, strict=True):  # θ_ema ← d·θ_ema + (1 − d)·θ, θ_ema was θ_0
+    for old, b, a in zip(
+        optimizer.lagged.old, before, after, strict=True
+    ):  # θ_ema ← d·θ_ema + (1 − d)·θ, θ_ema was θ_0
         torch.testing.assert_close(old, 1e-3 * b + (1 - 1e-3) * a, rtol=0, atol=1e-7)
 
 
@@ -185,11 +187,11 @@ def test_the_kl_ema_decay_counts_epochs_or_optimizer_steps(tiny_weights, unit, d
                              old_decay_unit=unit, seed=3)  # fmt: skip
     optimizer.bind(backbone)
     batch, advantages = final_samples(backbone), torch.tensor([[1.0], [-1.0], [0.5], [-0.5]], dtype=torch.float64)
-    ema = [p.detach().clone() for p in optimizer._params]  # the copy starts as θ
+    ema = [p.detach().clone() for p in optimizer.loop.params]  # the copy starts as θ
     for d in decays:
         metrics = optimizer.update(backbone, None, batch, advantages)
         assert metrics["optimizer_steps"] == 4 and metrics["ema_decay"] == pytest.approx(d, abs=1e-12)
-        ema = [d * e + (1 - d) * p.detach() for e, p in zip(ema, optimizer._params, strict=True)]
-        for old, want in zip(optimizer.old, ema, strict=True):
+        ema = [d * e + (1 - d) * p.detach() for e, p in zip(ema, optimizer.loop.params, strict=True)]
+        for old, want in zip(optimizer.lagged.old, ema, strict=True):
             torch.testing.assert_close(old, want, rtol=0, atol=1e-7)
-    assert optimizer.global_step == 12 and optimizer.updates == 3
+    assert optimizer.global_step == 12 and optimizer.lagged.updates == 3

@@ -76,21 +76,23 @@ def test_update_at_the_base_model_weighs_every_group_a_half_and_the_lagged_copy_
     backbone = build_backbone("shapes-dit", tiny_weights)
     optimizer = _optimizer(switch_ema_ref=0)
     optimizer.bind(backbone)
-    before = [p.detach().clone() for p in optimizer._params]
+    before = [p.detach().clone() for p in optimizer.loop.params]
     advantages = torch.tensor([[1.0], [-1.0], [0.5], [-0.5]], dtype=torch.float64)
     batch = final_samples(backbone)
     with pytest.raises(UserError, match="group ids"):
         optimizer.update(backbone, None, batch, advantages)
     batch = dataclasses.replace(batch, groups=torch.tensor([0, 0, 1, 1]))
     with optimizer.sampling_policy():  # step 0: the live adapter samples
-        assert all(p.data_ptr() != o.data_ptr() for p, o in zip(optimizer._params, optimizer.old, strict=True))
+        assert all(
+            p.data_ptr() != o.data_ptr() for p, o in zip(optimizer.loop.params, optimizer.lagged.old, strict=True)
+        )
     metrics = optimizer.update(backbone, None, batch, advantages)
     assert metrics["optimizer_steps"] == 1 and metrics["group_weight"] == 0.5 and metrics["old_decay"] == 0.0
-    after = [p.detach() for p in optimizer._params]
+    after = [p.detach() for p in optimizer.loop.params]
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    assert all(torch.equal(old, a) for old, a in zip(optimizer.old, after, strict=True))
+    assert all(torch.equal(old, a) for old, a in zip(optimizer.lagged.old, after, strict=True))
     with optimizer.sampling_policy():  # past switch_ema_ref = 0 steps: the copy's values sample
-        assert all(torch.equal(p, o) for p, o in zip(optimizer._params, optimizer.old, strict=True))
+        assert all(torch.equal(p, o) for p, o in zip(optimizer.loop.params, optimizer.lagged.old, strict=True))
 
 
 def test_the_one_batch_loss_is_half_the_advantage_times_the_matching_error_at_the_base_model(tiny_weights):
@@ -116,7 +118,7 @@ def test_the_one_batch_loss_is_half_the_advantage_times_the_matching_error_at_th
     torch.testing.assert_close(out.rows.detach().double(), want, rtol=1e-5, atol=1e-7)
     assert out.clipped.sum() == 0
     out.rows.sum().backward()
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in optimizer._params)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in optimizer.loop.params)
 
 
 @pytest.mark.parametrize("grid", ["schedule", "flow-sigmas"])
@@ -190,7 +192,7 @@ def test_the_lagged_copy_moves_per_epoch_or_per_step_and_the_switch_counts_the_s
     optimizer.bind(backbone)
     batch = dataclasses.replace(final_samples(backbone), groups=torch.tensor([0, 0, 1, 1]))
     advantages = torch.tensor([[1.0], [-1.0], [0.5], [-0.5]], dtype=torch.float64)
-    ema = [p.detach().clone() for p in optimizer._params]
+    ema = [p.detach().clone() for p in optimizer.loop.params]
     step = 0
 
     def on_step(k: int) -> None:  # after each step: the hand copy follows "step"; "epoch" keeps the copy put
@@ -198,8 +200,8 @@ def test_the_lagged_copy_moves_per_epoch_or_per_step_and_the_switch_counts_the_s
         assert k == step
         if unit == "step":
             d = min(0.1 * k, 0.9)
-            ema = [d * e + (1 - d) * p.detach() for e, p in zip(ema, optimizer._params, strict=True)]
-        for old, want in zip(optimizer.old, ema, strict=True):
+            ema = [d * e + (1 - d) * p.detach() for e, p in zip(ema, optimizer.loop.params, strict=True)]
+        for old, want in zip(optimizer.lagged.old, ema, strict=True):
             torch.testing.assert_close(old, want, rtol=0, atol=1e-7)
         step += 1
 
@@ -210,9 +212,9 @@ def test_the_lagged_copy_moves_per_epoch_or_per_step_and_the_switch_counts_the_s
         assert metrics["optimizer_steps"] == 2
         if unit == "epoch":
             d = 0.1 * e
-            ema = [d * o + (1 - d) * p.detach() for o, p in zip(ema, optimizer._params, strict=True)]
+            ema = [d * o + (1 - d) * p.detach() for o, p in zip(ema, optimizer.loop.params, strict=True)]
         assert metrics["old_decay"] == pytest.approx(0.1 * e if unit == "epoch" else 0.1 * (2 * e + 1), abs=1e-12)
-        for old, want in zip(optimizer.old, ema, strict=True):
+        for old, want in zip(optimizer.lagged.old, ema, strict=True):
             torch.testing.assert_close(old, want, rtol=0, atol=1e-7)
     assert switched == ([False, False, True] if unit == "epoch" else [False, True, True])
 
@@ -240,7 +242,7 @@ def test_the_update_logs_the_group_scores_and_the_spread_of_the_group_weights(ti
     assert base["group_weight_min"] == base["group_weight_max"] == 0.5
     optimizer = _optimizer(learning_rate=1e-12)  # a step too small to move anything measurable
     optimizer.bind(backbone)
-    perturb(optimizer._params, 0.05, seed=7)
+    perturb(optimizer.loop.params, 0.05, seed=7)
     moved = optimizer.update(backbone, None, batch, advantages)
     assert moved["group_score_abs_mean"] > 1e-6 and moved["group_weight_std"] > 0
     assert moved["group_weight_min"] == pytest.approx(1 / (1 + math.exp(-moved["group_score_min"])), abs=1e-12)

@@ -98,7 +98,7 @@ def test_trainer_updates_the_ema_after_each_optimizer_step(tmp_path, tiny_weight
     params = trainer.backbone.trainable_parameters()
     shadow = [p.detach().float().clone() for p in params]
     after_each_step: list[list[torch.Tensor]] = []
-    torch_optimizer = trainer.optimizer._optimizer
+    torch_optimizer = trainer.optimizer.loop.optimizer
     real_step = torch_optimizer.step
 
     def step(*args, **kwargs):

@@ -129,7 +129,7 @@ def test_nft_trains_on_cuda(tmp_path, tiny_weights, cuda, name, precision):
     straight = Trainer(load_recipe(recipe("straight"), sets))
     device = resolve_device(cuda)
     assert all(p.device == device for p in straight.backbone.trainable_parameters())
-    assert all(o.device == device for o in straight.optimizer.old)
+    assert all(o.device == device for o in straight.optimizer.lagged.old)
     before = _adapter(straight)
     metrics = straight.fit()
     after = _adapter(straight)

@@ -253,7 +253,7 @@ def test_a_trained_subset_is_computed_alone_and_weighs_as_before(backbone):
     rows, velocity = [], backbone.velocity
     backbone.velocity = lambda z, *a: rows.append(z.shape[0] if torch.is_grad_enabled() else 0) or velocity(z, *a)
     gradients = []
-    optimizer._optimizer.step = lambda *a, **k: gradients.append([p.grad.clone() for p in params])
+    optimizer.loop.optimizer.step = lambda *a, **k: gradients.append([p.grad.clone() for p in params])
     try:
         metrics = optimizer.update(backbone, sampler, batch, advantages)
     finally:

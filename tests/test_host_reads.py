@@ -87,18 +87,18 @@ def test_nft_reads_once_per_loss(backbone, monkeypatch):
     advantages = group_advantages(torch.randn(8, 1, generator=torch.Generator().manual_seed(2)), prompts)
     optimizer = tpflow.build("optimizer", "nft", micro_batch_size=4, num_timesteps=4, timesteps_per_sample=3, seed=1)
     optimizer.bind(backbone)
-    import tpflow.optim.nft as nft
+    import tpflow.optim.final as final  # the final-sample machinery NFT calls: its lagged copy's swap
 
-    swaps, swapped = [], nft.swapped
-    monkeypatch.setattr(nft, "swapped", lambda *args: swaps.append(1) or swapped(*args))
+    swaps, swapped = [], final.swapped
+    monkeypatch.setattr(final, "swapped", lambda *args: swaps.append(1) or swapped(*args))
     with HostReads() as reads:
         metrics = optimizer.update(backbone, None, batch, advantages)
     assert metrics["optimizer_steps"] == 2 and metrics["rows_trained"] == 24
     assert reads.calls.count("loop.py:_backward") == 2 * 3  # 2 micro-batches x 3 times
     assert len(swaps) == 2  # the old policy swapped in once per micro-batch, not twice per (micro-batch, time)
-    per_update = [c for c in reads.calls if c not in ("loop.py:_backward", "nft.py:passes")]
+    per_update = [c for c in reads.calls if c not in ("loop.py:_backward", "final.py:micro_batches")]
     assert len(per_update) <= 2, per_update  # the metrics and the mean optimality, once each
-    assert reads.calls.count("nft.py:passes") == 1  # the sample order, a host tensor, once per pass: free on a GPU
+    assert reads.calls.count("final.py:micro_batches") == 1  # the sample order (host tensor), once a pass: free on GPU
 
 
 def test_a_rollout_from_shared_noise_reads_nothing_per_noise_row(backbone):

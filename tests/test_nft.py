@@ -12,8 +12,9 @@ import torch
 import tpflow
 from tests.distributed_workers import nft_layout_gradient
 from tpflow.interfaces import Optimizer
+from tpflow.optim.final import old_decay
 from tpflow.optim.nft import NFT
-from tpflow.optim.nft_loss import implicit_velocities, nft_loss, old_decay, optimality
+from tpflow.optim.nft_loss import implicit_velocities, nft_loss, optimality
 from tpflow.rollout import Window, rollout
 
 PROMPTS = ["a photo of a red circle", "a photo of a red circle", "a photo of two squares", "a photo of two squares"]
@@ -54,9 +55,9 @@ def test_loss_and_gradient_equal_a_float64_hand_computation(name, tiny_weights, 
     beta, clip, kl_weight = 0.7, 2.0, 0.05
     optimizer = tpflow.build("optimizer", "nft", beta=beta, adv_clip_max=clip, kl_weight=kl_weight)
     optimizer.bind(backbone)
-    params = optimizer._params
+    params = optimizer.loop.params
     perturb(params, 0.05, seed=1)  # the adapter differs from the base (KL > 0)
-    optimizer.old = [p.detach() + 0.05 * torch.randn_like(p) for p in params]  # and from the old policy
+    optimizer.lagged.old = [p.detach() + 0.05 * torch.randn_like(p) for p in params]  # and from the old policy
     batch = final_samples(backbone)
     n = len(batch)
     rows = torch.arange(n)
@@ -79,7 +80,7 @@ def test_loss_and_gradient_equal_a_float64_hand_computation(name, tiny_weights, 
     cond = batch.cond
     with torch.no_grad():
         live = [p.detach().clone() for p in params]
-        for p, o in zip(params, optimizer.old, strict=True):
+        for p, o in zip(params, optimizer.lagged.old, strict=True):
             p.copy_(o)
         v_old = backbone.velocity(x_t.float(), t, cond, 1.0).double()
         for p, o in zip(params, live, strict=True):
@@ -184,17 +185,17 @@ def test_update_trains_the_adapter_and_soft_updates_the_old_policy(tiny_weights)
     assert metrics["old_decay"] == 0.5
     params = backbone.trainable_parameters()
     lora_before = [before[n] for n in names if "lora_" in n]
-    for old, start, now in zip(optimizer.old, lora_before, params, strict=True):
+    for old, start, now in zip(optimizer.lagged.old, lora_before, params, strict=True):
         torch.testing.assert_close(old, 0.5 * start + 0.5 * now.detach(), rtol=0, atol=1e-7)
     # sampling_policy swaps the old values in and puts the live ones back exactly
     live = [p.detach().clone() for p in params]
     with optimizer.sampling_policy():
-        assert all(torch.equal(p, o) for p, o in zip(params, optimizer.old, strict=True))
+        assert all(torch.equal(p, o) for p, o in zip(params, optimizer.lagged.old, strict=True))
     assert all(torch.equal(p, q) for p, q in zip(params, live, strict=True))
     with pytest.raises(KeyboardInterrupt), optimizer.sampling_policy():  # Ctrl-C while sampling: the live values
         raise KeyboardInterrupt  # come back before the trainer saves them
     assert all(torch.equal(p, q) for p, q in zip(params, live, strict=True))
-    assert not all(torch.equal(p, o) for p, o in zip(params, optimizer.old, strict=True))  # the swap is visible
+    assert not all(torch.equal(p, o) for p, o in zip(params, optimizer.lagged.old, strict=True))  # the swap is visible
 
     # Checkpoint round trip: a fresh optimizer on a copy of the adapter continues bitwise like this one.
     buffer = io.BytesIO()
@@ -207,13 +208,13 @@ def test_update_trains_the_adapter_and_soft_updates_the_old_policy(tiny_weights)
     twin = tpflow.build("optimizer", "nft", old_decay_rate=0.25, **{**options, "seed": None})
     twin.bind(twin_backbone)
     twin.load_state_dict(torch.load(buffer, weights_only=True))
-    assert (twin.global_step, twin.updates, twin._seed) == (2, 1, 5)
-    assert all(torch.equal(a, b) for a, b in zip(twin.old, optimizer.old, strict=True))
+    assert (twin.global_step, twin.lagged.updates, twin.lagged.seed) == (2, 1, 5)
+    assert all(torch.equal(a, b) for a, b in zip(twin.lagged.old, optimizer.lagged.old, strict=True))
     optimizer.update(backbone, None, batch, advantages)
     twin.update(twin_backbone, None, batch, advantages)
     for a, b in zip(params, twin_backbone.trainable_parameters(), strict=True):
         assert torch.equal(a, b)
-    assert all(torch.equal(a, b) for a, b in zip(twin.old, optimizer.old, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(twin.lagged.old, optimizer.lagged.old, strict=True))
 
 
 @pytest.mark.parametrize("micro,accumulation", [(4, 2), (2, 4), (3, 3)])

@@ -162,7 +162,7 @@ def test_the_base_seed_follows_train_seed_not_what_was_built_before(tmp_path, ti
     from tpflow.recipe import Recipe
 
     recipe = load_recipe(nft_recipe(tmp_path, tiny_weights), ["train.epochs=1"])
-    plain = Trainer(recipe, run_dir=tmp_path / "plain").optimizer._seed
+    plain = Trainer(recipe, run_dir=tmp_path / "plain").optimizer.lagged.seed
     build = Recipe.build
 
     def drawing(self, kind):
@@ -171,9 +171,9 @@ def test_the_base_seed_follows_train_seed_not_what_was_built_before(tmp_path, ti
         return build(self, kind)
 
     monkeypatch.setattr(Recipe, "build", drawing)
-    assert Trainer(recipe, run_dir=tmp_path / "drawing").optimizer._seed == plain
+    assert Trainer(recipe, run_dir=tmp_path / "drawing").optimizer.lagged.seed == plain
     other = load_recipe(nft_recipe(tmp_path, tiny_weights), ["train.epochs=1", "train.seed=7"])
-    assert Trainer(other, run_dir=tmp_path / "other").optimizer._seed != plain
+    assert Trainer(other, run_dir=tmp_path / "other").optimizer.lagged.seed != plain
 
 
 @pytest.mark.parametrize("section", [NFT_SECTION, AWM_SECTION, DGPO_SECTION], ids=["nft", "awm", "dgpo"])
@@ -184,7 +184,7 @@ def test_kill_9_then_resume_continues_exactly(tmp_path, tiny_weights, section):
     sets = ["train.epochs=4", "eval.every=0"]
     straight = Trainer(load_recipe(nft_recipe(straight_dir, tiny_weights, section=section), sets))
     straight.fit()
-    assert straight.optimizer.global_step >= 4 and straight.optimizer.updates == 4
+    assert straight.optimizer.global_step >= 4 and straight.optimizer.lagged.updates == 4
 
     recipe = nft_recipe(killed_dir, tiny_weights, section=section)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), *sys.path])}
@@ -206,5 +206,7 @@ def test_kill_9_then_resume_continues_exactly(tmp_path, tiny_weights, section):
     resumed.fit()
     a, b = _adapter(straight), _adapter(resumed)
     assert all(torch.equal(a[n], b[n]) for n in a), "the resumed adapter must equal the uninterrupted one bitwise"
-    assert all(torch.equal(x, y) for x, y in zip(straight.optimizer.old, resumed.optimizer.old, strict=True))
+    assert all(
+        torch.equal(x, y) for x, y in zip(straight.optimizer.lagged.old, resumed.optimizer.lagged.old, strict=True)
+    )
     assert _comparable(straight.run_dir) == _comparable(resumed.run_dir)

@@ -99,7 +99,7 @@ def test_the_optimizers_state_is_left_as_it_was(tiny_weights):
     assert after["global_step"] == state["global_step"] and after["updates"] == state["updates"]
     assert all(torch.equal(a, b) for a, b in zip(after["old"], state["old"], strict=True))
     assert all(torch.equal(p, w) for p, w in zip(backbone.trainable_parameters(), weights, strict=True))
-    moments = [s["exp_avg"] for s in nft._optimizer.state.values()]
+    moments = [s["exp_avg"] for s in nft.loop.optimizer.state.values()]
     assert moments and all(torch.equal(m, state["optimizer"]["state"][k]["exp_avg"]) for k, m in enumerate(moments))
     # the same draws again: the measured gradient does not depend on having been measured before
     assert torch.equal(first_step_gradient(nft, backbone, None, batch, adv), gradient)

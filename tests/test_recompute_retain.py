@@ -60,13 +60,13 @@ def first_step_gradient(backbone, sampler, batch, advantages, precision=None, **
     params = list(backbone.trainable_parameters())
     saved = [p.detach().clone() for p in params]
     grads: list[list[torch.Tensor]] = []
-    step = optimizer._step
+    step = optimizer.loop._step
 
     def capture(rows, totals):
         grads.append([p.grad.detach().clone() for p in params])
         return step(rows, totals)
 
-    optimizer._step = capture
+    optimizer.loop._step = capture
     try:
         metrics = optimizer.update(backbone, sampler, batch, advantages)
     finally:

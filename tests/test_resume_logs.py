@@ -144,7 +144,7 @@ def test_resume_with_a_new_learning_rate_uses_and_records_it(straight, tmp_path,
     text = " ".join(out.split())
     assert "note: train.epochs 6 in the run, 7 now" in text  # expected: said in one line, not warned
     assert "train.epochs 6 ->" not in text and "group_size" not in out  # unchanged: not reported
-    assert [g["lr"] for g in trainer.optimizer._optimizer.param_groups] == [1e-5]  # not the checkpoint's 0.01
+    assert [g["lr"] for g in trainer.optimizer.loop.optimizer.param_groups] == [1e-5]  # not the checkpoint's 0.01
     trainer.fit()
     path, _ = find_checkpoint(tmp_path / "run")
     assert json.loads((path / "recipe.json").read_text())["optimizer"]["learning_rate"] == 1e-5

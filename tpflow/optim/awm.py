@@ -1,10 +1,11 @@
 """AWM, Advantage Weighted Matching: the flow-matching loss on final samples, weighted by their advantages.
 
 Xue et al., arXiv 2509.25050 (24× over Flow-GRPO in its arXiv abstract); public code scxue/advantage_weighted_matching
-(``scripts/train_sd3_awm.py``). What it shares with DiffusionNFT (``tpflow.optim.nft``, whose update loop this class
-inherits): it trains on the epoch's final samples, re-noised by the forward process at times drawn from the
-backbone's schedule with fresh noise, one outcome reward per image, a lagged copy of the adapter soft-updated after
-each update, the KL to the adapter-disabled model. What differs is its loss only (``tpflow.optim.awm_loss``) and:
+(``scripts/train_sd3_awm.py``). What it shares with DiffusionNFT (``tpflow.optim.nft``; both call
+``tpflow.optim.final``, neither inherits the other): it trains on the epoch's final samples, re-noised by the
+forward process at times drawn from the backbone's schedule with fresh noise, one outcome reward per image, a lagged
+copy of the adapter soft-updated after each update, the KL to the adapter-disabled model. What differs is its loss
+only (``tpflow.optim.awm_loss``) and:
 
 * the rollouts sample with the live adapter (the code's ``off_policy = False``); the lagged copy is the "KL-EMA"
   anchor of the loss, θ_ema ← d·θ_ema + (1 − d)·θ after each update (epoch) with d = min(0.001·n, 0.3). The code's
@@ -30,60 +31,63 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from torch import Tensor
 
 from tpflow.interfaces import Backbone, Sampler
+from tpflow.optim.advantages import group_advantages
 from tpflow.optim.awm_loss import AWMLoss, Weighting, awm_loss, stratified_indices
-from tpflow.optim.loop import RowLoss
-from tpflow.optim.nft import NFT, SEED_LIMIT
-from tpflow.optim.nft_loss import old_decay
+from tpflow.optim.final import (
+    LaggedCopy,
+    NoisedMethod,
+    forward_noising,
+    frozen_velocities,
+    noised_update,
+    old_decay,
+    outcome_only,
+    row_loss,
+)  # fmt: skip
+from tpflow.optim.loop import AdamWLoop, RowLoss, batch_layout
+from tpflow.optim.options import (
+    CLIP_RANGE,
+    TRAIN_GUIDANCE,
+    TRAIN_TIMESTEPS,
+    DecayUnit,
+    FinalSampleOptions,
+    KLWeight,
+    MicroBatchSize,
+    NumTimesteps,
+    OldDecayMax,
+)  # fmt: skip
 from tpflow.plans.base import derived_generator
+from tpflow.precision import Precision
 from tpflow.registry import register
-from tpflow.types import Conditioning, Rollout
+from tpflow.types import BatchLayout, Conditioning, Rollout
 
 
-class AWMOptions(BaseModel):
+class AWMOptions(FinalSampleOptions):
     """Options of the ``awm`` optimizer; defaults are the public code's SD3.5-M GenEval config (``dgx_awm.py``) but
-    ``train_guidance``, whose default keeps what tpflow ran before the option (the shipped recipes set the code's)."""
+    ``train_guidance``, whose default keeps what tpflow ran before the option (the shipped recipes set the code's).
+    The AdamW, batching, advantage, KL, schedule, lagged-copy decay and seed fields are
+    ``tpflow.optim.options.FinalSampleOptions``'; the code's values differ from NFT's in the defaults below."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    learning_rate: float = Field(3e-4, gt=0, description="AdamW learning rate (the code: 3e-4, in effect constant).")
-    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (β1, β2).")
-    weight_decay: float = Field(1e-4, ge=0, description="AdamW decoupled weight decay.")
-    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient-norm clip at each optimizer step.")
-    kl_weight: float = Field(
-        1e-3,
-        ge=0,
-        description="β: weight of mean((v_θ − v_ref)²) to the adapter-disabled model (GenEval 0.001, OCR 0.003, "
-        "PickScore 0.0001); 0 skips the reference pass.",
-    )
+    micro_batch_size: MicroBatchSize = 3
+    kl_weight: KLWeight = 1e-3
+    num_timesteps: NumTimesteps = 14
+    old_decay_max: OldDecayMax = 0.3
+    old_decay_unit: DecayUnit = "epoch"
     ema_weight: float = Field(
         1.0, ge=0, description="γ: weight of mean((v_θ − v_ema)²) to the lagged adapter copy (the code's ema_beta)."
     )
-    clip_range: float = Field(1.0, gt=0, description="ε of the ratio clip (inert on policy; the code: 1).")
-    train_guidance: float | None = Field(
-        None,
-        ge=1,
-        description="CFG of the loss's velocities (v_θ, the KL-EMA copy's and the reference's). The code's "
-        "train.cfg = False, in every public config, is 1 (the conditional prediction; the shipped recipes set it); "
-        "None trains at the rollout's guidance, as train.cfg = True would, and as tpflow did before this option "
-        "(docs/results.md §2.8's AWM arm, at CFG 3).",
-    )
+    clip_range: float = Field(1.0, gt=0, description=CLIP_RANGE)
+    train_guidance: float | None = Field(None, ge=1, description=TRAIN_GUIDANCE)
     weighting: Weighting = Field("ghuber", description="The matching value ℓ(m, t) (tpflow/optim/awm_loss.py).")
     ghuber_power: float = Field(0.25, gt=0, le=1, description="p of the ghuber weighting.")
-    adv_clip_max: float = Field(5.0, gt=0, description="c: A' = clip(A, ±c)/c (the code: 5).")
-    global_std: bool = Field(True, description="Normalise the rewards by the std of the whole epoch (the code).")
-    num_timesteps: int = Field(
-        14, ge=2, le=1000, description="K of the backbone's schedule the training times are read from (the code: 14)."
-    )
-    train_timesteps: int = Field(6, ge=1, le=1000, description="T: stratified times per sample (the code: 6).")
+    train_timesteps: int = Field(6, ge=1, le=1000, description=TRAIN_TIMESTEPS)
     timestep_fraction: float = Field(
         0.9, gt=0, le=1, description="The strata end at index ⌊K·fraction⌋ (the code: 0.9): later times never train."
     )
@@ -92,33 +96,9 @@ class AWMOptions(BaseModel):
         description="'discrete_wo_init': strata from index 1 (never t = 1; GenEval, OCR); 'discrete': from 0 "
         "(PickScore).",
     )
-    old_decay_flat: int = Field(0, ge=0, description="n (in old_decay_unit) before the lagged copy starts to lag.")
-    old_decay_rate: float = Field(1e-3, ge=0, description="Growth of the copy's decay d per unit of n.")
-    old_decay_max: float = Field(0.3, ge=0, lt=1, description="Cap of d (the code: 0.3).")
-    old_decay_unit: Literal["epoch", "step"] = Field(
-        "epoch",
-        description="What n of d = min(rate·(n − flat), cap) counts: 'epoch', the updates so far, what the code "
-        "does in effect (it takes one optimizer step per epoch and counts steps); 'step', the optimizer steps so far, "
-        "what tpflow counted before this option (docs/results.md §2.8: 8 steps an epoch). The copy moves once per "
-        "epoch either way.",
-    )
-    micro_batch_size: int = Field(3, ge=1, description="Samples per forward/backward pass (GenEval: 3).")
-    gradient_accumulation_steps: int = Field(
-        1,
-        ge=1,
-        description="Micro-batches per optimizer step; the code takes one step per epoch (accumulation = the "
-        "epoch's micro-batches): set micro_batch_size × this ≥ the samples of a process's epoch to match it.",
-    )
-    num_inner_epochs: int = Field(1, ge=1, description="Passes over the epoch's samples per update.")
-    seed: int | None = Field(
-        None, ge=0, lt=SEED_LIMIT, description="Seed of the update's draws; None derives it from the run's seed."
-    )
-    recompute: str = Field("native", description="Only 'native' (AWM trains on final samples, as NFT).")
 
     @model_validator(mode="after")
     def _fits(self) -> AWMOptions:
-        if self.recompute != "native":
-            raise ValueError(f'recompute = "{self.recompute}": awm trains on final samples (only "native").')
         lower, upper = self.strata_range
         if upper - lower < self.train_timesteps:
             raise ValueError(
@@ -135,26 +115,34 @@ class AWMOptions(BaseModel):
 
 
 @register("optimizer", "awm", options=AWMOptions)
-class AWM(NFT):
-    """Advantage Weighted Matching (module docstring); every option is a field of :class:`AWMOptions`. The update
-    loop, the draws of times and noise by global row, the lagged copy and its checkpointing are NFT's."""
+class AWM:
+    """Advantage Weighted Matching (module docstring; implements ``tpflow.interfaces.Optimizer``); every option is a
+    field of :class:`AWMOptions`. The update's passes, the draws of noise by global row, the lagged copy and its
+    checkpointing are ``tpflow.optim.final``'s; the loop is ``self.loop``."""
 
-    registered_name = "awm"
+    consumes: Literal["transitions", "final_samples"] = "final_samples"
+    layout_of = staticmethod(batch_layout)  # the layout from the options alone (tpflow validate)
 
     def __init__(self, options: AWMOptions | None = None) -> None:
-        super().__init__(options if options is not None else AWMOptions())  # type: ignore[arg-type]
+        self.options = options if options is not None else AWMOptions()
+        self.loop = AdamWLoop("awm", autocast_each_loss=False)  # the lagged copy is swapped in between forwards
+        self.lagged = LaggedCopy("awm", self.options.seed)  # the KL-EMA anchor, the update count, the base seed
+
+    @property
+    def global_step(self) -> int:
+        return self.loop.global_step
+
+    @property
+    def precision(self) -> Precision:
+        return self.loop.precision
+
+    @precision.setter
+    def precision(self, value: Precision) -> None:
+        self.loop.precision = value
 
     @staticmethod
     def check_recipe(options: AWMOptions, settings: dict) -> list[str]:
-        """One reward per final image, as NFT: only the ``outcome`` credit."""
-        credit = settings.get("credit")
-        if credit is not None and credit.name != "outcome":
-            return [
-                f'[credit] name = "{credit.name}": the awm optimizer trains on final samples, one reward per image '
-                "(re-noised by the forward process: no SDE window steps to credit apart). Set [credit] name = "
-                '"outcome".'
-            ]
-        return []
+        return outcome_only("awm", settings)
 
     def uses_reference(self) -> bool:
         return self.options.kl_weight > 0
@@ -166,6 +154,25 @@ class AWM(NFT):
         """The live adapter samples (the lagged copy is only the loss's anchor)."""
         return contextlib.nullcontext()
 
+    def bind(self, backbone: Backbone, accelerator=None, precision=None) -> None:
+        """AdamW over the adapter, the lagged copy as a copy of it, the base seed (``tpflow.optim.final``)."""
+        self.loop.bind(self.options, backbone, accelerator, precision)
+        self.lagged.bind(self.loop.params)
+
+    def batch_layout(self) -> BatchLayout:
+        return batch_layout(self.options)
+
+    def advantages(self, step_rewards: Tensor, groups: Sequence[Hashable]) -> Tensor:
+        """[N, 1] float64: the group-normalised final reward, with ``global_std`` and clipped at ``adv_clip_max``."""
+        o = self.options
+        return group_advantages(step_rewards[:, -1:], groups, global_std=o.global_std, clip=o.adv_clip_max)
+
+    def state_dict(self, gather: bool = True) -> dict:
+        return self.loop.state_dict(self.lagged.state(), gather)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loop.load_state_dict(self.options, state, lambda s: self.lagged.load(s, self.loop.params))
+
     def update(
         self,
         backbone: Backbone,
@@ -174,24 +181,45 @@ class AWM(NFT):
         advantages: Tensor,
         on_step: Callable[[int], object] | None = None,
     ) -> dict[str, float]:
-        """NFT's update (``tpflow.optim.nft``) of ``batch``'s final samples, its velocities at ``train_guidance``."""
-        return super().update(backbone, sampler, self._at_train_guidance(batch), advantages, on_step)
+        """The final-sample update (``tpflow.optim.final.noised_update``) of ``batch`` at ``train_guidance``, each
+        sample at its stratified times, weighted by A'; then the KL-EMA copy's move."""
+        if self.loop.optimizer is None:
+            self.bind(backbone)
+        o = self.options
+        method = NoisedMethod(self._weights, self._times, self._row_loss, o.kl_weight > 0)
+        result, r = noised_update(self.loop, o, self.lagged, backbone, self._at_train_guidance(batch), advantages,
+                                  method, on_step)  # fmt: skip
+        # d: n the epochs so far, this one included (the code's step count at one step per epoch), or the steps
+        n = self.lagged.updates + 1 if o.old_decay_unit == "epoch" else self.loop.global_step
+        decay = old_decay(n, o.old_decay_flat, o.old_decay_rate, o.old_decay_max)
+        self.lagged.soft_update(self.loop.params, decay)
+        self.lagged.updates += 1
+        result.update(advantage_weight_mean=float(r.abs().mean()) if len(r) else 0.0, ema_decay=decay)
+        return result
 
     def loss(self, backbone: Backbone, batch: Rollout, rows: Tensor, r: Tensor, t: Tensor, noise: Tensor) -> AWMLoss:
-        """NFT's one-batch ``loss`` (what the memory estimate runs), at ``train_guidance``."""
-        return super().loss(backbone, self._at_train_guidance(batch), rows, r, t, noise)  # type: ignore[return-value]
+        """The loss of the samples ``rows`` [M] of ``batch`` at times t [M] with noise ε [M, ...] and weights A' [M],
+        at ``train_guidance``: the lagged copy's and the reference's velocities without grad, then v_θ with grad
+        (what the memory estimate runs). ε is recovered from x_t, as the loss of one noised batch."""
+        batch = self._at_train_guidance(batch)
+        x0, cond = batch.final[rows], batch.cond.index(rows)
+        x_t = forward_noising(x0.float(), t, noise).to(x0.dtype)
+        reference = batch.guidance if self.options.kl_weight > 0 else None
+        ((_, v_old, v_ref),) = frozen_velocities(backbone, self.loop.precision, self.lagged.swapped(self.loop.params),
+                                                 [(x_t, t)], cond, batch.guidance, reference=reference)  # fmt: skip
+        return self._loss(backbone, x0, x_t, t, cond, batch.guidance, r, v_old, v_ref)
 
     def _at_train_guidance(self, batch: Rollout) -> Rollout:
         """``batch`` with the guidance its loss's velocities run at (the rollout's when ``train_guidance`` is None)."""
         g = self.options.train_guidance
         return batch if g is None or g == batch.guidance else dataclasses.replace(batch, guidance=g)
 
-    def _sample_weights(self, advantages: Tensor) -> Tensor:
+    def _weights(self, advantages: Tensor) -> Tensor:
         """A' = clip(A, ±c)/c ∈ [−1, 1]."""
         c = self.options.adv_clip_max
         return advantages.clamp(-c, c) / c
 
-    def _draw_times(self, key: tuple[int, ...], first: int, n: int) -> Tensor:
+    def _times(self, key: tuple[int, ...], first: int, n: int) -> Tensor:
         """[n, T] long: each sample's T stratified schedule indices, from (key, its global row)."""
         o = self.options
         lower, upper = o.strata_range
@@ -200,16 +228,6 @@ class AWM(NFT):
         if not uniforms:
             return torch.zeros((0, o.train_timesteps), dtype=torch.long, device="cpu")
         return stratified_indices(torch.stack(uniforms), lower, upper, o.train_timesteps)
-
-    def _pass_metrics(self, r: Tensor, decay: float) -> dict[str, float]:
-        return {"advantage_weight_mean": float(r.abs().mean()) if len(r) else 0.0, "ema_decay": decay}
-
-    def _old_decay(self) -> float:
-        """d of the KL-EMA copy's move that ends this update: n the epochs so far, this one included (the code's
-        step count at one step per epoch), or the optimizer steps so far (``old_decay_unit``)."""
-        o = self.options
-        n = self.updates + 1 if o.old_decay_unit == "epoch" else self.global_step
-        return old_decay(n, o.old_decay_flat, o.old_decay_rate, o.old_decay_max)
 
     def _loss(
         self, backbone: Backbone, x0: Tensor, x_t: Tensor, t: Tensor, cond: Conditioning, guidance: float, r: Tensor,
@@ -221,7 +239,7 @@ class AWM(NFT):
         if noise is None:  # the public ``loss`` path: ε from x_t = (1 − t)·x₀ + t·ε
             tt = t.reshape(-1, *([1] * (x0.dim() - 1))).double()
             noise = (x_t.double() - (1 - tt) * x0.double()) / tt
-        with self.precision.autocast():
+        with self.loop.precision.autocast():
             v = backbone.velocity(x_t, t, cond, guidance)
         target = noise.to(torch.float64) - x0.detach().to(torch.float64)
         return awm_loss(v, target, t, r, o.clip_range, o.weighting, o.ghuber_power, v_ref, o.kl_weight, v_old,
@@ -229,7 +247,7 @@ class AWM(NFT):
 
     def _row_loss(
         self, backbone: Backbone, x0: Tensor, x_t: Tensor, t: Tensor, cond: Conditioning, guidance: float, r: Tensor,
-        v_old: Tensor, v_ref: Tensor | None, noise: Tensor | None = None,
+        v_old: Tensor, v_ref: Tensor | None, noise: Tensor,
     ) -> RowLoss:  # fmt: skip
         out = self._loss(backbone, x0, x_t, t, cond, guidance, r, v_old, v_ref, noise)
         sums = {
@@ -239,5 +257,4 @@ class AWM(NFT):
             "kl": out.kl_rows.sum().float(),
             "kl_ema": out.ema_rows.sum().float(),
         }
-        count = torch.full((), float(out.rows.shape[0]), device=out.rows.device)
-        return RowLoss(out.rows.sum(), count, sums)
+        return row_loss(out.rows, sums)

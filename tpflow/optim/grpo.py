@@ -13,6 +13,7 @@ docs/algorithm.md §6.3).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -29,24 +30,20 @@ from tpflow.interfaces import Backbone, Sampler, capability
 from tpflow.optim.advantages import group_advantages, informative_trajectories
 from tpflow.optim.grpo_loss import PolicyLoss, clipped_surrogate, kl_to_reference
 from tpflow.optim.grpo_options import GRPOOptions
-from tpflow.optim.loop import AdamWLoop, LossThunk, RowLoss
+from tpflow.optim.loop import AdamWLoop, LossThunk, RowLoss, batch_layout
 from tpflow.optim.ratio_norm import normalised_log_ratio
 from tpflow.optim.recompute import retain_problems, retained_passes, retained_step, reweighted_loss
 from tpflow.optim.step_weights import noise_aware_weights, transition_std
+from tpflow.precision import Precision
 from tpflow.registry import register
 from tpflow.rollout.retain import Retain
 from tpflow.rollout.reweight import Reweight
-from tpflow.types import ReweightedSteps, Rollout, StepOutput
+from tpflow.types import BatchLayout, ReweightedSteps, Rollout, StepOutput
 
 
 @register("optimizer", "grpo", options=GRPOOptions)
-class GRPO(AdamWLoop):
+class GRPO:
     """GRPO update (implements ``tpflow.interfaces.Optimizer``); every option is a field of :class:`GRPOOptions`.
-
-    Options: learning_rate, adam_betas, weight_decay, adam_eps, clip_range, adv_clip_max, beta, max_grad_norm,
-    global_std, advantage_std, advantage_eps, filter_zero_advantage, gradient_accumulation_steps, micro_batch_size,
-    num_inner_epochs, ratio_norm, ratio_norm_reweight, kl_std, cfg_gradient, recompute, max_retained_steps,
-    retain_min_trained, step_weight.
 
     One ``update`` walks the epoch's trajectories in micro-batches of ``micro_batch_size`` (in order, as the
     reference), and for each micro-batch the W window steps in order: recompute the velocity with grad, re-score the
@@ -54,11 +51,11 @@ class GRPO(AdamWLoop):
     adapter-disabled model (``Backbone.reference``). A window step's rows whose transition std is 0 (cps at σ⁺ = 0)
     carry no likelihood ratio and are never trained: they are masked out, row by row. The loop, the uniform row
     weights of each optimizer step (every trained (trajectory, window step) row of every process weighs the same),
-    precision and AdamW are ``tpflow.optim.loop``'s.
+    precision and AdamW are those of ``self.loop``, the ``tpflow.optim.loop.AdamWLoop`` it holds.
     """
 
     consumes: Literal["transitions", "final_samples"] = "transitions"  # the window's stored SDE steps
-    registered_name = "grpo"
+    layout_of = staticmethod(batch_layout)  # the layout from the options alone (tpflow validate)
 
     @property
     def needs_old_means(self) -> bool:
@@ -84,8 +81,38 @@ class GRPO(AdamWLoop):
                       rows=first_step)  # fmt: skip
 
     def __init__(self, options: GRPOOptions | None = None) -> None:
-        super().__init__()
         self.options = options if options is not None else GRPOOptions()
+        self.loop = AdamWLoop("grpo")
+
+    @property
+    def global_step(self) -> int:
+        return self.loop.global_step
+
+    @property
+    def precision(self) -> Precision:
+        return self.loop.precision
+
+    @precision.setter
+    def precision(self, value: Precision) -> None:
+        self.loop.precision = value
+
+    def bind(self, backbone: Backbone, accelerator=None, precision: Precision | None = None) -> None:
+        """AdamW over the adapter (``AdamWLoop.bind``)."""
+        self.loop.bind(self.options, backbone, accelerator, precision)
+
+    def batch_layout(self) -> BatchLayout:
+        return batch_layout(self.options)
+
+    def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
+        """The live adapter collects the rollouts."""
+        return contextlib.nullcontext()
+
+    def state_dict(self, gather: bool = True) -> dict:
+        """The loop's state (AdamW, the step count, the fp16 scaler): GRPO keeps nothing else."""
+        return self.loop.state_dict({}, gather)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loop.load_state_dict(self.options, state, lambda _: None)
 
     def uses_reference(self) -> bool:
         """The KL reference pass runs only with beta > 0."""
@@ -161,7 +188,7 @@ class GRPO(AdamWLoop):
         before it): the trainer's EMA averages the weights of every step, not the epoch's last ones only. A step the
         fp16 gradient scaler skips (inf/NaN gradients) is not taken: it is not counted in ``global_step``, does not
         call ``on_step``, and shows in the ``skipped_steps`` metric."""
-        if self._optimizer is None:
+        if self.loop.optimizer is None:
             self.bind(backbone)
         o = self.options
         n, width = batch.log_probs.shape
@@ -206,7 +233,7 @@ class GRPO(AdamWLoop):
                 )
 
         first_row = torch.zeros(1, dtype=torch.long, device="cpu")  # a sharded step's padding: row 0, weight 0
-        result = self.run(passes, losses, on_step, filler=(first_row.to(batch.device), first_row, False))
+        result = self.loop.run(o, passes, losses, on_step, filler=(first_row.to(batch.device), first_row, False))
         for name in ("ratio_max_deviation", "first_ratio_max_deviation"):  # 0 when no row trained: on policy
             result.setdefault(name, 0.0)
         result["trajectories_trained"] = float(rows.numel())

@@ -42,12 +42,6 @@ def optimality(advantages: Tensor, adv_clip_max: float) -> Tensor:
     return (clipped / adv_clip_max / 2.0 + 0.5).clamp(0.0, 1.0)
 
 
-def forward_noising(x0: Tensor, t: Tensor, noise: Tensor) -> Tensor:
-    """x_t = (1 − t)·x₀ + t·ε for x₀, ε [N, ...] and t [N] (t = 1: pure noise), in the dtype of ``x0``."""
-    tt = t.to(x0.dtype).reshape(-1, *([1] * (x0.dim() - 1)))
-    return (1 - tt) * x0 + tt * noise.to(x0.dtype)
-
-
 def implicit_velocities(v: Tensor, v_old: Tensor, beta: float) -> tuple[Tensor, Tensor]:
     """(v⁺, v⁻) = (β·v + (1 − β)·v_old, (1 + β)·v_old − β·v); v_old is a constant (detached)."""
     v_old = v_old.detach()
@@ -100,9 +94,3 @@ def _weighted_error(x0_pred: Tensor, x0: Tensor) -> Tensor:
     with torch.no_grad():
         weight = err.double().abs().mean(dim=1).clamp(min=1e-5).to(err.dtype)
     return err.square().mean(dim=1) / weight
-
-
-def old_decay(step: int, flat: int, rate: float, cap: float) -> float:
-    """η of the old policy's soft update after ``step`` optimizer steps: 0 before ``flat``, then rising by ``rate``
-    per step up to ``cap`` (the public code's schedules: (0, 0.001, 0.5) for GenEval, (75, 0.0075, 0.999) for OCR)."""
-    return 0.0 if step < flat else min((step - flat) * rate, cap)

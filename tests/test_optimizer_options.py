@@ -1,0 +1,106 @@
+"""The optimizers compose instead of inheriting: every option name is described once across the registered
+optimizers' option models, no registered optimizer class subclasses another, each implements the ``Optimizer``
+protocol, every shipped recipe's ``[optimizer]`` table still validates with the keys it has, and tpflow/optim/ keeps
+its functions short and its files small."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from tpflow import registry
+from tpflow.interfaces import Optimizer
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIM = ROOT / "tpflow" / "optim"
+
+
+def _optimizers() -> dict[str, registry.Entry]:
+    """The built-in optimizers (a test's or a plugin's registered beside them are their authors' own)."""
+    entries = {name: registry.get("optimizer", name) for name in registry.names("optimizer")}
+    return {name: entry for name, entry in entries.items() if entry.qualname.startswith("tpflow.optim.")}
+
+
+def test_every_option_name_is_described_once():
+    """One description per field name over every optimizer's options (a shared field is declared in a base,
+    ``tpflow.optim.options``, or with its alias; a name two methods read differently says so in one text)."""
+    seen: dict[str, tuple[str, str]] = {}
+    for name, entry in _optimizers().items():
+        for field, info in entry.options.model_fields.items():
+            assert info.description, f"{name}.{field} has no description"
+            if field in seen:
+                first, text = seen[field]
+                assert info.description == text, f"{field}: {first}'s description differs from {name}'s"
+            else:
+                seen[field] = (name, info.description)
+    assert {"learning_rate", "kl_weight", "old_decay_max", "beta"} <= set(seen)
+
+
+def test_no_registered_optimizer_subclasses_another():
+    classes = {name: entry.factory for name, entry in _optimizers().items()}
+    assert {"grpo", "nft", "awm", "dgpo"} <= set(classes)
+    for name, cls in classes.items():
+        for other, base in classes.items():
+            if other != name:
+                assert not issubclass(cls, base), f"{name} subclasses {other}"
+        assert isinstance(cls(), Optimizer), f"{name} does not implement the Optimizer protocol"
+
+
+@pytest.mark.parametrize("name", ["grpo", "nft", "awm", "dgpo"])
+def test_the_defaults_are_each_methods_public_config(name):
+    """What each optimizer's defaults were before the options moved into shared bases."""
+    defaults = {
+        "grpo": {"micro_batch_size": 9, "gradient_accumulation_steps": 2, "global_std": False, "beta": 1e-4},
+        "nft": {"micro_batch_size": 8, "gradient_accumulation_steps": 1, "global_std": True, "kl_weight": 1e-4,
+                "num_timesteps": 10, "old_decay_max": 0.5, "beta": 1.0},
+        "awm": {"micro_batch_size": 3, "global_std": True, "kl_weight": 1e-3, "num_timesteps": 14,
+                "old_decay_max": 0.3, "old_decay_unit": "epoch", "clip_range": 1.0, "train_guidance": None},
+        "dgpo": {"micro_batch_size": 16, "global_std": False, "kl_weight": 0.02, "num_timesteps": 10,
+                 "old_decay_max": 0.3, "clip_range": 1e-2, "train_guidance": 1.0},
+    }[name]  # fmt: skip
+    options = registry.get("optimizer", name).options()
+    common = {"learning_rate": 3e-4, "adam_betas": (0.9, 0.999), "weight_decay": 1e-4, "adam_eps": 1e-8,
+              "max_grad_norm": 1.0, "num_inner_epochs": 1, "adv_clip_max": 5.0}  # fmt: skip
+    assert {k: getattr(options, k) for k in {**common, **defaults}} == {**common, **defaults}
+
+
+def test_every_shipped_recipe_optimizer_table_validates():
+    """The keys users write did not change: every recipe's [optimizer] table is its optimizer's valid options."""
+    checked = 0
+    for path in sorted((ROOT / "recipes").rglob("*.toml")):
+        table = dict(tomllib.loads(path.read_text()).get("optimizer", {}))
+        name = table.pop("name", None)
+        if name in ("grpo", "nft", "awm", "dgpo"):
+            registry.validate_options("optimizer", name, table)
+            checked += 1
+    assert checked > 40
+
+
+def test_final_sample_options_refuse_what_they_refused():
+    with pytest.raises(Exception, match="adam_betas"):
+        registry.validate_options("optimizer", "nft", {"adam_betas": [1.0, 0.999]})
+    with pytest.raises(Exception, match="recompute"):
+        registry.validate_options("optimizer", "awm", {"recompute": "retain"})
+    with pytest.raises(Exception, match="num_timesteps"):
+        registry.validate_options("optimizer", "dgpo", {"num_timesteps": 1, "trunc_steps": 0, "train_timesteps": 1})
+
+
+def _functions(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            doc = (
+                body[0] if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else None
+            )
+            yield node.name, node.end_lineno - node.lineno + 1 - (doc.end_lineno - doc.lineno + 1 if doc else 0)
+
+
+def test_optim_functions_and_files_are_small():
+    """No function in tpflow/optim/ over 60 lines from its def to its last line (docstring excluded), no file over
+    450 lines."""
+    long = [f"{p.name}:{name} {n}" for p in sorted(OPTIM.glob("*.py")) for name, n in _functions(p) if n > 60]
+    large = [f"{p.name} {n}" for p in sorted(OPTIM.glob("*.py")) if (n := len(p.read_text().splitlines())) > 450]
+    assert not long and not large, (long, large)
