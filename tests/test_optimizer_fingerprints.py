@@ -6,8 +6,9 @@ keeps fails here, case by case.
     .venv/bin/python tests/test_optimizer_fingerprints.py > tests/data/optimizer_fingerprints.json   # record again
 
 Each case loads a shapes recipe (with a few ``--set`` overrides: a smaller batch, and the options that select another
-path through an optimizer: the KL, a recompute mode, the lagged copy's unit), rolls out two prompt groups of two
-images on the shipped shapes-dit as the trainer's sampling stage does (the optimizer bound first, the rollout under
+path through an optimizer: the KL, a recompute mode, the lagged copy's unit; a GRPO recipe's window shortened to 3
+steps), rolls out two prompt groups of two images on the shipped shapes-dit as the trainer's sampling stage does
+(the optimizer bound first, the rollout under
 its ``sampling_policy``, the transitions, means and retained graphs it asks for; no completions: the update reads
 none), draws seeded step rewards (the same at every step where the credit gives every step one reward) and runs one
 ``update`` from ``advantages``. Held
@@ -35,18 +36,20 @@ PROMPTS = ("a photo of two circles", "a photo of a red square")
 GROUP_SIZE = 2
 SEED = 4321
 SMALL = ("optimizer.micro_batch_size=2", "optimizer.gradient_accumulation_steps=1")
+WINDOW = "rollout.window_size=3"  # a GRPO recipe's window, shortened: 3 trained steps per trajectory
 
 # case -> (recipe file, overrides beyond SMALL): every optimizer, and the options that take another path through it
 CASES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "flowgrpo": ("shapes_flowgrpo.toml", ()),
-    "flowgrpo_kl": ("shapes_flowgrpo.toml", ("optimizer.beta=1e-4", "optimizer.kl_std=transition")),
-    "flowgrpo_retain": ("shapes_flowgrpo.toml", ("optimizer.recompute=retain",)),
-    "flowgrpo_reweight": ("shapes_flowgrpo.toml", ("optimizer.recompute=reweight",)),
-    "flowgrpo_conditional": ("shapes_flowgrpo.toml", ("optimizer.cfg_gradient=conditional", "rollout.guidance=2.0")),
-    "tp": ("shapes_tp.toml", ()),
+    "flowgrpo": ("shapes_flowgrpo.toml", (WINDOW,)),
+    "flowgrpo_kl": ("shapes_flowgrpo.toml", (WINDOW, "optimizer.beta=1e-4", "optimizer.kl_std=transition")),
+    "flowgrpo_retain": ("shapes_flowgrpo.toml", (WINDOW, "optimizer.recompute=retain")),
+    "flowgrpo_reweight": ("shapes_flowgrpo.toml", (WINDOW, "optimizer.recompute=reweight")),
+    "flowgrpo_conditional": ("shapes_flowgrpo.toml", (WINDOW, "optimizer.cfg_gradient=conditional",
+                                                      "rollout.guidance=2.0")),
+    "tp": ("shapes_tp.toml", (WINDOW,)),
     "dancegrpo": ("shapes_dancegrpo.toml", ()),
-    "grpo_guard": ("shapes_grpo_guard.toml", ()),
-    "tempflow": ("shapes_flowgrpo.toml", ("optimizer.step_weight=noise-aware", "optimizer.kl_std=transition")),
+    "grpo_guard": ("shapes_grpo_guard.toml", (WINDOW,)),
+    "tempflow": ("shapes_flowgrpo.toml", (WINDOW, "optimizer.step_weight=noise-aware", "optimizer.kl_std=transition")),
     "nft": ("shapes_nft.toml", ()),
     "nft_kl": ("shapes_nft.toml", ("optimizer.kl_weight=1e-4", "optimizer.old_decay_rate=0.25")),
     "awm": ("shapes_awm.toml", ()),
