@@ -67,10 +67,8 @@ def test_rendered_text_scores_follow_the_formula(reward):
     metadata: list[dict] = [{}] * 5 + [{"target": "Hello"}]
     images = torch.stack([render(text) for text in rendered])  # [6, 3, 512, 512]
 
-    start = time.perf_counter()
     recognized = reward.recognize(images)
     out = reward(images, prompts, metadata)
-    elapsed = time.perf_counter() - start
 
     # OCR read exactly what was drawn (up to spaces and case, which the reward ignores) and nothing on blanks.
     assert [normalize(r) for r in recognized] == [normalize(t) for t in rendered]
@@ -81,7 +79,6 @@ def test_rendered_text_scores_follow_the_formula(reward):
     torch.testing.assert_close(out.scores, torch.tensor(expected))
     torch.testing.assert_close(out.details["ocr_distance"], torch.tensor([0.0, 10, 1, 5, 0, 0]))
     torch.testing.assert_close(out.details["ocr_recognized_len"], torch.tensor([10.0, 0, 10, 5, 0, 5]))
-    assert elapsed < 15, f"12 OCR reads took {elapsed:.1f} s"
 
 
 @pytest.mark.gpu
