@@ -322,9 +322,17 @@ def test_an_fsdp_run_killed_with_sigkill_resumes_identically_on_two_processes(tw
             break  # installed by an atomic rename: complete once visible
         time.sleep(0.02)
     alive = proc.poll() is None
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its processes: no clean-up of any kind
-    proc.wait(timeout=60)
     assert alive, "the run ended before it could be killed"
+    # torchrun starts each process in a session of its own: killing the launcher's group alone left them running to
+    # the run's end, and --resume then found the run finished
+    processes = [_launched_process(proc.pid, rank) for rank in (0, 1)]
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its processes: no clean-up of any kind
+    for pid in processes:
+        os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while any(_running(pid) for pid in processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
     out = tpflow_launching(capfd, monkeypatch, *command, "--resume")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from" in out.stdout and "FSDP-sharded over 2" in out.stdout
@@ -393,6 +401,14 @@ def test_ctrl_c_to_a_sharded_runs_launcher_stops_the_processes_together_to_save(
         ours, theirs = (safetensors.torch.load_file(c.path / "shards" / name) for c in (ckpt, straight))
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
     assert torch.equal(ckpt.rng_state["torch"], straight.rng_state["torch"])
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _launched_process(launcher: int, rank: int) -> int:
