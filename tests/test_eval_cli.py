@@ -181,8 +181,10 @@ def test_more_images_per_prompt_and_a_prompt_file(run, capsys, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a photo of a red circle\n\na photo of two blue squares\n")
     args = ["eval", str(run), "--prompts", str(prompts), "--images-per-prompt", "3", "--steps", "4"]
-    code, out, _ = cli(capsys, *args, "--out", str(tmp_path / "f"))
+    code, out, err = cli(capsys, *args, "--out", str(tmp_path / "f"))
     assert code in (0, None)
+    flat = " ".join(err.split())  # plain prompts carry none of the GenEval metadata the run's reward reads: said so
+    assert "warning:" in flat and 'has no "tag", "include"' in flat and "reward 0" in flat, err
     data = _eval_json(tmp_path / "f")["target"]
     red, blue = "a photo of a red circle", "a photo of two blue squares"
     assert [i["prompt"] for i in data["images"]] == [red] * 3 + [blue] * 3

@@ -200,9 +200,26 @@ def _checked_targets(
     if prompts not in ("test", "train", "geneval", "ocr") and not Path(prompts).expanduser().is_file():
         raise UserError(f"--prompts {prompts!r} is neither test, train, geneval, ocr nor an existing prompt file.")
     print_report(*reports)  # every check passed: the device, where each weight comes from
+    for problem in _prompt_file_problems(prompts, resolved.recipe):  # scored, but not by what the reward reads
+        warn(
+            f"{problem} These prompts' rewards are scored without it (a GenEval check asks nothing: reward 0, "
+            "strict accuracy NaN); the images are still sampled and shown."
+        )
     if line is not None:
         make_console().print(line, highlight=False, markup=False, soft_wrap=True)
     return [resolved, *([other] if other is not None else [])]
+
+
+def _prompt_file_problems(prompts: str, recipe: Any) -> list[str]:
+    """A prompt file's items against what the recipe's rewards read from each prompt's metadata
+    (``tpflow.rewards.needs``): the recipe's own splits and the named sets were checked with the recipe."""
+    if prompts in ("test", "train", "geneval", "ocr"):
+        return []
+    from tpflow.evaluation.prompt_sets import prompt_set
+    from tpflow.rewards.needs import item_problems
+
+    items, _ = prompt_set(prompts, recipe)
+    return item_problems({**recipe.components, **recipe.settings}, f"--prompts {Path(prompts).name}", items)
 
 
 def _report_eval(console: Console, results: list[Any], folder: Path, ema: bool) -> None:

@@ -458,6 +458,7 @@ def _watched_markdown(guard: dict, baseline: str) -> list[str]:
                   for d in differences]  # fmt: skip
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += [""] + ([f"- **Warning**: {w}" for w in guard["warnings"]] or [
-        "No hacking warning: no trained reward rose while a watched figure fell, each beyond twice its standard error."
+        "No hacking warning: no trained reward rose while a watched figure fell, each beyond twice its standard "
+        "error, and no watched figure fell beyond three times its own."
     ])  # fmt: skip
     return lines
