@@ -221,7 +221,7 @@ class Optimizer(Protocol):
         ``accelerator`` gives the processes' collectives (None: one process); ``precision`` (a
         ``tpflow.precision.Precision``; None: float32) gives the autocast region of each loss's forward passes and
         the fp16 scaler. ``update`` must not change a weight inside an autocast region and runs backward outside
-        one; ``tpflow.optim.loop.AdamWLoop`` does all of this for an optimizer that supplies only its loss."""
+        one; a held ``tpflow.optim.loop.AdamWLoop`` does all of this for an optimizer that supplies only its loss."""
         ...
 
     def batch_layout(self) -> BatchLayout | None:

@@ -14,8 +14,7 @@ import copy
 import torch
 from torch import Tensor
 
-from tpflow.interfaces import Backbone, Sampler
-from tpflow.optim.loop import AdamWLoop
+from tpflow.interfaces import Backbone, Optimizer, Sampler
 from tpflow.precision import Precision
 from tpflow.types import Rollout
 
@@ -36,7 +35,7 @@ class _Capture(Precision):
 
 
 def first_step_gradient(
-    optimizer: AdamWLoop, backbone: Backbone, sampler: Sampler, batch: Rollout, advantages: Tensor
+    optimizer: Optimizer, backbone: Backbone, sampler: Sampler, batch: Rollout, advantages: Tensor
 ) -> Tensor:
     """The flat gradient [P] (float32, CPU; P = the adapter's parameter count, in ``trainable_parameters()``
     order) of ``optimizer``'s loss over every row of ``batch`` with ``advantages`` (as ``optimizer.advantages``
