@@ -91,9 +91,12 @@ def launch(args: list[str]) -> int:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
-    # The agent's own log lines (INFO/WARNING chatter, and an ERROR per failed process that repeats what the process
-    # printed): tpflow prints one summary line instead.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # The agent's own log lines (INFO/WARNING chatter, "Received 2 death signal, shutting down workers", and an ERROR
+    # per failed process that repeats what the process printed): tpflow prints one summary line instead. Each of its
+    # modules' loggers has a level of its own (torch.distributed.elastic.utils.logging), so each is set.
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     config, command, command_args = config_from_args(parse_args(args))
     try:
         elastic_launch(config, command)(*command_args)
