@@ -273,8 +273,8 @@ class Trainer(RunCheckpoints):
             self.logger.log(self.last_eval, step=step, epoch=epochs, untracked=self.last_eval)
         final = ", its final evaluation logged" if self.recipe.eval.every else ""
         self.console.print(
-            f"The run is finished: all {epochs} epochs trained{final}, checkpoint {step:08d}; nothing to do. "
-            f"To train on, resume with more epochs (--epochs N, N > {epochs}).",
+            f"The run is finished: all {self.epoch} epochs trained{final}, checkpoint {step:08d}; nothing to do. "
+            f"To train on, resume with more epochs (--epochs N, N > {self.epoch}).",
             soft_wrap=True,
             highlight=False,
         )
