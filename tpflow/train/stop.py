@@ -14,7 +14,7 @@ rollout batch and scored batch, whose sampling leaves the weights as the epoch f
 an evaluation; before the final evaluation): on several processes one all-reduce of one number, the same answer on
 every process, so they stop at the same point and write the checkpoint together. An update in progress runs to its
 end first, so the epoch it completes is counted and saved; an evaluation in progress too (it changes no weight, and
-a checkpoint written after it keeps its figures). A checkpoint being written is always finished (:meth:`saving`).
+a checkpoint written after it keeps its figures). A checkpoint being written is always finished (:meth:`holding`).
 
 A signal within ``REPEAT_S`` of the first is the same request (Ctrl-C in a terminal reaches every process twice:
 from the terminal, and from the launcher, which passes on what it gets; Slurm signals the launcher and its
@@ -23,9 +23,9 @@ does, except that a checkpoint being written is finished first; the launcher wai
 its processes before it kills them. A signal that the process ignores (``SIG_IGN``: a background job of a
 non-interactive shell starts with SIGINT ignored) stays ignored.
 
-The exit status of a stopped run is 128 + the signal's number, the shell's convention: 130 for SIGINT, 143 for
-SIGTERM (:attr:`Stopped.exit_status`; of SIGINT and SIGTERM together, as one request or on several processes,
-SIGTERM's).
+A stop raises :class:`Stopped` (a ``KeyboardInterrupt``), whose ``exit_status`` is 128 + the signal's number, the
+shell's convention: 130 for SIGINT, 143 for SIGTERM (of both together, as one request or on several processes,
+SIGTERM's); the launcher exits with it (``tpflow.launch``).
 """
 
 from __future__ import annotations
