@@ -12,6 +12,7 @@ import pytest
 from tests.cli_run import tpflow
 from tpflow.memory import GIB, Fit, PerProcess, estimate_fit, tiny_setup
 from tpflow.memory.accounting import component_rows, host_bytes, per_process, static_bytes
+from tpflow.memory.fit import CUDA_CONTEXT, MARGIN_MIN, fit_word, reliable
 from tpflow.recipe import load_recipe
 
 TINY_SD3 = """
@@ -59,19 +60,48 @@ def figures(sampling: float, update: float) -> PerProcess:
     return PerProcess(1, 8, 0, 0, 0, 0, 0, 0, int(sampling * GIB), int(update * GIB))
 
 
-def test_the_verdict_is_the_larger_peak_against_the_stated_memory():
-    fits = Fit("r.toml", None, 10, figures(5, 7))
-    assert fits.fits and fits.headroom == 3 * GIB
-    assert fits.verdict() == "fits in 10 GiB per GPU: 3.0 GiB headroom at the update peak of 7.0 GiB"
-    tight = Fit("r.toml", None, 8, figures(7.5, 7))  # 0.5 GiB left: under the allocator's 5-20 %
-    assert tight.fits and "0.5 GiB headroom at the sampling peak of 7.5 GiB (tight" in tight.verdict()
-    over = Fit("r.toml", None, 6.5, figures(5, 7))
+def test_the_verdict_is_the_larger_peak_with_the_context_and_the_margin_against_the_stated_memory():
+    """The peak on the GPU is the live bytes plus the CUDA context (0.5 GiB); a fit keeps a margin of 5 % of it
+    (at least 1 GiB) free."""
+    fits = Fit("r.toml", None, 10, figures(5, 7))  # 7.5 GiB on the GPU, 1 GiB margin: 1.5 GiB to spare
+    assert fits.fits and fits.headroom == 2.5 * GIB
+    assert (
+        fits.verdict() == "fits in 10 GiB per GPU: 2.5 GiB left at the update peak of 7.5 GiB, the 1.0 GiB margin kept"
+    )
+    tight = Fit("r.toml", None, 8.75, figures(5, 7))  # 1.25 GiB left: under the allocator's 20 % of 7.5
+    assert tight.fits and tight.verdict().endswith(
+        "the 1.0 GiB margin kept (tight: under the allocator's usual 5-20 %)"
+    )
+    roomy = Fit("r.toml", None, 80, figures(40, 7))  # 40.5 GiB on the GPU: margin 5 % of it, 2.0 GiB
+    assert roomy.fits and roomy.verdict() == (
+        "fits in 80 GiB per GPU: 39.5 GiB left at the sampling peak of 40.5 GiB, the 2.0 GiB margin kept"
+    )
+    over = Fit("r.toml", None, 7, figures(5, 7))
     assert not over.fits and over.headroom == -GIB // 2
-    assert over.verdict() == "does not fit in 6.5 GiB per GPU: the update peak is 7.0 GiB, 0.5 GiB over"
+    assert over.verdict() == "does not fit in 7 GiB per GPU: the update peak is 7.5 GiB, 0.5 GiB over"
     paragraph = over.paragraph()
-    assert "\n" not in paragraph and paragraph.startswith("r.toml does not fit in 6.5 GiB per GPU on 1 process")
+    assert "\n" not in paragraph and paragraph.startswith("r.toml does not fit in 7 GiB per GPU on 1 process")
     assert "Nothing tried fits" in paragraph and "estimated, not measured" in paragraph
-    assert Fit("r.toml", None, 7, figures(5, 7)).fits  # equal to the peak: fits, no headroom
+    assert "CUDA context (0.5 GiB) counted, a safety margin of 5% (at least 1 GiB)" in paragraph
+    assert Fit("r.toml", None, 8.5, figures(5, 7)).fits  # exactly the peak, the context and the margin: fits
+
+
+def test_a_peak_inside_the_safety_margin_does_not_fit_reliably():
+    """geneval_flowgrpo_full on 80 GiB (issue 65): a live peak of 79.6 GiB said "fits" with 0.4 GiB to spare. With
+    the CUDA context it is 80.1 GiB: over. A peak that leaves less than the margin is "does not fit reliably"."""
+    full = Fit("full.toml", None, 80, figures(78.4, 79.6))
+    assert not full.fits and full.verdict().startswith("does not fit in 80 GiB per GPU: the update peak is 80.1 GiB")
+    inside = Fit("r.toml", None, 80, figures(70, 77))  # 77.5 GiB on the GPU, 2.5 left, margin 3.9 GiB
+    assert not inside.fits and inside.headroom == 2.5 * GIB
+    assert inside.verdict() == (
+        "does not fit reliably in 80 GiB per GPU: the update peak of 77.5 GiB leaves 2.5 GiB, inside the 3.9 GiB "
+        "safety margin"
+    )
+    assert inside.paragraph().startswith(
+        "r.toml does not fit reliably in 80 GiB per GPU on 1 process: its estimated update peak is 77.5 GiB, "
+        "leaving 2.5 GiB, inside the 3.9 GiB safety margin."
+    )
+    assert fit_word(int(77 * GIB), 80 * GIB) == "does not fit reliably" and fit_word(int(70 * GIB), 80 * GIB) == "fits"
 
 
 def test_the_figures_add_up_and_the_epoch_is_split_over_the_processes(tmp_path):
@@ -80,10 +110,11 @@ def test_the_figures_add_up_and_the_epoch_is_split_over_the_processes(tmp_path):
     assert fit.fits and f.world == 2 and f.trajectories == 4  # 2 prompts x 4 copies over 2 processes
     assert f.sampling == f.static + f.epoch + f.rollout_act + f.decode_act
     assert f.update == f.static + f.epoch + max(f.epoch, f.train_act)
-    assert f.peak == max(f.sampling, f.update) and fit.headroom == 80 * GIB - f.peak
+    assert f.peak == max(f.sampling, f.update) and fit.headroom == 80 * GIB - f.peak - GIB // 2
     text = "\n".join(fit.lines())
     assert "memory per GPU on 2 processes (tiny-sd3; estimated, not measured on a GPU" in text
     assert "verdict (estimate): fits in 80 GiB per GPU" in text and "what would help" not in text
+    assert "  reward models: none on the GPU" in text and "  CUDA context: 0.5 GiB (stated" in text
 
 
 def test_each_suggestion_is_the_estimate_of_the_recipe_changed_so(tmp_path):
@@ -92,7 +123,7 @@ def test_each_suggestion_is_the_estimate_of_the_recipe_changed_so(tmp_path):
     path = tiny_recipe(tmp_path)
     first = estimate_fit(load_recipe(path), 1, 80)
     assert first.figures.update > first.figures.sampling
-    fit = estimate_fit(load_recipe(path), 1, first.figures.peak * 0.97 / GIB)
+    fit = estimate_fit(load_recipe(path), 1, (first.figures.peak * 0.97 + CUDA_CONTEXT + MARGIN_MIN) / GIB)
     assert not fit.fits
     labels = [s.label() for s in fit.suggestions]
     assert "--set backbone.gradient_checkpointing=true" in labels
@@ -102,7 +133,7 @@ def test_each_suggestion_is_the_estimate_of_the_recipe_changed_so(tmp_path):
         assert again == suggestion.figures, suggestion.label()
         assert suggestion.figures.peak < fit.figures.peak
     smaller = next(s for s in fit.suggestions if "micro_batch_size" in s.label())
-    assert smaller.figures.peak <= fit.gpu_bytes  # the largest micro-batch that fits: 4 of 8
+    assert reliable(smaller.figures.peak, fit.gpu_bytes)  # the largest micro-batch that fits: 4 of 8
     assert smaller.overrides == ("optimizer.micro_batch_size=4",)
     assert "Estimated to fit:" in fit.paragraph() and "micro_batch_size=4" in fit.paragraph()
 
@@ -166,6 +197,19 @@ def test_validate_says_it_does_not_fit_in_one_paragraph_and_exit_2(tmp_path):
     assert "memory per GPU on 2 processes" in ok.stdout and "verdict (estimate): fits in 80 GiB" in ok.stdout
     bad = tpflow("validate", str(path), "--no-machine", "--gpu-memory", "0")
     assert bad.returncode == 2 and "--gpu-memory is the memory of one GPU in GiB" in bad.stderr
+
+
+def test_validate_exits_2_when_the_peak_is_inside_the_safety_margin(tmp_path):
+    """A GPU that holds the estimated bytes and the CUDA context but not the margin on top: "does not fit
+    reliably", exit 2 with the suggestions (it said "fits" and exited 0 with any headroom at all)."""
+    path = tiny_recipe(tmp_path)
+    peak = estimate_fit(load_recipe(path), 1, 80).figures.peak
+    gib = round((peak + CUDA_CONTEXT + MARGIN_MIN // 2) / GIB, 3)  # about half the margin left
+    out = tpflow("validate", str(path), "--no-machine", "--gpu-memory", f"{gib:g}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr + out.stdout
+    assert f"verdict (estimate): does not fit reliably in {gib:g} GiB per GPU" in out.stdout
+    assert "inside the 1.0 GiB safety margin" in out.stdout and "what would help (each re-estimated):" in out.stdout
+    assert f"does not fit reliably in {gib:g} GiB per GPU on 1 process" in " ".join(out.stderr.split())
 
 
 def test_validate_without_weights_prints_the_estimate_before_the_missing_weights_paragraph(tmp_path, monkeypatch):

@@ -54,8 +54,20 @@ def validate(
             "--gpu-memory",
             metavar="GIB",
             help="Also estimate the peak GPU memory of each of the --num-processes × --num-machines processes (the "
-            "real model's shapes on fake tensors: no weights, no GPU) and say whether it fits in GIB GiB per GPU, "
-            "with what would help when not; exit 2 when it does not fit (docs/distributed.md, 'Will it fit?').",
+            "real model's shapes on fake tensors: no weights, no GPU; the reward models, the CUDA context and a "
+            "safety margin counted) and say whether it fits in GIB GiB per GPU, with what would help when not; exit "
+            "2 when it does not fit reliably. Also estimates the time per epoch (docs/distributed.md, 'Will it "
+            "fit?').",
+            show_default=False,
+        ),
+    ] = None,
+    gpu: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu",
+            metavar="NAME",
+            help="The GPU whose peak bf16 throughput the time estimate of --gpu-memory uses: h100 (the default), "
+            "h100-pcie, h200 or a100.",
             show_default=False,
         ),
     ] = None,
@@ -77,6 +89,7 @@ def validate(
         return
     if gpu_memory is not None and not gpu_memory > 0:
         raise UserError(f"--gpu-memory is the memory of one GPU in GiB, a number > 0; got {gpu_memory:g}.")
+    gpu = _gpu_name(gpu, gpu_memory)
     loaded = load_recipe(recipe, set_ or [])
     warn_broken_plugins()
     if num_processes * num_machines > 1:
@@ -88,7 +101,8 @@ def validate(
     console = make_console()
     # The estimate needs no weights: it runs before the machine check, so that a machine without them still gets
     # the memory answer (printed before the missing-weights paragraph).
-    fit = _memory_fit(loaded, recipe, num_processes * num_machines, gpu_memory) if gpu_memory is not None else None
+    processes = num_processes * num_machines
+    fit = _memory_fit(loaded, recipe, processes, gpu_memory, gpu) if gpu_memory is not None else None
     try:
         report = check_machine(loaded, default_run_dir(loaded)) if machine else None
         if not offline:
@@ -108,7 +122,24 @@ def validate(
             raise UserError(fit.paragraph())
 
 
-def _memory_fit(loaded: Recipe, recipe: Path, processes: int, gib: float) -> Any:
+def _gpu_name(gpu: str | None, gpu_memory: float | None) -> str:
+    """``--gpu``, checked before anything loads: a name of the time estimate's table, with ``--gpu-memory``."""
+    from tpflow.memory.timing import DEFAULT_GPU, GPUS
+
+    if gpu is None:
+        return DEFAULT_GPU
+    if gpu_memory is None:
+        raise UserError(
+            f"--gpu {gpu} names the GPU of the time estimate, which comes with the memory estimate: add "
+            "--gpu-memory GIB (that GPU's memory in GiB, e.g. 80)."
+        )
+    if gpu.lower() not in GPUS:
+        names = ", ".join(f"{name} ({label})" for name, (label, _) in GPUS.items())
+        raise UserError(f"--gpu {gpu!r} is not a GPU of the time estimate's table: use one of {names}.")
+    return gpu.lower()
+
+
+def _memory_fit(loaded: Recipe, recipe: Path, processes: int, gib: float, gpu: str) -> Any:
     """``tpflow.memory.estimate_fit`` for validate's --gpu-memory, or None with a warning where the estimate cannot
     model the recipe (a backbone or optimizer it does not build, the embedded shapes-dit) or fails: the rest of
     validate still runs, and its exit status is theirs."""
@@ -122,7 +153,7 @@ def _memory_fit(loaded: Recipe, recipe: Path, processes: int, gib: float) -> Any
         soft_wrap=True,
     )
     try:
-        return estimate_fit(loaded, processes, gib, name=str(recipe))
+        return estimate_fit(loaded, processes, gib, name=str(recipe), gpu=gpu)
     except NotModelled as exc:
         warn(f"--gpu-memory: no memory estimate: {exc}. Nothing was checked against {gib:g} GiB.")
     except Exception as exc:  # an estimator failure must not hide the rest of validate's checks

@@ -14,8 +14,12 @@ docs/results/memory_estimate.md).
     wan          the Wan video backbones (Wan2.2's frozen expert) and their prompt embeddings
     measure      Setup (a recipe's view), Probe / measure: the activations of tpflow's calls
     accounting   per-process arithmetic: state, sharding, offload, epoch buffers, peaks
+    rewards      the reward models' weights on the GPU, from a table of published checkpoint sizes
+    flops        Flops: the FLOPs of the probe's calls (torch.utils.flop_counter's formulas)
+    timing       the time of an epoch and of the recipe's epochs at a stated fraction of a GPU's peak
     report       the markdown report and its caveats
-    fit          the verdict against a stated GPU memory, with re-estimated suggestions
+    fit          the verdict against a stated GPU memory (CUDA context and safety margin counted), with
+                 re-estimated suggestions
 """
 
 from tpflow.memory.accounting import (
@@ -45,13 +49,15 @@ from tpflow.memory.measure import (
     setup_of,
     tiny_setup,
 )
-from tpflow.memory.models import build_backbone, conditioning, fake_module_to, latents, text_encoder_params
+from tpflow.memory.models import build_backbone, conditioning, fake_module_to, latents, text_encoder_sizes
 from tpflow.memory.report import CAVEATS, report
+from tpflow.memory.rewards import reward_models
+from tpflow.memory.timing import GPUS, EpochTime, epoch_time
 
 __all__ = [
-    "CAVEATS", "GIB", "PUBLISHED", "TINY_FLUX", "TINY_SD3", "TINY_VAE", "TINY_WAN", "TINY_WAN_VAE", "CudaAutocast",
-    "Fit", "LiveBytes", "NotModelled", "PerProcess", "Probe", "Setup", "build_backbone", "component_rows",
-    "conditioning", "epoch_buffers", "estimate_fit", "fake_module_to", "host_bytes", "largest_rollout_rows", "latents",
-    "load_setup", "measure", "measure_with", "peaks", "per_process", "report", "rollout_rows", "setup_of",
-    "state_rows", "static_bytes", "text_encoder_params", "tiny_setup",
+    "CAVEATS", "GIB", "GPUS", "PUBLISHED", "TINY_FLUX", "TINY_SD3", "TINY_VAE", "TINY_WAN", "TINY_WAN_VAE",
+    "CudaAutocast", "EpochTime", "Fit", "LiveBytes", "NotModelled", "PerProcess", "Probe", "Setup", "build_backbone",
+    "component_rows", "conditioning", "epoch_buffers", "epoch_time", "estimate_fit", "fake_module_to", "host_bytes",
+    "largest_rollout_rows", "latents", "load_setup", "measure", "measure_with", "peaks", "per_process", "report",
+    "reward_models", "rollout_rows", "setup_of", "state_rows", "static_bytes", "text_encoder_sizes", "tiny_setup",
 ]  # fmt: skip

@@ -76,29 +76,37 @@ def state_rows(setup: Any, m: dict[str, Any]) -> list[Row]:
 
 
 @functools.cache
-def _published_encoders(kind: str) -> dict[str, int]:
-    from tpflow.memory.models import text_encoder_params
+def _published_encoders(kind: str, dtype: str) -> dict[str, tuple[int, int]]:
+    from tpflow.memory.models import text_encoder_sizes
 
-    return text_encoder_params(kind)
+    return text_encoder_sizes(kind, dtype)
 
 
 def component_rows(setup: Any, m: dict[str, Any], unit: int = GIB) -> list[Row]:
     """Everything a process holds outside the activations and the epoch's tensors: the trained model's rows
-    (``state_rows``), Wan2.2's frozen expert, the VAE, and the text encoders (on the GPU unless
-    ``text_encoders_device = "cpu"``)."""
+    (``state_rows``), Wan2.2's frozen expert, the VAE, the text encoders (on the GPU unless
+    ``text_encoders_device = "cpu"``; their float32 islands counted in float32) and the reward models
+    (``tpflow.memory.rewards``: published sizes)."""
     b = setup.backbone
-    wbytes = {"fp16": 2, "bf16": 2, "fp32": 4}[b.dtype]
     on_gpu = b.text_encoders_device == "model"
-    encoders = _published_encoders(setup.kind) if setup.published else m.get("text_encoders", {})
+    encoders = _published_encoders(setup.kind, b.dtype) if setup.published else m.get("text_encoders", {})
     u = {GIB: "GiB", 2**20: "MiB", 2**10: "KiB"}[unit]
     trained = state_rows(setup, m)
     rows: list[Row] = [trained[0], ("VAE weights", m["vae_bytes"], "fp32", False)]
     if m.get("frozen_bytes"):  # Wan2.2: the expert that does not train, whole on every process (no sharding yet)
         rows.insert(1, ("frozen expert's weights and buffers", m["frozen_bytes"], f"{b.dtype}, not trained", False))
-    for name, count in encoders.items():
-        where = b.dtype if on_gpu else f"on the CPU (text_encoders_device), {count * wbytes / unit:.2f} {u} there"
-        rows.append((f"{name} weights ({count / 1e9:.2f} B params)", count * wbytes if on_gpu else 0, where, False))
-    return rows + trained[1:]
+    for name, (count, nbytes) in encoders.items():
+        where = b.dtype if nbytes == count * {"fp16": 2, "bf16": 2, "fp32": 4}[b.dtype] else f"{b.dtype}, fp32 islands"
+        if not on_gpu:
+            where = f"on the CPU (text_encoders_device), {nbytes / unit:.2f} {u} there"
+        rows.append((f"{name} weights ({count / 1e9:.2f} B params)", nbytes if on_gpu else 0, where, False))
+    rewards = [(f"{r.what} ({r.params / 1e9:.2f} B params)", r.nbytes, r.note, False) for r in setup.rewards]
+    return rows + trained[1:] + rewards
+
+
+def reward_bytes(setup: Any) -> int:
+    """Bytes of the reward models on one process's GPU (``tpflow.memory.rewards``)."""
+    return sum(r.nbytes for r in setup.rewards)
 
 
 def sharded(setup: Any, world: int) -> bool:

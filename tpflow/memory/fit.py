@@ -18,19 +18,46 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpflow.memory.accounting import GIB, PerProcess, component_rows, per_process, sharded
+from tpflow.memory.accounting import GIB, PerProcess, component_rows, per_process, reward_bytes, sharded
 from tpflow.memory.measure import Probe, Setup, measure_with, setup_of
+from tpflow.memory.timing import DEFAULT_GPU, EpochTime, epoch_time
 
 MAX_PROCESSES = 256  # the largest process count a suggestion considers
+CUDA_CONTEXT = GIB // 2  # what CUDA itself takes on each GPU before the first tensor (see ``CAUTION``)
+MARGIN, MARGIN_MIN = 0.05, GIB  # the safety margin kept free: 5 % of the estimated peak, at least 1 GiB
 CAUTION = (
-    "estimated, not measured on a GPU: live tensor bytes, to which the CUDA allocator typically adds 5-20 % and the "
-    "CUDA context about 0.5 GiB; reward models are not counted"
+    "estimated, not measured on a GPU: live tensor bytes, the reward models' weights (published sizes) and the CUDA "
+    f"context ({CUDA_CONTEXT / GIB:.1f} GiB) counted, a safety margin of {MARGIN:.0%} (at least "
+    f"{MARGIN_MIN / GIB:.0f} GiB) kept free for the CUDA allocator, which typically adds 5-20 %"
 )
 
 
 def size(nbytes: float) -> str:
     """Bytes as GiB (MiB below a tenth of one: the tiny test backbones)."""
     return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB / 10 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def on_gpu(live: int) -> int:
+    """What a process takes on its GPU at a peak of ``live`` estimated bytes (tensors, reward weights included): the
+    CUDA context added (about 0.5 GiB with CUDA 12's lazy module loading: PyTorch's "CUDA semantics" notes put it at
+    a few hundred MiB up to about 1 GiB, depending on the CUDA version and the GPU)."""
+    return live + CUDA_CONTEXT
+
+
+def margin(live: int) -> int:
+    """The safety margin kept free at a peak of ``live`` bytes: ``MARGIN`` of what the GPU holds, at least
+    ``MARGIN_MIN`` (the caching allocator rounds blocks up and fragments; the estimate counts live bytes)."""
+    return max(MARGIN_MIN, int(MARGIN * on_gpu(live)))
+
+
+def reliable(live: int, gpu: int) -> bool:
+    """Whether a peak of ``live`` bytes fits ``gpu`` bytes with the CUDA context and the margin."""
+    return on_gpu(live) + margin(live) <= gpu
+
+
+def fit_word(live: int, gpu: int) -> str:
+    """ "fits", "does not fit reliably" (inside the margin) or "does not fit" (over the memory)."""
+    return "fits" if reliable(live, gpu) else "does not fit reliably" if on_gpu(live) <= gpu else "does not fit"
 
 
 @dataclass(frozen=True)
@@ -56,6 +83,7 @@ class Fit:
     rows: list = field(default_factory=list)  # tpflow.memory.accounting.component_rows of the recipe
     suggestions: list[Suggestion] = field(default_factory=list)
     together: Suggestion | None = None  # every single-process-count suggestion at once, when none fits alone
+    time: EpochTime | None = None  # the time estimate (tpflow.memory.timing)
 
     @property
     def gpu_bytes(self) -> int:
@@ -63,30 +91,37 @@ class Fit:
 
     @property
     def fits(self) -> bool:
-        return self.figures.peak <= self.gpu_bytes
+        """Fits with the CUDA context and the safety margin (``reliable``)."""
+        return reliable(self.figures.peak, self.gpu_bytes)
 
     @property
     def headroom(self) -> int:
-        """GPU bytes left at the peak (negative: over)."""
-        return self.gpu_bytes - self.figures.peak
+        """GPU bytes left at the peak, the CUDA context counted (negative: over)."""
+        return self.gpu_bytes - on_gpu(self.figures.peak)
 
     def lines(self) -> list[str]:
         """What ``tpflow validate`` prints: the figures, the verdict, and what would help when it does not fit."""
         f, s = self.figures, self.setup
         ckpt = "gradient checkpointing" if s.backbone.gradient_checkpointing else "no gradient checkpointing"
-        state = f"{size(f.static)}"
+        rewards = reward_bytes(s)
+        state = f"{size(f.static - rewards)}"
         if sharded(s, f.world):
             share = sum(v for _, v, _, sh in self.rows if sh)
             where = f"on the host ({size(f.host)} per process, offload)" if f.host else f"1/{f.world} of {size(share)}"
             state += f" (the sharded state {where}, plus two gathered blocks)"
+        models = "; ".join(f"{r.what.split(': ', 1)[-1]} in {r.note.split(';')[0]}" for r in s.rewards if r.nbytes)
+        held = f"{size(rewards)} ({models}; published sizes)" if models else "none on the GPU"
         out = [
             f"memory per GPU on {f.world} process{'es' if f.world > 1 else ''} ({s.title}; {CAUTION}):",
             f"  weights and optimizer state: {state}",
+            f"  reward models: {held}",
             f"  activations: rollout velocity call {size(f.rollout_act)}, decode chunk {size(f.decode_act)}, "
             f"training micro-batch {size(f.train_act)} ({ckpt})",
             f"  epoch buffers: {size(f.epoch)} ({f.trajectories} trajectories)",
-            f"  sampling peak: {size(f.sampling)}",
-            f"  update peak: {size(f.update)}",
+            f"  CUDA context: {size(CUDA_CONTEXT)} (stated, not estimated)",
+            f"  sampling peak: {size(on_gpu(f.sampling))}",
+            f"  update peak: {size(on_gpu(f.update))}",
+            f"  safety margin: {size(margin(f.peak))} ({MARGIN:.0%} of the peak, at least {size(MARGIN_MIN)})",
             f"  verdict (estimate): {self.verdict()}",
         ]
         out += [f"  note: {note}" for note in s.notes]
@@ -94,54 +129,68 @@ class Fit:
             out.append("  what would help (each re-estimated):" if self.suggestions else "  nothing tried fits")
             for suggestion in [*self.suggestions, *([self.together] if self.together else [])]:
                 g = suggestion.figures
-                verdict = "does not fit" if g.peak > self.gpu_bytes else "fits" + self._tight(g)
+                verdict = fit_word(g.peak, self.gpu_bytes) + (self._tight(g) if self._fits(g) else "")
                 label = suggestion.label() + (" (together)" if suggestion is self.together else "")
-                out.append(f"    {label}: peak {size(g.peak)} (sampling {size(g.sampling)}, update "
-                           f"{size(g.update)}), {verdict}")  # fmt: skip
-        return out
+                out.append(f"    {label}: peak {size(on_gpu(g.peak))} (sampling {size(on_gpu(g.sampling))}, "
+                           f"update {size(on_gpu(g.update))}), {verdict}")  # fmt: skip
+        return out + (self.time.lines() if self.time is not None else [])
+
+    def _fits(self, f: PerProcess) -> bool:
+        return reliable(f.peak, self.gpu_bytes)
 
     def verdict(self) -> str:
         """One line: fits or not in the stated memory, by how much, at which phase's peak."""
         f, gpu = self.figures, f"{self.gpu_gib:g} GiB"
-        phase = "sampling" if f.sampling >= f.update else "update"
+        phase, peak = "sampling" if f.sampling >= f.update else "update", size(on_gpu(f.peak))
+        left, kept = size(self.headroom), size(margin(f.peak))
         if self.fits:
-            headroom = f"{size(self.headroom)} headroom at the {phase} peak of {size(f.peak)}"
-            return f"fits in {gpu} per GPU: {headroom}{self._tight(f)}"
-        return f"does not fit in {gpu} per GPU: the {phase} peak is {size(f.peak)}, {size(-self.headroom)} over"
+            tight = self._tight(f)
+            return f"fits in {gpu} per GPU: {left} left at the {phase} peak of {peak}, the {kept} margin kept{tight}"
+        if self.headroom >= 0:
+            where = f"the {phase} peak of {peak} leaves {left}, inside the {kept} safety margin"
+            return f"does not fit reliably in {gpu} per GPU: {where}"
+        return f"does not fit in {gpu} per GPU: the {phase} peak is {peak}, {size(-self.headroom)} over"
 
     def _tight(self, f: PerProcess) -> str:
         """A warning for a fit whose headroom is below the allocator's usual 5-20 % over the live bytes."""
-        return " (tight: under the allocator's usual 5-20 %)" if self.gpu_bytes - f.peak < 0.2 * f.peak else ""
+        left = self.gpu_bytes - on_gpu(f.peak)
+        return " (tight: under the allocator's usual 5-20 %)" if left < 0.2 * on_gpu(f.peak) else ""
 
     def paragraph(self) -> str:
-        """The one-paragraph error of ``tpflow validate`` when the recipe does not fit."""
+        """The one-paragraph error of ``tpflow validate`` when the recipe does not fit (reliably)."""
         f = self.figures
-        fitting = [s for s in self.suggestions if s.figures.peak <= self.gpu_bytes]
-        if self.together is not None and self.together.figures.peak <= self.gpu_bytes:
+        fitting = [s for s in self.suggestions if self._fits(s.figures)]
+        if self.together is not None and self._fits(self.together.figures):
             fitting.append(self.together)
         if fitting:
-            helps = "Estimated to fit: " + "; ".join(f"{s.label()} ({size(s.figures.peak)})" for s in fitting) + "."
+            helps = "Estimated to fit: " + "; ".join(f"{s.label()} ({size(on_gpu(s.figures.peak))})" for s in fitting)
+            helps += "."
         else:
             helps = "Nothing tried fits (each change is listed above with its estimate)."
         processes = f"{f.world} process{'es' if f.world > 1 else ''}"
         phase = "sampling" if f.sampling >= f.update else "update"
-        return (
-            f"{self.name} does not fit in {self.gpu_gib:g} GiB per GPU on {processes}: its estimated {phase} peak is "
-            f"{size(f.peak)}, {size(-self.headroom)} over. {helps} These figures are {CAUTION} (docs/distributed.md, "
-            "'Will it fit?')."
-        )
+        peak = f"its estimated {phase} peak is {size(on_gpu(f.peak))}"
+        if self.headroom >= 0:
+            what = (f"does not fit reliably in {self.gpu_gib:g} GiB per GPU on {processes}: {peak}, leaving "
+                    f"{size(self.headroom)}, inside the {size(margin(f.peak))} safety margin")  # fmt: skip
+        else:
+            what = f"does not fit in {self.gpu_gib:g} GiB per GPU on {processes}: {peak}, {size(-self.headroom)} over"
+        return f"{self.name} {what}. {helps} These figures are {CAUTION} (docs/distributed.md, 'Will it fit?')."
 
 
-def estimate_fit(recipe: Any, processes: int, gpu_gib: float, name: str | None = None, fake: bool = True) -> Fit:
+def estimate_fit(recipe: Any, processes: int, gpu_gib: float, name: str | None = None, fake: bool = True,
+                 gpu: str = DEFAULT_GPU) -> Fit:  # fmt: skip
     """The recipe's estimated figures on ``processes`` processes against ``gpu_gib`` GiB per GPU, with computed
-    suggestions when it does not fit. Raises ``NotModelled`` for a recipe the estimate cannot build or run."""
+    suggestions when it does not fit, and the time of its epochs on ``processes`` GPUs of kind ``gpu``
+    (``tpflow.memory.timing.GPUS``). Raises ``NotModelled`` for a recipe the estimate cannot build or run."""
     name = name or (str(recipe.path) if recipe.path else "the recipe")
     setup = setup_of(recipe, name)
     with warnings.catch_warnings(), _quiet_diffusers():
         warnings.simplefilter("ignore")  # FakeTensor's deprecation notices from inside diffusers
         with Probe(setup, fake) as probe:
             m = measure_with(probe)
-            fit = Fit(name, setup, gpu_gib, per_process(setup, m, processes), component_rows(setup, m))
+            fit = Fit(name, setup, gpu_gib, per_process(setup, m, processes), component_rows(setup, m),
+                      time=epoch_time(setup, m, processes, gpu))  # fmt: skip
             if not fit.fits:
                 _suggest(fit, recipe, m, probe)
     return fit
@@ -236,13 +285,13 @@ def _suggest(fit: Fit, recipe: Any, m: dict[str, Any], probe: Probe) -> None:
         if (alone := figures(overrides, dict)) is not None and alone.peak < fit.figures.peak:
             fit.suggestions.append(Suggestion(overrides, world, alone))
     for knob in sizes:
-        if getattr(fit.figures, knob.phase) > gpu and (found := _lower(knob, (), {}, figures, gpu)) is not None:
+        if not reliable(getattr(fit.figures, knob.phase), gpu) and (found := _lower(knob, (), {}, figures, gpu)):
             fit.suggestions.append(Suggestion(found[1], world, found[2]))
-    if fit.suggestions and not any(s.figures.peak <= gpu for s in fit.suggestions):
+    if fit.suggestions and not any(reliable(s.figures.peak, gpu) for s in fit.suggestions):
         overrides = tuple(o for switch in switches for o in switch)
         together, updates = figures(overrides, dict), {}
         for knob in sizes:
-            if together is None or getattr(together, knob.phase) <= gpu:
+            if together is None or reliable(getattr(together, knob.phase), gpu):
                 continue
             found = _lower(knob, overrides, updates, figures, gpu)
             if found is not None:
@@ -265,7 +314,7 @@ def _lower(knob: _Size, overrides: tuple[str, ...], updates: dict[str, Any], fig
         result = figures(with_it, lambda value=value: {**updates, **knob.updates(value)})
         if result is not None:
             last = (value, with_it, result)
-            if result.peak <= gpu:
+            if reliable(result.peak, gpu):
                 break
     return last
 
@@ -281,6 +330,6 @@ def _more_processes(setup: Setup, m: dict[str, Any], world: int, gpu: int) -> Su
         except UserError:
             continue
         figures = per_process(setup, m, processes)
-        if figures.peak <= gpu:
+        if reliable(figures.peak, gpu):
             return Suggestion((), processes, figures)
     return None

@@ -21,8 +21,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tpflow.memory.autocast import CudaAutocast
 from tpflow.memory.configs import PUBLISHED, TINY_FLUX, TINY_SD3, TINY_VAE, TINY_WAN, TINY_WAN_VAE
+from tpflow.memory.flops import Flops
 from tpflow.memory.live_bytes import LiveBytes
 from tpflow.memory.models import build_backbone, conditioning, count_bytes, largest_block_bytes, latents
+from tpflow.memory.rewards import reward_models
 from tpflow.memory.wan import frozen_expert, step_sigmas
 
 # the tiny backbones (tpflow/backbones/tiny.py): built by their own factories, at their own (test) size
@@ -57,6 +59,7 @@ class Setup:
     builder: Callable[[Any], Any] | None = None  # options -> backbone, for a model built for real (tiny)
     notes: list[str] = field(default_factory=list)  # what the estimate leaves out for this recipe
     optimizer_name: str = "grpo"  # the registered optimizer whose options ``optimizer`` holds
+    rewards: list = field(default_factory=list)  # tpflow.memory.rewards.Resident: the reward models on the GPU
 
 
 def optimizer_of(setup: Setup) -> Any:
@@ -100,11 +103,13 @@ def setup_of(recipe: Any, name: str) -> Setup:
             f'[optimizer] recompute = "{recompute}" keeps the first window steps\' graphs from the rollout to the '
             "update; they are not counted, so the figures are a lower bound"
         )
+    resident = reward_models(recipe)
     common = dict(
         sampler=recipe.sampler.name,
-        notes=notes,
+        notes=notes + resident.notes,
         completions=made_completions(recipe),
         optimizer_name=recipe.optimizer.name,
+        rewards=resident.models,
     )
     if backbone in PUBLISHED:
         model = PUBLISHED[backbone]
@@ -248,6 +253,7 @@ class Probe:
         self._grads = False
         self.optimizer, self._bound = optimizer_of(s), None  # bound at its first training step
         self.train_rows = 0
+        self.flops = 0  # of the last call measured
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -271,11 +277,14 @@ class Probe:
         }
 
     def _peak(self, fn: Callable[[], Any], autocast: bool = True) -> int:
+        """The live-bytes peak of ``fn`` above what was alive before it; its FLOPs are left in ``self.flops``."""
         with ExitStack() as inner:
             if autocast and self.autocast is not None:
                 inner.enter_context(self.autocast)
+            flops = inner.enter_context(Flops())
             before = self.tracker.reset_peak()
             fn()
+        self.flops = flops.total
         return self.tracker.peak - before
 
     def rollout(self, rows: int) -> int:
@@ -390,17 +399,21 @@ def measure_with(probe: Probe) -> dict[str, Any]:
     rows = largest_rollout_rows(setup, r.max_batch)
     out: dict[str, Any] = {"rollout_rows": rows, **probe.statics()}
     out["rollout_act"] = probe.rollout(rows)
+    out["rollout_flops"] = probe.flops  # FLOPs of that call (tpflow.memory.timing: the time estimate)
     for ckpt in (False, True):
         out[f"train_act_ckpt_{ckpt}"] = probe.train(o.micro_batch_size, ckpt)
+        if ckpt == setup.backbone.gradient_checkpointing:  # the recipe's: checkpointing recomputes the forward
+            out["train_flops"] = probe.flops
     out["train_rows"] = probe.train_rows  # the transformer's rows in the step (CFG doubles them)
     # one decode chunk of the scoring worker: train.score_batch of the n·W completions + n finals of a rollout batch
     # (the n finals alone when the rollout makes no completions)
     chunk = min(t.score_batch, t.rollout_batch * (r.window_size + 1 if setup.completions else 1))
     out["decode_act"] = probe.decode(chunk)
+    out["decode_flops"] = probe.flops
     out["decode_rows"] = chunk
     out["attention_ops"] = probe.attention_ops()
     if not setup.published and setup.builder is not None:
-        from tpflow.memory.models import pipe_text_encoder_params
+        from tpflow.memory.models import pipe_text_encoder_sizes
 
-        out["text_encoders"] = pipe_text_encoder_params(probe.backbone)
+        out["text_encoders"] = pipe_text_encoder_sizes(probe.backbone, setup.backbone.dtype)
     return out

@@ -34,24 +34,38 @@ def largest_block_bytes(module: torch.nn.Module) -> int:
     return max((count_bytes(b) for b in blocks), default=0)
 
 
-def text_encoder_params(kind: str) -> dict[str, int]:
-    """Parameter counts of the published models' text encoders, built on the meta device (nothing allocated)."""
+DTYPE_NAMES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def encoder_size(module: torch.nn.Module, dtype: torch.dtype) -> tuple[int, int]:
+    """(parameters, bytes) of a text encoder placed in ``dtype`` as tpflow places it (``tpflow.backbones.placement``):
+    its float32 islands stay float32, e.g. T5's and UMT5's feed-forward output ``wo`` under fp16 (transformers'
+    ``_keep_in_fp32_modules``: 1.0 B of T5-XXL's 4.8 B parameters, 1.9 GiB more than all-fp16)."""
+    from tpflow.backbones.placement import fp32_island
+
+    island, width = fp32_island(module, dtype), torch.empty((), dtype=dtype).element_size()
+    params = nbytes = 0
+    for name, param in module.named_parameters():
+        params += param.numel()
+        nbytes += param.numel() * (4 if island(name) else width)
+    return params, nbytes
+
+
+def text_encoder_sizes(kind: str, dtype: str) -> dict[str, tuple[int, int]]:
+    """(parameters, bytes in the recipe's ``dtype``) of the published models' text encoders, built on the meta
+    device (nothing allocated)."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    if kind == "wan":
-        from transformers import UMT5Config, UMT5EncoderModel
-
-        with torch.device("meta"):
-            umt5 = UMT5EncoderModel(UMT5Config(**UMT5_XXL))
-        return {"UMT5-XXL encoder": sum(p.numel() for p in umt5.parameters())}
-    if kind == "qwen":
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-        with torch.device("meta"):
-            model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**QWEN25_VL_7B))
-        return {"Qwen2.5-VL-7B": sum(p.numel() for p in model.parameters())}
     with torch.device("meta"):
-        if kind == "sd3":
+        if kind == "wan":
+            from transformers import UMT5Config, UMT5EncoderModel
+
+            encoders = {"UMT5-XXL encoder": UMT5EncoderModel(UMT5Config(**UMT5_XXL))}
+        elif kind == "qwen":
+            from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+            encoders = {"Qwen2.5-VL-7B": Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**QWEN25_VL_7B))}
+        elif kind == "sd3":
             encoders = {
                 "CLIP-L": CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_L)),
                 "CLIP-G": CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_G)),
@@ -62,17 +76,18 @@ def text_encoder_params(kind: str) -> dict[str, int]:
                 "CLIP-L": CLIPTextModel(CLIPTextConfig(**CLIP_L)),
                 "T5-XXL encoder": T5EncoderModel(T5Config(**T5_XXL)),
             }
-    return {name: sum(p.numel() for p in m.parameters()) for name, m in encoders.items()}
+    return {name: encoder_size(m, DTYPE_NAMES[dtype]) for name, m in encoders.items()}
 
 
-def pipe_text_encoder_params(backbone: Any) -> dict[str, int]:
-    """Parameter counts of the text encoders a built backbone's pipeline holds (the tiny backbones build theirs)."""
+def pipe_text_encoder_sizes(backbone: Any, dtype: str) -> dict[str, tuple[int, int]]:
+    """(parameters, bytes in ``dtype``) of the text encoders a built backbone's pipeline holds (the tiny backbones
+    build theirs)."""
     pipe = getattr(backbone, "pipe", None)
     found = {}
     for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
         encoder = getattr(pipe, name, None)
         if isinstance(encoder, torch.nn.Module):
-            found[f"{name} ({type(encoder).__name__})"] = sum(p.numel() for p in encoder.parameters())
+            found[f"{name} ({type(encoder).__name__})"] = encoder_size(encoder, DTYPE_NAMES[dtype])
     return found
 
 

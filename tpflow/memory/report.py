@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 from tpflow.memory.accounting import GIB, component_rows, epoch_buffers, host_bytes, peaks, static_bytes
+from tpflow.memory.timing import DEFAULT_GPU, epoch_time
 
 CAVEATS = """\
 **Estimated, not measured on a GPU; validate with `benchmarks/gpu_smoke.py` on a GPU** (it prints
@@ -49,8 +50,9 @@ Caveats.
   weight cache, as the trainer's regions); `layer_norm`, `group_norm`, `softmax`, `exp`, `pow`, `sum`, ... cast to
   float32. Ops reached only through a C++ decomposition are not cast, unlike CUDA autocast.
 - The CUDA caching allocator rounds blocks up (512 B, 2 MiB segments) and fragments; `max_memory_reserved` is
-  typically 5-20 % above the live-bytes peak estimated here. The CUDA context (~0.5 GiB) and cuBLAS/cuDNN
-  workspaces are not counted.
+  typically 5-20 % above the live-bytes peak estimated here. The tables below are live bytes and weights only;
+  `tpflow validate --gpu-memory` adds the CUDA context (0.5 GiB, stated) and keeps a safety margin of 5 % of the
+  peak (at least 1 GiB) free before it says "fits". cuBLAS/cuDNN workspaces are not counted.
 - Sharding (`[train] shard = "fsdp"`, P > 1 processes): each process holds 1/P of the rows marked sharded plus two
   gathered blocks (the one computing and the one prefetched); the gradients of a block before their
   reduce-scatter are taken to fit in that allowance. Offload (FSDP2's `CPUOffloadPolicy`, not yet an option of
@@ -58,9 +60,19 @@ Caveats.
   keeps the two gathered blocks. On one process nothing is sharded, so nothing is offloaded.
 - Data-dependent Python reads of fake tensors (validity checks such as `bool((std == 0).all())`, logged floats)
   read 0, so checks pass and logged diagnostics are 0; no memory depends on them.
-- Not counted: reward models (GenEval's Mask2Former + CLIP, PickScore's CLIP-H ~2 GiB in fp16; OCR runs on the CPU),
-  evaluation sampling (`eval.batch_size` rows, ODE, no completions: smaller than the rollout call), and the
-  prompt-encoding forward of the text encoders (short, before the rollout).
+- Text encoders: counted in the recipe's dtype as tpflow places them (`tpflow/backbones/placement.py`), with their
+  float32 islands: T5's and UMT5's feed-forward output `wo` stays float32 under fp16 (transformers'
+  `_keep_in_fp32_modules`), 1.0 B of T5-XXL's 4.8 B parameters.
+- Reward models: the weights of the trained reward, the watched ones (`[eval] rewards`) and the diversity embedding
+  on every process's GPU, from a table of published checkpoint sizes in `tpflow/memory/rewards.py` (GenEval's
+  Mask2Former Swin-S + CLIP ViT-L/14 1.9 GiB in float32, PickScore's CLIP-H 3.7 GiB in its default float32, ...);
+  not their activations while scoring. A reward the table does not know is named in a note, not counted.
+- Time per epoch (the last paragraph of each recipe): the FLOPs of the calls above, counted on the fake tensors by
+  `torch.utils.flop_counter`'s formulas (`tpflow/memory/timing.py`), times the rollouts' velocity rows, the decoded
+  latents and the training steps of an epoch, at 40 % of one H100 SXM's 989 TFLOP/s bf16 dense peak: estimated, not
+  measured; rewards, evaluation, communication not counted (docs/distributed.md, "Will it fit?").
+- Not counted: evaluation sampling (`eval.batch_size` rows, ODE, no completions: smaller than the rollout call), and
+  the prompt-encoding forward of the text encoders (short, before the rollout).
 
 What the code does about it (tpflow/train/trainer.py, tpflow/train/scoring.py), after the first version of this
 estimate showed three problems:
@@ -138,8 +150,18 @@ def report(setup: Any, m: dict[str, Any], world_sizes: tuple[int, ...] = (1, 8, 
                   f"gathered blocks ({block:.2f} {u} each: the one computing and the one prefetched). With "
                   f"offload (FSDP2's CPUOffloadPolicy, not yet a tpflow option) the sharded rows would live in host "
                   f"memory (the last column), the blocks still coming over."]  # fmt: skip
+    lines += time_paragraph(setup, m)
     lines += ["", f"Attention ops that ran: {', '.join(f'`{a}`' for a in m['attention_ops'])}.", ""]
     return "\n".join(lines)
+
+
+def time_paragraph(setup: Any, m: dict[str, Any]) -> list[str]:
+    """The time estimate on one GPU of the default kind (``tpflow.memory.timing``), as a paragraph."""
+    if "rollout_flops" not in m:
+        return []
+    head, flops, seconds = epoch_time(setup, m, 1, DEFAULT_GPU).lines()
+    what = head.removeprefix("time per epoch ").strip("():")
+    return ["", f"Time per epoch ({what}): {flops.strip()}; {seconds.strip()}."]
 
 
 def plural(count: int, noun: str) -> str:
