@@ -283,3 +283,27 @@ def test_the_eval_progress_line_counts_clips_for_a_video_backbone():
     assert line((5, 3, 32, 32)) == "eval at epoch 4: sampling 6 clips"  # shapes-video-dit: (F, C, H, W)
     assert line((16, 9, 30, 52)) == "eval at epoch 4: sampling 6 clips"  # Wan: (C, F', h, w)
     assert line((4, 16, 16)) == "eval at epoch 4: sampling 6 images"
+
+
+@pytest.mark.parametrize(("signum", "status"), [(INT, 130), (TERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_tpflow_train_exits_with_the_signal_that_stopped_it(signum, status, tmp_path):
+    """One process: ``tpflow train`` leaves with 128 + the signal, as the launcher does (Slurm and Kubernetes read
+    143 as "stopped by SIGTERM"), and prints the command that resumes."""
+    import io
+    import types
+
+    import typer
+    from rich.console import Console
+
+    from tpflow import cli
+
+    def fit():
+        raise Stopped(signum)
+
+    trainer = types.SimpleNamespace(fit=fit, dist=types.SimpleNamespace(is_main=True), run_dir=tmp_path / "run")
+    out = io.StringIO()
+    with pytest.raises(typer.Exit) as exited:
+        recipe = load_recipe(Path(__file__).parents[1] / "recipes" / "shapes_tp.toml")
+        cli._fit(trainer, recipe, Console(file=out, width=200), 1)
+    assert exited.value.exit_code == status
+    assert "Nothing was saved yet" in out.getvalue() and "--run-dir" in out.getvalue()  # how to start it again

@@ -157,16 +157,17 @@ _LATEST = "@latest"
 
 def _fit(trainer: Trainer, loaded: Recipe, console: Console, num_processes: int) -> dict[str, Any]:
     """``trainer.fit()``; on Ctrl-C the main process prints the command that continues the run (with this launch's
-    --num-processes) and every process exits 130, without a traceback: an interrupt is not an error."""
+    --num-processes) and every process exits 130 (SIGINT) or 143 (SIGTERM: ``tpflow.train.stop.Stopped``), without
+    a traceback: an interrupt is not an error."""
     try:
         return trainer.fit()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         if trainer.dist.is_main:
             from tpflow.train.resume import continue_hint
 
             extra = [] if num_processes == 1 else ["--num-processes", str(num_processes)]
             console.print(escape(continue_hint(loaded, trainer.run_dir, extra)), soft_wrap=True, highlight=False)
-        raise typer.Exit(130) from None
+        raise typer.Exit(getattr(exc, "exit_status", 130)) from None
 
 
 def _print_done(console: Console, run_dir: Path, metrics: dict[str, Any]) -> None:
