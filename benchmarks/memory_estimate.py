@@ -1,12 +1,14 @@
-"""Peak GPU memory per process of each paper recipe, ESTIMATED without a GPU (fake tensors, full size).
+"""Peak GPU memory per process of each paper recipe, and its time per epoch, ESTIMATED without a GPU (fake tensors).
 
     .venv/bin/python benchmarks/memory_estimate.py --out docs/results     # the paper recipes, full size
     .venv/bin/python benchmarks/memory_estimate.py --tiny                 # tiny-sd3 / tiny-flux sizes (a check)
     .venv/bin/python benchmarks/memory_estimate.py --recipes geneval_flowgrpo_full   # one recipe
 
 Why: the distributed-training doc needs the memory each recipe needs per GPU, and the machines that write it have no
-GPU. The estimate itself is ``tpflow.memory`` (method and caveats: ``tpflow.memory.report.CAVEATS``), which
-``tpflow validate --gpu-memory`` runs too; this script writes its report for several recipes.
+GPU. The estimate itself is ``tpflow.memory`` (method and caveats: ``tpflow.memory.report.CAVEATS``; the reward
+models from their published sizes, the time from the FLOPs counted on the same calls: ``tpflow.memory.timing``),
+which ``tpflow validate --gpu-memory`` runs too; this script writes its report for several recipes (about 10 minutes
+on one CPU core for all of them).
 """
 
 from __future__ import annotations
