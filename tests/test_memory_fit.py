@@ -87,7 +87,7 @@ def test_the_verdict_is_the_larger_peak_with_the_context_and_the_margin_against_
 
 
 def test_a_peak_inside_the_safety_margin_does_not_fit_reliably():
-    """geneval_flowgrpo_full on 80 GiB (issue 65): a live peak of 79.6 GiB said "fits" with 0.4 GiB to spare. With
+    """geneval_flowgrpo_full on 80 GiB: a live peak of 79.6 GiB said "fits" with 0.4 GiB to spare. With
     the CUDA context it is 80.1 GiB: over. A peak that leaves less than the margin is "does not fit reliably"."""
     full = Fit("full.toml", None, 80, figures(78.4, 79.6))
     assert not full.fits and full.verdict().startswith("does not fit in 80 GiB per GPU: the update peak is 80.1 GiB")

@@ -27,7 +27,7 @@ def recipe(name: str, options: dict, **evaluation) -> types.SimpleNamespace:
 def test_each_reward_is_its_published_size_in_the_dtype_it_loads():
     geneval = reward_models(recipe("geneval", {}))
     assert [m.nbytes for m in geneval.models] == [int(MASK2FORMER_SWIN_S * 4), int(OPEN_CLIP["ViT-L-14"] * 4)]
-    assert 1.8 * GIB < geneval.nbytes < 1.9 * GIB and not geneval.notes  # "GenEval's ~2 GB" of issue 65
+    assert 1.8 * GIB < geneval.nbytes < 1.9 * GIB and not geneval.notes  # GenEval's ~2 GB of weights
     assert reward_models(recipe("geneval", {"detector": "shapes"})).nbytes == 0
     assert reward_models(recipe("pickscore", {})).nbytes == int(PICKSCORE_V1 * 4)  # its default float32
     assert reward_models(recipe("pickscore", {"dtype": "bfloat16"})).nbytes == int(PICKSCORE_V1 * 2)
