@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -173,3 +174,15 @@ def write_tiny_weights(folder: Path) -> Path:
 def tiny_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """:func:`write_tiny_weights` in a session folder."""
     return write_tiny_weights(tmp_path_factory.mktemp("tiny-shapes"))
+
+
+@pytest.fixture
+def sigint_not_ignored():
+    """SIGINT as an interactive shell leaves it (Python's ``default_int_handler``) for the test. A run ignores a
+    signal its process was started ignoring (``tpflow.train.stop``), and a suite started in the background of a
+    non-interactive shell (``make test &``, some CI runners) starts with SIGINT ignored."""
+    before = signal.getsignal(signal.SIGINT)
+    if before == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

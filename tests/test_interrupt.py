@@ -24,6 +24,8 @@ from tpflow.train.run_logger import read_jsonl
 from tpflow.train.stop import REPEAT_S, Stopped
 from tpflow.train.trainer import Trainer
 
+pytestmark = pytest.mark.usefixtures("sigint_not_ignored")  # a background suite ignores SIGINT
+
 # 4 epochs, evaluations before epochs 0 and 2 and a final one, a checkpoint after epoch 1 and at the end
 SETS = ["train.epochs=4", "train.save_every=2", "eval.every=2"]
 INT, TERM = signal.SIGINT, signal.SIGTERM

@@ -12,6 +12,8 @@ import pytest
 
 from tpflow.train.stop import REPEAT_S, StopRequest
 
+pytestmark = pytest.mark.usefixtures("sigint_not_ignored")  # a background suite ignores SIGINT
+
 
 class TwoProcesses:
     """A stand-in for ``tpflow.distributed.Distributed`` on 2 processes, whose other process was not asked to stop."""

@@ -43,7 +43,7 @@ def encoder_size(module: torch.nn.Module, dtype: torch.dtype) -> tuple[int, int]
     ``_keep_in_fp32_modules``: 1.0 B of T5-XXL's 4.8 B parameters, 1.9 GiB more than all-fp16)."""
     from tpflow.backbones.placement import fp32_island
 
-    island, width = fp32_island(module, dtype), torch.empty((), dtype=dtype).element_size()
+    island, width = fp32_island(module, dtype), dtype.itemsize  # bytes per element
     params = nbytes = 0
     for name, param in module.named_parameters():
         params += param.numel()
