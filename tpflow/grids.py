@@ -5,7 +5,9 @@ Tiles are enlarged (nearest) to at least ``MIN_TILE`` pixels and set apart by wh
 wrapped under each. A tile may carry a pass/fail mark, a frame in the gap around it (``MARKS`` says which colour means
 what; a tile without one gets a thin grey outline): the evaluation grids mark GenEval-style rewards' strict verdict.
 The tile map gives, per tile, its box in the PNG, its caption and whatever the caller adds (the image's index in
-``eval.json``, its score, ...).
+``eval.json``, its score, ...). A clip's tile is a strip of some of its frames (``tpflow.video.frame_strip``): each
+frame is sized on its own and a ``DIVIDER`` of mid-grey set between them, so that one moving shape does not read as
+several; the tile map gives each frame's box (``frame_boxes``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ FONT_SIZE = 12  # Pillow's own font (no font file needed); below 12 its spacing 
 GRID_IMAGES = 64  # evaluation grids show at most this many images of an eval (``shown_images`` says which)
 EVAL_TILE = 256  # evaluation grids shrink larger images to this side, to keep the PNGs small
 PASS, FAIL, EDGE = (0, 160, 0), (220, 0, 0), (190, 190, 190)  # frame colours; EDGE: a thin outline, no verdict
+DIVIDER, DIVIDER_COLOUR = 2, (128, 128, 128)  # a clip's strip: mid-grey pixels between its frames, at display size
 MARKS = "green frame: strictly correct (the reward's strict detail is 1); red frame: not; thin grey line: no verdict"
 
 
@@ -130,7 +133,10 @@ def _draw(
     h, w = tiles[0].image.shape[-2:]
     scale = max(1, math.ceil(MIN_TILE / max(h, w)))
     shrink = min(1.0, max_tile / max(h, w)) if max_tile else 1.0
-    tile_w, tile_h = (round(w * shrink), round(h * shrink)) if shrink < 1 else (w * scale, h * scale)
+    count = strip_count(tiles)  # frames side by side in each tile (1: an image)
+    fw = w // count  # a frame's width in the tile's image
+    frame_w, tile_h = (round(fw * shrink), round(h * shrink)) if shrink < 1 else (fw * scale, h * scale)
+    tile_w = count * frame_w + (count - 1) * DIVIDER
     font = ImageFont.load_default(size=FONT_SIZE)
     line_h = _line_height(font)
     chars = max(8, int(tile_w / max(1.0, font.getlength("x"))))
@@ -149,11 +155,37 @@ def _draw(
     for i, (tile, image) in enumerate(zip(tiles, pixels, strict=True)):
         r, c = divmod(i, columns)
         left, top = lefts[c], header_h + PAD + r * (tile_h + caption_h + PAD)
-        canvas.paste(_sized(image, tile_w, tile_h, shrink, scale), (left, top))
+        for j, x in enumerate(_frame_lefts(left, count, frame_w)):  # a strip's frames each sized on its own
+            frame = np.ascontiguousarray(image[:, j * fw : (j + 1) * fw])  # [H, fw, 3] uint8
+            canvas.paste(_sized(frame, frame_w, tile_h, shrink, scale), (x, top))
+            if j:
+                draw.rectangle((x - DIVIDER, top, x - 1, top + tile_h - 1), fill=DIVIDER_COLOUR)
         box = (left, top, left + tile_w, top + tile_h)
         boxes.append(box)
         _frame_and_caption(draw, tile, box, font, chars, notes, line_h)
     return canvas, (width, height), boxes
+
+
+def strip_count(tiles: list[Tile]) -> int:
+    """How many frames side by side each tile's image holds: a clip's strip (``Tile.frames`` given, the image as
+    high as a frame and a whole number of frames wide) holds width / frame width; an image holds 1."""
+    tile = next((t for t in tiles if t.frames is not None), None)
+    if tile is None:
+        return 1
+    (h, w), (fh, fw) = tile.image.shape[-2:], tile.frames.shape[-2:]
+    return w // fw if h == fh and w % fw == 0 else 1
+
+
+def _frame_lefts(left: int, count: int, frame_w: int) -> list[int]:
+    """The left edge of each of a tile's ``count`` frames, ``DIVIDER`` apart."""
+    return [left + j * (frame_w + DIVIDER) for j in range(count)]
+
+
+def _frame_boxes(box: tuple[int, int, int, int], count: int) -> list[list[int]]:
+    """Each frame's box inside a strip tile's ``box`` (``_draw``'s layout)."""
+    left, top, right, bottom = box
+    frame_w = (right - left - (count - 1) * DIVIDER) // count
+    return [[x, top, x + frame_w, bottom] for x in _frame_lefts(left, count, frame_w)]
 
 
 def _sized(image: np.ndarray, tile_w: int, tile_h: int, shrink: float, scale: int) -> Image.Image:
@@ -198,9 +230,10 @@ def _write_tile_map(grid: Grid, tiles: list[Tile], headers: list[str] | None, ab
         meta["columns"] = list(headers)
     if any(t.mark is not None for t in tiles):
         meta["marks"] = MARKS
+    count = strip_count(tiles)
     meta["tiles"] = [
-        {"prompt": t.caption, "box": list(b), **t.info,
-         **({} if t.mark is None else {"mark": "pass" if t.mark else "fail"})}
+        {"prompt": t.caption, "box": list(b), **({"frame_boxes": _frame_boxes(b, count)} if count > 1 else {}),
+         **t.info, **({} if t.mark is None else {"mark": "pass" if t.mark else "fail"})}
         for t, b in zip(tiles, grid.boxes, strict=True)
     ]  # fmt: skip
     path.with_suffix(path.suffix + ".json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
