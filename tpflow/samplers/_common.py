@@ -29,13 +29,19 @@ def check_latents(z: Tensor, v: Tensor, z_next: Tensor | None = None) -> None:
         raise ValueError(f"z_next has shape {tuple(z_next.shape)} but z has shape {tuple(z.shape)}; they must match.")
 
 
-def sigma_vector(sigma: Tensor | float, z: Tensor, name: str) -> Tensor:
-    """A noise level as an [N] float32 vector on z's device (a scalar is repeated over the batch)."""
+def working_dtype(z: Tensor) -> torch.dtype:
+    """float32, or float64 for float64 latents: a sampler that honours it can be checked against a float64
+    transcription of its reference to rounding (flow-sde, dance-sde); bf16 / fp16 latents are stepped in float32."""
+    return torch.float64 if z.dtype == torch.float64 else torch.float32
+
+
+def sigma_vector(sigma: Tensor | float, z: Tensor, name: str, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A noise level as an [N] vector of ``dtype`` on z's device (a scalar is repeated over the batch)."""
     n = z.shape[0]
     if isinstance(sigma, Tensor):
-        s = to_device(sigma.to(dtype=torch.float32), z.device)  # a host σ: no wait for the GPU (tpflow.devices)
+        s = to_device(sigma.to(dtype=dtype), z.device)  # a host σ: no wait for the GPU (tpflow.devices)
     else:
-        s = torch.full((), sigma, dtype=torch.float32, device=z.device)
+        s = torch.full((), sigma, dtype=dtype, device=z.device)
     if s.ndim == 0 or s.shape == (1,):
         return s.reshape(1).expand(n)
     if s.shape != (n,):
@@ -44,17 +50,23 @@ def sigma_vector(sigma: Tensor | float, z: Tensor, name: str) -> Tensor:
 
 
 def checked_sigmas(
-    sigma: Tensor | float, sigma_next: Tensor | float, z: Tensor, leave_one: bool = False
+    sigma: Tensor | float,
+    sigma_next: Tensor | float,
+    z: Tensor,
+    leave_one: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor]:
-    """Both noise levels as [N] float32 vectors on z's device, checked by ``check_sigmas``. Values that arrive on
-    the host (floats, CPU tensors: what the rollout engine and the GRPO update pass) are checked there, before the
-    copy, so a step on a GPU waits for nothing; values already on the device are checked there (one read)."""
-    host = [x if isinstance(x, Tensor) else torch.tensor(x, device="cpu") for x in (sigma, sigma_next)]
+    """Both noise levels as [N] vectors of ``dtype`` (float32 by default) on z's device, checked by
+    ``check_sigmas``. Values that arrive on the host (floats, CPU tensors: what the rollout engine and the GRPO update
+    pass) are checked there, before the copy, so a step on a GPU waits for nothing; values already on the device are
+    checked there (one read)."""
+    exact = torch.float64 if dtype == torch.float64 else None  # a python float keeps its digits in float64
+    host = [x if isinstance(x, Tensor) else torch.tensor(x, device="cpu", dtype=exact) for x in (sigma, sigma_next)]
     if all(x.device.type == "cpu" for x in host):
-        s, s_next = sigma_vector(host[0], z, "sigma"), sigma_vector(host[1], z, "sigma_next")  # shapes checked
+        s, s_next = sigma_vector(host[0], z, "sigma", dtype), sigma_vector(host[1], z, "sigma_next", dtype)
         check_sigmas(host[0].float().reshape(-1), host[1].float().reshape(-1), leave_one)  # a scalar broadcasts
         return s, s_next
-    s, s_next = sigma_vector(sigma, z, "sigma"), sigma_vector(sigma_next, z, "sigma_next")
+    s, s_next = sigma_vector(sigma, z, "sigma", dtype), sigma_vector(sigma_next, z, "sigma_next", dtype)
     check_sigmas(s, s_next, leave_one)
     return s, s_next
 
