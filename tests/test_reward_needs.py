@@ -17,7 +17,7 @@ from tpflow.errors import RecipeError, RewardError, UserError
 from tpflow.recipe import load_recipe
 from tpflow.rewards.call import call_reward
 from tpflow.rewards.geneval import accuracy_by_tag
-from tpflow.rewards.watched import hacking_warnings
+from tpflow.rewards.watched import guard_lines, hacking_warnings
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = ROOT / "recipes" / "shapes_flowgrpo.toml"  # shapes-dit, shapes-geneval, dataset shapes
@@ -167,3 +167,17 @@ def test_the_diversity_collapsing_on_its_own_warns():
     before = {"eval_reward": 0.5, "eval_reward_se": 0.01, "eval_diversity": 0.30, "eval_diversity_se": 0.01}
     (warning,) = hacking_warnings(before, {**before, "eval_diversity": 0.10})
     assert "diversity within groups" in warning and "fell by -0.2000" in warning
+
+
+def test_a_slow_slide_is_caught_against_the_first_evaluation():
+    """0.639 -> 0.266 in four steps of about 0.09 (each within 3·√2·0.05 = 0.21 of the last): no single interval
+    says anything; against the first evaluation the fall is 0.373 and the training run's guard says it once."""
+    se = {"eval_reward_se": 0.006, "eval_watch_geneval_se": 0.05}
+    evals = [{"eval_reward": 0.091, "eval_watch_geneval": g, **se, "last_eval_epoch": 10 * k} for k, g in
+             enumerate([0.639, 0.546, 0.453, 0.360, 0.266])]  # fmt: skip
+    assert all(hacking_warnings(a, b) == [] for a, b in zip(evals[:-1], evals[1:], strict=True))
+    first = evals[0]
+    assert guard_lines(first, evals[0], evals[1]) == []  # -0.093 since the first: within its noise
+    (warning,) = guard_lines(first, evals[3], evals[4])
+    assert "fell by -0.3730 since the evaluation at epoch 0" in warning
+    assert guard_lines({}, evals[3], evals[4]) == []  # no first evaluation yet: the last one alone

@@ -45,7 +45,7 @@ from tpflow.preflight import check_machine
 from tpflow.recipe import Recipe
 from tpflow.rewards.call import recipe_policy
 from tpflow.rewards.diversity import Embedder, build_embedder
-from tpflow.rewards.watched import build_watched, hacking_warnings, with_watched
+from tpflow.rewards.watched import build_watched, guard_lines, with_watched
 from tpflow.train.allocator import keep_freed_memory
 from tpflow.train.checkpoint import (
     Checkpoint,
@@ -134,6 +134,7 @@ class Trainer(RunCheckpoints):
         self.ema = EMA(params, train.ema_decay, train.ema_every) if train.ema else None
         self.epoch = 0  # the next epoch to run
         self.last_eval: dict[str, float] = {}  # the newest eval's figures and epoch, repeated on each epoch's line
+        self._first_eval: dict[str, float] = {}  # the first eval this process made: the guard's second reference
         self._progress: PhaseProgress | None = None
         self._description = ""  # the phase the progress bar shows
         self.nonfinite_epochs = 0
@@ -499,8 +500,9 @@ class Trainer(RunCheckpoints):
             )
         if self.eval_split != "test":
             metrics["eval_on_train_split"] = 1.0  # no held-out prompts (warned at the start)
-        for warning in hacking_warnings(self.last_eval, metrics) if self.dist.is_main else []:
+        for warning in guard_lines(self._first_eval, self.last_eval, metrics) if self.dist.is_main else []:
             self.console.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
+        self._first_eval = self._first_eval or {**metrics, "last_eval_epoch": epoch}  # this process's first
         self.logger.track(metrics, step=self.optimizer.global_step)  # the step of the weights evaluated
         self.logger.log_image("eval_samples", grid, step=self.optimizer.global_step)
         return metrics
