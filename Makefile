@@ -38,7 +38,7 @@ test: $(STAMP)
 
 # TP-GRPO on the embedded shapes world, on the CPU: 10 of the recipe's 20 epochs, evaluated at epochs 0, 5 and 10 so
 # that the eval reward shows while it runs (it moves by a few hundredths either way in 10 epochs: README). Measured on
-# 2 cores: about 2 minutes once installed (1 min 59 s measured on a fresh clone); the first install (torch with its
+# 2 cores: about 2 minutes once installed (1 min 52 s measured on a fresh clone: README); the first install (torch with its
 # CUDA libraries, about 6.5 GB) adds several minutes, depending on the network.
 # DEMO_DIR is the demo's own directory, named by no example in the docs, and started afresh each time: the demo writes
 # DEMO_MARKER into it before training (tpflow train keeps files it does not know), and demo-clean deletes the
