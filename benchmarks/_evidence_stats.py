@@ -73,12 +73,12 @@ def _audit(audit, run_dir: Path) -> dict:
 
 
 def curve(run: dict, key: str = PRIMARY) -> tuple[list[int], list[float]]:
-    """(epochs, values) of one eval figure over a run (``tpflow.experiments.compare.curve``)."""
+    """(epochs, values) of one eval figure over a run (``tpflow.experiments.curves.curve``)."""
     return experiment_stats.curve(run, key)
 
 
 def auc(run: dict, key: str = PRIMARY) -> float:
-    """Mean of the eval figure over training (``tpflow.experiments.compare.auc``)."""
+    """Mean of the eval figure over training (``tpflow.experiments.curves.auc``)."""
     return experiment_stats.auc(run, key)
 
 
@@ -237,7 +237,7 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
 
 
 def at_seconds(run: dict, seconds: float, key: str = PRIMARY) -> float:
-    """The eval figure at ``seconds`` of training (``tpflow.experiments.compare.at_seconds``)."""
+    """The eval figure at ``seconds`` of training (``tpflow.experiments.curves.at_seconds``)."""
     return experiment_stats.at_seconds(run, seconds, key)
 
 

@@ -279,7 +279,7 @@ def test_auc_over_seconds_is_the_mean_level_over_the_baselines_training_seconds(
     """auc_seconds by hand: the baseline evaluated at 0, 10, 20 s (0.5, 0.6, 0.7) has area 12 over 20 s, 0.60; an
     arm twice as fast per second (0.5, 0.7, 0.8 at 0, 5, 10 s, then held) has (3 + 3.75 + 8) / 20 = 0.7375; an arm
     slower than the baseline is cut at 20 s by interpolation."""
-    from tpflow.experiments.compare import auc_seconds, paired_statistic
+    from tpflow.experiments.curves import auc_seconds, paired_statistic
 
     def run(points):
         return {"evals": [{"epoch": i, "seconds": s, "eval_reward": v} for i, (s, v) in enumerate(points)]}
@@ -350,7 +350,7 @@ def test_time_to_a_threshold_by_hand_and_censored():
     seconds (censored, a lower bound); epochs alike. The threshold is required by these statistics only."""
     from pydantic import ValidationError
 
-    from tpflow.experiments.compare import paired_statistic, time_to
+    from tpflow.experiments.curves import paired_statistic, time_to
     from tpflow.experiments.spec import Endpoint
 
     def run(points):  # (epoch, seconds, value)
