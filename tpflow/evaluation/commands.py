@@ -338,6 +338,17 @@ def _progress(console: Console, description: str) -> Any:
     return bar()
 
 
+def _eval_title(result: Any) -> str:
+    """The tables' title: the target, its prompt count, how many steps (and whence), which prompts."""
+    prompts = str(result.settings["prompts"])
+    if prompts == "test" and result.settings["split"] != "test":
+        prompts = f"{result.settings['split']} split, no test split"
+    steps = f"{result.settings['steps']} steps"
+    steps += " as the recipe's \\[eval]" if result.settings.get("steps_from") == "recipe" else " (--steps)"
+    return (f"tpflow eval: {escape(result.target.label)} ({result.settings['num_prompts']} prompts, "
+            f"{steps}, {escape(prompts)})")  # fmt: skip
+
+
 def _eval_tables(result: Any, baseline: Any | None) -> list[Table]:
     """Per category: images, mean reward, GenEval strict accuracy (when the reward has it). The ``overall`` row is
     the mean over images (training's ``eval_*``); GenEval's score, the mean over tags, has a row of its own. The
@@ -351,13 +362,7 @@ def _eval_tables(result: Any, baseline: Any | None) -> list[Table]:
     mine = result.categories()
     figures = [key for key in ("reward", "strict") if key in mine["overall"]]
     watched = [key for key in mine["overall"] if key.startswith(PREFIX) or key == DIVERSITY]
-    prompts = str(result.settings["prompts"])
-    if prompts == "test" and result.settings["split"] != "test":
-        prompts = f"{result.settings['split']} split, no test split"
-    steps = f"{result.settings['steps']} steps"
-    steps += " as the recipe's \\[eval]" if result.settings.get("steps_from") == "recipe" else " (--steps)"
-    title = (f"tpflow eval: {escape(result.target.label)} ({result.settings['num_prompts']} prompts, "
-             f"{steps}, {escape(prompts)})")  # fmt: skip
+    title = _eval_title(result)
     theirs = baseline.categories() if baseline is not None else {}
     delta = difference(result, baseline) if baseline is not None else {}
     spans = paired_intervals(result, baseline) if baseline is not None else {}
