@@ -51,6 +51,19 @@ def _enter(rank: int, world_size: int, port: int, worker: Callable, out: Path, a
         torch.distributed.destroy_process_group()
 
 
+def several_worker(rank: int, out: Path, jobs: list[tuple[str, Callable, tuple]]) -> dict:
+    """Each ``(name, worker, args)`` of ``jobs`` in turn in the same processes, ``worker(rank, out/name, *args)``:
+    ``{name: its result}``. Starting the processes costs more than most workers (about 10 s of imports per process
+    on a 2-core machine): one start serves several tests."""
+    results = {}
+    for name, worker, args in jobs:
+        folder = out / name
+        folder.mkdir(exist_ok=True)  # by whichever rank comes first
+        results[name] = worker(rank, folder, *args)
+        torch.distributed.barrier()  # each job starts with both processes at its beginning
+    return results
+
+
 def free_port() -> int:
     import socket
 

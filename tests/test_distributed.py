@@ -16,22 +16,51 @@ from tests.distributed_workers import (
     layout_worker,
     minimal_optimizer_worker,
     nft_layout_gradient,
+    several_worker,
     sharded_layout_worker,
     spawn,
 )
 from tpflow.optim.advantages import group_advantages
 
+G = 4  # 3 prompts x G = 4 copies; prompt of row t = t // 4
+GROUP_REWARDS = torch.randn(3 * G, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+GROUP_LAYOUTS = {
+    "whole": [[0, 1, 2, 3, 8, 9], [4, 5, 6, 7, 10, 11]],  # prompts 0, 1 each on one rank (prompt 2 split)
+    "split": [[0, 5, 10, 3, 6, 9], [4, 1, 2, 11, 8, 7]],  # every prompt's copies on both ranks
+    "uneven": [[11], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]],  # ragged shares
+}
+EVERYTHING = list(range(8))
+GRPO_LAYOUTS = {
+    "4 + 4": [(EVERYTHING[:4], 4, 1), (EVERYTHING[4:], 4, 1)],
+    "2 + 2 each": [(EVERYTHING[:4], 2, 2), (EVERYTHING[4:], 2, 2)],
+    "3 + 3 | 2": [(EVERYTHING[:6], 3, 2), (EVERYTHING[6:], 3, 2)],
+}
+NFT_LAYOUTS = {
+    "4 + 4": [(EVERYTHING[:4], 4, 1), (EVERYTHING[4:], 4, 1)],
+    "3 + 3 | 2": [(EVERYTHING[:6], 3, 2), (EVERYTHING[6:], 3, 2)],
+}
+GRPO_MODES = ["grpo", "grpo-retain", "grpo-reweight", "grpo-reweight-outcome", "grpo-retain-branch",
+              "grpo-reweight-branch"]  # fmt: skip
 
-def test_a_prompts_copies_split_across_ranks_get_the_same_group_statistics(tmp_path):
-    g, width = 4, 3
-    torch.manual_seed(0)
-    rewards = torch.randn(3 * g, width, dtype=torch.float64)  # 3 prompts x G = 4 copies; prompt of row t = t // 4
-    layouts = {
-        "whole": [[0, 1, 2, 3, 8, 9], [4, 5, 6, 7, 10, 11]],  # prompts 0, 1 each on one rank (prompt 2 split)
-        "split": [[0, 5, 10, 3, 6, 9], [4, 1, 2, 11, 8, 7]],  # every prompt's copies on both ranks
-        "uneven": [[11], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]],  # ragged shares
-    }
-    ranks = spawn(group_stats_worker, tmp_path, layouts, rewards)
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory, tiny_weights) -> list[dict]:
+    """One start of 2 processes for the module's tests (``several_worker``): each job's result per rank. The
+    collectives come last: they make the processes disagree on purpose."""
+    weights = str(tiny_weights)
+    jobs = [
+        ("group-stats", group_stats_worker, (GROUP_LAYOUTS, GROUP_REWARDS)),
+        ("grpo-layouts", layout_worker, (weights, GRPO_LAYOUTS, "+".join(GRPO_MODES))),
+        ("nft-layouts", layout_worker, (weights, NFT_LAYOUTS, "nft+awm+dgpo")),
+        ("sharded", sharded_layout_worker, (weights, GRPO_LAYOUTS)),
+        ("collectives", collectives_worker, ()),
+    ]
+    return spawn(several_worker, tmp_path_factory.mktemp("two-processes"), jobs)
+
+
+def test_a_prompts_copies_split_across_ranks_get_the_same_group_statistics(two_processes):
+    g, rewards, layouts = G, GROUP_REWARDS, GROUP_LAYOUTS
+    ranks = [r["group-stats"] for r in two_processes]
     reference = group_advantages(rewards, [t // g for t in range(3 * g)])  # everything on one process
     assert reference.abs().sum() > 0
     for name in layouts:
@@ -43,8 +72,8 @@ def test_a_prompts_copies_split_across_ranks_get_the_same_group_statistics(tmp_p
         assert seen.all(), f"{name}: every trajectory gets its advantage back on its own rank"
 
 
-def test_collectives_on_two_processes(tmp_path):
-    zero, one = spawn(collectives_worker, tmp_path)
+def test_collectives_on_two_processes(two_processes):
+    zero, one = (r["collectives"] for r in two_processes)
     for result in (zero, one):
         assert torch.equal(result["rows"], torch.tensor([[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]))  # process order
         assert result["objects"] == ["r0", "r1", "r1"]
@@ -62,23 +91,12 @@ def test_collectives_on_two_processes(tmp_path):
     assert all("different rollout batches" in r["lockstep"]["error"] for r in (zero, one))
 
 
-EVERYTHING = list(range(8))
-GRPO_LAYOUTS = {
-    "4 + 4": [(EVERYTHING[:4], 4, 1), (EVERYTHING[4:], 4, 1)],
-    "2 + 2 each": [(EVERYTHING[:4], 2, 2), (EVERYTHING[4:], 2, 2)],
-    "3 + 3 | 2": [(EVERYTHING[:6], 3, 2), (EVERYTHING[6:], 3, 2)],
-}
-
-
 @pytest.fixture(scope="module")
-def grpo_layout_gradients(tmp_path_factory, tiny_weights) -> list[dict]:
+def grpo_layout_gradients(two_processes) -> list[dict]:
     """Each rank's gradient of one GRPO step per layout, native ("grpo/<layout>"), from the rollout's retained
     graphs ("grpo-retain/<layout>") and from its per-row gradients ("grpo-reweight/<layout>", beta 0), on the window
-    plan and on the branch ("…-branch"): one start of the 2 processes serves the four tests."""
-    out = tmp_path_factory.mktemp("grpo-layouts")
-    modes = ["grpo", "grpo-retain", "grpo-reweight", "grpo-reweight-outcome", "grpo-retain-branch",
-             "grpo-reweight-branch"]  # fmt: skip
-    return spawn(layout_worker, out, str(tiny_weights), GRPO_LAYOUTS, "+".join(modes))
+    plan and on the branch ("…-branch")."""
+    return [r["grpo-layouts"] for r in two_processes]
 
 
 def _every_layout_steps_with(zero: dict, one: dict, mode: str, reference: torch.Tensor) -> None:
@@ -142,7 +160,9 @@ def test_the_branchs_step_from_the_rollout_is_the_native_one_on_two_processes_wh
         _every_layout_steps_with(zero, one, mode, native)
 
 
-def test_an_fsdp_sharded_step_is_the_unsharded_one_whatever_the_split(tmp_path, tiny_weights, grpo_layout_gradients):
+def test_an_fsdp_sharded_step_is_the_unsharded_one_whatever_the_split(
+    two_processes, tiny_weights, grpo_layout_gradients
+):
     """``[train] shard = "fsdp"``: FSDP2 over 2 processes (each block's weights, gradients and moments halved), the
     gradient summed by its reduce-scatter and divided by the rows over both: one optimizer step of GRPO and of NFT,
     with a LoRA and with the whole model trained, on shapes-dit and (GRPO) tiny-sd3, equals the 1-process unsharded
@@ -151,7 +171,7 @@ def test_an_fsdp_sharded_step_is_the_unsharded_one_whatever_the_split(tmp_path, 
     under bf16 autocast and fp16 with the sharded gradient scaler, the step points where the unsharded one does.
     A LoRA's gradient, reduced once at the step's last backward (``deferred_sync``), is the replicated 2-process
     run's bit for bit (reduced after every loss it was 8.6e-8 relative apart)."""
-    zero, one = spawn(sharded_layout_worker, tmp_path, str(tiny_weights), GRPO_LAYOUTS)
+    zero, one = (r["sharded"] for r in two_processes)
     for name in GRPO_LAYOUTS:
         assert torch.equal(zero[f"grpo-lora/{name}"], grpo_layout_gradients[0][f"grpo/{name}"]), name
     worst = 0.0
@@ -226,16 +246,12 @@ def _check_sharded_checkpoint(zero: dict, one: dict) -> None:
         ckpt.load_weights(other)
 
 
-def test_an_nft_steps_gradient_is_the_same_on_two_processes_whatever_the_split(tmp_path, tiny_weights):
+def test_an_nft_steps_gradient_is_the_same_on_two_processes_whatever_the_split(two_processes, tiny_weights):
     """DiffusionNFT and AWM draw each sample's times and noise from its own index among the update's samples, so
     one step over 8 samples split over 2 processes gives the 1-process gradient (an earlier release drew ε per
     micro-batch and per process); DGPO draws them per group, and its group weights add every process's rows."""
-    everything = list(range(8))
-    layouts = {
-        "4 + 4": [(everything[:4], 4, 1), (everything[4:], 4, 1)],
-        "3 + 3 | 2": [(everything[:6], 3, 2), (everything[6:], 3, 2)],
-    }
-    zero, one = spawn(layout_worker, tmp_path, str(tiny_weights), layouts, "nft+awm+dgpo")
+    everything, layouts = EVERYTHING, NFT_LAYOUTS
+    zero, one = (r["nft-layouts"] for r in two_processes)
     for optimizer in ("nft", "awm", "dgpo"):
         reference = nft_layout_gradient(str(tiny_weights), everything, 8, 1, name=optimizer)
         assert reference.abs().max() > 0
