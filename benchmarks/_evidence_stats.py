@@ -18,6 +18,7 @@ import numpy as np
 from scipy import stats
 
 import tpflow.experiments.compare as experiment_stats
+import tpflow.experiments.curves as curves
 from tpflow.intervals import holm, t_interval  # noqa: F401  (re-exported: the sweep reports import them from here)
 
 PRIMARY = "eval_reward_tags"  # soft reward, per-tag mean then mean over the six tags, on the distinct prompts
@@ -74,12 +75,12 @@ def _audit(audit, run_dir: Path) -> dict:
 
 def curve(run: dict, key: str = PRIMARY) -> tuple[list[int], list[float]]:
     """(epochs, values) of one eval figure over a run (``tpflow.experiments.curves.curve``)."""
-    return experiment_stats.curve(run, key)
+    return curves.curve(run, key)
 
 
 def auc(run: dict, key: str = PRIMARY) -> float:
     """Mean of the eval figure over training (``tpflow.experiments.curves.auc``)."""
-    return experiment_stats.auc(run, key)
+    return curves.auc(run, key)
 
 
 def gain(run: dict, key: str = PRIMARY) -> float:
@@ -238,7 +239,7 @@ def report(out: Path, pilots: dict, protocol: dict, docs: Path) -> None:
 
 def at_seconds(run: dict, seconds: float, key: str = PRIMARY) -> float:
     """The eval figure at ``seconds`` of training (``tpflow.experiments.curves.at_seconds``)."""
-    return experiment_stats.at_seconds(run, seconds, key)
+    return curves.at_seconds(run, seconds, key)
 
 
 def paired(runs: dict[str, list[dict]], arm: str, statistic) -> list[float]:
