@@ -6,7 +6,7 @@ therefore scores B exactly as RUN's own recipe scores RUN (``scored_as``), takin
 its model: its ``[backbone]`` section, with B's adapter or weights. It refuses, before anything loads, a baseline
 whose images would differ in kind (another backbone, whose eval settings are not the run's; another image size or
 frame count). ``tpflow compare`` refuses an experiment whose arms' resolved recipes differ in what makes one of its
-endpoints' metrics (``tpflow.experiments.compare.check_scorers``).
+endpoints' metrics (``tpflow.experiments.spec.check_scorers``).
 
 The pieces of a recipe that make a metric (``scoring``): the dataset section (its test split is the eval prompts),
 ``[eval]``'s num_steps, guidance, solver (grid, flow_shift), num_prompts, images_per_prompt and seed, the images'
