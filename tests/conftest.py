@@ -41,25 +41,8 @@ def cuda_or_skip() -> str:
     pytest.skip("needs CUDA (TPFLOW_GPU_TESTS_ON_CPU=1 dry-runs the GPU suite on the CPU)")
 
 
-# The slowest files first (measured on 2 cores): `make test` gives each of its two workers a whole file at a time
-# (--dist loadfile), in collection order, so a long file started last would leave the other worker idle at the end.
-SLOWEST_FIRST = (
-    "test_distributed_train.py",
-    "test_distributed.py",
-    "test_memory_fit.py",
-    "test_video_train.py",
-    "test_nft_train.py",
-    "test_resume_logs.py",
-    "test_shapes_video.py",
-    "test_memory_final_samples.py",
-)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The slowest files first (``SLOWEST_FIRST``; the others keep their order); skip every test marked ``gpu``
-    where there is no CUDA (unless the GPU suite is dry-run on the CPU)."""
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOWEST_FIRST)))  # stable
+    """Skip every test marked ``gpu`` where there is no CUDA (unless the GPU suite is dry-run on the CPU)."""
     if torch.cuda.is_available() or GPU_ON_CPU:
         return
     skip = pytest.mark.skip(reason="needs CUDA (TPFLOW_GPU_TESTS_ON_CPU=1 dry-runs the GPU suite on the CPU)")
