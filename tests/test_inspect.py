@@ -178,3 +178,21 @@ def test_the_credit_a_run_trained_with_is_named_once_as_trained():
     recipe = load_recipe(Path(tpflow.__file__).resolve().parent.parent / "recipes" / "shapes_tp.toml")
     known = run_trajectories(RunTraces(records, [0], recipe, recipe.credit.name), None, n=1)
     assert list(known.credits) == ["consistent (as trained)"]
+
+
+def test_a_clips_completion_strip_sets_its_frames_apart(tmp_path, monkeypatch):
+    """inspect-trajectory's completions of a video model: each strip of 4 of a clip's 5 frames has a grey line
+    between neighbouring frames (3 per strip, at the frames' edges), as the eval grids' strips do."""
+    from tpflow.inspect import plots
+    from tpflow.inspect.traces import Trajectories
+
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    clips = torch.rand(2, 3, 5, 3, 8, 8)  # [n, W+1, F, 3, H, W]
+    t = Trajectories("a red circle moving left", torch.zeros(2, 3, dtype=torch.float64), None, None, images=clips)
+    plots.plot_completions(t, "outcome", tmp_path / "completions.png")
+    (fig,) = figures
+    strips = [ax for ax in fig.axes if ax.images]
+    assert len(strips) == 6
+    for ax in strips:
+        assert sorted(line.get_xdata()[0] for line in ax.lines) == [7.5, 15.5, 23.5]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tpflow.inspect.traces import Trajectories, paper_labels
-from tpflow.video import frame_strip
+from tpflow.video import frame_strip, strip_frames
 
 DPI = 120
 STYLE = {"font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9, "legend.fontsize": 8, "figure.dpi": DPI}
@@ -125,6 +125,15 @@ def plot_final_rewards(t: Trajectories, credit: str, path: Path) -> Path:
         return _save(fig, path)
 
 
+def _frame_dividers(ax: Any, image: Any) -> None:
+    """A clip's strip [3, H, k·W] sets its frames apart with a grey line between them, as the eval grids do
+    (``tpflow.grids``): without one, a circle moving across 4 frames reads as 4 circles."""
+    if image.ndim == 4:  # [F, 3, H, W]
+        shown, width = len(strip_frames(image.shape[0])), image.shape[-1]
+        for k in range(1, shown):
+            ax.axvline(k * width - 0.5, color="0.5", linewidth=1.5)
+
+
 def plot_completions(t: Trajectories, credit: str, path: Path) -> Path:
     """Per trajectory the strip of images after j = 0..W SDE steps, reward under each, turning steps framed."""
     import matplotlib
@@ -144,6 +153,7 @@ def plot_completions(t: Trajectories, credit: str, path: Path) -> Path:
                 ax = axes[b][j]
                 shown = frame_strip(t.images[b, j][None])[0]  # a clip [F, 3, H, W]: a strip of its frames
                 ax.imshow(shown.permute(1, 2, 0).clamp(0, 1).numpy(), interpolation="nearest")
+                _frame_dividers(ax, t.images[b, j])
                 ax.set_xticks([])
                 ax.set_yticks([])
                 ax.set_xlabel(f"{float(t.trace[b, j]):.3f}", labelpad=1)
