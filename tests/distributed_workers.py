@@ -476,3 +476,41 @@ def train_recipes_worker(rank: int, out: Path, runs: list[tuple[str, list[str]]]
     Starting the processes costs more than training the tests' tiny recipes (about 10 s of imports, torch and peft,
     per process on the 2-core CI machine): one start serves several runs."""
     return {"runs": [train_worker(rank, out, recipe, overrides) for recipe, overrides in runs]}
+
+
+def interrupt_chain_worker(rank: int, out: Path, recipe: str, sets: list[str], chain: list[tuple[str, int, int]]
+                           ) -> dict:  # fmt: skip
+    """One run stopped at each (phase, epoch, signal) of ``chain`` by a signal process 0 sends itself
+    (``tests.test_interrupt._with_signal``) and resumed each time, then to its end; beside it the run uninterrupted.
+    Returns each stop's exit status and the epoch of the newest checkpoint, and both runs' final adapters."""
+    import signal as signals
+
+    import pytest
+
+    from tests.test_interrupt import _adapter, _states, _with_signal
+    from tpflow.recipe import load_recipe
+    from tpflow.train.stop import Stopped
+    from tpflow.train.trainer import Trainer
+
+    signals.signal(signals.SIGINT, signals.default_int_handler)  # a spawned process may start with it ignored
+
+    def trainer(name: str, resume: bool) -> Trainer:
+        return Trainer(load_recipe(Path(recipe), [*sets, f"train.run_dir={out / name}"]), resume=resume)
+
+    straight = trainer("straight", False)
+    straight.fit()
+    stops = []
+    for i, (phase, epoch, signum) in enumerate(chain):
+        with pytest.MonkeyPatch.context() as patch:
+            run = trainer("chain", i > 0)
+            if rank == 0:
+                _with_signal(run, patch, phase, epoch, signum)
+            try:
+                run.fit()
+                status = 0
+            except Stopped as exc:
+                status = exc.exit_status
+        stops.append((status, _states(out / "chain")[-1]["epoch"]))
+    resumed = trainer("chain", True)
+    resumed.fit()
+    return {"stops": stops, "straight": _adapter(straight), "resumed": _adapter(resumed)}

@@ -309,3 +309,21 @@ def test_tpflow_train_exits_with_the_signal_that_stopped_it(signum, status, tmp_
         cli._fit(trainer, recipe, Console(file=out, width=200), 1)
     assert exited.value.exit_code == status
     assert "Nothing was saved yet" in out.getvalue() and "--run-dir" in out.getvalue()  # how to start it again
+
+
+def test_two_processes_stopped_at_each_phase_resume_bitwise(tmp_path, tiny_weights):
+    """2 processes (gloo): process 0 gets SIGINT or SIGTERM during an update, at a checkpoint write, at an
+    evaluation and at a rollout batch; each time both stop at the same safe point and save together, nothing
+    finished is lost, and the run resumed each time ends with the uninterrupted 2-process run's adapter, bit for
+    bit."""
+    from tests.distributed_workers import interrupt_chain_worker, spawn
+
+    recipe = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
+    chain = [("update", 0, TERM), ("checkpoint", 2, INT), ("eval", 2, TERM), ("rollout", 3, INT)]
+    ranks = spawn(interrupt_chain_worker, tmp_path, str(recipe), SETS, chain)
+    for result in ranks:  # (exit status on process 0 (1: the signal it agreed to), epoch of the newest checkpoint)
+        assert [epoch for _, epoch in result["stops"]] == [1, 2, 2, 3], result["stops"]
+        assert all(status in (130, 143) for status, _ in result["stops"]), result["stops"]
+        ours, theirs = result["resumed"], result["straight"]
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert [s for s, _ in ranks[0]["stops"]] == [143, 130, 143, 130]  # process 0 exits with the signal it got
