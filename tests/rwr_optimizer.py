@@ -26,7 +26,7 @@ from tpflow import register
 from tpflow.interfaces import Backbone, Sampler
 from tpflow.optim.advantages import group_advantages
 from tpflow.optim.final import LaggedCopy, NoisedMethod, draw_times, noised_update, outcome_only, row_loss
-from tpflow.optim.loop import AdamWLoop, RowLoss, batch_layout
+from tpflow.optim.loop import AdamWLoop, RowLoss, batch_layout, held
 from tpflow.optim.options import FinalSampleOptions
 from tpflow.types import BatchLayout, Conditioning, Rollout
 
@@ -78,9 +78,7 @@ class RWR:
         self.loop = AdamWLoop("rwr-example", autocast_each_loss=False)  # AdamW, the row-weighted loop, state
         self.lagged = LaggedCopy("rwr-example", self.options.seed, copy=False)  # the draws' seed and update count
 
-    @property
-    def global_step(self) -> int:
-        return self.loop.global_step
+    global_step = held("global_step")  # the Optimizer protocol's, from the loop
 
     @staticmethod
     def check_recipe(options: RWROptions, settings: dict) -> list[str]:

@@ -51,7 +51,7 @@ from tpflow.optim.final import (
     outcome_only,
     row_loss,
 )  # fmt: skip
-from tpflow.optim.loop import AdamWLoop, RowLoss, batch_layout
+from tpflow.optim.loop import AdamWLoop, RowLoss, batch_layout, held
 from tpflow.optim.options import (
     CLIP_RANGE,
     TRAIN_GUIDANCE,
@@ -64,7 +64,6 @@ from tpflow.optim.options import (
     OldDecayMax,
 )  # fmt: skip
 from tpflow.plans.base import derived_generator
-from tpflow.precision import Precision
 from tpflow.registry import register
 from tpflow.types import BatchLayout, Conditioning, Rollout
 
@@ -128,17 +127,8 @@ class AWM:
         self.loop = AdamWLoop("awm", autocast_each_loss=False)  # the lagged copy is swapped in between forwards
         self.lagged = LaggedCopy("awm", self.options.seed)  # the KL-EMA anchor, the update count, the base seed
 
-    @property
-    def global_step(self) -> int:
-        return self.loop.global_step
-
-    @property
-    def precision(self) -> Precision:
-        return self.loop.precision
-
-    @precision.setter
-    def precision(self, value: Precision) -> None:
-        self.loop.precision = value
+    global_step = held("global_step")  # the Optimizer protocol's, from the loop
+    precision = held("precision", settable=True)
 
     @staticmethod
     def check_recipe(options: AWMOptions, settings: dict) -> list[str]:

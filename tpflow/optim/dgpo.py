@@ -63,7 +63,7 @@ from tpflow.optim.final import (
     outcome_only,
     row_loss,
 )  # fmt: skip
-from tpflow.optim.loop import AdamWLoop, RowLoss, batch_layout
+from tpflow.optim.loop import AdamWLoop, RowLoss, batch_layout, held
 from tpflow.optim.options import (
     CLIP_RANGE,
     TRAIN_GUIDANCE,
@@ -76,7 +76,6 @@ from tpflow.optim.options import (
     OldDecayMax,
 )  # fmt: skip
 from tpflow.plans.base import derived_generator
-from tpflow.precision import Precision
 from tpflow.registry import register
 from tpflow.samplers.schedules import flow_sigmas
 from tpflow.types import BatchLayout, Rollout
@@ -135,17 +134,8 @@ class DGPO:
         self.loop = AdamWLoop("dgpo", autocast_each_loss=False)  # the lagged copy is swapped in between forwards
         self.lagged = LaggedCopy("dgpo", self.options.seed)  # the EMA reference, the update count, the base seed
 
-    @property
-    def global_step(self) -> int:
-        return self.loop.global_step
-
-    @property
-    def precision(self) -> Precision:
-        return self.loop.precision
-
-    @precision.setter
-    def precision(self, value: Precision) -> None:
-        self.loop.precision = value
+    global_step = held("global_step")  # the Optimizer protocol's, from the loop
+    precision = held("precision", settable=True)
 
     @staticmethod
     def check_recipe(options: DGPOOptions, settings: dict) -> list[str]:

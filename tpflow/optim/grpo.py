@@ -30,7 +30,7 @@ from tpflow.interfaces import Backbone, Sampler, capability
 from tpflow.optim.advantages import group_advantages, informative_trajectories
 from tpflow.optim.grpo_loss import PolicyLoss, clipped_surrogate, kl_to_reference
 from tpflow.optim.grpo_options import GRPOOptions
-from tpflow.optim.loop import AdamWLoop, LossThunk, RowLoss, batch_layout
+from tpflow.optim.loop import AdamWLoop, LossThunk, RowLoss, batch_layout, held
 from tpflow.optim.ratio_norm import normalised_log_ratio
 from tpflow.optim.recompute import retain_problems, retained_passes, retained_step, reweighted_loss
 from tpflow.optim.step_weights import noise_aware_weights, transition_std
@@ -84,17 +84,8 @@ class GRPO:
         self.options = options if options is not None else GRPOOptions()
         self.loop = AdamWLoop("grpo")
 
-    @property
-    def global_step(self) -> int:
-        return self.loop.global_step
-
-    @property
-    def precision(self) -> Precision:
-        return self.loop.precision
-
-    @precision.setter
-    def precision(self, value: Precision) -> None:
-        self.loop.precision = value
+    global_step = held("global_step")  # the Optimizer protocol's, from the loop
+    precision = held("precision", settable=True)
 
     def bind(self, backbone: Backbone, accelerator=None, precision: Precision | None = None) -> None:
         """AdamW over the adapter (``AdamWLoop.bind``)."""

@@ -71,6 +71,19 @@ def batch_layout(options: Any) -> BatchLayout:
     )  # fmt: skip
 
 
+def held(name: str, settable: bool = False) -> property:
+    """A property of an optimizer that reads (and, ``settable``, writes) ``self.loop.<name>``: the ``global_step``
+    and ``precision`` the Optimizer protocol asks for live in the loop each optimizer holds, declared once here."""
+
+    def get(self: Any) -> Any:
+        return getattr(self.loop, name)
+
+    def put(self: Any, value: Any) -> None:
+        setattr(self.loop, name, value)
+
+    return property(get, put if settable else None, doc=f"``self.loop.{name}``")
+
+
 class AdamWLoop:
     """AdamW over ``backbone.trainable_parameters()`` and the update loop (module docstring): an object each
     optimizer owns (``self.loop``), never a base class. It reads from the owner's options (an

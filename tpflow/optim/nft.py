@@ -33,10 +33,9 @@ from tpflow.optim.final import (
     outcome_only,
     row_loss,
 )  # fmt: skip
-from tpflow.optim.loop import AdamWLoop, RowLoss, batch_layout
+from tpflow.optim.loop import AdamWLoop, RowLoss, batch_layout, held
 from tpflow.optim.nft_loss import NFTLoss, nft_loss, optimality
 from tpflow.optim.options import BETA, FinalSampleOptions
-from tpflow.precision import Precision
 from tpflow.registry import register
 from tpflow.types import BatchLayout, Conditioning, Rollout
 
@@ -88,17 +87,8 @@ class NFT:
         self.loop = AdamWLoop("nft", autocast_each_loss=False)
         self.lagged = LaggedCopy("nft", self.options.seed)  # the old policy, the update count, the base seed
 
-    @property
-    def global_step(self) -> int:
-        return self.loop.global_step
-
-    @property
-    def precision(self) -> Precision:
-        return self.loop.precision
-
-    @precision.setter
-    def precision(self, value: Precision) -> None:
-        self.loop.precision = value
+    global_step = held("global_step")  # the Optimizer protocol's, from the loop
+    precision = held("precision", settable=True)
 
     def uses_reference(self) -> bool:
         """The KL reference pass runs only with kl_weight > 0."""
