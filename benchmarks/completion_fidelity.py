@@ -37,8 +37,8 @@ from scipy.stats import spearmanr
 import tpflow  # noqa: F401  (registers the components)
 from tpflow.devices import cpu_generator
 from tpflow.recipe import load_recipe
-from tpflow.rewards.call import recipe_policy
 from tpflow.rollout import draw_window, rollout_from_settings
+from tpflow.scoring.call import recipe_policy
 from tpflow.train.scoring import score_rollout
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -49,8 +49,8 @@ from tpflow.devices import cpu_generator
 from tpflow.probe.arms import paired_max_batch, same_main_trajectories
 from tpflow.probe.value import Values, mc_values
 from tpflow.recipe import apply_overrides, load_recipe, validate_recipe
-from tpflow.rewards.call import recipe_policy
 from tpflow.rollout import draw_window, rollout_from_settings
+from tpflow.scoring.call import recipe_policy
 from tpflow.train.scoring import score_rollout
 from tpflow.types import Rollout
 
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     backbone, sampler, reward = recipe.build("backbone"), recipe.build("sampler"), recipe.build("reward")
     tag = "base"
     if args.checkpoint is not None:
-        from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
+        from tpflow.train.checkpoints.format import find_checkpoint, load_checkpoint
 
         path, found = find_checkpoint(args.checkpoint)
         for note in found:

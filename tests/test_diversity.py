@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from tests.test_train import tiny_recipe
 from tpflow.errors import RecipeError
 from tpflow.recipe import load_recipe
-from tpflow.rewards.diversity import (
+from tpflow.scoring.diversity import (
     build_embedder,
     diversity_se,
     mean_pairwise_distance,
@@ -24,7 +24,7 @@ from tpflow.rewards.diversity import (
     pixel_embeddings,
     sibling_distances,
 )
-from tpflow.rewards.watched import hacking_warnings
+from tpflow.scoring.watched import hacking_warnings
 
 GUARD = """
 rewards = [{name = "image-stat", label = "contrast", options = {statistic = "contrast"}}]

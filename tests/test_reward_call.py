@@ -1,4 +1,4 @@
-"""Rewards fail the same way on every path (tpflow/rewards/call.py): the output is checked, an exception or NaN is
+"""Rewards fail the same way on every path (tpflow/scoring/call.py): the output is checked, an exception or NaN is
 retried then stops with one paragraph, sys.exit and a hang become a RewardError, evaluation retries like training."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.test_train import tiny_recipe
 from tpflow import registry
 from tpflow.errors import RewardError, UserError
 from tpflow.recipe import load_recipe
-from tpflow.rewards.call import RewardPolicy, call_reward, recipe_policy
+from tpflow.scoring.call import RewardPolicy, call_reward, recipe_policy
 from tpflow.train.trainer import Trainer
 from tpflow.types import RewardOutput
 
@@ -82,7 +82,7 @@ def test_a_reward_bug_keeps_its_cause_and_shows_its_last_frames(policy):
     shown = "\n".join(frames)
     assert f'File "{__file__}"' in shown and "in _lookup" in shown and 'return table["missing"]' in shown
     assert shown.rstrip().endswith("KeyError: 'missing'")
-    assert "rewards/call.py" not in shown  # tpflow's frames around the call are not the reward's traceback
+    assert "scoring/call.py" not in shown  # tpflow's frames around the call are not the reward's traceback
 
 
 def test_retries_follow_the_policy():

@@ -15,9 +15,9 @@ from tests.cli_run import tpflow
 from tpflow import build
 from tpflow.errors import RecipeError, RewardError, UserError
 from tpflow.recipe import load_recipe
-from tpflow.rewards.call import call_reward
 from tpflow.rewards.geneval import accuracy_by_tag
-from tpflow.rewards.watched import guard_lines, hacking_warnings
+from tpflow.scoring.call import call_reward
+from tpflow.scoring.watched import guard_lines, hacking_warnings
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = ROOT / "recipes" / "shapes_flowgrpo.toml"  # shapes-dit, shapes-geneval, dataset shapes

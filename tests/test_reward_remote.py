@@ -139,7 +139,7 @@ def test_a_reward_that_reads_the_floats_scores_the_same_remotely_with_quantised_
     """image-stat (brightness) does not round to 8-bit itself: remote (PNG) and in-process scores differed by up to
     6e-5. With train.quantise_reward_images the in-process call gets the 8-bit images too, and they are equal."""
     from tpflow.recipe import load_recipe
-    from tpflow.rewards.call import RewardPolicy, call_reward, recipe_policy
+    from tpflow.scoring.call import RewardPolicy, call_reward, recipe_policy
 
     httpd = make_server("image-stat", {"statistic": "brightness"}, "127.0.0.1", 0)
     threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
@@ -358,7 +358,7 @@ def test_server_errors_are_retried_then_reported_with_url_and_attempts(stub):
 def test_a_server_out_of_memory_is_not_retried_and_reaches_the_trainers_paragraph(stub):
     """The server's OOM was an HTTP 500, retried with the same images; now a 507 the client turns into the error a
     local reward's OOM raises, so the trainer names train.score_batch."""
-    from tpflow.rewards.call import RewardOutOfMemoryError
+    from tpflow.scoring.call import RewardOutOfMemoryError
 
     state, url = stub
     state.status, state.body = 507, {"error": "reward 'x' ran out of GPU memory on the server (CUDA out of memory)"}

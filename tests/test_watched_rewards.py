@@ -8,7 +8,7 @@ import pytest
 from tests.test_train import tiny_recipe
 from tpflow.errors import RecipeError
 from tpflow.recipe import load_recipe
-from tpflow.rewards.watched import hacking_warnings, standard_errors
+from tpflow.scoring.watched import hacking_warnings, standard_errors
 
 WATCH = ['eval.rewards=[{name = "image-stat", label = "contrast", options = {statistic = "contrast"}}]']
 

@@ -28,6 +28,6 @@ class RecipeError(UserError):
 
 class RewardError(UserError):
     """A reward that kept failing on the same images, returned something other than a RewardOutput of one score per
-    image, called ``sys.exit`` or exceeded its time limit (tpflow/rewards/call.py). A reward that raised is a bug
+    image, called ``sys.exit`` or exceeded its time limit (tpflow/scoring/call.py). A reward that raised is a bug
     (in it, its server or its model), not the user's: that RewardError is chained to the exception and its message
     ends with the reward's last traceback frames, which the CLI prints after the paragraph."""

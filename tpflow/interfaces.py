@@ -49,7 +49,7 @@ CAPABILITIES: dict[str, Any] = {
     "consumes": "transitions",  # Optimizer (required on an instance)
     # RewardModel: a group-relative reward (pairwise win rates): each call must hold whole prompt groups, every row
     # at one trace column, so scoring calls it once per column with the batch's rows and the recipe check refuses
-    # batching that cuts a group (tpflow.rewards.groups)
+    # batching that cuts a group (tpflow.scoring.groups)
     "needs_whole_groups": False,
     # What a recipe check reads to match the reward with the backbone and the dataset before anything loads
     # (tpflow.rewards.needs): a Backbone's ``decode`` gives clips [N, F, 3, H, W] (a video backbone), not images

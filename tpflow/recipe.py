@@ -220,8 +220,8 @@ def validate_recipe(data: dict[str, Any], where: str = "recipe", path: Path | No
 
 
 def watched_problems(sections: dict[str, Any]) -> list[str]:
-    """What ``[eval] rewards`` names that the registry refuses (``tpflow.rewards.watched.recipe_problems``)."""
-    from tpflow.rewards.watched import recipe_problems
+    """What ``[eval] rewards`` names that the registry refuses (``tpflow.scoring.watched.recipe_problems``)."""
+    from tpflow.scoring.watched import recipe_problems
 
     return recipe_problems(sections)
 
@@ -236,8 +236,8 @@ def reward_need_problems(sections: dict[str, Any]) -> list[str]:
 
 def whole_group_problems(sections: dict[str, Any]) -> list[str]:
     """Where a reward that needs whole groups per call (pairwise) meets batching that cuts a group
-    (``tpflow.rewards.groups.whole_group_problems``)."""
-    from tpflow.rewards.groups import whole_group_problems as problems
+    (``tpflow.scoring.groups.whole_group_problems``)."""
+    from tpflow.scoring.groups import whole_group_problems as problems
 
     return problems(sections)
 

@@ -228,7 +228,7 @@ DIVERSITY_SPECS = '"shapes-clip", "shapes-clip:<weights>", "clip:<arch>", "clip:
 
 
 def diversity_problem(spec: str) -> str | None:
-    """Why ``spec`` names no embedding of ``eval.diversity`` (tpflow.rewards.diversity), or None; read here, before
+    """Why ``spec`` names no embedding of ``eval.diversity`` (tpflow.scoring.diversity), or None; read here, before
     anything loads."""
     kind, _, rest = spec.partition(":")
     if (kind == "pixels" and not rest) or kind == "shapes-clip" or (kind == "clip" and rest.split(":", 1)[0]):

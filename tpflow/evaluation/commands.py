@@ -226,7 +226,7 @@ def _report_eval(console: Console, results: list[Any], folder: Path, ema: bool) 
     """The main process's output of an eval: the tables (target, and baseline with the difference when there is
     one), each warning once (target and baseline often share them), and the files written under ``folder``."""
     from tpflow.evaluation.run import write_outputs
-    from tpflow.rewards.watched import hacking_warnings
+    from tpflow.scoring.watched import hacking_warnings
     from tpflow.train.evaluation import summarize
 
     result, base = results[0], (results[1] if len(results) > 1 else None)
@@ -357,7 +357,7 @@ def _eval_tables(result: Any, baseline: Any | None) -> list[Table]:
     fits 80 columns."""
     from tpflow.evaluation.paired import SEEDS_NOTE, paired_intervals
     from tpflow.evaluation.run import OVERALL, difference
-    from tpflow.rewards.watched import DIVERSITY, PREFIX
+    from tpflow.scoring.watched import DIVERSITY, PREFIX
 
     mine = result.categories()
     figures = [key for key in ("reward", "strict") if key in mine["overall"]]

@@ -23,7 +23,7 @@ from typing import Any
 
 from tpflow.errors import UserError
 from tpflow.recipe import Recipe, resolved, validate_recipe
-from tpflow.rewards.watched import DIVERSITY, PREFIX
+from tpflow.scoring.watched import DIVERSITY, PREFIX
 
 EVAL_KEYS = ("num_steps", "guidance", "solver", "grid", "flow_shift", "num_prompts", "images_per_prompt", "seed")
 IMAGE_KEYS = ("resolution", "width", "num_frames")  # a backbone without the option: "fixed" (its own size)

@@ -263,11 +263,11 @@ def watched_report(
     watched rewards (``eval_watch_<label>``) or the diversity within groups (``eval_diversity``), each of those and
     ``eval_reward`` under the endpoint's statistic, per arm (mean over its seeds, 95% t) and per arm − the
     baseline (paired over seeds, 95% t, and the standard error of the mean difference), with the warnings of
-    ``tpflow.rewards.watched.hacking_warnings``: an arm whose trained reward rose over the baseline's while a
+    ``tpflow.scoring.watched.hacking_warnings``: an arm whose trained reward rose over the baseline's while a
     watched figure fell, each beyond twice the standard error of its paired difference, and a run whose trained
     reward rose from its first evaluation to its last while a watched figure fell. Empty when nothing is watched.
     ``per_arm``: figures each arm scores its own way (``check_scorers``), never differenced across arms."""
-    from tpflow.rewards.watched import DIVERSITY, PREFIX, hacking_warnings
+    from tpflow.scoring.watched import DIVERSITY, PREFIX, hacking_warnings
 
     every = [run for by_seed in runs.values() for run in by_seed.values()]
     watched = {k for run in every for e in run["evals"] for k in e if k.startswith("eval_" + PREFIX)}

@@ -25,8 +25,8 @@ from torch import Tensor
 
 from tpflow.devices import cpu_generator
 from tpflow.interfaces import Backbone, RewardModel, Sampler
-from tpflow.rewards.call import DEFAULT_POLICY, RewardPolicy
 from tpflow.rollout import Window, rollout
+from tpflow.scoring.call import DEFAULT_POLICY, RewardPolicy
 from tpflow.train.scoring import score_rollout
 from tpflow.types import Conditioning, Rollout
 

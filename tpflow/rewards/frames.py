@@ -26,7 +26,7 @@ from torch import Tensor
 from tpflow import registry
 from tpflow.errors import UnknownComponentError, UserError
 from tpflow.registry import register
-from tpflow.rewards.call import check_output
+from tpflow.scoring.call import check_output
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
 

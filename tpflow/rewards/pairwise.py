@@ -19,7 +19,7 @@ better) is called on the ordered pairs, ``judge_batch`` pairs per call. Any othe
 scores each image once and p(a, b) = 1, ½, 0 as r(a) >, =, < r(b) (``temperature = 0``: invariant under every
 strictly increasing transform of r, which is the point), or σ((r(a) − r(b)) / τ) with ``temperature = τ > 0``.
 
-The reward declares ``needs_whole_groups`` (``tpflow.rewards.groups``): the scoring stage calls it once per trace
+The reward declares ``needs_whole_groups`` (``tpflow.scoring.groups``): the scoring stage calls it once per trace
 column with the whole rollout batch at that column, and a recipe whose rollout batches can cut a group is refused
 when validated. Groups inside a call are its rows with the same prompt text (``groups.group_key``, the trainer's
 key).
@@ -40,8 +40,8 @@ from torch import Tensor
 from tpflow import registry
 from tpflow.errors import RewardError, UnknownComponentError, UserError
 from tpflow.registry import register
-from tpflow.rewards.call import check_output, reward_name
-from tpflow.rewards.groups import group_rows
+from tpflow.scoring.call import check_output, reward_name
+from tpflow.scoring.groups import group_rows
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
 
@@ -148,7 +148,7 @@ def scalar_preference(r_a: Tensor, r_b: Tensor, temperature: float) -> Tensor:
 
 @register("reward", "pairwise", options=PairwiseOptions)
 class PairwiseReward:
-    """RewardModel: each image's win rate against its siblings in the call (groups: ``tpflow.rewards.groups``).
+    """RewardModel: each image's win rate against its siblings in the call (groups: ``tpflow.scoring.groups``).
 
     Options: ``judge`` {name, options}, ``temperature``, ``max_pairs_per_image``, ``seed``, ``judge_batch``.
     ``scores`` [N] float32 in [0, 1] on the CPU; ``details``: ``pairs`` (how many siblings each image met) and, with

@@ -268,7 +268,7 @@ class RemoteReward:
             except urllib.error.HTTPError as exc:
                 message = _error_message(exc)
                 if exc.code == HTTPStatus.INSUFFICIENT_STORAGE:  # the server's reward ran out of GPU memory
-                    from tpflow.rewards.call import RewardOutOfMemoryError
+                    from tpflow.scoring.call import RewardOutOfMemoryError
 
                     raise RewardOutOfMemoryError(  # the trainer's out-of-memory paragraph names train.score_batch
                         f"Reward server {url} ran out of GPU memory (HTTP 507, attempt {attempt + 1} of {attempts}, "

@@ -53,8 +53,8 @@ from pydantic import BaseModel
 from tpflow import __version__, registry
 from tpflow.errors import UserError
 from tpflow.rewards._slots import DeadlineReader, Slots
-from tpflow.rewards.call import OUT_OF_MEMORY, one_line
 from tpflow.rewards.remote import PROTOCOL, decode_images
+from tpflow.scoring.call import OUT_OF_MEMORY, one_line
 from tpflow.weights import WeightSource
 
 MAX_JSON_DEPTH = 32  # metadata nests a few levels; deeper is an attack on some recursive consumer

@@ -27,7 +27,7 @@ from tpflow import registry
 from tpflow.errors import UnknownComponentError, UserError
 from tpflow.interfaces import capability
 from tpflow.registry import register
-from tpflow.rewards.call import check_output
+from tpflow.scoring.call import check_output
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from tpflow.distributed import Distributed
-from tpflow.rewards.groups import group_key
+from tpflow.scoring.groups import group_key
 from tpflow.train.prompt_sampler import RolloutBatch
 from tpflow.train.scoring import ScoredBatch
 from tpflow.types import Credit, PromptItem, Rollout

@@ -29,11 +29,11 @@ from tpflow.distributed import Distributed
 from tpflow.grids import EVAL_TILE, GRID_IMAGES, Grid, Tile, captioned_grid, clip_grid, columns_for, shown_images
 from tpflow.interfaces import Backbone, PromptDataset, RewardModel
 from tpflow.rewards._images import to_uint8
-from tpflow.rewards.call import DEFAULT_POLICY, RewardPolicy, call_reward, reward_name
-from tpflow.rewards.diversity import DETAIL as DIVERSITY
-from tpflow.rewards.diversity import Embedder, diversity_se, sibling_distances
-from tpflow.rewards.watched import standard_errors
 from tpflow.rollout import sample_ode
+from tpflow.scoring.call import DEFAULT_POLICY, RewardPolicy, call_reward, reward_name
+from tpflow.scoring.diversity import DETAIL as DIVERSITY
+from tpflow.scoring.diversity import Embedder, diversity_se, sibling_distances
+from tpflow.scoring.watched import standard_errors
 from tpflow.settings import EvalSettings
 from tpflow.types import PromptItem
 from tpflow.video import frame_strip, strip_frames
@@ -93,7 +93,7 @@ def score_prompts(
     Each batch's reward call goes through ``call_reward`` under ``policy`` (time limit, retries, output checks, as
     in training); non-finite scores kept by ``policy`` (``eval.nonfinite_rewards = "warn"``) get one warning.
     With ``embed`` (``eval.diversity``) and two or more images per prompt, each image's mean embedding distance to
-    its prompt's other images is the detail ``diversity`` (tpflow.rewards.diversity), computed once gathered: a
+    its prompt's other images is the detail ``diversity`` (tpflow.scoring.diversity), computed once gathered: a
     prompt's images may lie in several batches and processes."""
     n = images_per_prompt
     grid_rows, grid_rule = shown_images(len(everything), n)
@@ -232,7 +232,7 @@ def summarize(scored: Scored, everything: list[PromptItem]) -> dict[str, float]:
     metrics = {"eval_reward": sum(scored.scores) / count}
     for name, values in scored.details.items():
         metrics[f"eval_{name}"] = sum(values) / count
-    metrics.update(standard_errors(scored.details, scored.scores))  # with watched rewards (tpflow.rewards.watched)
+    metrics.update(standard_errors(scored.details, scored.scores))  # with watched rewards (tpflow.scoring.watched)
     if DIVERSITY in scored.details:  # eval.diversity: its standard error is over the prompts, not the images
         metrics[f"eval_{DIVERSITY}_se"] = diversity_se(scored.details[DIVERSITY], scored.prompt_index)
     strict = scored.details.get("strict")

@@ -18,8 +18,8 @@ from tpflow.devices import cpu_generator
 from tpflow.interfaces import Backbone, CreditAssigner, Optimizer, RewardModel, RolloutPlan, Sampler, capability
 from tpflow.plans import WindowPlan
 from tpflow.precision import Precision
-from tpflow.rewards.call import recipe_policy
 from tpflow.rollout import rollout_from_settings
+from tpflow.scoring.call import recipe_policy
 from tpflow.settings import RolloutSettings, TrainSettings
 from tpflow.train.epoch import Sampled
 from tpflow.train.lockstep import Lockstep

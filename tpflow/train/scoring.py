@@ -1,7 +1,7 @@
 """Decoding and scoring in a background worker, so the reward of batch b runs while batch b+1 is sampled.
 
 One job turns a rollout batch's final latents [n, ...] and completion latents [n, W, ...] into its reward trace
-[n, W+1]: decode in chunks, call the reward model through ``tpflow.rewards.call.call_reward`` (output checked, a
+[n, W+1]: decode in chunks, call the reward model through ``tpflow.scoring.call.call_reward`` (output checked, a
 time limit, one retry if it raises or returns non-finite scores, then a clear message: the trainer stops; the last
 checkpoint stays intact). A reward that needs whole groups (a win rate among siblings) is called once per trace column
 instead of in chunks: every trajectory of the batch at that column in one call.
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from tpflow.devices import current_cuda_device
 from tpflow.interfaces import RewardModel, capability
-from tpflow.rewards.call import DEFAULT_POLICY, RewardPolicy, call_reward
+from tpflow.scoring.call import DEFAULT_POLICY, RewardPolicy, call_reward
 
 
 @dataclass
@@ -147,7 +147,7 @@ def _reward_by_column(
     width: int,
     policy: RewardPolicy,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Scores [n·W' + n] and details of a reward that needs whole groups (``tpflow.rewards.groups``): one call per
+    """Scores [n·W' + n] and details of a reward that needs whole groups (``tpflow.scoring.groups``): one call per
     trace column j holding the n trajectories' images at j, so a group-relative reward compares each image with its
     siblings at the same column and no chunk cuts a group. The rows come back in ``images``' order (completions
     trajectory-major b·W' + j, then the finals)."""

@@ -43,9 +43,9 @@ from tpflow.plans.base import derived_rng
 from tpflow.precision import Precision
 from tpflow.preflight import check_machine
 from tpflow.recipe import Recipe
-from tpflow.rewards.call import recipe_policy
-from tpflow.rewards.diversity import Embedder, build_embedder
-from tpflow.rewards.watched import build_watched, guard_lines, with_watched
+from tpflow.scoring.call import recipe_policy
+from tpflow.scoring.diversity import Embedder, build_embedder
+from tpflow.scoring.watched import build_watched, guard_lines, with_watched
 from tpflow.train.allocator import keep_freed_memory
 from tpflow.train.checkpoint import (
     Checkpoint,
@@ -472,7 +472,7 @@ class Trainer(RunCheckpoints):
         return with_watched(self.reward, self.recipe.eval, self._watched)
 
     def _diversity_embedding(self) -> Embedder | None:
-        """The embedding of ``[eval] diversity`` (tpflow.rewards.diversity), built at the first eval; None without."""
+        """The embedding of ``[eval] diversity`` (tpflow.scoring.diversity), built at the first eval; None without."""
         spec = self.recipe.eval.diversity
         if spec is not None and getattr(self, "_embed", None) is None:
             self._embed = build_embedder(spec)

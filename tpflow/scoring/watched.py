@@ -17,11 +17,11 @@ from typing import Any
 from torch import Tensor
 
 from tpflow.interfaces import capability
-from tpflow.rewards.call import check_output
+from tpflow.scoring.call import check_output
 from tpflow.types import RewardOutput
 
 PREFIX = "watch_"  # the details key (and eval_ metric) of a watched reward's scores
-DIVERSITY = "diversity"  # eval.diversity's details key (tpflow.rewards.diversity), watched as a reward is
+DIVERSITY = "diversity"  # eval.diversity's details key (tpflow.scoring.diversity), watched as a reward is
 
 
 class WatchedRewards:
