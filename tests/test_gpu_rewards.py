@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import tpflow
-from tpflow.rewards.remote import decode_images, encode_images
-from tpflow.rewards.serve import make_server
+from tpflow.serving.client import decode_images, encode_images
+from tpflow.serving.lifecycle import make_server
 from tpflow.shapes.prompts import prompts as shape_prompts
 from tpflow.shapes.render import render_batch
 from tpflow.train.scoring import ScoringWorker

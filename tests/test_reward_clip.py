@@ -18,7 +18,7 @@ import torch
 
 from tpflow import registry
 from tpflow.errors import UserError
-from tpflow.rewards._images import clip_preprocess, to_uint8
+from tpflow.images import clip_preprocess, to_uint8
 from tpflow.weights import download_command
 
 from .test_device_rules import FactoryWatch
@@ -257,7 +257,7 @@ def test_open_clip_preprocessing_matches_open_clips_transform(open_clip_ckpt, h:
     import open_clip
     from PIL import Image
 
-    from tpflow.rewards._images import load_open_clip
+    from tpflow.rewards.open_clip import load_open_clip
 
     clip = load_open_clip(TINY_ARCH, str(open_clip_ckpt[1]), torch.device("cpu"), "test")
     transform = open_clip.image_transform(32, is_train=False)  # Resize(bicubic) + CenterCrop + Normalize, on PIL
@@ -451,7 +451,7 @@ def test_hpsv2_preprocessing_is_the_packages_resize_longest_and_pad(h: int, w: i
     their whole content between black bars."""
     import open_clip
 
-    from tpflow.rewards._images import pad_preprocess
+    from tpflow.images import pad_preprocess
 
     images = uint8_images(2, h, w, seed=h + w)
     expected = torch.stack([hpsv2_package_transform(x, 224) for x in images])  # [2, 3, 224, 224]
@@ -469,7 +469,7 @@ def test_hpsv2_preprocessing_keeps_the_cubics_overshoot():
     default preprocessing of the same image (``clip_preprocess``, each pass clamped as PIL does) does not."""
     import open_clip
 
-    from tpflow.rewards._images import pad_preprocess
+    from tpflow.images import pad_preprocess
 
     mean, std = open_clip.OPENAI_DATASET_MEAN, open_clip.OPENAI_DATASET_STD
     images = uint8_images(1, 150, 150, seed=7)

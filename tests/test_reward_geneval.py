@@ -15,8 +15,8 @@ from PIL import Image
 import tpflow
 from tpflow.data import geneval as templates
 from tpflow.errors import UserError
+from tpflow.images import to_uint8
 from tpflow.interfaces import RewardModel
-from tpflow.rewards._images import to_uint8
 from tpflow.rewards.geneval import score
 from tpflow.rewards.geneval.colors import COLORS, GREY, grey_crop
 from tpflow.rewards.geneval.detectors import COCO_CLASSES, Detector, geneval_class_name

@@ -28,9 +28,9 @@ import torch
 
 import tpflow
 from tpflow.errors import RewardError, UserError
-from tpflow.rewards.remote import decode_images, encode_images
-from tpflow.rewards.serve import make_server
 from tpflow.rewards.shapes_geneval import ShapesGenevalOptions, ShapesGenevalReward
+from tpflow.serving.client import decode_images, encode_images
+from tpflow.serving.lifecycle import make_server
 from tpflow.shapes.prompts import prompts as shape_prompts
 from tpflow.shapes.render import render_batch
 from tpflow.types import RewardOutput
@@ -107,6 +107,17 @@ def _batch(n: int = 12) -> tuple[torch.Tensor, list[str], list[dict[str, Any]]]:
     images = (images * 255).round() / 255  # what PNG carries exactly
     order = list(range(n // 2)) + [n // 2 + (k + 1) % (n - n // 2) for k in range(n - n // 2)]
     return images, [items[k].prompt for k in order], [items[k].metadata for k in order]
+
+
+def test_remote_is_a_built_in_reward_of_the_serving_package():
+    """The client lives in tpflow/serving/, beside its server, not among the reward models; the registry still loads
+    it with the built-in rewards (``_BUILTIN_MODULES``), so a recipe naming ``remote`` needs no import of its own."""
+    import tpflow.rewards
+    from tpflow import registry
+
+    assert not hasattr(tpflow.rewards, "remote")  # the reward models' package neither holds nor imports it
+    entry = registry.get("reward", "remote")
+    assert entry.source == "tpflow" and entry.origin.split(":")[0].endswith("tpflow/serving/client.py")
 
 
 def test_remote_scores_equal_in_process_scores(server):
@@ -451,7 +462,7 @@ def test_a_stop_that_lands_while_the_url_is_printed_lets_the_printing_finish(sig
         time.sleep(0.05)  # bytecode after the handler: where a KeyboardInterrupt would have landed
         printed.append("recipe line")
 
-    from tpflow.rewards.serve import serve
+    from tpflow.serving.lifecycle import serve
 
     done, fired = threading.Event(), threading.Event()
 

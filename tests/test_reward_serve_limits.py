@@ -28,8 +28,9 @@ import tpflow
 from tpflow import registry
 from tpflow.errors import RewardError, UserError
 from tpflow.recipe import load_recipe
-from tpflow.rewards.remote import encode_images
-from tpflow.rewards.serve import Limits, RewardServer, make_server
+from tpflow.serving.client import encode_images
+from tpflow.serving.lifecycle import make_server
+from tpflow.serving.server import Limits, RewardServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -449,16 +450,16 @@ def test_health_is_answered_at_once_while_tricklers_hold_every_slot(monkeypatch)
     """The accept loop never waits for a slot: with every slot held by a connection still sending its headers,
     /health closes one of them and is answered at once, even when the closed connection's thread runs late (under
     load): its slot is /health's there and then, not once that thread has ended."""
-    from tpflow.rewards import serve
+    from tpflow.serving import server
 
-    finish = serve._Handler.finish
+    finish = server._Handler.finish
 
     def late_finish(self) -> None:  # a closed connection's thread that takes 1.5 s to end
         if self._input.evicted:
             time.sleep(1.5)
         finish(self)
 
-    monkeypatch.setattr(serve._Handler, "finish", late_finish)
+    monkeypatch.setattr(server._Handler, "finish", late_finish)
     with serving(Limits(max_connections=2, timeout_s=10)) as httpd:
         slow = [_trickler(httpd) for _ in range(2)]
         _until(lambda: httpd.slots.connections == len(httpd.slots.waiting) == 2)

@@ -1,4 +1,4 @@
-"""Connection slots of ``tpflow serve-reward`` (``tpflow.rewards._slots``) on socket pairs, without a server: which
+"""Connection slots of ``tpflow serve-reward`` (``tpflow.serving.slots``) on socket pairs, without a server: which
 connection makes room for a new one is decided here, and must never be an honest client whose thread runs late."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 
-from tpflow.rewards._slots import DeadlineReader, Slots
+from tpflow.serving.slots import DeadlineReader, Slots
 
 
 def test_a_connection_whose_headers_arrived_unparsed_is_not_evicted():

@@ -331,7 +331,8 @@ def serve_reward(
     Example: tpflow serve-reward --reward shapes-geneval --port 18085 --set score=strict
     """
     from tpflow.preflight import MachineReport
-    from tpflow.rewards.serve import Limits, RewardServer, parse_options, serve
+    from tpflow.serving.lifecycle import parse_options, serve
+    from tpflow.serving.server import Limits, RewardServer
 
     console = make_console()
     limits = Limits(

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from tpflow.rewards._images import to_uint8_hwc
+from tpflow.images import to_uint8_hwc
 
 MIN_TILE = 160  # pixels: smaller images are enlarged (nearest) to at least this side
 PAD = 8  # the white gap between tiles (the mark's frame is drawn inside it)

@@ -39,7 +39,7 @@ _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "backbone": ("tpflow.backbones",),
     "sampler": ("tpflow.samplers",),
     "plan": ("tpflow.plans",),
-    "reward": ("tpflow.rewards",),
+    "reward": ("tpflow.rewards", "tpflow.serving.client"),
     "credit": ("tpflow.credit",),
     "optimizer": ("tpflow.optim",),
     "dataset": ("tpflow.data", "tpflow.shapes.prompts", "tpflow.shapes.video_world"),

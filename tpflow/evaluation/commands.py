@@ -274,7 +274,7 @@ def sample(
     """
     from tpflow.evaluation.sample import sample_images
     from tpflow.grids import Tile, captioned_grid, clip_grid
-    from tpflow.rewards._images import to_uint8
+    from tpflow.images import to_uint8
     from tpflow.video import frame_strip
 
     if out is not None and out.suffix.lower() != ".png":

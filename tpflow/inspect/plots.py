@@ -174,7 +174,7 @@ def completion_clips(t: Trajectories, path: Path) -> Path:
     """A video backbone's completions as an animated WebP: one row per trajectory, one column per j = 0..W (as
     completions.png lays out their frame strips), each tile playing its clip, its reward under it."""
     from tpflow.grids import Tile, clip_grid
-    from tpflow.rewards._images import to_uint8
+    from tpflow.images import to_uint8
 
     n, width = t.trace.shape[0], t.width
     tiles = [

@@ -12,7 +12,6 @@ from tpflow.rewards import (
     ocr,
     pairwise,
     pickscore,
-    remote,
     vlm_judge,
     weighted,
 )
@@ -36,7 +35,6 @@ __all__ = [
     "ocr",
     "pairwise",
     "pickscore",
-    "remote",
     "consistency",
     "vlm_judge",
     "weighted",

@@ -12,7 +12,7 @@ import re
 
 from torch import Tensor
 
-from tpflow.rewards._images import clip_preprocess, to_uint8
+from tpflow.images import clip_preprocess, to_uint8
 
 # The pointwise text-to-image question of UnifiedReward (Wang et al., arXiv 2503.05236), verbatim from its public
 # inference script for the Qwen2.5-VL judges (github.com/CodeGoat24/UnifiedReward, commit ed52f98,

@@ -25,8 +25,9 @@ from torch import Tensor, nn
 
 from tpflow.devices import resolve_device
 from tpflow.errors import UserError
+from tpflow.images import l2_normalize
 from tpflow.registry import register
-from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip, open_clip_source
+from tpflow.rewards.open_clip import OpenClip, load_open_clip, open_clip_source
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource, file_source
 

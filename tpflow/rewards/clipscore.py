@@ -20,8 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from tpflow.devices import resolve_device
+from tpflow.images import l2_normalize
 from tpflow.registry import register
-from tpflow.rewards._images import LazyOpenClip, OpenClip, l2_normalize, open_clip_source
+from tpflow.rewards.open_clip import LazyOpenClip, OpenClip, open_clip_source
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
 
@@ -46,7 +47,7 @@ class ClipScoreReward:
     """RewardModel: CLIPScore of each image for its prompt.
 
     Options: ``model``, ``pretrained``, ``scale``, ``device``. The model loads on the first call (or ``load()``)
-    under a lock; preprocessing is per image in torch (``tpflow.rewards._images``), so scores do not depend on the
+    under a lock; preprocessing is per image in torch (``tpflow.images``), so scores do not depend on the
     batch. ``scores`` [N] float32 on the CPU; ``details["cosine"]`` [N] the raw cosine similarity.
     """
 

@@ -23,8 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from tpflow.devices import resolve_device
+from tpflow.images import l2_normalize
 from tpflow.registry import register
-from tpflow.rewards._images import LazyOpenClip, OpenClip, l2_normalize, open_clip_source
+from tpflow.rewards.open_clip import LazyOpenClip, OpenClip, open_clip_source
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
 

@@ -13,7 +13,7 @@ a state dict of tensors, never an arbitrary pickle).
 Preprocessing is the package's, not open_clip's default: the package's ``score`` and its evaluation build the model
 with ``light_augmentation=True``, whose validation transform resizes the *longest* side to 224 px and pads the rest
 with black (its open_clip fork's ``ResizeMaxSize``), then normalises with OpenAI's mean and std
-(``_images.pad_preprocess``). A square image loses nothing either way; a 480×832 Wan frame is scored whole, on a
+(``tpflow.images.pad_preprocess``). A square image loses nothing either way; a 480×832 Wan frame is scored whole, on a
 129×224 band between black bars, where open_clip's default (shortest side to 224, centre crop) would keep only its
 middle 58 %. Why not that package: it downloads the checkpoint and the open_clip ViT-H-14 weights when it is
 imported or first called, pins its own open_clip fork, and adds nothing the formula above needs; tpflow never
@@ -32,8 +32,9 @@ from torch import Tensor
 
 from tpflow.devices import resolve_device
 from tpflow.errors import UserError
+from tpflow.images import l2_normalize, pad_preprocess
 from tpflow.registry import register
-from tpflow.rewards._images import LazyOpenClip, OpenClip, l2_normalize, pad_preprocess
+from tpflow.rewards.open_clip import LazyOpenClip, OpenClip
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource, download_command, hub_checkpoint
 
@@ -86,7 +87,7 @@ class HPSv2Reward:
 
     def preprocess(self, images: Tensor) -> Tensor:
         """[N, 3, H, W] in [0, 1] -> [N, 3, s, s] model input on the model's device: the package's resize of the
-        longest side to s, black padding, normalisation (``_images.pad_preprocess``)."""
+        longest side to s, black padding, normalisation (``tpflow.images.pad_preprocess``)."""
         clip = self.load()
         if clip.crop[0] != clip.crop[1]:
             raise UserError(

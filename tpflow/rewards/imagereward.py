@@ -40,8 +40,8 @@ from torch import Tensor, nn
 
 from tpflow.devices import resolve_device
 from tpflow.errors import UserError
+from tpflow.images import clip_preprocess
 from tpflow.registry import register
-from tpflow.rewards._images import clip_preprocess
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource, cached_file, download_command, hub_checkpoint, model_folder
 

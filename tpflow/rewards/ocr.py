@@ -41,8 +41,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from tpflow.errors import UserError
+from tpflow.images import to_uint8_hwc
 from tpflow.registry import register
-from tpflow.rewards._images import to_uint8_hwc
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
 

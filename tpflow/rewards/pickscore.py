@@ -23,8 +23,8 @@ from torch import Tensor
 
 from tpflow.devices import resolve_device
 from tpflow.errors import UserError
+from tpflow.images import clip_preprocess, l2_normalize
 from tpflow.registry import register
-from tpflow.rewards._images import clip_preprocess, l2_normalize
 from tpflow.types import RewardOutput
 from tpflow.weights import MODEL_FILES, WeightSource, download_command, model_folder
 

@@ -28,8 +28,8 @@ from torch import Tensor
 
 from tpflow.devices import resolve_device
 from tpflow.errors import UserError
+from tpflow.images import to_uint8
 from tpflow.registry import register
-from tpflow.rewards._images import to_uint8
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
 

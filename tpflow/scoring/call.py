@@ -101,7 +101,7 @@ def call_reward(
     reward's server decodes from its PNGs, so in-process and remote scores are equal for any reward."""
     n = images.shape[0]
     if policy.quantise:
-        from tpflow.rewards._images import to_uint8
+        from tpflow.images import to_uint8
 
         images = to_uint8(images).to(torch.float32) / 255
     problem, cause = "", None

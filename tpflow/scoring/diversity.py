@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tpflow.rewards._images import to_uint8
+from tpflow.images import to_uint8
 from tpflow.settings import diversity_problem
 
 DETAIL = "diversity"  # the per-image details key, and eval_diversity in the metrics
@@ -71,7 +71,8 @@ def build_embedder(spec: str, device: str = "auto") -> Embedder:
                 return model.encode_image(pixels).float().cpu()  # [N, D], unit rows
 
         return shapes
-    from tpflow.rewards._images import LazyOpenClip, l2_normalize
+    from tpflow.images import l2_normalize
+    from tpflow.rewards.open_clip import LazyOpenClip
 
     arch, _, pretrained = rest.partition(":")
     clip = LazyOpenClip(arch, pretrained or "openai", where, f"eval.diversity = {spec!r}")

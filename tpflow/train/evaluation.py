@@ -27,8 +27,8 @@ import torch
 from tpflow.devices import cpu_generator
 from tpflow.distributed import Distributed
 from tpflow.grids import EVAL_TILE, GRID_IMAGES, Grid, Tile, captioned_grid, clip_grid, columns_for, shown_images
+from tpflow.images import to_uint8
 from tpflow.interfaces import Backbone, PromptDataset, RewardModel
-from tpflow.rewards._images import to_uint8
 from tpflow.rollout import sample_ode
 from tpflow.scoring.call import DEFAULT_POLICY, RewardPolicy, call_reward, reward_name
 from tpflow.scoring.diversity import DETAIL as DIVERSITY

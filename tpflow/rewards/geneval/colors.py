@@ -7,7 +7,7 @@ the three ``TEMPLATES`` are embedded, each embedding L2-normalised, averaged and
 colour is the argmax of the cosine similarity to the crop's normalised image embedding.
 
 tpflow does the same, except that the CLIP preprocessing (resize the shortest side, bicubic, centre crop, normalise)
-runs in torch (``tpflow.rewards._images.clip_preprocess``) instead of PIL, which differs only by PIL's rounding of the
+runs in torch (``tpflow.images.clip_preprocess``) instead of PIL, which differs only by PIL's rounding of the
 resized crop to uint8.
 """
 
@@ -19,7 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from tpflow.rewards._images import OpenClip, l2_normalize, load_open_clip
+from tpflow.images import l2_normalize
+from tpflow.rewards.open_clip import OpenClip, load_open_clip
 
 COLORS: tuple[str, ...] = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
 TEMPLATES: tuple[str, ...] = (  # GenEval's (note "a" even before a vowel)

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from tpflow.devices import resolve_device
 from tpflow.errors import UserError
-from tpflow.rewards._images import to_uint8
+from tpflow.images import to_uint8
 from tpflow.rewards.geneval.colors import ColorClassifier, grey_crop
 from tpflow.rewards.geneval.detection import Detection, geneval_class_name
 from tpflow.rewards.geneval.scoring import COUNTING_THRESHOLD, THRESHOLD, kept_detections

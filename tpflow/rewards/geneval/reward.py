@@ -80,8 +80,8 @@ class GenevalReward:
         network (``tpflow.weights``); the ``shapes`` detector has no weights."""
         if options.detector != "mask2former":
             return []
-        from tpflow.rewards._images import open_clip_source
         from tpflow.rewards.geneval.mask2former import detector_source
+        from tpflow.rewards.open_clip import open_clip_source
 
         detector = detector_source(options.detector_model)
         what = "reward 'geneval' colour classifier (options clip_model, clip_pretrained)"

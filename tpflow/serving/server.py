@@ -1,10 +1,12 @@
-"""``tpflow serve-reward``: serve any registered reward over HTTP for the ``remote`` reward.
+"""The server of ``tpflow serve-reward``: any registered reward over HTTP for the ``remote`` reward, its requests
+handled under ``Limits``. Its life cycle (the options parsed, the reward checked, the port bound, served until a
+signal) is ``tpflow.serving.lifecycle``.
 
     tpflow serve-reward --reward geneval --port 18085 [--host 0.0.0.0] [--set key=value ...]
         [--max-request-mb 64] [--max-images 256] [--max-side 2048] [--max-megapixels 64]
         [--max-connections 16] [--header-timeout-s 5] [--timeout-s 30] [--token TOKEN | env TPFLOW_REWARD_TOKEN]
 
-The wire format is documented in ``tpflow.rewards.remote``. Requests are parsed concurrently but scored one at a
+The wire format is documented in ``tpflow.serving.client``. Requests are parsed concurrently but scored one at a
 time under a lock, because reward models are not all thread-safe (and one model on one GPU gains nothing from
 interleaving). ``/health`` never waits for the lock.
 
@@ -16,7 +18,7 @@ request line and headers must arrive within ``header_timeout_s`` and the whole r
 client or a Content-Length larger than the body is dropped); at most ``max_connections`` connections are served at
 once. When they are all taken, a new connection closes the one that has waited longest for its request line and
 headers (a slowloris client, or an idle keep-alive connection) and takes its place; only when every connection is
-past its headers (they have arrived, parsed or not: ``tpflow.rewards._slots``) does it get 503, closed at once. So
+past its headers (they have arrived, parsed or not: ``tpflow.serving.slots``) does it get 503, closed at once. So
 trickling headers cannot lock an honest client out, however often the attacker reconnects, from however many
 addresses. Every error, including a garbage request line, is a JSON ``{"error": ...}``, never an HTML
 page or a dropped connection.
@@ -35,13 +37,11 @@ from __future__ import annotations
 import hmac
 import io
 import json
-import signal
 import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -52,9 +52,9 @@ from pydantic import BaseModel
 
 from tpflow import __version__, registry
 from tpflow.errors import UserError
-from tpflow.rewards._slots import DeadlineReader, Slots
-from tpflow.rewards.remote import PROTOCOL, decode_images
 from tpflow.scoring.call import OUT_OF_MEMORY, one_line
+from tpflow.serving.client import PROTOCOL, decode_images
+from tpflow.serving.slots import DeadlineReader, Slots
 from tpflow.weights import WeightSource
 
 MAX_JSON_DEPTH = 32  # metadata nests a few levels; deeper is an attack on some recursive consumer
@@ -364,23 +364,6 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def parse_options(items: Sequence[str]) -> dict[str, Any]:
-    """``key=value`` (or ``key.sub=value``) command-line items -> reward options; values parse as TOML if they can.
-
-    The same parsing as ``tpflow train --set``, applied under the ``[reward]`` section.
-    """
-    from tpflow.errors import RecipeError
-    from tpflow.recipe import apply_overrides
-
-    data: dict[str, Any] = {}
-    for item in items:
-        try:
-            apply_overrides(data, [f"reward.{item.strip()}"])
-        except RecipeError:
-            raise UserError(f"Bad reward option {item!r}: expected key=value, e.g. --set score=strict.") from None
-    return data.get("reward", {})
-
-
 def check_reward(reward_name: str, options: BaseModel) -> list[WeightSource]:
     """What ``tpflow train`` checks of a recipe's reward before anything loads (``tpflow.preflight``): ``device``
     options this machine has, the reward's own machine check, every weight on disk, then the services it needs (its
@@ -393,59 +376,3 @@ def check_reward(reward_name: str, options: BaseModel) -> list[WeightSource]:
         raise UserError(f"Cannot serve reward {reward_name!r} on this machine: " + " ".join(problems))
     registry.preflight("reward", reward_name, options)
     return weights
-
-
-def make_server(
-    reward_name: str,
-    options: dict[str, Any],
-    host: str = "127.0.0.1",
-    port: int = 18085,
-    limits: Limits | None = None,
-    token: str | None = None,
-) -> RewardServer:
-    """Build the reward and bind the server (port 0: any free port; see ``server.url``)."""
-    if token and not (token.isascii() and token.isprintable() and " " not in token):
-        raise UserError("The token must be printable ASCII without spaces, e.g. the output of `openssl rand -hex 32`.")
-    try:
-        return RewardServer((host, port), reward_name, options, limits, token)
-    except OSError as exc:
-        raise UserError(f"Cannot listen on {host}:{port} ({exc.strerror or exc}): choose another --port.") from None
-
-
-def serve(
-    reward_name: str,
-    options: dict[str, Any],
-    host: str = "127.0.0.1",
-    port: int = 18085,
-    announce: Callable[[RewardServer], None] = lambda server: print(server.url),
-    limits: Limits | None = None,
-    token: str | None = None,
-) -> None:
-    """Serve until Ctrl-C or SIGTERM (what systemd and ``docker stop`` send); ``announce`` receives the server (its
-    ``url``, its ``weights``) once the socket listens. An inherited ignored SIGINT (``tpflow serve-reward &`` in a
-    script) stays ignored, as a background job's should."""
-    server = make_server(reward_name, options, host, port, limits, token)
-    main = threading.current_thread() is threading.main_thread()  # signal handlers: main thread only
-    # A stop asks the serve loop to end rather than raising where the signal lands: raised inside ``announce``, a
-    # KeyboardInterrupt once left rich's console buffer open, and "stopped." was never written (a CI flake). Installed
-    # before the URL is printed, since a stop may follow it at once; serve_forever ends at once if asked before it
-    # starts. An inherited ignored SIGINT (``tpflow serve-reward &`` in a script) stays ignored.
-    previous = {}
-    if main:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            if signal.getsignal(signum) is not signal.SIG_IGN:
-                previous[signum] = signal.signal(signum, lambda *_: _request_shutdown(server))
-    try:
-        announce(server)
-        server.serve_forever()
-    except KeyboardInterrupt:  # a Ctrl-C the handler above did not own (serve called off the main thread)
-        pass
-    finally:
-        server.server_close()
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-def _request_shutdown(server: RewardServer) -> None:
-    """``shutdown`` waits for the serve loop to end, so it cannot run on the thread that the signal interrupted."""
-    threading.Thread(target=server.shutdown, name="tpflow-serve-stop", daemon=True).start()

@@ -8,7 +8,7 @@
     url = "http://rewards.example:18085"
 
 Why: a reward model may need another GPU, another Python environment or simply its own process; the trainer then
-only needs the URL. Wire format (protocol 1, JSON over HTTP; ``tpflow.rewards.serve`` is the server):
+only needs the URL. Wire format (protocol 1, JSON over HTTP; ``tpflow.serving.server`` is the server):
 
     GET  /health -> {"tpflow": "0.1.0", "protocol": 1, "reward": "geneval", "options": {...}, "token": false,
                      "limits": {"max_request_bytes": ..., "max_images": ..., "max_side": ..., "max_pixels": ...}}
@@ -55,8 +55,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor
 
 from tpflow.errors import RewardError, UserError
+from tpflow.images import to_uint8_hwc
 from tpflow.registry import register
-from tpflow.rewards._images import to_uint8_hwc
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
 

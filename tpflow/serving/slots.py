@@ -1,4 +1,4 @@
-"""Connection slots of ``tpflow serve-reward`` (``tpflow.rewards.serve``): at most N connections at once, and
+"""Connection slots of ``tpflow serve-reward`` (``tpflow.serving.server``): at most N connections at once, and
 room made for a new one by closing the connection that has waited longest for its request line and headers.
 
 Why: with a fixed number of slots, a slowloris client that opens N connections and trickles their
