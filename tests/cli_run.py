@@ -81,3 +81,84 @@ def tpflow_launching(capfd, monkeypatch, *args: str) -> subprocess.CompletedProc
             signal.signal(getattr(signal, name), handler)
     launched = capfd.readouterr()
     return subprocess.CompletedProcess(out.args, out.returncode, out.stdout + launched.out, out.stderr + launched.err)
+
+
+class TpflowForked:
+    """``tpflow ARGS`` in a process forked from this one: a real process (its own exit status, killable with
+    SIGKILL, its threads gone with it) without a new interpreter's imports (torch, tpflow: about 5 s of the 2-core
+    machine). The child starts as a fresh ``python -m tpflow.cli`` would in what matters here: default SIGINT and
+    SIGTERM handlers, no accelerate state, stdout and stderr to files; and it ends as the interpreter does, waiting
+    for every non-daemon thread before it exits (``threading._shutdown``), so a command that would hang at exit on a
+    thread still hangs. What only a new interpreter shows (warnings printed at import, the entry point itself) needs
+    ``tpflow_process``."""
+
+    def __init__(self, *args: str, folder: Path, env: dict[str, str] | None = None) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.stdout_path, self.stderr_path = folder / "stdout.txt", folder / "stderr.txt"
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child never returns to the test
+            code = 1
+            try:
+                code = _forked_command(args, self.stdout_path, self.stderr_path, env or {})
+            finally:
+                os._exit(code)
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        """The exit status (negative: the signal that ended it) once the process has ended, else None."""
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for the exit status; kill the process and fail the test after that."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+                raise AssertionError(f"tpflow did not exit within {timeout} s")
+            time.sleep(0.02)
+        return self.returncode
+
+    def output(self) -> tuple[str, str]:
+        """What it printed: (stdout, stderr)."""
+        return self.stdout_path.read_text(), self.stderr_path.read_text()
+
+
+def _forked_command(args: tuple[str, ...], stdout: Path, stderr: Path, env: dict[str, str]) -> int:
+    import threading
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    for fd, path in ((1, stdout), (2, stderr)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own streams)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.update({"COLUMNS": "200", **env})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    from tpflow import cli
+
+    try:
+        cli.main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    threading._shutdown()  # as the interpreter's exit: every non-daemon thread is waited for
+    return code

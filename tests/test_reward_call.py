@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import subprocess
 import sys
 import textwrap
 import threading
@@ -329,14 +328,17 @@ def _misbehaving_recipe(tmp_path: Path, weights: Path, mode: str) -> Path:
 
 
 def test_cli_exits_2_on_a_hanging_reward_instead_of_hanging(tmp_path, tiny_weights, misbehaving):
+    """A real process (forked: ``TpflowForked``) whose reward never returns: it exits 2 with one paragraph, without
+    waiting for the reward's thread at exit."""
+    from tests.cli_run import TpflowForked
+
     recipe = _misbehaving_recipe(tmp_path, tiny_weights, "hang")
-    command = [sys.executable, "-m", "tpflow.cli", "train", str(recipe), "--set", "train.reward_timeout_s=0.5"]
-    start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"}, timeout=100)
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "'misbehaving' (MisbehavingReward) did not return within 0.5 s" in done.stderr
-    assert "Traceback" not in done.stderr
-    assert time.perf_counter() - start < 100  # the reward sleeps 120 s: the process did not wait for it
+    process = TpflowForked("train", str(recipe), "--set", "train.reward_timeout_s=0.5", folder=tmp_path / "out")
+    code = process.wait(timeout=100)  # the reward sleeps 120 s: the process did not wait for it
+    _, stderr = process.output()
+    assert code == 2, stderr
+    assert "'misbehaving' (MisbehavingReward) did not return within 0.5 s" in stderr
+    assert "Traceback" not in stderr
 
 
 def test_cli_exits_2_on_sys_exit_in_a_reward(tmp_path, tiny_weights, misbehaving, capsys):
