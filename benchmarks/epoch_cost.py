@@ -367,7 +367,7 @@ def run_epoch(trainer: Any, probe: EpochProbe, epoch: int) -> dict[str, Any]:
     trainer.logger.log(metrics, step=trainer.optimizer.global_step, epoch=epoch)
     checkpoint = time.perf_counter()
     trainer.epoch = epoch + 1
-    trainer.save(collective=False)
+    trainer.checkpoints.save(trainer.epoch, trainer.last_eval, collective=False)
     _timing.sync(probe.device)
     end = time.perf_counter()
     seconds = dict(probe.seconds)

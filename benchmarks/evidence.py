@@ -190,7 +190,7 @@ def run_one(group: str, name: str, overrides: dict, seed: int, args: dict) -> di
 
     torch.set_num_threads(args["threads"])
     from tpflow.recipe import validate_recipe
-    from tpflow.train.checkpoint import find_checkpoint
+    from tpflow.train.checkpoints.format import find_checkpoint
     from tpflow.train.trainer import Trainer
 
     out = Path(args["out"]) / group

@@ -85,7 +85,7 @@ def run_one(task: str, arm: str, seed: int, args: dict) -> dict:
 
     torch.set_num_threads(args["threads"])
     from tpflow.recipe import validate_recipe
-    from tpflow.train.checkpoint import find_checkpoint
+    from tpflow.train.checkpoints.format import find_checkpoint
     from tpflow.train.trainer import Trainer
 
     out = Path(args["out"])

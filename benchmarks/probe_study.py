@@ -44,7 +44,7 @@ def prepare(threads: int) -> None:
     from rich.console import Console
 
     from tpflow.recipe import validate_recipe
-    from tpflow.train.checkpoint import find_checkpoint
+    from tpflow.train.checkpoints.format import find_checkpoint
     from tpflow.train.trainer import Trainer
 
     torch.set_num_threads(threads)

@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     backbone, sampler, reward = recipe.build("backbone"), recipe.build("sampler"), recipe.build("reward")
     tag = "base"
     if args.checkpoint is not None:
-        from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
+        from tpflow.train.checkpoints.format import find_checkpoint, load_checkpoint
 
         path, found = find_checkpoint(args.checkpoint)
         for note in found:

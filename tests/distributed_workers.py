@@ -411,8 +411,8 @@ def sharded_checkpoint(out: Path, rank: int) -> dict:
     whole."""
     import tpflow
     from tpflow.shards import full
-    from tpflow.train.checkpoint import capture_rng_state
-    from tpflow.train.sharded_save import save_sharded
+    from tpflow.train.checkpoints.format import capture_rng_state
+    from tpflow.train.checkpoints.sharded import save_sharded
     from tpflow.train.sharding import shard as fully_shard
 
     torch.manual_seed(0)

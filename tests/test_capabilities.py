@@ -36,3 +36,33 @@ def test_no_module_reads_a_capability_with_a_default_of_its_own():
                 if isinstance(name, ast.Constant) and name.value in CAPABILITIES:
                     found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {name.value}")
     assert not found, found
+
+
+COMPONENTS = {"backbone", "sampler", "reward", "credit", "optimizer", "plan"}  # what train/ names its components
+
+
+def _named(node: ast.expr) -> str | None:
+    """The name an expression reads a component by: ``optimizer``, ``self.optimizer``, ``self.epoch_sampler.plan``."""
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+
+
+def test_every_capability_the_trainer_reads_is_declared():
+    """train/ asks a component for an optional member only through ``capability``, with a name ``CAPABILITIES``
+    declares: ``getattr(reward, "zscored_parts", None)`` was a capability no one declared, with a default of its
+    own, and a name handed to ``capability`` that is not declared raises only when that path runs. (sharding.py is
+    left out: it reads the recipe's option models under the names ``backbone`` and ``optimizer``, and a backbone's
+    modules by name.)"""
+    undeclared = []
+    for path in sorted((PACKAGE / "train").rglob("*.py")):
+        if path.name == "sharding.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or len(node.args) < 2 or not isinstance(node.args[1], ast.Constant):
+                continue
+            function = getattr(node.func, "id", None)
+            of_component = function in ("getattr", "hasattr") and _named(node.args[0]) in COMPONENTS
+            if (of_component or function == "capability") and node.args[1].value not in CAPABILITIES:
+                undeclared.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {function}(..., {node.args[1].value!r})")
+    assert not undeclared, "read from a component but not declared in tpflow.interfaces.CAPABILITIES:\n" + "\n".join(
+        undeclared
+    )

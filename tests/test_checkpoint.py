@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tpflow.errors import UserError
-from tpflow.train.checkpoint import (
+from tpflow.train.checkpoints.format import (
     CheckpointError,
     capture_rng_state,
     find_checkpoint,
@@ -124,8 +124,8 @@ def test_no_ema_and_foreign_rng_values(tmp_path: Path):
 @pytest.mark.parametrize("fail", ["manifest", "rename"])
 def test_crash_mid_write_leaves_no_step_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: str):
     first = _save(tmp_path, 2)
-    import tpflow.train.checkpoint as ck
-    import tpflow.train.checkpoint_files as files  # where the manifest is written
+    import tpflow.train.checkpoints.files as files  # where the manifest is written
+    import tpflow.train.checkpoints.format as ck
 
     if fail == "manifest":
         real = files._write
@@ -246,7 +246,7 @@ def _steps(run_dir: Path) -> list[str]:
 
 
 def test_keep_last_zero_keeps_every_checkpoint_and_parking_moves_newer_ones(tmp_path: Path):
-    from tpflow.train.checkpoint import park_newer
+    from tpflow.train.checkpoints.format import park_newer
 
     for step in (1, 2, 3, 4, 5):
         _save(tmp_path, step, keep_last=0)  # train.keep_checkpoints = 0
@@ -276,7 +276,7 @@ def test_keep_checkpoints_is_a_train_option():
 def test_the_folder_is_fsynced_after_the_rename_and_before_pruning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A power cut right after the save must not lose the new checkpoint and the pruned one both: the rename into
     ``checkpoints/`` reaches the disk (the folder fsynced) before anything older is deleted."""
-    import tpflow.train.checkpoint as ck
+    import tpflow.train.checkpoints.format as ck
 
     _save(tmp_path, 1, keep_last=1)
     root = tmp_path / "checkpoints"
@@ -320,7 +320,7 @@ def _kill_while_deleting(path, *args, **kwargs) -> None:
 def test_a_kill_mid_prune_leaves_no_half_deleted_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Pruning renames a checkpoint out of the step numbers before deleting it: a kill during the deletion leaves a
     ``.pruned-*`` folder, which the next start removes, never a half-deleted ``<step>`` that stays for good."""
-    import tpflow.train.checkpoint as ck
+    import tpflow.train.checkpoints.format as ck
 
     for step in (1, 2, 3):
         _save(tmp_path, step, keep_last=3)
@@ -342,7 +342,7 @@ def test_a_resume_completes_a_prune_that_a_kill_interrupted(tmp_path: Path):
     from rich.console import Console
 
     from tpflow.recipe import load_recipe
-    from tpflow.train.resume import checkpoint_to_resume
+    from tpflow.train.checkpoints.resume import checkpoint_to_resume
 
     root = Path(__file__).resolve().parent.parent
     recipe = load_recipe(root / "recipes" / "tiny_smoke.toml", ["train.keep_checkpoints=2"])

@@ -225,8 +225,8 @@ def _check_sharded_checkpoint(zero: dict, one: dict) -> None:
     shards reads back whole on one process: weights into a fresh unsharded backbone, moments and EMA; a backbone of
     another LoRA rank is refused in one paragraph."""
     import tpflow
-    from tpflow.train.checkpoint import CheckpointError, load_checkpoint
-    from tpflow.train.sharded_save import restore_sharded
+    from tpflow.train.checkpoints.format import CheckpointError, load_checkpoint
+    from tpflow.train.checkpoints.sharded import restore_sharded
 
     assert one["path"] is None and zero["path"] is not None  # the main process installs it
     ckpt = load_checkpoint(Path(zero["path"]))

@@ -29,8 +29,8 @@ from tests.test_nft_train import nft_recipe
 from tests.test_train import tiny_recipe
 from tpflow.optim.advantages import group_advantages
 from tpflow.recipe import load_recipe
-from tpflow.train import checkpoint_shards
-from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
+from tpflow.train.checkpoints import shards as checkpoint_shards
+from tpflow.train.checkpoints.format import find_checkpoint, load_checkpoint
 from tpflow.train.run_logger import read_jsonl
 from tpflow.train.trainer import Trainer
 

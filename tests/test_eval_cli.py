@@ -497,6 +497,6 @@ def test_sample_writes_into_the_runs_samples_folder_by_default(run, capsys, tmp_
 
 def _newest_step(run: Path) -> int:
     """The step of the run's newest checkpoint (what `tpflow sample RUN` loads)."""
-    from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
+    from tpflow.train.checkpoints.format import find_checkpoint, load_checkpoint
 
     return load_checkpoint(find_checkpoint(run)[0]).step

@@ -17,9 +17,9 @@ import torch
 from tests.test_train import TIMING, tiny_recipe
 from tpflow import launch
 from tpflow.recipe import load_recipe
-from tpflow.train import run_checkpoints
 from tpflow.train import trainer as trainer_module
-from tpflow.train.checkpoint import find_checkpoint
+from tpflow.train.checkpoints import run as run_checkpoints
+from tpflow.train.checkpoints.format import find_checkpoint
 from tpflow.train.run_logger import read_jsonl
 from tpflow.train.stop import REPEAT_S, Stopped
 from tpflow.train.trainer import Trainer

@@ -13,7 +13,7 @@ import pytest
 from tests.test_train import TIMING, tiny_recipe
 from tpflow.errors import UserError
 from tpflow.recipe import load_recipe
-from tpflow.train.checkpoint import find_checkpoint
+from tpflow.train.checkpoints.format import find_checkpoint
 from tpflow.train.run_logger import read_jsonl
 from tpflow.train.trainer import Trainer
 
@@ -102,10 +102,10 @@ def test_ctrl_c_after_an_eval_leaves_the_checkpoint_as_written(straight, tmp_pat
     trainer = Trainer(load_recipe(recipe, EVERY_3))
     real = trainer._sample_and_score
 
-    def sample_and_score(epoch, batches):
-        if epoch == 3:
+    def sample_and_score(plan):
+        if plan.epoch == 3:
             raise KeyboardInterrupt
-        return real(epoch, batches)
+        return real(plan)
 
     trainer._sample_and_score = sample_and_score
     with pytest.raises(KeyboardInterrupt):

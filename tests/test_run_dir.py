@@ -23,7 +23,8 @@ from tpflow import registry
 from tpflow.backbones.shapes import ShapesBackbone
 from tpflow.errors import UserError
 from tpflow.recipe import load_recipe
-from tpflow.train.checkpoint import MANIFEST, CheckpointError, _digest
+from tpflow.train.checkpoints.files import MANIFEST, _digest
+from tpflow.train.checkpoints.format import CheckpointError
 from tpflow.train.run_lock import RunDirLock
 from tpflow.train.run_logger import read_jsonl, truncate_after
 from tpflow.train.trainer import Trainer
@@ -77,7 +78,7 @@ def test_two_trainers_on_one_run_dir(tmp_path, tiny_weights, plugin):
     first = Trainer(recipe)
     with pytest.raises(UserError, match=f"in use by another tpflow train \\(PID {os.getpid()} on host"):
         Trainer(recipe)
-    first.save()
+    first.checkpoints.save(first.epoch, first.last_eval)
     first.run_lock.release()
     with pytest.raises(UserError, match="--resume"):  # refused after taking the lock: it must drop it again
         Trainer(recipe)
@@ -89,7 +90,7 @@ def _trained_run(tmp_path: Path, tiny_weights: Path, name: str) -> tuple[Path, P
     (tmp_path / name).mkdir()
     recipe_path = tiny_recipe(tmp_path / name, tiny_weights)
     trainer = Trainer(load_recipe(recipe_path, ["eval.every=0"]))
-    checkpoint = trainer.save()
+    checkpoint = trainer.checkpoints.save(trainer.epoch, trainer.last_eval)
     trainer.run_lock.release()
     assert checkpoint is not None
     return checkpoint, recipe_path

@@ -163,7 +163,7 @@ def _fit(trainer: Trainer, loaded: Recipe, console: Console, num_processes: int)
         return trainer.fit()
     except KeyboardInterrupt as exc:
         if trainer.dist.is_main:
-            from tpflow.train.resume import continue_hint
+            from tpflow.train.checkpoints.resume import continue_hint
 
             extra = [] if num_processes == 1 else ["--num-processes", str(num_processes)]
             console.print(escape(continue_hint(loaded, trainer.run_dir, extra)), soft_wrap=True, highlight=False)

@@ -30,7 +30,7 @@ def export(source: Path, out: Path, merge: bool = False, ema: bool = True, overw
     """
     from tpflow.evaluation.targets import EXPORT_MANIFEST, EXPORT_RECIPE, apply_ema
     from tpflow.recipe import validate_recipe
-    from tpflow.train.checkpoint import load_checkpoint
+    from tpflow.train.checkpoints.format import load_checkpoint
 
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -81,7 +81,7 @@ def _checkpoint_of(source: Path) -> tuple[Path, list[str]]:
     """The newest valid checkpoint under ``source`` and what newer ones were skipped; a UserError (one paragraph,
     no warning before it) when there is none: no such folder, a run stopped before its first save, or none valid."""
     from tpflow.evaluation.targets import nothing_saved
-    from tpflow.train.checkpoint import find_checkpoint
+    from tpflow.train.checkpoints.format import find_checkpoint
 
     if not source.is_dir():
         what = "not a folder" if source.exists() else "no such folder"

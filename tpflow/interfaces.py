@@ -43,14 +43,26 @@ CAPABILITIES: dict[str, Any] = {
     # (tpflow.guidance.combine); False for a guidance-distilled model whose scale is an embedding (FLUX.1-dev), which
     # cfg_gradient = "conditional" cannot hold constant
     "cfg_branch": True,
+    # Backbone: () -> one sample's latent shape; a frame axis, (F, C, H, W) or (C, F, h, w), makes its samples clips,
+    # which the eval's progress line counts (None: images)
+    "latent_shape": None,
+    # Backbone: its trained adapter (tpflow.backbones.lora's, or the full fine-tune's), whose ``drop_reference``
+    # frees a full fine-tune's initial copy when the optimizer takes no KL (None: nothing to free)
+    "adapter": None,
     "needs_old_means": False,  # Optimizer: the rollout must store each step's transition mean (RatioNorm)
     # Optimizer: a tpflow.rollout.retain.Retain (or .reweight.Reweight) when its update reuses the rollout's forwards
     "retain": None,
     "consumes": "transitions",  # Optimizer (required on an instance)
+    # Optimizer: () -> whether its loss runs the frozen reference model (a KL term); None: assume it does, and keep
+    # the reference copy
+    "uses_reference": None,
     # RewardModel: a group-relative reward (pairwise win rates): each call must hold whole prompt groups, every row
     # at one trace column, so scoring calls it once per column with the batch's rows and the recipe check refuses
     # batching that cuts a group (tpflow.scoring.groups)
     "needs_whole_groups": False,
+    # RewardModel: () -> {details key: weight} when its parts' advantages are normalised apart and summed
+    # (``combine = "zscore_sum"``: tpflow.train.reward_parts), else None
+    "zscored_parts": None,
     # What a recipe check reads to match the reward with the backbone and the dataset before anything loads
     # (tpflow.rewards.needs): a Backbone's ``decode`` gives clips [N, F, 3, H, W] (a video backbone), not images
     "samples_clips": False,
@@ -76,7 +88,8 @@ def capability(component: Any, name: str) -> Any:
 @runtime_checkable
 class Backbone(Protocol):
     """A text-to-image flow model plus its trainable adapter (LoRA). Optional (``capability``): ``samples_clips``,
-    whether ``decode`` gives clips [N, F, 3, H, W] (a text-to-video model; default False)."""
+    whether ``decode`` gives clips [N, F, 3, H, W] (a text-to-video model; default False); ``latent_shape``, one
+    sample's latent shape; ``adapter``, the trained adapter object (default None)."""
 
     def encode(self, prompts: Sequence[str]) -> Conditioning:
         """Encode N prompts (and whatever the unconditional branch needs) once per batch."""
@@ -173,7 +186,8 @@ class RewardModel(Protocol):
     """Scores images; safe to call from a worker thread; heavy models load lazily on the first call. Optional
     (``capability``): ``needs_whole_groups``, whether a call must hold whole prompt groups at one trace column
     (default False); ``accepts_clips`` / ``accepts_images``, what it scores (images only by default);
-    ``needs_metadata``, the metadata keys it reads (none by default); ``reward_parts``, the rewards it is made of."""
+    ``needs_metadata``, the metadata keys it reads (none by default); ``reward_parts``, the rewards it is made of;
+    ``zscored_parts``, the parts whose advantages the trainer normalises apart (none by default)."""
 
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict[str, Any]]) -> RewardOutput:
         """Score images [N, 3, H, W] in [0, 1] for their prompts and metadata; ``scores`` [N], higher is better."""
@@ -200,7 +214,8 @@ class CreditAssigner(Protocol):
 @runtime_checkable
 class Optimizer(Protocol):
     """The policy update from the epoch's rollouts and their advantages. Optional (``capability``):
-    ``needs_old_means``, whether the rollout must store each step's transition mean (default False)."""
+    ``needs_old_means``, whether the rollout must store each step's transition mean (default False);
+    ``uses_reference``, whether its loss runs the frozen reference model (default: assumed to)."""
 
     consumes: Literal["transitions", "final_samples"]
     """What ``update`` reads from a ``Rollout``, so that the rollout engine produces only that: ``"transitions"``

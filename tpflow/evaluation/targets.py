@@ -17,7 +17,7 @@ import torch
 from tpflow import registry
 from tpflow.errors import UserError
 from tpflow.recipe import Recipe, apply_overrides, load_recipe, validate_recipe
-from tpflow.train.resume import does_not_fit
+from tpflow.train.checkpoints.resume import does_not_fit
 
 EXPORT_MANIFEST = "tpflow_export.json"  # what ``tpflow export`` writes beside the adapter
 EXPORT_RECIPE = "recipe.json"
@@ -134,7 +134,7 @@ def _recipe_target(path: Path, checkpoint: str | None, overrides: list[str], res
 def _checkpoint_target(path: Path, checkpoint: str | None, overrides: list[str], resolution: int | None) -> Target:
     """A run dir (its newest valid checkpoint, or the one ``checkpoint`` names) or a checkpoint dir as TARGET: the
     recipe the checkpoint stores (it is what trained the adapter), with the overrides, and its adapter and EMA."""
-    from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
+    from tpflow.train.checkpoints.format import find_checkpoint, load_checkpoint
 
     where = path
     if checkpoint is not None:

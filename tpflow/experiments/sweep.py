@@ -28,7 +28,7 @@ Launch = Callable[[list[str], dict[str, str], Path], int]  # (tpflow arguments, 
 
 def state(run: Run) -> str:
     """ "done", "killed" (a checkpoint, no marker: it resumes) or "missing"."""
-    from tpflow.train.checkpoint import find_checkpoint
+    from tpflow.train.checkpoints.format import find_checkpoint
 
     if (run.run_dir / DONE).exists():
         return "done"

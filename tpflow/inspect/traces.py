@@ -149,7 +149,7 @@ def sample_trajectories(
 def _backbone(recipe: Recipe, checkpoint: Path | None) -> Any:
     """The recipe's backbone, with the adapter of ``checkpoint`` (a run dir: its newest valid checkpoint) loaded
     when one is given; the checkpoints passed over are warned about, and none valid is a UserError."""
-    from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
+    from tpflow.train.checkpoints.format import find_checkpoint, load_checkpoint
 
     backbone = recipe.build("backbone")
     if checkpoint is not None:
@@ -189,7 +189,7 @@ class RunTraces:
 
 def load_run(run_dir: Path) -> RunTraces:
     """Read ``run_dir/traces.jsonl`` and the recipe of its newest valid checkpoint (if any)."""
-    from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
+    from tpflow.train.checkpoints.format import find_checkpoint, load_checkpoint
     from tpflow.train.run_logger import read_jsonl
 
     run_dir = Path(run_dir)

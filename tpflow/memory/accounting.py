@@ -11,6 +11,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+from tpflow.interfaces import capability
+
 GIB = 2**30
 Row = tuple[str, int, str, bool]  # (component, bytes, note, sharded under shard = "fsdp")
 
@@ -49,7 +51,8 @@ def state_rows(setup: Any, m: dict[str, Any]) -> list[Row]:
     kept: list[Row] = [(f"{name} ({setup.optimizer_name})", n * 4, f"fp32; {note}", True)
                        for name, note in getattr(optimizer, "kept_copies", list)()]  # fmt: skip
     if getattr(b, "finetune", "lora") == "full":
-        reference = getattr(optimizer, "uses_reference", lambda: True)()
+        uses_reference = capability(optimizer, "uses_reference")  # None: an optimizer that does not say runs one
+        reference = uses_reference() if callable(uses_reference) else True
         return [
             (f"transformer weights, fp32 masters ({n / 1e9:.2f} B params)", n * 4, "fp32, trained", True),
             ("transformer buffers", m["transformer_bytes"], "", False),

@@ -132,7 +132,7 @@ class AdamWLoop:
         moments and any sharded extra state are gathered into full tensors on the main process's host (a collective
         every process joins; the others get ``None`` in their place): the state an unsharded run writes
         (``tpflow.train.sharding``); with ``gather`` False they stay this process's shards (a sharded checkpoint,
-        ``tpflow.train.checkpoint_shards``)."""
+        ``tpflow.train.checkpoints.shards``)."""
         state = {
             "optimizer": self.optimizer.state_dict() if self.optimizer else {},
             "optimizer_name": self.name,

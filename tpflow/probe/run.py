@@ -165,7 +165,7 @@ def _check_config(config: ProbeConfig, out: Path) -> None:
 
 
 def _load_checkpoint(backbone: Any, path: Path) -> None:
-    from tpflow.train.checkpoint import find_checkpoint, load_checkpoint
+    from tpflow.train.checkpoints.format import find_checkpoint, load_checkpoint
 
     found, _ = find_checkpoint(path)
     if found is None:

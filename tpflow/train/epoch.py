@@ -52,6 +52,19 @@ class Sampled:
     def num_rows(self) -> int:
         return sum(len(b.items) for b in self.batches)
 
+    def reward_details(self, dist: Distributed) -> dict[str, float]:
+        """``reward_<name>``: the mean of each reward detail over the final images of every process (one
+        collective; a detail some process lacks is averaged over those that have it)."""
+        scored = self.scored
+        details = {name: torch.cat([s.details[name] for s in scored]).double() for name in scored[0].details}
+        local = {name: (float(values.sum()), values.numel()) for name, values in details.items()}
+        merged = dist.gather_objects([local])  # whatever details each process has
+        out = {}
+        for name in sorted({name for part in merged for name in part}):
+            total, count = (sum(x) for x in zip(*(part[name] for part in merged if name in part), strict=True))
+            out[f"reward_{name}"] = total / count
+        return out
+
 
 @dataclass
 class EpochRows:

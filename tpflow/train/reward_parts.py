@@ -16,10 +16,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tpflow.interfaces import RewardModel, capability
 
-def zscored_parts(reward: Any) -> dict[str, float] | None:
-    """The parts (detail key -> weight) whose advantages add up, when the reward asks for it; None otherwise."""
-    parts = getattr(reward, "zscored_parts", None)
+
+def zscored_parts(reward: RewardModel) -> dict[str, float] | None:
+    """The parts (detail key -> weight) whose advantages add up, when the reward asks for it (its ``zscored_parts``
+    capability); None otherwise."""
+    parts = capability(reward, "zscored_parts")
     return parts() if callable(parts) else None
 
 

@@ -11,28 +11,32 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Literal
 
 from tpflow.devices import cpu_generator
 from tpflow.interfaces import Backbone, CreditAssigner, Optimizer, RewardModel, RolloutPlan, Sampler, capability
 from tpflow.plans import WindowPlan
 from tpflow.precision import Precision
 from tpflow.rollout import rollout_from_settings
+from tpflow.rollout.retain import Retain
+from tpflow.rollout.reweight import Reweight
 from tpflow.scoring.call import recipe_policy
 from tpflow.settings import RolloutSettings, TrainSettings
 from tpflow.train.epoch import Sampled
 from tpflow.train.lockstep import Lockstep
-from tpflow.train.prompt_sampler import RolloutBatch, noise_seed, plan_epoch
-from tpflow.train.scoring import ScoringWorker
+from tpflow.train.prompt_sampler import EpochPlan, RolloutBatch, noise_seed
+from tpflow.train.scoring import ScoredBatch, ScoringWorker
 from tpflow.types import PromptItem
 
 Phase = Callable[[str, "int | None"], None]  # the progress bar: a stage's description and its number of steps
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EpochSampler:
-    """What sampling an epoch needs, built once per run by the trainer."""
+    """What sampling an epoch needs, built once per run by the trainer (``tpflow.train.components``), by name."""
 
     backbone: Backbone
     sampler: Sampler
@@ -46,23 +50,17 @@ class EpochSampler:
     plan: RolloutPlan = dataclasses.field(default_factory=WindowPlan)  # each batch's windows and trained steps
     lockstep: Lockstep | None = None  # a sharded run's: each batch's forwards padded to every process's count
 
-    def __call__(self, epoch: int, batches: list[RolloutBatch], phase: Phase, advance: Callable[[], None]) -> Sampled:
-        """Roll out each local batch (its plan and noise from its seed) and score it in the background worker."""
-        train, rollout = self.train, self.rollout
+    def __call__(
+        self, plan: EpochPlan, batches: Sequence[RolloutBatch], phase: Phase, advance: Callable[[], None]
+    ) -> Sampled:
+        """Roll out each local batch of the epoch's ``plan`` (its windows and noise from its seed) and score it in the
+        background worker. The text encoders run once, on every distinct prompt of the whole plan (all processes
+        alike, so the embeddings do not depend on the number of processes); each rollout batch indexes its rows."""
+        train, rollout, epoch = self.train, self.rollout, plan.epoch
         start = time.perf_counter()
         phase(f"epoch {epoch}: sampling", len(batches))  # the text encoding below is part of it
         z0_seeds = {i: noise_seed(train, epoch, i) for b in batches for i in b.items} if rollout.same_noise else None
-        # The rollout produces what the optimizer consumes (Optimizer.consumes), and completions only when the
-        # credit assigner reads them: final samples need neither stored transitions nor completions.
-        transitions = self.optimizer.consumes == "transitions"
-        completions = rollout.completions if self.credit.needs_completions and transitions else None
-        store_means = transitions and capability(self.optimizer, "needs_old_means")  # e.g. GRPO's RatioNorm
-        retain = capability(self.optimizer, "retain") if transitions else None  # a recompute-free update's graphs
-        if retain is not None:  # per-trajectory gradients suffice where every step of a trajectory gets one reward
-            retain = retain.for_credit(capability(self.credit, "same_reward_every_step"))
-        # The text encoders run once per epoch, on every distinct prompt of the epoch's plan (all processes alike,
-        # so the embeddings do not depend on the number of processes); each rollout batch indexes its rows.
-        plan = plan_epoch(len(self.items), train, epoch)
+        keep = self._kept()
         texts = sorted({self.items[i].prompt for b in plan.batches for i in b.items})
         encoded, text_row = self.backbone.encode(texts), {text: k for k, text in enumerate(texts)}
         worker = ScoringWorker(self.backbone.decode, self.reward, chunk=train.score_batch, policy=recipe_policy(train))
@@ -85,12 +83,12 @@ class EpochSampler:
                         list(b.items),
                         window,
                         rollout,
-                        completions,
-                        generator,
-                        z0_seeds,
-                        transitions,
-                        store_means,
-                        None if retain is None else retain.for_batch(first_row),
+                        completions=keep.completions,
+                        generator=generator,
+                        group_seeds=z0_seeds,
+                        transitions=keep.transitions,
+                        store_means=keep.store_means,
+                        retain=None if keep.retain is None else keep.retain.for_batch(first_row),
                     )
                 first_row += len(items)
                 prompts, metadata = [i.prompt for i in items], [i.metadata for i in items]
@@ -98,13 +96,42 @@ class EpochSampler:
                 jobs.append(worker.submit(out.final, out.completions, prompts, metadata, window.size))
                 rollouts.append(dataclasses.replace(out, completions=None))  # scored already; the update needs none
                 advance()
-            phase(f"epoch {epoch}: scoring", len(jobs))
-            wait_start = time.perf_counter()  # the scoring tail: decode + reward the sampling did not hide
-            scored = []
-            for job in jobs:
-                scored.append(job.result())
-                advance()
-            wait_s = time.perf_counter() - wait_start
+            scored, wait_s = _collect(jobs, epoch, phase, advance)
         finally:
             worker.close()
         return Sampled(list(batches), rollouts, scored, time.perf_counter() - start, wait_s)
+
+    def _kept(self) -> Kept:
+        """What the rollouts keep: what the optimizer consumes (``Optimizer.consumes``), and completions only when
+        the credit assigner reads them; final samples need neither stored transitions nor completions."""
+        transitions = self.optimizer.consumes == "transitions"
+        completions = self.rollout.completions if self.credit.needs_completions and transitions else None
+        store_means = transitions and capability(self.optimizer, "needs_old_means")  # e.g. GRPO's RatioNorm
+        retain = capability(self.optimizer, "retain") if transitions else None  # a recompute-free update's graphs
+        if retain is not None:  # per-trajectory gradients suffice where every step of a trajectory gets one reward
+            retain = retain.for_credit(capability(self.credit, "same_reward_every_step"))
+        return Kept(transitions, completions, bool(store_means), retain)
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What each rollout of an epoch keeps for the update and the credit assigner (nothing else is stored)."""
+
+    transitions: bool  # the SDE window's steps and old log-probs (an optimizer that consumes transitions)
+    completions: Literal["ode", "x0"] | None  # the ODE completions the credit assigner reads, or none
+    store_means: bool  # each step's transition mean (RatioNorm)
+    retain: Retain | Reweight | None  # the graphs or gradients a recompute-free update reuses (per batch: for_batch)
+
+
+def _collect(
+    jobs: list[Future[ScoredBatch]], epoch: int, phase: Phase, advance: Callable[[], None]
+) -> tuple[list[ScoredBatch], float]:
+    """The scoring worker's results in batch order, and the seconds waited for them after the last rollout (the
+    scoring tail: decode + reward the sampling did not hide)."""
+    phase(f"epoch {epoch}: scoring", len(jobs))
+    wait_start = time.perf_counter()
+    scored = []
+    for job in jobs:
+        scored.append(job.result())
+        advance()
+    return scored, time.perf_counter() - wait_start

@@ -23,7 +23,7 @@ What tpflow does around it:
   (trained-fraction, window-per-image), one per step each trajectory trains, the same number for every trajectory.
   The rollouts pad their forwards likewise (``tpflow.train.lockstep``). The recompute-free modes are refused;
   evaluation needs its images to split equally.
-* **Checkpoints.** By default every process writes its own shards (``tpflow.train.checkpoint_shards``: DCP,
+* **Checkpoints.** By default every process writes its own shards (``tpflow.train.checkpoints.shards``: DCP,
   safetensors files, nothing gathered), read back into any layout. With ``checkpoint_layout = "gathered"`` the
   weights (the transformer's state dict, which the main process's adapter writes as its own), the AdamW moments, the
   EMA and NFT's old policy are gathered into full tensors on the main process's host, one tensor at a time, and
@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from tpflow.errors import UserError
+from tpflow.interfaces import capability
 from tpflow.shards import full, gathered_to_host, is_sharded, like  # noqa: F401 (re-exported)
 
 # the lists of repeated blocks each sharded on its own: SD3 / FLUX / Qwen-Image, FLUX's single blocks, shapes-dit
@@ -111,7 +112,7 @@ def shard(backbone: Any, device: torch.device, compute_dtype: torch.dtype | None
     mesh = device_mesh(device)
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     count = _shard_module(module, mesh, policy)
-    adapter = getattr(backbone, "adapter", None)
+    adapter = capability(backbone, "adapter")
     if hasattr(adapter, "shard_reference"):  # a full fine-tune's frozen initial copy (the KL reference), alike
         adapter.shard_reference(lambda reference: _shard_module(reference, mesh, policy), device)
     for sharded in sharded_modules(module):

@@ -1,23 +1,24 @@
-"""The TP-GRPO / Flow-GRPO training loop: ``tpflow train RECIPE [--resume]``.
+"""The training loop of every method (GRPO and its variants, DiffusionNFT, AWM, DGPO): ``tpflow train RECIPE``.
 
 One epoch (docs/architecture.md, "An epoch"; docs/algorithm.md §6.1):
 
 1. plan the epoch's rollout batches: ``prompts_per_epoch`` training prompts, G copies each, shuffled into batches
-   that are dealt to the processes (``prompt_sampler``; one process runs them all);
+   that are dealt to the processes (``prompt_sampler``; one process runs them all), planned once;
 2. per local rollout batch: draw the SDE window, roll out (main trajectory, ODE baseline and completions, batched per
    step; only what the optimizer consumes, under its sampling policy), and hand the latents to the background
    scoring worker (decode + reward) while the next batch samples;
 3. per rollout batch: the credit assigner turns the reward trace [n, W+1] into step rewards [n, W];
 4. gather every process's step rewards and prompt keys; advantages per prompt and per window step over the whole
-   epoch, sliced back to each process; the optimizer's update (GRPO or NFT; gradients averaged over the processes);
-   the EMA.
+   epoch, sliced back to each process; the optimizer's update (whichever ``tpflow.optim`` method the recipe names;
+   gradients averaged over the processes); the EMA.
 
 Every ``eval.every`` epochs (epoch 0 included) the EMA weights (when enabled) sample the held-out prompts by ODE.
-Checkpoints are written every ``train.save_every`` epochs, at the end and on Ctrl-C or SIGTERM, by the main process
-only (as are the logs; a sharded run's by every process); a signal stops the run at the next safe point, after the
-update in progress, so no finished epoch is lost (``tpflow.train.stop``). Randomness is derived from (seed, epoch,
-rollout batch), so a resumed run continues exactly as an uninterrupted one, and the trajectories an epoch samples do
-not depend on the number of processes (docs/distributed.md).
+Checkpoints (``tpflow.train.checkpoints``, held as ``Trainer.checkpoints``) are written every ``train.save_every``
+epochs, at the end and on Ctrl-C or SIGTERM, by the main process only (as are the logs; a sharded run's by every
+process); a signal stops the run at the next safe point, after the update in progress, so no finished epoch is lost
+(``tpflow.train.stop``). Randomness is derived from (seed, epoch, rollout batch), so a resumed run continues exactly
+as an uninterrupted one, and the trajectories an epoch samples do not depend on the number of processes
+(docs/distributed.md). The components are built once, before anything runs (``tpflow.train.components``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import random
 import signal
 import time
 from pathlib import Path
@@ -39,7 +39,6 @@ from tpflow.devices import resolve_device
 from tpflow.distributed import Distributed, make_accelerator
 from tpflow.errors import UserError
 from tpflow.interfaces import RewardModel, capability
-from tpflow.plans.base import derived_rng
 from tpflow.precision import Precision
 from tpflow.preflight import check_machine
 from tpflow.recipe import Recipe
@@ -47,27 +46,24 @@ from tpflow.scoring.call import recipe_policy
 from tpflow.scoring.diversity import Embedder, build_embedder
 from tpflow.scoring.watched import build_watched, guard_lines, with_watched
 from tpflow.train.allocator import keep_freed_memory
-from tpflow.train.checkpoint import (
-    Checkpoint,
-    find_checkpoint,
-)
+from tpflow.train.checkpoints.format import find_checkpoint
+from tpflow.train.checkpoints.resume import checkpoint_to_resume, train_command
+from tpflow.train.checkpoints.run import RunCheckpoints, named_trainable
+from tpflow.train.components import build_components
 from tpflow.train.ema import EMA
 from tpflow.train.epoch import EpochRows, Sampled, combine_update_metrics, prompt_groups
-from tpflow.train.evaluation import eval_seed, eval_split, evaluate, no_test_split
-from tpflow.train.lockstep import Lockstep
+from tpflow.train.evaluation import eval_seed, evaluate
 from tpflow.train.out_of_memory import out_of_memory_message
 from tpflow.train.progress import PhaseProgress
-from tpflow.train.prompt_sampler import check_layout, layout_line, plan_epoch
-from tpflow.train.resume import checkpoint_to_resume, restoring, train_command
+from tpflow.train.prompt_sampler import EpochPlan, check_layout, layout_line, plan_epoch
 from tpflow.train.reward_parts import zscore_sum_advantages, zscored_parts
-from tpflow.train.run_checkpoints import RunCheckpoints
 from tpflow.train.run_lock import RunDirLock
 from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, fit_segments
-from tpflow.train.sampling import EpochSampler
-from tpflow.train.sharding import deferred_sync, equal_eval_shares, shard, transformer_of
-from tpflow.train.stop import REPEAT_S, Stopped, StopRequest, signal_name
+from tpflow.train.sharding import equal_eval_shares
+from tpflow.train.stop import Stopped, StopRequest
+from tpflow.train.stop_notices import RunPoint, interrupted, stop_notice
 from tpflow.train.trackers import Trackers, tracker_dir
-from tpflow.types import PromptItem, Rollout
+from tpflow.types import Rollout
 
 MAX_NONFINITE_EPOCHS = 3  # consecutive epochs with non-finite losses before the run stops
 
@@ -87,8 +83,9 @@ def _unlock_on_error(init: Any) -> Any:
     return wrapper
 
 
-class Trainer(RunCheckpoints):
-    """Builds every component of a recipe and runs its epochs; see the module docstring."""
+class Trainer:
+    """Builds every component of a recipe and runs its epochs; see the module docstring. Its checkpoints are
+    ``self.checkpoints`` (``RunCheckpoints``)."""
 
     @_unlock_on_error
     def __init__(
@@ -120,14 +117,17 @@ class Trainer(RunCheckpoints):
         self.run_lock = RunDirLock(self.run_dir)  # one writer per run dir (tpflow.train.run_lock), held until fit ends
         if self.dist.is_main:
             self.run_lock.acquire()
-        if not self.dist.is_main:
+        else:
             self.console = Console(quiet=True)  # one process reports; every process raises its own errors
         check_layout(train, self.dist.world_size)
-        # the checkpoint to resume, verified and compared with this recipe before any weights load (train/resume.py)
+        # the checkpoint to resume, verified and compared with the recipe before any weights load (checkpoints.resume)
         checkpoint = checkpoint_to_resume(self.run_dir, resume, self.recipe, self.console, self.dist.is_main)
         for line in self.machine.lines():  # every check passed: where each weight comes from, before any loads
             self.console.print(escape(line), style="yellow" if line.startswith("warning:") else "dim", soft_wrap=True)
-        self._build_components(checkpoint)
+        parts = build_components(recipe, self.dist, self.accelerator, self.precision, self.console, checkpoint)
+        self.backbone, self.sampler, self.optimizer = parts.backbone, parts.sampler, parts.optimizer
+        self.credit, self.lockstep, self.epoch_sampler = parts.credit, parts.lockstep, parts.epoch_sampler
+        self.train_items, self.test_items, self.eval_split = parts.train_items, parts.test_items, parts.eval_split
         if self.dist.sharded and recipe.eval.every:  # each process's eval forwards must match the others'
             equal_eval_shares(len(self.test_items) * recipe.eval.images_per_prompt, self.dist.world_size)
         params = self.backbone.trainable_parameters()
@@ -139,64 +139,22 @@ class Trainer(RunCheckpoints):
         self._description = ""  # the phase the progress bar shows
         self.nonfinite_epochs = 0
         self._weights_ahead = False  # True from an epoch's update until self.epoch counts it
-        self._saved: tuple[int, int] | None = None  # (epoch, global_step) of the checkpoint last written or resumed
         self._stop: StopRequest | None = None  # while fit runs: Ctrl-C recorded, for the processes to stop together
         self._stopping = False  # True once they did (tpflow.train.stop)
-        self._restore(checkpoint)
-        self.dist.check_in_sync(self._named_trainable())
-        self.logger = (
-            RunLogger(self.run_dir, Trackers(self.accelerator, recipe.log, self.run_dir, recipe.data, bool(resume)))
-            if self.dist.is_main
-            else NullLogger()
+        self.checkpoints = RunCheckpoints(
+            self.run_dir, recipe, self.backbone, self.optimizer, self.ema, self.dist, self.console
         )
+        self.epoch, self.last_eval = self.checkpoints.restore(checkpoint)  # a fresh start's: 0, {}
+        self.dist.check_in_sync(named_trainable(self.backbone))
+        self.logger = self._open_logger(bool(resume))
 
-    def _build_components(self, checkpoint: Checkpoint | None = None) -> None:
-        """The recipe's components, seeded alike on every process (the adapters start equal), the prompt splits and
-        the epoch sampler; the optimizer bound to the adapter, the processes and the precision. Sharded
-        (``[train] shard = "fsdp"``), the transformer is sharded before anything holds its parameters."""
-        recipe, train = self.recipe, self.settings
-        torch.manual_seed(train.seed)
-        random.seed(train.seed)
-        self.backbone = recipe.build("backbone")
-        self.lockstep: Lockstep | None = None  # sharded: each rollout batch's forwards in step over the processes
-        self.sampler = recipe.build("sampler")
-        reward = recipe.build("reward")
-        self.credit = recipe.build("credit")
-        self.optimizer = recipe.build("optimizer")
-        uses_reference = getattr(self.optimizer, "uses_reference", None)  # an optimizer without it: assume it does
-        drop = getattr(getattr(self.backbone, "adapter", None), "drop_reference", None)
-        if callable(drop) and callable(uses_reference) and not uses_reference():
-            drop()  # a full fine-tune's initial copy, for a KL this run does not take
-        if train.shard == "fsdp" and self.dist.enabled:  # one process holds everything: nothing to shard
-            self._shard(checkpoint)  # before anything (the optimizer's bind, the EMA) holds the parameters
-        dataset = recipe.build("dataset")
-        self.train_items: list[PromptItem] = list(dataset.split("train"))
-        self.eval_split = eval_split(dataset)  # "train" for a dataset without a test split: said, and in the metrics
-        test = list(dataset.split("test")) if self.eval_split == "test" else self.train_items
-        self.test_items = test[: recipe.eval.num_prompts] if recipe.eval.num_prompts else test
-        if self.eval_split != "test":
-            self.console.print(f"[yellow]warning:[/] {escape(no_test_split(recipe.dataset.name))}", soft_wrap=True)
-        # What an optimizer draws from the global RNG as it binds (nft's base seed) depends on train.seed alone, not
-        # on how many draws building the reward and the dataset took before it (shapes-clip's took some).
-        torch.manual_seed(derived_rng(train.seed, "optimizer.bind").getrandbits(63))
-        self.optimizer.bind(self.backbone, self.accelerator, self.precision)
-        parts = (self.backbone, self.sampler, reward, self.optimizer, self.credit, self.precision, self.train_items)
-        self.epoch_sampler = EpochSampler(*parts, train, recipe.rollout, recipe.build("plan"), self.lockstep)
-
-    def _shard(self, checkpoint: Checkpoint | None) -> None:
-        """FSDP2 over every process (``tpflow.train.sharding``): an unsharded checkpoint's weights load whole first,
-        then each block is sharded (a sharded checkpoint's load into the shards: ``_restore``); the fp16 scaler
-        becomes the sharded one, and defers a LoRA's gradient reduction to each step's last backward
-        (``deferred_sync``); each rollout batch's forwards are padded to every process's count
-        (``tpflow.train.lockstep``)."""
-        if checkpoint is not None and checkpoint.layout is None:
-            with restoring(checkpoint.path):
-                self.backbone.load_adapter(checkpoint.adapter_dir)
-        device = resolve_device(getattr(self.recipe.backbone.options, "device", None))
-        shard(self.backbone, device, None)
-        self.lockstep = Lockstep(transformer_of(self.backbone), device)
-        self.dist.sharded = True
-        self.precision.shard(deferred_sync(self.backbone, self.dist.world_size))
+    def _open_logger(self, resume: bool) -> RunLogger | NullLogger:
+        """The run's logs and trackers, written by the main process (continued on ``resume``)."""
+        if not self.dist.is_main:
+            return NullLogger()
+        return RunLogger(
+            self.run_dir, Trackers(self.accelerator, self.recipe.log, self.run_dir, self.recipe.data, resume)
+        )
 
     # ---- public ------------------------------------------------------------------------------------------------
 
@@ -217,7 +175,7 @@ class Trainer(RunCheckpoints):
             progress.start()
             return self._run_epochs()
         except torch.cuda.OutOfMemoryError as exc:  # one paragraph naming the phase's batch setting, no checkpoint
-            saved = self._saved is not None or find_checkpoint(self.run_dir)[0] is not None
+            saved = self.checkpoints.saved is not None or find_checkpoint(self.run_dir)[0] is not None
             command = train_command(self.recipe, self.run_dir, resume=saved)  # every --set of the run included
             layout = self.optimizer.batch_layout()
             raise UserError(out_of_memory_message(self._description, exc, command, layout, saved)) from None
@@ -256,14 +214,15 @@ class Trainer(RunCheckpoints):
             self.logger.log(final, step=self.optimizer.global_step, epoch=train.epochs, untracked=final)
             metrics.update(final)
         # with the final figures, also over the same step's checkpoint (saved by a stop before the final evaluation)
-        if evaluation.every or self._saved != (self.epoch, self.optimizer.global_step):
+        if evaluation.every or self.checkpoints.saved != (self.epoch, self.optimizer.global_step):
             self._save()
         return metrics
 
     def _finished(self) -> bool:
         """Resumed from the run's last checkpoint, written after its last epoch and its final evaluation."""
         final = not self.recipe.eval.every or self.last_eval.get("last_eval_epoch") == self.settings.epochs
-        return self.epoch >= self.settings.epochs and final and self._saved == (self.epoch, self.optimizer.global_step)
+        done = (self.epoch, self.optimizer.global_step)
+        return self.epoch >= self.settings.epochs and final and self.checkpoints.saved == done
 
     def _finished_already(self) -> dict[str, Any]:
         """``--resume`` of a finished run: say so and do nothing (it used to evaluate again, 56 s for 96 clips).
@@ -282,9 +241,10 @@ class Trainer(RunCheckpoints):
         return dict(self.last_eval)
 
     def _save(self) -> None:
-        """``save`` with every process, finished even if a signal comes during it (``StopRequest.holding``)."""
+        """``checkpoints.save`` with every process, finished even if a signal comes during it
+        (``StopRequest.holding``)."""
         with self._stop.holding() if self._stop is not None else contextlib.nullcontext():
-            self.save()
+            self.checkpoints.save(self.epoch, self.last_eval)
 
     def _stop_point(self) -> None:
         """A state to resume from, on every process at once (``tpflow.train.stop``): if any process got SIGINT or
@@ -309,82 +269,37 @@ class Trainer(RunCheckpoints):
             plan = plan_epoch(len(self.train_items), self.settings, self.epoch)
             self.console.print(layout_line(plan, self.optimizer.batch_layout(), self.dist.world_size))
 
-    def _stop_notice(self, signum: int) -> str:
-        """What the first SIGINT or SIGTERM says (``StopRequest``; from its handler: attributes only): where the run
-        stops, what it saves, and what a second signal would keep instead."""
-        name, epoch, step, phase = signal_name(signum), self.epoch, self.optimizer.global_step, self._description
-        held = self._saved is not None and self._saved[1] == step  # a stop here writes nothing (_interrupted)
-        keep = f"checkpoint {step:08d} already holds that state" if held else f"saving epoch {epoch}'s starting state"
-        kept = self._saved
-        if self._stop is not None and self._stop.saving:
-            what, kept = "finishing the checkpoint being written, then stopping", (epoch, step)
-        elif self._weights_ahead:
-            then = f"starts at epoch {epoch + 1}" if epoch + 1 < self.settings.epochs else "makes the final evaluation"
-            what = f"finishing epoch {epoch}'s update, then saving; --resume {then}"
-        elif phase.startswith("eval") and epoch >= self.settings.epochs:
-            what = "finishing the final evaluation; the run then saves and ends as it would have"
-        elif phase.startswith("eval"):
-            kept_eval = "it is made again on --resume" if held else "its figures saved with it"
-            what = f"finishing the evaluation at epoch {epoch}, then stopping: {keep} ({kept_eval})"
-        elif phase.endswith("updating"):  # the update is counted: the next safe point is the next epoch's start
-            what = f"stopping before epoch {epoch}: {keep}"
-        else:
-            what = f"stopping after this rollout batch: {keep}; --resume samples epoch {epoch} again"
-        keeps = (
-            f"keeps only checkpoint {kept[1]:08d} (epoch {kept[0]})" if kept else "keeps nothing (none written yet)"
+    def _point(self) -> RunPoint:
+        """Where the run is, for what a stop says (``tpflow.train.stop_notices``; attributes only)."""
+        return RunPoint(
+            epoch=self.epoch,
+            epochs=self.settings.epochs,
+            step=self.optimizer.global_step,
+            phase=self._description,
+            saved=self.checkpoints.saved,
+            weights_ahead=self._weights_ahead,
         )
-        again = "Ctrl-C again" if signum == signal.SIGINT else f"A second {name}"
-        at_once = f"{again} ({REPEAT_S:g} s or more after this one) stops at once and {keeps}"
-        return f"Interrupted ({name}): {what}. {at_once}.\n"
+
+    def _stop_notice(self, signum: int) -> str:
+        """What the first SIGINT or SIGTERM says (``StopRequest``; from its handler)."""
+        return stop_notice(signum, self._point(), self._stop)
 
     def _interrupted(self) -> None:
-        """Stopped: save the state if it is one to resume from, and say what --resume will do. At a safe point
-        (``_stop_point``) the processes save together; a repeated signal (``Stopped.at_once``) writes nothing. A
-        ``KeyboardInterrupt`` raised anywhere else (no signal handler of ours: another thread, a library) saves
-        from the main process alone, unless the weights are part-way or the run is sharded."""
-        saved = self._saved is not None or find_checkpoint(self.run_dir)[0] is not None
-        after = "--resume continues from the newest one" if saved else "none was saved before, so the run starts again"
-        stop = self._stop
-        name = signal_name(stop.signum) if stop is not None and stop.signum else "Ctrl-C"
-        if stop is not None and stop.aborted is not None:  # a repeated signal: at once, nothing more written
-            kept = (
-                f"--resume continues from checkpoint {self._saved[1]:08d} (epoch {self._saved[0]})"
-                if self._saved
-                else after
-            )
-            self.console.print(
-                f"[yellow]Stopped at once ({signal_name(stop.aborted)} again): nothing more is saved; {kept}.[/]"
-            )
-        elif self._weights_ahead:  # updated (part-way, or wholly but not yet counted): not a state to resume from
-            self.console.print(
-                f"[yellow]Interrupted during epoch {self.epoch}'s update: no checkpoint is written (it would "
-                f"mix two weight states); {after}.[/]"
-            )
-        elif self._saved is not None and self._saved[1] == self.optimizer.global_step:
-            # No optimizer step since that checkpoint: rewriting it would change a written step's content (the
-            # newer eval figures, the RNG state), and resuming from it repeats the same epochs exactly.
-            self.console.print(
-                f"[yellow]Interrupted ({name}): checkpoint {self.optimizer.global_step:08d} (epoch {self._saved[0]}) "
-                "already holds these weights; --resume continues from it.[/]"
-            )
-        elif self._stopping:  # every process stopped at the same safe point: they write it together
-            self.console.print(f"[yellow]Interrupted ({name}): saving epoch {self.epoch}; --resume continues here.[/]")
+        """Stopped: save the state if it is one to resume from (every process at a safe point, the main one alone
+        after a ``KeyboardInterrupt`` raised elsewhere) and say what --resume will do (``stop_notices``)."""
+        any_saved = self.checkpoints.saved is not None or find_checkpoint(self.run_dir)[0] is not None
+        line, save = interrupted(self._point(), self._stop, self._stopping, self.dist.sharded, any_saved)
+        self.console.print(line)
+        if save == "together":
             self._save()
-        elif self.dist.sharded:  # stopped where no handler of ours ran: the others may be anywhere
-            self.console.print(
-                f"[yellow]Stopped at once: a sharded run's checkpoint is written by every process together, so none "
-                f"is written; {after}.[/]"
-            )
-        else:
-            self.console.print(f"[yellow]Interrupted: saving epoch {self.epoch}; --resume continues here.[/]")
-            if self.dist.is_main:
-                self.save(collective=False)  # the other processes may be stopped anywhere: no collective here
+        elif save == "main" and self.dist.is_main:  # the other processes may be stopped anywhere: no collective
+            self.checkpoints.save(self.epoch, self.last_eval, collective=False)
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
         """One epoch, stage by stage (docs/architecture.md, "An epoch"); returns its metrics over every process."""
         start = time.perf_counter()
-        batches = plan_epoch(len(self.train_items), self.settings, epoch).local(self.dist.rank, self.dist.world_size)
-        sampled = self._sample_and_score(epoch, batches)  # rollouts and reward traces [n_b, W+1], batch by batch
+        plan = plan_epoch(len(self.train_items), self.settings, epoch)  # every process's batches, planned once
+        sampled = self._sample_and_score(plan)  # this process's rollouts and reward traces [n_b, W+1], batch by batch
         credits = [self.credit(s.trace) for s in sampled.scored]  # per rollout batch: balancing stays within one
         rows = EpochRows.local(sampled, credits).gather(self.dist)  # [N] trajectories of every process
         # The prompt group is the prompt's text, as in the reference (docs/algorithm.md §5): two dataset items with the
@@ -422,13 +337,14 @@ class Trainer(RunCheckpoints):
         if self.credit.needs_completions and not capability(self.epoch_sampler.plan, "branches"):
             # column 0 is the pure-ODE baseline R_0; a branching plan's column 0 is its first child, no baseline
             metrics["baseline_reward_mean"] = float(rows.trace[:, 0].mean())
-        metrics.update(self._reward_details(sampled.scored))
+        metrics.update(sampled.reward_details(self.dist))
         metrics["epoch_s"] = time.perf_counter() - start
         return metrics
 
-    def _sample_and_score(self, epoch: int, batches: list) -> Sampled:
-        """Roll out and score this process's batches of the epoch (``tpflow.train.sampling``)."""
-        return self.epoch_sampler(epoch, batches, self._phase, self._advance)
+    def _sample_and_score(self, plan: EpochPlan) -> Sampled:
+        """Roll out and score this process's batches of the epoch's plan (``tpflow.train.sampling``)."""
+        batches = plan.local(self.dist.rank, self.dist.world_size)
+        return self.epoch_sampler(plan, batches, self._phase, self._advance)
 
     def _update(self, epoch: int, batch: Rollout, advantages: torch.Tensor) -> dict[str, float]:
         """The optimizer's pass over this process's trajectories, the EMA, and the finiteness check.
@@ -442,17 +358,6 @@ class Trainer(RunCheckpoints):
         update = combine_update_metrics(self.dist.gather_objects([update]))
         self._check_finite(update)
         return update
-
-    def _reward_details(self, scored: list) -> dict[str, float]:
-        """Mean of each reward detail over the final images of every process (one collective)."""
-        details = {name: torch.cat([s.details[name] for s in scored]).double() for name in scored[0].details}
-        local = {name: (float(values.sum()), values.numel()) for name, values in details.items()}
-        merged = self.dist.gather_objects([local])  # whatever details each process has
-        out = {}
-        for name in sorted({name for part in merged for name in part}):
-            total, count = (sum(x) for x in zip(*(part[name] for part in merged if name in part), strict=True))
-            out[f"reward_{name}"] = total / count
-        return out
 
     @property
     def reward(self) -> RewardModel:
@@ -510,7 +415,7 @@ class Trainer(RunCheckpoints):
     def _sample_noun(self) -> str:
         """What the eval's progress line counts: clips for a video backbone, whose one sample's latents have a frame
         axis (``latent_shape``: (F, C, H, W) or (C, F, h, w), against an image's (C, H, W)), else images."""
-        shape = getattr(self.backbone, "latent_shape", None)
+        shape = capability(self.backbone, "latent_shape")
         return "clips" if callable(shape) and len(shape()) == 4 else "images"
 
     def _phase(self, description: str, total: int | None) -> None:

@@ -4,9 +4,9 @@
 (one that wrote none) afresh; bare ``--resume`` continues only from the run dir's own checkpoints (a newest one that
 links elsewhere is refused); ``--resume PATH`` names any checkpoint. The stored recipe is compared with this one:
 what the checkpoint's adapter cannot follow is refused, every other change is listed and applies from here on.
-The trainer then puts the states in place (``Trainer._restore``), inside ``restoring``: a checkpoint that does not
-fit the model or optimizer built from this recipe is one paragraph (CheckpointError), any other exception is a bug
-and propagates with its traceback.
+The trainer then puts the states in place (``RunCheckpoints.restore``), inside ``restoring``: a checkpoint that does
+not fit the model or optimizer built from this recipe is one paragraph (CheckpointError), any other exception is a
+bug and propagates with its traceback.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 
 from tpflow.errors import UserError
 from tpflow.recipe import FIXED_ON_RESUME, Recipe, recipe_changes
-from tpflow.train.checkpoint import (
+from tpflow.train.checkpoints.format import (
     Checkpoint,
     CheckpointError,
     find_checkpoint,

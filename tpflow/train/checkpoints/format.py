@@ -11,7 +11,7 @@ never a half-deleted ``<step>``; and a resume prunes as its save would have (``p
 kill interrupted is completed even when the resumed run has nothing left to train. Everything is read back with
 ``torch.load(weights_only=True)``, safetensors or JSON; no arbitrary object is ever unpickled. A sharded run's
 checkpoint holds ``shards/`` (every process's own safetensors file) and ``layout.json`` in place of the adapter
-folder (``tpflow.train.checkpoint_shards``), under the same manifest.
+folder (``tpflow.train.checkpoints.shards``), under the same manifest.
 """
 
 from __future__ import annotations
@@ -33,10 +33,8 @@ from safetensors import SafetensorError
 from torch import Tensor
 
 from tpflow.errors import UserError
-from tpflow.train.checkpoint_files import (  # noqa: F401 (MANIFEST, _digest: re-exported for the tests)
+from tpflow.train.checkpoints.files import (
     MANIFEST,
-    _alive,
-    _digest,
     _fsync_dir,
     _install,
     _numbered,
@@ -64,7 +62,7 @@ class Checkpoint:
     rng_state: dict
     train_state: dict  # epoch, global_step, ...
     recipe: dict
-    # a sharded checkpoint's layout.json (tpflow.train.checkpoint_shards): its weights, moments and EMA are in
+    # a sharded checkpoint's layout.json (tpflow.train.checkpoints.shards): its weights, moments and EMA are in
     # shards/, and optimizer_state holds markers in their place; None for the unsharded format
     layout: dict | None = None
 
@@ -73,7 +71,7 @@ class Checkpoint:
         if self.layout is None:
             backbone.load_adapter(self.adapter_dir)
         else:
-            from tpflow.train.checkpoint_shards import load_weights
+            from tpflow.train.checkpoints.shards import load_weights
 
             try:
                 load_weights(backbone, self.path, self.layout)
@@ -86,7 +84,7 @@ class Checkpoint:
         """The EMA as whole CPU tensors (a sharded checkpoint's read from its shards), None if the run kept none."""
         if self.layout is None:
             return self.ema_state
-        from tpflow.train.checkpoint_shards import full_ema
+        from tpflow.train.checkpoints.shards import full_ema
 
         return full_ema(self.path, self.layout)
 
@@ -138,7 +136,7 @@ def save_checkpoint(
     An existing checkpoint of the same step is replaced (old moved aside, new renamed in, old deleted). Checkpoints
     of later steps (from an abandoned run) are never pruned, nor is the one just written.
 
-    A sharded checkpoint (tpflow.train.checkpoint_shards): ``staged`` is the folder from :func:`stage_checkpoint`
+    A sharded checkpoint (tpflow.train.checkpoints.shards): ``staged`` is the folder from :func:`stage_checkpoint`
     into which every process has written its shards, ``layout`` the bytes of its ``layout.json``, ``backbone`` None
     (no adapter folder: the weights are among the shards).
 
@@ -216,11 +214,11 @@ def prune_checkpoints(run_dir: Path, step: int, keep_last: int) -> None:
     ones before it (``keep_last = 0``: delete none). Later steps are never touched (a rewind parks them instead).
 
     ``save_checkpoint`` calls it after each save, and a resume from one of the run's own checkpoints calls it too
-    (``tpflow.train.resume``): a kill while the final save pruned would otherwise leave the old checkpoints for good,
-    since a finished run that resumes saves nothing and so never prunes again. Crash-safe: each checkpoint to delete
-    is first renamed to ``.pruned-<step>-<pid>`` (atomic, and no longer a step number, so never picked to resume
-    from), the folder is fsynced, and only then is it deleted; a kill during the deletion leaves a ``.pruned-*``
-    folder that the next start removes (``_tidy``)."""
+    (``tpflow.train.checkpoints.resume``): a kill while the final save pruned would otherwise leave the old
+    checkpoints for good, since a finished run that resumes saves nothing and so never prunes again. Crash-safe:
+    each checkpoint to delete is first renamed to ``.pruned-<step>-<pid>`` (atomic, and no longer a step number, so
+    never picked to resume from), the folder is fsynced, and only then is it deleted; a kill during the deletion
+    leaves a ``.pruned-*`` folder that the next start removes (``_tidy``)."""
     if keep_last <= 0:  # 0: keep every checkpoint (a negative value is refused by save_checkpoint and the recipe)
         return
     root = Path(run_dir) / "checkpoints"
@@ -308,7 +306,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         ema = path / "ema.safetensors"
-        from tpflow.train.checkpoint_shards import read_layout
+        from tpflow.train.checkpoints.shards import read_layout
 
         ckpt = Checkpoint(
             path=path,

@@ -11,7 +11,7 @@ a file a user may hand tpflow).
 What a checkpoint holds, then: ``shards/*.safetensors`` (the sharded tensors, keyed by where they sit in the state),
 ``layout.json`` (which parameter and which EMA entry is which key) and, as in every checkpoint, ``optimizer.pt``
 (``weights_only``; each sharded tensor replaced by a ``{"sharded_tensor": key}`` marker), ``rng.pt``, ``state.json``
-and ``recipe.json``, all sealed by one manifest (``tpflow.train.checkpoint``).
+and ``recipe.json``, all sealed by one manifest (``tpflow.train.checkpoints.format``).
 
 Reading reshards: DCP loads each key into a tensor of the reader's layout, so a checkpoint written by 8 processes
 resumes on 2 (each process reads the slices its shards cover), on 1 process unsharded (full tensors, no process

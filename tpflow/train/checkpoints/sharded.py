@@ -1,5 +1,6 @@
 """A sharded run's checkpoint written and read back (``checkpoint_layout = "sharded"``): the collective steps around
-``tpflow.train.checkpoint`` (staging, sealing, installing) and ``tpflow.train.checkpoint_shards`` (the shards)."""
+``tpflow.train.checkpoints.format`` (staging, sealing, installing) and ``tpflow.train.checkpoints.shards`` (the
+shards)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Any
 from torch import Tensor
 
 from tpflow.shards import is_sharded
-from tpflow.train.checkpoint import CheckpointError, save_checkpoint, stage_checkpoint
-from tpflow.train.checkpoint_shards import (
+from tpflow.train.checkpoints.format import CheckpointError, save_checkpoint, stage_checkpoint
+from tpflow.train.checkpoints.shards import (
     MARK,
     SHARDS,
     empty,

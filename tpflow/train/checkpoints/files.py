@@ -1,6 +1,6 @@
 """The files of a checkpoint on disk: writing and syncing them, the manifest that seals a checkpoint and the check of
 it, installing a finished checkpoint under its step number, and tidying what a killed writer left behind. The
-durability half of ``tpflow.train.checkpoint`` (its module docstring says why each step is there)."""
+durability half of ``tpflow.train.checkpoints.format`` (its module docstring says why each step is there)."""
 
 from __future__ import annotations
 
