@@ -11,6 +11,9 @@ import torch
 
 from tpflow.errors import UserError
 from tpflow.recipe import load_recipe
+from tpflow.train import sampling as sampling_module
+from tpflow.train import trainer as trainer_module
+from tpflow.train.prompt_sampler import plan_epoch
 from tpflow.train.run_logger import read_jsonl
 from tpflow.train.trainer import Trainer
 
@@ -75,11 +78,16 @@ def _adapter(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.backbone.model.named_parameters() if "lora_" in n}
 
 
-def test_two_epochs_train_the_adapter_only(tmp_path, tiny_weights, plugin):
+def test_two_epochs_train_the_adapter_only(tmp_path, tiny_weights, plugin, monkeypatch):
     trainer = Trainer(load_recipe(tiny_recipe(tmp_path, tiny_weights)))
     lora = _adapter(trainer)
     frozen = {n: p.detach().clone() for n, p in trainer.backbone.model.named_parameters() if "lora_" not in n}
+    planned = []  # each epoch is planned once, and the plan handed on (the sampler planned it a second time)
+    counted = lambda *args: planned.append(args[2]) or plan_epoch(*args)  # noqa: E731
+    for module in (trainer_module, sampling_module):
+        monkeypatch.setattr(module, "plan_epoch", counted, raising=False)  # the sampler no longer imports it
     metrics = trainer.fit()
+    assert planned == [0, 1]
     after = dict(trainer.backbone.model.named_parameters())
     assert all(not torch.equal(lora[n], after[n]) for n in lora), "every LoRA tensor must change"
     assert all(torch.equal(frozen[n], after[n]) for n in frozen), "frozen weights must not change"
