@@ -18,11 +18,17 @@ import torch.multiprocessing
 
 
 def spawn(worker: Callable, out: Path, *args, world_size: int = 2, backend: str = "gloo") -> list[dict]:
-    """Run ``worker(rank, out, *args)`` in ``world_size`` fresh processes joined in one group (gloo; "nccl": on the
-    GPUs, process r on GPU r); return the dicts they saved, in rank order."""
+    """Run ``worker(rank, out, *args)`` in ``world_size`` new processes joined in one group (gloo; "nccl": on the
+    GPUs, process r on GPU r); return the dicts they saved, in rank order.
+
+    On the CPU the processes are forked from this one, which has imported torch and tpflow already: a fresh
+    interpreter spends about 10 s of a 2-core machine on those imports, more than the tests' tiny trainings. No
+    process group exists here to be copied (``init_process_group`` runs in the children). Under NCCL they are
+    started fresh: CUDA does not survive a fork."""
     port = free_port()
     context = (world_size, port, worker, out, args, backend)
-    torch.multiprocessing.spawn(_enter, args=context, nprocs=world_size, join=True)
+    method = "spawn" if backend == "nccl" else "fork"
+    torch.multiprocessing.start_processes(_enter, args=context, nprocs=world_size, join=True, start_method=method)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
 
 
@@ -37,6 +43,7 @@ def _enter(rank: int, world_size: int, port: int, worker: Callable, out: Path, a
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
+    _forget_the_parents_accelerate_state()
     # A short timeout: a worker that fails before a collective must not leave its peer waiting for 30 minutes.
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -49,6 +56,16 @@ def _enter(rank: int, world_size: int, port: int, worker: Callable, out: Path, a
         torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _forget_the_parents_accelerate_state() -> None:
+    """A forked process starts with its parent's accelerate state: the test process's, one process whose index is 0.
+    Rank 1 would take itself for the main process (and for the run dir's lock holder); reset it, as a fresh
+    interpreter has none."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 def several_worker(rank: int, out: Path, jobs: list[tuple[str, Callable, tuple]]) -> dict:

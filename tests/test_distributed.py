@@ -47,15 +47,16 @@ GRPO_MODES = ["grpo", "grpo-retain", "grpo-reweight", "grpo-reweight-outcome", "
 def two_processes(tmp_path_factory, tiny_weights) -> list[dict]:
     """One start of 2 processes for the module's tests (``several_worker``): each job's result per rank. The
     collectives come last: they make the processes disagree on purpose."""
-    weights = str(tiny_weights)
+    weights, root = str(tiny_weights), tmp_path_factory.mktemp("two-processes")
     jobs = [
         ("group-stats", group_stats_worker, (GROUP_LAYOUTS, GROUP_REWARDS)),
         ("grpo-layouts", layout_worker, (weights, GRPO_LAYOUTS, "+".join(GRPO_MODES))),
         ("nft-layouts", layout_worker, (weights, NFT_LAYOUTS, "nft+awm+dgpo")),
         ("sharded", sharded_layout_worker, (weights, GRPO_LAYOUTS)),
+        ("minimal", minimal_optimizer_worker, (str(_minimal_recipe(root, tiny_weights)), MINIMAL_SETS)),
         ("collectives", collectives_worker, ()),
     ]
-    return spawn(several_worker, tmp_path_factory.mktemp("two-processes"), jobs)
+    return spawn(several_worker, root, jobs)
 
 
 def test_a_prompts_copies_split_across_ranks_get_the_same_group_statistics(two_processes):
@@ -261,21 +262,29 @@ def test_an_nft_steps_gradient_is_the_same_on_two_processes_whatever_the_split(t
             torch.testing.assert_close(zero[key], reference, rtol=1e-5, atol=1e-7, msg=key)
 
 
-@pytest.mark.parametrize("processes", [1, 2])
-def test_an_optimizer_of_the_protocol_alone_trains_on_one_and_two_processes(tmp_path, tiny_weights, processes):
-    """train/ needs nothing of an optimizer beyond ``tpflow.interfaces.Optimizer``: a plugin that implements the
-    protocol and nothing else (no ``options`` the trainer reads, no tpflow optimizer base) trains an epoch."""
+MINIMAL_SETS = ["train.epochs=1", "eval.every=0", "log.trackers=[]", "train.ema=false"]
+
+
+def _minimal_recipe(tmp_path: Path, weights: Path) -> Path:
+    """The tiny recipe with the protocol-only test optimizer ``test-minimal`` and none of GRPO's options."""
     from tests.test_train import tiny_recipe
 
-    recipe = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
+    recipe = tiny_recipe(tmp_path, weights, reward="image-stat")
     text = recipe.read_text().replace('[optimizer]\nname = "grpo"', '[optimizer]\nname = "test-minimal"')
-    text = "\n".join(line for line in text.splitlines() if not _grpo_only(line))
-    recipe.write_text(text)
-    sets = ["train.epochs=1", "eval.every=0", "log.trackers=[]", "train.ema=false"]
+    recipe.write_text("\n".join(line for line in text.splitlines() if not _grpo_only(line)))
+    return recipe
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_an_optimizer_of_the_protocol_alone_trains_on_one_and_two_processes(tmp_path, tiny_weights, processes,
+                                                                              request):  # fmt: skip
+    """train/ needs nothing of an optimizer beyond ``tpflow.interfaces.Optimizer``: a plugin that implements the
+    protocol and nothing else (no ``options`` the trainer reads, no tpflow optimizer base) trains an epoch. On 2
+    processes it is a job of the module's one start (``two_processes``)."""
     if processes == 1:  # in this process: no process group, nothing to spawn
-        ranks = [minimal_optimizer_worker(0, tmp_path, str(recipe), sets)]
+        ranks = [minimal_optimizer_worker(0, tmp_path, str(_minimal_recipe(tmp_path, tiny_weights)), MINIMAL_SETS)]
     else:
-        ranks = spawn(minimal_optimizer_worker, tmp_path, str(recipe), sets, world_size=processes)
+        ranks = [r["minimal"] for r in request.getfixturevalue("two_processes")]
     assert all(r["world_size"] == processes for r in ranks)
     for rank in ranks:
         assert any(not torch.equal(a, b) for a, b in zip(rank["start"], rank["end"], strict=True))

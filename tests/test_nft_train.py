@@ -7,14 +7,13 @@ import ast
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.cli_run import TpflowForked
 from tests.test_preflight import assert_one_paragraph, run_cli
 from tests.test_train import tiny_recipe
 from tpflow.recipe import load_recipe
@@ -176,8 +175,10 @@ def test_the_base_seed_follows_train_seed_not_what_was_built_before(tmp_path, ti
     assert Trainer(other, run_dir=tmp_path / "other").optimizer.lagged.seed != plain
 
 
-@pytest.mark.parametrize("section", [NFT_SECTION, AWM_SECTION, DGPO_SECTION], ids=["nft", "awm", "dgpo"])
-def test_kill_9_then_resume_continues_exactly(tmp_path, tiny_weights, section):
+def test_kill_9_then_resume_continues_exactly(tmp_path, tiny_weights, section=NFT_SECTION):
+    """A real process (forked: ``TpflowForked``) killed with SIGKILL once its first checkpoint is in place,
+    resumed: it ends bitwise where the uninterrupted run did, lagged copy included. AWM and DGPO resume from the
+    same state, made in this process (``test_awm_and_dgpo_resume_from_what_a_kill_leaves_exactly``)."""
     straight_dir, killed_dir = tmp_path / "straight", tmp_path / "killed"
     straight_dir.mkdir()
     killed_dir.mkdir()
@@ -187,22 +188,48 @@ def test_kill_9_then_resume_continues_exactly(tmp_path, tiny_weights, section):
     assert straight.optimizer.global_step >= 4 and straight.optimizer.lagged.updates == 4
 
     recipe = nft_recipe(killed_dir, tiny_weights, section=section)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), *sys.path])}
-    command = [sys.executable, "-m", "tpflow.cli", "train", str(recipe), *[a for s in sets for a in ("--set", s)]]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    proc = TpflowForked("train", str(recipe), *[a for s in sets for a in ("--set", s)], folder=tmp_path / "out")
     checkpoints = killed_dir / "run" / "checkpoints"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         if checkpoints.is_dir() and any(not p.name.startswith(".") for p in checkpoints.iterdir()):
             break  # installed by an atomic rename: complete once visible
         time.sleep(0.02)
-    assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()}"
+    assert proc.poll() is None, f"the run ended before it could be killed: {proc.output()[1]}"
     os.kill(proc.pid, signal.SIGKILL)  # no clean-up of any kind
     assert proc.wait(timeout=60) == -signal.SIGKILL
-    proc.stderr.close()
 
     resumed = Trainer(load_recipe(recipe, sets), resume=True)
     assert 1 <= resumed.epoch < 4
+    resumed.fit()
+    a, b = _adapter(straight), _adapter(resumed)
+    assert all(torch.equal(a[n], b[n]) for n in a), "the resumed adapter must equal the uninterrupted one bitwise"
+    assert all(
+        torch.equal(x, y) for x, y in zip(straight.optimizer.lagged.old, resumed.optimizer.lagged.old, strict=True)
+    )
+    assert _comparable(straight.run_dir) == _comparable(resumed.run_dir)
+
+
+@pytest.mark.parametrize("section", [AWM_SECTION, DGPO_SECTION], ids=["awm", "dgpo"])
+def test_awm_and_dgpo_resume_from_what_a_kill_leaves_exactly(tmp_path, tiny_weights, section):
+    """What a kill after the first checkpoint leaves (that checkpoint, and logs that run past it), made in this
+    process from a finished run's copy: resumed, AWM and DGPO end bitwise where the uninterrupted run did, their
+    lagged copy and their logged metrics included."""
+    import shutil
+
+    sets = ["train.epochs=4", "eval.every=0", "train.keep_checkpoints=0"]
+    recipe = nft_recipe(tmp_path, tiny_weights, section=section)
+    straight = Trainer(load_recipe(recipe, sets))
+    straight.fit()
+    killed = tmp_path / "killed"
+    shutil.copytree(straight.run_dir, killed)
+    written = sorted((p for p in (killed / "checkpoints").iterdir() if not p.name.startswith(".")),
+                     key=lambda p: int(re.sub(r"\D", "", p.name)))  # fmt: skip
+    assert len(written) == 4, [p.name for p in written]
+    for later in written[1:]:
+        shutil.rmtree(later)
+    resumed = Trainer(load_recipe(recipe, [*sets, f"train.run_dir={killed}"]), resume=True)
+    assert resumed.epoch == 1
     resumed.fit()
     a, b = _adapter(straight), _adapter(resumed)
     assert all(torch.equal(a[n], b[n]) for n in a), "the resumed adapter must equal the uninterrupted one bitwise"
