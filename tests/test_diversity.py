@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from tests.test_train import tiny_recipe
 from tpflow.errors import RecipeError
 from tpflow.recipe import load_recipe
-from tpflow.scoring.diversity import (
+from tpflow.scoring.watched import hacking_warnings
+from tpflow.train.diversity import (
     build_embedder,
     diversity_se,
     mean_pairwise_distance,
@@ -24,7 +25,6 @@ from tpflow.scoring.diversity import (
     pixel_embeddings,
     sibling_distances,
 )
-from tpflow.scoring.watched import hacking_warnings
 
 GUARD = """
 rewards = [{name = "image-stat", label = "contrast", options = {statistic = "contrast"}}]

@@ -5,7 +5,6 @@ its functions short and its files small."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ from tpflow import registry
 from tpflow.interfaces import Optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIM = ROOT / "tpflow" / "optim"
 
 
 def _optimizers() -> dict[str, registry.Entry]:
@@ -86,21 +84,3 @@ def test_final_sample_options_refuse_what_they_refused():
         registry.validate_options("optimizer", "awm", {"recompute": "retain"})
     with pytest.raises(Exception, match="num_timesteps"):
         registry.validate_options("optimizer", "dgpo", {"num_timesteps": 1, "trunc_steps": 0, "train_timesteps": 1})
-
-
-def _functions(path: Path):
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            body = node.body
-            doc = (
-                body[0] if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else None
-            )
-            yield node.name, node.end_lineno - node.lineno + 1 - (doc.end_lineno - doc.lineno + 1 if doc else 0)
-
-
-def test_optim_functions_and_files_are_small():
-    """No function in tpflow/optim/ over 60 lines from its def to its last line (docstring excluded), no file over
-    450 lines."""
-    long = [f"{p.name}:{name} {n}" for p in sorted(OPTIM.glob("*.py")) for name, n in _functions(p) if n > 60]
-    large = [f"{p.name} {n}" for p in sorted(OPTIM.glob("*.py")) if (n := len(p.read_text().splitlines())) > 450]
-    assert not long and not large, (long, large)

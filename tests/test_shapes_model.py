@@ -220,7 +220,7 @@ def test_pretraining_reduces_the_loss_and_writes_a_loadable_model(tmp_path: Path
 def test_pretrain_command_writes_weights(tmp_path: Path):
     from typer.testing import CliRunner
 
-    from tpflow.shapes.cli import shapes_app
+    from tpflow.cli_shapes import shapes_app
 
     args = ["pretrain", "--minutes", "0.01", "--out", str(tmp_path), "--batch-size", "4", "--no-progress"]
     result = CliRunner().invoke(shapes_app, args)

@@ -47,7 +47,7 @@ def test_unsharded_values_pass_through():
 def test_validate_says_how_a_sharded_recipe_splits_and_refuses_an_unequal_eval(tmp_path, tiny_weights):
     """``tpflow validate --num-processes N`` of a sharded recipe: what each process holds, and an evaluation the
     processes cannot share equally refused there, before any launch."""
-    from tpflow.preflight import layout_report
+    from tpflow.cli_validate import layout_report
 
     path = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
     sets = ['train.shard="fsdp"', "train.rollout_batch=2", "optimizer.micro_batch_size=2"]

@@ -125,7 +125,7 @@ def test_dpm_solver_plan_is_diffusers_dpm_solver_pp_2m_in_float64(grid):
 def test_the_evaluations_dpm_solver_samples_what_the_dpm_solver_plan_samples(grid):
     """``[eval] solver = "dpm-solver++"`` (``sample_ode`` with the settings' solver) gives the dpm-solver plan's final
     samples from the same z_0: exactly, and in chunks to float64 rounding; the default Euler steps do not."""
-    from tpflow.rollout import sample_ode
+    from tpflow.rollout import eval_solver, sample_ode
     from tpflow.settings import EvalSettings
 
     num_steps, w = 10, 4.5
@@ -133,11 +133,11 @@ def test_the_evaluations_dpm_solver_samples_what_the_dpm_solver_plan_samples(gri
     out, z0 = _run(model, "dpm-solver", num_steps, 0.0, w, grid=grid)
     cond = Conditioning({"row": torch.arange(N, device="cpu")})
     settings = EvalSettings(solver="dpm-solver++", grid=grid)
-    final = sample_ode(model, cond, z0, model.sigmas(num_steps), w, None, settings.ode_solver())
+    final = sample_ode(model, cond, z0, model.sigmas(num_steps), w, None, eval_solver(settings))
     assert torch.equal(final, out.final)
-    chunked = sample_ode(model, cond, z0, model.sigmas(num_steps), w, 2, settings.ode_solver())
+    chunked = sample_ode(model, cond, z0, model.sigmas(num_steps), w, 2, eval_solver(settings))
     torch.testing.assert_close(chunked, out.final, rtol=0, atol=1e-12)  # a 2-row matmul rounds apart from a 3-row one
-    euler = sample_ode(model, cond, z0, model.sigmas(num_steps), w, None, EvalSettings().ode_solver())
+    euler = sample_ode(model, cond, z0, model.sigmas(num_steps), w, None, eval_solver(EvalSettings()))
     assert (euler - out.final).abs().max() > 1e-4
     with pytest.raises(ValueError, match="read only by eval.solver"):
         EvalSettings(grid="flow-sigmas")

@@ -69,7 +69,7 @@ app = typer.Typer(
 
 
 def _shapes_app() -> typer.Typer:
-    from tpflow.shapes.cli import shapes_app
+    from tpflow.cli_shapes import shapes_app
 
     return shapes_app
 

@@ -48,7 +48,8 @@ def launch_if_asked(
     """With more than one process asked for and no launcher around us: start them (torchrun in-process), each
     running this command minus the launcher options, and exit with their status. ``check`` runs first, so a bad
     layout is one error here rather than one per process."""
-    from tpflow.launch import child_command, launch, launched, torchrun_args
+    from tpflow.distributed import launched
+    from tpflow.launch import child_command, launch, torchrun_args
 
     world = num_processes * num_machines
     if world > 1 and not launched():

@@ -26,51 +26,59 @@ def register(app: typer.Typer) -> None:
     app.command()(validate)
 
 
+Offline = Annotated[bool, typer.Option(help="Skip contacting services (the remote reward's server).")]
+Machine = Annotated[
+    bool,
+    typer.Option(
+        help="Also check this machine: devices, the files the recipe names, its prompts, the run dir "
+        "(--no-machine: the values only, for a recipe meant for another machine)."
+    ),
+]
+NumProcesses = Annotated[
+    int,
+    typer.Option(
+        "--num-processes",
+        min=1,
+        help="Also check the epoch's layout on this many processes per machine, as "
+        "`tpflow train --num-processes` would (docs/distributed.md).",
+    ),
+]
+NumMachines = Annotated[int, typer.Option("--num-machines", min=1, help="Machines taking part (with it).")]
+GpuMemory = Annotated[
+    float | None,
+    typer.Option(
+        "--gpu-memory",
+        metavar="GIB",
+        help="Also estimate the peak GPU memory of each of the --num-processes × --num-machines processes (the "
+        "real model's shapes on fake tensors: no weights, no GPU; the reward models, the CUDA context and a "
+        "safety margin counted) and say whether it fits in GIB GiB per GPU, with what would help when not; exit "
+        "2 when it does not fit reliably. Also estimates the time per epoch (docs/distributed.md, 'Will it "
+        "fit?').",
+        show_default=False,
+    ),
+]
+Gpu = Annotated[
+    str | None,
+    typer.Option(
+        "--gpu",
+        metavar="NAME",
+        help="The GPU whose peak bf16 throughput the time estimate of --gpu-memory uses: h100 (the default), "
+        "h100-pcie, h200 or a100.",
+        show_default=False,
+    ),
+]
+
+
 @user_errors
 def validate(
     recipe: Annotated[Path, typer.Argument(help="Recipe TOML file.")],
     set_: Overrides = None,
-    offline: Annotated[bool, typer.Option(help="Skip contacting services (the remote reward's server).")] = False,
-    machine: Annotated[
-        bool,
-        typer.Option(
-            help="Also check this machine: devices, the files the recipe names, its prompts, the run dir "
-            "(--no-machine: the values only, for a recipe meant for another machine)."
-        ),
-    ] = True,
-    num_processes: Annotated[
-        int,
-        typer.Option(
-            "--num-processes",
-            min=1,
-            help="Also check the epoch's layout on this many processes per machine, as "
-            "`tpflow train --num-processes` would (docs/distributed.md).",
-        ),
-    ] = 1,
-    num_machines: Annotated[int, typer.Option("--num-machines", min=1, help="Machines taking part (with it).")] = 1,
-    gpu_memory: Annotated[
-        float | None,
-        typer.Option(
-            "--gpu-memory",
-            metavar="GIB",
-            help="Also estimate the peak GPU memory of each of the --num-processes × --num-machines processes (the "
-            "real model's shapes on fake tensors: no weights, no GPU; the reward models, the CUDA context and a "
-            "safety margin counted) and say whether it fits in GIB GiB per GPU, with what would help when not; exit "
-            "2 when it does not fit reliably. Also estimates the time per epoch (docs/distributed.md, 'Will it "
-            "fit?').",
-            show_default=False,
-        ),
-    ] = None,
-    gpu: Annotated[
-        str | None,
-        typer.Option(
-            "--gpu",
-            metavar="NAME",
-            help="The GPU whose peak bf16 throughput the time estimate of --gpu-memory uses: h100 (the default), "
-            "h100-pcie, h200 or a100.",
-            show_default=False,
-        ),
-    ] = None,
+    offline: Offline = False,
+    machine: Machine = True,
+    num_processes: NumProcesses = 1,
+    num_machines: NumMachines = 1,
+    gpu_memory: GpuMemory = None,
+    gpu: Gpu = None,
 ) -> None:
     """Check every section of a recipe against its component, without loading any weights.
 
@@ -92,16 +100,11 @@ def validate(
     gpu = _gpu_name(gpu, gpu_memory)
     loaded = load_recipe(recipe, set_ or [])
     warn_broken_plugins()
-    if num_processes * num_machines > 1:
-        from tpflow.preflight import layout_report
-
-        layout = layout_report(loaded, num_processes * num_machines)  # before the table: a bad layout exits 2
-    else:
-        layout = None
+    processes = num_processes * num_machines
+    layout = layout_report(loaded, processes) if processes > 1 else None  # before the table: a bad layout exits 2
     console = make_console()
     # The estimate needs no weights: it runs before the machine check, so that a machine without them still gets
     # the memory answer (printed before the missing-weights paragraph).
-    processes = num_processes * num_machines
     fit = _memory_fit(loaded, recipe, processes, gpu_memory, gpu) if gpu_memory is not None else None
     try:
         report = check_machine(loaded, default_run_dir(loaded)) if machine else None
@@ -120,6 +123,31 @@ def validate(
         _print_lines(console, fit.lines())
         if not fit.fits:
             raise UserError(fit.paragraph())
+
+
+def layout_report(recipe: Any, processes: int) -> str:
+    """How ``processes`` processes would share the recipe's epochs (the line ``tpflow train`` prints when it starts
+    on them), or a UserError (exit 2) naming the process counts that work; no weights, no dataset."""
+    from tpflow import registry
+    from tpflow.train.prompt_sampler import check_layout, layout_line, plan_epoch
+
+    train = recipe.train
+    check_layout(train, processes)
+    layout_of = getattr(registry.get("optimizer", recipe.optimizer.name).factory, "layout_of", None)
+    layout = layout_of(recipe.optimizer.options) if callable(layout_of) else None
+    plan = plan_epoch(train.prompts_per_epoch, train, 0)  # the layout depends on the sizes only, not the prompts
+    lines = [f"layout: {layout_line(plan, layout, processes)}"]
+    if train.shard == "fsdp":
+        from tpflow.train.sharding import equal_eval_shares
+
+        if recipe.eval.every and recipe.eval.num_prompts:  # else the test split's size decides, at the start
+            equal_eval_shares(recipe.eval.num_prompts * recipe.eval.images_per_prompt, processes)
+        lines.append(
+            f"sharding: FSDP2 over {processes} processes, each holding 1/{processes} of the trained transformer's "
+            "weights, gradients and AdamW moments plus the blocks it gathers (estimates per recipe: "
+            "docs/distributed.md, 'Memory per GPU')"
+        )
+    return "\n".join(lines)
 
 
 def _gpu_name(gpu: str | None, gpu_memory: float | None) -> str:

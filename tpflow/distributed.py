@@ -17,6 +17,7 @@ each step's gradient is the mean over every row of every process, whatever their
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,14 @@ import torch
 from torch import Tensor
 
 from tpflow.errors import UserError
+
+RUNNING_UNDER_LAUNCHER = ("LOCAL_RANK", "RANK")  # set by torchrun, accelerate launch, deepspeed, SLURM wrappers
+
+
+def launched() -> bool:
+    """True inside a process started by a distributed launcher (so it must not launch again; its accelerate state
+    belongs to the launch)."""
+    return any(name in os.environ for name in RUNNING_UNDER_LAUNCHER)
 
 
 class Distributed:
@@ -177,8 +186,6 @@ def make_accelerator(
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import ProjectConfiguration
-
-    from tpflow.launch import launched
 
     state = AcceleratorState._shared_state
     if state and not launched():

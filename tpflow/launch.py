@@ -22,14 +22,6 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-RUNNING_UNDER_LAUNCHER = ("LOCAL_RANK", "RANK")  # set by torchrun, accelerate launch, deepspeed, SLURM wrappers
-
-
-def launched() -> bool:
-    """True inside a process started by a distributed launcher (so it must not launch again)."""
-    return any(name in os.environ for name in RUNNING_UNDER_LAUNCHER)
-
-
 STOP_WAIT_S = 600
 """How long the launcher waits for its processes after Ctrl-C or SIGTERM before it kills them (torchrun's own
 default, 30 s, is shorter than an update of a large model, which the processes finish before they save). The

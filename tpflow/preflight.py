@@ -22,16 +22,15 @@ Otherwise a ``MachineReport`` says where each weight comes from, what the backbo
 from __future__ import annotations
 
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
 from tpflow import registry
 from tpflow.errors import RecipeError, UserError
-from tpflow.weights import WeightSource
+from tpflow.weights import WeightSource, component_weights
 
 if TYPE_CHECKING:
     from tpflow.recipe import Recipe
@@ -114,17 +113,6 @@ def check_component(kind: str, name: str, options: BaseModel, settings: dict) ->
     return problems, weights
 
 
-def component_weights(factory: object, options: object, settings: dict) -> list[WeightSource]:
-    """The component's ``weight_sources(options, settings)`` (``tpflow.weights``), or [] when it has no hook."""
-    hook = getattr(factory, "weight_sources", None)
-    if not callable(hook):
-        return []
-    try:
-        return list(hook(options, settings))
-    except UserError as exc:  # an option that names no weight at all (an unknown open_clip architecture)
-        return [WeightSource("weights", "", None, str(exc))]
-
-
 def device_report(recipe: Recipe) -> tuple[str, list[str]]:
     """The backbone's device as resolved here with why (an unset device falls back to the CPU silently otherwise),
     and warnings about it (none at present: train.mixed_precision is honoured on every device, tpflow.precision)."""
@@ -202,63 +190,8 @@ def run_dir_problems(run_dir: Path) -> list[str]:
     return []
 
 
-def regular_file_problem(path: Path, what: str) -> str | None:
-    """Why ``path`` is not an existing regular file (a directory, a FIFO, a device such as /dev/zero), or None."""
-    try:
-        mode = Path(path).stat().st_mode
-    except FileNotFoundError:
-        return f"{what} {path} was not found."
-    except OSError as exc:
-        return f"{what} {path} cannot be read ({exc.strerror or exc})."
-    if not stat.S_ISREG(mode):
-        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device, FIFO or socket)"
-        return f"{what} {path} is {kind}; it must be a regular file."
-    return None
-
-
-def safetensors_problem(path: Path, what: str) -> str | None:
-    """Why ``path`` is not a readable safetensors file (reads its header only), or None."""
-    problem = regular_file_problem(path, what)
-    if problem:
-        return problem
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            f.keys()
-    except Exception as exc:  # SafetensorError for a bad header; OSError for an unreadable file
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return f"{what} {path} is not a safetensors file ({reason})."
-    return None
-
-
 def default_run_dir(recipe: Recipe) -> Path:
     """``train.run_dir`` with ``{recipe}`` replaced by the recipe file's stem (``run`` without a file), as the
     trainer resolves it."""
     stem = recipe.path.stem if recipe.path else "run"
     return Path(recipe.train.run_dir.format(recipe=stem))
-
-
-def layout_report(recipe: Any, processes: int) -> str:
-    """How ``processes`` processes would share the recipe's epochs (the line ``tpflow train`` prints when it starts
-    on them), or a UserError (exit 2) naming the process counts that work; no weights, no dataset."""
-    from tpflow import registry
-    from tpflow.train.prompt_sampler import check_layout, layout_line, plan_epoch
-
-    train = recipe.train
-    check_layout(train, processes)
-    layout_of = getattr(registry.get("optimizer", recipe.optimizer.name).factory, "layout_of", None)
-    layout = layout_of(recipe.optimizer.options) if callable(layout_of) else None
-    plan = plan_epoch(train.prompts_per_epoch, train, 0)  # the layout depends on the sizes only, not the prompts
-    lines = [f"layout: {layout_line(plan, layout, processes)}"]
-    if train.shard == "fsdp":
-        from tpflow.train.sharding import equal_eval_shares
-
-        if recipe.eval.every and recipe.eval.num_prompts:  # else the test split's size decides, at the start
-            equal_eval_shares(recipe.eval.num_prompts * recipe.eval.images_per_prompt, processes)
-        lines.append(
-            f"sharding: FSDP2 over {processes} processes, each holding 1/{processes} of the trained transformer's "
-            "weights, gradients and AdamW moments plus the blocks it gathers (estimates per recipe: "
-            "docs/distributed.md, 'Memory per GPU')"
-        )
-    return "\n".join(lines)

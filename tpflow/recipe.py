@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from pydantic import BaseModel, ValidationError
 
 from tpflow import registry
 from tpflow.errors import RecipeError, UnknownComponentError
-from tpflow.settings import SETTINGS, EvalSettings, LogSettings, RolloutSettings, TrainSettings
+from tpflow.settings import SETTINGS, EvalSettings, LogSettings, RolloutSettings, TrainSettings, shard_problems
 from tpflow.strict_types import boolean_problems
 
 if sys.version_info >= (3, 11):
@@ -42,6 +42,34 @@ else:  # pragma: no cover
 # Component sections a recipe may omit, and the component used then.
 DEFAULT_COMPONENTS: dict[str, str] = {"sampler": "cps", "plan": "window", "credit": "consistent", "optimizer": "grpo"}
 SECTIONS: tuple[str, ...] = (*registry.KINDS, *SETTINGS)
+
+
+def _watched_problems(sections: dict[str, Any]) -> list[str]:
+    from tpflow.scoring.watched import recipe_problems
+
+    return recipe_problems(sections)
+
+
+def _reward_need_problems(sections: dict[str, Any]) -> list[str]:
+    from tpflow.rewards.needs import recipe_problems  # imports the rewards: at validation, not with this module
+
+    return recipe_problems(sections)
+
+
+def _whole_group_problems(sections: dict[str, Any]) -> list[str]:
+    from tpflow.scoring.groups import whole_group_problems
+
+    return whole_group_problems(sections)
+
+
+# The checks of a recipe that span sections, each supplied by the module that owns what it checks: the validator
+# only collects their sentences (a component's own limits come from its ``check_recipe`` hook, ``_limits``).
+SECTION_CHECKS: tuple[Callable[[dict[str, Any]], list[str]], ...] = (
+    shard_problems,  # [train] shard = "fsdp" against the optimizer and the backbone (tpflow.settings)
+    _watched_problems,  # [eval] rewards: names the registry knows (tpflow.scoring.watched)
+    _reward_need_problems,  # what each reward needs of the backbone and the dataset (tpflow.rewards.needs)
+    _whole_group_problems,  # a reward that needs whole groups per call against [train]'s batching (tpflow.scoring)
+)
 
 
 @dataclass(frozen=True)
@@ -210,43 +238,10 @@ def validate_recipe(data: dict[str, Any], where: str = "recipe", path: Path | No
         for problem in _limits(registry.get(spec.kind, spec.name).factory, spec.options, sections)
     ]
     problems += _device_names(components)
-    problems += shard_problems(sections)
-    problems += watched_problems(sections)
-    problems += reward_need_problems(sections)
-    problems += whole_group_problems(sections)
+    problems += [problem for check in SECTION_CHECKS for problem in check(sections)]
     if problems:
         raise RecipeError(f"{where}: " + " ".join(problems))
     return Recipe(components=components, settings=settings, data=data, path=path)
-
-
-def watched_problems(sections: dict[str, Any]) -> list[str]:
-    """What ``[eval] rewards`` names that the registry refuses (``tpflow.scoring.watched.recipe_problems``)."""
-    from tpflow.scoring.watched import recipe_problems
-
-    return recipe_problems(sections)
-
-
-def reward_need_problems(sections: dict[str, Any]) -> list[str]:
-    """Where a reward (trained, watched, or a part of one) meets a backbone whose samples it cannot score (clips,
-    images) or a dataset without the metadata it reads (``tpflow.rewards.needs.recipe_problems``)."""
-    from tpflow.rewards.needs import recipe_problems
-
-    return recipe_problems(sections)
-
-
-def whole_group_problems(sections: dict[str, Any]) -> list[str]:
-    """Where a reward that needs whole groups per call (pairwise) meets batching that cuts a group
-    (``tpflow.scoring.groups.whole_group_problems``)."""
-    from tpflow.scoring.groups import whole_group_problems as problems
-
-    return problems(sections)
-
-
-def shard_problems(sections: dict[str, Any]) -> list[str]:
-    """What ``[train] shard = "fsdp"`` cannot run (``tpflow.train.sharding.recipe_problems``)."""
-    from tpflow.train.sharding import recipe_problems
-
-    return recipe_problems(sections)
 
 
 def refuse_booleans(table: dict[str, Any], model: type[BaseModel], where: str) -> None:

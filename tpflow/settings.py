@@ -7,12 +7,9 @@ override them per model.
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-if TYPE_CHECKING:
-    from tpflow.plans.base import Solver
 
 # Upper bounds of the counts: far above any real run (the paper's epoch is 48 prompts x 24 images; K = 10 steps), low
 # enough that a typo (an extra three zeros) fails at validation instead of hanging the epoch planner or the sampler.
@@ -228,7 +225,7 @@ DIVERSITY_SPECS = '"shapes-clip", "shapes-clip:<weights>", "clip:<arch>", "clip:
 
 
 def diversity_problem(spec: str) -> str | None:
-    """Why ``spec`` names no embedding of ``eval.diversity`` (tpflow.scoring.diversity), or None; read here, before
+    """Why ``spec`` names no embedding of ``eval.diversity`` (tpflow.train.diversity), or None; read here, before
     anything loads."""
     kind, _, rest = spec.partition(":")
     if (kind == "pixels" and not rest) or kind == "shapes-clip" or (kind == "clip" and rest.split(":", 1)[0]):
@@ -298,14 +295,6 @@ class EvalSettings(BaseModel):
         description="Diversity within groups, eval_diversity: the mean pairwise 1 - cos of the embeddings of each "
         "prompt's images_per_prompt (>= 2) images, by 'shapes-clip', 'clip:<arch>[:<pretrained>]' or 'pixels'.",
     )
-
-    def ode_solver(self) -> Solver | None:
-        """What ``tpflow.rollout.sample_ode`` runs: None for Euler steps, else DPM-Solver++ on ``grid``."""
-        from tpflow.plans.base import Solver
-
-        if self.solver == "euler":
-            return None
-        return Solver("dpm-solver++", grid=self.grid, flow_shift=self.flow_shift)
 
     @model_validator(mode="after")
     def _grid_needs_a_solver(self) -> EvalSettings:
@@ -379,3 +368,26 @@ SETTINGS: dict[str, type[BaseModel]] = {
     "eval": EvalSettings,
     "log": LogSettings,
 }
+
+
+def shard_problems(sections: dict[str, Any]) -> list[str]:
+    """One sentence per part of a recipe that ``[train] shard = "fsdp"`` cannot run in lockstep (checked before
+    anything loads, by ``tpflow.recipe``)."""
+    if sections["train"].shard != "fsdp":
+        return []
+    problems = []
+    optimizer = getattr(sections.get("optimizer"), "options", None)
+    recompute = getattr(optimizer, "recompute", "native")
+    if recompute != "native":
+        problems.append(
+            f'[train] shard = "fsdp" runs every forward pass in step on every process, and [optimizer] recompute = '
+            f'"{recompute}" runs the update\'s first step inside the rollout, whose gradients FSDP would reduce while '
+            'the processes sample. Use recompute = "native" with sharding.'
+        )
+    backbone = getattr(sections.get("backbone"), "options", None)
+    if getattr(backbone, "compile_blocks", False):
+        problems.append(
+            '[train] shard = "fsdp" with [backbone] compile_blocks = true: compiling FSDP-sharded blocks is not '
+            "supported here yet. Drop compile_blocks."
+        )
+    return problems

@@ -166,3 +166,17 @@ def file_source(what: str, path: str | None, how: str) -> WeightSource:
         state = "is not a file" if file.exists() else "does not exist"
         return WeightSource(what, path, None, f"{what}: {file} {state}; {how}.")
     return WeightSource(what, path, f"local file {file}", path=str(file))
+
+
+def component_weights(factory: object, options: object, settings: dict) -> list[WeightSource]:
+    """The component's ``weight_sources(options, settings)``, or [] when it has no hook: what the composite rewards
+    (``weighted``, ``frames``, ``pairwise``) ask of their parts, and ``tpflow.preflight`` of every component."""
+    hook = getattr(factory, "weight_sources", None)
+    if not callable(hook):
+        return []
+    from tpflow.errors import UserError
+
+    try:
+        return list(hook(options, settings))
+    except UserError as exc:  # an option that names no weight at all (an unknown open_clip architecture)
+        return [WeightSource("weights", "", None, str(exc))]

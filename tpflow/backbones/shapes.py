@@ -22,6 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from tpflow.backbones import option_help
 from tpflow.backbones.shapes_lora import ShapesLora
 from tpflow.devices import randn, resolve_device
 from tpflow.errors import UserError
@@ -62,37 +63,17 @@ class ShapesDitOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    weights: str | None = Field(
-        None,
-        description="Pretrained weights: a .safetensors written by `tpflow shapes pretrain` (its .json config beside "
-        "it) or the folder holding shapes_dit.safetensors. None: the weights shipped in tpflow/shapes/weights/.",
-    )
-    finetune: Literal["lora", "full"] = Field(
-        "lora",
-        description="What trains: a LoRA adapter ('lora'), or every weight of the DiT ('full'; the lora_* options "
-        "unused; tpflow/backbones/full_finetune.py).",
-    )
-    lora_rank: int = Field(8, ge=1, description="Rank r of the LoRA adapter.")
-    lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator: the update is (alpha / r)·B·A.")
-    lora_targets: list[str] = Field(
-        default_factory=lambda: list(LORA_TARGETS),
-        description="Module names (suffixes) peft adapts; the default is the joint blocks' attention projections.",
-    )
-    lora_init: Literal["default", "gaussian"] = Field(
-        "default",
-        description="peft's init of A: 'default' Kaiming-uniform, 'gaussian' N(0, 1/r); B = 0 in both, so the "
-        "adapted model starts equal to the base model.",
-    )
-    device: str = Field("cpu", description="Torch device of the model and its latents.")
+    weights: str | None = Field(None, description=option_help.WEIGHTS)
+    finetune: Literal["lora", "full"] = Field("lora", description=option_help.FINETUNE)
+    lora_rank: int = Field(8, ge=1, description=option_help.LORA_RANK)
+    lora_alpha: float = Field(16.0, gt=0, description=option_help.LORA_ALPHA)
+    lora_targets: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), description=option_help.LORA_TARGETS)
+    lora_init: Literal["default", "gaussian"] = Field("default", description=option_help.LORA_INIT)
+    device: str = Field("cpu", description=option_help.DEVICE)
     shift: float = Field(
         3.0, gt=0, description="Static time shift of the SD3 sigma schedule (dropping it costs accuracy)."
     )
-    compile_blocks: bool = Field(
-        False,
-        description="torch.compile each joint block (regional compilation; needs a C++ compiler on the CPU). Off by "
-        "default: compiling takes minutes on a CPU and the on-policy ratio is then 1 only to rounding "
-        "(docs/results.md, epoch cost).",
-    )
+    compile_blocks: bool = Field(False, description=option_help.COMPILE_BLOCKS)
 
 
 def resolve_weights(
@@ -155,7 +136,7 @@ class ShapesBackbone:
         file's metadata), and the LoRA targets name layers of that model (built from the config, random weights); the
         header is read, not the weights."""
         from tpflow.backbones.lora_targets import structure, target_problems
-        from tpflow.preflight import safetensors_problem
+        from tpflow.files import safetensors_problem
         from tpflow.shapes.model import read_config
 
         name = cls.model_name

@@ -39,7 +39,7 @@ MAX_PROMPT_FILE_BYTES = 1 << 30  # 1 GiB: millions of prompts; a bigger "prompt 
 
 def _lines(path: str) -> list[tuple[int, str]]:
     """The non-blank lines of a UTF-8 prompt file, numbered from 1; UserError for anything else."""
-    from tpflow.preflight import regular_file_problem
+    from tpflow.files import regular_file_problem
 
     file = Path(path).expanduser()
     problem = regular_file_problem(file, "The prompt file")

@@ -26,8 +26,8 @@ from tpflow.evaluation.targets import Target, load_model
 from tpflow.grids import EVAL_TILE, Grid, Tile, captioned_grid, columns_for
 from tpflow.preflight import prompt_warnings
 from tpflow.scoring.call import recipe_policy
-from tpflow.scoring.diversity import build_embedder
 from tpflow.scoring.watched import with_watched
+from tpflow.train.diversity import build_embedder
 from tpflow.train.evaluation import (
     Scored,
     eval_seed,

@@ -14,7 +14,7 @@ import torch
 
 from tpflow.devices import cpu_generator
 from tpflow.evaluation.targets import Target, load_model
-from tpflow.rollout import sample_ode
+from tpflow.rollout import eval_solver, sample_ode
 
 
 @torch.no_grad()
@@ -40,6 +40,6 @@ def sample_images(
         cond = backbone.encode(part)
         with autocast():
             latents = sample_ode(backbone, cond, z0[start : start + len(part)], backbone.sigmas(steps), guidance,
-                                 batch_size, target.recipe.eval.ode_solver())  # fmt: skip
+                                 batch_size, eval_solver(target.recipe.eval))  # fmt: skip
         images.append(backbone.decode(latents).float().cpu())
     return torch.cat(images)

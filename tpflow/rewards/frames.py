@@ -95,7 +95,7 @@ class FramesReward:
     @staticmethod
     def weight_sources(options: FramesOptions, settings: dict) -> list[WeightSource]:
         """The wrapped reward's weights (``tpflow.weights``)."""
-        from tpflow.preflight import component_weights
+        from tpflow.weights import component_weights
 
         factory = registry.get("reward", options.reward).factory
         validated = registry.validate_options("reward", options.reward, options.options)

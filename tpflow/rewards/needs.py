@@ -18,7 +18,7 @@ side declares what it has (``capability``, ``tpflow.interfaces.CAPABILITIES``) a
 Both apply to the trained reward, to every watched reward (``[eval] rewards``, scored on the same samples), and to
 the rewards a reward is made of (``reward_parts``: ``weighted``'s parts, ``frames``'s reward, which gets single
 frames, ``pairwise``'s judge). ``[eval] diversity`` reads no metadata and embeds a clip by its middle frame
-(``tpflow.scoring.diversity``), so it fits every dataset and backbone.
+(``tpflow.train.diversity``), so it fits every dataset and backbone.
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ class PairwiseReward:
     @staticmethod
     def weight_sources(options: PairwiseOptions, settings: dict) -> list[WeightSource]:
         """The judge's weights (``tpflow.weights``)."""
-        from tpflow.preflight import component_weights
+        from tpflow.weights import component_weights
 
         judge = options.judge
         factory = registry.get("reward", judge.name).factory

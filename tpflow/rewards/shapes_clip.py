@@ -82,7 +82,7 @@ class ShapesClipReward:
     @staticmethod
     def check_machine(options: ShapesClipOptions, settings: dict) -> list[str]:
         """The weights file exists and is a safetensors file (its header is read, not the weights)."""
-        from tpflow.preflight import safetensors_problem
+        from tpflow.files import safetensors_problem
 
         try:
             path = resolve_weights(options.weights)

@@ -118,7 +118,7 @@ class WeightedReward:
     @staticmethod
     def weight_sources(options: WeightedOptions, settings: dict) -> list[WeightSource]:
         """Each part's weights (``tpflow.weights``), named by the part's place in the sum."""
-        from tpflow.preflight import component_weights
+        from tpflow.weights import component_weights
 
         sources = []
         for i, part in enumerate(options.rewards):

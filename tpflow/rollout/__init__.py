@@ -28,7 +28,7 @@ from tpflow.plans.base import Window, draw_window
 from tpflow.rollout.branch import BranchEngine
 from tpflow.rollout.from_settings import Engine, engine_for, rollout_from_settings
 from tpflow.rollout.inputs import RolloutInputs
-from tpflow.rollout.ode import sample_ode
+from tpflow.rollout.ode import eval_solver, sample_ode
 from tpflow.rollout.parts import baseline_generator, completion_nodes
 from tpflow.rollout.per_row import RowWindowsEngine
 from tpflow.rollout.solver import SolverEngine
@@ -52,5 +52,6 @@ __all__ = [
     "engine_for",
     "rollout",
     "rollout_from_settings",
+    "eval_solver",
     "sample_ode",
 ]

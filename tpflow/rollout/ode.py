@@ -11,6 +11,7 @@ from tpflow.interfaces import Backbone
 from tpflow.plans.base import Solver
 from tpflow.samplers.dpm_solver import data_prediction, dpm_solver_2m
 from tpflow.samplers.euler import euler_step
+from tpflow.settings import EvalSettings
 from tpflow.types import Conditioning
 
 
@@ -45,6 +46,14 @@ def sample_ode(
             z = euler_step(z, v, sigmas[k], sigmas[k + 1])
         finals.append(z)
     return torch.cat(finals)
+
+
+def eval_solver(settings: EvalSettings) -> Solver | None:
+    """What ``sample_ode`` runs for an ``[eval]`` section: None for Euler steps, else DPM-Solver++ on its ``grid``
+    (the section holds the names, the engine builds the solver)."""
+    if settings.solver == "euler":
+        return None
+    return Solver("dpm-solver++", grid=settings.grid, flow_shift=settings.flow_shift)
 
 
 def _dpm(backbone: Backbone, cond: Conditioning, z: Tensor, sigmas: Tensor, guidance: float, solver: Solver) -> Tensor:

@@ -11,6 +11,6 @@ reward shares (training rollouts, the trainer's evaluation, ``tpflow eval``, ``i
 - ``tpflow.scoring.diversity``: ``[eval] diversity``, how different a prompt's images are from each other.
 
 It imports nothing from its submodules, so that a reward (``tpflow.rewards.pairwise``) can import one of them
-without loading the others. These modules import the rewards, the settings and the foundations, never the training
-loop, evaluation, the recipe validator or the CLI.
+without loading the others. These modules import only the foundations (docs/architecture.md, "Layers"): the rewards
+that call other rewards (``weighted``, ``frames``, ``pairwise``) check their parts' outputs through them.
 """

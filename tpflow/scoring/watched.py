@@ -21,7 +21,7 @@ from tpflow.scoring.call import check_output
 from tpflow.types import RewardOutput
 
 PREFIX = "watch_"  # the details key (and eval_ metric) of a watched reward's scores
-DIVERSITY = "diversity"  # eval.diversity's details key (tpflow.scoring.diversity), watched as a reward is
+DIVERSITY = "diversity"  # eval.diversity's details key (tpflow.train.diversity), watched as a reward is
 
 
 class WatchedRewards:

@@ -29,12 +29,12 @@ from tpflow.distributed import Distributed
 from tpflow.grids import EVAL_TILE, GRID_IMAGES, Grid, Tile, captioned_grid, clip_grid, columns_for, shown_images
 from tpflow.images import to_uint8
 from tpflow.interfaces import Backbone, PromptDataset, RewardModel
-from tpflow.rollout import sample_ode
+from tpflow.rollout import eval_solver, sample_ode
 from tpflow.scoring.call import DEFAULT_POLICY, RewardPolicy, call_reward, reward_name
-from tpflow.scoring.diversity import DETAIL as DIVERSITY
-from tpflow.scoring.diversity import Embedder, diversity_se, sibling_distances
 from tpflow.scoring.watched import standard_errors
 from tpflow.settings import EvalSettings
+from tpflow.train.diversity import DETAIL as DIVERSITY
+from tpflow.train.diversity import Embedder, diversity_se, sibling_distances
 from tpflow.types import PromptItem
 from tpflow.video import frame_strip, strip_frames
 
@@ -93,7 +93,7 @@ def score_prompts(
     Each batch's reward call goes through ``call_reward`` under ``policy`` (time limit, retries, output checks, as
     in training); non-finite scores kept by ``policy`` (``eval.nonfinite_rewards = "warn"``) get one warning.
     With ``embed`` (``eval.diversity``) and two or more images per prompt, each image's mean embedding distance to
-    its prompt's other images is the detail ``diversity`` (tpflow.scoring.diversity), computed once gathered: a
+    its prompt's other images is the detail ``diversity`` (tpflow.train.diversity), computed once gathered: a
     prompt's images may lie in several batches and processes."""
     n = images_per_prompt
     grid_rows, grid_rule = shown_images(len(everything), n)
@@ -158,7 +158,7 @@ def _score_mine(
         with autocast():
             latents = sample_ode(backbone, cond, z0[start : start + len(part)],
                                  backbone.sigmas(settings.num_steps), settings.guidance,
-                                 settings.batch_size, settings.ode_solver())  # fmt: skip
+                                 settings.batch_size, eval_solver(settings))  # fmt: skip
         images = backbone.decode(latents)
         out = call_reward(reward, images, prompts, [it.metadata for it in part], policy)
         scores += out.scores.tolist()

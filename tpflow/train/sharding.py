@@ -47,29 +47,6 @@ from tpflow.shards import full, gathered_to_host, is_sharded, like  # noqa: F401
 BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "text_layers")
 
 
-def recipe_problems(sections: dict[str, Any]) -> list[str]:
-    """One sentence per part of a recipe that ``shard = "fsdp"`` cannot run in lockstep (checked before anything
-    loads)."""
-    if sections["train"].shard != "fsdp":
-        return []
-    problems = []
-    optimizer = getattr(sections.get("optimizer"), "options", None)
-    recompute = getattr(optimizer, "recompute", "native")
-    if recompute != "native":
-        problems.append(
-            f'[train] shard = "fsdp" runs every forward pass in step on every process, and [optimizer] recompute = '
-            f'"{recompute}" runs the update\'s first step inside the rollout, whose gradients FSDP would reduce while '
-            'the processes sample. Use recompute = "native" with sharding.'
-        )
-    backbone = getattr(sections.get("backbone"), "options", None)
-    if getattr(backbone, "compile_blocks", False):
-        problems.append(
-            '[train] shard = "fsdp" with [backbone] compile_blocks = true: compiling FSDP-sharded blocks is not '
-            "supported here yet. Drop compile_blocks."
-        )
-    return problems
-
-
 def equal_eval_shares(images: int, processes: int) -> None:
     """A UserError unless the eval's ``images`` split equally over the processes (sharded, every process must run as
     many forward passes)."""

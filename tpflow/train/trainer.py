@@ -43,13 +43,13 @@ from tpflow.precision import Precision
 from tpflow.preflight import check_machine
 from tpflow.recipe import Recipe
 from tpflow.scoring.call import recipe_policy
-from tpflow.scoring.diversity import Embedder, build_embedder
 from tpflow.scoring.watched import build_watched, guard_lines, with_watched
 from tpflow.train.allocator import keep_freed_memory
 from tpflow.train.checkpoints.format import find_checkpoint
 from tpflow.train.checkpoints.resume import checkpoint_to_resume, train_command
 from tpflow.train.checkpoints.run import RunCheckpoints, named_trainable
 from tpflow.train.components import build_components
+from tpflow.train.diversity import Embedder, build_embedder
 from tpflow.train.ema import EMA
 from tpflow.train.epoch import EpochRows, Sampled, combine_update_metrics, prompt_groups
 from tpflow.train.evaluation import eval_seed, evaluate
@@ -377,7 +377,7 @@ class Trainer:
         return with_watched(self.reward, self.recipe.eval, self._watched)
 
     def _diversity_embedding(self) -> Embedder | None:
-        """The embedding of ``[eval] diversity`` (tpflow.scoring.diversity), built at the first eval; None without."""
+        """The embedding of ``[eval] diversity`` (tpflow.train.diversity), built at the first eval; None without."""
         spec = self.recipe.eval.diversity
         if spec is not None and getattr(self, "_embed", None) is None:
             self._embed = build_embedder(spec)
