@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from tpflow.backbones import option_help
 from tpflow.backbones.placement import place
 from tpflow.devices import resolve_device
 from tpflow.errors import UserError
@@ -27,39 +28,22 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class DiffusersBackboneOptions(BaseModel):
-    """Options every diffusers backbone takes (the model-specific defaults are set by the subclasses)."""
+    """Options every diffusers backbone takes (the model-specific defaults are set by the subclasses, with the
+    descriptions of ``option_help``)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    dtype: Literal["fp32", "fp16", "bf16"] = Field(
-        "fp16",
-        description="Transformer and text-encoder dtype, but for the modules each model keeps in fp32 (the VAE is "
-        "loaded and decodes in fp32; a full fine-tune's transformer is loaded in fp32).",
-    )
-    device: str | None = Field(None, description="Torch device; default: cuda when available, else cpu.")
-    resolution: int = Field(512, ge=16, description="Image height and width in pixels.")
-    max_sequence_length: int = Field(256, ge=8, description="T5 tokens per prompt.")
-    finetune: Literal["lora", "full"] = Field(
-        "lora",
-        description="What trains: a LoRA adapter ('lora'), or every transformer weight ('full': fp32 master weights, "
-        "the recipe's mixed_precision computes; the lora_* options unused; tpflow/backbones/full_finetune.py).",
-    )
-    lora_rank: int = Field(32, ge=1, description="LoRA rank r.")
-    lora_alpha: float = Field(64.0, gt=0, description="LoRA alpha: the update is (alpha / r)·B·A.")
-    lora_targets: list[str] = Field(default_factory=list, description="Module names (suffixes) peft adapts.")
-    lora_init: Literal["gaussian", "default"] = Field(
-        "gaussian",
-        description="peft's init of A ('gaussian' as in the paper's code); B = 0, so training starts at "
-        "the base model.",
-    )
+    dtype: Literal["fp32", "fp16", "bf16"] = Field("fp16", description=option_help.DTYPE)
+    device: str | None = Field(None, description=option_help.DEVICE)
+    resolution: int = Field(512, ge=16, description=option_help.RESOLUTION)
+    max_sequence_length: int = Field(256, ge=8, description=option_help.MAX_SEQUENCE_LENGTH)
+    finetune: Literal["lora", "full"] = Field("lora", description=option_help.FINETUNE)
+    lora_rank: int = Field(32, ge=1, description=option_help.LORA_RANK)
+    lora_alpha: float = Field(64.0, gt=0, description=option_help.LORA_ALPHA)
+    lora_targets: list[str] = Field(default_factory=list, description=option_help.LORA_TARGETS)
+    lora_init: Literal["gaussian", "default"] = Field("gaussian", description=option_help.LORA_INIT)
     gradient_checkpointing: bool = Field(False, description="Recompute transformer activations in the backward.")
-    compile_blocks: bool = Field(
-        False,
-        description="torch.compile each repeated transformer block (regional compilation, as diffusers documents; "
-        "its compile_repeated_blocks does not list SD3's blocks in 0.42). Compiles once per shape regime, grad mode "
-        "and adapter state. Off by default: the rollout (no grad) and the update (grad) run different compiled "
-        "graphs, so the on-policy ratio is 1 only to rounding (docs/results.md, epoch cost).",
-    )
+    compile_blocks: bool = Field(False, description=option_help.COMPILE_BLOCKS)
     prompt_cache: int = Field(
         0, ge=0, description="Prompt embeddings kept (on the CPU, least recently used dropped); 0 turns it off."
     )

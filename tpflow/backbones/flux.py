@@ -20,6 +20,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
+from tpflow.backbones import option_help
 from tpflow.backbones.diffusers_common import (
     DTYPES,
     DiffusersBackboneOptions,
@@ -43,34 +44,20 @@ FLUX_LORA_TARGETS = (  # docs/algorithm.md §6.3: attention projections plus bot
     "ff_context.net.0.proj",
     "ff_context.net.2",
 )
-FLUX_LORA_TARGETS_HELP = (
-    "Module names (suffixes) peft adapts; the default is the attention projections and both feed-forward networks "
-    "of every block (docs/algorithm.md §6.3)."
-)
-
-
-TIME_SHIFT_HELP = (
-    "None: FLUX's resolution-dependent dynamic shift, as FluxPipeline (Flow-GRPO, TP-GRPO). A number s: the static "
-    "shift σ = s·t/(1 + (s − 1)·t) on the same grid, as DanceGRPO and MixGRPO sample FLUX (s = 3; "
-    "docs/backbones.md)."
-)
 
 
 class FluxOptions(DiffusersBackboneOptions):
     """Options of ``flux.1-dev`` (paper defaults: bf16, 512 px, LoRA r=64, alpha=128)."""
 
-    pretrained: str = Field(
-        "black-forest-labs/FLUX.1-dev",
-        description="Hub id (read from the local HF cache) or a local folder in diffusers layout.",
-    )
-    dtype: Literal["fp32", "fp16", "bf16"] = Field("bf16", description="Transformer and text-encoder dtype.")
-    max_sequence_length: int = Field(512, ge=8, description="T5 tokens per prompt.")
-    lora_rank: int = Field(64, ge=1, description="LoRA rank r.")
-    lora_alpha: float = Field(128.0, gt=0, description="LoRA alpha.")
+    pretrained: str = Field("black-forest-labs/FLUX.1-dev", description=option_help.PRETRAINED)
+    dtype: Literal["fp32", "fp16", "bf16"] = Field("bf16", description=option_help.DTYPE)
+    max_sequence_length: int = Field(512, ge=8, description=option_help.MAX_SEQUENCE_LENGTH)
+    lora_rank: int = Field(64, ge=1, description=option_help.LORA_RANK)
+    lora_alpha: float = Field(128.0, gt=0, description=option_help.LORA_ALPHA)
     lora_targets: list[str] = Field(
-        default_factory=lambda: list(FLUX_LORA_TARGETS), description=FLUX_LORA_TARGETS_HELP
+        default_factory=lambda: list(FLUX_LORA_TARGETS), description=option_help.LORA_TARGETS
     )
-    time_shift: float | None = Field(None, gt=0, description=TIME_SHIFT_HELP)
+    time_shift: float | None = Field(None, gt=0, description=option_help.TIME_SHIFT)
 
 
 class FluxBackbone(AdapterMethods):

@@ -25,6 +25,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
+from tpflow.backbones import option_help
 from tpflow.backbones.diffusers_common import (
     DTYPES,
     DiffusersBackboneOptions,
@@ -48,20 +49,15 @@ QWEN_LORA_TARGETS = JOINT_ATTENTION
 class QwenImageOptions(DiffusersBackboneOptions):
     """Options of ``qwen-image`` (bf16, 1024 px as the model card, LoRA r=32, alpha=64 on the attention)."""
 
-    pretrained: str = Field(
-        "Qwen/Qwen-Image", description="Hub id (read from the local HF cache) or a local folder in diffusers layout."
-    )
-    dtype: Literal["fp32", "fp16", "bf16"] = Field("bf16", description="Transformer and text-encoder dtype.")
-    resolution: int = Field(1024, ge=16, description="Image height and width in pixels (the model card's 1024).")
-    max_sequence_length: int = Field(
-        128, ge=8, description="Text tokens per prompt after the template (longer prompts are cut, as the pipeline "
-        "does at its max_sequence_length); every prompt is padded to it, masked."
-    )  # fmt: skip
+    pretrained: str = Field("Qwen/Qwen-Image", description=option_help.PRETRAINED)
+    dtype: Literal["fp32", "fp16", "bf16"] = Field("bf16", description=option_help.DTYPE)
+    resolution: int = Field(1024, ge=16, description=option_help.RESOLUTION)
+    max_sequence_length: int = Field(128, ge=8, description=option_help.MAX_SEQUENCE_LENGTH)
     lora_targets: list[str] = Field(
         default_factory=lambda: list(QWEN_LORA_TARGETS),
-        description="Module names (suffixes) peft adapts; the default is the attention projections of every block.",
+        description=option_help.LORA_TARGETS,
     )
-    negative_prompt: str = Field(" ", description="Prompt of the true-CFG negative branch (the model card's ' ').")
+    negative_prompt: str = Field(" ", description=option_help.NEGATIVE_PROMPT)
 
 
 class QwenImageBackbone(AdapterMethods):

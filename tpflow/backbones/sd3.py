@@ -21,6 +21,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
+from tpflow.backbones import option_help
 from tpflow.backbones.diffusers_common import (
     DTYPES,
     DiffusersBackboneOptions,
@@ -39,21 +40,16 @@ from tpflow.registry import register
 from tpflow.types import Conditioning
 
 SD3_LORA_TARGETS = JOINT_ATTENTION  # docs/algorithm.md §6.3: the joint attention projections of every block
-SD3_LORA_TARGETS_HELP = (
-    "Module names (suffixes) peft adapts; the default is the joint attention projections of every block "
-    "(docs/algorithm.md §6.3)."
-)
 
 
 class SD3Options(DiffusersBackboneOptions):
     """Options of ``sd3.5-medium`` (paper defaults: fp16, 512 px, LoRA r=32, alpha=64, Gaussian init)."""
 
-    pretrained: str = Field(
-        "stabilityai/stable-diffusion-3.5-medium",
-        description="Hub id (read from the local HF cache) or a local folder in diffusers layout.",
+    pretrained: str = Field("stabilityai/stable-diffusion-3.5-medium", description=option_help.PRETRAINED)
+    lora_targets: list[str] = Field(
+        default_factory=lambda: list(SD3_LORA_TARGETS), description=option_help.LORA_TARGETS
     )
-    lora_targets: list[str] = Field(default_factory=lambda: list(SD3_LORA_TARGETS), description=SD3_LORA_TARGETS_HELP)
-    negative_prompt: str = Field("", description="Prompt of the unconditional CFG branch.")
+    negative_prompt: str = Field("", description=option_help.NEGATIVE_PROMPT)
 
 
 class SD3Backbone(AdapterMethods):
@@ -156,12 +152,9 @@ class SD3LargeOptions(SD3Options):
     """Options of ``sd3.5-large``: the SD3 backbone with the Large checkpoint's defaults (bf16, its model card's
     1 megapixel, 1024 px; LoRA on the joint attention projections as for Medium: Large has no second attention)."""
 
-    pretrained: str = Field(
-        "stabilityai/stable-diffusion-3.5-large",
-        description="Hub id (read from the local HF cache) or a local folder in diffusers layout.",
-    )
-    dtype: Literal["fp32", "fp16", "bf16"] = Field("bf16", description="Transformer and text-encoder dtype.")
-    resolution: int = Field(1024, ge=16, description="Image height and width in pixels (the model card's 1024).")
+    pretrained: str = Field("stabilityai/stable-diffusion-3.5-large", description=option_help.PRETRAINED)
+    dtype: Literal["fp32", "fp16", "bf16"] = Field("bf16", description=option_help.DTYPE)
+    resolution: int = Field(1024, ge=16, description=option_help.RESOLUTION)
 
 
 @register("backbone", "sd3.5-large", options=SD3LargeOptions)

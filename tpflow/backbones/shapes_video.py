@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import Field
 from torch import Tensor
 
+from tpflow.backbones import option_help
 from tpflow.backbones.shapes import ShapesBackbone, ShapesDitOptions, resolve_weights
 from tpflow.registry import register
 from tpflow.shapes import video_world
@@ -29,12 +30,7 @@ from tpflow.shapes.video_pretrain import WEIGHTS_FILE
 class ShapesVideoDitOptions(ShapesDitOptions):
     """Options of ``shapes-video-dit`` (``shapes-dit``'s)."""
 
-    weights: str | None = Field(
-        None,
-        description="Pretrained weights: a .safetensors written by `tpflow shapes video-pretrain` (its .json config "
-        "beside it) or the folder holding shapes_video_dit.safetensors. None: the weights shipped in "
-        "tpflow/shapes/weights/.",
-    )
+    weights: str | None = Field(None, description=option_help.WEIGHTS)
 
 
 @register("backbone", "shapes-video-dit", options=ShapesVideoDitOptions)

@@ -19,10 +19,11 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
+from tpflow.backbones import option_help
 from tpflow.backbones.diffusers_common import DiffusersBackboneOptions
-from tpflow.backbones.flux import FLUX_LORA_TARGETS, FLUX_LORA_TARGETS_HELP, TIME_SHIFT_HELP, FluxBackbone
+from tpflow.backbones.flux import FLUX_LORA_TARGETS, FluxBackbone
 from tpflow.backbones.qwen_image import QWEN_LORA_TARGETS, QwenImageBackbone
-from tpflow.backbones.sd3 import SD3_LORA_TARGETS, SD3_LORA_TARGETS_HELP, SD3Backbone
+from tpflow.backbones.sd3 import SD3_LORA_TARGETS, SD3Backbone
 from tpflow.backbones.tiny_tokenizers import QWEN_VOCAB_SIZE, clip_tokenizer, qwen_tokenizer, t5_tokenizer
 from tpflow.backbones.wan import WAN_LORA_TARGETS, WanBackbone
 from tpflow.backbones.wan22 import Wan22Backbone, expert_problems
@@ -33,33 +34,35 @@ class TinyOptions(DiffusersBackboneOptions):
     """Options of the tiny backbones: CPU-sized defaults (fp32, 16 px, LoRA r=4)."""
 
     seed: int = Field(0, description="Seed of the random weights (the same seed builds the same model).")
-    dtype: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="Transformer and text-encoder dtype.")
-    device: str | None = Field("cpu", description="Torch device.")
-    resolution: int = Field(16, ge=4, description="Image side in pixels (the tiny VAE does not downsample).")
-    max_sequence_length: int = Field(32, ge=4, description="T5 tokens per prompt.")
-    lora_rank: int = Field(4, ge=1, description="LoRA rank r.")
-    lora_alpha: float = Field(8.0, gt=0, description="LoRA alpha.")
+    dtype: Literal["fp32", "fp16", "bf16"] = Field("fp32", description=option_help.DTYPE)
+    device: str | None = Field("cpu", description=option_help.DEVICE)
+    resolution: int = Field(16, ge=4, description=option_help.RESOLUTION)
+    max_sequence_length: int = Field(32, ge=4, description=option_help.MAX_SEQUENCE_LENGTH)
+    lora_rank: int = Field(4, ge=1, description=option_help.LORA_RANK)
+    lora_alpha: float = Field(8.0, gt=0, description=option_help.LORA_ALPHA)
 
 
 class TinySD3Options(TinyOptions):
     lora_targets: list[str] = Field(  # its one block is SD3's last, which has no attn.to_add_out (context_pre_only)
         default_factory=lambda: [t for t in SD3_LORA_TARGETS if t != "attn.to_add_out"],
-        description=SD3_LORA_TARGETS_HELP,
+        description=option_help.LORA_TARGETS,
     )
-    negative_prompt: str = Field("", description="Prompt of the unconditional CFG branch.")
+    negative_prompt: str = Field("", description=option_help.NEGATIVE_PROMPT)
 
 
 class TinyFluxOptions(TinyOptions):
     lora_targets: list[str] = Field(
-        default_factory=lambda: list(FLUX_LORA_TARGETS), description=FLUX_LORA_TARGETS_HELP
+        default_factory=lambda: list(FLUX_LORA_TARGETS), description=option_help.LORA_TARGETS
     )
-    time_shift: float | None = Field(None, gt=0, description=TIME_SHIFT_HELP)
+    time_shift: float | None = Field(None, gt=0, description=option_help.TIME_SHIFT)
 
 
 class TinyQwenImageOptions(TinyOptions):
-    resolution: int = Field(32, ge=16, description="Image side in pixels (the tiny VAE downsamples 4×).")
-    lora_targets: list[str] = Field(default_factory=lambda: list(QWEN_LORA_TARGETS), description="LoRA targets.")
-    negative_prompt: str = Field(" ", description="Prompt of the true-CFG negative branch.")
+    resolution: int = Field(32, ge=16, description=option_help.RESOLUTION)
+    lora_targets: list[str] = Field(
+        default_factory=lambda: list(QWEN_LORA_TARGETS), description=option_help.LORA_TARGETS
+    )
+    negative_prompt: str = Field(" ", description=option_help.NEGATIVE_PROMPT)
 
 
 def _clip_encoder(projection: bool) -> Any:
@@ -275,12 +278,14 @@ def tiny_qwen_image(options: TinyQwenImageOptions) -> QwenImageBackbone:
 
 
 class TinyWanOptions(TinyOptions):
-    resolution: int = Field(32, ge=16, description="Clip height and width in pixels (the tiny VAE downsamples 8×).")
-    width: int | None = Field(None, ge=16, description="Clip width in pixels (default: the height).")
-    num_frames: int = Field(5, ge=1, description="Frames per clip: 4k + 1.")
-    flow_shift: float = Field(3.0, gt=0, description="Static shift of the flow-matching schedule.")
-    lora_targets: list[str] = Field(default_factory=lambda: list(WAN_LORA_TARGETS), description="LoRA targets.")
-    negative_prompt: str = Field("", description="Prompt of the unconditional CFG branch.")
+    resolution: int = Field(32, ge=16, description=option_help.RESOLUTION)
+    width: int | None = Field(None, ge=16, description=option_help.WIDTH)
+    num_frames: int = Field(5, ge=1, description=option_help.NUM_FRAMES)
+    flow_shift: float = Field(3.0, gt=0, description=option_help.FLOW_SHIFT)
+    lora_targets: list[str] = Field(
+        default_factory=lambda: list(WAN_LORA_TARGETS), description=option_help.LORA_TARGETS
+    )
+    negative_prompt: str = Field("", description=option_help.NEGATIVE_PROMPT)
 
 
 def tiny_wan_pipeline(seed: int = 0, flow_shift: float = 3.0, expand_timesteps: bool = False) -> Any:
@@ -310,9 +315,9 @@ def tiny_wan_pipeline(seed: int = 0, flow_shift: float = 3.0, expand_timesteps: 
 
 
 class TinyWan22Options(TinyWanOptions):
-    flow_shift: float = Field(12.0, gt=0, description="Static shift of the flow-matching schedule.")
-    train_expert: Literal["high", "low"] = Field("high", description="Which expert trains.")
-    low_noise_guidance: float | None = Field(None, ge=1.0, description="CFG scale of the low-noise expert.")
+    flow_shift: float = Field(12.0, gt=0, description=option_help.FLOW_SHIFT)
+    train_expert: Literal["high", "low"] = Field("high", description=option_help.TRAIN_EXPERT)
+    low_noise_guidance: float | None = Field(None, ge=1.0, description=option_help.LOW_NOISE_GUIDANCE)
 
 
 def tiny_wan22_pipeline(seed: int = 0, flow_shift: float = 12.0) -> Any:

@@ -31,6 +31,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
+from tpflow.backbones import option_help
 from tpflow.backbones.diffusers_common import (
     DTYPES,
     DiffusersBackboneOptions,
@@ -53,22 +54,18 @@ WAN_LORA_TARGETS = tuple(f"attn{a}.{p}" for a in (1, 2) for p in ("to_q", "to_k"
 class WanOptions(DiffusersBackboneOptions):
     """Options of the Wan2.1 text-to-video backbones (bf16; 33 frames of 240×416, as flow_grpo's Wan recipe)."""
 
-    pretrained: str = Field(
-        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
-        description="Hub id (read from the local HF cache) or a local folder in diffusers layout.",
-    )
-    dtype: Literal["fp32", "fp16", "bf16"] = Field("bf16", description="Transformer and text-encoder dtype.")
-    resolution: int = Field(240, ge=16, description="Clip height in pixels (a multiple of 16).")
-    width: int | None = Field(None, ge=16, description="Clip width in pixels (a multiple of 16; default: the height).")
-    num_frames: int = Field(33, ge=1, description="Frames per clip: 4k + 1 (the Wan VAE's temporal compression).")
-    flow_shift: float = Field(3.0, gt=0, description="Static shift of the flow-matching schedule (480p: 3, 720p: 5).")
-    max_sequence_length: int = Field(226, ge=8, description="UMT5 tokens per prompt (the pipeline's default).")
+    pretrained: str = Field("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", description=option_help.PRETRAINED)
+    dtype: Literal["fp32", "fp16", "bf16"] = Field("bf16", description=option_help.DTYPE)
+    resolution: int = Field(240, ge=16, description=option_help.RESOLUTION)
+    width: int | None = Field(None, ge=16, description=option_help.WIDTH)
+    num_frames: int = Field(33, ge=1, description=option_help.NUM_FRAMES)
+    flow_shift: float = Field(3.0, gt=0, description=option_help.FLOW_SHIFT)
+    max_sequence_length: int = Field(226, ge=8, description=option_help.MAX_SEQUENCE_LENGTH)
     lora_targets: list[str] = Field(
         default_factory=lambda: list(WAN_LORA_TARGETS),
-        description="Module names (suffixes) peft adapts; the default is every block's self- and cross-attention "
-        "projections.",
+        description=option_help.LORA_TARGETS,
     )
-    negative_prompt: str = Field("", description="Prompt of the unconditional CFG branch (the pipeline's default).")
+    negative_prompt: str = Field("", description=option_help.NEGATIVE_PROMPT)
 
 
 def check_clip_size(options: WanOptions, temporal: int, spatial: int) -> None:
@@ -189,10 +186,7 @@ def wan21_t2v_1_3b(options: WanOptions) -> WanBackbone:
 
 
 class Wan14BOptions(WanOptions):
-    pretrained: str = Field(
-        "Wan-AI/Wan2.1-T2V-14B-Diffusers",
-        description="Hub id (read from the local HF cache) or a local folder in diffusers layout.",
-    )
+    pretrained: str = Field("Wan-AI/Wan2.1-T2V-14B-Diffusers", description=option_help.PRETRAINED)
 
 
 @register("backbone", "wan2.1-t2v-14b", options=Wan14BOptions)
@@ -210,14 +204,11 @@ class WanTI2VOptions(WanOptions):
     """Options of ``wan2.2-ti2v-5b`` (its text-to-video use; the official ti2v-5B config: 121 frames of 704×1280,
     shift 5, guidance 5)."""
 
-    pretrained: str = Field(
-        "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
-        description="Hub id (read from the local HF cache) or a local folder in diffusers layout.",
-    )
-    resolution: int = Field(704, ge=16, description="Clip height in pixels (a multiple of 32).")
-    width: int | None = Field(1280, ge=16, description="Clip width in pixels (a multiple of 32).")
-    num_frames: int = Field(121, ge=1, description="Frames per clip: 4k + 1.")
-    flow_shift: float = Field(5.0, gt=0, description="Static shift of the flow-matching schedule (ti2v-5B: 5).")
+    pretrained: str = Field("Wan-AI/Wan2.2-TI2V-5B-Diffusers", description=option_help.PRETRAINED)
+    resolution: int = Field(704, ge=16, description=option_help.RESOLUTION)
+    width: int | None = Field(1280, ge=16, description=option_help.WIDTH)
+    num_frames: int = Field(121, ge=1, description=option_help.NUM_FRAMES)
+    flow_shift: float = Field(5.0, gt=0, description=option_help.FLOW_SHIFT)
 
 
 @register("backbone", "wan2.2-ti2v-5b", options=WanTI2VOptions)

@@ -26,6 +26,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
+from tpflow.backbones import option_help
 from tpflow.backbones.diffusers_common import DTYPES, attach_preflight, fp32_parts, load_pipeline
 from tpflow.backbones.wan import WanBackbone, WanOptions
 from tpflow.registry import register
@@ -38,22 +39,10 @@ BOUNDARY_RATIO = 0.875  # t2v-A14B's (its model_index.json): what a recipe is ch
 class Wan22Options(WanOptions):
     """Options of ``wan2.2-t2v-a14b`` (the official t2v-A14B inference config where it has one)."""
 
-    pretrained: str = Field(
-        "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
-        description="Hub id (read from the local HF cache) or a local folder in diffusers layout.",
-    )
-    flow_shift: float = Field(12.0, gt=0, description="Static shift of the flow-matching schedule (t2v-A14B: 12).")
-    train_expert: Literal["high", "low"] = Field(
-        "high",
-        description="Which expert trains: 'high' (the pipeline's transformer, σ at or above the boundary) or 'low' "
-        "(transformer_2, below it); the other is frozen.",
-    )
-    low_noise_guidance: float | None = Field(
-        None,
-        ge=1.0,
-        description="CFG scale of the low-noise expert (the pipeline's guidance_scale_2; t2v-A14B: 3.0 against 4.0 "
-        "high); default: the rollout's guidance, as the pipeline's default.",
-    )
+    pretrained: str = Field("Wan-AI/Wan2.2-T2V-A14B-Diffusers", description=option_help.PRETRAINED)
+    flow_shift: float = Field(12.0, gt=0, description=option_help.FLOW_SHIFT)
+    train_expert: Literal["high", "low"] = Field("high", description=option_help.TRAIN_EXPERT)
+    low_noise_guidance: float | None = Field(None, ge=1.0, description=option_help.LOW_NOISE_GUIDANCE)
 
 
 class Wan22Backbone(WanBackbone):
