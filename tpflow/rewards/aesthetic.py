@@ -27,6 +27,7 @@ from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.images import l2_normalize
 from tpflow.registry import register
+from tpflow.rewards import option_help
 from tpflow.rewards.open_clip import OpenClip, load_open_clip, open_clip_source
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource, file_source
@@ -45,13 +46,9 @@ class AestheticOptions(BaseModel):
         description="Path of the aesthetic MLP weights: the original sac+logos+ava1-l14-linearMSE.pth "
         "(read with torch.load(weights_only=True)) or a .safetensors file with the same keys. Required to score.",
     )
-    clip_model: str = Field("ViT-L-14", description="open_clip architecture whose image embedding the head reads.")
-    clip_pretrained: str = Field(
-        "openai",
-        description="open_clip weights: a local checkpoint file, or a pretrained tag already in the Hugging Face "
-        "cache. The LAION head was trained on OpenAI's ViT-L/14 embeddings.",
-    )
-    device: str = Field("auto", description='Torch device of the models; "auto" picks CUDA when available.')
+    clip_model: str = Field("ViT-L-14", description=option_help.CLIP_MODEL)
+    clip_pretrained: str = Field("openai", description=option_help.CLIP_PRETRAINED)
+    device: str = Field("auto", description=option_help.DEVICE)
 
 
 class AestheticHead(nn.Module):

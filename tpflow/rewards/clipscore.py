@@ -22,6 +22,7 @@ from torch import Tensor
 from tpflow.devices import resolve_device
 from tpflow.images import l2_normalize
 from tpflow.registry import register
+from tpflow.rewards import option_help
 from tpflow.rewards.open_clip import LazyOpenClip, OpenClip, open_clip_source
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
@@ -39,7 +40,7 @@ class ClipScoreOptions(BaseModel):
         "weights are already in the Hugging Face cache (tpflow never downloads).",
     )
     scale: float = Field(2.5, gt=0, description="w of CLIPScore = w · max(cos, 0); 2.5 in Hessel et al. (2021).")
-    device: str = Field("auto", description='Torch device of the model; "auto" picks CUDA when available.')
+    device: str = Field("auto", description=option_help.DEVICE)
 
 
 @register("reward", "clipscore", options=ClipScoreOptions)

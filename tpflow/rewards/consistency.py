@@ -25,6 +25,7 @@ from torch import Tensor
 from tpflow.devices import resolve_device
 from tpflow.images import l2_normalize
 from tpflow.registry import register
+from tpflow.rewards import option_help
 from tpflow.rewards.open_clip import LazyOpenClip, OpenClip, open_clip_source
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
@@ -43,7 +44,7 @@ class TemporalConsistencyOptions(BaseModel):
         description="open_clip weights: a local checkpoint file, or a pretrained tag of the architecture whose "
         "weights are already in the Hugging Face cache (tpflow never downloads).",
     )
-    device: str = Field("auto", description='Torch device of the model; "auto" picks CUDA when available.')
+    device: str = Field("auto", description=option_help.DEVICE)
 
 
 @register("reward", "temporal-consistency", options=TemporalConsistencyOptions)

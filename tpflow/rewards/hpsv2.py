@@ -34,6 +34,7 @@ from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.images import l2_normalize, pad_preprocess
 from tpflow.registry import register
+from tpflow.rewards import option_help
 from tpflow.rewards.open_clip import LazyOpenClip, OpenClip
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource, download_command, hub_checkpoint
@@ -53,7 +54,7 @@ class HPSv2Options(BaseModel):
         f"(fetch it once with {download_command(REPO)}).",
     )
     model: str = Field("ViT-H-14", description="open_clip architecture the checkpoint belongs to (HPS: ViT-H-14).")
-    device: str = Field("auto", description='Torch device of the model; "auto" picks CUDA when available.')
+    device: str = Field("auto", description=option_help.DEVICE)
 
 
 def checkpoint_path(options: HPSv2Options) -> Path:

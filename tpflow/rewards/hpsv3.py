@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.registry import register
+from tpflow.rewards import option_help
 from tpflow.rewards._vlm import budget_size, judge_pixels
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource, download_command, hub_checkpoint, model_folder
@@ -139,15 +140,13 @@ class HPSv3Options(BaseModel):
         description="Qwen2-VL's config, tokenizer, chat template and image processor (its weights are not read): a "
         "hub id in the Hugging Face cache or a local folder.",
     )
-    dtype: Literal["bfloat16", "float32"] = Field(
-        "bfloat16", description="Weights and activations of the VLM (the package runs bfloat16); the head is float32."
-    )
+    dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description=option_help.DTYPE)
     min_pixels: int = Field(
         PIXELS, ge=28 * 28, description="Fewest pixels of the resized image (the package: 200704)."
     )
-    max_pixels: int = Field(PIXELS, ge=28 * 28, description="Most pixels of the resized image (the package: 200704).")
-    batch_size: int = Field(8, ge=1, description="Images per forward pass.")
-    device: str = Field("auto", description='Torch device of the model; "auto" picks CUDA when available.')
+    max_pixels: int = Field(PIXELS, ge=28 * 28, description=option_help.MAX_PIXELS)
+    batch_size: int = Field(8, ge=1, description=option_help.BATCH_SIZE)
+    device: str = Field("auto", description=option_help.DEVICE)
 
 
 def checkpoint_path(options: HPSv3Options) -> Path:

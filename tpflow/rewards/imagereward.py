@@ -42,6 +42,7 @@ from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.images import clip_preprocess
 from tpflow.registry import register
+from tpflow.rewards import option_help
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource, cached_file, download_command, hub_checkpoint, model_folder
 
@@ -213,7 +214,7 @@ class ImageRewardOptions(BaseModel):
         description="Overrides of the ViT-L/16 config (hidden_size, num_hidden_layers, ...), for checkpoints of "
         "another size; ImageReward's needs none.",
     )
-    device: str = Field("auto", description='Torch device of the model; "auto" picks CUDA when available.')
+    device: str = Field("auto", description=option_help.DEVICE)
 
 
 def checkpoint_path(options: ImageRewardOptions) -> Path:

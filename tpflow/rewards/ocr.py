@@ -43,6 +43,7 @@ from torch import Tensor
 from tpflow.errors import UserError
 from tpflow.images import to_uint8_hwc
 from tpflow.registry import register
+from tpflow.rewards import option_help
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
 
@@ -88,7 +89,7 @@ class OcrOptions(BaseModel):
     )
     device: str | None = Field(
         None,
-        description="paddleocr: device, e.g. 'cpu' or 'gpu:0' (default: its own).",
+        description=option_help.DEVICE,
         json_schema_extra={"torch_device": False},  # paddle's names: not checked as a torch device
     )
 

@@ -25,6 +25,7 @@ from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.images import clip_preprocess, l2_normalize
 from tpflow.registry import register
+from tpflow.rewards import option_help
 from tpflow.types import RewardOutput
 from tpflow.weights import MODEL_FILES, WeightSource, download_command, model_folder
 
@@ -47,10 +48,8 @@ class PickScoreOptions(BaseModel):
         "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
         description="Tokenizer and image preprocessing (CLIPProcessor): a cached Hugging Face id or a local folder.",
     )
-    device: str = Field("auto", description='Torch device of the model; "auto" picks CUDA when available.')
-    dtype: Literal["float32", "float16", "bfloat16"] = Field(
-        "float32", description="Model precision; the reference scores in float32."
-    )
+    device: str = Field("auto", description=option_help.DEVICE)
+    dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description=option_help.DTYPE)
 
 
 @register("reward", "pickscore", options=PickScoreOptions)

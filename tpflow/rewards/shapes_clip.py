@@ -30,6 +30,7 @@ from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.images import to_uint8
 from tpflow.registry import register
+from tpflow.rewards import option_help
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
 
@@ -52,7 +53,7 @@ class ShapesClipOptions(BaseModel):
         "beside it) or the folder holding shapes_clip.safetensors. None: the weights shipped in "
         "tpflow/shapes/weights/.",
     )
-    device: str = Field("auto", description='Torch device of the model; "auto" picks CUDA when available.')
+    device: str = Field("auto", description=option_help.DEVICE)
 
 
 def resolve_weights(weights: str | None) -> Path:

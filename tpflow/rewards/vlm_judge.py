@@ -78,6 +78,7 @@ from torch import Tensor
 from tpflow.devices import resolve_device
 from tpflow.errors import UserError
 from tpflow.registry import register
+from tpflow.rewards import option_help
 from tpflow.rewards._vlm import (
     DEFAULT_PAIR_TEMPLATE,
     QUESTIONS,
@@ -122,13 +123,13 @@ class VLMJudgeOptions(BaseModel):
     max_new_tokens: int = Field(512, ge=1, description="Most tokens the judge writes (UnifiedReward's script: 512).")
     answer_marker: str = Field("Final Score:", description="The score follows it (written, or in answer_prefix).")
     fallback_score: float | None = Field(None, description="Answer mode, no score found; None: scale_min.")
-    batch_size: int = Field(8, ge=1, description="Images per forward pass (a pair is two).")
-    max_pixels: int = Field(QWEN_VL_MAX_PIXELS, ge=1, description="Pixel budget of an image (script's: 16384·28²).")
+    batch_size: int = Field(8, ge=1, description=option_help.BATCH_SIZE)
+    max_pixels: int = Field(QWEN_VL_MAX_PIXELS, ge=1, description=option_help.MAX_PIXELS)
     pair_template: str = Field(DEFAULT_PAIR_TEMPLATE, description="Pairs: question; {prompt} is their prompt.")
     pair_answer_prefix: str = Field("Image ", description="Pairs: start of the judge's answer, given.")
     pair_answers: tuple[str, str] = Field(("1", "2"), description="Pairs: the tokens naming image a and b.")
-    device: str = Field("auto", description='Torch device; "auto": CUDA when available.')
-    dtype: Literal["float32", "float16", "bfloat16"] = Field("bfloat16", description="Model precision.")
+    device: str = Field("auto", description=option_help.DEVICE)
+    dtype: Literal["float32", "float16", "bfloat16"] = Field("bfloat16", description=option_help.DTYPE)
 
     @model_validator(mode="after")
     def _check(self) -> VLMJudgeOptions:

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from tpflow.registry import register
+from tpflow.rewards import option_help
 from tpflow.rewards.geneval.detectors import Detector, build_detector
 from tpflow.rewards.geneval.verdicts import GENEVAL_METADATA, SCORE_DESCRIPTION, ScoreName, verdicts
 from tpflow.types import RewardOutput
@@ -50,16 +51,9 @@ class GenevalOptions(BaseModel):
         description="Mask2Former COCO instance-segmentation weights: a local folder written by save_pretrained, or "
         "a Hugging Face id already in the local cache (GenEval uses the Swin-S COCO model).",
     )
-    clip_model: str = Field(
-        "ViT-L-14", description="open_clip architecture of the colour classifier (GenEval: ViT-L-14)."
-    )
-    clip_pretrained: str = Field(
-        "openai",
-        description="Colour classifier weights: an open_clip pretrained tag whose file is already cached (GenEval: "
-        "openai) or a local checkpoint file (for OpenAI weights from a file, use clip_model = "
-        "'ViT-L-14-quickgelu').",
-    )
-    device: str = Field("auto", description='Torch device of the detector models; "auto" picks CUDA when available.')
+    clip_model: str = Field("ViT-L-14", description=option_help.CLIP_MODEL)
+    clip_pretrained: str = Field("openai", description=option_help.CLIP_PRETRAINED)
+    device: str = Field("auto", description=option_help.DEVICE)
 
 
 @register("reward", "geneval", options=GenevalOptions)
