@@ -26,6 +26,7 @@ def group_advantages(
     eps: float = 1e-4,
     clip: float = 5.0,
     correction: int = 0,
+    divide: bool = True,
 ) -> Tensor:
     """Per-prompt, per-step z-scores of the step rewards (docs/algorithm.md §5 items 2-4 and 7).
 
@@ -50,6 +51,7 @@ def group_advantages(
         clip: advantages are clamped to ±clip (the reference's ``adv_clip_max`` = 5); must be > 0.
         correction: the std's ddof: 0 the population std (Flow-GRPO, TP-GRPO), 1 the sample std (DanceGRPO's
             ``torch.std``); a group of one keeps advantage 0 either way.
+        divide: False returns the centred rewards, clipped, divided by nothing (GARDO's, docs/algorithm.md §10.9).
 
     Returns:
         [N, W] float64 advantages on the device of ``step_rewards``.
@@ -65,6 +67,8 @@ def group_advantages(
 
     ids, num_groups = _prompt_groups(groups, rewards.device)
     centred = _constant_groups_zeroed(rewards, rewards - _group_mean(rewards, ids, num_groups)[ids], ids, num_groups)
+    if not divide:
+        return centred.clamp(-clip, clip)
     std = _std(rewards, centred, ids, num_groups, global_std, correction)  # [N, W] or [1, W]
     denominator = std + eps
     safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))

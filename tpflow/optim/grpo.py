@@ -27,6 +27,7 @@ from tpflow.devices import to_device
 from tpflow.errors import UserError
 from tpflow.guidance import conditional_only
 from tpflow.interfaces import Backbone, Sampler, capability
+from tpflow.optim.adaptive_reference import AdaptiveReference
 from tpflow.optim.advantages import group_advantages, informative_trajectories
 from tpflow.optim.grpo_loss import PolicyLoss, clipped_surrogate, kl_to_reference
 from tpflow.optim.grpo_options import GRPOOptions
@@ -34,6 +35,7 @@ from tpflow.optim.loop import AdamWLoop, LossThunk, RowLoss, batch_layout, held
 from tpflow.optim.ratio_norm import normalised_log_ratio
 from tpflow.optim.recompute import retain_problems, retained_passes, retained_step, reweighted_loss
 from tpflow.optim.step_weights import noise_aware_weights, transition_std
+from tpflow.optim.swap import swapped
 from tpflow.precision import Precision
 from tpflow.registry import register
 from tpflow.rollout.retain import Retain
@@ -83,6 +85,10 @@ class GRPO:
     def __init__(self, options: GRPOOptions | None = None) -> None:
         self.options = options if options is not None else GRPOOptions()
         self.loop = AdamWLoop("grpo")
+        o = self.options  # GARDO's adaptive reference (tpflow.optim.adaptive_reference), or None: the base model
+        adaptive = o.adaptive_reference
+        self.adaptive = AdaptiveReference(o.reference_reset_every, o.reference_reset_kl) if adaptive else None
+        self._step_kl: Tensor | None = None  # [2] the optimizer step's KL sum and rows, for the adaptive reference
 
     global_step = held("global_step")  # the Optimizer protocol's, from the loop
     precision = held("precision", settable=True)
@@ -99,11 +105,14 @@ class GRPO:
         return contextlib.nullcontext()
 
     def state_dict(self, gather: bool = True) -> dict:
-        """The loop's state (AdamW, the step count, the fp16 scaler): GRPO keeps nothing else."""
-        return self.loop.state_dict({}, gather)
+        """The loop's state (AdamW, the step count, the fp16 scaler) and, with ``adaptive_reference``, the reference
+        copy and its counters."""
+        return self.loop.state_dict({} if self.adaptive is None else self.adaptive.state(), gather)
 
     def load_state_dict(self, state: dict) -> None:
-        self.loop.load_state_dict(self.options, state, lambda _: None)
+        adaptive = self.adaptive
+        load = (lambda _: None) if adaptive is None else (lambda s: adaptive.load(s, self.loop.params))
+        self.loop.load_state_dict(self.options, state, load)
 
     def uses_reference(self) -> bool:
         """The KL reference pass runs only with beta > 0."""
@@ -143,7 +152,7 @@ class GRPO:
                 f"constant, and [backbone] name = {backbone.name!r} is guidance-distilled (its guidance "
                 f"{guidance:g} is an embedding of one call, no unconditional branch). Drop the option."
             )
-        problems += retain_problems(options, settings)
+        problems += retain_problems(options, settings) + _adaptive_problems(options)
         sampler = settings["sampler"].name
         if options.ratio_norm and not capability(registry.get("sampler", sampler).factory, "gaussian_log_prob"):
             problems.append(
@@ -162,7 +171,8 @@ class GRPO:
         o = self.options
         correction = 1 if o.advantage_std == "sample" else 0
         return group_advantages(step_rewards, groups, global_std=o.global_std, eps=o.advantage_eps,
-                                clip=o.adv_clip_max, correction=correction)  # fmt: skip
+                                clip=o.adv_clip_max, correction=correction,
+                                divide=o.advantage_std != "none")  # fmt: skip
 
     def update(
         self,
@@ -224,12 +234,23 @@ class GRPO:
                 )
 
         first_row = torch.zeros(1, dtype=torch.long, device="cpu")  # a sharded step's padding: row 0, weight 0
-        result = self.loop.run(o, passes, losses, on_step, filler=(first_row.to(batch.device), first_row, False))
+        result = self._run(passes, losses, on_step, filler=(first_row.to(batch.device), first_row, False))
         for name in ("ratio_max_deviation", "first_ratio_max_deviation"):  # 0 when no row trained: on policy
             result.setdefault(name, 0.0)
         result["trajectories_trained"] = float(rows.numel())
         if batch.retained is not None:
             result["retained_graphs_used"] = float(use_retained)
+        return result
+
+    def _run(self, passes: list, losses: Callable, on_step: Callable[[int], object] | None, filler: tuple) -> dict:
+        """``AdamWLoop.run`` over ``passes``; with ``adaptive_reference``, the copy reset first when due, each step's
+        mean KL observed, and the reset (1 or 0) and the updates since the last one in the metrics."""
+        if self.adaptive is None:
+            return self.loop.run(self.options, passes, losses, on_step, filler=filler)
+        reset = self.adaptive.begin_update(self.loop.params)
+        result = self.loop.run(self.options, passes, losses, self._observing(on_step), filler, self._zero_step_kl)
+        age = self.adaptive.updates - 1 - self.adaptive.last_reset
+        result.update(reference_reset=float(reset), reference_age=float(age))
         return result
 
     def _micro_batches(self, host_adv: Tensor, device: torch.device) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
@@ -292,6 +313,37 @@ class GRPO:
             weights = inverse if weights is None else weights * inverse
         return weights
 
+    def _reference_mean(
+        self, backbone: Backbone, sampler: Sampler, z: Tensor, z_next: Tensor, sigma_on_device: Tensor,
+        sigma: Tensor, sigma_next: Tensor, part: Rollout,
+    ) -> Tensor:  # fmt: skip
+        """μ_ref of the KL, without grad: the adapter-disabled model's, or with ``adaptive_reference`` the held
+        copy's (swapped into the trained parameters for the pass)."""
+        if self.adaptive is None:
+            context = backbone.reference()
+        else:
+            assert self.adaptive.copy is not None, "begin_update makes the copy before the first loss"
+            context = swapped(self.loop.params, self.adaptive.copy)
+        with torch.no_grad(), context:
+            v_ref = backbone.velocity(z, sigma_on_device, part.cond, part.guidance)
+            return sampler.log_prob(z_next, z, v_ref, sigma, sigma_next, part.noise_level).mean
+
+    def _zero_step_kl(self, _micro_batches: list) -> None:
+        """Before each optimizer step (``AdamWLoop.run``'s ``before_step``): its KL sum and rows start at 0."""
+        self._step_kl = torch.zeros(2, dtype=torch.float32, device=self.loop.params[0].device)
+
+    def _observing(self, on_step: Callable[[int], object] | None) -> Callable[[int], object]:
+        """``on_step`` after the adaptive reference has seen the step's mean KL over its rows on every process."""
+
+        def observe(n: int) -> None:
+            assert self._step_kl is not None and self.adaptive is not None
+            kl_sum, rows = (self.loop.dist.sum(float(x)) for x in self._step_kl.tolist())
+            self.adaptive.observe(kl_sum / rows if rows else 0.0)
+            if on_step is not None:
+                on_step(n)
+
+        return observe
+
     def _surrogate(self, out: StepOutput, part: Rollout, i: int, adv: Tensor, live: Tensor) -> PolicyLoss:
         """The clipped surrogate of window step i's rows ([n]; ``live`` [n] bool: std not 0), GRPO-Guard's RatioNorm
         when asked. A masked row's log-probs are replaced by 0 before the ratio: no NaN · 0 in the gradient either."""
@@ -326,6 +378,9 @@ class GRPO:
         sigma, sigma_next = sigmas[:, 0], sigmas[:, 1]
         z, z_next = part.latents[:, i], part.next_latents[:, i]
         sigma_on_device = to_device(sigma, z.device)  # the host σ (checked there by the sampler) for the model
+        reference = (z, z_next, sigma_on_device, sigma, sigma_next, part)
+        # the held copy's pass before the policy's forward: its swap writes the parameters that graph saves
+        ref_mean = self._reference_mean(backbone, sampler, *reference) if self.adaptive and o.beta > 0 else None
         if retained is None:
             v = self._policy_velocity(backbone, z, sigma_on_device, part)
             out = sampler.log_prob(z_next, z, v, sigma, sigma_next, part.noise_level)
@@ -341,11 +396,11 @@ class GRPO:
         row = weighted
         kl = torch.zeros_like(row)
         if o.beta > 0:
-            with torch.no_grad(), backbone.reference():
-                v_ref = backbone.velocity(z, sigma_on_device, part.cond, part.guidance)
-                ref = sampler.log_prob(z_next, z, v_ref, sigma, sigma_next, part.noise_level)
-            kl = kl_to_reference(out.mean, ref.mean, out.std if o.kl_std == "transition" else out.std_dev_t)
+            ref_mean = self._reference_mean(backbone, sampler, *reference) if ref_mean is None else ref_mean
+            kl = kl_to_reference(out.mean, ref_mean, out.std if o.kl_std == "transition" else out.std_dev_t)
             row = row + o.beta * kl
+            if self._step_kl is not None:
+                self._step_kl += torch.stack([torch.where(live, kl, 0.0).sum(), live.sum()]).detach().float()
         with torch.no_grad():
             deviation = (policy.ratio - 1).abs()
             sums = {
@@ -362,3 +417,22 @@ class GRPO:
             maxima = {"ratio_max_deviation": torch.where(live, deviation, 0.0).max()}
         total = torch.where(live, row, 0.0).sum()
         return RowLoss(total, live.sum().float(), sums, maxima, deferred=retained is not None)
+
+
+def _adaptive_problems(options: GRPOOptions) -> list[str]:
+    """The recipe's limits for ``adaptive_reference`` (GARDO, docs/algorithm.md §10.9), before anything loads."""
+    if not options.adaptive_reference:
+        return []
+    if options.beta == 0:
+        return [
+            "[optimizer] adaptive_reference = true with beta = 0: the held reference copy is read only by the KL "
+            "term, which beta = 0 turns off (GARDO resets its reference only when beta > 0), so the option would "
+            "change nothing. Set beta > 0 (GARDO's OCR config: 0.04) or drop adaptive_reference."
+        ]
+    if options.recompute == "retain":
+        return [
+            '[optimizer] adaptive_reference = true with recompute = "retain": the reference pass swaps the held '
+            "copy into the trained parameters, which the retained rollout graphs saved, so their backward would "
+            'fail. Use recompute = "native" with adaptive_reference.'
+        ]
+    return []

@@ -18,10 +18,11 @@ class GRPOOptions(AdamWOptions):
     gradient_accumulation_steps: AccumulationSteps = 2
     clip_range: float = Field(1e-5, gt=0, lt=1, description=CLIP_RANGE)
     beta: float = Field(1e-4, ge=0, description=BETA)
-    advantage_std: Literal["population", "sample"] = Field(
+    advantage_std: Literal["population", "sample", "none"] = Field(
         "population",
         description="The std that divides the advantages: 'population' (ddof 0: Flow-GRPO, TP-GRPO) or 'sample' "
-        "(ddof 1, torch.std's default: DanceGRPO, docs/algorithm.md §10.1).",
+        "(ddof 1, torch.std's default: DanceGRPO, docs/algorithm.md §10.1); 'none' divides by nothing, the "
+        "advantage is the reward minus its group's mean (GARDO's, with the diversity-shaped reward: §10.9).",
     )
     advantage_eps: float = Field(
         1e-4,
@@ -77,4 +78,22 @@ class GRPOOptions(AdamWOptions):
         description="Weight of each step's policy loss: 'uniform' (Flow-GRPO, TP-GRPO), or 'noise-aware' "
         "(TempFlow-GRPO: w = c·std, c making the mean weight over a trajectory's trained steps 1; "
         "tpflow.optim.step_weights). The KL term is not weighted.",
+    )
+    adaptive_reference: bool = Field(
+        False,
+        description="GARDO's adaptive reference: the KL's reference is a held copy of the adapter, reset to the "
+        "policy when a step's mean KL exceeded reference_reset_kl or after reference_reset_every updates, instead "
+        "of the adapter-disabled model (tpflow.optim.adaptive_reference; needs beta > 0; docs/algorithm.md §10.9).",
+    )
+    reference_reset_every: int = Field(
+        15,
+        ge=1,
+        description="With adaptive_reference: reset the copy when more than this many updates (epochs) passed since "
+        "the last reset (GARDO's reset_freq, 15).",
+    )
+    reference_reset_kl: float = Field(
+        3e-4,
+        gt=0,
+        description="With adaptive_reference: reset the copy before the next update when an optimizer step's mean KL "
+        "over its rows exceeded this (GARDO's kl_thres: 3e-4 for OCR, set per task).",
     )

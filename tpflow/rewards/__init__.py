@@ -4,6 +4,7 @@ from tpflow.rewards import (
     aesthetic,
     clipscore,
     consistency,
+    diversity_shaped,
     frames,
     hpsv2,
     hpsv3,
@@ -36,6 +37,7 @@ __all__ = [
     "pairwise",
     "pickscore",
     "consistency",
+    "diversity_shaped",
     "vlm_judge",
     "weighted",
 ]

@@ -1,0 +1,86 @@
+"""The feature extractors the ``diversity-shaped`` reward compares a group's images with, named by a spec string.
+
+GARDO (docs/algorithm.md §10.9) measures how far an image lies from its siblings in DINOv3's feature space. What is
+available offline here, by spec:
+
+- ``"shapes-clip"`` (or ``"shapes-clip:<weights>"``): the image encoder of the shapes world's tiny CLIP, the weights
+  shipped in tpflow/shapes/weights by default: the embedded world's features;
+- ``"clip:<arch>"`` or ``"clip:<arch>:<pretrained>"``: an open_clip image encoder (``pretrained`` a cached tag or a
+  local file, "openai" by default), read as the CLIP rewards read theirs, never downloaded;
+- ``"pixels"``: the image average-pooled to 16×16, its mean removed: no weights, for tests; it sees layout and
+  colour, not content.
+
+The same specs as ``[eval] diversity`` (``tpflow.settings.diversity_problem`` checks them before anything loads).
+Each returns unit rows [N, D] float32 on the CPU; weights load at the first call, under a lock (the scoring thread
+and a reward server may call from several threads). A clip [N, F, 3, H, W] is embedded by its middle frame.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tpflow.images import l2_normalize, to_uint8
+from tpflow.settings import diversity_problem
+
+PIXEL_SIDE = 16  # "pixels": the side of the pooled image
+
+Features = Callable[[Tensor], Tensor]  # images [N, 3, H, W] in [0, 1] -> unit rows [N, D] float32 on the CPU
+
+
+def build_features(spec: str, device: torch.device) -> Features:
+    """The extractor ``spec`` names (module docstring), its weights loaded on ``device`` at its first call."""
+    problem = diversity_problem(spec)
+    if problem is not None:
+        raise ValueError(problem)
+    kind, _, rest = spec.partition(":")
+    if kind == "pixels":
+        return pixel_features
+    lock, loaded = threading.Lock(), []
+    if kind == "shapes-clip":
+        from tpflow.rewards.shapes_clip import resolve_weights
+        from tpflow.shapes.clip import load_clip
+
+        @torch.no_grad()
+        def shapes(images: Tensor) -> Tensor:
+            with lock:
+                if not loaded:
+                    loaded.append(load_clip(resolve_weights(rest or None), device))
+            model = loaded[0]
+            size = model.config.image_size
+            x = to_uint8(middle_frame(images).to(device)).float() / 255
+            if x.shape[-2:] != (size, size):
+                x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True).clamp(0, 1)
+            return model.encode_image(x).float().cpu()
+
+        return shapes
+    from tpflow.rewards.open_clip import LazyOpenClip
+
+    arch, _, pretrained = rest.partition(":")
+    clip = LazyOpenClip(arch, pretrained or "openai", device, f"reward 'diversity-shaped', features = {spec!r}")
+
+    @torch.no_grad()
+    def open_clip_features(images: Tensor) -> Tensor:
+        model = clip.get()
+        return l2_normalize(model.model.encode_image(model.preprocess(middle_frame(images)))).float().cpu()
+
+    return open_clip_features
+
+
+def middle_frame(images: Tensor) -> Tensor:
+    """[N, 3, H, W] as they are; a clip batch [N, F, 3, H, W] by its middle frame."""
+    return images[:, images.shape[1] // 2] if images.ndim == 5 else images
+
+
+@torch.no_grad()
+def pixel_features(images: Tensor) -> Tensor:
+    """[N, 3, H, W] in [0, 1] -> [N, 3·16·16] unit rows: pooled to 16×16 on the uint8 grid, each image's mean removed
+    (a uniform image, which has no direction, gives zeros)."""
+    x = to_uint8(middle_frame(images)).float().cpu() / 255
+    x = F.adaptive_avg_pool2d(x, PIXEL_SIDE).flatten(1)
+    x = x - x.mean(dim=1, keepdim=True)
+    return x / x.norm(dim=1, keepdim=True).clamp(min=1e-12)
