@@ -42,7 +42,7 @@ def index_rows(text: str) -> dict[str, dict[str, str]]:
 
 
 def reward_names(reward: dict) -> list[str]:
-    """The reward's name, then the names of the rewards it wraps (frames, weighted, pairwise)."""
+    """The reward's name, then the names of the rewards it wraps (frames, weighted, pairwise, diversity-shaped)."""
     inner = []
     if reward["name"] == "frames":
         inner = [reward["reward"]]
@@ -51,6 +51,8 @@ def reward_names(reward: dict) -> list[str]:
     elif reward["name"] == "pairwise":
         judge = reward["judge"]
         inner = [judge["name"] if isinstance(judge, dict) else judge]
+    elif reward["name"] == "diversity-shaped":
+        inner = [reward["reward"]["name"]]
     return [reward["name"], *inner]
 
 
