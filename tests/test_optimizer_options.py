@@ -1,7 +1,7 @@
-"""The optimizers compose instead of inheriting: every option name is described once across the registered
-optimizers' option models, no registered optimizer class subclasses another, each implements the ``Optimizer``
-protocol, every shipped recipe's ``[optimizer]`` table still validates with the keys it has, and tpflow/optim/ keeps
-its functions short and its files small."""
+"""The optimizers compose instead of inheriting: no registered optimizer class subclasses another, each implements
+the ``Optimizer`` protocol, each keeps its public config's defaults, and every shipped recipe's ``[optimizer]`` table
+still validates with the keys it has. That every option name is described once is tests/test_option_descriptions.py's
+(over every kind); that tpflow/optim/ keeps its functions short and its files small, tests/test_layers.py's."""
 
 from __future__ import annotations
 
@@ -20,21 +20,6 @@ def _optimizers() -> dict[str, registry.Entry]:
     """The built-in optimizers (a test's or a plugin's registered beside them are their authors' own)."""
     entries = {name: registry.get("optimizer", name) for name in registry.names("optimizer")}
     return {name: entry for name, entry in entries.items() if entry.qualname.startswith("tpflow.optim.")}
-
-
-def test_every_option_name_is_described_once():
-    """One description per field name over every optimizer's options (a shared field is declared in a base,
-    ``tpflow.optim.options``, or with its alias; a name two methods read differently says so in one text)."""
-    seen: dict[str, tuple[str, str]] = {}
-    for name, entry in _optimizers().items():
-        for field, info in entry.options.model_fields.items():
-            assert info.description, f"{name}.{field} has no description"
-            if field in seen:
-                first, text = seen[field]
-                assert info.description == text, f"{field}: {first}'s description differs from {name}'s"
-            else:
-                seen[field] = (name, info.description)
-    assert {"learning_rate", "kl_weight", "old_decay_max", "beta"} <= set(seen)
 
 
 def test_no_registered_optimizer_subclasses_another():

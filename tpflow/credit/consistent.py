@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from tpflow.credit.balance import balance
-from tpflow.credit.trend import Trend, check_trace, trend
+from tpflow.credit.trend import FIRST_STEP_HELP, Trend, check_trace, trend
 from tpflow.registry import register
 from tpflow.types import Credit
 
@@ -25,14 +25,7 @@ class ConsistentOptions(BaseModel):
             "TP-GRPO runs, absent from the paper)."
         ),
     )
-    first_step: bool = Field(
-        default=True,
-        description=(
-            "Allow window step i = 0 to be a turning point when it passes the consistency test "
-            "sgn(d_0)·sgn(R_W − R_1) > 0 (the published runs' first-step rule, docs/algorithm.md §4.4; the consistent "
-            "form of the TP-GRPO paper's Remark 5.2, arXiv 2602.06422)."
-        ),
-    )
+    first_step: bool = Field(default=True, description=FIRST_STEP_HELP)
 
 
 @register("credit", "consistent", options=ConsistentOptions)

@@ -20,6 +20,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+# the ``first_step`` option of both turning-point assigners, described once (each applies its own first-step test)
+FIRST_STEP_HELP = (
+    "Allow window step i = 0 to be a turning point when it passes the assigner's first-step test: turning_point's "
+    "agreement with the global trend, g_0 > 0 (TP-GRPO paper, arXiv 2602.06422, Remark 5.2; docs/algorithm.md "
+    "§4.1); consistent's consistency test sgn(d_0)·sgn(R_W − R_1) > 0 (the published runs' first-step rule, the "
+    "consistent form of Remark 5.2; docs/algorithm.md §4.4)."
+)
+
 
 class Trend(NamedTuple):
     """The per-trajectory trend quantities of a trace [N, W+1] (docs/algorithm.md §0)."""

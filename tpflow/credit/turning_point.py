@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from tpflow.credit.balance import balance
-from tpflow.credit.trend import Trend, check_trace, trend
+from tpflow.credit.trend import FIRST_STEP_HELP, Trend, check_trace, trend
 from tpflow.registry import register
 from tpflow.types import Credit
 
@@ -25,13 +25,7 @@ class TurningPointOptions(BaseModel):
             "TP-GRPO runs, absent from the paper)."
         ),
     )
-    first_step: bool = Field(
-        default=True,
-        description=(
-            "Allow window step i = 0 to be a turning point when it agrees with the global trend, g_0 > 0 "
-            "(TP-GRPO paper, arXiv 2602.06422, Remark 5.2; docs/algorithm.md §4.1)."
-        ),
-    )
+    first_step: bool = Field(default=True, description=FIRST_STEP_HELP)
 
 
 @register("credit", "turning_point", options=TurningPointOptions)

@@ -20,18 +20,29 @@ from tpflow.errors import UserError
 from tpflow.registry import register
 from tpflow.types import PromptItem
 
+# the descriptions of the dataset options the file-reading datasets share (text-file, jsonl, geneval, ocr), written
+# once; seed and test_size, which the shapes worlds take too, are tpflow.shapes.prompts's
+PATH_HELP = (
+    'The train split\'s prompts file: one prompt per line (text-file, ocr), one {"prompt": ..., <metadata>...} JSON '
+    "object per line (jsonl), or GenEval metadata, one {tag, include, exclude?, prompt} per line (geneval). Unset, "
+    "geneval and ocr generate the train prompts."
+)
+TEST_PATH_HELP = (
+    "The test split's prompts file, in path's format (geneval: e.g. GenEval's evaluation_metadata.jsonl). Unset: "
+    "geneval generates the test prompts, ocr takes path's (or generates them without path; test_path needs path), "
+    "and text-file and jsonl have no test split: evaluations sample the training prompts, and say so (a warning, "
+    "eval_on_train_split in the metrics)."
+)
+TRAIN_SIZE_HELP = "Generated train prompts, distinct (geneval: balanced over the six GenEval tags)."
+
 
 class FileDatasetOptions(BaseModel):
     """Where the prompts are."""
 
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(description="Training prompts file.")
-    test_path: str | None = Field(
-        None,
-        description="Held-out prompts file for evaluation. Without it the dataset has no test split: evaluations "
-        "sample the training prompts, and say so (a warning, eval_on_train_split in the metrics).",
-    )
+    path: str = Field(description=PATH_HELP)
+    test_path: str | None = Field(None, description=TEST_PATH_HELP)
 
 
 MAX_PROMPT_FILE_BYTES = 1 << 30  # 1 GiB: millions of prompts; a bigger "prompt file" is the wrong file

@@ -45,11 +45,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tpflow.data.files import _read_jsonl, _split
+from tpflow.data.files import PATH_HELP, TEST_PATH_HELP, TRAIN_SIZE_HELP, _read_jsonl, _split
 from tpflow.errors import UserError
 from tpflow.registry import register
 from tpflow.rewards.geneval.colors import COLORS
 from tpflow.rewards.geneval.detection import COCO_CLASSES
+from tpflow.shapes.prompts import SEED_HELP, TEST_SIZE_HELP
 from tpflow.types import PromptItem
 
 TAGS: tuple[str, ...] = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
@@ -214,27 +215,11 @@ class GenevalDatasetOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    seed: int = Field(0, description="Seed of the generated prompts (both splits).")
-    train_size: int = Field(
-        12000, ge=1, le=1_000_000, description="Generated train items, balanced over the six GenEval tags."
-    )
-    test_size: int = Field(
-        600,
-        ge=1,
-        le=1_000_000,
-        description="Generated test items, balanced over the tags; a tag gives at most half of its distinct prompts "
-        "(single_object: 40), so the split may be smaller.",
-    )
-    path: str | None = Field(
-        None,
-        description="A GenEval metadata JSONL file (one {tag, include, exclude?, prompt} per line) to use as "
-        "the train split instead of generated prompts.",
-    )
-    test_path: str | None = Field(
-        None,
-        description="A GenEval metadata JSONL file (e.g. GenEval's evaluation_metadata.jsonl) to use as the "
-        "test split instead of generated prompts.",
-    )
+    seed: int = Field(0, description=SEED_HELP)
+    train_size: int = Field(12000, ge=1, le=1_000_000, description=TRAIN_SIZE_HELP)
+    test_size: int = Field(600, ge=1, le=1_000_000, description=TEST_SIZE_HELP)
+    path: str | None = Field(None, description=PATH_HELP)
+    test_path: str | None = Field(None, description=TEST_PATH_HELP)
 
 
 @register("dataset", "geneval", options=GenevalDatasetOptions)

@@ -27,9 +27,10 @@ import zlib
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tpflow.data.files import _lines, _split
+from tpflow.data.files import PATH_HELP, TEST_PATH_HELP, TRAIN_SIZE_HELP, _lines, _split
 from tpflow.registry import register
 from tpflow.rewards.ocr import normalize, target_text
+from tpflow.shapes.prompts import SEED_HELP, TEST_SIZE_HELP
 from tpflow.types import PromptItem
 
 TEMPLATES: tuple[str, ...] = (
@@ -77,11 +78,11 @@ class OcrDatasetOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    seed: int = Field(0, description="Seed of the generated prompts (which texts and templates, and their order).")
-    train_size: int = Field(4000, ge=1, le=100_000, description="Number of generated train prompts (distinct).")
-    test_size: int = Field(1000, ge=1, le=100_000, description="Number of generated test prompts (distinct).")
-    path: str | None = Field(None, description="Train prompts file, one per line; replaces the generated prompts.")
-    test_path: str | None = Field(None, description="Test prompts file (default: `path`); only with `path`.")
+    seed: int = Field(0, description=SEED_HELP)
+    train_size: int = Field(4000, ge=1, le=100_000, description=TRAIN_SIZE_HELP)
+    test_size: int = Field(1000, ge=1, le=100_000, description=TEST_SIZE_HELP)
+    path: str | None = Field(None, description=PATH_HELP)
+    test_path: str | None = Field(None, description=TEST_PATH_HELP)
 
     @model_validator(mode="after")
     def _test_path_needs_path(self) -> OcrDatasetOptions:

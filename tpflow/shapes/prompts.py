@@ -53,6 +53,24 @@ from tpflow.registry import register
 from tpflow.shapes.vocab import COLORS, NUMBERS, PLURALS, RELATIONS, SHAPES
 from tpflow.types import PromptItem
 
+# The descriptions of the dataset options the shapes worlds share with tpflow/data's datasets, written once. They live
+# on this side because tpflow.data imports the shapes world (through the rewards): the shapes-video world and
+# tpflow/data import them from here.
+SEED_HELP = (
+    "Seed of the dataset's random draws: for geneval and ocr, the generated prompts (which ones and their order; "
+    "both splits); for shapes and shapes-video, the order of the train items and the sampled test draw."
+)
+TEST_SIZE_HELP = (
+    "Test items: geneval and ocr generate this many distinct prompts (geneval balanced over its six tags, a tag "
+    "giving at most half of its distinct prompts, single_object: 40, so its split may be smaller); shapes and "
+    "shapes-video draw this many (test_prompts = 'sampled' only; shapes balanced over the six GenEval tags)."
+)
+TEST_PROMPTS_HELP = (
+    "The test split: 'sampled' draws test_size items from every prompt (with repetition, so most are train texts "
+    "too; shapes draws them balanced over the tags); 'distinct' is every distinct prompt of the world once (shapes: "
+    "126, tag by tag; shapes-video: 96; test_size is ignored), the set for an honest per-tag and held-out report."
+)
+
 TAGS: tuple[str, ...] = ("single_object", "two_object", "counting", "colors", "color_attr", "position")
 SPLITS: tuple[str, ...] = ("train", "test")
 TRAIN_SIZE = 1200  # items of the dataset's train split (200 per tag)
@@ -199,19 +217,9 @@ class ShapesDatasetOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    seed: int = Field(0, description="Seed of the order of the train items and of the draw of the test items.")
-    test_size: int = Field(
-        400,
-        ge=1,
-        le=1_000_000,
-        description="Number of test items, drawn balanced over the six GenEval tags (test_prompts 'sampled' only).",
-    )
-    test_prompts: Literal["sampled", "distinct"] = Field(
-        "sampled",
-        description="The test split: 'sampled' draws test_size items balanced over the tags from every prompt (with "
-        "repetition; most are train texts too); 'distinct' is every distinct prompt of the world once (126, tag by "
-        "tag; test_size is ignored), the set for an honest per-tag and held-out report.",
-    )
+    seed: int = Field(0, description=SEED_HELP)
+    test_size: int = Field(400, ge=1, le=1_000_000, description=TEST_SIZE_HELP)
+    test_prompts: Literal["sampled", "distinct"] = Field("sampled", description=TEST_PROMPTS_HELP)
     test_min_per_tag: int = Field(
         0,
         ge=0,

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tpflow.errors import UserError
 from tpflow.registry import register
 from tpflow.shapes import vocab
+from tpflow.shapes.prompts import SEED_HELP, TEST_PROMPTS_HELP, TEST_SIZE_HELP
 from tpflow.shapes.render import SceneObject, draw_scene
 from tpflow.types import PromptItem
 
@@ -123,11 +124,9 @@ class ShapesVideoDatasetOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    seed: int = Field(0, description="Seed of the order of the train items and of a sampled test draw.")
-    test_prompts: Literal["distinct", "sampled"] = Field(
-        "distinct", description="'distinct': each of the 96 prompts once; 'sampled': test_size draws of them."
-    )
-    test_size: int = Field(96, ge=1, le=100_000, description="Test items drawn (test_prompts = 'sampled' only).")
+    seed: int = Field(0, description=SEED_HELP)
+    test_prompts: Literal["distinct", "sampled"] = Field("distinct", description=TEST_PROMPTS_HELP)
+    test_size: int = Field(96, ge=1, le=100_000, description=TEST_SIZE_HELP)
 
 
 @register("dataset", "shapes-video", options=ShapesVideoDatasetOptions)
