@@ -9,8 +9,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
-from tests.combinations import REFERENCE, SUITE_FACTORS, SUITE_ROWS, judge, recipe_text
+from tests.combinations import REFERENCE, SUITE_FACTORS, SUITE_ROWS, judge, overrides, recipe_text, run_combination
 
 
 @pytest.fixture(scope="module")
@@ -42,3 +43,49 @@ def test_every_pair_of_options_is_right_or_refused(recipe, tiny_weights):
     assert not failed, "\n".join(failed)
     assert any(o.status == "accepted" and all(o.combo[k] == v for k, v in REFERENCE.items()) for o in outcomes)
     assert sum(o.status == "accepted" for o in outcomes) >= 6, [(o.combo, o.detail) for o in outcomes]
+
+
+BASE = {  # the matrix's reference combination
+    "backbone": "shapes-dit", "plan": "window", "sampler": "cps", "credit": "outcome", "optimizer": "grpo",
+    "recompute": "native", "precision": "no", "compile": "off", "cfg_gradient": "full", "finetune": "lora",
+}  # fmt: skip
+SHAPED = 'reward={name = "diversity-shaped", reward = {name = "image-stat"}, features = "pixels"}'
+GARDO = {  # GARDO's options (docs/algorithm.md §10.9) on the matrix's tiny recipe: their sets and the outcome due
+    "adaptive_reference, beta 0": (["optimizer.adaptive_reference=true"], "refused"),
+    "adaptive_reference, retain": (
+        ["optimizer.adaptive_reference=true", "optimizer.beta=1e-3", 'optimizer.recompute="retain"'],
+        "refused",
+    ),
+    "adaptive_reference": (["optimizer.adaptive_reference=true", "optimizer.beta=1e-3"], "accepted"),
+    "diversity-shaped, no std": ([SHAPED, 'optimizer.advantage_std="none"'], "accepted"),
+    "diversity-shaped, adaptive, retain": (
+        [SHAPED, "optimizer.adaptive_reference=true", "optimizer.beta=1e-3", 'optimizer.recompute="retain"'],
+        "refused",
+    ),  # fmt: skip
+}
+
+
+def test_gardos_options_are_right_or_refused(recipe, tiny_weights):
+    """Each GARDO combination refused in one paragraph or trained: a finite first-step gradient, finite weights
+    after one non-finite trajectory; the adaptive reference's first step is the base-model KL's bitwise (its copy is
+    the LoRA at init, B = 0, which computes what the adapter-disabled model does)."""
+    from tpflow.errors import RecipeError
+    from tpflow.recipe import load_recipe
+
+    base = overrides(BASE, tiny_weights)
+    outcomes = {}
+    for name, (sets, _) in GARDO.items():
+        try:
+            load_recipe(recipe, [*base, *sets])
+        except RecipeError as error:
+            text = str(error).strip()
+            assert "\n\n" not in text and "Traceback" not in text, (name, text)
+            outcomes[name] = "refused"
+            continue
+        grad, finite = run_combination(recipe, [*base, *sets])
+        assert finite and bool(torch.isfinite(grad).all()) and float(grad.norm()) > 0, name
+        outcomes[name] = "accepted"
+        if name == "adaptive_reference":
+            plain, _ = run_combination(recipe, [*base, "optimizer.beta=1e-3"], nonfinite=False)
+            assert torch.equal(grad, plain), "the first update's reference is the base model, bitwise"
+    assert outcomes == {name: due for name, (_, due) in GARDO.items()}
