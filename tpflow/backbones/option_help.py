@@ -19,9 +19,9 @@ DEVICE = (
 )
 RESOLUTION = (
     "Image height and width in pixels; a video model's clip height (its width is the width option). The default is "
-    "the model card's. A size must suit the VAE's downsampling and the transformer's patches (the tiny SD3 and FLUX "
-    "VAEs do not downsample, the tiny Qwen-Image one 4×); the Wan models take a multiple of twice their VAE's factor "
-    "(Wan2.1 and the tiny ones: 16, Wan2.2 TI2V: 32), checked when the model is built."
+    "the model's (a released model's card's). A size must suit the VAE's downsampling and the transformer's patches "
+    "(the tiny SD3 and FLUX VAEs do not downsample, the tiny Qwen-Image one 4×); the Wan models take a multiple of "
+    "twice their VAE's factor (Wan2.1 and the tiny Wan ones: 16, Wan2.2 TI2V: 32), checked when the model is built."
 )
 WIDTH = (
     "Clip width in pixels; None: the height. A multiple of 16 for Wan2.1, of 32 for Wan2.2 TI2V (checked when the "
@@ -33,9 +33,9 @@ FLOW_SHIFT = (
     "Wan2.2 t2v-A14B: 12, ti2v-5B: 5)."
 )
 MAX_SEQUENCE_LENGTH = (
-    "Text-encoder tokens per prompt (T5 for SD3 and FLUX, UMT5 for Wan, Qwen2.5-VL's after its template for "
-    "Qwen-Image); the default is the pipeline's. Longer prompts are cut, as the pipeline does; Qwen-Image pads every "
-    "prompt to it, masked."
+    "Text-encoder tokens per prompt (T5 for SD3 and FLUX, UMT5 for Wan: its pipeline's default, Qwen2.5-VL's after "
+    "its template for Qwen-Image). Longer prompts are cut, as the pipeline does; Qwen-Image pads every prompt to it, "
+    "masked."
 )
 NEGATIVE_PROMPT = (
     "Prompt of the unconditional CFG branch (Qwen-Image: of its true-CFG negative branch); the default is the "
