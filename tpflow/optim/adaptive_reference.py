@@ -51,8 +51,12 @@ class AdaptiveReference:
             self.flagged = True
 
     def state(self) -> dict:
-        """The checkpointed part: the copy on the host, the counters."""
-        copy = None if self.copy is None else [t.detach().cpu().clone() for t in self.copy]
+        """The checkpointed part: the copy on the host (a sharded run's shards as they are, for the loop's
+        ``state_dict`` to gather), the counters."""
+        from tpflow.shards import is_sharded
+
+        copy = None if self.copy is None else [t.detach().clone() if is_sharded(t) else t.detach().cpu().clone()
+                                               for t in self.copy]  # fmt: skip
         return {STATE_KEY: {"copy": copy, "updates": self.updates, "last_reset": self.last_reset,
                             "flagged": self.flagged}}  # fmt: skip
 
@@ -71,7 +75,9 @@ class AdaptiveReference:
                 f"the checkpoint's reference copy has {len(copy)} tensors that do not match the {len(params)} "
                 "trained parameters; was the LoRA rank or target list changed since it was written?"
             )
-        self.copy = None if copy is None else [t.to(device=p.device, dtype=p.dtype).clone() for t, p in
+        from tpflow.shards import like  # a sharded run's parameters: the copy sharded as they are
+
+        self.copy = None if copy is None else [like(t.to(dtype=p.dtype), p).to(device=p.device).clone() for t, p in
                                                zip(copy, params, strict=True)]  # fmt: skip
         self.updates, self.last_reset = int(held["updates"]), int(held["last_reset"])
         self.flagged = bool(held["flagged"])
