@@ -202,3 +202,34 @@ def test_the_wrappers_options_are_checked_before_anything_loads(bad):
     with pytest.raises((ValueError, UserError)) as caught:
         DiversityShapedOptions.model_validate(options)
     assert ("names no embedding" if bad == "features" else "no-such-reward") in str(caught.value)
+
+
+def _observed_kl(weights: str, micro: int, accumulation: int) -> list[float]:
+    """The mean KL each optimizer step hands the adaptive reference, over two updates of the same 8 rows (one step
+    each) cut into micro-batches of ``micro``, ``accumulation`` per step."""
+    import tpflow
+    from tests.distributed_workers import two_window_batch
+
+    torch.manual_seed(0)  # the LoRA init
+    backbone = tpflow.build("backbone", "shapes-dit", weights=weights, lora_init="gaussian")
+    sampler = tpflow.build("sampler", "cps")
+    optimizer = tpflow.build("optimizer", "grpo", learning_rate=1e-2, beta=1e-2, micro_batch_size=micro,
+                             gradient_accumulation_steps=accumulation, adaptive_reference=True)  # fmt: skip
+    optimizer.bind(backbone)
+    batch = two_window_batch(backbone, sampler)
+    advantages = torch.randn(8, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    seen, observe = [], optimizer.adaptive.observe
+    optimizer.adaptive.observe = lambda kl: (seen.append(kl), observe(kl))
+    for _ in range(2):
+        optimizer.update(backbone, sampler, batch, advantages)
+    return seen
+
+
+def test_the_kl_the_reference_sees_does_not_depend_on_the_micro_batches(tiny_weights):
+    """A step's KL is its mean over its rows, whatever their micro-batches: 0 at the first step (the copy is the
+    policy), the same value after it for 8 × 1, 4 × 2 and 2 × 4."""
+    whole = _observed_kl(str(tiny_weights), 8, 1)
+    assert len(whole) == 2 and whole[0] == 0.0 and whole[1] > 0
+    for micro, accumulation in ((4, 2), (2, 4)):
+        split = _observed_kl(str(tiny_weights), micro, accumulation)
+        assert split[0] == 0.0 and math.isclose(split[1], whole[1], rel_tol=1e-5), (micro, split, whole)
