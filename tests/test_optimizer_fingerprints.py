@@ -49,6 +49,7 @@ CASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "tp": ("shapes_tp.toml", (WINDOW,)),
     "dancegrpo": ("shapes_dancegrpo.toml", ()),
     "grpo_guard": ("shapes_grpo_guard.toml", (WINDOW,)),
+    "gardo": ("shapes_gardo.toml", (WINDOW,)),
     "tempflow": ("shapes_flowgrpo.toml", (WINDOW, "optimizer.step_weight=noise-aware", "optimizer.kl_std=transition")),
     "nft": ("shapes_nft.toml", ()),
     "nft_kl": ("shapes_nft.toml", ("optimizer.kl_weight=1e-4", "optimizer.old_decay_rate=0.25")),

@@ -9,7 +9,7 @@ it with its type alias below, which carries the limits and the description, so t
 
 A few names mean a method's own knob in two models (``beta``: GRPO's KL weight, NFT's implicit-policy step;
 ``clip_range``; ``train_guidance``; ``train_timesteps``; ``recompute``; ``old_decay_unit``): their descriptions are
-the constants below, one text per name that says what it is in each method (tests/test_optimizer_options.py holds it:
+the constants below, one text per name that says what it is in each method (tests/test_option_descriptions.py holds it:
 no two option models describe one name two ways).
 """
 
