@@ -135,8 +135,10 @@ class TpflowForked:
 def _forked_command(args: tuple[str, ...], stdout: Path, stderr: Path, env: dict[str, str]) -> int:
     import threading
 
+    import torch
     from accelerate.state import AcceleratorState, GradientState
 
+    torch.set_num_threads(1)  # the parent's OpenMP threads are not in this process: a team of one never waits for them
     for fd, path in ((1, stdout), (2, stderr)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own streams)

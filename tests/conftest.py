@@ -74,6 +74,17 @@ def exact_fp32() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = conv
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_restored() -> Iterator[None]:
+    """torch's thread count as it was before the test: a command run in this process (``tpflow shapes pretrain`` sets
+    one thread per core) must not leave more threads to the tests after it, whose timing they would change and whose
+    processes forked from this one would wait for OpenMP threads that a fork does not copy."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def no_tf32() -> Iterator[None]:
     """IEEE float32 on CUDA for the test (``exact_fp32``): PyTorch lets cuDNN convolutions use TF32 by default, whose
