@@ -105,6 +105,20 @@ class TrainSettings(BaseModel):
         "batches, which are dealt to the processes (the reference's DistributedKRepeatSampler: 12 = 32 GPUs x 9 / "
         "24). None: one round per epoch. Must divide prompts_per_epoch (docs/distributed.md).",
     )
+    prompt_policy: Literal["uniform", "skip-solved"] = Field(
+        "uniform",
+        description="Which training prompts an epoch may draw (tpflow.train.prompt_policy). 'uniform': any, "
+        "uniformly. 'skip-solved': a prompt whose group's final rewards were all equal in an epoch (all solved or all "
+        "failed: zero advantage, nothing to learn) is not drawn for prompt_skip_epochs epochs; a round that has too "
+        "few other prompts left draws skipped ones back (docs/training.md).",
+    )
+    prompt_skip_epochs: int = Field(
+        0,
+        ge=0,
+        le=MAX_COUNT,
+        description="With prompt_policy 'skip-solved': how many epochs a prompt whose group had zero reward variance "
+        "is not drawn (0: never again).",
+    )
     rollout_batch: int = Field(
         9,
         ge=1,
@@ -183,6 +197,21 @@ class TrainSettings(BaseModel):
             ) from None
         return value
 
+    def _policy_fits(self) -> None:
+        """prompt_skip_epochs belongs to 'skip-solved'; a group of one copy has zero variance always."""
+        if self.prompt_policy == "uniform" and self.prompt_skip_epochs:
+            raise ValueError(
+                f"prompt_skip_epochs={self.prompt_skip_epochs} applies only to prompt_policy = 'skip-solved', and "
+                "prompt_policy is 'uniform' (every prompt may be drawn in every epoch); set prompt_policy = "
+                "'skip-solved' or drop prompt_skip_epochs."
+            )
+        if self.prompt_policy == "skip-solved" and self.group_size < 2:
+            raise ValueError(
+                "prompt_policy = 'skip-solved' with group_size = 1 would skip every prompt it draws: a group of one "
+                "copy has zero reward variance whatever its reward. Raise group_size or use prompt_policy = "
+                "'uniform'."
+            )
+
     @model_validator(mode="after")
     def _rounds_fit(self) -> TrainSettings:
         trajectories = self.prompts_per_epoch * self.group_size
@@ -192,6 +221,7 @@ class TrainSettings(BaseModel):
                 f"trajectories per epoch is more than {MAX_TRAJECTORIES_PER_EPOCH:,} (the paper samples 48 x 24 = "
                 "1,152); lower prompts_per_epoch or group_size."
             )
+        self._policy_fits()
         m = self.prompts_per_round
         if m is not None and self.prompts_per_epoch % m:
             raise ValueError(

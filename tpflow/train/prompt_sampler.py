@@ -16,6 +16,11 @@ tpflow plans the epoch as a list of *global* rollout batches that does not depen
 So a run on 1 process and a run on 8 sample the very same trajectories from the same weights, and a checkpoint
 resumes on any P that divides the number of batches. ``prompts_per_round = None`` makes the whole epoch one round
 (``prompts_per_epoch`` distinct prompts, all copies shuffled together).
+
+Which prompts a round may draw is the sampler's policy (``train.prompt_policy``, ``tpflow.train.prompt_policy``): it
+hands ``plan_epoch`` the items set aside for the epoch; a round draws the others, and draws set-aside ones back only
+when the others are too few (the floor: every round still has its ``prompts_per_round`` prompts, so the epoch's
+batches and their split over the processes never change). With nothing set aside the draw is the uniform one, bitwise.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class EpochPlan:
 
     epoch: int
     batches: tuple[RolloutBatch, ...]
+    refilled: int = 0  # draws of set-aside items that filled rounds the other items could not (the policy's floor)
 
     def local(self, rank: int, world_size: int) -> tuple[RolloutBatch, ...]:
         """The batches process ``rank`` of ``world_size`` samples: j ≡ rank (mod world_size)."""
@@ -54,22 +60,25 @@ class EpochPlan:
         return sum(len(b.items) for b in self.batches)
 
 
-def plan_epoch(num_items: int, train: TrainSettings, epoch: int) -> EpochPlan:
-    """The epoch's rollout batches for a training split of ``num_items`` prompts (see the module docstring)."""
+def plan_epoch(num_items: int, train: TrainSettings, epoch: int, aside: frozenset[int] = frozenset()) -> EpochPlan:
+    """The epoch's rollout batches for a training split of ``num_items`` prompts (see the module docstring);
+    ``aside``: the items the prompt policy sets aside for this epoch."""
     if num_items < 1:
         raise UserError("The training split is empty: the dataset has no prompts to sample.")
     per_round = train.prompts_per_round or train.prompts_per_epoch
     batches: list[RolloutBatch] = []
+    refilled = 0
     for r in range(train.prompts_per_epoch // per_round):
         rng = random.Random(f"{train.seed}/{epoch}/round/{r}")
-        drawn = _draw(num_items, per_round, rng)
+        drawn = _draw_around(num_items, per_round, rng, aside) if aside else _draw(num_items, per_round, rng)
+        refilled += sum(item in aside for item in drawn)
         copies = [item for item in drawn for _ in range(train.group_size)]
         rng.shuffle(copies)
         for lo in range(0, len(copies), train.rollout_batch):
             j = len(batches)
             seed = random.Random(f"{train.seed}/{epoch}/batch/{j}").getrandbits(63)
             batches.append(RolloutBatch(j, tuple(copies[lo : lo + train.rollout_batch]), seed))
-    return EpochPlan(epoch, tuple(batches))
+    return EpochPlan(epoch, tuple(batches), refilled)
 
 
 def check_layout(train: TrainSettings, world_size: int) -> None:
@@ -102,6 +111,18 @@ def noise_seed(train: TrainSettings, epoch: int, item: int) -> int:
 def _draw(num_items: int, k: int, rng: random.Random) -> list[int]:
     """k distinct item indices when the split has that many, else k draws with repetition."""
     return rng.sample(range(num_items), k) if k <= num_items else rng.choices(range(num_items), k=k)
+
+
+def _draw_around(num_items: int, k: int, rng: random.Random, aside: frozenset[int]) -> list[int]:
+    """k distinct items, none set aside when enough others remain; else every other item and set-aside ones drawn
+    back to fill the round (the floor); a split smaller than a round draws with repetition from all, as ``_draw``."""
+    others = [i for i in range(num_items) if i not in aside]
+    if k <= len(others):
+        return rng.sample(others, k)
+    if k <= num_items:
+        back = sorted(i for i in aside if i < num_items)
+        return others + rng.sample(back, k - len(others))
+    return rng.choices(range(num_items), k=k)
 
 
 def layout_line(plan: EpochPlan, layout: BatchLayout | None, processes: int) -> str:

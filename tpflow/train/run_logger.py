@@ -179,6 +179,8 @@ def epoch_line(epoch: int, metrics: dict[str, Any]) -> str:
     ]
     parts = [f"epoch {epoch:3d}"]
     parts += [fmt.format(float(metrics[key])) for key, fmt in fields if metrics.get(key) is not None]
+    if metrics.get("prompts_skipped"):  # the prompt policy's (tpflow.train.prompt_policy), shown when any
+        parts.insert(-1 if "epoch_s" in metrics else len(parts), f"skipped {int(metrics['prompts_skipped'])}")
     return " | ".join(parts)
 
 

@@ -55,7 +55,8 @@ from tpflow.train.epoch import EpochRows, Sampled, combine_update_metrics, promp
 from tpflow.train.evaluation import eval_seed, evaluate
 from tpflow.train.out_of_memory import out_of_memory_message
 from tpflow.train.progress import PhaseProgress
-from tpflow.train.prompt_sampler import EpochPlan, check_layout, layout_line, plan_epoch
+from tpflow.train.prompt_policy import PromptPolicy
+from tpflow.train.prompt_sampler import EpochPlan, check_layout, layout_line
 from tpflow.train.reward_parts import zscore_sum_advantages, zscored_parts
 from tpflow.train.run_lock import RunDirLock
 from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, fit_segments
@@ -141,8 +142,9 @@ class Trainer:
         self._weights_ahead = False  # True from an epoch's update until self.epoch counts it
         self._stop: StopRequest | None = None  # while fit runs: Ctrl-C recorded, for the processes to stop together
         self._stopping = False  # True once they did (tpflow.train.stop)
+        self.prompts = PromptPolicy(train, [item.prompt for item in self.train_items])  # which prompts it draws
         self.checkpoints = RunCheckpoints(
-            self.run_dir, recipe, self.backbone, self.optimizer, self.ema, self.dist, self.console
+            self.run_dir, recipe, self.backbone, self.optimizer, self.ema, self.dist, self.console, self.prompts
         )
         self.epoch, self.last_eval = self.checkpoints.restore(checkpoint)  # a fresh start's: 0, {}
         self.dist.check_in_sync(named_trainable(self.backbone))
@@ -266,7 +268,7 @@ class Trainer:
         ]  # at 80 columns the line breaks between these, never inside a value
         self.console.print(escape(fit_segments(header, self.console.width)), soft_wrap=True, highlight=False)
         if self.dist.enabled:
-            plan = plan_epoch(len(self.train_items), self.settings, self.epoch)
+            plan = self.prompts.plan(self.epoch)
             self.console.print(layout_line(plan, self.optimizer.batch_layout(), self.dist.world_size))
 
     def _point(self) -> RunPoint:
@@ -298,7 +300,7 @@ class Trainer:
     def train_epoch(self, epoch: int) -> dict[str, float]:
         """One epoch, stage by stage (docs/architecture.md, "An epoch"); returns its metrics over every process."""
         start = time.perf_counter()
-        plan = plan_epoch(len(self.train_items), self.settings, epoch)  # every process's batches, planned once
+        plan = self.prompts.plan(epoch)  # every process's batches, planned once (around the prompts set aside)
         sampled = self._sample_and_score(plan)  # this process's rollouts and reward traces [n_b, W+1], batch by batch
         credits = [self.credit(s.trace) for s in sampled.scored]  # per rollout batch: balancing stays within one
         rows = EpochRows.local(sampled, credits).gather(self.dist)  # [N] trajectories of every process
@@ -333,6 +335,7 @@ class Trainer:
             "score_wait_s": sampled.wait_s,
             "update_s": update_s,
             **update,
+            **self.prompts.observe(plan, items, groups, rows.trace[:, -1]),  # sets aside what the epoch solved
         }
         if self.credit.needs_completions and not capability(self.epoch_sampler.plan, "branches"):
             # column 0 is the pure-ODE baseline R_0; a branching plan's column 0 is its first child, no baseline
@@ -428,9 +431,6 @@ class Trainer:
         if self._progress is not None:
             self._progress.advance()
         self._stop_point()
-
-    def _named_trainable(self) -> list[tuple[str, torch.Tensor]]:
-        return [(str(k), p) for k, p in enumerate(self.backbone.trainable_parameters())]
 
     def _check_finite(self, update: dict[str, float]) -> None:
         if update.get("nonfinite_losses", 0) > 0:

@@ -1,9 +1,9 @@
 """A run's checkpoints: writing one (unsharded, gathered, or each process's shards) and putting one back.
 
 The trainer holds one ``RunCheckpoints`` (``Trainer.checkpoints``), built from the components a checkpoint holds
-the state of (the backbone's adapter, the optimizer, the EMA) and where it writes them; the trainer passes the
-epoch and the last evaluation to each ``save`` and takes them back from ``restore``. ``saved`` remembers the
-checkpoint the run last wrote or resumed from: what a stop or the end of the run still has to write.
+the state of (the backbone's adapter, the optimizer, the EMA, the prompt policy) and where it writes them; the
+trainer passes the epoch and the last evaluation to each ``save`` and takes them back from ``restore``. ``saved``
+remembers the checkpoint the run last wrote or resumed from: what a stop or the end of the run still has to write.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tpflow.train.checkpoints.format import (
 from tpflow.train.checkpoints.resume import restoring
 from tpflow.train.checkpoints.sharded import restore_sharded, save_sharded
 from tpflow.train.ema import EMA
+from tpflow.train.prompt_policy import PromptPolicy
 from tpflow.train.run_logger import truncate_after
 from tpflow.train.sharding import GatheredBackbone, gathered_state
 
@@ -49,9 +50,11 @@ class RunCheckpoints:
         ema: EMA | None,
         dist: Distributed,
         console: Console,
+        prompts: PromptPolicy | None = None,
     ) -> None:
         self.run_dir, self.recipe, self.settings = run_dir, recipe, recipe.train
         self.backbone, self.optimizer, self.ema = backbone, optimizer, ema
+        self.prompts = prompts  # the prompt sampler's policy: the prompts it set aside (tpflow.train.prompt_policy)
         self.dist, self.console = dist, console
         self.saved: tuple[int, int] | None = None
 
@@ -63,6 +66,7 @@ class RunCheckpoints:
         wait for the write to finish."""
         if collective:
             self.dist.check_in_sync(named_trainable(self.backbone))
+            self._check_prompts_agree(epoch)
         path = None
         backbone: Backbone | GatheredBackbone | None = self.backbone
         states = None
@@ -120,6 +124,8 @@ class RunCheckpoints:
                 self.ema.reset()
             restore_rng_state(ckpt.rng_state)
             epoch = int(ckpt.train_state["epoch"])
+            if self.prompts is not None:  # a checkpoint older than the policy's state: nothing set aside
+                self.prompts.load_state_dict(ckpt.train_state.get("prompts_set_aside") or [])
         last_eval = dict(ckpt.train_state.get("last_eval") or {})
         if path.resolve().parent == (self.run_dir / "checkpoints").resolve():  # this run's own (not a warm start)
             self.saved = (epoch, self.optimizer.global_step)
@@ -144,16 +150,29 @@ class RunCheckpoints:
                 highlight=False,
             )
 
+    def _check_prompts_agree(self, epoch: int) -> None:
+        """Every process set aside the same prompts (each decides from the same gathered rows): else a bug, and the
+        processes would plan different epochs."""
+        if self.prompts is None or not self.dist.enabled:
+            return
+        states = self.dist.gather_objects([self.prompts.state_dict(epoch)])
+        if any(state != states[0] for state in states):
+            raise RuntimeError(f"the processes' prompt policies set aside different prompts before epoch {epoch}")
+
     def _small_state(self, epoch: int, last_eval: dict[str, float]) -> dict[str, Any]:
-        """A checkpoint's RNG states, train state, recipe and how many to keep."""
+        """A checkpoint's RNG states, train state (with the prompts the policy set aside), recipe and how many to
+        keep."""
+        train_state: dict[str, Any] = {
+            "epoch": epoch,
+            "global_step": self.optimizer.global_step,
+            "last_eval": last_eval,
+        }
+        if self.prompts is not None and self.prompts.skips:  # uniform: the checkpoint as before, byte for byte
+            train_state["prompts_set_aside"] = self.prompts.state_dict(epoch)
         return {
             "rng_state": capture_rng_state(),
             # last_eval: a resumed run's metrics lines repeat it until its next eval, as the uninterrupted run's
-            "train_state": {
-                "epoch": epoch,
-                "global_step": self.optimizer.global_step,
-                "last_eval": last_eval,
-            },
+            "train_state": train_state,
             "recipe": self.recipe.data,
             "keep_last": self.settings.keep_checkpoints,
         }
