@@ -179,3 +179,32 @@ def test_skip_solved_resumes_from_what_a_kill_leaves_drawing_the_same_prompts(tm
     resumed.fit()
     assert _items_by_epoch(resumed.run_dir) == drawn
     assert _comparable(straight.run_dir) == _comparable(resumed.run_dir)
+
+
+class _TwoProcesses:
+    """A Distributed whose other process holds ``theirs`` (gather_objects as two processes answer it)."""
+
+    enabled, sharded = True, False
+
+    def __init__(self, theirs) -> None:
+        self.theirs = theirs
+
+    def gather_objects(self, objects):
+        return [*objects, self.theirs]
+
+
+def test_a_save_refuses_processes_that_set_aside_different_prompts(tmp_path):
+    """The invariant every process's policy keeps (the same gathered rows, the same decisions), checked before a
+    collective checkpoint: equal states pass, different ones raise."""
+    from types import SimpleNamespace
+
+    from tpflow.train.checkpoints.run import RunCheckpoints
+
+    policy = PromptPolicy(_settings(prompt_policy="skip-solved"), PROMPTS)
+    _observe(policy, 0, {2: [1.0, 1.0]})
+    recipe = SimpleNamespace(train=policy.train)
+    same = RunCheckpoints(tmp_path, recipe, None, None, None, _TwoProcesses([[2, 0, NEVER]]), None, policy)
+    same._check_prompts_agree(1)
+    other = RunCheckpoints(tmp_path, recipe, None, None, None, _TwoProcesses([]), None, policy)
+    with pytest.raises(RuntimeError, match="different prompts before epoch 1"):
+        other._check_prompts_agree(1)
