@@ -208,3 +208,17 @@ def test_a_save_refuses_processes_that_set_aside_different_prompts(tmp_path):
     other = RunCheckpoints(tmp_path, recipe, None, None, None, _TwoProcesses([]), None, policy)
     with pytest.raises(RuntimeError, match="different prompts before epoch 1"):
         other._check_prompts_agree(1)
+
+
+def test_the_shipped_recipe_is_shapes_tp_with_the_policy():
+    """recipes/shapes_tp_skip_solved.toml differs from shapes_tp.toml in the prompt policy alone, so its first
+    epoch draws what shapes_tp's does (its rollout fingerprint is shapes_tp's too)."""
+    from pathlib import Path
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    skip, tp = load_recipe(recipes / "shapes_tp_skip_solved.toml"), load_recipe(recipes / "shapes_tp.toml")
+    assert skip.train.prompt_policy == "skip-solved" and tp.train.prompt_policy == "uniform"
+    policy = {"prompt_policy": "uniform", "prompt_skip_epochs": 0}
+    assert skip.train.model_copy(update=policy) == tp.train
+    assert {k: v for k, v in skip.data.items() if k != "train"} == {k: v for k, v in tp.data.items() if k != "train"}
+    assert PromptPolicy(skip.train, PROMPTS).plan(0) == PromptPolicy(tp.train, PROMPTS).plan(0)
