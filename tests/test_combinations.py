@@ -89,3 +89,36 @@ def test_gardos_options_are_right_or_refused(recipe, tiny_weights):
             plain, _ = run_combination(recipe, [*base, "optimizer.beta=1e-3"], nonfinite=False)
             assert torch.equal(grad, plain), "the first update's reference is the base model, bitwise"
     assert outcomes == {name: due for name, (_, due) in GARDO.items()}
+
+
+SKIP = 'train.prompt_policy="skip-solved"'
+PROMPT_POLICY = {  # [train] prompt_policy (docs/training.md, "Which prompts an epoch draws"): sets, outcome due
+    "skip-solved": ([SKIP], "accepted"),
+    "prompt_skip_epochs, uniform": (["train.prompt_skip_epochs=2"], "refused"),
+    "skip-solved, groups of one": ([SKIP, "train.group_size=1", "train.rollout_batch=2"], "refused"),
+}
+
+
+def test_the_prompt_policys_options_are_right_or_refused(recipe, tiny_weights):
+    """Each prompt-policy combination refused in one paragraph or trained with a finite gradient and finite weights
+    after one non-finite trajectory; the policy sets nothing aside before the first epoch, so the first step's
+    gradient is the uniform policy's bitwise."""
+    from tpflow.errors import RecipeError
+    from tpflow.recipe import load_recipe
+
+    base = overrides(BASE, tiny_weights)
+    outcomes = {}
+    for name, (sets, _) in PROMPT_POLICY.items():
+        try:
+            load_recipe(recipe, [*base, *sets])
+        except RecipeError as error:
+            text = str(error).strip()
+            assert "\n\n" not in text and "Traceback" not in text, (name, text)
+            outcomes[name] = "refused"
+            continue
+        grad, finite = run_combination(recipe, [*base, *sets])
+        assert finite and bool(torch.isfinite(grad).all()) and float(grad.norm()) > 0, name
+        outcomes[name] = "accepted"
+        plain, _ = run_combination(recipe, [*base, *(s for s in sets if s != SKIP)], nonfinite=False)
+        assert torch.equal(grad, plain), f"{name}: the first step draws the uniform policy's prompts"
+    assert outcomes == {name: due for name, (_, due) in PROMPT_POLICY.items()}
