@@ -11,6 +11,7 @@ import torch
 
 from tpflow.errors import UserError
 from tpflow.recipe import load_recipe
+from tpflow.train import prompt_policy as prompt_policy_module
 from tpflow.train import sampling as sampling_module
 from tpflow.train import trainer as trainer_module
 from tpflow.train.prompt_sampler import plan_epoch
@@ -84,7 +85,7 @@ def test_two_epochs_train_the_adapter_only(tmp_path, tiny_weights, plugin, monke
     frozen = {n: p.detach().clone() for n, p in trainer.backbone.model.named_parameters() if "lora_" not in n}
     planned = []  # each epoch is planned once, and the plan handed on (the sampler planned it a second time)
     counted = lambda *args: planned.append(args[2]) or plan_epoch(*args)  # noqa: E731
-    for module in (trainer_module, sampling_module):
+    for module in (trainer_module, sampling_module, prompt_policy_module):  # the trainer plans through its policy
         monkeypatch.setattr(module, "plan_epoch", counted, raising=False)  # the sampler no longer imports it
     metrics = trainer.fit()
     assert planned == [0, 1]
