@@ -152,6 +152,15 @@ def _trainer(recipe, sets, resume: bool = False) -> Trainer:
     return trainer
 
 
+def _two_process_worker(rank: int, out, recipe: str, sets: list[str]) -> dict:
+    """``_trainer``'s run on this process of two: the prompts it set aside, [item, epoch, until] each."""
+    from pathlib import Path
+
+    trainer = _trainer(Path(recipe), sets)
+    trainer.fit()
+    return {"aside": torch.tensor(trainer.prompts.state_dict(trainer.epoch), dtype=torch.long).reshape(-1, 3)}
+
+
 def test_skip_solved_resumes_from_what_a_kill_leaves_drawing_the_same_prompts(tmp_path, tiny_weights):
     """The texts of even CRC-32 score 0 (solved: all failed) and are set aside for good; the others train. A kill
     after the first checkpoint, resumed, draws in every later epoch the texts the uninterrupted run drew, none set
@@ -179,6 +188,15 @@ def test_skip_solved_resumes_from_what_a_kill_leaves_drawing_the_same_prompts(tm
     resumed.fit()
     assert _items_by_epoch(resumed.run_dir) == drawn
     assert _comparable(straight.run_dir) == _comparable(resumed.run_dir)
+    # two processes, each deciding from the gathered rows: the same prompts set aside on both, and as on one
+    from tests.distributed_workers import spawn
+
+    two = tmp_path / "two"
+    two.mkdir()
+    ranks = spawn(_two_process_worker, two, str(recipe), [*sets, f"train.run_dir={two / 'run'}"])
+    alone = torch.tensor(straight.prompts.state_dict(3), dtype=torch.long).reshape(-1, 3)
+    assert len(alone) and all(torch.equal(r["aside"], alone) for r in ranks)
+    assert _items_by_epoch(two / "run") == drawn
 
 
 class _TwoProcesses:
