@@ -10,7 +10,8 @@ available offline here, by spec:
 - ``"pixels"``: the image average-pooled to 16×16, its mean removed: no weights, for tests; it sees layout and
   colour, not content.
 
-The same specs as ``[eval] diversity`` (``tpflow.settings.diversity_problem`` checks them before anything loads).
+The same specs, and the same extractors, as ``[eval] diversity`` (``tpflow.train.diversity`` builds its embedding
+here; ``tpflow.settings.diversity_problem`` checks a spec before anything loads).
 Each returns unit rows [N, D] float32 on the CPU; weights load at the first call, under a lock (the scoring thread
 and a reward server may call from several threads). A clip [N, F, 3, H, W] is embedded by its middle frame.
 """
@@ -32,8 +33,10 @@ PIXEL_SIDE = 16  # "pixels": the side of the pooled image
 Features = Callable[[Tensor], Tensor]  # images [N, 3, H, W] in [0, 1] -> unit rows [N, D] float32 on the CPU
 
 
-def build_features(spec: str, device: torch.device) -> Features:
-    """The extractor ``spec`` names (module docstring), its weights loaded on ``device`` at its first call."""
+def build_features(spec: str, device: torch.device, where: str | None = None) -> Features:
+    """The extractor ``spec`` names (module docstring), its weights loaded on ``device`` at its first call.
+    ``where`` names the setting in a missing weight's message (default: the diversity-shaped reward's
+    ``features``); ``[eval] diversity`` (tpflow.train.diversity) builds its embedding here too."""
     problem = diversity_problem(spec)
     if problem is not None:
         raise ValueError(problem)
@@ -61,7 +64,8 @@ def build_features(spec: str, device: torch.device) -> Features:
     from tpflow.rewards.open_clip import LazyOpenClip
 
     arch, _, pretrained = rest.partition(":")
-    clip = LazyOpenClip(arch, pretrained or "openai", device, f"reward 'diversity-shaped', features = {spec!r}")
+    where = where or f"reward 'diversity-shaped', features = {spec!r}"
+    clip = LazyOpenClip(arch, pretrained or "openai", device, where)
 
     @torch.no_grad()
     def open_clip_features(images: Tensor) -> Tensor:

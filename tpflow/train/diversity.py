@@ -24,80 +24,26 @@ A clip (a video backbone's [N, F, 3, H, W]) is embedded by its middle frame.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from tpflow.images import to_uint8
-from tpflow.settings import diversity_problem
+from tpflow.rewards.diversity_features import build_features, pixel_features
 
 DETAIL = "diversity"  # the per-image details key, and eval_diversity in the metrics
-PIXEL_SIDE = 16  # "pixels": the side of the pooled image
 
 Embedder = Callable[[Tensor], Tensor]  # images [N, 3, H, W] in [0, 1] -> unit embeddings [N, D] float32 on the CPU
+pixel_embeddings = pixel_features  # "pixels": one extractor for the evaluation and the diversity-shaped reward
 
 
 def build_embedder(spec: str, device: str = "auto") -> Embedder:
-    """The embedding ``spec`` names (module docstring); its weights load at its first call, under a lock (the
-    trainer and ``tpflow eval`` call it from one thread, a reward server may not)."""
+    """The embedding ``spec`` names (module docstring): the diversity-shaped reward's extractor of the same spec
+    (``tpflow.rewards.diversity_features``), so that the evaluation measures diversity in the space the shaping
+    rewards it; its weights load at its first call, under a lock (a reward server may call from several threads)."""
     from tpflow.devices import resolve_device
 
-    problem = diversity_problem(spec)
-    if problem is not None:
-        raise ValueError(problem)
-    kind, _, rest = spec.partition(":")
-    if kind == "pixels":
-        return pixel_embeddings
-    where = resolve_device(device)
-    lock = threading.Lock()
-    if kind == "shapes-clip":
-        from tpflow.rewards.shapes_clip import resolve_weights
-        from tpflow.shapes.clip import load_clip
-
-        loaded: list = []
-
-        def shapes(images: Tensor) -> Tensor:
-            with lock:
-                if not loaded:
-                    loaded.append(load_clip(resolve_weights(rest or None), where))
-                model = loaded[0]
-                size = model.config.image_size
-                pixels = to_uint8(_frames(images).to(where)).float() / 255  # [N, 3, H, W] on the uint8 grid
-                if pixels.shape[-2:] != (size, size):
-                    pixels = F.interpolate(pixels, size=(size, size), mode="bilinear", antialias=True).clamp(0, 1)
-                return model.encode_image(pixels).float().cpu()  # [N, D], unit rows
-
-        return shapes
-    from tpflow.images import l2_normalize
-    from tpflow.rewards.open_clip import LazyOpenClip
-
-    arch, _, pretrained = rest.partition(":")
-    clip = LazyOpenClip(arch, pretrained or "openai", where, f"eval.diversity = {spec!r}")
-
-    @torch.no_grad()
-    def open_clip_images(images: Tensor) -> Tensor:
-        model = clip.get()
-        return l2_normalize(model.model.encode_image(model.preprocess(_frames(images)))).cpu()  # [N, D]
-
-    return open_clip_images
-
-
-def _frames(images: Tensor) -> Tensor:
-    """[N, 3, H, W] as they are; a clip batch [N, F, 3, H, W] by its middle frame."""
-    return images[:, images.shape[1] // 2] if images.ndim == 5 else images
-
-
-@torch.no_grad()
-def pixel_embeddings(images: Tensor) -> Tensor:
-    """[N, 3, H, W] in [0, 1] -> [N, 3·16·16] unit rows: average-pooled to 16×16, each image's mean removed (a
-    uniform image, which has no direction, gives zeros)."""
-    x = to_uint8(_frames(images)).float().cpu() / 255  # the uint8 grid every reward sees
-    x = F.adaptive_avg_pool2d(x, PIXEL_SIDE).flatten(1)  # [N, 768]
-    x = x - x.mean(dim=1, keepdim=True)
-    return x / x.norm(dim=1, keepdim=True).clamp(min=1e-12)
+    return build_features(spec, resolve_device(device), where=f"eval.diversity = {spec!r}")
 
 
 def mean_pairwise_distance(embeddings: Tensor) -> float:
