@@ -52,6 +52,8 @@ def test_uniform_plans_as_plan_epoch_and_keeps_no_state():
         assert policy.plan(epoch) == plan_epoch(len(PROMPTS), train, epoch)
         assert _observe(policy, epoch, {2: [1.0, 1.0], 3: [0.0, 0.0]}) == {}
     assert policy.aside == {} and policy.state_dict(5) == []
+    policy.load_state_dict([[2, 0, NEVER]])  # a skip-solved run's checkpoint resumed with 'uniform'
+    assert policy.plan(4) == plan_epoch(len(PROMPTS), train, 4)
 
 
 def test_a_solved_text_is_not_drawn_for_its_epochs_then_returns():

@@ -54,8 +54,9 @@ class PromptPolicy:
         return frozenset(i for i, span in self.aside.items() if _aside_at(span, epoch))
 
     def plan(self, epoch: int) -> EpochPlan:
-        """The epoch's rollout batches (``plan_epoch``), drawn around the items set aside."""
-        return plan_epoch(len(self.keys), self.train, epoch, self.set_aside(epoch))
+        """The epoch's rollout batches (``plan_epoch``), drawn around the items set aside (none under ``uniform``,
+        even from a checkpoint of a skip-solved run resumed with ``uniform``)."""
+        return plan_epoch(len(self.keys), self.train, epoch, self.set_aside(epoch) if self.skips else frozenset())
 
     def observe(self, plan: EpochPlan, items: Sequence[int], groups: Sequence[int], final: Tensor) -> dict[str, float]:
         """Set aside the texts whose groups all had equal final rewards in ``plan``'s epoch (``items``, ``groups``:
