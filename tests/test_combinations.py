@@ -50,6 +50,9 @@ BASE = {  # the matrix's reference combination
     "recompute": "native", "precision": "no", "compile": "off", "cfg_gradient": "full", "finetune": "lora",
 }  # fmt: skip
 SHAPED = 'reward={name = "diversity-shaped", reward = {name = "image-stat"}, features = "pixels"}'
+PARTS = ('reward={name = "weighted", rewards = [{name = "image-stat", label = "bright"}, {name = "image-stat", '
+         'label = "saturated", weight = 0.0, options = {statistic = "saturation"}}]}')  # fmt: skip
+GATED = ["optimizer.kl_gate=true", 'optimizer.kl_gate_main="bright"', 'optimizer.kl_gate_aux=["saturated"]']
 GARDO = {  # GARDO's options (docs/algorithm.md §10.9) on the matrix's tiny recipe: their sets and the outcome due
     "adaptive_reference, beta 0": (["optimizer.adaptive_reference=true"], "refused"),
     "adaptive_reference, retain": (
@@ -62,6 +65,13 @@ GARDO = {  # GARDO's options (docs/algorithm.md §10.9) on the matrix's tiny rec
         [SHAPED, "optimizer.adaptive_reference=true", "optimizer.beta=1e-3", 'optimizer.recompute="retain"'],
         "refused",
     ),  # fmt: skip
+    "kl_gate, beta 0": ([PARTS, *GATED], "refused"),
+    "kl_gate, a detail the reward lacks": (
+        [PARTS, *GATED[:2], 'optimizer.kl_gate_aux=["contrast"]', "optimizer.beta=1e-3"],
+        "refused",
+    ),  # fmt: skip
+    "kl_gate": ([PARTS, *GATED, "optimizer.beta=1e-3"], "accepted"),
+    "kl_gate, retain": ([PARTS, *GATED, "optimizer.beta=1e-3", 'optimizer.recompute="retain"'], "accepted"),
 }
 
 

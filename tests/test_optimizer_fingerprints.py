@@ -49,7 +49,7 @@ CASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "tp": ("shapes_tp.toml", (WINDOW,)),
     "dancegrpo": ("shapes_dancegrpo.toml", ()),
     "grpo_guard": ("shapes_grpo_guard.toml", (WINDOW,)),
-    "gardo": ("shapes_gardo.toml", (WINDOW,)),
+    "gardo": ("shapes_gardo.toml", (WINDOW, "optimizer.kl_gate_fraction=0.5", "optimizer.kl_gate_max=0.5")),
     "tempflow": ("shapes_flowgrpo.toml", (WINDOW, "optimizer.step_weight=noise-aware", "optimizer.kl_std=transition")),
     "nft": ("shapes_nft.toml", ()),
     "nft_kl": ("shapes_nft.toml", ("optimizer.kl_weight=1e-4", "optimizer.old_decay_rate=0.25")),
@@ -129,6 +129,10 @@ def fingerprint(case: str) -> dict:
         batch = rollout_from_settings(backbone, sampler, cond, groups, window, settings, None,
                                       cpu_generator(SEED), seeds, transitions, store_means, retain)  # fmt: skip
     batch = dataclasses.replace(batch, completions=None, groups=torch.tensor(groups, dtype=torch.long))
+    if capability(optimizer, "reads_reward_details"):  # the reward parts GARDO's KL gate ranks: drawn at random
+        keys = [optimizer.options.kl_gate_main, *optimizer.options.kl_gate_aux]
+        parts = torch.rand(len(keys), len(groups), generator=cpu_generator(SEED + 25))  # row 2 gated
+        batch = dataclasses.replace(batch, reward_details=dict(zip(keys, parts, strict=True)))
     width = batch.log_probs.shape[1] if transitions else 1
     generator = cpu_generator(SEED + 7)
     rewards = torch.rand(len(groups), 1 if same_reward else width, generator=generator, dtype=torch.float64)

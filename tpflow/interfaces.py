@@ -53,6 +53,9 @@ CAPABILITIES: dict[str, Any] = {
     # Optimizer: a tpflow.rollout.retain.Retain (or .reweight.Reweight) when its update reuses the rollout's forwards
     "retain": None,
     "consumes": "transitions",  # Optimizer (required on an instance)
+    # Optimizer: its update reads the final samples' reward details (Rollout.reward_details, [N] per key), which the
+    # sampling stage then keeps: GARDO's KL gate ranks the auxiliary rewards
+    "reads_reward_details": False,
     # Optimizer: () -> whether its loss runs the frozen reference model (a KL term); None: assume it does, and keep
     # the reference copy
     "uses_reference": None,
@@ -63,6 +66,9 @@ CAPABILITIES: dict[str, Any] = {
     # RewardModel: () -> {details key: weight} when its parts' advantages are normalised apart and summed
     # (``combine = "zscore_sum"``: tpflow.train.reward_parts), else None
     "zscored_parts": None,
+    # RewardModel: options -> the keys of its ``details`` (a key ending in "/" stands for any key under it), checked
+    # against what a recipe names (kl_gate_main/aux) before anything loads; None: known only when it scores
+    "detail_keys": None,
     # What a recipe check reads to match the reward with the backbone and the dataset before anything loads
     # (tpflow.rewards.needs): a Backbone's ``decode`` gives clips [N, F, 3, H, W] (a video backbone), not images
     "samples_clips": False,

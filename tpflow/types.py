@@ -215,6 +215,9 @@ class Rollout:
     # ``Optimizer.advantages`` got), set by the trainer before the update; None where no trainer set them. An update
     # whose loss couples a group's members (DGPO's group weight) reads it; the others never need it.
     groups: Tensor | None = None
+    # details key -> [N] float32 on the CPU: the reward's parts of each final sample (its ``details``), kept by the
+    # sampling stage for an optimizer that reads them (capability ``reads_reward_details``: GARDO's KL gate); else None
+    reward_details: dict[str, Tensor] | None = None
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -241,6 +244,7 @@ class Rollout:
             means=None if self.means is None else self.means[rows],
             retained=None if self.retained is None else self.retained.index(rows),
             groups=None if self.groups is None else self.groups[rows.cpu()],
+            reward_details=_rows_of(self.reward_details, rows),
         )
 
     def transitions(self, rows: Tensor, steps: Tensor) -> Rollout:
@@ -300,7 +304,20 @@ class Rollout:
             means=None if first.means is None else torch.cat([r.means for r in rollouts]),
             retained=_cat_retained([r.retained for r in rollouts], [len(r) for r in rollouts]),
             groups=None if any(r.groups is None for r in rollouts) else torch.cat([r.groups for r in rollouts]),
+            reward_details=_cat_details([r.reward_details for r in rollouts]),
         )
+
+
+def _cat_details(parts: list[dict[str, Tensor] | None]) -> dict[str, Tensor] | None:
+    """The reward details of consecutive rollout batches (None unless every batch has them)."""
+    if any(p is None for p in parts):
+        return None
+    return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}  # type: ignore[index]
+
+
+def _rows_of(details: dict[str, Tensor] | None, rows: Tensor) -> dict[str, Tensor] | None:
+    """The reward details of ``rows`` ([M] long, any device; the details stay on the CPU)."""
+    return None if details is None else {key: value[rows.cpu()] for key, value in details.items()}
 
 
 def _cat_retained(kept: list, sizes: list[int]) -> RetainedSteps | ReweightedSteps | None:

@@ -12,6 +12,7 @@ uninterrupted one does.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -81,3 +82,22 @@ class AdaptiveReference:
                                                zip(copy, params, strict=True)]  # fmt: skip
         self.updates, self.last_reset = int(held["updates"]), int(held["last_reset"])
         self.flagged = bool(held["flagged"])
+
+
+def adaptive_problems(options: Any) -> list[str]:
+    """The recipe's limits for ``adaptive_reference`` (grpo's options), before anything loads."""
+    if not options.adaptive_reference:
+        return []
+    if options.beta == 0:
+        return [
+            "[optimizer] adaptive_reference = true with beta = 0: the held reference copy is read only by the KL "
+            "term, which beta = 0 turns off (GARDO resets its reference only when beta > 0), so the option would "
+            "change nothing. Set beta > 0 (GARDO's OCR config: 0.04) or drop adaptive_reference."
+        ]
+    if options.recompute == "retain":
+        return [
+            '[optimizer] adaptive_reference = true with recompute = "retain": the reference pass swaps the held '
+            "copy into the trained parameters, which the retained rollout graphs saved, so their backward would "
+            'fail. Use recompute = "native" with adaptive_reference.'
+        ]
+    return []

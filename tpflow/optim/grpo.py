@@ -27,10 +27,11 @@ from tpflow.devices import to_device
 from tpflow.errors import UserError
 from tpflow.guidance import conditional_only
 from tpflow.interfaces import Backbone, Sampler, capability
-from tpflow.optim.adaptive_reference import AdaptiveReference
+from tpflow.optim.adaptive_reference import AdaptiveReference, adaptive_problems
 from tpflow.optim.advantages import group_advantages, informative_trajectories
 from tpflow.optim.grpo_loss import PolicyLoss, clipped_surrogate, kl_to_reference
 from tpflow.optim.grpo_options import GRPOOptions
+from tpflow.optim.kl_gate import GateFraction, KLGate, gate_problems
 from tpflow.optim.loop import AdamWLoop, LossThunk, RowLoss, batch_layout, held
 from tpflow.optim.ratio_norm import normalised_log_ratio
 from tpflow.optim.recompute import retain_problems, retained_passes, retained_step, reweighted_loss
@@ -89,6 +90,13 @@ class GRPO:
         adaptive = o.adaptive_reference
         self.adaptive = AdaptiveReference(o.reference_reset_every, o.reference_reset_kl) if adaptive else None
         self._step_kl: Tensor | None = None  # [2] the optimizer step's KL sum and rows, for the adaptive reference
+        fraction = GateFraction(o.kl_gate_fraction, 0.1, o.kl_gate_min, o.kl_gate_max, o.kl_gate_history)
+        self.gate = KLGate(o.kl_gate_main or "", o.kl_gate_aux, fraction) if o.kl_gate else None  # GARDO's gated KL
+
+    @property
+    def reads_reward_details(self) -> bool:
+        """The KL gate ranks the final samples' reward parts (``Rollout.reward_details``)."""
+        return self.options.kl_gate
 
     global_step = held("global_step")  # the Optimizer protocol's, from the loop
     precision = held("precision", settable=True)
@@ -106,12 +114,17 @@ class GRPO:
 
     def state_dict(self, gather: bool = True) -> dict:
         """The loop's state (AdamW, the step count, the fp16 scaler) and, with ``adaptive_reference``, the reference
-        copy and its counters."""
-        return self.loop.state_dict({} if self.adaptive is None else self.adaptive.state(), gather)
+        copy and its counters; with ``kl_gate``, the gate's φ and its history."""
+        extra = {} if self.adaptive is None else self.adaptive.state()
+        return self.loop.state_dict({**extra, **(self.gate.state() if self.gate else {})}, gather)
 
     def load_state_dict(self, state: dict) -> None:
-        adaptive = self.adaptive
-        load = (lambda _: None) if adaptive is None else (lambda s: adaptive.load(s, self.loop.params))
+        def load(state: dict) -> None:  # the adaptive reference's copy and the gate's controller, when on
+            if self.adaptive is not None:
+                self.adaptive.load(state, self.loop.params)
+            if self.gate is not None:
+                self.gate.load(state)
+
         self.loop.load_state_dict(self.options, state, load)
 
     def uses_reference(self) -> bool:
@@ -152,7 +165,10 @@ class GRPO:
                 f"constant, and [backbone] name = {backbone.name!r} is guidance-distilled (its guidance "
                 f"{guidance:g} is an embedding of one call, no unconditional branch). Drop the option."
             )
-        problems += retain_problems(options, settings) + _adaptive_problems(options)
+        problems += retain_problems(options, settings) + adaptive_problems(options)
+        reward = settings.get("reward") if options.kl_gate else None  # the gate names its reward details
+        keys = None if reward is None else capability(registry.get("reward", reward.name).factory, "detail_keys")
+        problems += gate_problems(options, None if keys is None else keys(reward.options))
         sampler = settings["sampler"].name
         if options.ratio_norm and not capability(registry.get("sampler", sampler).factory, "gaussian_log_prob"):
             problems.append(
@@ -166,8 +182,7 @@ class GRPO:
     def advantages(self, step_rewards: Tensor, groups: Sequence[Hashable]) -> Tensor:
         """Group-normalised advantages [N, W] float64 of step rewards [N, W] (docs/algorithm.md §5), with this
         optimizer's ``global_std``, ``advantage_std``, ``advantage_eps`` and ``adv_clip_max``: the one place they are
-        applied. ``groups`` holds one
-        prompt key per row (equal keys form a group)."""
+        applied. ``groups`` holds one prompt key per row (equal keys form a group)."""
         o = self.options
         correction = 1 if o.advantage_std == "sample" else 0
         return group_advantages(step_rewards, groups, global_std=o.global_std, eps=o.advantage_eps,
@@ -203,12 +218,13 @@ class GRPO:
         host_adv = advantages.detach().cpu()  # [N, W] the one host copy: the rows kept, the retained steps' check
         rows, micro_batches = self._micro_batches(host_adv, batch.device)
         passes, use_retained = retained_passes(batch, micro_batches, o, host_adv)  # tpflow.optim.recompute
-        plain = dataclasses.replace(batch, retained=None)  # micro-batches index it; their graphs come by host rows
+        plain = dataclasses.replace(batch, retained=None, reward_details=None)  # indexed; graphs come by host rows
         trained = None if batch.trained is None else batch.trained.cpu()  # [N, W] host: a rollout plan's subset
         weights = self._step_weights(sampler, sigmas, batch.noise_level, trained)  # [N, W] host, or None: all 1
         weights = None if weights is None else weights.to(batch.device)
         # reweight's buffers serve the first step only, before the fp16 scaler moves: its scale read once
         scale = self.precision.loss_scale() if isinstance(batch.retained, ReweightedSteps) else 1.0
+        gate, gate_metrics = self._gate_weights(batch)  # [N] each row's KL weight on the device, or None: 1
 
         def losses(mb: tuple[Tensor, Tensor, bool]) -> Iterator[LossThunk]:
             device_rows, host_rows, use_retained = mb
@@ -222,21 +238,20 @@ class GRPO:
             if trained is not None:  # a plan's subset of (trajectory, step) pairs: packed, nothing else computed
                 mask = trained[host_rows].clone()
                 mask[:, :first] = False  # the pairs reweight formed
-                yield from self._packed_losses(backbone, sampler, batch, adv, sigmas, weights, mask,
+                yield from self._packed_losses(backbone, sampler, batch, adv, sigmas, (weights, gate), mask,
                                                (device_rows, host_rows))  # fmt: skip
                 return
             part, host = plain.index(device_rows), sigmas[host_rows]
+            kl_weight = None if gate is None else gate[device_rows]
             for i in range(first, width):
                 weight = None if weights is None else weights[device_rows, i]
                 out = retained_step(kept, part, i)
-                yield functools.partial(
-                    self._step_loss, backbone, sampler, part, adv[device_rows, i], i, host[:, i : i + 2], weight, out
-                )
+                yield functools.partial(self._step_loss, backbone, sampler, part, adv[device_rows, i], i,
+                                        host[:, i : i + 2], weight, out, kl_weight)  # fmt: skip
 
         first_row = torch.zeros(1, dtype=torch.long, device="cpu")  # a sharded step's padding: row 0, weight 0
         result = self._run(passes, losses, on_step, filler=(first_row.to(batch.device), first_row, False))
-        for name in ("ratio_max_deviation", "first_ratio_max_deviation"):  # 0 when no row trained: on policy
-            result.setdefault(name, 0.0)
+        result = {"ratio_max_deviation": 0.0, "first_ratio_max_deviation": 0.0, **result, **gate_metrics}  # 0: none
         result["trajectories_trained"] = float(rows.numel())
         if batch.retained is not None:
             result["retained_graphs_used"] = float(use_retained)
@@ -253,6 +268,13 @@ class GRPO:
         result.update(reference_reset=float(reset), reference_age=float(age))
         return result
 
+    def _gate_weights(self, batch: Rollout) -> tuple[Tensor | None, dict[str, float]]:
+        """With ``kl_gate``: each row's KL weight [N] on the device (``KLGate.row_weights``), its metrics; or none."""
+        if self.gate is None:
+            return None, {}
+        weights, metrics = self.gate.row_weights(batch.reward_details, self.loop.dist)
+        return to_device(weights, batch.device), metrics
+
     def _micro_batches(self, host_adv: Tensor, device: torch.device) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
         """The rows that train ([M] host) and their micro-batches as (device rows, host rows), in order. Decided on
         the host from the host advantages ``host_adv`` [N, W]: one copy of the indices to the device per update, no
@@ -265,14 +287,15 @@ class GRPO:
 
     def _packed_losses(
         self, backbone: Backbone, sampler: Sampler, batch: Rollout, adv: Tensor, sigmas: Tensor,
-        weights: Tensor | None, trained: Tensor, mb: tuple[Tensor, Tensor],
+        row_weights: tuple[Tensor | None, Tensor | None], trained: Tensor, mb: tuple[Tensor, Tensor],
     ) -> Iterator[LossThunk]:  # fmt: skip
         """The micro-batch ``mb`` (its rows on the device and on the host)'s trained (trajectory, step) pairs
         (``trained`` [n, W] host), step by step, in calls of as many pairs as it has trajectories: a call computes only
         rows that train. (An earlier release computed the whole micro-batch at every step any of its rows trained,
         weighing the others 0: +45% update compute for flux_dancegrpo, docs/algorithm.md §10.1.) ``adv`` [N, W] and
-        ``weights`` are on the device, ``sigmas`` [N, W + 1] on the host."""
-        device_rows, host_rows = mb
+        ``row_weights`` (the policy loss's [N, W] and the KL's [N], or None) are on the device, ``sigmas`` [N, W + 1]
+        on the host."""
+        (weights, gate), (device_rows, host_rows) = row_weights, mb
         step, local = trained.T.nonzero(as_tuple=True)  # [P] each, ordered by step, then row
         if not step.numel():
             return
@@ -283,8 +306,9 @@ class GRPO:
             host_rows_p, host_steps = host_rows[local[start : start + size]], step[start : start + size]  # [p] host
             host = torch.stack([sigmas[host_rows_p, host_steps], sigmas[host_rows_p, host_steps + 1]], dim=1)
             weight = None if weights is None else weights[rows, steps]
-            part = batch.transitions(rows, steps)
-            yield functools.partial(self._step_loss, backbone, sampler, part, adv[rows, steps], 0, host, weight)
+            part, kl_weight = batch.transitions(rows, steps), None if gate is None else gate[rows]
+            yield functools.partial(self._step_loss, backbone, sampler, part, adv[rows, steps], 0, host, weight,
+                                    None, kl_weight)  # fmt: skip
 
     def _policy_velocity(self, backbone: Backbone, z: Tensor, sigma: Tensor, part: Rollout) -> Tensor:
         """v_θ with grad, through the CFG branches ``cfg_gradient`` names (tpflow.guidance)."""
@@ -366,13 +390,15 @@ class GRPO:
         sigmas: Tensor | None = None,
         weight: Tensor | None = None,
         retained: StepOutput | None = None,
+        kl_weight: Tensor | None = None,
     ) -> RowLoss:
         """Loss of window step i for one micro-batch, summed over its rows whose transition std is not 0, and its
         diagnostics as row sums. ``sigmas`` [n, 2]: (σ, σ⁺) of the step on the host (default: read from ``part``);
         ``weight`` [n] multiplies each row's policy loss (not its KL; None: 1). A rollout plan's subset of steps comes
         packed (``Rollout.transitions``: every row trains unless its std is 0). ``retained``: the step's
         differentiable log-probability kept by the rollout (``recompute = "retain"``) instead of recomputing it; its
-        loss is then back-propagated with the rest of the optimizer step's (``RowLoss.deferred``)."""
+        loss is then back-propagated with the rest of the optimizer step's (``RowLoss.deferred``). ``kl_weight`` [n]
+        multiplies each row's KL (the KL gate's g / f; None: 1), in the loss, the metric and the step KL alike."""
         o = self.options
         sigmas = part.sigmas[:, i : i + 2] if sigmas is None else sigmas
         sigma, sigma_next = sigmas[:, 0], sigmas[:, 1]
@@ -398,6 +424,7 @@ class GRPO:
         if o.beta > 0:
             ref_mean = self._reference_mean(backbone, sampler, *reference) if ref_mean is None else ref_mean
             kl = kl_to_reference(out.mean, ref_mean, out.std if o.kl_std == "transition" else out.std_dev_t)
+            kl = kl if kl_weight is None else kl * kl_weight
             row = row + o.beta * kl
             if self._step_kl is not None:
                 self._step_kl += torch.stack([torch.where(live, kl, 0.0).sum(), live.sum()]).detach().float()
@@ -417,22 +444,3 @@ class GRPO:
             maxima = {"ratio_max_deviation": torch.where(live, deviation, 0.0).max()}
         total = torch.where(live, row, 0.0).sum()
         return RowLoss(total, live.sum().float(), sums, maxima, deferred=retained is not None)
-
-
-def _adaptive_problems(options: GRPOOptions) -> list[str]:
-    """The recipe's limits for ``adaptive_reference`` (GARDO, docs/algorithm.md §10.9), before anything loads."""
-    if not options.adaptive_reference:
-        return []
-    if options.beta == 0:
-        return [
-            "[optimizer] adaptive_reference = true with beta = 0: the held reference copy is read only by the KL "
-            "term, which beta = 0 turns off (GARDO resets its reference only when beta > 0), so the option would "
-            "change nothing. Set beta > 0 (GARDO's OCR config: 0.04) or drop adaptive_reference."
-        ]
-    if options.recompute == "retain":
-        return [
-            '[optimizer] adaptive_reference = true with recompute = "retain": the reference pass swaps the held '
-            "copy into the trained parameters, which the retained rollout graphs saved, so their backward would "
-            'fail. Use recompute = "native" with adaptive_reference.'
-        ]
-    return []

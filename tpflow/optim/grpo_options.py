@@ -97,3 +97,29 @@ class GRPOOptions(AdamWOptions):
         description="With adaptive_reference: reset the copy before the next update when an optimizer step's mean KL "
         "over its rows exceeded this (GARDO's kl_thres: 3e-4 for OCR, set per task).",
     )
+    kl_gate: bool = Field(
+        False,
+        description="GARDO's gated KL: the KL term only for the samples whose main reward ranks them lowest against "
+        "the auxiliary rewards (a fraction φ of those with u ≥ 0, φ moved by a controller), each gated row's KL "
+        "weighted by 1/(the epoch's gated fraction) (tpflow.optim.kl_gate; needs beta > 0; docs/algorithm.md §10.9).",
+    )
+    kl_gate_main: str | None = Field(
+        None,
+        description="With kl_gate: the reward details key of the main (trained) reward, e.g. a weighted reward's "
+        "part label such as 'ocr' (GARDO's main_reward).",
+    )
+    kl_gate_aux: list[str] = Field(
+        default_factory=list,
+        description="With kl_gate: the reward details keys of the auxiliary rewards the main one is ranked against "
+        "(GARDO's OCR config: aesthetic and imagereward; a weighted part at weight 0 is ranked, not trained on).",
+    )
+    kl_gate_fraction: float = Field(
+        0.1, gt=0, le=1, description="With kl_gate: φ at the first update (GARDO's RiskCompensator base, 0.1)."
+    )
+    kl_gate_min: float = Field(0.02, gt=0, le=1, description="With kl_gate: the least φ (GARDO: 0.02).")
+    kl_gate_max: float = Field(0.2, gt=0, le=1, description="With kl_gate: the largest φ (GARDO: 0.2).")
+    kl_gate_history: int = Field(
+        20,
+        ge=1,
+        description="With kl_gate: how many updates' mean u the controller compares with (GARDO's window, 20).",
+    )

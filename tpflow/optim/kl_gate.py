@@ -6,26 +6,35 @@ the main reward ranks the sample lower than the others do), and keeps the KL for
 u ≥ 0 whose u is largest. φ moves with how large u has been lately (:class:`GateFraction`, the reference's
 ``RiskCompensator``), within [0.02, 0.2].
 
-Built and checked against the reference's formulas (tests/test_gardo.py); not yet wired to the grpo loss: the update
-would need each trajectory's auxiliary rewards, and the trainer hands the optimizer one reward per trajectory.
+``[optimizer] kl_gate`` (grpo) wires it: :class:`KLGate` reads the rewards from the update's ``Rollout.reward_details``
+(the final samples' reward parts, which the sampling stage keeps for an optimizer that declares
+``reads_reward_details``), ranks the N samples of every process, and gives each row the KL weight g / f, f the
+epoch's gated fraction, so that a step's KL term is the mean KL of its gated rows in expectation, whatever the
+micro-batches (the reference averages over each micro-batch's gated rows instead). Tied scores share their mean rank,
+so the gate does not depend on the order of the rows (the reference's ``torch.sort`` orders ties as it may).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from tpflow.errors import UserError
+
+STATE_KEY = "kl_gate"  # its entry in the optimizer's state
+
 
 def descending_ranks(scores: Tensor) -> Tensor:
-    """[N] float64 ranks of ``scores`` [N], 1 for the highest; ties in row order (a stable sort, where the reference's
-    ``torch.sort`` leaves their order to the implementation)."""
-    order = torch.sort(scores.double(), descending=True, stable=True).indices
-    ranks = torch.empty(scores.shape[0], dtype=torch.float64, device=scores.device)
-    ranks[order] = torch.arange(1, scores.shape[0] + 1, dtype=torch.float64, device=scores.device)
-    return ranks
+    """[N] float64 ranks of ``scores`` [N], 1 for the highest; tied scores share their mean rank (the reference's
+    ``torch.sort`` orders ties as the implementation does; a mean rank keeps the gate independent of the rows'
+    order, e.g. of how an epoch's rows fall over processes)."""
+    _, inverse, counts = torch.unique(scores.double(), return_inverse=True, return_counts=True)  # ascending values
+    higher = counts.flip(0).cumsum(0).flip(0) - counts  # per distinct value: how many scores exceed it
+    return (higher + (counts + 1) / 2).double()[inverse]
 
 
 def rank_disagreement(main: Tensor, auxiliary: Sequence[Tensor]) -> Tensor:
@@ -79,3 +88,78 @@ class GateFraction:
 
     def load_state_dict(self, state: dict) -> None:
         self.fraction, self.history = float(state["fraction"]), [float(x) for x in state["history"]]
+
+
+class KLGate:
+    """The gate of one grpo run (``kl_gate``): the detail keys it ranks and φ's controller, checkpointed with the
+    optimizer (:meth:`state`), so a resumed run gates as the uninterrupted one."""
+
+    def __init__(self, main: str, auxiliary: Sequence[str], controller: GateFraction) -> None:
+        self.main, self.auxiliary, self.controller = main, list(auxiliary), controller
+
+    def row_weights(self, details: dict[str, Tensor] | None, dist: Any) -> tuple[Tensor, dict[str, float]]:
+        """This process's KL weights [n] float32 on the CPU, g / f over the epoch's rows of every process
+        (``dist``: the run's ``tpflow.distributed.Distributed``; its gather puts rank 0's rows first), and the
+        metrics: φ and the gated fraction f (every weight 0 when nothing is gated)."""
+        if details is None:
+            raise ValueError("kl_gate reads Rollout.reward_details, which this rollout lacks (reads_reward_details).")
+        missing = [key for key in (self.main, *self.auxiliary) if key not in details]
+        if missing:
+            raise UserError(
+                f"[optimizer] kl_gate ranks the reward details {', '.join(map(repr, missing))}, which the reward did "
+                f"not return (it returned {', '.join(map(repr, sorted(details))) or 'none'}). Name keys of the "
+                "reward's details in kl_gate_main and kl_gate_aux, e.g. a weighted reward's part labels."
+            )
+        n = details[self.main].shape[0]
+        counts = dist.gather(torch.tensor([n], dtype=torch.int64, device="cpu")).tolist()
+        start = sum(counts[: dist.rank])
+        every = {key: dist.gather(details[key].float().cpu()).double() for key in (self.main, *self.auxiliary)}
+        u = rank_disagreement(every[self.main], [every[key] for key in self.auxiliary])  # [N] every process's
+        phi = self.controller.update(u)
+        gated = gated_rows(u, phi)
+        fraction = float(gated.double().mean())
+        weights = gated.double() / fraction if fraction > 0 else torch.zeros_like(u)
+        return weights[start : start + n].float(), {"kl_gate_phi": phi, "kl_gated_fraction": fraction}
+
+    def state(self) -> dict:
+        return {STATE_KEY: self.controller.state_dict()}
+
+    def load(self, state: dict) -> None:
+        """Restore :meth:`state` (``UserError`` when the checkpoint was written without the gate)."""
+        if STATE_KEY not in state:
+            raise UserError(
+                "[optimizer] kl_gate = true, but the checkpoint holds no gate state: it was written by a run without "
+                "the option, whose KL applied to every sample. Resume it as it was written (drop kl_gate), or start "
+                "a new run."
+            )
+        self.controller.load_state_dict(state[STATE_KEY])
+
+
+def gate_problems(options: Any, keys: Sequence[str] | None) -> list[str]:
+    """The recipe's limits for ``kl_gate`` (grpo), before anything loads. ``keys``: the detail keys the recipe's
+    reward declares (a key ending in "/" stands for any key under it), or None when only its scores can tell."""
+    if not options.kl_gate:
+        return []
+    if options.beta == 0:
+        return [
+            "[optimizer] kl_gate = true with beta = 0: the gate chooses which samples get the KL term, which beta = 0 "
+            "turns off, so the option would change nothing. Set beta > 0 (GARDO's OCR config: 0.04) or drop kl_gate."
+        ]
+    named = [options.kl_gate_main, *options.kl_gate_aux]
+    if options.kl_gate_main is None or not options.kl_gate_aux or options.kl_gate_main in options.kl_gate_aux:
+        return [
+            "[optimizer] kl_gate = true needs the reward details it ranks: kl_gate_main (the trained reward's key) "
+            "and kl_gate_aux (at least one other key, not the main one); GARDO ranks the OCR reward against "
+            'aesthetic and ImageReward, e.g. kl_gate_main = "ocr", kl_gate_aux = ["aesthetic", "imagereward"] with a '
+            "weighted reward of those parts."
+        ]
+    unknown = [k for k in named if keys is not None and k not in keys
+               and not any(d.endswith("/") and k.startswith(d) for d in keys)]  # fmt: skip
+    if unknown:
+        return [
+            f"[optimizer] kl_gate ranks the reward details {', '.join(map(repr, unknown))}, which the recipe's "
+            f"reward does not return (its details: {', '.join(repr(k) for k in keys or [] if not k.endswith('/'))}). "
+            "Name keys of its details in kl_gate_main and kl_gate_aux, or give the reward those parts (a weighted "
+            "reward of them, an auxiliary part at weight 0 when it is only ranked)."
+        ]
+    return []

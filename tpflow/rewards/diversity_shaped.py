@@ -38,6 +38,7 @@ from tpflow.errors import UnknownComponentError, UserError
 from tpflow.registry import register
 from tpflow.rewards import option_help
 from tpflow.rewards.diversity_features import build_features
+from tpflow.rewards.weighted import declared_detail_keys, prefixed
 from tpflow.scoring.call import check_output
 from tpflow.scoring.groups import group_rows
 from tpflow.settings import diversity_problem
@@ -138,6 +139,12 @@ class DiversityShapedReward:
     def reward_parts(options: DiversityShapedOptions) -> list[tuple[str, str, dict[str, Any], bool]]:
         """Its inner reward, given the same samples (``tpflow.interfaces.CAPABILITIES``)."""
         return [("reward", options.reward.name, options.reward.options, False)]
+
+    @staticmethod
+    def detail_keys(options: DiversityShapedOptions) -> list[str]:
+        """Its details' keys (``tpflow.interfaces.CAPABILITIES``): the inner reward's name and keys, the weight's."""
+        inner = options.reward
+        return [*prefixed(inner.name, declared_detail_keys(inner.name, inner.options)), WEIGHT_DETAIL]
 
     def __init__(self, options: DiversityShapedOptions):
         self.options = options

@@ -94,6 +94,17 @@ class WeightedOptions(BaseModel):
         return parts
 
 
+def declared_detail_keys(name: str, options: dict[str, Any]) -> list[str] | None:
+    """The details keys reward ``name`` declares for ``options`` (its ``detail_keys``), or None."""
+    keys = capability(registry.get("reward", name).factory, "detail_keys")
+    return None if keys is None else list(keys(registry.validate_options("reward", name, options)))
+
+
+def prefixed(label: str, keys: list[str] | None) -> list[str]:
+    """A part's scores under ``label`` and its own details as ``"label/key"`` (``"label/"``: not declared)."""
+    return [label, *(f"{label}/{k}" for k in keys)] if keys is not None else [label, f"{label}/"]
+
+
 @register("reward", "weighted", options=WeightedOptions)
 class WeightedReward:
     """RewardModel: Σ weight_k · reward_k over named rewards built through the registry.
@@ -135,6 +146,12 @@ class WeightedReward:
         """Each part's preflight (a ``remote`` part checks its server), before a run starts."""
         for part in options.rewards:
             registry.preflight("reward", part.name, registry.validate_options("reward", part.name, part.options))
+
+    @staticmethod
+    def detail_keys(options: WeightedOptions) -> list[str]:
+        """Its details' keys (``tpflow.interfaces.CAPABILITIES``): each part's label, and the part's own keys under
+        it (``"label/"``: any, where the part does not declare them)."""
+        return [key for p in options.rewards for key in prefixed(p.key, declared_detail_keys(p.name, p.options))]
 
     def zscored_parts(self) -> dict[str, float] | None:
         """With ``combine = "zscore_sum"``: each part's ``details`` key and weight, whose advantages the trainer

@@ -29,7 +29,7 @@ from tpflow.train.epoch import Sampled
 from tpflow.train.lockstep import Lockstep
 from tpflow.train.prompt_sampler import EpochPlan, RolloutBatch, noise_seed
 from tpflow.train.scoring import ScoredBatch, ScoringWorker
-from tpflow.types import PromptItem
+from tpflow.types import PromptItem, Rollout
 
 Phase = Callable[[str, "int | None"], None]  # the progress bar: a stage's description and its number of steps
 
@@ -97,6 +97,8 @@ class EpochSampler:
                 rollouts.append(dataclasses.replace(out, completions=None))  # scored already; the update needs none
                 advance()
             scored, wait_s = _collect(jobs, epoch, phase, advance)
+            if capability(self.optimizer, "reads_reward_details"):  # the final samples' reward parts, per row
+                rollouts = [_with_details(r, s) for r, s in zip(rollouts, scored, strict=True)]
         finally:
             worker.close()
         return Sampled(list(batches), rollouts, scored, time.perf_counter() - start, wait_s)
@@ -121,6 +123,11 @@ class Kept:
     completions: Literal["ode", "x0"] | None  # the ODE completions the credit assigner reads, or none
     store_means: bool  # each step's transition mean (RatioNorm)
     retain: Retain | Reweight | None  # the graphs or gradients a recompute-free update reuses (per batch: for_batch)
+
+
+def _with_details(rollout: Rollout, scored: ScoredBatch) -> Rollout:
+    """``rollout`` with its final samples' reward details (``Rollout.reward_details``: [n] float32 on the CPU)."""
+    return dataclasses.replace(rollout, reward_details={k: v.float().cpu() for k, v in scored.details.items()})
 
 
 def _collect(
