@@ -209,6 +209,13 @@ def train_worker(rank: int, out: Path, recipe: str, overrides: list[str]) -> dic
     }
 
 
+GATE = {"kl_gate": True, "kl_gate_main": "main", "kl_gate_aux": ["aux"], "kl_gate_fraction": 0.5, "kl_gate_max": 0.5}
+GATE_PARTS = {  # a discrete main reward (GenEval-like) and an auxiliary one: ties that a row order would break
+    "main": torch.tensor([0.0, 1.0, 0.5, 0.0, 0.5, 1.0, 0.0, 0.5]),
+    "aux": torch.tensor([1.0, 0.0, 0.5, 0.5, 1.0, 0.0, 0.0, 1.0]),
+}
+
+
 def layout_gradient(
     weights: str,
     share: list[int],
@@ -225,6 +232,7 @@ def layout_gradient(
     model: str = "shapes-dit",
     device: str = "cpu",
     gradient_checkpointing: bool = False,
+    gated: bool = False,
 ) -> torch.Tensor:
     """The gradient of one GRPO optimizer step over ``share`` (this process's rows of one fixed 8-row batch) cut
     into micro-batches of ``micro``, ``accumulation`` per step: the flat gradient the step is taken with.
@@ -236,7 +244,9 @@ def layout_gradient(
     ``plan = "branch"``: the rows come from TempFlow-GRPO's branches (:func:`branch_batch`), per-step credit.
     ``finetune = "full"``: the whole model trains; ``shard``: FSDP2 over the processes, after the rollout; ``mode``:
     the update's precision; ``model``: shapes-dit from ``weights``, or "tiny-sd3" (a diffusers transformer, with
-    ``gradient_checkpointing`` if asked), on ``device``."""
+    ``gradient_checkpointing`` if asked), on ``device``. ``gated``: GARDO's KL gate over two reward parts full of
+    ties (:data:`GATE_PARTS`), ranked over every process's rows, the LoRA moved off its init (where the KL and its
+    gradient are 0)."""
     import tpflow
 
     torch.manual_seed(0)  # the LoRA init: the same adapter on every call and process
@@ -250,11 +260,18 @@ def layout_gradient(
     sampler = tpflow.build("sampler", "cps")
     optimizer = tpflow.build(
         "optimizer", "grpo", beta=beta, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
-        max_grad_norm=1e9, recompute=recompute,
+        max_grad_norm=1e9, recompute=recompute, **(GATE if gated else {}),
     )  # fmt: skip
     retain = optimizer.retain if optimizer.retain is None else optimizer.retain.for_credit(outcome)
     rollout = {"window": two_window_batch, "branch": branch_batch}[plan]
-    batch = rollout(backbone, sampler, retain).index(torch.tensor(share))
+    batch = rollout(backbone, sampler, retain)
+    if gated:
+        generator = cpu_generator(1)
+        with torch.no_grad():
+            for p in backbone.trainable_parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=generator).to(p))
+        batch = dataclasses.replace(batch, reward_details={k: v.clone() for k, v in GATE_PARTS.items()})
+    batch = batch.index(torch.tensor(share))
     sync = shard_as_the_trainer_does(backbone, device) if shard else None
     advantages = torch.randn(8, 3, generator=cpu_generator(3), dtype=torch.float64)
     advantages = (advantages[:, :1].expand(8, 3).contiguous() if outcome else advantages)[share]
@@ -388,8 +405,10 @@ def layout_worker(
         "grpo-reweight-outcome": ("reweight", 0.0, True, "window"),
         "grpo-retain-branch": ("retain", 1e-2, False, "branch"),
         "grpo-reweight-branch": ("reweight", 0.0, False, "branch"),
+        "grpo-gated": ("native", 1e-2, False, "window"),
     }
-    return {f"{mode}/{name}": layout_gradient(weights, *layout[rank], accelerator, *settings[mode])
+    return {f"{mode}/{name}": layout_gradient(weights, *layout[rank], accelerator, *settings[mode],
+                                              gated=mode == "grpo-gated")
             for mode in optimizer.split("+") for name, layout in layouts.items()}  # fmt: skip
 
 

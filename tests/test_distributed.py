@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from tests.distributed_workers import (
+    GATE,
+    GATE_PARTS,
     clipped_step,
     collectives_worker,
     group_stats_worker,
@@ -20,7 +22,10 @@ from tests.distributed_workers import (
     sharded_layout_worker,
     spawn,
 )
+from tpflow.distributed import Distributed
 from tpflow.optim.advantages import group_advantages
+from tpflow.optim.grpo import GRPO
+from tpflow.optim.grpo_options import GRPOOptions
 
 G = 4  # 3 prompts x G = 4 copies; prompt of row t = t // 4
 GROUP_REWARDS = torch.randn(3 * G, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
@@ -40,7 +45,7 @@ NFT_LAYOUTS = {
     "3 + 3 | 2": [(EVERYTHING[:6], 3, 2), (EVERYTHING[6:], 3, 2)],
 }
 GRPO_MODES = ["grpo", "grpo-retain", "grpo-reweight", "grpo-reweight-outcome", "grpo-retain-branch",
-              "grpo-reweight-branch"]  # fmt: skip
+              "grpo-reweight-branch", "grpo-gated"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +119,16 @@ def test_a_steps_gradient_is_the_same_on_two_processes_whatever_the_split(grpo_l
     zero, one = grpo_layout_gradients
     reference = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1)
     _every_layout_steps_with(zero, one, "grpo", reference)
+
+
+def test_a_gated_steps_gradient_is_the_same_on_two_processes_whatever_the_split(grpo_layout_gradients, tiny_weights):
+    """GARDO's KL gate (``kl_gate``): the gate ranks the epoch's rows of both processes (their reward parts full of
+    ties), so each split's step (4 + 4, 2 + 2 each, 3 + 3 | 2) is the 1-process step, up to rounding."""
+    zero, one = grpo_layout_gradients
+    gated = layout_gradient(str(tiny_weights), EVERYTHING, 8, 1, gated=True)
+    weights, _ = GRPO(GRPOOptions(**GATE)).gate.row_weights(GATE_PARTS, Distributed())
+    assert 0 < int((weights > 0).sum()) < 8  # some rows gated, not all
+    _every_layout_steps_with(zero, one, "grpo-gated", gated)
 
 
 def test_a_retained_steps_gradient_is_the_native_one_on_two_processes_whatever_the_split(
