@@ -25,6 +25,7 @@ import torch
 
 from tests.cli_run import tpflow_launching
 from tests.distributed_workers import spawn, train_recipes_worker
+from tests.kill_leaves import comparable_metrics, what_a_kill_leaves
 from tests.test_nft_train import nft_recipe
 from tests.test_train import tiny_recipe
 from tpflow.optim.advantages import group_advantages
@@ -33,9 +34,6 @@ from tpflow.train.checkpoints import shards as checkpoint_shards
 from tpflow.train.checkpoints.format import find_checkpoint, load_checkpoint
 from tpflow.train.run_logger import read_jsonl
 from tpflow.train.trainer import Trainer
-
-TIMING = ("_s", "time")  # metric names that measure wall time: never compared
-
 
 SMALL_BATCHES = ["train.rollout_batch=2", "optimizer.micro_batch_size=2"]  # 4 batches per epoch, 2 per process
 
@@ -103,10 +101,6 @@ def two_process_run(two_process_runs) -> tuple[Path, list[dict]]:
 def _epoch_traces(run: Path, epoch: int) -> list[dict]:
     rows = [r for r in read_jsonl(run / "traces.jsonl") if r["epoch"] == epoch]
     return sorted(rows, key=lambda r: (r["batch"], r["row"]))
-
-
-def _comparable_metrics(run: Path) -> list[dict]:
-    return [{k: v for k, v in row.items() if not k.endswith(TIMING)} for row in read_jsonl(run / "metrics.jsonl")]
 
 
 def _final_adapter(run: Path) -> dict[str, torch.Tensor]:
@@ -293,12 +287,8 @@ def test_an_fsdp_run_resumes_on_two_processes_from_what_a_kill_leaves(two_proces
     a real stop of a launched sharded run: the Ctrl-C test below, whose checkpoint equals the uninterrupted one.)"""
     root, _ = two_process_runs["fsdp"]
     run = tmp_path / "run"
-    shutil.copytree(root / "run", run)
-    first, *later = sorted((p for p in (run / "checkpoints").iterdir() if not p.name.startswith(".")),
-                           key=lambda p: int(re.sub(r"\D", "", p.name)))  # fmt: skip
+    first, *later = what_a_kill_leaves(root / "run", run)
     assert later, "the uninterrupted run wrote more than one checkpoint"
-    for path in later:
-        shutil.rmtree(path)
     step = int(re.sub(r"\D", "", later[0].name))
     dead = subprocess.Popen(["true"])  # a process that has ended: the killed writer's pid
     dead.wait()
@@ -311,7 +301,7 @@ def test_an_fsdp_run_resumes_on_two_processes_from_what_a_kill_leaves(two_proces
     assert "resumed from" in out.stdout and "FSDP-sharded over 2" in out.stdout
     straight, resumed = _final_adapter(root / "run"), _final_adapter(run)
     assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
-    assert _comparable_metrics(run) == _comparable_metrics(root / "run")
+    assert comparable_metrics(run) == comparable_metrics(root / "run")
     assert not any(p.name.startswith(".tmp-") for p in (run / "checkpoints").iterdir()), "the leftover is tidied"
 
 

@@ -5,13 +5,12 @@ the gate and the reference's resets), and the adaptive reference across a resume
 from __future__ import annotations
 
 import math
-import re
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
+from tests.kill_leaves import comparable_metrics, what_a_kill_leaves
 from tests.test_preflight import assert_one_paragraph, run_cli
 from tests.test_train import tiny_recipe
 from tpflow.optim.adaptive_reference import AdaptiveReference
@@ -174,11 +173,7 @@ def test_a_resume_restores_the_reference_copy_and_its_schedule_bitwise(tmp_path,
     rows = read_jsonl(straight.run_dir / "metrics.jsonl")
     assert [r["reference_reset"] for r in rows if "reference_reset" in r] == [0.0, 1.0]
     killed = tmp_path / "killed"
-    shutil.copytree(straight.run_dir, killed)
-    written = sorted((p for p in (killed / "checkpoints").iterdir() if not p.name.startswith(".")),
-                     key=lambda p: int(re.sub(r"\D", "", p.name)))  # fmt: skip
-    for later in written[1:]:
-        shutil.rmtree(later)
+    what_a_kill_leaves(straight.run_dir, killed)
     resumed = Trainer(load_recipe(recipe, [*sets, f"train.run_dir={killed}"]), resume=True)
     assert resumed.epoch == 1
     resumed.fit()
@@ -187,10 +182,7 @@ def test_a_resume_restores_the_reference_copy_and_its_schedule_bitwise(tmp_path,
     assert straight.optimizer.adaptive.copy is not None
     assert all(torch.equal(x, y) for x, y in zip(straight.optimizer.adaptive.copy, resumed.optimizer.adaptive.copy,
                                                  strict=True))  # fmt: skip
-    timing = ("_s", "time")
-    comparable = [{k: v for k, v in r.items() if not k.endswith(timing)} for r in rows]
-    assert comparable == [{k: v for k, v in r.items() if not k.endswith(timing)}
-                          for r in read_jsonl(killed / "metrics.jsonl")]  # fmt: skip
+    assert comparable_metrics(straight.run_dir) == comparable_metrics(killed)
 
 
 @pytest.mark.parametrize("bad", ["features", "reward"])

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
+from tests.kill_leaves import comparable_metrics, what_a_kill_leaves
 from tests.test_preflight import assert_one_paragraph, run_cli
 from tests.test_train import tiny_recipe
 from tpflow.optim.kl_gate import GateFraction, KLGate
@@ -206,21 +205,14 @@ def test_a_resume_restores_the_gates_controller_bitwise(tmp_path, tiny_weights):
     rows = read_jsonl(straight.run_dir / "metrics.jsonl")
     assert len([r["kl_gate_phi"] for r in rows if "kl_gate_phi" in r]) == 3
     killed = tmp_path / "killed"
-    shutil.copytree(straight.run_dir, killed)
-    written = sorted((p for p in (killed / "checkpoints").iterdir() if not p.name.startswith(".")),
-                     key=lambda p: int(re.sub(r"\D", "", p.name)))  # fmt: skip
-    for later in written[1:]:
-        shutil.rmtree(later)
+    what_a_kill_leaves(straight.run_dir, killed)
     resumed = Trainer(load_recipe(recipe, [*sets, f"train.run_dir={killed}"]), resume=True)
     assert resumed.epoch == 1 and len(resumed.optimizer.gate.controller.history) == 1
     resumed.fit()
     assert straight.optimizer.gate.controller.state_dict() == resumed.optimizer.gate.controller.state_dict()
     a, b = (torch.cat([p.detach().flatten() for p in t.backbone.trainable_parameters()]) for t in (straight, resumed))
     assert torch.equal(a, b)
-    timing = ("_s", "time")
-    comparable = [{k: v for k, v in r.items() if not k.endswith(timing)} for r in rows]
-    assert comparable == [{k: v for k, v in r.items() if not k.endswith(timing)}
-                          for r in read_jsonl(killed / "metrics.jsonl")]  # fmt: skip
+    assert comparable_metrics(straight.run_dir) == comparable_metrics(killed)
 
 
 @pytest.mark.parametrize("keys", [{"main", "aes"}, set()])

@@ -14,13 +14,12 @@ import pytest
 import torch
 
 from tests.cli_run import TpflowForked
+from tests.kill_leaves import comparable_metrics, what_a_kill_leaves
 from tests.test_preflight import assert_one_paragraph, run_cli
 from tests.test_train import tiny_recipe
 from tpflow.recipe import load_recipe
-from tpflow.train.run_logger import read_jsonl
 from tpflow.train.trainer import Trainer
 
-TIMING = ("_s", "time")  # metric names that measure wall time: never compared
 GRPO_SECTION = """[optimizer]
 name = "grpo"
 learning_rate = 1e-2
@@ -86,10 +85,6 @@ def nft_recipe(
 
 def _adapter(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.backbone.model.named_parameters() if "lora_" in n}
-
-
-def _comparable(run: Path) -> list[dict]:
-    return [{k: v for k, v in row.items() if not k.endswith(TIMING)} for row in read_jsonl(run / "metrics.jsonl")]
 
 
 def test_validate_refuses_per_step_credit(tmp_path, tiny_weights):
@@ -207,7 +202,7 @@ def test_kill_9_then_resume_continues_exactly(tmp_path, tiny_weights, section=NF
     assert all(
         torch.equal(x, y) for x, y in zip(straight.optimizer.lagged.old, resumed.optimizer.lagged.old, strict=True)
     )
-    assert _comparable(straight.run_dir) == _comparable(resumed.run_dir)
+    assert comparable_metrics(straight.run_dir) == comparable_metrics(resumed.run_dir)
 
 
 @pytest.mark.parametrize("section", [AWM_SECTION, DGPO_SECTION], ids=["awm", "dgpo"])
@@ -215,19 +210,13 @@ def test_awm_and_dgpo_resume_from_what_a_kill_leaves_exactly(tmp_path, tiny_weig
     """What a kill after the first checkpoint leaves (that checkpoint, and logs that run past it), made in this
     process from a finished run's copy: resumed, AWM and DGPO end bitwise where the uninterrupted run did, their
     lagged copy and their logged metrics included."""
-    import shutil
-
     sets = ["train.epochs=4", "eval.every=0", "train.keep_checkpoints=0"]
     recipe = nft_recipe(tmp_path, tiny_weights, section=section)
     straight = Trainer(load_recipe(recipe, sets))
     straight.fit()
     killed = tmp_path / "killed"
-    shutil.copytree(straight.run_dir, killed)
-    written = sorted((p for p in (killed / "checkpoints").iterdir() if not p.name.startswith(".")),
-                     key=lambda p: int(re.sub(r"\D", "", p.name)))  # fmt: skip
+    written = what_a_kill_leaves(straight.run_dir, killed)
     assert len(written) == 4, [p.name for p in written]
-    for later in written[1:]:
-        shutil.rmtree(later)
     resumed = Trainer(load_recipe(recipe, [*sets, f"train.run_dir={killed}"]), resume=True)
     assert resumed.epoch == 1
     resumed.fit()
@@ -236,4 +225,4 @@ def test_awm_and_dgpo_resume_from_what_a_kill_leaves_exactly(tmp_path, tiny_weig
     assert all(
         torch.equal(x, y) for x, y in zip(straight.optimizer.lagged.old, resumed.optimizer.lagged.old, strict=True)
     )
-    assert _comparable(straight.run_dir) == _comparable(resumed.run_dir)
+    assert comparable_metrics(straight.run_dir) == comparable_metrics(resumed.run_dir)

@@ -6,14 +6,12 @@ from a checkpoint drawing what the uninterrupted run drew."""
 from __future__ import annotations
 
 import dataclasses
-import re
-import shutil
 import zlib
 
 import pytest
 import torch
 
-from tests.test_nft_train import _comparable
+from tests.kill_leaves import comparable_metrics, what_a_kill_leaves
 from tests.test_train import tiny_recipe
 from tpflow.errors import RecipeError
 from tpflow.recipe import load_recipe
@@ -178,18 +176,14 @@ def test_skip_solved_resumes_from_what_a_kill_leaves_drawing_the_same_prompts(tm
     skipped = [row["prompts_skipped"] for row in read_jsonl(straight.run_dir / "metrics.jsonl")]
     assert skipped[0] == 0 and 0 < skipped[1] <= skipped[2], skipped
     killed = tmp_path / "killed"
-    shutil.copytree(straight.run_dir, killed)
-    written = sorted((p for p in (killed / "checkpoints").iterdir() if not p.name.startswith(".")),
-                     key=lambda p: int(re.sub(r"\D", "", p.name)))  # fmt: skip
+    written = what_a_kill_leaves(straight.run_dir, killed)
     assert len(written) == 3, [p.name for p in written]
-    for later in written[1:]:
-        shutil.rmtree(later)
     resumed = _trainer(recipe, [*sets, f"train.run_dir={killed}"], resume=True)
     before = {i: v for i, v in straight.prompts.aside.items() if v[0] < 1}
     assert resumed.epoch == 1 and resumed.prompts.aside == before
     resumed.fit()
     assert _items_by_epoch(resumed.run_dir) == drawn
-    assert _comparable(straight.run_dir) == _comparable(resumed.run_dir)
+    assert comparable_metrics(straight.run_dir) == comparable_metrics(resumed.run_dir)
     # two processes, each deciding from the gathered rows: the same prompts set aside on both, and as on one
     from tests.distributed_workers import spawn
 
