@@ -41,16 +41,7 @@ def tpflow(*args: str, cwd: Path | None = None, columns: str | None = "200") -> 
         if cwd is not None:
             os.chdir(cwd)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                cli.main(list(args))
-                code = 0
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-                if isinstance(exc.code, str):
-                    print(exc.code, file=sys.stderr)
-            except Exception:
-                traceback.print_exc()
-                code = 1
+            code = exit_status(cli.main, args, Exception)
     finally:
         os.chdir(previous[1])
         if previous[0] is None:
@@ -58,6 +49,21 @@ def tpflow(*args: str, cwd: Path | None = None, columns: str | None = "200") -> 
         else:
             os.environ["COLUMNS"] = previous[0]
     return subprocess.CompletedProcess(["tpflow", *args], code, out.getvalue(), err.getvalue())
+
+
+def exit_status(main, args: tuple[str, ...], caught: type[BaseException]) -> int:
+    """``main(args)``'s exit status as the interpreter gives it: 0, a ``SystemExit``'s code (a message it carries
+    printed to stderr, with 1), or 1 with the traceback on stderr for an exception of ``caught`` that escapes."""
+    try:
+        main(list(args))
+        return 0
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except caught:
+        traceback.print_exc()
+        return 1
 
 
 # torchrun's agent takes these signals over in the process it runs in, and names them in the environment
@@ -150,16 +156,7 @@ def _forked_command(args: tuple[str, ...], stdout: Path, stderr: Path, env: dict
     GradientState._reset_state()
     from tpflow import cli
 
-    try:
-        cli.main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if isinstance(exc.code, str):
-            print(exc.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
+    code = exit_status(cli.main, args, BaseException)
     sys.stdout.flush()
     sys.stderr.flush()
     threading._shutdown()  # as the interpreter's exit: every non-daemon thread is waited for
