@@ -29,15 +29,15 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor
 
 from tpflow import registry
 from tpflow.devices import resolve_device
-from tpflow.errors import UnknownComponentError, UserError
 from tpflow.registry import register
 from tpflow.rewards import option_help
 from tpflow.rewards.diversity_features import build_features
+from tpflow.rewards.inner import checked_inner
 from tpflow.rewards.weighted import declared_detail_keys, prefixed
 from tpflow.scoring.call import check_output
 from tpflow.scoring.groups import group_rows
@@ -82,17 +82,7 @@ class DiversityShapedOptions(BaseModel):
     @classmethod
     def _check_reward(cls, inner: InnerSpec) -> InnerSpec:
         """The inner reward's name and options valid (UserError otherwise), before anything loads."""
-        where = f"reward 'diversity-shaped', reward ({inner.name!r})"
-        try:
-            entry = registry.get("reward", inner.name)
-        except UnknownComponentError as exc:
-            raise UnknownComponentError(f"{where}: {exc}") from None
-        try:
-            entry.options.model_validate(inner.options)
-        except ValidationError as exc:
-            raise UserError(registry.describe_validation_error(exc, where, entry.options)) from None
-        except UserError as exc:  # from a nested composite reward: say where it sits
-            raise type(exc)(f"{where}: {exc}") from None
+        checked_inner(inner.name, inner.options, f"reward 'diversity-shaped', reward ({inner.name!r})")
         return inner
 
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
 from tpflow import registry
-from tpflow.errors import UnknownComponentError, UserError
 from tpflow.registry import register
+from tpflow.rewards.inner import checked_inner
 from tpflow.scoring.call import check_output
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
@@ -48,17 +48,9 @@ class FramesOptions(BaseModel):
 
     @model_validator(mode="after")
     def _check_inner(self) -> FramesOptions:
-        where = f"reward 'frames' (its reward {self.reward!r})"
         if self.reward == "frames":
             raise ValueError("a 'frames' reward cannot wrap another 'frames' reward")
-        try:
-            entry = registry.get("reward", self.reward)
-        except UnknownComponentError as exc:
-            raise UnknownComponentError(f"{where}: {exc}") from None
-        try:
-            entry.options.model_validate(self.options)
-        except ValidationError as exc:
-            raise UserError(registry.describe_validation_error(exc, where, entry.options)) from None
+        checked_inner(self.reward, self.options, f"reward 'frames' (its reward {self.reward!r})")
         return self
 
 

@@ -34,12 +34,13 @@ from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor
 
 from tpflow import registry
-from tpflow.errors import RewardError, UnknownComponentError, UserError
+from tpflow.errors import RewardError
 from tpflow.registry import register
+from tpflow.rewards.inner import checked_inner
 from tpflow.scoring.call import check_output, reward_name
 from tpflow.scoring.groups import group_rows
 from tpflow.types import RewardOutput
@@ -97,17 +98,7 @@ class PairwiseOptions(BaseModel):
     @classmethod
     def _check_judge(cls, judge: JudgeSpec) -> JudgeSpec:
         """The judge's name and options valid for its reward (raises UserError otherwise), before anything loads."""
-        where = f"reward 'pairwise', judge ({judge.name!r})"
-        try:
-            entry = registry.get("reward", judge.name)
-        except UnknownComponentError as exc:
-            raise UnknownComponentError(f"{where}: {exc}") from None
-        try:
-            entry.options.model_validate(judge.options)
-        except ValidationError as exc:
-            raise UserError(registry.describe_validation_error(exc, where, entry.options)) from None
-        except UserError as exc:  # from a nested composite reward: say where it sits
-            raise type(exc)(f"{where}: {exc}") from None
+        checked_inner(judge.name, judge.options, f"reward 'pairwise', judge ({judge.name!r})")
         return judge
 
 

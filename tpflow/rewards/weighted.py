@@ -20,13 +20,14 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import Tensor
 
 from tpflow import registry
-from tpflow.errors import UnknownComponentError, UserError
+from tpflow.errors import UnknownComponentError
 from tpflow.interfaces import capability
 from tpflow.registry import register
+from tpflow.rewards.inner import checked_inner
 from tpflow.scoring.call import check_output
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
@@ -85,12 +86,7 @@ class WeightedOptions(BaseModel):
                     f"{where} compares images within their group, so it must be the recipe's [reward] itself, not a "
                     "part of a sum (its judge may be any reward, a weighted sum too)"
                 )
-            try:
-                entry.options.model_validate(part.options)
-            except ValidationError as exc:
-                raise UserError(registry.describe_validation_error(exc, where, entry.options)) from None
-            except UserError as exc:  # from a nested weighted reward: say where it sits
-                raise type(exc)(f"{where}: {exc}") from None
+            checked_inner(part.name, part.options, where)
         return parts
 
 
