@@ -75,16 +75,15 @@ GARDO = {  # GARDO's options (docs/algorithm.md §10.9) on the matrix's tiny rec
 }
 
 
-def test_gardos_options_are_right_or_refused(recipe, tiny_weights):
-    """Each GARDO combination refused in one paragraph or trained: a finite first-step gradient, finite weights
-    after one non-finite trajectory; the adaptive reference's first step is the base-model KL's bitwise (its copy is
-    the LoRA at init, B = 0, which computes what the adapter-disabled model does)."""
+def judged(recipe, base: list[str], table: dict[str, tuple[list[str], str]]) -> dict[str, torch.Tensor]:
+    """Each combination of ``table`` (name -> (sets, the outcome due)) loaded and, once accepted, run: its first
+    step's gradient by name. Fails on a refusal of more than one paragraph or with a traceback, a gradient that is
+    not finite or is 0, weights not finite after one non-finite trajectory, or an outcome other than the one due."""
     from tpflow.errors import RecipeError
     from tpflow.recipe import load_recipe
 
-    base = overrides(BASE, tiny_weights)
-    outcomes = {}
-    for name, (sets, _) in GARDO.items():
+    outcomes, grads = {}, {}
+    for name, (sets, _) in table.items():
         try:
             load_recipe(recipe, [*base, *sets])
         except RecipeError as error:
@@ -94,11 +93,19 @@ def test_gardos_options_are_right_or_refused(recipe, tiny_weights):
             continue
         grad, finite = run_combination(recipe, [*base, *sets])
         assert finite and bool(torch.isfinite(grad).all()) and float(grad.norm()) > 0, name
-        outcomes[name] = "accepted"
-        if name == "adaptive_reference":
-            plain, _ = run_combination(recipe, [*base, "optimizer.beta=1e-3"], nonfinite=False)
-            assert torch.equal(grad, plain), "the first update's reference is the base model, bitwise"
-    assert outcomes == {name: due for name, (_, due) in GARDO.items()}
+        outcomes[name], grads[name] = "accepted", grad
+    assert outcomes == {name: due for name, (_, due) in table.items()}
+    return grads
+
+
+def test_gardos_options_are_right_or_refused(recipe, tiny_weights):
+    """Each GARDO combination refused in one paragraph or trained: a finite first-step gradient, finite weights
+    after one non-finite trajectory; the adaptive reference's first step is the base-model KL's bitwise (its copy is
+    the LoRA at init, B = 0, which computes what the adapter-disabled model does)."""
+    base = overrides(BASE, tiny_weights)
+    grads = judged(recipe, base, GARDO)
+    plain, _ = run_combination(recipe, [*base, "optimizer.beta=1e-3"], nonfinite=False)
+    assert torch.equal(grads["adaptive_reference"], plain), "the first update's reference is the base model, bitwise"
 
 
 SKIP = 'train.prompt_policy="skip-solved"'
@@ -113,22 +120,8 @@ def test_the_prompt_policys_options_are_right_or_refused(recipe, tiny_weights):
     """Each prompt-policy combination refused in one paragraph or trained with a finite gradient and finite weights
     after one non-finite trajectory; the policy sets nothing aside before the first epoch, so the first step's
     gradient is the uniform policy's bitwise."""
-    from tpflow.errors import RecipeError
-    from tpflow.recipe import load_recipe
-
     base = overrides(BASE, tiny_weights)
-    outcomes = {}
-    for name, (sets, _) in PROMPT_POLICY.items():
-        try:
-            load_recipe(recipe, [*base, *sets])
-        except RecipeError as error:
-            text = str(error).strip()
-            assert "\n\n" not in text and "Traceback" not in text, (name, text)
-            outcomes[name] = "refused"
-            continue
-        grad, finite = run_combination(recipe, [*base, *sets])
-        assert finite and bool(torch.isfinite(grad).all()) and float(grad.norm()) > 0, name
-        outcomes[name] = "accepted"
+    for name, grad in judged(recipe, base, PROMPT_POLICY).items():
+        sets = PROMPT_POLICY[name][0]
         plain, _ = run_combination(recipe, [*base, *(s for s in sets if s != SKIP)], nonfinite=False)
         assert torch.equal(grad, plain), f"{name}: the first step draws the uniform policy's prompts"
-    assert outcomes == {name: due for name, (_, due) in PROMPT_POLICY.items()}
