@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/memory_estimate.py --out docs/results     # the paper recipes, full size
     .venv/bin/python benchmarks/memory_estimate.py --tiny                 # tiny-sd3 / tiny-flux sizes (a check)
-    .venv/bin/python benchmarks/memory_estimate.py --recipes geneval_flowgrpo_full   # one recipe
+    .venv/bin/python benchmarks/memory_estimate.py --recipes sd35/geneval_flowgrpo_full   # one recipe
 
 Why: the distributed-training doc needs the memory each recipe needs per GPU, and the machines that write it have no
 GPU. The estimate itself is ``tpflow.memory`` (method and caveats: ``tpflow.memory.report.CAVEATS``; the reward
@@ -21,10 +21,10 @@ from pathlib import Path
 
 from tpflow.memory import CAVEATS, GIB, load_setup, measure, report, tiny_setup
 
-RECIPES = (
-    "geneval_tp", "ocr_tp", "pickscore_tp", "flux_pickscore_tp", "pickscore_sd35large_tp", "geneval_qwenimage_tp",
-    "geneval_flowgrpo_full", "geneval_qwenimage_flowgrpo_sharded", "wan_dancegrpo", "wan_tp", "geneval_nft",
-    "geneval_awm", "geneval_dgpo",
+RECIPES = (  # paths under recipes/ without .toml; the report names each by its stem
+    "geneval_tp", "sd35/ocr_tp", "sd35/pickscore_tp", "flux/flux_pickscore_tp", "sd35/pickscore_sd35large_tp",
+    "qwen_image/geneval_qwenimage_tp", "sd35/geneval_flowgrpo_full", "qwen_image/geneval_qwenimage_flowgrpo_sharded",
+    "wan/wan_dancegrpo", "wan/wan_tp", "sd35/geneval_nft", "sd35/geneval_awm", "sd35/geneval_dgpo",
 )  # fmt: skip
 
 
@@ -32,7 +32,9 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="write memory_estimate.md into this folder")
     parser.add_argument("--tiny", action="store_true", help="tiny-sd3 / tiny-flux sizes: checks the code, seconds")
-    parser.add_argument("--recipes", nargs="*", default=list(RECIPES), help="recipe stems under recipes/")
+    parser.add_argument(
+        "--recipes", nargs="*", default=list(RECIPES), help="recipe paths under recipes/ without .toml (sd35/ocr_tp)"
+    )
     args = parser.parse_args(argv)
     root = Path(__file__).resolve().parent.parent
     if args.tiny:

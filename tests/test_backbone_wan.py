@@ -124,7 +124,7 @@ def test_a_wan_recipe_without_weights_is_one_paragraph_naming_them(monkeypatch, 
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    recipe = Path(__file__).resolve().parent.parent / "recipes" / f"{name}.toml"
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "wan" / f"{name}.toml"
     out = tpflow("validate", str(recipe))
     err = " ".join(out.stderr.split())
     assert out.returncode == 2 and "Traceback" not in err

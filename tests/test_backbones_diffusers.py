@@ -256,7 +256,7 @@ def test_sigmas_follow_the_scheduler_config():
     assert Path(__file__).exists()
 
 
-@pytest.mark.parametrize("name", ["geneval_tp", "ocr_tp", "flux_pickscore_tp"])
+@pytest.mark.parametrize("name", ["geneval_tp", "sd35/ocr_tp", "flux/flux_pickscore_tp"])
 def test_paper_recipe_without_weights_exits_2_naming_them(monkeypatch, tmp_path, capsys, name):
     from tpflow.cli import main
 
@@ -267,7 +267,7 @@ def test_paper_recipe_without_weights_exits_2_naming_them(monkeypatch, tmp_path,
         main(["train", str(recipe), "--run-dir", str(tmp_path / "run")])
     assert exc.value.code == 2
     err = " ".join(capsys.readouterr().err.split())
-    model = "black-forest-labs/FLUX.1-dev" if name.startswith("flux") else "stabilityai/stable-diffusion-3.5-medium"
+    model = "black-forest-labs/FLUX.1-dev" if name.startswith("flux/") else "stabilityai/stable-diffusion-3.5-medium"
     assert download_command(model) in err
     assert "Traceback" not in err
 

@@ -145,7 +145,7 @@ def test_recipes_reading_pickscore_prompts_say_where_they_come_from():
     root = Path(__file__).resolve().parent.parent
     doc = (root / "docs" / "rewards.md").read_text()
     assert "### Prompt files of the paper recipes" in doc and "dataset/pickscore_sfw/train.txt" in doc
-    readers = [p for p in sorted((root / "recipes").glob("*.toml")) if "data/pickscore/" in p.read_text()]
+    readers = [p for p in sorted((root / "recipes").rglob("*.toml")) if "data/pickscore/" in p.read_text()]
     assert len(readers) >= 9
     for path in readers:
         assert "docs/rewards.md" in path.read_text(), path.name

@@ -130,7 +130,7 @@ def test_the_wan_recipe_steps_as_the_fork():
     (final_sigmas_type "zero") for K = 20 at shift 3, and the fork's KL divided by the transition's std. The fork pins
     diffusers 0.33.1, whose UniPC ``use_flow_sigmas`` grid is φ(1 − linspace(1, 1/1000, K + 1))[::-1][:-1], the grid
     ``flow_sigmas`` reproduces (diffusers 0.36 and later start it at 1 − 1e-6 instead: σ_1 = 0.98278 there)."""
-    recipe = tomllib.loads((Path(__file__).resolve().parents[1] / "recipes" / "wan_flowgrpo.toml").read_text())
+    recipe = tomllib.loads((Path(__file__).resolve().parents[1] / "recipes" / "wan" / "wan_flowgrpo.toml").read_text())
     k, shift = recipe["rollout"]["num_steps"], recipe["backbone"]["flow_shift"]
     sampler = recipe["sampler"]
     assert sampler["name"] == "flow-sde" and sampler["noise_schedule"] == "linear-sigma"

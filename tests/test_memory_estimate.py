@@ -246,7 +246,7 @@ def test_the_wan_recipes_rollout_rows_follow_their_credit(me):
     """wan_dancegrpo's ``outcome`` credit reads no completions, so its rollout makes none (tpflow/train/sampling.py):
     one trajectory per call and the final alone decoded; wan_tp's TP-GRPO completions take one step each, on the
     main trajectory's velocity, so its calls stay at the rollout batch too, but its scoring decodes n·(W + 1)."""
-    root = SCRIPT.parent.parent / "recipes"
+    root = SCRIPT.parent.parent / "recipes" / "wan"
     dance, tp = me.load_setup(root / "wan_dancegrpo.toml"), me.load_setup(root / "wan_tp.toml")
     assert dance.kind == tp.kind == "wan" and dance.text_len == tp.text_len == 226
     assert dance.completions is None and me.largest_rollout_rows(dance) == 1

@@ -87,7 +87,7 @@ def test_validate_prints_the_estimate_of_the_final_sample_recipes(recipe, monkey
 
     monkeypatch.setitem(configs.PUBLISHED, "sd3.5-medium", configs.Model("SD3.5-Medium test size", "sd3", TINY_SD3,
                                                                           TINY_VAE))  # fmt: skip
-    text = (Path(__file__).resolve().parent.parent / "recipes" / f"{recipe}.toml").read_text()
+    text = (Path(__file__).resolve().parent.parent / "recipes" / "sd35" / f"{recipe}.toml").read_text()
     assert "resolution = 512" in text
     path = tmp_path / f"{recipe}.toml"
     path.write_text(text.replace("resolution = 512", "resolution = 32"))

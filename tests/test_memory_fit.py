@@ -271,14 +271,14 @@ def test_a_backbone_the_estimate_cannot_build_is_a_warning_not_a_failure(tmp_pat
 
 
 def test_validate_prints_the_estimate_of_a_wan_recipe(monkeypatch):
-    """recipes/wan_tp.toml (Wan2.1-T2V-1.3B, LoRA, 33 frames of 240×416): ``validate --gpu-memory`` runs the wan
+    """recipes/wan/wan_tp.toml (Wan2.1-T2V-1.3B, LoRA, 33 frames of 240×416): ``validate --gpu-memory`` runs the wan
     kind's estimate and prints it. The published transformer and VAE are swapped for tiny-wan's sizes to stay
     fast (the clip size, the UMT5-XXL count and everything else are the recipe's)."""
     from tpflow.memory import TINY_WAN, TINY_WAN_VAE, configs
 
     monkeypatch.setitem(configs.PUBLISHED, "wan2.1-t2v-1.3b", configs.Model("Wan2.1-T2V-1.3B test size", "wan",
                                                                              TINY_WAN, TINY_WAN_VAE))  # fmt: skip
-    recipe = Path(__file__).resolve().parent.parent / "recipes" / "wan_tp.toml"
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "wan" / "wan_tp.toml"
     out = tpflow("validate", str(recipe), "--no-machine", "--gpu-memory", "80")
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stdout + out.stderr
@@ -296,7 +296,7 @@ def test_wan22_suggestions_are_validated_outside_the_fake_tensors(tmp_path, monk
 
     monkeypatch.setitem(configs.PUBLISHED, "wan2.2-t2v-a14b", configs.Model("Wan2.2-T2V-A14B test size", "wan",
                                                                              TINY_WAN, TINY_WAN_VAE))  # fmt: skip
-    text = (Path(__file__).resolve().parent.parent / "recipes" / "wan_tp.toml").read_text()
+    text = (Path(__file__).resolve().parent.parent / "recipes" / "wan" / "wan_tp.toml").read_text()
     text = text.replace('name = "wan2.1-t2v-1.3b"', 'name = "wan2.2-t2v-a14b"').replace("flow_shift = 3.0", "")
     path = tmp_path / "wan22.toml"
     path.write_text(text.replace("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.2-T2V-A14B-Diffusers"))

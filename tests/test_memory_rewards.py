@@ -77,7 +77,7 @@ def test_the_t5_encoders_wo_is_counted_in_fp32_under_fp16():
     m = {"lora_params": 0, "transformer_bytes": 0, "vae_bytes": 0}
     sizes = {}
     for dtype in ("fp16", "bf16"):
-        setup = setup_of(load_recipe(ROOT / "recipes" / "geneval_nft.toml"), "nft")
+        setup = setup_of(load_recipe(ROOT / "recipes" / "sd35" / "geneval_nft.toml"), "nft")
         setup.backbone = setup.backbone.model_copy(update={"dtype": dtype})
         sizes[dtype] = {n: v for n, v, *_ in component_rows(setup, m) if n.startswith("T5-XXL encoder")}
     (name, fp16), (_, bf16) = next(iter(sizes["fp16"].items())), next(iter(sizes["bf16"].items()))

@@ -118,15 +118,22 @@ def test_missing_required_section_and_unknown_section(plugin, tmp_path):
 
 
 def test_missing_file_and_bad_toml(tmp_path):
-    with pytest.raises(RecipeError, match="Recipe file not found"):
+    with pytest.raises(RecipeError, match="Recipe file not found.* a folder per model family .recipes/sd35/"):
         load_recipe(tmp_path / "nope.toml")
+    with pytest.raises(
+        RecipeError, match=r"not found: .*recipes/ocr_tp.toml. Did you mean .*recipes/sd35/ocr_tp.toml\?"
+    ):
+        load_recipe(ROOT / "recipes" / "ocr_tp.toml")  # its path before recipes/ filed the paper scale by family
     with pytest.raises(RecipeError, match="not valid TOML"):
         load_recipe(write(tmp_path, "[credit\nname = 1"))
 
 
 def test_a_directory_is_named_as_one_with_the_recipes_in_it(tmp_path):
-    """``tpflow validate recipes/`` said "Recipe file not found" of a folder that is there."""
-    with pytest.raises(RecipeError, match="is a directory; .*Name one of the recipes in it: .*flux_dancegrpo.toml"):
+    """``tpflow validate recipes/`` said "Recipe file not found" of a folder that is there; the recipes it lists
+    include those in its family folders (recipes/flux/, ...)."""
+    with pytest.raises(
+        RecipeError, match="is a directory; .*Name one of the recipes in it: .*recipes/flux/flux_dancegrpo.toml"
+    ):
         load_recipe(ROOT / "recipes")
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

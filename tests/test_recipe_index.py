@@ -1,10 +1,11 @@
 """recipes/README.md, the recipe index, holds every shipped recipe and states each one as its file sets it.
 
 The index is written by hand (its "follows" column is read from each recipe's header), so it is checked here
-instead: one row per ``recipes/*.toml`` and no row without a file; each row's credit, optimizer and rollout plan, its
-backbone (and whether every weight trains, whether the model is sharded) and its reward (with the rewards it wraps)
-as the recipe's TOML sets them; and every test a row names as an offline check reads that recipe. A recipe added,
-renamed or changed without its row fails here.
+instead: one row per recipe file under ``recipes/`` (its path there, ``sd35/ocr_tp.toml``) and no row without a file;
+each row's credit, optimizer and rollout plan, its backbone (and whether every weight trains, whether the model is
+sharded) and its reward (with the rewards it wraps) as the recipe's TOML sets them; and every test a row names as an
+offline check reads that recipe. A recipe added, renamed or changed without its row fails here, and so does one filed
+in a folder its backbone does not belong to (the layout the index's "How they are grouped" describes).
 """
 
 from __future__ import annotations
@@ -19,10 +20,16 @@ except ModuleNotFoundError:  # Python 3.10
 
 ROOT = Path(__file__).resolve().parents[1]
 INDEX = ROOT / "recipes" / "README.md"
-ROW = re.compile(r"^\| \[([\w.-]+\.toml)\]\(([\w.-]+\.toml)\) \|(.*)\|\s*$")
+ROW = re.compile(r"^\| \[([\w./-]+\.toml)\]\(([\w./-]+\.toml)\) \|(.*)\|\s*$")
 TICKED = re.compile(r"`([^`]+)`")
 TEST_FILE = re.compile(r"\b(test_\w+\.py)\b")
 COLUMNS = ("method", "backbone", "reward", "follows", "checked")
+RECIPES = ROOT / "recipes"
+# The paper-scale recipes' folder per model family, by the backbone name's start; the CPU backbones' recipes sit at
+# the top of recipes/, and so does geneval_tp.toml, the paper-scale path the commands' help cites.
+FAMILIES = {"sd3.5-": "sd35", "flux.": "flux", "qwen-image": "qwen_image", "wan2.": "wan"}
+CPU_BACKBONES = ("shapes-dit", "shapes-video-dit", "tiny-sd3")
+KEPT_AT_TOP = ("geneval_tp.toml",)
 
 
 def index_rows(text: str) -> dict[str, dict[str, str]]:
@@ -78,20 +85,41 @@ def mismatches(name: str, row: dict[str, str], data: dict) -> list[str]:
     return found
 
 
+def folder_for(name: str, backbone: str) -> str:
+    """Where a recipe belongs under recipes/ ("" for its top), from its file name and its backbone's name."""
+    if backbone in CPU_BACKBONES or name in KEPT_AT_TOP:
+        return ""
+    folders = [folder for start, folder in FAMILIES.items() if backbone.startswith(start)]
+    assert folders, f"{name}: no folder for backbone {backbone!r}: add its family to FAMILIES and the index"
+    return folders[0]
+
+
 def test_every_recipe_has_one_row_and_every_row_a_recipe():
     rows = index_rows(INDEX.read_text(encoding="utf-8"))
-    files = {p.name for p in (ROOT / "recipes").glob("*.toml")}
+    files = {p.relative_to(RECIPES).as_posix() for p in RECIPES.rglob("*.toml")}
     assert files, "no recipes found"
     assert not files - rows.keys(), f"recipes without a row in recipes/README.md: {sorted(files - rows.keys())}"
     assert not rows.keys() - files, f"rows of recipes/README.md without a file: {sorted(rows.keys() - files)}"
-    assert not list((ROOT / "recipes").glob("*/*.toml")), "recipes in sub-folders: index them and extend this test"
+
+
+def test_each_recipe_sits_in_its_model_familys_folder():
+    misplaced = []
+    for path in sorted(RECIPES.rglob("*.toml")):
+        backbone = tomllib.loads(path.read_text(encoding="utf-8"))["backbone"]["name"]
+        where = "" if path.parent == RECIPES else path.parent.relative_to(RECIPES).as_posix()
+        if where != folder_for(path.name, backbone):
+            misplaced.append(
+                f"{path.relative_to(RECIPES)} ({backbone}) belongs in recipes/{folder_for(path.name, backbone)}"
+            )
+    assert not misplaced, "\n".join(misplaced)
+    assert folder_for("x.toml", "sd3.5-large") == "sd35" and folder_for("geneval_tp.toml", "sd3.5-medium") == ""
 
 
 def test_each_row_states_its_recipes_method_backbone_and_reward():
     rows = index_rows(INDEX.read_text(encoding="utf-8"))
     found = []
     for name, row in rows.items():
-        data = tomllib.loads((ROOT / "recipes" / name).read_text(encoding="utf-8"))
+        data = tomllib.loads((RECIPES / name).read_text(encoding="utf-8"))
         found += mismatches(name, row, data)
     assert not found, "recipes/README.md disagrees with the recipes:\n" + "\n".join(found)
 

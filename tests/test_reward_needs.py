@@ -41,7 +41,7 @@ def test_a_geneval_reward_on_prompt_lines_is_refused_naming_the_datasets_that_wo
 
 def test_the_issue_command_exits_2_with_one_paragraph():
     out = tpflow(
-        "validate", "recipes/geneval_flowgrpo.toml", "--no-machine",
+        "validate", "recipes/sd35/geneval_flowgrpo.toml", "--no-machine",
         "--set", 'dataset={name = "text-file", path = "p.txt"}', cwd=ROOT,
     )  # fmt: skip
     assert out.returncode == 2, out.stdout + out.stderr

@@ -368,7 +368,8 @@ def test_missing_judge_is_one_paragraph_before_any_weights_load(tmp_path, monkey
     err = " ".join(out.stderr.split())
     assert out.returncode == 2 and "'CodeGoat24/UnifiedReward-qwen-7b' is not in the Hugging Face cache" in err
     assert "Traceback" not in err
-    preset = tpflow("validate", str(Path(__file__).parents[1] / "recipes" / "sd35_flowgrpo_unifiedreward.toml"))
+    shipped = Path(__file__).parents[1] / "recipes" / "sd35" / "sd35_flowgrpo_unifiedreward.toml"
+    preset = tpflow("validate", str(shipped))
     err = " ".join(preset.stderr.split())
     assert preset.returncode == 2 and "[reward] reward 'vlm-judge' model (option model)" in err
     assert "`hf download CodeGoat24/UnifiedReward-qwen-7b`" in err or "huggingface-cli download" in err

@@ -62,12 +62,12 @@ DANCEGRPO = {
 }  # fmt: skip
 
 PUBLISHED = {
-    "pickscore_tempflow.toml": TEMPFLOW,
-    "pickscore_flowgrpo_fast.toml": FLOWGRPO_FAST,
-    "flux_mixgrpo.toml": MIXGRPO,
-    "flux_mixgrpo_flash.toml": MIXGRPO_FLASH,
-    "pickscore_grpo_guard.toml": GRPO_GUARD,
-    "flux_dancegrpo.toml": DANCEGRPO,
+    "sd35/pickscore_tempflow.toml": TEMPFLOW,
+    "sd35/pickscore_flowgrpo_fast.toml": FLOWGRPO_FAST,
+    "flux/flux_mixgrpo.toml": MIXGRPO,
+    "flux/flux_mixgrpo_flash.toml": MIXGRPO_FLASH,
+    "sd35/pickscore_grpo_guard.toml": GRPO_GUARD,
+    "flux/flux_dancegrpo.toml": DANCEGRPO,
 }
 
 
@@ -115,15 +115,15 @@ FLOWGRPO_SD3_SHARED = {
     "kl_over": "std_dev_t", "uncond_detached": False,
 }  # fmt: skip
 FLOWGRPO_SD3 = {
-    "sd35_flowgrpo_geneval.toml": {
+    "sd35/sd35_flowgrpo_geneval.toml": {
         **FLOWGRPO_SD3_SHARED, "config": "geneval_sd3", "reward_fn": "geneval", "train.beta": 0.04,
         "sample.test_batch_size": 14,
     },
-    "sd35_flowgrpo_pickscore.toml": {
+    "sd35/sd35_flowgrpo_pickscore.toml": {
         **FLOWGRPO_SD3_SHARED, "config": "pickscore_sd3", "reward_fn": "pickscore", "train.beta": 0.01,
         "sample.test_batch_size": 16,
     },
-    "sd35_flowgrpo_ocr.toml": {
+    "sd35/sd35_flowgrpo_ocr.toml": {
         **FLOWGRPO_SD3_SHARED, "config": "general_ocr_sd3", "reward_fn": "ocr", "train.beta": 0.04,
         "sample.test_batch_size": 16,
     },
@@ -189,7 +189,7 @@ def trained_steps(recipe) -> tuple[int, ...]:
 
 def test_the_arithmetic_of_flowgrpos_sd3_batch_layout():
     """The config's own numbers: 32 GPUs x 9 x 4 batches = 48 prompts x 24, 2 optimizer steps per epoch."""
-    c = FLOWGRPO_SD3["sd35_flowgrpo_geneval.toml"]
+    c = FLOWGRPO_SD3["sd35/sd35_flowgrpo_geneval.toml"]
     want = flowgrpo_in_tpflow(c)
     assert (want["train.prompts_per_epoch"], want["train.prompts_per_round"]) == (48, 12)
     assert want["optimizer.gradient_accumulation_steps"] == 2 and want["trained_steps"] == tuple(range(9))

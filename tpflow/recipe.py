@@ -154,18 +154,33 @@ class Recipe:
             registry.preflight(spec.kind, spec.name, spec.options)
 
 
+SHIPPED = (
+    "Shipped recipes are in recipes/: the CPU ones at its top (recipes/shapes_tp.toml), the paper-scale ones in a "
+    "folder per model family (recipes/sd35/, flux/, qwen_image/, wan/)."
+)
+
+
+def _not_found(path: Path) -> str:
+    """The missing file's paragraph, naming the file of that name one folder down: a paper-scale recipe cited by its
+    path before recipes/ filed them by model family (recipes/ocr_tp.toml, now recipes/sd35/ocr_tp.toml)."""
+    near = sorted(str(folder / path.name) for folder in path.parent.glob("*") if (folder / path.name).is_file())
+    moved = f" Did you mean {' or '.join(near)}?" if near else ""
+    return f"Recipe file not found: {path}.{moved} {SHIPPED}"
+
+
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Read, override and validate a recipe file; raises RecipeError with one clear paragraph."""
     path = Path(path)
     if path.is_dir():
-        inside = sorted(str(p) for p in path.glob("*.toml"))
+        # one level down too: recipes/ keeps its paper-scale recipes in a folder per model family
+        inside = sorted(str(p) for pattern in ("*.toml", "*/*.toml") for p in path.glob(pattern))
         listed = ", ".join(inside[:3]) + (f" and {len(inside) - 3} more" if len(inside) > 3 else "")
-        hint = f" Name one of the recipes in it: {listed}." if inside else " Shipped recipes are recipes/*.toml."
+        hint = f" Name one of the recipes in it: {listed}." if inside else f" {SHIPPED}"
         if (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file():
             hint += " It looks like a run directory: tpflow eval, sample and export take those."
         raise RecipeError(f"{path} is a directory; tpflow validate and train take a recipe file (TOML).{hint}")
     if not path.is_file():
-        raise RecipeError(f"Recipe file not found: {path}. Shipped recipes are in recipes/ (e.g. recipes/*.toml).")
+        raise RecipeError(_not_found(path))
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
