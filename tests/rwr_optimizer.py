@@ -24,8 +24,15 @@ from torch import Tensor
 
 from tpflow import register
 from tpflow.interfaces import Backbone, Sampler
-from tpflow.optim.advantages import group_advantages
-from tpflow.optim.final import LaggedCopy, NoisedMethod, draw_times, noised_update, outcome_only, row_loss
+from tpflow.optim.final import (
+    LaggedCopy,
+    NoisedMethod,
+    draw_times,
+    final_advantages,
+    noised_update,
+    outcome_only,
+    row_loss,
+)
 from tpflow.optim.loop import AdamWLoop, RowLoss, batch_layout, held
 from tpflow.optim.options import FinalSampleOptions
 from tpflow.types import BatchLayout, Conditioning, Rollout
@@ -98,8 +105,7 @@ class RWR:
         return batch_layout(self.options)
 
     def advantages(self, step_rewards: Tensor, groups: Sequence[Hashable]) -> Tensor:
-        o = self.options
-        return group_advantages(step_rewards[:, -1:], groups, global_std=o.global_std, clip=o.adv_clip_max)
+        return final_advantages(step_rewards, groups, self.options)
 
     def state_dict(self, gather: bool = True) -> dict:
         return self.loop.state_dict(self.lagged.state(), gather)

@@ -39,11 +39,11 @@ from pydantic import Field, model_validator
 from torch import Tensor
 
 from tpflow.interfaces import Backbone, Sampler
-from tpflow.optim.advantages import group_advantages
 from tpflow.optim.awm_loss import AWMLoss, Weighting, awm_loss, stratified_indices
 from tpflow.optim.final import (
     LaggedCopy,
     NoisedMethod,
+    final_advantages,
     forward_noising,
     frozen_velocities,
     noised_update,
@@ -154,8 +154,7 @@ class AWM:
 
     def advantages(self, step_rewards: Tensor, groups: Sequence[Hashable]) -> Tensor:
         """[N, 1] float64: the group-normalised final reward, with ``global_std`` and clipped at ``adv_clip_max``."""
-        o = self.options
-        return group_advantages(step_rewards[:, -1:], groups, global_std=o.global_std, clip=o.adv_clip_max)
+        return final_advantages(step_rewards, groups, self.options)
 
     def state_dict(self, gather: bool = True) -> dict:
         return self.loop.state_dict(self.lagged.state(), gather)

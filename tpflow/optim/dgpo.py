@@ -50,12 +50,12 @@ from torch import Tensor
 from tpflow.devices import cpu_generator, to_device
 from tpflow.errors import UserError
 from tpflow.interfaces import Backbone, Sampler
-from tpflow.optim.advantages import group_advantages
 from tpflow.optim.dgpo_loss import DGPOLoss, dgpo_loss, group_scores, group_weights, matching_mse, score_metrics
 from tpflow.optim.final import (
     LaggedCopy,
     MicroBatch,
     check_advantages,
+    final_advantages,
     forward_noising,
     frozen_velocities,
     micro_batches,
@@ -204,8 +204,7 @@ class DGPO:
 
     def advantages(self, step_rewards: Tensor, groups: Sequence) -> Tensor:
         """[N, 1] float64: the group-normalised final reward clipped at ±adv_clip_max, not rescaled."""
-        o = self.options
-        return group_advantages(step_rewards[:, -1:], groups, global_std=o.global_std, clip=o.adv_clip_max)
+        return final_advantages(step_rewards, groups, self.options)
 
     def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
         """The live adapter samples until n (updates or optimizer steps so far) exceeds ``switch_ema_ref``, then the

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from torch import Tensor
 from tpflow.devices import cpu_generator, to_device
 from tpflow.errors import UserError
 from tpflow.interfaces import Backbone
+from tpflow.optim.advantages import group_advantages
 from tpflow.optim.loop import AdamWLoop, LossThunk, RowLoss
 from tpflow.optim.options import SEED_LIMIT
 from tpflow.optim.swap import swapped
@@ -86,6 +87,13 @@ def first_row(loop: AdamWLoop, n: int) -> int:
         return 0
     counts = loop.dist.gather(torch.tensor([n], dtype=torch.long, device="cpu")).tolist()
     return int(sum(counts[: loop.dist.rank]))
+
+
+def final_advantages(step_rewards: Tensor, groups: Sequence[Hashable], options: Any) -> Tensor:
+    """[N, 1] float64: the final reward R_W (``step_rewards`` [N, W]'s last column) normalised within its prompt
+    group, with the options' ``global_std`` and clipped at their ``adv_clip_max``: what every optimizer on final
+    samples trains on (one advantage per image)."""
+    return group_advantages(step_rewards[:, -1:], groups, global_std=options.global_std, clip=options.adv_clip_max)
 
 
 def check_advantages(advantages: Tensor, n: int) -> None:

@@ -21,11 +21,11 @@ from pydantic import Field, model_validator
 from torch import Tensor
 
 from tpflow.interfaces import Backbone, Sampler
-from tpflow.optim.advantages import group_advantages
 from tpflow.optim.final import (
     LaggedCopy,
     NoisedMethod,
     draw_times,
+    final_advantages,
     forward_noising,
     frozen_velocities,
     noised_update,
@@ -113,8 +113,7 @@ class NFT:
     def advantages(self, step_rewards: Tensor, groups: Sequence[Hashable]) -> Tensor:
         """[N, 1] float64: the group-normalised final reward (the last column of the step rewards, which ``outcome``
         fills with R_W), with ``global_std`` and clipped at ``adv_clip_max``."""
-        o = self.options
-        return group_advantages(step_rewards[:, -1:], groups, global_std=o.global_std, clip=o.adv_clip_max)
+        return final_advantages(step_rewards, groups, self.options)
 
     def sampling_policy(self) -> contextlib.AbstractContextManager[None]:
         """The rollouts collect data with the old policy v_old, as the paper's algorithm does."""
