@@ -87,6 +87,16 @@ def _adapter(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.backbone.model.named_parameters() if "lora_" in n}
 
 
+def _assert_ended_alike(straight: Trainer, resumed: Trainer) -> None:
+    """The resumed run ends where the uninterrupted one did: its adapter and lagged copy bitwise, its metrics."""
+    a, b = _adapter(straight), _adapter(resumed)
+    assert all(torch.equal(a[n], b[n]) for n in a), "the resumed adapter must equal the uninterrupted one bitwise"
+    assert all(
+        torch.equal(x, y) for x, y in zip(straight.optimizer.lagged.old, resumed.optimizer.lagged.old, strict=True)
+    )
+    assert comparable_metrics(straight.run_dir) == comparable_metrics(resumed.run_dir)
+
+
 def test_validate_refuses_per_step_credit(tmp_path, tiny_weights):
     recipe = nft_recipe(tmp_path, tiny_weights, credit="consistent")
     code, err = run_cli("validate", str(recipe), "--no-machine")
@@ -197,12 +207,7 @@ def test_kill_9_then_resume_continues_exactly(tmp_path, tiny_weights, section=NF
     resumed = Trainer(load_recipe(recipe, sets), resume=True)
     assert 1 <= resumed.epoch < 4
     resumed.fit()
-    a, b = _adapter(straight), _adapter(resumed)
-    assert all(torch.equal(a[n], b[n]) for n in a), "the resumed adapter must equal the uninterrupted one bitwise"
-    assert all(
-        torch.equal(x, y) for x, y in zip(straight.optimizer.lagged.old, resumed.optimizer.lagged.old, strict=True)
-    )
-    assert comparable_metrics(straight.run_dir) == comparable_metrics(resumed.run_dir)
+    _assert_ended_alike(straight, resumed)
 
 
 @pytest.mark.parametrize("section", [AWM_SECTION, DGPO_SECTION], ids=["awm", "dgpo"])
@@ -220,9 +225,4 @@ def test_awm_and_dgpo_resume_from_what_a_kill_leaves_exactly(tmp_path, tiny_weig
     resumed = Trainer(load_recipe(recipe, [*sets, f"train.run_dir={killed}"]), resume=True)
     assert resumed.epoch == 1
     resumed.fit()
-    a, b = _adapter(straight), _adapter(resumed)
-    assert all(torch.equal(a[n], b[n]) for n in a), "the resumed adapter must equal the uninterrupted one bitwise"
-    assert all(
-        torch.equal(x, y) for x, y in zip(straight.optimizer.lagged.old, resumed.optimizer.lagged.old, strict=True)
-    )
-    assert comparable_metrics(straight.run_dir) == comparable_metrics(resumed.run_dir)
+    _assert_ended_alike(straight, resumed)
