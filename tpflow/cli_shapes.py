@@ -26,6 +26,12 @@ shapes_app = typer.Typer(
 )
 
 
+# The options the pretraining commands share (each its own default)
+Minutes = Annotated[float, typer.Option(help="Wall-clock budget of the training loop, in minutes.")]
+MaxSteps = Annotated[int, typer.Option(help="Stop after this many steps (0: only the time budget).")]
+Progress = Annotated[bool, typer.Option(help="Show a progress bar (otherwise print log lines).")]
+
+
 @shapes_app.callback()
 def _shapes() -> None:
     """The embedded shapes world: a tiny text-to-image flow model trained on rendered shapes."""
@@ -33,14 +39,14 @@ def _shapes() -> None:
 
 @shapes_app.command()
 def pretrain(
-    minutes: Annotated[float, typer.Option(help="Wall-clock budget of the training loop, in minutes.")] = 45.0,
+    minutes: Minutes = 45.0,
     out: Annotated[
         Path, typer.Option(help="Output folder for shapes_dit.safetensors (EMA weights) and shapes_dit.json.")
     ] = Path("runs/shapes-pretrain"),
     seed: Annotated[int, typer.Option(help="Seed of the initialisation, prompts, renderings and noise.")] = 0,
     batch_size: Annotated[int, typer.Option(help="Images per training step.")] = 64,
     lr: Annotated[float, typer.Option(help="AdamW peak learning rate (after a linear warm-up).")] = 1e-3,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar (otherwise print log lines).")] = True,
+    progress: Progress = True,
 ) -> None:
     """Pretrain the shapes-dit model from scratch by rectified flow on shapes rendered on the fly."""
     from tpflow.shapes.pretrain import pretrain as run_pretrain
@@ -54,7 +60,7 @@ def pretrain(
 
 @shapes_app.command("clip-pretrain")
 def clip_pretrain(
-    minutes: Annotated[float, typer.Option(help="Wall-clock budget of the training loop, in minutes.")] = 11.0,
+    minutes: Minutes = 11.0,
     out: Annotated[
         Path, typer.Option(help="Output folder for shapes_clip.safetensors and shapes_clip.json (config + stats).")
     ] = Path("runs/shapes-clip"),
@@ -62,11 +68,11 @@ def clip_pretrain(
     threads: Annotated[int, typer.Option(help="Torch CPU threads; 0 keeps torch's default.")] = 0,
     batch_size: Annotated[int, typer.Option(help="Train prompts per step (each with its hard negatives).")] = 32,
     lr: Annotated[float, typer.Option(help="AdamW peak learning rate (warm-up, then cosine decay).")] = 2e-3,
-    max_steps: Annotated[int, typer.Option(help="Stop after this many steps (0: only the time budget).")] = 0,
+    max_steps: MaxSteps = 0,
     split: Annotated[
         str, typer.Option(help="Prompts it learns: test (every prompt, the default) or train (no held-out pairs).")
     ] = "test",
-    progress: Annotated[bool, typer.Option(help="Show a progress bar (otherwise print log lines).")] = True,
+    progress: Progress = True,
 ) -> None:
     """Train the shapes-clip reward model (a tiny CLIP with hard negatives) on shapes rendered on the fly."""
     from tpflow.shapes.clip_pretrain import clip_pretrain as run_clip_pretrain
@@ -98,7 +104,7 @@ def clip_pretrain(
 @shapes_app.command("video-pretrain")
 @user_errors
 def video_pretrain(
-    minutes: Annotated[float, typer.Option(help="Wall-clock budget of the training loop, in minutes.")] = 60.0,
+    minutes: Minutes = 60.0,
     out: Annotated[
         Path, typer.Option(help="Output folder for shapes_video_dit.safetensors (EMA weights) and its .json.")
     ] = Path("runs/shapes-video-pretrain"),
@@ -106,7 +112,7 @@ def video_pretrain(
     batch_size: Annotated[int, typer.Option(help="Clips per training step.")] = 12,
     lr: Annotated[float, typer.Option(help="AdamW peak learning rate (after a linear warm-up).")] = 5e-4,
     threads: Annotated[int, typer.Option(help="Torch CPU threads; 0: every core.")] = 0,
-    max_steps: Annotated[int, typer.Option(help="Stop after this many steps (0: only the time budget).")] = 0,
+    max_steps: MaxSteps = 0,
     init: Annotated[
         str,
         typer.Option(
@@ -114,7 +120,7 @@ def video_pretrain(
             "shapes_dit.safetensors (inflated) or shapes_video_dit.safetensors (continued)."
         ),
     ] = "image",
-    progress: Annotated[bool, typer.Option(help="Show a progress bar (otherwise print log lines).")] = True,
+    progress: Progress = True,
 ) -> None:
     """Pretrain the video shapes world's model (shapes-video-dit) by rectified flow on clips rendered on the fly."""
     from tpflow.shapes.video_pretrain import video_pretrain as run
