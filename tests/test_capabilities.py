@@ -49,13 +49,9 @@ def _named(node: ast.expr) -> str | None:
 def test_every_capability_the_trainer_reads_is_declared():
     """train/ asks a component for an optional member only through ``capability``, with a name ``CAPABILITIES``
     declares: ``getattr(reward, "zscored_parts", None)`` was a capability no one declared, with a default of its
-    own, and a name handed to ``capability`` that is not declared raises only when that path runs. (sharding.py is
-    left out: it reads the recipe's option models under the names ``backbone`` and ``optimizer``, and a backbone's
-    modules by name.)"""
+    own, and a name handed to ``capability`` that is not declared raises only when that path runs."""
     undeclared = []
     for path in sorted((PACKAGE / "train").rglob("*.py")):
-        if path.name == "sharding.py":
-            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call) or len(node.args) < 2 or not isinstance(node.args[1], ast.Constant):
                 continue
