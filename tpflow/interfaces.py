@@ -43,6 +43,9 @@ CAPABILITIES: dict[str, Any] = {
     # (tpflow.guidance.combine); False for a guidance-distilled model whose scale is an embedding (FLUX.1-dev), which
     # cfg_gradient = "conditional" cannot hold constant
     "cfg_branch": True,
+    # Backbone: (fewest, most) source images a prompt may carry (an editing model's; tpflow.sources). A backbone
+    # with most > 0 is called ``encode(prompts, sources=...)``, one list of [3, H, W] float32 [0, 1] images per prompt
+    "source_images": (0, 0),
     # Backbone: () -> one sample's latent shape; a frame axis, (F, C, H, W) or (C, F, h, w), makes its samples clips,
     # which the eval's progress line counts (None: images)
     "latent_shape": None,
@@ -98,7 +101,9 @@ class Backbone(Protocol):
     sample's latent shape; ``adapter``, the trained adapter object (default None)."""
 
     def encode(self, prompts: Sequence[str]) -> Conditioning:
-        """Encode N prompts (and whatever the unconditional branch needs) once per batch."""
+        """Encode N prompts (and whatever the unconditional branch needs) once per batch. An editing backbone
+        (capability ``source_images``) takes ``sources=`` too: per prompt, its source images [3, H, W] float32 in
+        [0, 1], which it encodes into the same conditioning (``tpflow.sources.encode_unique`` calls it so)."""
         ...
 
     def initial_noise(self, n: int, generator: torch.Generator | None = None) -> Tensor:

@@ -29,7 +29,8 @@ from tpflow.errors import UserError
 from tpflow.plans.base import BatchPlan
 from tpflow.recipe import Recipe, validate_recipe
 from tpflow.rollout import rollout_from_settings
-from tpflow.types import Credit
+from tpflow.sources import encode_rows
+from tpflow.types import Credit, PromptItem
 
 BUILTIN_CREDIT = ("outcome", "incremental", "turning_point", "consistent")
 
@@ -119,9 +120,9 @@ def sample_trajectories(
     window = _window(recipe, n, seed)
     generator = cpu_generator(seed)  # the same trajectories on the CPU and on a GPU (tpflow.devices)
     sigmas = backbone.sigmas(r.num_steps)
-    cond = backbone.encode([prompt] * n)
-    out = rollout_from_settings(backbone, sampler, cond, [0] * n, window, r, completions="ode", generator=generator)
     meta = dict(metadata or {})
+    cond = encode_rows(backbone, [PromptItem(prompt, meta)] * n)  # an editing prompt's sources too
+    out = rollout_from_settings(backbone, sampler, cond, [0] * n, window, r, completions="ode", generator=generator)
     # The trainer's scoring path (chunks of score_batch rows, one retry, finite scores), images kept for the plots.
     scored = score_rollout(
         backbone.decode,

@@ -31,6 +31,7 @@ from tpflow.precision import Precision
 from tpflow.probe.gradient import first_step_gradient
 from tpflow.recipe import Recipe, load_recipe
 from tpflow.rollout import rollout_from_settings
+from tpflow.sources import encode_rows, group_text
 from tpflow.train.scoring import score_rollout
 from tpflow.types import PromptItem, Rollout
 
@@ -186,7 +187,8 @@ def sample_block(
     credit, optimizer = arm.recipe.build("credit"), arm.recipe.build("optimizer")
     start = time.perf_counter()
     prompts = [item.prompt for item in items]
-    groups = sorted(set(prompts))
+    keys = [group_text(item) for item in items]  # one group per (instruction, sources) pair (tpflow.sources)
+    groups = sorted(set(keys))
     # the arm's rollout plan at epoch 0 (a window schedule's first window), from the block's seed
     window = arm.recipe.build("plan").plan(settings, len(items), 0, seed, arm.recipe.train.seed)
     completions = settings.completions if credit.needs_completions else None
@@ -196,7 +198,7 @@ def sample_block(
     if settings.same_noise and z0_seed is not None:
         shared = {i: random.Random(f"{z0_seed}/z0/{p}").getrandbits(63) for i, p in enumerate(groups)}
     with optimizer.sampling_policy(), precision.autocast():
-        out = rollout_from_settings(backbone, sampler, backbone.encode(prompts), [groups.index(p) for p in prompts],
+        out = rollout_from_settings(backbone, sampler, encode_rows(backbone, items), [groups.index(k) for k in keys],
                                     window, settings, completions, cpu_generator(seed), shared,
                                     store_means=means)  # fmt: skip
     metadata = [item.metadata for item in items]

@@ -33,6 +33,7 @@ from tpflow.rollout import eval_solver, sample_ode
 from tpflow.scoring.call import DEFAULT_POLICY, RewardPolicy, call_reward, reward_name
 from tpflow.scoring.watched import standard_errors
 from tpflow.settings import EvalSettings
+from tpflow.sources import encode_rows
 from tpflow.train.diversity import DETAIL as DIVERSITY
 from tpflow.train.diversity import Embedder, diversity_se, sibling_distances
 from tpflow.types import PromptItem
@@ -154,7 +155,7 @@ def _score_mine(
     for start in range(0, len(items), settings.batch_size):
         part = items[start : start + settings.batch_size]
         prompts = [it.prompt for it in part]
-        cond = backbone.encode(prompts)
+        cond = encode_rows(backbone, part)  # an editing prompt's sources too (tpflow.sources)
         with autocast():
             latents = sample_ode(backbone, cond, z0[start : start + len(part)],
                                  backbone.sigmas(settings.num_steps), settings.guidance,

@@ -25,6 +25,7 @@ from tpflow.rollout.retain import Retain
 from tpflow.rollout.reweight import Reweight
 from tpflow.scoring.call import recipe_policy
 from tpflow.settings import RolloutSettings, TrainSettings
+from tpflow.sources import encode_unique, group_text
 from tpflow.train.epoch import Sampled
 from tpflow.train.lockstep import Lockstep
 from tpflow.train.prompt_sampler import EpochPlan, RolloutBatch, noise_seed
@@ -61,8 +62,8 @@ class EpochSampler:
         phase(f"epoch {epoch}: sampling", len(batches))  # the text encoding below is part of it
         z0_seeds = {i: noise_seed(train, epoch, i) for b in batches for i in b.items} if rollout.same_noise else None
         keep = self._kept()
-        texts = sorted({self.items[i].prompt for b in plan.batches for i in b.items})
-        encoded, text_row = self.backbone.encode(texts), {text: k for k, text in enumerate(texts)}
+        # every distinct (instruction, sources) pair of the plan, encoded once (tpflow.sources)
+        encoded, text_row = encode_unique(self.backbone, [self.items[i] for b in plan.batches for i in b.items])
         worker = ScoringWorker(self.backbone.decode, self.reward, chunk=train.score_batch, policy=recipe_policy(train))
         rollouts, jobs, first_row = [], [], 0
         try:
@@ -71,7 +72,7 @@ class EpochSampler:
                 # the plan: each trajectory's SDE window and the steps the update trains, from the batch's seed
                 window = self.plan.plan(rollout, len(items), epoch, b.seed, train.seed)
                 generator = cpu_generator(b.seed)  # noise drawn on the CPU, moved to the model (tpflow.devices)
-                cond = encoded.index([text_row[it.prompt] for it in items])
+                cond = encoded.index([text_row[group_text(it)] for it in items])
                 # sampling_policy: the weights that collect the data (GRPO: the live adapter; NFT: its old policy)
                 # (the swap happens outside the autocast region: tpflow.precision)
                 padded = self.lockstep.batch() if self.lockstep is not None else contextlib.nullcontext()

@@ -44,6 +44,7 @@ from tpflow.preflight import check_machine
 from tpflow.recipe import Recipe
 from tpflow.scoring.call import recipe_policy
 from tpflow.scoring.watched import build_watched, guard_lines, with_watched
+from tpflow.sources import group_text
 from tpflow.train.allocator import keep_freed_memory
 from tpflow.train.checkpoints.format import find_checkpoint
 from tpflow.train.checkpoints.resume import checkpoint_to_resume, train_command
@@ -142,7 +143,7 @@ class Trainer:
         self._weights_ahead = False  # True from an epoch's update until self.epoch counts it
         self._stop: StopRequest | None = None  # while fit runs: Ctrl-C recorded, for the processes to stop together
         self._stopping = False  # True once they did (tpflow.train.stop)
-        self.prompts = PromptPolicy(train, [item.prompt for item in self.train_items])  # which prompts it draws
+        self.prompts = PromptPolicy(train, [group_text(item) for item in self.train_items])  # which prompts it draws
         self.checkpoints = RunCheckpoints(
             self.run_dir, recipe, self.backbone, self.optimizer, self.ema, self.dist, self.console, self.prompts
         )
@@ -309,7 +310,7 @@ class Trainer:
         # copies share z_0 (same_noise), when a group is also one item's noise (``prompt_groups``).
         items = rows.items.tolist()
         starts = items if self.recipe.rollout.same_noise else None
-        groups = prompt_groups([self.train_items[i].prompt for i in items], starts)  # [N] ints
+        groups = prompt_groups([group_text(self.train_items[i]) for i in items], starts)  # [N] ints
         parts = zscored_parts(self.reward)  # several rewards, each normalised on its own (tpflow.train.reward_parts)
         advantages = (  # [N, W] float64, the same everywhere
             zscore_sum_advantages(parts, self.credit, sampled.scored, self.optimizer, groups, self.dist.gather)
