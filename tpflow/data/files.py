@@ -25,7 +25,8 @@ from tpflow.types import PromptItem
 PATH_HELP = (
     'The train split\'s prompts file: one prompt per line (text-file, ocr), one {"prompt": ..., <metadata>...} JSON '
     "object per line (jsonl), or GenEval metadata, one {tag, include, exclude?, prompt} per line (geneval). Unset, "
-    "geneval and ocr generate the train prompts."
+    "geneval and ocr generate the train prompts. edit-jsonl: an instruction and its source image(s) per JSON line "
+    "(docs/rewards.md, 'Editing datasets')."
 )
 TEST_PATH_HELP = (
     "The test split's prompts file, in path's format (geneval: e.g. GenEval's evaluation_metadata.jsonl). Unset: "
