@@ -5,11 +5,14 @@ backbone"); ``test_every_diffusers_backbone_has_a_twin_here`` fails until it doe
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import pytest
 import torch
 
 from tpflow import registry
-from tpflow.backbones import tiny
+from tpflow.backbones import tiny, tiny_kontext
+from tpflow.backbones.flux_kontext import source_images
 from tpflow.rollout import Window, rollout, sample_ode
 from tpflow.samplers.cps import CpsSampler
 
@@ -18,18 +21,47 @@ from .conftest import exact_fp32
 PROMPTS = ["a photo of a red cat", "two dogs"]
 K = 3
 WAN_CLIP = {"height": 32, "width": 32, "num_frames": 5}  # 5 frames: 2 latent frames
-# real backbone -> (its tiny twin, the twin's pipeline, pipeline call options at the twin's size, guidance)
+PX16 = {"height": 16, "width": 16}
+
+
+class Twin(NamedTuple):
+    """A real backbone's tiny twin: its name, its pipeline, the pipeline call's options at the twin's size, the
+    guidance, and the source images each prompt carries (0 for text-to-image)."""
+
+    name: str
+    make_pipe: Any
+    options: dict
+    guidance: float
+    sources: int = 0
+
+
+KONTEXT = {**PX16, "max_area": 16 * 16, "_auto_resize": False}  # the recipe's size, the source's kept
 TWINS = {
-    "sd3.5-medium": ("tiny-sd3", lambda: tiny.tiny_sd3_pipeline(0), {"height": 16, "width": 16}, 4.5),
-    "sd3.5-large": ("tiny-sd3-large", lambda: tiny.tiny_sd3_pipeline(0, large=True), {"height": 16, "width": 16}, 4.5),
-    "flux.1-dev": ("tiny-flux", lambda: tiny.tiny_flux_pipeline(0), {"height": 16, "width": 16}, 3.5),
-    "qwen-image": ("tiny-qwen-image", lambda: tiny.tiny_qwen_image_pipeline(0),
-                   {"height": 32, "width": 32, "negative_prompt": [" ", " "]}, 4.0),
-    "wan2.1-t2v-1.3b": ("tiny-wan", lambda: tiny.tiny_wan_pipeline(0), WAN_CLIP, 4.5),
-    "wan2.1-t2v-14b": ("tiny-wan", lambda: tiny.tiny_wan_pipeline(0), WAN_CLIP, 4.5),
-    "wan2.2-t2v-a14b": ("tiny-wan2.2", lambda: tiny.tiny_wan22_pipeline(0), WAN_CLIP, 4.0),
-    "wan2.2-ti2v-5b": ("tiny-wan2.2-ti2v", lambda: tiny.tiny_wan_pipeline(0, expand_timesteps=True), WAN_CLIP, 5.0),
+    "sd3.5-medium": Twin("tiny-sd3", lambda: tiny.tiny_sd3_pipeline(0), PX16, 4.5),
+    "sd3.5-large": Twin("tiny-sd3-large", lambda: tiny.tiny_sd3_pipeline(0, large=True), PX16, 4.5),
+    "flux.1-dev": Twin("tiny-flux", lambda: tiny.tiny_flux_pipeline(0), PX16, 3.5),
+    "flux.1-kontext-dev": Twin("tiny-flux-kontext", tiny_kontext.tiny_flux_kontext_pipeline, KONTEXT, 2.5, 1),
+    "qwen-image": Twin("tiny-qwen-image", lambda: tiny.tiny_qwen_image_pipeline(0),
+                       {"height": 32, "width": 32, "negative_prompt": [" ", " "]}, 4.0),
+    "wan2.1-t2v-1.3b": Twin("tiny-wan", lambda: tiny.tiny_wan_pipeline(0), WAN_CLIP, 4.5),
+    "wan2.1-t2v-14b": Twin("tiny-wan", lambda: tiny.tiny_wan_pipeline(0), WAN_CLIP, 4.5),
+    "wan2.2-t2v-a14b": Twin("tiny-wan2.2", lambda: tiny.tiny_wan22_pipeline(0), WAN_CLIP, 4.0),
+    "wan2.2-ti2v-5b": Twin("tiny-wan2.2-ti2v", lambda: tiny.tiny_wan_pipeline(0, expand_timesteps=True), WAN_CLIP,
+                           5.0),
 }  # fmt: skip
+
+
+def _sources(twin: Twin) -> list[list[torch.Tensor]]:
+    """Each prompt's source images at the twin's size, whole levels of 255 (a PIL round trip keeps them): prompt 0's
+    dark, prompt 1's light, so that a model that ignored them would be caught by the parity with the pipeline."""
+    gen = torch.Generator().manual_seed(5)
+    size = (3, twin.options["height"], twin.options["width"])
+    return [[(torch.randint(0, 128, size, generator=gen) + 128 * p).float() / 255 for _ in range(twin.sources)]
+            for p in range(len(PROMPTS))]  # fmt: skip
+
+
+def _encode(backbone, twin: Twin):
+    return backbone.encode(PROMPTS, sources=_sources(twin)) if twin.sources else backbone.encode(PROMPTS)
 
 
 @pytest.fixture(autouse=True)
@@ -38,8 +70,12 @@ def _no_tf32():
         yield
 
 
-def _pipeline(pipe, z0: torch.Tensor, options: dict, guidance: float) -> torch.Tensor:
-    scale = {"true_cfg_scale": guidance} if "negative_prompt" in options else {"guidance_scale": guidance}
+def _pipeline(pipe, z0: torch.Tensor, twin: Twin) -> torch.Tensor:
+    options = dict(twin.options)
+    scale = {"true_cfg_scale": twin.guidance} if "negative_prompt" in options else {"guidance_scale": twin.guidance}
+    if twin.sources:  # the pipeline takes PIL images, one per prompt (several: a list per prompt)
+        per_prompt = [source_images(images) for images in _sources(twin)]
+        options["image"] = [images[0] if twin.sources == 1 else images for images in per_prompt]
     out = pipe(prompt=PROMPTS, num_inference_steps=K, latents=z0.clone(), output_type="latent",
                max_sequence_length=32, **options, **scale)  # fmt: skip
     return out.frames if hasattr(out, "frames") else out.images  # a video pipeline's output holds frames
@@ -55,17 +91,17 @@ def test_every_diffusers_backbone_has_a_twin_here():
 
 @pytest.mark.parametrize("real", sorted(TWINS))
 def test_the_contract(real, tmp_path):
-    name, make_pipe, options, guidance = TWINS[real]
-    size = options["height"]
-    backbone = registry.build("backbone", name, seed=0, resolution=size)
+    twin = TWINS[real]
+    name, make_pipe, guidance = twin.name, twin.make_pipe, twin.guidance
+    backbone = registry.build("backbone", name, seed=0, resolution=twin.options["height"])
     # LoRA targets: each names at least one layer of the transformer (peft's suffix rule), checked on the twin
     modules = [n for n, _ in backbone.transformer.named_modules()]
     for target in backbone.options.lora_targets:
         assert any(n == target or n.endswith("." + target) for n in modules), target
     # a rollout at noise level 0 is the pipeline's sampling loop
     z0 = backbone.initial_noise(2, torch.Generator().manual_seed(3))
-    cond, sigmas = backbone.encode(PROMPTS), backbone.sigmas(K)
-    expected = _pipeline(make_pipe(), z0, options, guidance)
+    cond, sigmas = _encode(backbone, twin), backbone.sigmas(K)
+    expected = _pipeline(make_pipe(), z0, twin)
     with torch.no_grad():
         out = rollout(backbone, CpsSampler(), cond, z0, sigmas, Window(0, K - 1), 0.0, guidance, completions=None)
     torch.testing.assert_close(out.final, expected, rtol=0, atol=1e-4)
@@ -80,7 +116,7 @@ def test_the_contract(real, tmp_path):
     pipe.load_lora_weights(tmp_path / "lora")
     with torch.no_grad():
         ours = sample_ode(backbone, cond, z0, sigmas, guidance)
-    theirs = _pipeline(pipe, z0, options, guidance)
+    theirs = _pipeline(pipe, z0, twin)
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
     assert (ours - expected).abs().max() > 1e-3  # the adapter changes the samples: the comparison has teeth
 
@@ -90,8 +126,9 @@ def test_the_contract_of_full_fine_tuning(real, tmp_path):
     """``finetune = "full"``: every transformer weight trains (fp32 masters), nothing else; the KL reference is the
     model as built (the pipeline's samples); the saved model loads with ``from_pretrained`` into a fresh pipeline
     and samples what tpflow samples."""
-    name, make_pipe, options, guidance = TWINS[real]
-    backbone = registry.build("backbone", name, seed=0, resolution=options["height"], finetune="full")
+    twin = TWINS[real]
+    name, make_pipe, guidance = twin.name, twin.make_pipe, twin.guidance
+    backbone = registry.build("backbone", name, seed=0, resolution=twin.options["height"], finetune="full")
     trained = backbone.trainable_parameters()
     assert [id(p) for p in trained] == [id(p) for p in backbone.transformer.parameters()]
     assert all(p.requires_grad and p.dtype == torch.float32 for p in trained)
@@ -101,8 +138,8 @@ def test_the_contract_of_full_fine_tuning(real, tmp_path):
             frozen += list(getattr(backbone.pipe, encoder).parameters())
     assert frozen and not any(p.requires_grad for p in frozen)
     z0 = backbone.initial_noise(2, torch.Generator().manual_seed(3))
-    cond, sigmas = backbone.encode(PROMPTS), backbone.sigmas(K)
-    expected = _pipeline(make_pipe(), z0, options, guidance)
+    cond, sigmas = _encode(backbone, twin), backbone.sigmas(K)
+    expected = _pipeline(make_pipe(), z0, twin)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(0)
         for p in trained:
@@ -114,9 +151,9 @@ def test_the_contract_of_full_fine_tuning(real, tmp_path):
     backbone.save_adapter(tmp_path / "transformer")
     pipe = make_pipe()
     pipe.transformer = type(pipe.transformer).from_pretrained(tmp_path / "transformer")
-    theirs = _pipeline(pipe, z0, options, guidance)
+    theirs = _pipeline(pipe, z0, twin)
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
     assert (ours - expected).abs().max() > 1e-3  # the perturbed weights change the samples: the check has teeth
-    fresh = registry.build("backbone", name, seed=0, resolution=options["height"], finetune="full")
+    fresh = registry.build("backbone", name, seed=0, resolution=twin.options["height"], finetune="full")
     fresh.load_adapter(tmp_path / "transformer")
     assert all(torch.equal(a, b) for a, b in zip(fresh.trainable_parameters(), trained, strict=True))
