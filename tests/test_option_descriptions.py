@@ -20,6 +20,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     # frames applies the named image reward to each frame; remote checks that its server serves the named reward;
     # diversity-shaped wraps an inner {name, options} spec whose scores it shapes
     ("reward", "reward"): "the reward each wrapper names plays a different role in it",
+    # diversity-shaped: the spec string of the extractor a group's images are compared by; edit-consistency: which of
+    # its three comparisons (pixels, CLIP, DINO) an edit and its source are compared by
+    ("reward", "features"): "what an image is compared by, in two different comparisons",
 }
 
 

@@ -5,6 +5,7 @@ from tpflow.rewards import (
     clipscore,
     consistency,
     diversity_shaped,
+    edit_consistency,
     frames,
     hpsv2,
     hpsv3,
@@ -38,6 +39,7 @@ __all__ = [
     "pickscore",
     "consistency",
     "diversity_shaped",
+    "edit_consistency",
     "vlm_judge",
     "weighted",
 ]

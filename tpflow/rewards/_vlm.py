@@ -46,10 +46,25 @@ SCORE_ONLY_TEMPLATE = (
     "Text Caption: [{prompt}]"
 )
 
+# The editing question (the option question = "edit"): the judge is shown the source image, then the edited one, and
+# rates the edit on the two criteria editing judges use, following the instruction and keeping the rest as it was
+# (VIEScore's semantic consistency and over-editing, Ku et al., arXiv 2312.14867), on the same 1-5 scale and answer
+# format as the questions above, the answer started with "Final Score: " (one forward pass).
+EDIT_TEMPLATE = (
+    "You are given an image editing instruction and two images: the first is the source image, the second is the "
+    "result of editing it. Evaluate the edit on two criteria:\n"
+    "1. Instruction following: how well the second image carries out the instruction.\n"
+    "2. Preservation: how well everything the instruction does not ask to change (the other objects, the layout, "
+    "the colours, the identity and the style) stays as it is in the source image.\n"
+    "Assign a score from 1 to 5 after 'Final Score:'.\n"
+    "Instruction: [{prompt}]"
+)
+
 # (question, the start of the judge's answer given to it) of each value of the reward's option ``question``.
 QUESTIONS = {
     "unifiedreward": (UNIFIED_REWARD_TEMPLATE, ""),
     "score-only": (SCORE_ONLY_TEMPLATE, "Final Score: "),
+    "edit": (EDIT_TEMPLATE, "Final Score: "),
 }
 
 # The pixel budget of UnifiedReward's script: qwen_vl_utils' ``fetch_image`` (called by ``process_vision_info``)

@@ -38,6 +38,10 @@ float32, one thread, 16 images of 128×128 px judged at 112×112 in batches of 8
 ``question = "score-only"``: ``logits`` 4.9 ms per image, ``answer`` with 8 new tokens 12.1 ms per image. With the
 default question both modes also decode the element list, one step per token (docs/rewards.md estimates the cost).
 
+**Edits.** ``question = "edit"`` judges an edited image against its prompt's source (``metadata["sources"]``, the
+first, brought to the edit's size): the chat shows the source, then the edit, then ``_vlm.EDIT_TEMPLATE`` (the
+instruction, how well it is followed and how well the rest is kept), the answer started with "Final Score: ".
+
 Score = (s - scale_min) / (scale_max - scale_min), in [0, 1]; the raw s is the detail ``vlm_judge_score``. Images
 are quantised to 8 bits and resized to multiples of the vision tower's patch × merge size within ``max_pixels`` and
 the processor's own maximum (``_vlm.judge_pixels``), prompts left-padded within a batch of ``batch_size``. Weights
@@ -87,6 +91,8 @@ from tpflow.rewards._vlm import (
     judge_pixels,
     parse_score,
 )
+from tpflow.rewards.edit_features import first_source, source_at
+from tpflow.sources import load
 from tpflow.types import RewardOutput
 from tpflow.weights import MODEL_FILES, WeightSource, download_command, model_folder
 
@@ -110,10 +116,11 @@ class VLMJudgeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(UNIFIED_REWARD, description="Judge: a cached Hugging Face id or a local folder.")
-    question: Literal["unifiedreward", "score-only"] = Field(
+    question: Literal["unifiedreward", "score-only", "edit"] = Field(
         "unifiedreward",
         description="\"unifiedreward\": UnifiedReward's own question, the judge lists the caption's elements "
-        'before its score; "score-only": a shorter rewording, answer started with "Final Score: ".',
+        'before its score; "score-only": a shorter rewording, answer started with "Final Score: "; "edit": the '
+        "prompt's source image shown before the edit, rated on following the instruction and keeping the rest.",
     )
     template: str | None = Field(None, description="Question; {prompt} is the image's prompt. None: question's.")
     answer_prefix: str | None = Field(None, description="Start of the judge's answer, given. None: question's.")
@@ -216,11 +223,12 @@ class VLMJudgeReward:
             ids.append(encoded[0])
         return ids
 
-    def texts(self, prompts: Sequence[str], images: int = 1) -> list[str]:
-        """The judge's input text of each prompt: its chat template around the image (or, with ``images = 2``, the
-        pair's two images) and the question, then the start of the answer."""
+    def texts(self, prompts: Sequence[str], pair: bool = False) -> list[str]:
+        """The judge's input text of each prompt: its chat template around the image (the source then the edit with
+        ``question = "edit"``; with ``pair``, the pair's two images) and the question, then the start of the answer."""
         o = self.options
-        template, prefix = (o.template, o.answer_prefix) if images == 1 else (o.pair_template, o.pair_answer_prefix)
+        template, prefix = (o.pair_template, o.pair_answer_prefix) if pair else (o.template, o.answer_prefix)
+        images = 2 if pair or o.question == "edit" else 1
         texts = []
         for prompt in prompts:
             question = template.replace("{prompt}", prompt)
@@ -257,6 +265,16 @@ class VLMJudgeReward:
             texts = [text + more for text, more in zip(texts, written, strict=True)]
         return self._batch(texts, list(self._pixels(images)))
 
+    def _shown(self, images: Tensor, metadata: Sequence[dict[str, Any]]) -> list[Tensor]:
+        """The judge's pixels of images [n, 3, H, W] in the order the texts show them: each image, or with
+        ``question = "edit"`` its prompt's first source (at the edit's size, ``edit_features.source_at``) first."""
+        pixels = list(self._pixels(images))
+        if self.options.question != "edit":
+            return pixels
+        size = (int(images.shape[-2]), int(images.shape[-1]))
+        shown = [source_at(load(first_source(m, "reward 'vlm-judge' (question = \"edit\")")), size) for m in metadata]
+        return [image for pair in zip(self._pixels(torch.stack(shown)), pixels, strict=True) for image in pair]
+
     @property
     def writes_first(self) -> bool:
         """Whether, in logits mode, the judge writes before its score: ``answer_prefix`` does not end with
@@ -285,7 +303,7 @@ class VLMJudgeReward:
             raise ValueError(f"Pairs of images of shapes {tuple(images_a.shape)} and {tuple(images_b.shape)}.")
         pixels_a, pixels_b = self._pixels(images_a), self._pixels(images_b)  # [n, 3, h, w] uint8 each
         pixels = [image for pair in zip(pixels_a, pixels_b, strict=True) for image in pair]  # a0, b0, a1, b1, ...
-        return self._batch(self.texts(prompts, images=2), pixels)
+        return self._batch(self.texts(prompts, pair=True), pixels)
 
     def _pair_token_ids(self) -> list[int]:
         """Token ids of the two ``pair_answers``; each must be one token."""
@@ -334,7 +352,7 @@ class VLMJudgeReward:
         flags: list[Tensor] = []  # 1 where the judge gave no score of its own (no marker, or unparsed)
         for start in range(0, len(prompts), size):
             chunk = slice(start, start + size)
-            texts, pixels = self.texts(prompts[chunk]), list(self._pixels(images[chunk]))
+            texts, pixels = self.texts(prompts[chunk]), self._shown(images[chunk], metadata[chunk])
             if logits and self.writes_first:
                 answers = self._generate(self._batch(texts, pixels), stop=o.answer_marker or None)
                 written, missing = self.up_to_marker(answers)
