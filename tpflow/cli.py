@@ -48,6 +48,7 @@ from tpflow.cli_common import (
 from tpflow.cli_listing import register as register_listing
 from tpflow.cli_validate import register as register_validate
 from tpflow.errors import UserError
+from tpflow.evaluation.commands import SourceImageOption
 from tpflow.evaluation.commands import register as register_evaluation
 from tpflow.experiments.command import register as register_experiments
 from tpflow.probe.command import register as register_probe
@@ -223,6 +224,7 @@ def inspect_trajectory(
         Path | None, typer.Option(help="Plot the traces a training run logged, not RECIPE.", show_default=False)
     ] = None,
     epoch: Annotated[int | None, typer.Option(help="With --run: the epoch (default: the last).")] = None,
+    image: SourceImageOption = None,
 ) -> None:
     """Reward of the ODE completion along denoising, turning points and each assigner's credit, as plots.
 
@@ -232,13 +234,15 @@ def inspect_trajectory(
 
     if (recipe is None) == (run is None):
         raise UserError("Give exactly one of RECIPE (sample new trajectories, with --prompt) or --run RUN_DIR.")
+    if run is not None and image:
+        raise UserError("--image gives the source of new trajectories, with RECIPE; --run plots what a run logged.")
     console = make_console()
     if out is None:  # one folder per mode (and per run), so one mode's plots never sit beside the other's
         out = Path("runs/inspect") / (Path(run).resolve().name if run is not None else "sampled")
     if run is not None:
         result = inspect_run(run, epoch, n, credit_, out)
     else:
-        result = _inspect_recipe(recipe, prompt, n, seed, checkpoint, credit_, out, set_)
+        result = _inspect_recipe(recipe, prompt, n, seed, checkpoint, credit_, out, set_, image)
     _print_inspection(console, result)
 
 
@@ -251,9 +255,12 @@ def _inspect_recipe(
     credit_: list[str] | None,
     out: Path,
     set_: list[str] | None,
+    image: list[Path] | None = None,
 ) -> Inspection:
-    """inspect-trajectory with RECIPE: new trajectories of ``prompt``, sampled once the machine check has passed
-    and the prompt's warnings (as tpflow sample and eval give them) are printed, so nothing loads for a mistake."""
+    """inspect-trajectory with RECIPE: new trajectories of ``prompt`` (edits of the ``--image`` sources for an
+    editing backbone), sampled once the machine check has passed and the prompt's warnings (as tpflow sample and
+    eval give them) are printed, so nothing loads for a mistake."""
+    from tpflow.data.source_counts import command_sources
     from tpflow.inspect import inspect_sampled
     from tpflow.recipe import load_recipe
 
@@ -262,13 +269,14 @@ def _inspect_recipe(
     from tpflow.preflight import check_machine
 
     loaded = load_recipe(recipe, set_ or [])
+    sources = command_sources(loaded.backbone.name, image)
     print_report(check_machine(loaded))  # devices, weight files, prompts: before anything loads
 
     from tpflow.preflight import prompt_warnings
 
     for text in prompt_warnings(loaded, [prompt]):  # tpflow sample and eval say the same
         warn(text)
-    return inspect_sampled(loaded, prompt, n, seed, checkpoint, credit_, out, warn)
+    return inspect_sampled(loaded, prompt, n, seed, checkpoint, credit_, out, warn, sources)
 
 
 def _print_inspection(console: Any, result: Any) -> None:

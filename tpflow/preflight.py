@@ -145,7 +145,9 @@ def device_problems(options: BaseModel) -> list[str]:
 
 def dataset_problems(recipe: Recipe) -> list[str]:
     """Build the prompt dataset (no weights) and check that each split is a non-empty list of prompt strings whose
-    metadata holds what the recipe's rewards read (``tpflow.rewards.needs.item_problems``)."""
+    metadata holds what the recipe's rewards read (``tpflow.rewards.needs.item_problems``) and the source images its
+    backbone takes (``tpflow.data.source_counts.item_problems``)."""
+    from tpflow.data.source_counts import item_problems as source_problems
     from tpflow.rewards.needs import item_problems
 
     try:
@@ -165,7 +167,8 @@ def dataset_problems(recipe: Recipe) -> list[str]:
                     f"the evaluation's figures use: eval_reward_{clash[0]} would be both that tag's mean and "
                     f"another figure ({', '.join(RESERVED_TAGS[t] for t in clash)}). Rename the tag."
                 ]
-            missing = item_problems({**recipe.components, **recipe.settings}, split, items)
+            sections = {**recipe.components, **recipe.settings}
+            missing = item_problems(sections, split, items) + source_problems(sections, split, items)
             if missing:
                 return [f"[dataset] ({recipe.dataset.name}): {' '.join(missing)}"]
     except UserError as exc:

@@ -56,6 +56,12 @@ def _reward_need_problems(sections: dict[str, Any]) -> list[str]:
     return recipe_problems(sections)
 
 
+def _source_count_problems(sections: dict[str, Any]) -> list[str]:
+    from tpflow.data.source_counts import recipe_problems
+
+    return recipe_problems(sections)
+
+
 def _whole_group_problems(sections: dict[str, Any]) -> list[str]:
     from tpflow.scoring.groups import whole_group_problems
 
@@ -69,6 +75,7 @@ SECTION_CHECKS: tuple[Callable[[dict[str, Any]], list[str]], ...] = (
     _watched_problems,  # [eval] rewards: names the registry knows (tpflow.scoring.watched)
     _reward_need_problems,  # what each reward needs of the backbone and the dataset (tpflow.rewards.needs)
     _whole_group_problems,  # a reward that needs whole groups per call against [train]'s batching (tpflow.scoring)
+    _source_count_problems,  # the prompts' source images against the backbone's (tpflow.data.source_counts)
 )
 
 

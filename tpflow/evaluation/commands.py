@@ -64,6 +64,15 @@ ResolutionOption = Annotated[
     int | None,
     typer.Option(help="Image side in pixels (sets backbone.resolution; SD3 / FLUX).", show_default=False),
 ]
+SourceImageOption = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--image",
+        help="A source image to edit (repeatable: several sources), for a recipe whose backbone edits images; every "
+        "prompt edits the same source(s). Refused for a text-to-image backbone.",
+        show_default=False,
+    ),
+]
 
 
 def _eval_accelerator(recipe: Any) -> tuple[Any, Any]:
@@ -267,11 +276,15 @@ def sample(
     checkpoint: CheckpointOption = None,
     ema: EmaOption = True,
     set_: Overrides = None,
+    image: SourceImageOption = None,
 ) -> None:
     """Images of TARGET for a quick look: one row per prompt, the prompt under each image.
 
     Example: tpflow sample runs/shapes_tp --prompt "a photo of a red circle" --prompt "two blue squares" --n 4
+
+    An editing model's: tpflow sample runs/kontext --prompt "make the cup red" --image cup.png
     """
+    from tpflow.data.source_counts import command_sources
     from tpflow.evaluation.sample import sample_images
     from tpflow.grids import Tile, captioned_grid, clip_grid
     from tpflow.images import to_uint8
@@ -282,11 +295,14 @@ def sample(
     from tpflow.evaluation.targets import resolve_target
 
     resolved = resolve_target(target, recipe, checkpoint, set_, resolution)
+    sources = command_sources(resolved.recipe.backbone.name, image)  # before anything loads
     out = out or sample_out(resolved)
     from tpflow.preflight import check_machine
 
     print_report(check_machine(resolved.recipe, where=str(resolved.path)))  # devices, model files: before loading
     from tpflow.preflight import prompt_warnings
+    from tpflow.sources import SOURCES
+    from tpflow.types import PromptItem
 
     for warning in prompt_warnings(resolved.recipe, list(prompt)):  # inspect-trajectory and eval say the same
         warn(warning)
@@ -294,7 +310,8 @@ def sample(
     scale = resolved.recipe.eval.guidance if guidance is None else guidance
     steps = steps or resolved.recipe.eval.num_steps  # the recipe's eval steps, as tpflow eval
     batch = resolved.recipe.eval.batch_size
-    images = sample_images(resolved, prompt, n, steps, scale, seed, precision.autocast, ema, batch)
+    items = [PromptItem(text, {SOURCES: sources} if sources else {}) for text in prompt]
+    images = sample_images(resolved, items, n, steps, scale, seed, precision.autocast, ema, batch)
     clips = images.ndim == 5  # a video backbone's: strips on the PNG, the clips playing in a WebP beside it
     frames = to_uint8(images) if clips else [None] * len(images)
     tiles = [Tile(frame_strip(image[None])[0], text, info={"index": r}, frames=f) for r, (image, text, f) in

@@ -31,6 +31,7 @@ from tpflow.inspect.traces import (
 )
 from tpflow.interfaces import capability
 from tpflow.recipe import Recipe
+from tpflow.sources import SOURCES
 from tpflow.train.run_logger import jsonable
 
 __all__ = ["Inspection", "inspect_run", "inspect_sampled", "summary_rows"]
@@ -55,6 +56,7 @@ def inspect_sampled(
     credit: Sequence[str] | None = None,
     out: Path = Path("runs/inspect"),
     warn: Callable[[str], None] = print,
+    sources: Sequence[str] = (),
 ) -> Inspection:
     """Sample n trajectories of ``prompt`` under ``recipe`` and write the four files into ``out``.
 
@@ -67,6 +69,7 @@ def inspect_sampled(
         credit: assigner names to compare (default: the recipe's, then the other built-ins).
         out: output directory.
         warn: called with each warning line.
+        sources: the prompt's source images (absolute paths), for an editing backbone (``--image``).
     """
     from tpflow.inspect import plots
 
@@ -77,6 +80,8 @@ def inspect_sampled(
             f"{prompt!r} is not in the recipe's dataset: scoring with empty metadata (rewards that need it, like "
             f"shapes-geneval, then give 0). Dataset prompts look like: {'; '.join(repr(e) for e in examples[:4])}."
         )
+    if sources:  # the command's --image, in place of any the dataset's item with this instruction carries
+        metadata = {**(metadata or {}), SOURCES: list(sources)}
     t = sample_trajectories(recipe, prompt, n, recipe.train.seed if seed is None else seed, checkpoint, metadata)
     apply_credit(t, built)
     marked = _marked(t)

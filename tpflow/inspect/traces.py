@@ -107,7 +107,8 @@ def sample_trajectories(
         n: number of trajectories.
         seed: seeds the window draw, the initial noise and the SDE noise.
         checkpoint: a run dir or a checkpoint dir whose adapter is loaded (its newest valid checkpoint).
-        metadata: the prompt's task metadata for the reward ({} when None).
+        metadata: the prompt's task metadata for the reward ({} when None); an editing prompt's source images under
+            ``sources`` (``tpflow.sources``), which the backbone encodes and the reward reads.
     """
     from tpflow.scoring.call import recipe_policy
     from tpflow.train.scoring import score_rollout
