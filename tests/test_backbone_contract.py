@@ -17,6 +17,7 @@ from tpflow.rollout import Window, rollout, sample_ode
 from tpflow.samplers.cps import CpsSampler
 
 from .conftest import exact_fp32
+from .test_backbone_z_image import tpflow_scale_pipeline  # ZImagePipeline at tpflow's guidance scale
 
 PROMPTS = ["a photo of a red cat", "two dogs"]
 K = 3
@@ -48,6 +49,8 @@ TWINS = {
     "wan2.2-t2v-a14b": Twin("tiny-wan2.2", lambda: tiny.tiny_wan22_pipeline(0), WAN_CLIP, 4.0),
     "wan2.2-ti2v-5b": Twin("tiny-wan2.2-ti2v", lambda: tiny.tiny_wan_pipeline(0, expand_timesteps=True), WAN_CLIP,
                            5.0),
+    "z-image": Twin("tiny-z-image", lambda: tpflow_scale_pipeline(0), PX16, 5.0),
+    "z-image-turbo": Twin("tiny-z-image-turbo", lambda: tpflow_scale_pipeline(0, turbo=True), PX16, 1.0),
 }  # fmt: skip
 
 

@@ -1,6 +1,18 @@
 """Backbones. Importing this package registers them (real models load their weights only when built)."""
 
-from tpflow.backbones import flux, flux_kontext, qwen_image, sd3, shapes_video, tiny, tiny_kontext, wan, wan22
+from tpflow.backbones import (
+    flux,
+    flux_kontext,
+    qwen_image,
+    sd3,
+    shapes_video,
+    tiny,
+    tiny_kontext,
+    tiny_z_image,
+    wan,
+    wan22,
+    z_image,
+)
 from tpflow.backbones.shapes import ShapesBackbone
 
 __all__ = [
@@ -12,6 +24,8 @@ __all__ = [
     "shapes_video",
     "tiny",
     "tiny_kontext",
+    "tiny_z_image",
     "wan",
     "wan22",
+    "z_image",
 ]
