@@ -1,0 +1,207 @@
+"""The FLUX.2 backbones behave exactly like diffusers' Flux2KleinPipeline and Flux2Pipeline, text-to-image and with a
+reference image: noise-0 rollouts, schedule, noise, decode, the exported LoRA, the fp32 parts, and sources of
+different sizes in one batch (docs/backbones.md, "FLUX.2")."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tpflow import registry
+from tpflow.backbones import flux2, tiny_flux2
+from tpflow.backbones.flux2 import Flux2Backbone
+from tpflow.errors import UserError
+from tpflow.interfaces import capability
+from tpflow.rollout import Window, rollout, sample_ode
+from tpflow.samplers.cps import CpsSampler
+
+from .conftest import exact_fp32
+
+PROMPTS = ["a photo of a red cat", "two dogs"]
+K = 3
+SIZE = 64  # 4×4 image tokens
+PIPES = {"klein": tiny_flux2.tiny_flux2_klein_pipeline, "dev": tiny_flux2.tiny_flux2_dev_pipeline}
+GUIDANCE = {"klein": 4.0, "dev": 4.0}  # klein base: CFG with the empty prompt; dev: the embedded scale
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    with exact_fp32():
+        yield
+
+
+@pytest.fixture(scope="module")
+def made():
+    """``get(kind)``: the tiny backbone and a fresh pipeline of the same seed, built once per module."""
+    built = {}
+
+    def get(kind: str):
+        if kind not in built:
+            built[kind] = (registry.build("backbone", f"tiny-flux.2-{kind}", seed=0), packed_pipeline(kind))
+        return built[kind]
+
+    return get
+
+
+def _image(height: int, width: int, seed: int) -> tuple[Image.Image, torch.Tensor]:
+    """A random RGB picture, and the same as tpflow.sources loads it ([3, H, W] in [0, 1])."""
+    pixels = torch.randint(
+        0, 256, (height, width, 3), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8
+    )
+    picture = Image.fromarray(pixels.numpy())
+    return picture, torch.from_numpy(np.asarray(picture).copy()).permute(2, 0, 1).float() / 255
+
+
+class _Packed:
+    """A FLUX.2 pipeline that takes and gives tpflow's packed latents [N, S, 4·C]: ``latents`` reshaped to the
+    patchified [N, 4·C, h/2, w/2] the pipeline takes, and klein's ``output_type="latent"`` result (the VAE's
+    [N, C, h, w]) patchified, batch-normalised and packed again by the pipeline's own helpers (dev's is packed)."""
+
+    def __call__(self, *args, latents, output_type="pil", **kwargs):
+        n, s, c = latents.shape
+        side = math.isqrt(s)
+        start = latents.permute(0, 2, 1).reshape(n, c, side, side)
+        out = super().__call__(*args, latents=start, output_type=output_type, **kwargs)
+        if output_type == "latent" and out.images.dim() == 4:
+            patches, bn = self._patchify_latents(out.images), self.vae.bn
+            std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps)
+            out.images = self._pack_latents((patches - bn.running_mean.view(1, -1, 1, 1)) / std)
+        return out
+
+
+def packed_pipeline(kind: str, seed: int = 0, distilled: bool = False):
+    """The tiny ``kind`` ("klein": the base variant unless ``distilled``, or "dev") pipeline in packed latents
+    (tests/test_backbone_contract.py's rows call it too)."""
+    pipe = PIPES[kind](seed, distilled) if kind == "klein" else PIPES[kind](seed)
+    packed = type(f"Packed{type(pipe).__name__}", (_Packed, type(pipe)), {})
+    flags = {"is_distilled": distilled} if kind == "klein" else {}
+    return packed(**pipe.components, **flags)
+
+
+def _pipeline(pipe, z0: torch.Tensor, guidance: float, image=None) -> torch.Tensor:
+    """The pipeline's final latents from our z_0, packed [N, S, 4·C]."""
+    return pipe(prompt=PROMPTS, image=image, num_inference_steps=K, latents=z0.clone(), output_type="latent",
+                height=SIZE, width=SIZE, max_sequence_length=32, guidance_scale=guidance).images  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["klein", "dev"])
+def test_noise_0_rollouts_are_the_pipelines_text_to_image_and_with_a_reference(kind, made):
+    """Prompt encoding, packing and ids, the empirical-mu schedule, guidance (klein's CFG, dev's embedding), and a
+    reference image appended with its own ids: a noise-0 rollout is the pipeline's sampling loop to 1e-4."""
+    backbone, pipe = made(kind)
+    guidance = GUIDANCE[kind]
+    z0 = backbone.initial_noise(2, torch.Generator().manual_seed(3))
+    drawn, _ = pipe.prepare_latents(2, 4, SIZE, SIZE, torch.float32, "cpu", torch.Generator().manual_seed(3))
+    torch.testing.assert_close(z0, drawn, rtol=0, atol=0)  # the noise is drawn as the pipeline draws it
+    picture, source = _image(80, 72, seed=1)  # cropped to 80×64 as the pipeline crops it
+    sigmas = backbone.sigmas(K)
+    for image, sources in ((None, None), ([picture], [[source], [source]])):
+        expected = _pipeline(pipe, z0, guidance, image)
+        torch.testing.assert_close(sigmas, pipe.scheduler.sigmas.float(), rtol=0, atol=1e-6)
+        cond = backbone.encode(PROMPTS, sources=sources)
+        with torch.no_grad():
+            out = rollout(backbone, CpsSampler(), cond, z0, sigmas, Window(0, K - 1), 0.0, guidance, completions=None)
+            ode = sample_ode(backbone, cond, z0, sigmas, guidance)
+        torch.testing.assert_close(out.final, expected, rtol=0, atol=1e-4)
+        torch.testing.assert_close(ode, expected, rtol=0, atol=1e-4)
+        if image is None:
+            text_only = ode
+            with torch.no_grad():
+                other = sample_ode(backbone, backbone.encode(["zzz", "qqq"]), z0, sigmas, guidance)
+            assert (other - ode).abs().max() > 1e-3  # the prompt reaches the model
+    assert (ode - text_only).abs().max() > 1e-3  # so does the reference
+    assert cond.tensors["ref_latents"].shape == (2, 20, 16) and cond.extras["ref_ids"][0][0].tolist() == [10, 0, 0, 0]
+
+
+def test_rows_with_sources_of_different_sizes_or_none_sample_as_each_alone(made):
+    """Rows whose references differ in size (or that have none) share a batch: each is what it is alone."""
+    backbone, _ = made("klein")
+    z0 = backbone.initial_noise(3, torch.Generator().manual_seed(4))
+    sources = [[_image(64, 64, 1)[1]], [], [_image(96, 64, 2)[1], _image(64, 64, 3)[1]]]
+    prompts = ["a", "b", "c"]
+    sigmas = backbone.sigmas(2)
+    with torch.no_grad():
+        together = sample_ode(backbone, backbone.encode(prompts, sources=sources), z0, sigmas, 4.0)
+        for i in range(3):
+            one = backbone.encode(prompts[i : i + 1], sources=sources[i : i + 1] if sources[i] else None)
+            alone = sample_ode(backbone, one, z0[i : i + 1], sigmas, 4.0)
+            torch.testing.assert_close(together[i : i + 1], alone, rtol=0, atol=1e-5)
+
+
+def test_the_decode_is_the_pipelines(made):
+    backbone, pipe = made("klein")
+    z0 = backbone.initial_noise(2, torch.Generator().manual_seed(5))
+    theirs = pipe(prompt=PROMPTS, num_inference_steps=K, latents=z0.clone(), output_type="pt", height=SIZE,
+                  width=SIZE, max_sequence_length=32, guidance_scale=1.0).images  # fmt: skip
+    with torch.no_grad():
+        images = backbone.decode(sample_ode(backbone, backbone.encode(PROMPTS), z0, backbone.sigmas(K), 1.0))
+    assert images.shape == (2, 3, SIZE, SIZE)
+    torch.testing.assert_close(images, theirs.float(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["klein", "dev"])
+def test_an_exported_adapter_loads_into_the_pipeline(kind, made, tmp_path):
+    """``save_adapter`` writes what the pipeline's ``load_lora_weights`` reads: the same samples, with a reference."""
+    backbone, _ = made(kind)
+    with torch.no_grad():
+        saved = [p.clone() for p in backbone.trainable_parameters()]
+        gen = torch.Generator().manual_seed(0)
+        for p in backbone.trainable_parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    try:
+        backbone.save_adapter(tmp_path / "lora")
+        pipe = packed_pipeline(kind)
+        pipe.load_lora_weights(tmp_path / "lora")
+        picture, source = _image(64, 64, seed=2)
+        z0 = backbone.initial_noise(2, torch.Generator().manual_seed(11))
+        cond = backbone.encode(PROMPTS, sources=[[source], [source]])
+        with torch.no_grad():
+            ours = sample_ode(backbone, cond, z0, backbone.sigmas(K), GUIDANCE[kind])
+            with backbone.reference():
+                base = sample_ode(backbone, cond, z0, backbone.sigmas(K), GUIDANCE[kind])
+        expected = _pipeline(pipe, z0, GUIDANCE[kind], [picture])
+        torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
+        assert (ours - base).abs().max() > 1e-2  # the adapter changes the samples
+    finally:
+        with torch.no_grad():
+            for p, before in zip(backbone.trainable_parameters(), saved, strict=True):
+                p.copy_(before)
+
+
+def test_the_step_distilled_klein_takes_no_guidance_as_its_pipeline():
+    """``is_distilled`` (FLUX.2-klein-4B/-9B): the pipeline ignores the guidance scale, and so does the backbone."""
+    pipe = packed_pipeline("klein", distilled=True)
+    backbone = Flux2Backbone(tiny_flux2.tiny_flux2_klein_pipeline(0, distilled=True), tiny_flux2.TinyFlux2Options())
+    z0 = backbone.initial_noise(2, torch.Generator().manual_seed(6))
+    cond, sigmas = backbone.encode(PROMPTS), backbone.sigmas(K)
+    assert "negative" not in cond.extras
+    with torch.no_grad():
+        guided, plain = sample_ode(backbone, cond, z0, sigmas, 4.0), sample_ode(backbone, cond, z0, sigmas, 1.0)
+    torch.testing.assert_close(guided, plain, rtol=0, atol=0)
+    torch.testing.assert_close(guided, _pipeline(pipe, z0, 4.0), rtol=0, atol=1e-4)
+
+
+def test_fp32_parts_are_kept_as_the_pipeline_keeps_them():
+    """Under bf16 the transformer and text encoder are bf16 (their classes keep no fp32 modules), the VAE and its
+    batch-norm statistics fp32 (tpflow decodes in fp32); a full fine-tune's transformer is fp32."""
+    for part in (tiny_flux2.tiny_flux2_transformer(True), tiny_flux2._vae()):
+        assert not getattr(part, "_keep_in_fp32_modules", None)
+    backbone = registry.build("backbone", "tiny-flux.2-klein", seed=0, dtype="bf16")
+    assert {p.dtype for n, p in backbone.transformer.named_parameters() if "lora" not in n} == {torch.bfloat16}
+    assert {p.dtype for p in backbone.pipe.text_encoder.parameters()} == {torch.bfloat16}
+    assert {t.dtype for t in [*backbone.vae.parameters(), backbone.vae.bn.running_var]} == {torch.float32}
+    full = registry.build("backbone", "tiny-flux.2-dev", seed=0, dtype="bf16", finetune="full")
+    assert {p.dtype for p in full.trainable_parameters()} == {torch.float32}
+
+
+def test_capabilities_and_a_source_too_small(made):
+    assert capability(flux2.flux_2_dev, "source_images") == (0, 6) and not capability(flux2.flux_2_dev, "cfg_branch")
+    for klein in (flux2.flux_2_klein_4b, flux2.flux_2_klein_9b):
+        assert capability(klein, "source_images") == (0, 4) and capability(klein, "cfg_branch")
+    backbone, _ = made("klein")
+    with pytest.raises(UserError, match="too small"):
+        backbone.encode(["a"], sources=[[torch.rand(3, 32, 64)]])
