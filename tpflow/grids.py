@@ -7,7 +7,10 @@ what; a tile without one gets a thin grey outline): the evaluation grids mark Ge
 The tile map gives, per tile, its box in the PNG, its caption and whatever the caller adds (the image's index in
 ``eval.json``, its score, ...). A clip's tile is a strip of some of its frames (``tpflow.video.frame_strip``): each
 frame is sized on its own and a ``DIVIDER`` of mid-grey set between them, so that one moving shape does not read as
-several; the tile map gives each frame's box (``frame_boxes``).
+several; the tile map gives each frame's box (``frame_boxes``). An edit's tile (``Tile.sources``) is a strip too:
+its source image(s), each resized to the edit's size, then the edit, set apart by the same divider and captioned with
+the instruction; the tile map gives ``source_boxes`` and ``edit_box``. Tiles with fewer sources than others get
+white panels on the left, so that every edit lines up in the last panel.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
 
 from tpflow.images import to_uint8_hwc
@@ -49,6 +53,7 @@ class Tile:
     info: dict[str, Any] = field(default_factory=dict)  # more entries of this tile in the tile map
     note: str = ""  # one short line drawn above the caption, e.g. the image's reward ("score 0.734")
     frames: torch.Tensor | None = None  # a clip's frames [F, 3, H, W] uint8 (``image``: a strip of some of them)
+    sources: tuple[torch.Tensor, ...] = ()  # an edit's source images [3, h, w] in [0, 1], drawn left of ``image``
 
 
 @dataclass(frozen=True)
@@ -130,11 +135,13 @@ def _draw(
     tiles: list[Tile], columns: int, headers: list[str] | None, group: int, max_tile: int | None
 ) -> tuple[Image.Image, tuple[int, int], list[tuple[int, int, int, int]]]:
     """The grid's picture, its size and each tile's image box (``captioned_grid``'s layout)."""
+    tiles = edit_strips(tiles)
     h, w = tiles[0].image.shape[-2:]
-    scale = max(1, math.ceil(MIN_TILE / max(h, w)))
-    shrink = min(1.0, max_tile / max(h, w)) if max_tile else 1.0
     count = strip_count(tiles)  # frames side by side in each tile (1: an image)
     fw = w // count  # a frame's width in the tile's image
+    side = max(h, fw) if edit_panels(tiles) else max(h, w)  # an edit's panels are each sized as an image tile
+    scale = max(1, math.ceil(MIN_TILE / side))
+    shrink = min(1.0, max_tile / side) if max_tile else 1.0
     frame_w, tile_h = (round(fw * shrink), round(h * shrink)) if shrink < 1 else (fw * scale, h * scale)
     tile_w = count * frame_w + (count - 1) * DIVIDER
     font = ImageFont.load_default(size=FONT_SIZE)
@@ -166,9 +173,36 @@ def _draw(
     return canvas, (width, height), boxes
 
 
+def edit_panels(tiles: list[Tile]) -> int:
+    """Panels side by side in the grid's edit tiles: the most sources of a tile, plus the edit (0: no edit)."""
+    most = max((len(t.sources) for t in tiles), default=0)
+    return most + 1 if most else 0
+
+
+def edit_strip(image: torch.Tensor, sources: tuple[torch.Tensor, ...], panels: int) -> torch.Tensor:
+    """An edit [3, H, W] after its sources [3, h, w] (each resized to H × W, bilinear): [3, H, panels · W] in [0, 1],
+    white panels first where the edit has fewer than ``panels`` - 1 sources."""
+    h, w = image.shape[-2:]
+    shown = [F.interpolate(s[None].float().cpu(), size=(h, w), mode="bilinear", antialias=True)[0] for s in sources]
+    blank = [torch.ones(3, h, w)] * (panels - 1 - len(sources))
+    return torch.cat([*blank, *shown, image.float().cpu()], dim=-1).clamp(0, 1)
+
+
+def edit_strips(tiles: list[Tile]) -> list[Tile]:
+    """The tiles as drawn: each edit's image replaced by its strip source(s) | edit (``edit_strip``), all with as
+    many panels; the tiles as they are when none has sources."""
+    panels = edit_panels(tiles)
+    if not panels:
+        return tiles
+    return [replace(t, image=edit_strip(t.image, t.sources, panels)) for t in tiles]
+
+
 def strip_count(tiles: list[Tile]) -> int:
     """How many frames side by side each tile's image holds: a clip's strip (``Tile.frames`` given, the image as
-    high as a frame and a whole number of frames wide) holds width / frame width; an image holds 1."""
+    high as a frame and a whole number of frames wide) holds width / frame width; an edit's strip its sources and
+    itself (``edit_panels``); an image holds 1."""
+    if edit_panels(tiles):
+        return edit_panels(tiles)
     tile = next((t for t in tiles if t.frames is not None), None)
     if tile is None:
         return 1
@@ -230,13 +264,24 @@ def _write_tile_map(grid: Grid, tiles: list[Tile], headers: list[str] | None, ab
         meta["columns"] = list(headers)
     if any(t.mark is not None for t in tiles):
         meta["marks"] = MARKS
-    count = strip_count(tiles)
+    count, edits = strip_count(tiles), edit_panels(tiles) > 0
     meta["tiles"] = [
-        {"prompt": t.caption, "box": list(b), **({"frame_boxes": _frame_boxes(b, count)} if count > 1 else {}),
-         **t.info, **({} if t.mark is None else {"mark": "pass" if t.mark else "fail"})}
+        {"prompt": t.caption, "box": list(b), **_strip_boxes(t, b, count, edits), **t.info,
+         **({} if t.mark is None else {"mark": "pass" if t.mark else "fail"})}
         for t, b in zip(tiles, grid.boxes, strict=True)
     ]  # fmt: skip
     path.with_suffix(path.suffix + ".json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+
+
+def _strip_boxes(tile: Tile, box: tuple[int, int, int, int], count: int, edits: bool) -> dict[str, Any]:
+    """A strip tile's entries in the tile map: each frame's box (a clip), or in a grid of edits its sources' and its
+    edit's (its sources right before the edit); nothing for an image."""
+    if count == 1:
+        return {}
+    boxes = _frame_boxes(box, count)
+    if not edits:
+        return {"frame_boxes": boxes}
+    return {"source_boxes": boxes[count - 1 - len(tile.sources) : -1], "edit_box": boxes[-1]}
 
 
 def _caption_lines(caption: str, chars: int) -> list[str]:

@@ -9,7 +9,8 @@ same noise whatever P (row r of one seeded draw), so the figures do not depend o
 of prompt r // n.
 
 The sample grid shows at most ``GRID_IMAGES`` of the images, chosen by ``tpflow.grids.shown_images`` (its rule is
-written in the grid's tile map), each with its prompt and, for GenEval-style rewards, its strict verdict.
+written in the grid's tile map), each with its prompt and, for GenEval-style rewards, its strict verdict; an edit
+(an item with ``metadata["sources"]``) is shown after its source image(s), captioned with its instruction.
 """
 
 from __future__ import annotations
@@ -26,14 +27,24 @@ import torch
 
 from tpflow.devices import cpu_generator
 from tpflow.distributed import Distributed
-from tpflow.grids import EVAL_TILE, GRID_IMAGES, Grid, Tile, captioned_grid, clip_grid, columns_for, shown_images
+from tpflow.grids import (
+    EVAL_TILE,
+    GRID_IMAGES,
+    Grid,
+    Tile,
+    captioned_grid,
+    clip_grid,
+    columns_for,
+    edit_panels,
+    shown_images,
+)
 from tpflow.images import to_uint8
 from tpflow.interfaces import Backbone, PromptDataset, RewardModel
 from tpflow.rollout import eval_solver, sample_ode
 from tpflow.scoring.call import DEFAULT_POLICY, RewardPolicy, call_reward, reward_name
 from tpflow.scoring.watched import standard_errors
 from tpflow.settings import EvalSettings
-from tpflow.sources import encode_rows
+from tpflow.sources import encode_rows, load, references
 from tpflow.train.diversity import DETAIL as DIVERSITY
 from tpflow.train.diversity import Embedder, diversity_se, sibling_distances
 from tpflow.types import PromptItem
@@ -197,7 +208,11 @@ def grid_tiles(scored: Scored, everything: list[PromptItem], source: str | None 
             info["source"] = source
         note = f"score {scored.scores[r]:.3f}"  # every reward's figure on its tile, not only in eval.json
         frames = pixels[0] if pixels.ndim == 5 else None  # a clip: its strip on the PNG, all its frames animated
-        tiles.append(Tile(frame_strip(pixels)[0].float() / 255, item.prompt, verdict, info, note, frames))
+        refs = references(item.metadata)  # an edit: its source(s) drawn left of it, the instruction under both
+        if refs:
+            info["sources"] = list(refs)
+        sources = tuple(load(ref) for ref in refs)
+        tiles.append(Tile(frame_strip(pixels)[0].float() / 255, item.prompt, verdict, info, note, frames, sources))
     return tiles
 
 
@@ -207,6 +222,8 @@ def save_eval_grid(scored: Scored, everything: list[PromptItem], path: Path) -> 
     tiles = grid_tiles(scored, everything)
     columns = columns_for(per_prompt, len(tiles))
     about = {"shows": scored.grid_rule}
+    if edit_panels(tiles):
+        about["edits"] = "each tile shows the source image(s), then the edit, captioned with the instruction"
     if tiles and tiles[0].frames is not None:  # clips: the PNG shows strips, the WebP beside it plays them
         about["clips"] = clip_grid(tiles, columns, Path(path).with_suffix(".webp"), max_tile=EVAL_TILE).name
         about["strip"] = "each tile shows frames " + ", ".join(map(str, strip_frames(tiles[0].frames.shape[0])))
