@@ -97,7 +97,11 @@ def source_key(prompt: str, sources: Sequence[Tensor]) -> str:
 
 class QwenImageEditBackbone(AdapterMethods):
     """Backbone (tpflow.interfaces) around a ``QwenImageEditPlusPipeline``'s components: a ``QwenImageBackbone``
-    (``self.image``) for what editing shares with text-to-image, the sources' conditioning here (module docstring)."""
+    (``self.image``) for what editing shares with text-to-image, the sources' conditioning here (module docstring).
+    ``source_images`` is declared here (the built backbone: ``tpflow.sources`` reads it) and on the factories (the
+    recipe's checks, before anything is built)."""
+
+    source_images = (1, MOST_SOURCES)
 
     def __init__(self, pipe: Any, options: QwenImageEditOptions) -> None:
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
@@ -243,6 +247,6 @@ def qwen_image_edit(options: QwenImageEditOptions) -> QwenImageEditBackbone:
     return QwenImageEditBackbone(pipe, options)
 
 
-qwen_image_edit.source_images = (1, MOST_SOURCES)  # type: ignore[attr-defined]
+qwen_image_edit.source_images = QwenImageEditBackbone.source_images  # type: ignore[attr-defined]
 
 attach_preflight(qwen_image_edit, "QwenImageTransformer2DModel", "Qwen-Image-Edit-2509")

@@ -72,4 +72,4 @@ def tiny_qwen_image_edit(options: TinyQwenImageEditOptions) -> QwenImageEditBack
     return QwenImageEditBackbone(tiny_qwen_image_edit_pipeline(options.seed), options)  # type: ignore[arg-type]
 
 
-tiny_qwen_image_edit.source_images = (1, 3)  # type: ignore[attr-defined]
+tiny_qwen_image_edit.source_images = QwenImageEditBackbone.source_images  # type: ignore[attr-defined]
