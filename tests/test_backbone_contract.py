@@ -88,7 +88,8 @@ def test_every_diffusers_backbone_has_a_twin_here():
     # tpflow's own backbones (a benchmark imported earlier in the session may register one of its own)
     names = registry.names("backbone")
     own = {n for n in names if registry.get("backbone", n).factory.__module__.startswith("tpflow.")}
-    real = {n for n in own if n not in {"shapes-dit", "shapes-video-dit"} and not n.startswith("tiny-")}
+    shapes = {"shapes-dit", "shapes-video-dit", "shapes-edit-dit"}
+    real = {n for n in own if n not in shapes and not n.startswith("tiny-")}
     assert real == set(TWINS)
 
 

@@ -3,6 +3,7 @@
     tpflow shapes pretrain --minutes 45 --out runs/shapes-pretrain    # writes shapes_dit.safetensors + .json
     tpflow shapes clip-pretrain --minutes 11 --out runs/shapes-clip --threads 1   # shapes_clip.safetensors + .json
     tpflow shapes video-pretrain --minutes 60 --out runs/shapes-video   # shapes_video_dit.safetensors + .json
+    tpflow shapes pretrain-edit --minutes 40 --out runs/shapes-edit-pretrain   # shapes_edit_dit.safetensors + .json
 
 Use the result with ``weights = "runs/shapes-pretrain/shapes_dit.safetensors"`` in a recipe's [backbone] section
 (``name = "shapes-dit"``), or copy both files into ``tpflow/shapes/weights/`` to replace the shipped model; the
@@ -124,6 +125,39 @@ def video_pretrain(
 ) -> None:
     """Pretrain the video shapes world's model (shapes-video-dit) by rectified flow on clips rendered on the fly."""
     from tpflow.shapes.video_pretrain import video_pretrain as run
+
+    if minutes <= 0 or batch_size < 1 or lr <= 0 or threads < 0 or max_steps < 0:
+        typer.echo("error: --minutes and --lr must be positive, --batch-size at least 1, --threads and --max-steps "
+                   "at least 0.", err=True)  # fmt: skip
+        raise typer.Exit(2)
+    path = run(minutes=minutes, out=out, seed=seed, batch_size=batch_size, lr=lr, progress=progress,
+               threads=threads or None, max_steps=max_steps or None, init=init)  # fmt: skip
+    typer.echo(str(path))
+
+
+@shapes_app.command("pretrain-edit")
+@user_errors
+def pretrain_edit(
+    minutes: Minutes = 40.0,
+    out: Annotated[
+        Path, typer.Option(help="Output folder for shapes_edit_dit.safetensors (EMA weights) and its .json.")
+    ] = Path("runs/shapes-edit-pretrain"),
+    seed: Annotated[int, typer.Option(help="Seed of the initialisation, edits, renderings and noise.")] = 0,
+    batch_size: Annotated[int, typer.Option(help="(source, instruction, target) triples per training step.")] = 32,
+    lr: Annotated[float, typer.Option(help="AdamW peak learning rate (after a linear warm-up).")] = 5e-4,
+    threads: Annotated[int, typer.Option(help="Torch CPU threads; 0: every core.")] = 0,
+    max_steps: MaxSteps = 0,
+    init: Annotated[
+        str,
+        typer.Option(
+            help="Starting weights: 'image' (the shipped shapes-dit, its layers copied), 'none' (from scratch), or a "
+            "shapes_dit.safetensors (copied) or shapes_edit_dit.safetensors (continued: resumes a run)."
+        ),
+    ] = "image",
+    progress: Progress = True,
+) -> None:
+    """Pretrain the editing shapes world's model (shapes-edit-dit) by rectified flow on edits rendered on the fly."""
+    from tpflow.shapes.edit_pretrain import edit_pretrain as run
 
     if minutes <= 0 or batch_size < 1 or lr <= 0 or threads < 0 or max_steps < 0:
         typer.echo("error: --minutes and --lr must be positive, --batch-size at least 1, --threads and --max-steps "

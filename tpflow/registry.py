@@ -42,7 +42,7 @@ _BUILTIN_MODULES: dict[str, tuple[str, ...]] = {
     "reward": ("tpflow.rewards", "tpflow.serving.client"),
     "credit": ("tpflow.credit",),
     "optimizer": ("tpflow.optim",),
-    "dataset": ("tpflow.data", "tpflow.shapes.prompts", "tpflow.shapes.video_world"),
+    "dataset": ("tpflow.data", "tpflow.shapes.prompts", "tpflow.shapes.video_world", "tpflow.shapes.edit_world"),
 }
 
 _KIND_WORDS = {

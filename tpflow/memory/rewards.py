@@ -106,6 +106,7 @@ TABLE: dict[str, Callable[[Any, list[str]], list[tuple[str, float, str]]]] = {
     "image-stat": lambda o, n: [],
     "shapes-geneval": lambda o, n: [],
     "shapes-video": lambda o, n: [],
+    "shapes-edit": lambda o, n: [],
     "shapes-clip": lambda o, n: [],
     "ocr": lambda o, n: [],
     "remote": lambda o, n: [],

@@ -19,11 +19,13 @@ from tpflow.rewards import (
 )
 from tpflow.rewards.geneval import reward as geneval_reward
 from tpflow.rewards.shapes_clip import ShapesClipReward
+from tpflow.rewards.shapes_edit import ShapesEditReward
 from tpflow.rewards.shapes_geneval import ShapesGenevalReward
 from tpflow.rewards.shapes_video import ShapesVideoReward
 
 __all__ = [
     "ShapesClipReward",
+    "ShapesEditReward",
     "ShapesGenevalReward",
     "ShapesVideoReward",
     "aesthetic",
