@@ -66,13 +66,10 @@ ResolutionOption = Annotated[
 ]
 SourceImageOption = Annotated[
     list[Path] | None,
-    typer.Option(
-        "--image",
-        help="A source image to edit (repeatable: several sources), for a recipe whose backbone edits images; every "
-        "prompt edits the same source(s). Refused for a text-to-image backbone.",
-        show_default=False,
-    ),
-]
+    typer.Option("--image", help="A source image to edit (repeatable: several sources), for a recipe whose backbone "
+                 "edits images; every prompt edits the same source(s). Refused for a text-to-image backbone.",
+                 show_default=False),
+]  # fmt: skip
 
 
 def _eval_accelerator(recipe: Any) -> tuple[Any, Any]:
@@ -301,7 +298,7 @@ def sample(
 
     print_report(check_machine(resolved.recipe, where=str(resolved.path)))  # devices, model files: before loading
     from tpflow.preflight import prompt_warnings
-    from tpflow.sources import SOURCES
+    from tpflow.sources import SOURCES, load
     from tpflow.types import PromptItem
 
     for warning in prompt_warnings(resolved.recipe, list(prompt)):  # inspect-trajectory and eval say the same
@@ -314,8 +311,10 @@ def sample(
     images = sample_images(resolved, items, n, steps, scale, seed, precision.autocast, ema, batch)
     clips = images.ndim == 5  # a video backbone's: strips on the PNG, the clips playing in a WebP beside it
     frames = to_uint8(images) if clips else [None] * len(images)
-    tiles = [Tile(frame_strip(image[None])[0], text, info={"index": r}, frames=f) for r, (image, text, f) in
-             enumerate(zip(images, [p for p in prompt for _ in range(n)], frames, strict=True))]  # fmt: skip
+    shown = tuple(load(ref) for ref in sources or ())  # an edit's source(s): drawn left of it, source | edit
+    tiles = [Tile(frame_strip(image[None])[0], text, info={"index": r}, frames=f, sources=shown)
+             for r, (image, text, f) in enumerate(zip(images, [p for p in prompt for _ in range(n)], frames,
+                                                      strict=True))]  # fmt: skip
     grid = captioned_grid(tiles, n, out)
     if clips:
         clip_grid(tiles, n, out.with_suffix(".webp"))
