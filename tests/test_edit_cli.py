@@ -156,6 +156,14 @@ def test_validate_refuses_a_bad_source_before_the_backbone_is_built(tmp_path, ca
     assert IMAGE_CASES[case] in line and "line 2 of the file's 2 prompt lines" in line
 
 
+def test_a_good_edit_dataset_validates_and_says_what_it_checked(tmp_path) -> None:
+    file = edit_file(tmp_path, "fine")
+    recipe = editing_recipe(tmp_path, UNBUILT, f'name = "edit-jsonl"\npath = "{file}"\nmin_side = 8')
+    done = tpflow("validate", str(recipe))
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "dataset: [dataset] (edit-jsonl) 2 lines read, 1 source image(s) checked (headers only)" in done.stdout
+
+
 def test_an_editing_backbone_refuses_instructions_without_sources(tmp_path) -> None:
     """From the recipe alone when the dataset declares its keys (shapes: no sources), item by item otherwise."""
     recipe = editing_recipe(tmp_path, UNBUILT, 'name = "shapes"\ntest_size = 4')

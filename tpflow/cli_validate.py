@@ -224,6 +224,8 @@ def _print_machine(console: Console, report: MachineReport) -> None:
     if report.weights:
         console.print(weights)
     console.print(f"device: {escape(report.device)}", highlight=False, soft_wrap=True)
+    if report.dataset:  # what reading the prompts checked (edit-jsonl: its lines and source images)
+        console.print(f"dataset: {escape(report.dataset)}", highlight=False, soft_wrap=True)
     for text in report.warnings:
         warn(text)
 

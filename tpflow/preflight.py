@@ -51,11 +51,14 @@ class MachineReport:
     weights: list[tuple[str, WeightSource]] = field(default_factory=list)  # (section, source) of every weight
     device: str = ""  # the backbone's device as resolved here, and why, e.g. "cpu (device unset, no CUDA GPU)"
     warnings: list[str] = field(default_factory=list)  # sentences: runs, but not as the user may expect
+    dataset: str = ""  # what reading the prompts checked, when the dataset says (its optional ``summary``)
 
     def lines(self) -> list[str]:
-        """The report as printed when a command starts: the device, a line per weight, then the warnings."""
+        """The report as printed when a command starts: the device, a line per weight, what the dataset checked,
+        then the warnings."""
         out = [f"device: {self.device}"] if self.device else []
         out += [f"weights: [{kind}] {source.what}: {source.where}" for kind, source in self.weights]
+        out += [f"dataset: {self.dataset}"] if self.dataset else []
         return out + [f"warning: {text}" for text in self.warnings]
 
 
@@ -73,7 +76,7 @@ def check_machine(recipe: Recipe, run_dir: Path | None = None, where: str | None
         found, weights = check_component(spec.kind, spec.name, spec.options, recipe.settings)
         problems += found
         report.weights += [(spec.kind, source) for source in weights]
-    problems += dataset_problems(recipe)
+    problems += dataset_problems(recipe, report)
     if run_dir is not None:
         problems += run_dir_problems(Path(run_dir))
     if problems:
@@ -143,15 +146,19 @@ def device_problems(options: BaseModel) -> list[str]:
     return problems
 
 
-def dataset_problems(recipe: Recipe) -> list[str]:
+def dataset_problems(recipe: Recipe, report: MachineReport | None = None) -> list[str]:
     """Build the prompt dataset (no weights) and check that each split is a non-empty list of prompt strings whose
     metadata holds what the recipe's rewards read (``tpflow.rewards.needs.item_problems``) and the source images its
-    backbone takes (``tpflow.data.source_counts.item_problems``)."""
+    backbone takes (``tpflow.data.source_counts.item_problems``). What the dataset says it checked (``summary``,
+    e.g. edit-jsonl's lines and source images) goes into ``report``."""
     from tpflow.data.source_counts import item_problems as source_problems
     from tpflow.rewards.needs import item_problems
 
     try:
         dataset = recipe.build("dataset")
+        summary = getattr(dataset, "summary", None)
+        if report is not None and summary:
+            report.dataset = f"[dataset] ({recipe.dataset.name}) {summary}"
         for split in getattr(dataset, "splits", ("train",)):
             items = list(dataset.split(split))
             if not items:
