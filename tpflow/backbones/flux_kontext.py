@@ -63,8 +63,11 @@ class FluxKontextBackbone(FluxBackbone):
 
     ``cond.tensors`` adds ``source_latents`` [N, S', 4·C] (S' = S: the source at the recipe's resolution), in the
     transformer's dtype; ``extras["img_ids"]`` is [S + S', 3], the latents' ids then the source's (first coordinate
-    1), shared by every row. Capability ``source_images = (1, 1)`` on the factory.
+    1), shared by every row. Capability ``source_images = (1, 1)``: on the class, which the trainer reads off the
+    built backbone (``tpflow.sources.takes_sources``), and on the factory, which the recipe checks read.
     """
+
+    source_images = (1, 1)
 
     def encode(self, prompts: Sequence[str], sources: Sequence[Sequence[Tensor]] | None = None) -> Conditioning:
         """The text as ``flux.1-dev`` encodes it, plus each prompt's one source image as packed latents."""

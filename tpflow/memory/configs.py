@@ -155,6 +155,7 @@ PUBLISHED = {
     "sd3.5-medium": Model("SD3.5-Medium", "sd3", SD35_MEDIUM_TRANSFORMER, SD3_VAE),
     "sd3.5-large": Model("SD3.5-Large", "sd3", SD35_LARGE_TRANSFORMER, SD3_VAE),
     "flux.1-dev": Model("FLUX.1-dev", "flux", FLUX_DEV_TRANSFORMER, FLUX_VAE),
+    "flux.1-kontext-dev": Model("FLUX.1-Kontext-dev", "kontext", FLUX_DEV_TRANSFORMER, FLUX_VAE),  # x2 tokens: source
     "qwen-image": Model("Qwen-Image", "qwen", QWEN_IMAGE_TRANSFORMER, QWEN_VAE),
     "wan2.1-t2v-1.3b": Model("Wan2.1-T2V-1.3B", "wan", WAN21_T2V_1_3B_TRANSFORMER, WAN_VAE),
     "wan2.1-t2v-14b": Model("Wan2.1-T2V-14B", "wan", WAN21_T2V_14B_TRANSFORMER, WAN_VAE),

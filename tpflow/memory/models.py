@@ -98,6 +98,7 @@ def build_backbone(kind: str, transformer_cfg: dict, vae_cfg: dict, options: Any
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
 
     from tpflow.backbones.flux import FluxBackbone
+    from tpflow.backbones.flux_kontext import FluxKontextBackbone
     from tpflow.backbones.sd3 import SD3Backbone
 
     if kind == "qwen":
@@ -129,7 +130,7 @@ def build_backbone(kind: str, transformer_cfg: dict, vae_cfg: dict, options: Any
             _prepare_latent_image_ids=FluxPipeline._prepare_latent_image_ids,
         )
     with fake_module_to():
-        return (SD3Backbone if kind == "sd3" else FluxBackbone)(pipe, options)
+        return {"sd3": SD3Backbone, "kontext": FluxKontextBackbone}.get(kind, FluxBackbone)(pipe, options)
 
 
 def _qwen_backbone(transformer_cfg: dict, vae_cfg: dict, options: Any) -> Any:
@@ -195,7 +196,13 @@ def conditioning(backbone: Any, kind: str, rows: int, text_len: int, device: str
         negative = {"prompt_embeds": embeds[:1].clone(), "pooled": pooled[:1].clone()}
         return Conditioning({"prompt_embeds": embeds, "pooled": pooled}, {"negative": negative})
     txt_ids = torch.zeros(text_len, 3, dtype=dtype, device=device)
-    return Conditioning({"prompt_embeds": embeds, "pooled": pooled}, {"txt_ids": txt_ids, "img_ids": backbone.img_ids})
+    tensors, img_ids = {"prompt_embeds": embeds, "pooled": pooled}, backbone.img_ids
+    if kind == "kontext":  # FLUX.1 Kontext: the source's packed latents appended, as many tokens as the target's
+        tensors["source_latents"] = torch.randn(
+            rows, img_ids.shape[0], 4 * backbone.channels, dtype=dtype, device=device
+        )
+        img_ids = torch.cat([img_ids, img_ids])
+    return Conditioning(tensors, {"txt_ids": txt_ids, "img_ids": img_ids})
 
 
 def latents(backbone: Any, rows: int) -> torch.Tensor:
