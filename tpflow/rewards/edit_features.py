@@ -5,7 +5,9 @@ image features it compares them by (``pixel``, ``clip``, ``dino``).
 a PIL image resized to the training resolution (``ref_image.resize((res, res))``, PIL's bicubic, the aspect ratio
 not kept) and read back as uint8 / 255 (github.com/yifan123/flow_grpo, commit 74db691, scripts/train_flux_kontext.py).
 
-``ClipFeatures`` is flow_grpo's ``ClipScorer.image_similarity`` (flow_grpo/clip_scorer.py): the image's CLIP
+``ClipFeatures`` is flow_grpo's ``ClipScorer.image_similarity``, which its ``image_similarity`` reward calls
+(flow_grpo/rewards.py at yifan123/flow_grpo 94e23ee; flow_grpo/clip_scorer.py read in the forks that carry it, e.g.
+github.com/YunzeTong/TurningPoint-GRPO at f9f6ff4, the same in zhtmike/flow_grpo at 19d5169): the image's CLIP
 embedding (``get_image_features``) after torchvision's ``Resize`` of the shortest side (bilinear, antialiased, on
 the float tensor, not quantised), ``CenterCrop`` and ``Normalize`` with the model's mean and std, L2-normalised. The
 model comes from the one open_clip loader (``tpflow.rewards.open_clip``): open_clip's ViT-L-14 with the ``openai``
