@@ -122,3 +122,9 @@ def test_a_line_without_a_source_or_an_instruction_is_refused(tmp_path, line, ex
     with pytest.raises(UserError) as err:
         build(path=str(file))
     assert str(err.value).startswith(f"{file}:1 ") and expected in str(err.value), str(err.value)
+
+
+def test_a_missing_kontext_folder_is_named_with_the_file_looked_for_in_it(tmp_path) -> None:
+    with pytest.raises(UserError) as err:
+        build(path=str(tmp_path / "counting_edit"), layout="flow_grpo-kontext")
+    assert f"{tmp_path / 'counting_edit' / 'train_metadata.jsonl'} was not found" in str(err.value), str(err.value)

@@ -94,10 +94,11 @@ class EditJsonlDataset:
 
 def split_files(options: EditJsonlOptions) -> dict[str, Path]:
     """The JSONL file of each split: ``path`` and ``test_path``; with the flow_grpo layout ``path`` may be the folder
-    of ``train_metadata.jsonl`` (and its ``test_metadata.jsonl``, the test split unless ``test_path`` says)."""
+    of ``train_metadata.jsonl`` (and its ``test_metadata.jsonl``, the test split unless ``test_path`` says): a
+    folder, or a path not ending in .jsonl (a missing folder is then named with the file looked for in it)."""
     path = Path(options.path).expanduser()
     files = {"train": path}
-    if options.layout == "flow_grpo-kontext" and path.is_dir():
+    if options.layout == "flow_grpo-kontext" and (path.is_dir() or path.suffix != ".jsonl"):
         files["train"] = path / KONTEXT_FILES["train"]
         if options.test_path is None and (path / KONTEXT_FILES["test"]).is_file():
             files["test"] = path / KONTEXT_FILES["test"]
