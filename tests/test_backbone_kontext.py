@@ -87,6 +87,29 @@ def test_both_kontext_backbones_declare_one_source_and_no_cfg_branch(kontext):
     assert options.pretrained == "black-forest-labs/FLUX.1-Kontext-dev" and options.dtype == "bf16"
 
 
+def test_the_real_factory_loads_a_diffusers_folder_keeping_the_vae_in_fp32(kontext, tmp_path):
+    """``flux.1-kontext-dev`` from a folder in diffusers layout (the twin saved): in bf16 the VAE is loaded in fp32 and
+    the LoRA matrices are fp32 over a bf16 transformer; in fp32 it computes the twin's velocity."""
+    tiny_kontext.tiny_flux_kontext_pipeline(0).save_pretrained(tmp_path / "kontext")
+    sizes = {"pretrained": str(tmp_path / "kontext"), "device": "cpu", "resolution": 16, "max_sequence_length": 32}
+    half = registry.build("backbone", "flux.1-kontext-dev", dtype="bf16", lora_rank=4, lora_alpha=8, **sizes)
+    assert {p.dtype for p in half.vae.parameters()} == {torch.float32}
+    assert {p.dtype for p in half.trainable_parameters()} == {torch.float32}
+    assert half.transformer.proj_out.weight.dtype == torch.bfloat16  # not a LoRA target: the base dtype
+    full = registry.build("backbone", "flux.1-kontext-dev", dtype="fp32", lora_rank=4, lora_alpha=8, **sizes)
+    z, sigma, sources = (
+        kontext.initial_noise(2, torch.Generator().manual_seed(1)),
+        torch.full((2,), 0.5),
+        [[_image(9)]] * 2,
+    )
+    with torch.no_grad():
+        twin = kontext.velocity(z, sigma, kontext.encode(PROMPTS, sources=sources), 2.5)
+        loaded = full.velocity(z, sigma, full.encode(PROMPTS, sources=sources), 2.5)
+        v = half.velocity(z, sigma, half.encode(PROMPTS, sources=sources), 2.5)
+    torch.testing.assert_close(loaded, twin, rtol=0, atol=1e-6)  # the LoRA at init (B = 0) adds nothing
+    assert v.dtype == torch.float32 and torch.isfinite(v).all()
+
+
 @pytest.mark.parametrize("name", ["kontext_flowgrpo", "kontext_tp"])
 def test_the_kontext_recipes_without_weights_exit_2_naming_them(monkeypatch, tmp_path, capsys, name):
     from tpflow.cli import main
