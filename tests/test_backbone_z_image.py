@@ -20,6 +20,7 @@ from tpflow.rollout import Window, rollout, sample_ode
 from tpflow.samplers.cps import CpsSampler
 
 from .conftest import exact_fp32
+from .test_placement import dtypes, loaded
 
 PROMPTS = ["a photo of a red cat", "two dogs"]
 K = 3
@@ -128,7 +129,7 @@ def test_turbo_runs_without_cfg_and_refuses_it_before_anything_loads():
         load_recipe(RECIPES / "z_image_turbo_flowgrpo.toml", ["backbone.negative_prompt=x"])
 
 
-def test_decode_and_bf16_placement_are_the_pipelines(pipe, backbone):
+def test_decode_and_bf16_placement_are_the_pipelines(pipe, backbone, tmp_path):
     z0 = backbone.initial_noise(2, torch.Generator().manual_seed(5))
     latents = _latents(pipe, z0, 1.0)
     theirs = pipe(prompt=list(PROMPTS), num_inference_steps=K, latents=z0.clone(), output_type="pt", height=16,
@@ -136,13 +137,16 @@ def test_decode_and_bf16_placement_are_the_pipelines(pipe, backbone):
     ours = backbone.decode(latents)
     assert ours.shape == (2, 3, 16, 16) and 0 <= ours.min() and ours.max() <= 1
     torch.testing.assert_close(ours, theirs.float(), rtol=0, atol=1e-5)
-    # neither ZImageTransformer2DModel nor Qwen3 names float32 modules: all bf16 but the fp32 VAE and LoRA
+    # each part in the dtypes from_pretrained(bf16) gives it (neither ZImageTransformer2DModel nor Qwen3 keeps a
+    # module in fp32), the VAE in fp32, the LoRA matrices aside
     half = build("backbone", "tiny-z-image", seed=0, dtype="bf16")
-    assert not getattr(half.transformer, "_keep_in_fp32_modules", None)
-    lora = {id(p) for p in half.trainable_parameters()}
-    assert all(p.dtype == torch.bfloat16 for p in half.transformer.parameters() if id(p) not in lora)
-    assert all(p.dtype == torch.bfloat16 for p in half.pipe.text_encoder.parameters())
-    assert all(p.dtype == torch.float32 for p in half.vae.parameters()) and lora
+    reference = loaded(tiny_z_image_pipeline(0), tmp_path, torch.bfloat16)
+    for part in ("transformer", "text_encoder", "vae"):
+        model = getattr(half.pipe, part)
+        want = dtypes(getattr(reference, part)) if part != "vae" else dict.fromkeys(dtypes(model), torch.float32)
+        got = {n.replace(".base_layer.", "."): d for n, d in dtypes(model).items() if "lora_" not in n}
+        assert got == want, part
+    assert dtypes(half.transformer)["cap_embedder.1.weight"] == torch.bfloat16  # the rest in the pipeline dtype
     v = half.velocity(z0, torch.full((2,), 0.5), half.encode(PROMPTS), 5.0)
     assert v.dtype == torch.float32 and torch.isfinite(v).all()
 
