@@ -16,9 +16,10 @@ The sources are encoded through the pipeline's own helpers: ``image_processor.pr
 Lanczos filter, then [-1, 1]) and ``prepare_latents`` (VAE mode, shift/scale, packing, ids). One departure: the
 pipeline's default ``_auto_resize`` moves the source to the nearest of Kontext's preferred resolutions
 (``PREFERRED_KONTEXT_RESOLUTIONS``, about 1 MP); tpflow resizes every source to the recipe's square ``resolution``
-instead, so that every row of a batch has one sequence length (the pipeline with ``_auto_resize=False`` and the
-source at that size computes what tpflow does; flow_grpo's Kontext script resizes its sources to its resolution
-too). A source's aspect ratio is therefore not kept.
+instead, so that every row of a batch has one sequence length; a source's aspect ratio is not kept. The pipeline
+computes what tpflow does when called with ``height = width = resolution``, ``max_area = resolution²`` (its default
+1024² rescales the output), ``_auto_resize=False`` and the source at that size; flow_grpo's Kontext script resizes
+its sources to its resolution too.
 """
 
 from __future__ import annotations
