@@ -21,6 +21,7 @@ from tpflow.recipe import validate_recipe
 from tpflow.train.trainer import Trainer
 
 INSTRUCTIONS = ["make the square red", "add a blue circle"]
+LEVELS = (30, 200)  # source i is the flat colour (LEVELS[i], 255 - LEVELS[i], LEVELS[i])
 BASE = {
     "backbone": {"name": "tiny-flux-kontext", "seed": 0, "resolution": 16, "lora_init": "gaussian"},
     "reward": {"name": "image-stat"},
@@ -72,7 +73,7 @@ COMPONENTS = {  # (kind, registered name) -> the recipe that trains it
 def edits(tmp_path_factory):
     """An edit-jsonl file of the two instructions, each with its own 16 px PNG source beside it."""
     folder = tmp_path_factory.mktemp("edits")
-    for i, level in enumerate((30, 200)):
+    for i, level in enumerate(LEVELS):
         Image.new("RGB", (16, 16), (level, 255 - level, level)).save(folder / f"source{i}.png")
     lines = [json.dumps({"prompt": p, "source": f"source{i}.png"}) for i, p in enumerate(INSTRUCTIONS)]
     (folder / "edits.jsonl").write_text("\n".join(lines) + "\n")
@@ -97,7 +98,8 @@ def trained(edits):
             seen, encode = [], trainer.backbone.encode
 
             def spy(prompts, sources=None):
-                seen.append([(p, tuple(tuple(s.shape) for s in per)) for p, per in zip(prompts, sources, strict=True)])
+                seen.extend((p, tuple((*s.shape, round(float(s[0].mean()) * 255)) for s in per))
+                            for p, per in zip(prompts, sources, strict=True))  # fmt: skip
                 return encode(prompts, sources=sources)
 
             trainer.backbone.encode = spy
@@ -124,7 +126,7 @@ def test_it_trains_an_epoch_on_edits(trained, kind, name):
     assert recipe.components[kind].name == name
     assert metrics["optimizer_steps"] >= 1 and math.isfinite(metrics["loss"])
     assert all(moved), f"{sum(moved)} of {len(moved)} LoRA tensors moved"
-    pairs = {pair for call in seen for pair in call}  # every encode: each instruction with its one 16 px source
-    assert pairs == {(p, ((3, 16, 16),)) for p in INSTRUCTIONS}
+    # every encode: each instruction with its own one source, 16 px, its red channel the file's
+    assert set(seen) == {(p, ((3, 16, 16, level),)) for p, level in zip(INSTRUCTIONS, LEVELS, strict=True)}
     if COMPONENTS[(kind, name)] == "outcome":  # its recipe evaluates too: the eval encodes the sources the same way
         assert math.isfinite(metrics["eval_reward"])
