@@ -17,12 +17,14 @@ from tpflow.rollout import Window, rollout, sample_ode
 from tpflow.samplers.cps import CpsSampler
 
 from .conftest import exact_fp32
+from .test_backbone_flux2 import packed_pipeline  # the FLUX.2 pipelines in tpflow's packed latents
 from .test_backbone_z_image import tpflow_scale_pipeline  # ZImagePipeline at tpflow's guidance scale
 
 PROMPTS = ["a photo of a red cat", "two dogs"]
 K = 3
 WAN_CLIP = {"height": 32, "width": 32, "num_frames": 5}  # 5 frames: 2 latent frames
 PX16 = {"height": 16, "width": 16}
+PX64 = {"height": 64, "width": 64}  # FLUX.2: 4×4 tokens through its 8× VAE (flux2)
 
 
 class Twin(NamedTuple):
@@ -49,6 +51,9 @@ TWINS = {
     "wan2.2-t2v-a14b": Twin("tiny-wan2.2", lambda: tiny.tiny_wan22_pipeline(0), WAN_CLIP, 4.0),
     "wan2.2-ti2v-5b": Twin("tiny-wan2.2-ti2v", lambda: tiny.tiny_wan_pipeline(0, expand_timesteps=True), WAN_CLIP,
                            5.0),
+    "flux.2-dev": Twin("tiny-flux.2-dev", lambda: packed_pipeline("dev"), PX64, 4.0),
+    "flux.2-klein-4b": Twin("tiny-flux.2-klein", lambda: packed_pipeline("klein"), PX64, 4.0),  # the base: CFG
+    "flux.2-klein-9b": Twin("tiny-flux.2-klein", lambda: packed_pipeline("klein"), PX64, 4.0),
     "z-image": Twin("tiny-z-image", lambda: tpflow_scale_pipeline(0), PX16, 5.0),
     "z-image-turbo": Twin("tiny-z-image-turbo", lambda: tpflow_scale_pipeline(0, turbo=True), PX16, 1.0),
 }  # fmt: skip

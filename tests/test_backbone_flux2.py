@@ -1,10 +1,11 @@
 """The FLUX.2 backbones behave exactly like diffusers' Flux2KleinPipeline and Flux2Pipeline, text-to-image and with a
 reference image: noise-0 rollouts, schedule, noise, decode, the exported LoRA, the fp32 parts, and sources of
-different sizes in one batch (docs/backbones.md, "FLUX.2")."""
+different sizes in one batch; the FLUX.2 recipes name their missing weights (docs/backbones.md, "FLUX.2")."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from .conftest import exact_fp32
 PROMPTS = ["a photo of a red cat", "two dogs"]
 K = 3
 SIZE = 64  # 4×4 image tokens
+RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "flux"
 PIPES = {"klein": tiny_flux2.tiny_flux2_klein_pipeline, "dev": tiny_flux2.tiny_flux2_dev_pipeline}
 GUIDANCE = {"klein": 4.0, "dev": 4.0}  # klein base: CFG with the empty prompt; dev: the embedded scale
 
@@ -205,3 +207,35 @@ def test_capabilities_and_a_source_too_small(made):
     backbone, _ = made("klein")
     with pytest.raises(UserError, match="too small"):
         backbone.encode(["a"], sources=[[torch.rand(3, 32, 64)]])
+
+
+@pytest.mark.parametrize("name", ["flux2_klein_flowgrpo", "flux2_klein_edit_flowgrpo", "flux2_dev_flowgrpo"])
+def test_a_flux2_recipe_without_weights_is_one_paragraph_naming_them(monkeypatch, tmp_path, name):
+    from tests.cli_run import tpflow
+    from tpflow.weights import download_command
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    out = tpflow("validate", str(RECIPES / f"{name}.toml"))
+    err = " ".join(out.stderr.split())
+    assert out.returncode == 2 and "Traceback" not in err
+    model = "black-forest-labs/FLUX.2-dev" if "dev" in name else "black-forest-labs/FLUX.2-klein-9B"
+    assert download_command(model) in err
+
+
+def test_the_memory_estimate_builds_the_published_sizes():
+    """The estimate's FLUX.2 entries (tpflow.memory.flux2) give the models' published parameter counts: transformers
+    of 32.2 B (dev), 3.9 B and 9.1 B (klein), text encoders of 24.0 B (Mistral-Small-3 with its vision tower),
+    4.0 B and 8.2 B (Qwen3-4B and -8B)."""
+    from diffusers import Flux2Transformer2DModel
+
+    from tpflow.memory.configs import PUBLISHED
+    from tpflow.memory.models import text_encoder_sizes
+
+    expected = {"flux.2-dev": (32.2, 24.0), "flux.2-klein-4b": (3.9, 4.0), "flux.2-klein-9b": (9.1, 8.2)}
+    for name, (transformer, encoder) in expected.items():
+        with torch.device("meta"):
+            model = Flux2Transformer2DModel(**PUBLISHED[name].transformer)
+        assert round(sum(p.numel() for p in model.parameters()) / 1e9, 1) == transformer
+        ((count, nbytes),) = text_encoder_sizes(PUBLISHED[name].kind, "bf16").values()
+        assert round(count / 1e9, 1) == encoder and nbytes == 2 * count

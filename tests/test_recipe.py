@@ -132,7 +132,7 @@ def test_a_directory_is_named_as_one_with_the_recipes_in_it(tmp_path):
     """``tpflow validate recipes/`` said "Recipe file not found" of a folder that is there; the recipes it lists
     include those in its family folders (recipes/flux/, ...)."""
     with pytest.raises(
-        RecipeError, match="is a directory; .*Name one of the recipes in it: .*recipes/flux/flux_dancegrpo.toml"
+        RecipeError, match=r"is a directory; .*Name one of the recipes in it: .*recipes/flux/\w+\.toml"
     ):
         load_recipe(ROOT / "recipes")
     run = tmp_path / "run"

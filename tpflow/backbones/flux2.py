@@ -9,7 +9,7 @@ reference editing, with a peft LoRA adapter or every transformer weight trained.
 What differs from FLUX.1, all as ``Flux2KleinPipeline.__call__`` / ``Flux2Pipeline.__call__`` (diffusers 0.42) do it:
 
 * text: the pipeline's own ``encode_prompt``: klein stacks three hidden layers (9, 18, 27) of Qwen3 over its chat
-  template, dev three (10, 20, 30) of Mistral-Small-3.1 after its system message; every prompt is padded to
+  template, dev three (10, 20, 30) of Mistral-Small-3 (24 B) after its system message; every prompt is padded to
   ``max_sequence_length`` (no mask), so the text position ids are one [L, 4] table for the batch;
 * latents: the VAE's 2×2 patches stacked into channels, then flattened, [N, (h/2)·(w/2), 4·C] (C = 32), drawn in the
   patchified shape as the pipeline draws them, with 4-D position ids (T, H, W, L); decoding undoes the VAE's
@@ -287,7 +287,7 @@ def _load(options: Flux2DevOptions, klein: bool, model_name: str) -> Flux2Backbo
 
 @register("backbone", "flux.2-dev", options=Flux2DevOptions)
 def flux_2_dev(options: Flux2DevOptions) -> Flux2Backbone:
-    """FLUX.2-dev (a 32 B transformer, Mistral-Small-3.1 24 B text encoder) from a hub id (local HF cache) or a local
+    """FLUX.2-dev (a 32 B transformer, a Mistral-Small-3 24 B text encoder) from a hub id (local HF cache) or a local
     folder; fails fast, naming what is missing."""
     return _load(options, False, "FLUX.2-dev")
 

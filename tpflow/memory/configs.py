@@ -9,6 +9,7 @@ what changes a tensor's shape is needed, the rest keeps diffusers' defaults.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from tpflow.memory.flux2 import FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B, FLUX2_VAE  # FLUX.2's sizes, sources there
 
 SD35_MEDIUM_TRANSFORMER = {  # stabilityai/stable-diffusion-3.5-medium transformer/config.json (2.24 B parameters)
     "sample_size": 128,
@@ -157,6 +158,9 @@ PUBLISHED = {
     "flux.1-dev": Model("FLUX.1-dev", "flux", FLUX_DEV_TRANSFORMER, FLUX_VAE),
     "flux.1-kontext-dev": Model("FLUX.1-Kontext-dev", "kontext", FLUX_DEV_TRANSFORMER, FLUX_VAE),  # x2 tokens: source
     "qwen-image": Model("Qwen-Image", "qwen", QWEN_IMAGE_TRANSFORMER, QWEN_VAE),
+    "flux.2-dev": Model("FLUX.2-dev", "flux2-dev", FLUX2_DEV, FLUX2_VAE),  # 32 B (tpflow.memory.flux2)
+    "flux.2-klein-4b": Model("FLUX.2-klein-4B", "flux2-klein-4b", FLUX2_KLEIN_4B, FLUX2_VAE),
+    "flux.2-klein-9b": Model("FLUX.2-klein-9B", "flux2-klein-9b", FLUX2_KLEIN_9B, FLUX2_VAE),
     "wan2.1-t2v-1.3b": Model("Wan2.1-T2V-1.3B", "wan", WAN21_T2V_1_3B_TRANSFORMER, WAN_VAE),
     "wan2.1-t2v-14b": Model("Wan2.1-T2V-14B", "wan", WAN21_T2V_14B_TRANSFORMER, WAN_VAE),
     "wan2.2-t2v-a14b": Model("Wan2.2-T2V-A14B", "wan", WAN21_T2V_14B_TRANSFORMER, WAN_VAE),  # two experts of this

@@ -17,6 +17,7 @@ from unittest import mock
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from tpflow.memory import flux2 as flux2_memory  # FLUX.2's builders (their sizes: tpflow.memory.flux2)
 from tpflow.memory.configs import CLIP_G, CLIP_L, QWEN25_VL_7B, T5_XXL, UMT5_XXL
 
 
@@ -56,6 +57,8 @@ def text_encoder_sizes(kind: str, dtype: str) -> dict[str, tuple[int, int]]:
     device (nothing allocated)."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
+    if kind.startswith("flux2"):  # FLUX.2: Mistral-Small-3 or Qwen3 (tpflow.memory.flux2)
+        return {n: encoder_size(m, DTYPE_NAMES[dtype]) for n, m in flux2_memory.flux2_text_encoders(kind).items()}
     with torch.device("meta"):
         if kind == "wan":
             from transformers import UMT5Config, UMT5EncoderModel
@@ -103,6 +106,8 @@ def build_backbone(kind: str, transformer_cfg: dict, vae_cfg: dict, options: Any
 
     if kind == "qwen":
         return _qwen_backbone(transformer_cfg, vae_cfg, options)
+    if kind.startswith("flux2"):  # FLUX.2 (tpflow.memory.flux2)
+        return flux2_memory.build_flux2_backbone(transformer_cfg, vae_cfg, options, fake_module_to())  # flux2
     if kind == "wan":
         from tpflow.memory.wan import build_wan_backbone
 
@@ -180,6 +185,8 @@ def conditioning(backbone: Any, kind: str, rows: int, text_len: int, device: str
     """Prompt embeddings of ``rows`` prompts with the shapes the real encoders give (values irrelevant)."""
     from tpflow.types import Conditioning
 
+    if kind.startswith("flux2"):  # FLUX.2's stacked text layers, klein's negative (tpflow.memory.flux2)
+        return flux2_memory.flux2_conditioning(backbone, rows, text_len, device)
     if kind == "wan":  # UMT5 embeddings padded to max_sequence_length, and the negative prompt's
         from tpflow.memory.wan import wan_conditioning
 
