@@ -4,8 +4,10 @@ different sizes in one batch; the FLUX.2 recipes name their missing weights (doc
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -239,3 +241,23 @@ def test_the_memory_estimate_builds_the_published_sizes():
         assert round(sum(p.numel() for p in model.parameters()) / 1e9, 1) == transformer
         ((count, nbytes),) = text_encoder_sizes(PUBLISHED[name].kind, "bf16").values()
         assert round(count / 1e9, 1) == encoder and nbytes == 2 * count
+
+
+def test_guidance_asked_of_a_step_distilled_klein_is_refused_before_anything_loads(tmp_path):
+    """A klein folder whose model_index.json says is_distilled: a recipe's guidance != 1 is one problem naming it (the
+    pipeline would ignore the scale silently); guidance 1, or a base checkpoint, passes."""
+    index = {"_class_name": "Flux2KleinPipeline", "is_distilled": True, "transformer": ["diffusers", "X"]}
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "weights").write_text("x")
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    options = flux2.Klein4BOptions(pretrained=str(tmp_path), device="cpu")
+
+    def problems(rollout: float, evaluation: float) -> list[str]:
+        settings = {"rollout": SimpleNamespace(guidance=rollout), "eval": SimpleNamespace(guidance=evaluation)}
+        return flux2.flux_2_klein_4b.check_machine(options, settings)
+
+    (found,) = problems(4.0, 1.0)
+    assert "step-distilled" in found and "[rollout] guidance = 4" in found and "[eval]" not in found
+    assert problems(1.0, 1.0) == []
+    (tmp_path / "model_index.json").write_text(json.dumps({**index, "is_distilled": False}))
+    assert problems(4.0, 4.0) == []

@@ -26,7 +26,9 @@ What differs from FLUX.1, all as ``Flux2KleinPipeline.__call__`` / ``Flux2Pipeli
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -41,6 +43,7 @@ from tpflow.backbones.diffusers_common import (
     attach_preflight,
     fp32_parts,
     load_pipeline,
+    pretrained_source,
     setup_pipeline,
 )
 from tpflow.backbones.diffusers_lora import AdapterMethods
@@ -277,6 +280,25 @@ class Flux2Backbone(AdapterMethods):
         return (image.float() / 2 + 0.5).clamp(0, 1)
 
 
+def distilled_problems(options: Flux2DevOptions, settings: dict) -> list[str]:
+    """A step-distilled klein checkpoint (``is_distilled`` in its model_index.json, found on this machine) takes no
+    guidance: its pipeline ignores the scale and so does the backbone, so a recipe asking for one is refused."""
+    source = pretrained_source(options.pretrained, "FLUX.2-klein")
+    try:
+        index = json.loads((Path(source.path) / "model_index.json").read_text()) if source.path else {}
+    except (OSError, ValueError):
+        return []  # loading says what is wrong with the folder
+    scales = [(name, getattr(settings.get(name), "guidance", 1.0)) for name in ("rollout", "eval")]
+    asked = [f"[{name}] guidance = {g:g}" for name, g in scales if g != 1]
+    if not index.get("is_distilled") or not asked:
+        return []
+    return [
+        f"[backbone] '{options.pretrained}' is step-distilled (is_distilled in its model_index.json): its pipeline "
+        f"ignores the guidance scale and so does tpflow, so {' and '.join(asked)} would sample as guidance 1. Set "
+        "guidance = 1, or train a base checkpoint (black-forest-labs/FLUX.2-klein-base-4B or -9B), which takes CFG."
+    ]
+
+
 def _load(options: Flux2DevOptions, klein: bool, model_name: str) -> Flux2Backbone:
     from diffusers import Flux2KleinPipeline, Flux2Pipeline
 
@@ -311,3 +333,17 @@ flux_2_klein_4b.source_images = flux_2_klein_9b.source_images = (0, 4)  # type: 
 attach_preflight(flux_2_dev, "Flux2Transformer2DModel", "FLUX.2-dev")
 attach_preflight(flux_2_klein_4b, "Flux2Transformer2DModel", "FLUX.2-klein-4B")
 attach_preflight(flux_2_klein_9b, "Flux2Transformer2DModel", "FLUX.2-klein-9B")
+
+
+def _refuse_guidance_if_distilled(factory: Any) -> None:
+    """Add ``distilled_problems`` to a klein factory's ``check_machine`` (``attach_preflight``'s)."""
+    machine = factory.check_machine
+
+    def check_machine(options: Flux2DevOptions, settings: dict) -> list[str]:
+        return machine(options, settings) + distilled_problems(options, settings)
+
+    factory.check_machine = check_machine
+
+
+_refuse_guidance_if_distilled(flux_2_klein_4b)
+_refuse_guidance_if_distilled(flux_2_klein_9b)
