@@ -261,3 +261,32 @@ def test_guidance_asked_of_a_step_distilled_klein_is_refused_before_anything_loa
     assert problems(1.0, 1.0) == []
     (tmp_path / "model_index.json").write_text(json.dumps({**index, "is_distilled": False}))
     assert problems(4.0, 4.0) == []
+
+
+def test_grpo_trains_an_epoch_on_edits_whose_sources_differ_in_size(tmp_path):
+    """The trainer on tiny-flux.2-klein (CFG 4) with an edit-jsonl file of two instructions whose sources differ in
+    size: each rollout batch holds both layouts (one transformer call each), TP-GRPO's completions included, and the
+    LoRA moves."""
+    from tpflow.recipe import validate_recipe
+    from tpflow.train.trainer import Trainer
+
+    lines = []
+    for i, prompt in enumerate(["make the square red", "add a blue circle"]):
+        Image.new("RGB", (64, 64 + 16 * i), (30 + 170 * i, 200, 90)).save(tmp_path / f"source{i}.png")
+        lines.append(json.dumps({"prompt": prompt, "source": f"source{i}.png"}))
+    (tmp_path / "edits.jsonl").write_text("\n".join(lines) + "\n")
+    recipe = validate_recipe({
+        "backbone": {"name": "tiny-flux.2-klein", "seed": 0, "lora_init": "gaussian"},
+        "reward": {"name": "image-stat"},
+        "optimizer": {"name": "grpo", "learning_rate": 1e-2, "beta": 0.0, "micro_batch_size": 4},
+        "rollout": {"num_steps": 3, "window_size": 2, "window_range": [0, 2], "noise_level": 0.7, "guidance": 4.0},
+        "train": {"epochs": 1, "prompts_per_epoch": 2, "group_size": 2, "rollout_batch": 4, "save_every": 0,
+                  "ema": False, "mixed_precision": "no", "run_dir": str(tmp_path / "run")},
+        "eval": {"every": 0},
+        "dataset": {"name": "edit-jsonl", "path": str(tmp_path / "edits.jsonl"), "min_side": 64},
+    })  # fmt: skip
+    trainer = Trainer(recipe)
+    before = [p.detach().clone() for p in trainer.backbone.trainable_parameters()]
+    metrics = trainer.fit()
+    assert recipe.components["credit"].name == "consistent" and metrics["optimizer_steps"] >= 1
+    assert all(not torch.equal(a, p) for a, p in zip(before, trainer.backbone.trainable_parameters(), strict=True))
