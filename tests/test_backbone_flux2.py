@@ -290,3 +290,29 @@ def test_grpo_trains_an_epoch_on_edits_whose_sources_differ_in_size(tmp_path):
     metrics = trainer.fit()
     assert recipe.components["credit"].name == "consistent" and metrics["optimizer_steps"] >= 1
     assert all(not torch.equal(a, p) for a, p in zip(before, trainer.backbone.trainable_parameters(), strict=True))
+
+
+def test_per_row_gradients_hold_when_the_rows_sources_differ_in_size(made):
+    """``recompute = "reweight"``'s per-row shares of one batched backward (tpflow.rollout.per_row_grads) equal each
+    row's own backward on klein (CFG 4) when the rows' sources come in two sizes and one row has none."""
+    from tpflow.rollout.parts import Branch, Velocity
+    from tpflow.rollout.per_row_grads import PerRowGradients
+
+    backbone, _ = made("klein")
+    sources = [[_image(64, 64, 1)[1]], [_image(80, 64, 2)[1]], [], [_image(64, 64, 3)[1]]]
+    cond = backbone.encode(["a", "b", "c", "d"], sources=sources)
+    z = backbone.initial_noise(4, torch.Generator().manual_seed(2))
+    engine = Velocity(backbone, cond, backbone.sigmas(3), 4.0, None)
+    weights = torch.randn(z.shape, generator=torch.Generator().manual_seed(3))
+    per_row = PerRowGradients.of(backbone)
+    engine.on_chunk = per_row.chunk
+    with per_row.recording(4):
+        v = engine([Branch(z, torch.arange(4))], 1)[0]
+    grads = per_row.gradients((v.float() * weights).flatten(1).sum(1), 4)
+    for i in range(4):
+        with per_row.recording(4):
+            v = engine([Branch(z, torch.arange(4))], 1)[0]
+        own = torch.autograd.grad((v.float()[i] * weights[i]).sum(), per_row.params, allow_unused=True)
+        for g, ref in zip(grads, own, strict=True):
+            if ref is not None:
+                torch.testing.assert_close(g[i], ref, rtol=1e-4, atol=1e-6)

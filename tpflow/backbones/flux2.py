@@ -215,8 +215,10 @@ class Flux2Backbone(AdapterMethods):
         return flux2_sigmas(self.pipe.scheduler, num_steps, self.img_ids.shape[0])
 
     def velocity(self, z: Tensor, sigma: Tensor, cond: Conditioning, guidance: float) -> Tensor:
-        """The transformer's velocity on the image tokens, the rows' reference tokens appended (rows of one source
-        layout per call: the position ids are the batch's); dev: the guidance embedding, klein base: CFG."""
+        """The transformer's velocity on the image tokens, the rows' reference tokens appended; dev: the guidance
+        embedding, klein base: CFG. The position ids are one table per call, so rows whose sources differ in size
+        take one call per layout, each over every row (a row's velocity read from its layout's call): each call
+        keeps the batch's rows in order, as ``recompute = "reweight"``'s per-row rule reads them."""
         n = z.shape[0]
         if len(cond) != n:
             raise ValueError(f"Conditioning has {len(cond)} rows but z has {n}; index or repeat it to match.")
@@ -224,15 +226,14 @@ class Flux2Backbone(AdapterMethods):
         embeds = cond.tensors["prompt_embeds"]
         if "ref_layout" not in cond.tensors:
             return self._call(z, t, embeds, None, None, cond, guidance)
-        refs, layouts = cond.tensors["ref_latents"], cond.extras["ref_ids"]
+        refs, layouts, which = cond.tensors["ref_latents"], cond.extras["ref_ids"], cond.tensors["ref_layout"]
         if len(layouts) == 1:
             return self._call(z, t, embeds, refs, layouts[0], cond, guidance)
-        which = cond.tensors["ref_layout"].tolist()
-        out = torch.empty(z.shape, dtype=torch.float32, device=z.device)
-        for k in sorted(set(which)):
-            rows = torch.tensor([i for i, w in enumerate(which) if w == k], device=z.device)
-            out[rows] = self._call(z[rows], t[rows], embeds[rows], refs[rows], layouts[k], cond, guidance)
-        return out
+        v = None
+        for k in sorted(set(which.tolist())):  # the layouts these rows have
+            v_k = self._call(z, t, embeds, refs, layouts[k], cond, guidance)
+            v = v_k if v is None else torch.where((which == k).view(-1, *[1] * (z.dim() - 1)), v_k, v)
+        return v
 
     def _call(
         self, z: Tensor, t: Tensor, embeds: Tensor, refs: Tensor | None, ref_ids: Tensor | None, cond: Conditioning,
