@@ -184,7 +184,7 @@ def edit_strip(image: torch.Tensor, sources: tuple[torch.Tensor, ...], panels: i
     white panels first where the edit has fewer than ``panels`` - 1 sources."""
     h, w = image.shape[-2:]
     shown = [F.interpolate(s[None].float().cpu(), size=(h, w), mode="bilinear", antialias=True)[0] for s in sources]
-    blank = [torch.ones(3, h, w)] * (panels - 1 - len(sources))
+    blank = [torch.ones(3, h, w, device="cpu")] * (panels - 1 - len(sources))
     return torch.cat([*blank, *shown, image.float().cpu()], dim=-1).clamp(0, 1)
 
 

@@ -95,7 +95,7 @@ class FluxKontextBackbone(FluxBackbone):
         with torch.no_grad():
             _, packed, _, ids = self.pipe.prepare_latents(
                 pixels, 1, self.channels, side, side, torch.float32, self.device,
-                latents=torch.zeros(()),  # the target latents are ours: nothing drawn here
+                latents=torch.zeros((), device=self.device),  # the target latents are ours: nothing drawn here
             )  # fmt: skip
         return packed.to(self.dtype), ids.to(self.dtype)
 

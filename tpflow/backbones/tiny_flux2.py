@@ -72,8 +72,8 @@ def _vae() -> Any:
     vae = AutoencoderKLFlux2(
         block_out_channels=(4, 4, 4, 4), layers_per_block=1, latent_channels=4, norm_num_groups=2, sample_size=64,
     ).eval()  # fmt: skip
-    vae.bn.running_mean.copy_(0.3 * torch.randn(vae.bn.running_mean.shape))
-    vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.running_var.shape))
+    vae.bn.running_mean.copy_(0.3 * torch.randn(vae.bn.running_mean.shape, device="cpu"))
+    vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.running_var.shape, device="cpu"))
     return vae
 
 

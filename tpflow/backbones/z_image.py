@@ -130,7 +130,7 @@ class ZImageBackbone(AdapterMethods):
         padded = embeds[0].new_zeros((len(embeds), length, embeds[0].shape[-1]))
         for i, row in enumerate(embeds):
             padded[i, : row.shape[0]] = row
-        lengths = torch.tensor([row.shape[0] for row in embeds], dtype=torch.long)
+        lengths = torch.tensor([row.shape[0] for row in embeds], dtype=torch.long, device=padded.device)
         return {"prompt_embeds": padded.to(self.dtype), "lengths": lengths}
 
     def encode(self, prompts: Sequence[str]) -> Conditioning:

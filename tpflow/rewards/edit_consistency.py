@@ -125,14 +125,14 @@ class EditConsistencyReward:
         sources = torch.stack([source_at(load(r), size) for r in unique])  # [U, 3, H, W] at the edits' size
         row = {r: i for i, r in enumerate(unique)}
         pairs = [(i, row[r]) for i, rs in enumerate(refs) for r in rs]  # (image, source) compared
-        edit_index = torch.tensor([i for i, _ in pairs])
-        source_index = torch.tensor([s for _, s in pairs])
+        edit_index = torch.tensor([i for i, _ in pairs], device="cpu")  # host bookkeeping
+        source_index = torch.tensor([s for _, s in pairs], device="cpu")
         if self.features is None:  # pixel
             similarity = pixel_similarity(images[edit_index].cpu(), sources[source_index])  # [P]
         else:
             edits, originals = self.features(images), self.features(sources)  # [N, D], [U, D]
             similarity = (edits[edit_index].double() * originals[source_index].double()).sum(-1)  # [P]
-        return RewardOutput(scores=self._aggregate(similarity.double(), edit_index, len(images)).float())
+        return RewardOutput(scores=self._aggregate(similarity.double().cpu(), edit_index, len(images)).float())
 
     def _compared(self, metadata: dict[str, Any]) -> tuple[str, ...]:
         """The source references an image is compared with (the first, or all of them by ``multiple_sources``)."""
@@ -142,7 +142,7 @@ class EditConsistencyReward:
     def _aggregate(self, similarity: Tensor, edit_index: Tensor, n: int) -> Tensor:
         """[P] similarities of (image, source) pairs -> [n] per image: the mean or the max over its sources."""
         if self.options.multiple_sources == "max":
-            out = torch.full((n,), -torch.inf, dtype=torch.float64)
+            out = torch.full((n,), -torch.inf, dtype=torch.float64, device="cpu")
             return out.scatter_reduce(0, edit_index, similarity, reduce="amax")
-        total = torch.zeros(n, dtype=torch.float64).index_add(0, edit_index, similarity)
+        total = torch.zeros(n, dtype=torch.float64, device="cpu").index_add(0, edit_index, similarity)
         return total / torch.bincount(edit_index, minlength=n).double()
