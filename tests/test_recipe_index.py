@@ -28,7 +28,7 @@ RECIPES = ROOT / "recipes"
 # The paper-scale recipes' folder per model family, by the backbone name's start; the CPU backbones' recipes sit at
 # the top of recipes/, and so does geneval_tp.toml, the paper-scale path the commands' help cites.
 FAMILIES = {"sd3.5-": "sd35", "flux.": "flux", "qwen-image": "qwen_image", "wan2.": "wan", "z-image": "z_image"}
-CPU_BACKBONES = ("shapes-dit", "shapes-video-dit", "tiny-sd3")
+CPU_BACKBONES = ("shapes-dit", "shapes-video-dit", "shapes-edit-dit", "tiny-sd3")
 KEPT_AT_TOP = ("geneval_tp.toml",)
 
 

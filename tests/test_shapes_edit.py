@@ -15,7 +15,7 @@ from tpflow import sources
 from tpflow.errors import UserError
 from tpflow.registry import build
 from tpflow.shapes import edit_world, vocab
-from tpflow.shapes.edit_model import ShapesEditConfig, ShapesEditDiT
+from tpflow.shapes.edit_model import ShapesEditConfig, ShapesEditDiT, load_edit_checkpoint
 from tpflow.shapes.render import SceneObject, draw_scene
 
 TINY = dict(width=32, depth=1, heads=2, text_width=32, text_layers=1)
@@ -132,6 +132,8 @@ def test_the_editing_model_without_a_source_is_the_image_model_it_starts_from():
         assert torch.equal(model(x, sigma, tokens, mask, null), image(x, sigma, tokens, mask, null))
         with_source = model(x, sigma, tokens, mask, null, torch.rand(2, 3, 32, 32) * 2 - 1)
     assert not torch.allclose(with_source, image(x, sigma, tokens, mask, null))
+    shipped = load_edit_checkpoint(WEIGHTS_DIR / "shapes_edit_dit.safetensors")  # what the backbone loads by default
+    assert shipped.config == ShapesEditConfig() and shipped.source_pos.abs().sum() > 0  # the source terms trained
 
 
 def test_the_backbone_keeps_the_source_in_its_rows_and_in_both_cfg_branches(tiny_edit):

@@ -18,7 +18,7 @@ from tpflow.train.trainer import Trainer
 ROOT = Path(__file__).resolve().parent.parent
 # recipe -> the components it is here for: together every credit assigner, plan, sampler and optimizer of tpflow
 RECIPES = {
-    "shapes_tp": "credit consistent, plan window, sampler cps, optimizer grpo",
+    "shapes_edit_tp": "credit consistent, plan window, sampler cps, optimizer grpo",
     "shapes_tempflow": "credit branch, plan branch, sampler flow-sde",
     "shapes_incremental": "credit incremental",
     "shapes_turning_point": "credit turning_point",
