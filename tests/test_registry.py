@@ -27,7 +27,8 @@ def test_builtin_kinds_are_registered():
     assert registry.names("credit") == ["branch", "consistent", "incremental", "outcome", "turning_point"]
     assert {"cps", "flow-sde"} <= set(registry.names("sampler"))
     assert "grpo" in registry.names("optimizer")
-    plans = ["branch", "dpm-solver", "sa-solver", "trained-fraction", "window", "window-per-image", "window-schedule"]
+    plans = ["branch", "dpm-solver", "entropy-steps", "sa-solver", "trained-fraction", "window", "window-per-image",
+             "window-schedule"]  # fmt: skip
     assert registry.names("plan") == plans
     assert {"text-file", "jsonl"} <= set(registry.names("dataset"))
     entry = registry.get("credit", "turning_point")

@@ -5,6 +5,7 @@ Importing this package registers them. docs/credit.md's method table says which 
 
 from tpflow.plans.base import BatchPlan
 from tpflow.plans.branch import BranchPlan
+from tpflow.plans.entropy_steps import EntropyStepsPlan
 from tpflow.plans.per_image import WindowPerImagePlan
 from tpflow.plans.schedule import WindowSchedulePlan
 from tpflow.plans.solver import DpmSolverPlan, SaSolverPlan
@@ -15,6 +16,7 @@ __all__ = [
     "BatchPlan",
     "BranchPlan",
     "DpmSolverPlan",
+    "EntropyStepsPlan",
     "SaSolverPlan",
     "TrainedFractionPlan",
     "WindowPerImagePlan",

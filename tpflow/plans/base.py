@@ -65,6 +65,9 @@ class BatchPlan:
     branch: bool = False  # branch at every window step from the ODE path instead of one SDE path (``rollout``)
     tail_ratio: float | None = None  # DPM-Solver++(2M) after the window on int((K − e)·ρ) nodes (None: Euler steps)
     solver: Solver | None = None  # a whole-trajectory solver instead of the window (final samples only)
+    # branch only: the W + 1 grid indices the window's transitions join, step i from nodes[i] to nodes[i + 1] (a
+    # merged SDE step spans several schedule steps, E-GRPO); None: start .. start + W
+    nodes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not self.starts or min(self.starts) < 0:
@@ -73,6 +76,12 @@ class BatchPlan:
             raise ValueError(
                 f"trained must be [N, W] = [{len(self.starts)}, {self.size}], got {tuple(self.trained.shape)}."
             )
+        if self.nodes is not None and not (
+            self.branch and self.uniform and len(self.nodes) == self.size + 1 and self.nodes[0] == self.starts[0]
+            and all(a < b for a, b in zip(self.nodes[:-1], self.nodes[1:], strict=True))
+        ):  # fmt: skip
+            raise ValueError(f"nodes {self.nodes} must be W + 1 = {self.size + 1} increasing grid indices from the "
+                             "start of one branching window.")  # fmt: skip
 
     @property
     def start(self) -> int:

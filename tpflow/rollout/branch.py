@@ -1,5 +1,6 @@
 """TempFlow-GRPO's branching rollout (docs/algorithm.md §10.4): a pure-ODE path per noise row and, at every window
-step, one SDE child per trajectory from that ODE state, each completed by ODE."""
+step, one SDE child per trajectory from that ODE state, each completed by ODE. E-GRPO's merged steps (§10.11) are
+window steps that span several schedule steps (``nodes``): one SDE step from σ_a to σ_b, the child completed from b."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ class BranchEngine:
     """Branch at every step of ``window`` instead of following one SDE path: the main path of each noise row is pure
     ODE; at window step s + i every trajectory n takes one SDE step from its noise row's ODE state with its own ξ,
     stored as transition i, and that child is ODE-completed (in ``completion_steps`` Euler steps, None: every step)
-    into ``completions[:, i]``; ``final`` is the ODE image. ``store_means`` keeps the transition means."""
+    into ``completions[:, i]``; ``final`` is the ODE image. ``store_means`` keeps the transition means. ``nodes``
+    (W + 1 grid indices, None: s .. s + W): window step i goes from σ_{nodes[i]} to σ_{nodes[i + 1]}."""
 
     def __init__(
         self,
@@ -33,9 +35,11 @@ class BranchEngine:
         completion_steps: int | None = None,
         store_means: bool = False,
         retain: Retain | Reweight | None = None,
+        nodes: tuple[int, ...] | None = None,
     ) -> None:
         self.sampler, self.window, self.noise_level = sampler, window, noise_level
         self.completion_steps, self.store_means, self.retain = completion_steps, store_means, retain
+        self.nodes = tuple(range(window.start, window.start + window.size + 1)) if nodes is None else tuple(nodes)
 
     @torch.no_grad()
     def run(self, inputs: RolloutInputs) -> Rollout:
@@ -43,11 +47,11 @@ class BranchEngine:
         prefix = ode_prefix(started, self.window.start)
         n, s, width = inputs.n, self.window.start, self.window.size
         loop = BranchLoop(started.engine, self.sampler, self.window, self.noise_level, self.completion_steps,
-                          self.store_means, self.retain, started.first)  # fmt: skip
+                          self.store_means, self.retain, started.first, self.nodes)  # fmt: skip
         for k in range(s, inputs.num_steps):
             loop.step(prefix, k, started.noise, started.source)
         parts = [torch.stack(part, dim=1) for part in (loop.latents, loop.next_latents, loop.log_probs)]
-        grid = inputs.sigmas[s : s + width + 1].expand(n, width + 1)
+        grid = inputs.sigmas[list(self.nodes)].expand(n, width + 1)  # [N, W + 1] each window step's σ ends
         means = torch.stack(loop.means, dim=1) if self.store_means else None
         final = prefix.z[started.source]  # each trajectory's noise row's ODE image
         out = stored_rollout(started, self.noise_level, final, parts, grid, means, loop.completed())
@@ -62,7 +66,7 @@ class BranchLoop:
 
     def __init__(
         self, engine: Velocity, sampler: Sampler, window: Window, noise_level: float, steps: int | None, means: bool,
-        retain: Retain | Reweight | None = None, first: Tensor | None = None,
+        retain: Retain | Reweight | None = None, first: Tensor | None = None, nodes: tuple[int, ...] | None = None,
     ) -> None:  # fmt: skip
         self.engine, self.sampler, self.window, self.noise_level = engine, sampler, window, noise_level
         self.completion_steps, self.store_means = steps, means
@@ -70,6 +74,10 @@ class BranchLoop:
         # first trajectory of each noise row, whose velocity the ODE path then takes)
         self.log = None if retain is None else retain.log(engine.backbone, engine, window.size)
         self.first = first
+        s = window.start
+        # window step i starts at grid index nodes[i] and ends at nodes[i + 1] (one schedule step unless merged)
+        self.nodes = tuple(range(s, s + window.size + 1)) if nodes is None else tuple(nodes)
+        self.origin = {k: i for i, k in enumerate(self.nodes[:-1])}
         self.children: list[Branch] = []  # child i, born at window step s + i, in order
         self.latents: list[Tensor] = []
         self.next_latents: list[Tensor] = []
@@ -78,10 +86,10 @@ class BranchLoop:
 
     def step(self, main: Branch, k: int, noise: MainNoise, source: Tensor) -> None:
         others = [c for c in self.children if c.live(k) and c.at < self.engine.sigmas.shape[0] - 1]
-        s = self.window.start
-        inside = s <= k < s + self.window.size
+        i = self.origin.get(k)  # the window step that starts at k, None outside the window
+        inside = i is not None
         v_grad = None
-        if self.log is not None and inside and self.log.covers(k - s):
+        if self.log is not None and i is not None and self.log.covers(i):
             # every trajectory's ODE state with gradients, one row each (copies of a noise row are separate rows:
             # their gradients are their own); the ODE path takes its first copy's velocity, the children theirs
             each = Branch(main.z[source], torch.arange(source.shape[0], device=main.z.device))
@@ -95,12 +103,13 @@ class BranchLoop:
             child.z, child.at = euler_step(child.z, v, sigmas[k], sigmas[nxt]), nxt
         v_main = vs[0]
         xi = noise.draw(k, keep=inside)  # [N, ...] one ξ per trajectory: the siblings' own noise
-        if inside:
+        if i is not None:
+            dest = self.nodes[i + 1]  # k + 1 unless the step is merged
             z = main.z[source]  # [N, ...] each trajectory's ODE state and its velocity
             v = v_main[source] if v_grad is None else v_grad.detach()
-            out = self.sampler.step(z, v, sigmas[k], sigmas[k + 1], self.noise_level, noise=xi)
+            out = self.sampler.step(z, v, sigmas[k], sigmas[dest], self.noise_level, noise=xi)
             if v_grad is not None:
-                self.log.keep(log_prob_with_grad(self.sampler, out.prev, z, v_grad, sigmas[k], sigmas[k + 1],
+                self.log.keep(log_prob_with_grad(self.sampler, out.prev, z, v_grad, sigmas[k], sigmas[dest],
                                                  self.noise_level), z.shape[0])  # fmt: skip
             self.latents.append(z)
             self.next_latents.append(out.prev)
@@ -108,8 +117,10 @@ class BranchLoop:
             if self.store_means:
                 self.means.append(out.mean)
             rows = torch.arange(z.shape[0], device=z.device)
-            nodes = completion_nodes(k + 1, num_steps, self.completion_steps)
-            self.children.append(Branch(out.prev, rows, nodes, at=k + 1))  # at σ_K already when k + 1 = K
+            nodes = completion_nodes(dest, num_steps, self.completion_steps)
+            if nodes is None and dest > k + 1:  # a merged child waits until the path reaches its σ
+                nodes = list(range(dest, num_steps + 1))
+            self.children.append(Branch(out.prev, rows, nodes, at=dest))  # at σ_K already when dest = K
         main.z = euler_step(main.z, v_main, sigmas[k], sigmas[k + 1])
 
     def completed(self) -> Tensor:

@@ -73,7 +73,7 @@ def engine_for(
     if batch_plan is not None and batch_plan.branch:
         if completions != "ode" or not transitions:
             raise ValueError("the branch plan needs ODE completions and stored transitions (a GRPO optimizer).")
-        return BranchEngine(sampler, window, noise_level, steps, store_means, retain)
+        return BranchEngine(sampler, window, noise_level, steps, store_means, retain, batch_plan.nodes)
     if batch_plan is not None and (batch_plan.tail_ratio is not None or not batch_plan.uniform) and completions:
         raise ValueError("completions need one window for the whole batch and the schedule's Euler steps after it.")
     if batch_plan is not None and batch_plan.tail_ratio is not None:
