@@ -30,7 +30,7 @@ import torch
 # factor -> levels; the first level of each is the reference's where the reference fixes it
 FACTORS: dict[str, list[str]] = {
     "backbone": ["shapes-dit", "tiny-sd3", "tiny-flux"],
-    "plan": ["window", "trained-fraction"],
+    "plan": ["window", "trained-fraction", "entropy-steps"],
     "sampler": ["cps", "linear-sigma"],
     "credit": ["outcome", "consistent"],
     "optimizer": ["grpo", "nft", "awm", "dgpo"],
