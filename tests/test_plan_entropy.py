@@ -140,3 +140,21 @@ def test_one_epoch_trains_with_merged_entropy_steps(tmp_path, tiny_weights, plug
     assert widths == {3}, widths
     assert metrics["optimizer_steps"] >= 1 and metrics["first_ratio_max_deviation"] == 0.0, metrics
     assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_the_flux_recipe_without_weights_exits_2_naming_them(monkeypatch, tmp_path, capsys):
+    """recipes/flux/flux_egrpo.toml offline, with an empty Hugging Face cache: one paragraph, exit 2, naming the FLUX
+    weights and the HPS checkpoint to fetch."""
+    from pathlib import Path
+
+    import pytest
+
+    from tpflow.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(SystemExit) as exc:
+        main(["validate", str(Path(__file__).resolve().parents[1] / "recipes" / "flux" / "flux_egrpo.toml")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    assert "black-forest-labs/FLUX.1-dev" in err and "xswu/HPSv2" in err and "never downloads" in err, err
