@@ -29,7 +29,7 @@ import torch
 
 # factor -> levels; the first level of each is the reference's where the reference fixes it
 FACTORS: dict[str, list[str]] = {
-    "backbone": ["shapes-dit", "tiny-sd3", "tiny-flux"],
+    "backbone": ["shapes-dit", "shapes-edit-dit", "tiny-sd3", "tiny-flux", "tiny-flux-kontext"],
     "plan": ["window", "trained-fraction", "entropy-steps"],
     "sampler": ["cps", "linear-sigma"],
     "credit": ["outcome", "consistent"],
@@ -41,28 +41,35 @@ FACTORS: dict[str, list[str]] = {
     "finetune": ["lora", "full"],
 }
 REFERENCE = {"recompute": "native", "precision": "no", "compile": "off"}
+EDITING = {"shapes-edit-dit", "tiny-flux-kontext"}  # backbones that edit a source image: the editing dataset
 # The suite's share (tests/test_combinations.py): the embedded backbone, blocks not compiled (aot_eager compiling
 # costs seconds a run); ``SUITE_ROWS`` covers every pair of its levels, accepted where an accepted row can
-# (written by ``benchmarks/combinations.py --suite-rows --seed 7``: of seeds 0-11 the design with the fewest
-# training runs, 15 rows and 14 runs against seed 0's 18 and 21; the test checks the coverage, so a new level fails it
-# until the rows are written again).
-SUITE_FACTORS = {**{k: v for k, v in FACTORS.items() if k != "compile"}, "backbone": ["shapes-dit"]}
+# (written by ``benchmarks/combinations.py --suite-rows --seed 0``: of seeds 0-39 a design with the fewest accepted
+# rows, 18 rows of which 9 train; the test checks the coverage, so a new level fails it until the rows are written
+# again). The editing model is the suite's second backbone: every pair of an editing backbone with the other levels.
+SUITE_FACTORS = {
+    **{k: v for k, v in FACTORS.items() if k != "compile"},
+    "backbone": ["shapes-dit", "shapes-edit-dit"],
+}
 SUITE_ROWS: list[tuple[str, ...]] = [  # in SUITE_FACTORS' order
-    ("shapes-dit", "window", "linear-sigma", "outcome", "grpo", "reweight", "no", "conditional", "lora"),
-    ("shapes-dit", "window", "cps", "outcome", "nft", "native", "bf16", "full", "full"),
-    ("shapes-dit", "window", "cps", "consistent", "grpo", "retain", "fp16", "conditional", "full"),
-    ("shapes-dit", "window", "linear-sigma", "outcome", "awm", "native", "fp16", "full", "lora"),
-    ("shapes-dit", "window", "linear-sigma", "outcome", "dgpo", "native", "bf16", "full", "full"),
-    ("shapes-dit", "trained-fraction", "cps", "consistent", "grpo", "native", "no", "full", "lora"),
-    ("shapes-dit", "trained-fraction", "linear-sigma", "consistent", "awm", "retain", "bf16", "conditional", "full"),
-    ("shapes-dit", "trained-fraction", "cps", "consistent", "dgpo", "reweight", "fp16", "full", "lora"),
-    ("shapes-dit", "trained-fraction", "linear-sigma", "consistent", "nft", "retain", "no", "full", "lora"),
-    ("shapes-dit", "window", "linear-sigma", "outcome", "grpo", "retain", "bf16", "conditional", "full"),
-    ("shapes-dit", "window", "cps", "outcome", "awm", "native", "no", "full", "full"),
-    ("shapes-dit", "trained-fraction", "cps", "outcome", "awm", "reweight", "bf16", "full", "full"),
-    ("shapes-dit", "trained-fraction", "cps", "outcome", "dgpo", "native", "no", "conditional", "full"),
-    ("shapes-dit", "window", "linear-sigma", "outcome", "dgpo", "retain", "bf16", "conditional", "lora"),
-    ("shapes-dit", "trained-fraction", "cps", "outcome", "nft", "reweight", "fp16", "conditional", "full"),
+    ("shapes-dit", "window", "cps", "outcome", "grpo", "native", "fp16", "conditional", "full"),
+    ("shapes-dit", "trained-fraction", "linear-sigma", "consistent", "grpo", "reweight", "no", "full", "lora"),
+    ("shapes-dit", "entropy-steps", "linear-sigma", "consistent", "awm", "retain", "bf16", "full", "full"),
+    ("shapes-dit", "window", "linear-sigma", "outcome", "dgpo", "native", "bf16", "full", "lora"),
+    ("shapes-dit", "entropy-steps", "cps", "consistent", "nft", "reweight", "fp16", "conditional", "lora"),
+    ("shapes-edit-dit", "window", "cps", "outcome", "grpo", "retain", "no", "conditional", "full"),
+    ("shapes-edit-dit", "trained-fraction", "cps", "consistent", "grpo", "native", "bf16", "full", "full"),
+    ("shapes-edit-dit", "window", "linear-sigma", "outcome", "awm", "native", "fp16", "full", "lora"),
+    ("shapes-edit-dit", "window", "cps", "outcome", "dgpo", "native", "no", "full", "lora"),
+    ("shapes-edit-dit", "window", "linear-sigma", "outcome", "nft", "native", "no", "full", "lora"),
+    ("shapes-edit-dit", "entropy-steps", "linear-sigma", "outcome", "nft", "reweight", "bf16", "conditional", "full"),
+    ("shapes-dit", "trained-fraction", "cps", "consistent", "dgpo", "retain", "fp16", "conditional", "full"),
+    ("shapes-edit-dit", "trained-fraction", "linear-sigma", "outcome", "awm", "reweight", "no", "conditional", "full"),
+    ("shapes-edit-dit", "window", "cps", "consistent", "dgpo", "reweight", "no", "full", "full"),
+    ("shapes-dit", "trained-fraction", "linear-sigma", "consistent", "nft", "retain", "fp16", "full", "lora"),
+    ("shapes-dit", "entropy-steps", "linear-sigma", "outcome", "dgpo", "native", "no", "full", "lora"),
+    ("shapes-dit", "entropy-steps", "linear-sigma", "consistent", "grpo", "retain", "fp16", "full", "full"),
+    ("shapes-dit", "window", "cps", "outcome", "awm", "native", "bf16", "full", "full"),
 ]
 # 1 − cosine of the first step's gradient to the reference's, by precision: fp32 modes differ by float rounding (a
 # batched forward's matmuls; the sum order of one backward); bf16 / fp16 autocast round the forward to 8 / 11 bits
@@ -87,8 +94,13 @@ def overrides(combo: dict[str, str], weights: Path) -> list[str]:
     out = []
     if combo["backbone"] == "shapes-dit":
         out += [f'backbone={{name = "shapes-dit", weights = "{weights}", lora_init = "gaussian"}}']
+    elif combo["backbone"] == "shapes-edit-dit":  # the tiny editing model written beside the tiny shapes-dit
+        edit = weights.parent / "shapes_edit_dit.safetensors"
+        out += [f'backbone={{name = "shapes-edit-dit", weights = "{edit}", lora_init = "gaussian"}}']
     else:
         out += [f'backbone={{name = "{combo["backbone"]}", seed = 0, resolution = 16, lora_init = "gaussian"}}']
+    if combo["backbone"] in EDITING:  # instructions on rendered source scenes (no files)
+        out.append('dataset={name = "shapes-edit", test_scenes = 1}')
     if combo["finetune"] == "full":
         out.append('backbone.finetune="full"')
     if combo["compile"] == "on":

@@ -168,17 +168,28 @@ def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 def write_tiny_weights(folder: Path) -> Path:
     """A tiny random shapes-dit (width 32, one block) saved in ``folder``, its zero-initialised layers perturbed (the
-    ``tiny_weights`` fixture's; benchmarks/combinations.py writes the same)."""
+    ``tiny_weights`` fixture's; benchmarks/combinations.py writes the same), and its editing twin (the same sizes, a
+    ShapesEditDiT) beside it as ``EDIT_WEIGHTS``, which the combination matrix's ``shapes-edit-dit`` level loads."""
     import torch
 
+    from tpflow.shapes.edit_model import ShapesEditConfig, ShapesEditDiT
     from tpflow.shapes.model import ShapesDiT, ShapesDiTConfig, save_checkpoint
 
-    torch.manual_seed(1)
-    model = ShapesDiT(ShapesDiTConfig(width=32, depth=1, heads=2, text_width=32, text_layers=1))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return save_checkpoint(model, folder / "shapes_dit.safetensors")
+    sizes = {"width": 32, "depth": 1, "heads": 2, "text_width": 32, "text_layers": 1}
+    for model_class, config, file in (
+        (ShapesEditDiT, ShapesEditConfig(**sizes), EDIT_WEIGHTS),
+        (ShapesDiT, ShapesDiTConfig(**sizes), "shapes_dit.safetensors"),
+    ):
+        torch.manual_seed(1)
+        model = model_class(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        path = save_checkpoint(model, folder / file)
+    return path
+
+
+EDIT_WEIGHTS = "shapes_edit_dit.safetensors"  # the tiny editing model beside the tiny shapes-dit
 
 
 @pytest.fixture(scope="session")
