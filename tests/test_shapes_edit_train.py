@@ -28,6 +28,7 @@ RECIPES = {
     "shapes_dgpo_dpm": "plan dpm-solver, optimizer dgpo",
     "shapes_awm_sa": "plan sa-solver, optimizer awm",
     "shapes_nft": "optimizer nft",
+    "shapes_egrpo": "plan entropy-steps",
 }
 
 
@@ -62,9 +63,9 @@ def edit_recipe(name: str, run_dir: Path, weights: Path) -> dict:
                                         run_dir=str(run_dir), mixed_precision="no")  # fmt: skip
     data["train"].pop("save_every", None)
     rollout = data["rollout"]
-    full = rollout.get("window_range", [0, 0])[1] >= rollout["num_steps"]  # every step trained (DanceGRPO)
+    full = rollout["window_size"] >= rollout["num_steps"]  # every step trained (DanceGRPO)
     rollout.update(num_steps=4, window_size=4 if full else 2, window_range=[0, 4] if full else [0, 3])
-    data.setdefault("eval", {}).update(every=1, num_prompts=2, images_per_prompt=1, batch_size=2, num_steps=3)
+    data.setdefault("eval", {}).update(every=1, num_prompts=1, images_per_prompt=1, batch_size=1, num_steps=2)
     data["optimizer"]["micro_batch_size"] = 4
     data["optimizer"].pop("gradient_accumulation_steps", None)
     return data
