@@ -11,7 +11,7 @@ from pathlib import Path
 from tests.test_memory_fit import TINY_SD3
 from tpflow.memory import GIB, estimate_fit, setup_of
 from tpflow.memory.accounting import component_rows
-from tpflow.memory.rewards import MASK2FORMER_SWIN_S, OPEN_CLIP, PICKSCORE_V1, reward_models
+from tpflow.memory.rewards import DINO, MASK2FORMER_SWIN_S, OPEN_CLIP, PICKSCORE_V1, reward_models
 from tpflow.recipe import load_recipe
 from tpflow.settings import EvalSettings
 
@@ -32,6 +32,9 @@ def test_each_reward_is_its_published_size_in_the_dtype_it_loads():
     assert reward_models(recipe("pickscore", {})).nbytes == int(PICKSCORE_V1 * 4)  # its default float32
     assert reward_models(recipe("pickscore", {"dtype": "bfloat16"})).nbytes == int(PICKSCORE_V1 * 2)
     assert reward_models(recipe("image-stat", {})).nbytes == 0
+    assert reward_models(recipe("edit-consistency", {})).nbytes == int(OPEN_CLIP["ViT-L-14"] * 4)  # flow_grpo's CLIP
+    assert reward_models(recipe("edit-consistency", {"features": "dino"})).nbytes == int(DINO["dinov2-base"] * 4)
+    assert reward_models(recipe("edit-consistency", {"features": "pixel"})).nbytes == 0
 
 
 def test_watched_rewards_the_diversity_embedding_and_wrapped_rewards_count_each_model():

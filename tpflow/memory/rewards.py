@@ -36,6 +36,12 @@ IMAGEREWARD = 447e6  # THUDM/ImageReward: BLIP ViT-L/16, BERT-base with cross-at
 HPSV3 = 7.7e9  # MizzenAI/HPSv3: Qwen2-VL-7B without its unused lm_head, plus a small head (docs/rewards.md)
 UNIFIED_REWARD_QWEN_7B = 8.29e9  # CodeGoat24/UnifiedReward-qwen-7b: Qwen2.5-VL-7B-Instruct, 8.29 B
 AESTHETIC_HEAD = 0.92e6  # the LAION aesthetic MLP head on CLIP-L's 768-d embedding (768-1024-128-64-16-1)
+DINO = {  # DINOv2 (Oquab et al. 2023, Table 1: ViT-S/B/L/g 21 M / 86 M / 300 M / 1.1 B) by the model id's end
+    "dinov2-small": 21e6,
+    "dinov2-base": 86e6,
+    "dinov2-large": 300e6,
+    "dinov2-giant": 1.1e9,
+}
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,19 @@ def _open_clip(what: str, arch: str, notes: list[str]) -> list[tuple[str, float,
     return [(f"open_clip {arch}", OPEN_CLIP[arch], "float32")]
 
 
+def _edit_consistency(options: Any, notes: list[str]) -> list[tuple[str, float, str]]:
+    """edit-consistency's feature model: an open_clip tower pair, a DINO backbone, or none (pixel)."""
+    if options.features == "pixel":
+        return []
+    if options.features == "clip":
+        return _open_clip("reward 'edit-consistency'", options.model_name, notes)
+    size = DINO.get(options.model_name.rstrip("/").rsplit("/", 1)[-1])
+    if size is None:
+        notes.append(f"reward 'edit-consistency': {options.model_name!r} is not in the table of published sizes")
+        return []
+    return [(options.model_name, size, "float32")]
+
+
 def _judge(options: Any, notes: list[str]) -> list[tuple[str, float, str]]:
     if options.model.rstrip("/").endswith("UnifiedReward-qwen-7b"):
         return [("UnifiedReward-qwen-7b (Qwen2.5-VL-7B)", UNIFIED_REWARD_QWEN_7B, options.dtype)]
@@ -102,6 +121,7 @@ TABLE: dict[str, Callable[[Any, list[str]], list[tuple[str, float, str]]]] = {
     "hpsv3": lambda o, n: [("HPSv3 (Qwen2-VL-7B)", HPSV3, o.dtype)],
     "imagereward": lambda o, n: [("ImageReward (BLIP)", IMAGEREWARD, "float32")],
     "vlm-judge": lambda o, n: _judge(o, n),
+    "edit-consistency": lambda o, n: _edit_consistency(o, n),
     # no model on the training GPU: rule-based or embedded tiny models (a few MB at most), the CPU, another machine
     "image-stat": lambda o, n: [],
     "shapes-geneval": lambda o, n: [],
