@@ -17,6 +17,7 @@ from tpflow.rollout import Window, rollout, sample_ode
 from tpflow.samplers.cps import CpsSampler
 
 from .conftest import exact_fp32
+from .qwen_edit_pipeline import tiny_edit_reference  # QwenImageEditPlusPipeline, one prompt per call
 from .test_backbone_flux2 import packed_pipeline  # the FLUX.2 pipelines in tpflow's packed latents
 from .test_backbone_z_image import tpflow_scale_pipeline  # ZImagePipeline at tpflow's guidance scale
 
@@ -44,6 +45,8 @@ TWINS = {
     "sd3.5-large": Twin("tiny-sd3-large", lambda: tiny.tiny_sd3_pipeline(0, large=True), PX16, 4.5),
     "flux.1-dev": Twin("tiny-flux", lambda: tiny.tiny_flux_pipeline(0), PX16, 3.5),
     "flux.1-kontext-dev": Twin("tiny-flux-kontext", tiny_kontext.tiny_flux_kontext_pipeline, KONTEXT, 2.5, 1),
+    "qwen-image-edit": Twin("tiny-qwen-image-edit", tiny_edit_reference,
+                            {"height": 32, "width": 32, "negative_prompt": [" ", " "]}, 4.0, 2),
     "qwen-image": Twin("tiny-qwen-image", lambda: tiny.tiny_qwen_image_pipeline(0),
                        {"height": 32, "width": 32, "negative_prompt": [" ", " "]}, 4.0),
     "wan2.1-t2v-1.3b": Twin("tiny-wan", lambda: tiny.tiny_wan_pipeline(0), WAN_CLIP, 4.5),
