@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # the shapes recipes of every method: together they use every credit assigner, plan, sampler and optimizer
 RECIPES = ["shapes_flowgrpo", "shapes_tp", "shapes_incremental", "shapes_turning_point", "shapes_dancegrpo",
            "shapes_flowgrpo_fast", "shapes_grpo_guard", "shapes_mixgrpo", "shapes_mixgrpo_flash", "shapes_tempflow",
-           "shapes_nft", "shapes_awm", "shapes_awm_sa", "shapes_dgpo_dpm"]  # fmt: skip
+           "shapes_nft", "shapes_awm", "shapes_awm_sa", "shapes_dgpo_dpm", "shapes_egrpo"]  # fmt: skip
 
 
 def video_recipe(name: str, run_dir: Path, backbone: str = "tiny-wan") -> dict:
