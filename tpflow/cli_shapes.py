@@ -13,7 +13,7 @@ same for ``shapes_clip.safetensors`` with ``weights = ...`` in the [reward] sect
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -126,13 +126,8 @@ def video_pretrain(
     """Pretrain the video shapes world's model (shapes-video-dit) by rectified flow on clips rendered on the fly."""
     from tpflow.shapes.video_pretrain import video_pretrain as run
 
-    if minutes <= 0 or batch_size < 1 or lr <= 0 or threads < 0 or max_steps < 0:
-        typer.echo("error: --minutes and --lr must be positive, --batch-size at least 1, --threads and --max-steps "
-                   "at least 0.", err=True)  # fmt: skip
-        raise typer.Exit(2)
-    path = run(minutes=minutes, out=out, seed=seed, batch_size=batch_size, lr=lr, progress=progress,
-               threads=threads or None, max_steps=max_steps or None, init=init)  # fmt: skip
-    typer.echo(str(path))
+    _inflated_pretrain(run, minutes=minutes, out=out, seed=seed, batch_size=batch_size, lr=lr, threads=threads,
+                       max_steps=max_steps, init=init, progress=progress)  # fmt: skip
 
 
 @shapes_app.command("pretrain-edit")
@@ -159,10 +154,18 @@ def pretrain_edit(
     """Pretrain the editing shapes world's model (shapes-edit-dit) by rectified flow on edits rendered on the fly."""
     from tpflow.shapes.edit_pretrain import edit_pretrain as run
 
+    _inflated_pretrain(run, minutes=minutes, out=out, seed=seed, batch_size=batch_size, lr=lr, threads=threads,
+                       max_steps=max_steps, init=init, progress=progress)  # fmt: skip
+
+
+def _inflated_pretrain(run: Any, *, minutes: float, batch_size: int, lr: float, threads: int, max_steps: int,
+                       **rest: Any) -> None:  # fmt: skip
+    """A pretraining that starts from the image model (video, editing): its numbers checked (exit 2), then ``run``,
+    printing the weights' path."""
     if minutes <= 0 or batch_size < 1 or lr <= 0 or threads < 0 or max_steps < 0:
         typer.echo("error: --minutes and --lr must be positive, --batch-size at least 1, --threads and --max-steps "
                    "at least 0.", err=True)  # fmt: skip
         raise typer.Exit(2)
-    path = run(minutes=minutes, out=out, seed=seed, batch_size=batch_size, lr=lr, progress=progress,
-               threads=threads or None, max_steps=max_steps or None, init=init)  # fmt: skip
+    path = run(minutes=minutes, batch_size=batch_size, lr=lr, threads=threads or None, max_steps=max_steps or None,
+               **rest)  # fmt: skip
     typer.echo(str(path))
