@@ -35,7 +35,8 @@ def test_a_geneval_reward_on_prompt_lines_is_refused_naming_the_datasets_that_wo
     message = str(caught.value)
     assert "[reward] (shapes-geneval)" in message and "[dataset] (text-file)" in message
     assert '"tag", "include"' in message and "its prompts carry no metadata" in message
-    assert 'dataset that carries them: geneval, shapes, edit-jsonl or jsonl whose every item holds "tag", "include"' in message
+    carriers = 'carries them: geneval, shapes, edit-jsonl or jsonl whose every item holds "tag", "include"'
+    assert carriers in message
     assert "\n" not in message  # one paragraph
 
 
