@@ -251,3 +251,48 @@ def test_the_wan_recipes_rollout_rows_follow_their_credit(me):
     assert dance.kind == tp.kind == "wan" and dance.text_len == tp.text_len == 226
     assert dance.completions is None and me.largest_rollout_rows(dance) == 1
     assert tp.completions == "ode" and me.largest_rollout_rows(tp) == 8
+
+
+@pytest.mark.parametrize(
+    ("recipe", "layers", "counts"),
+    [
+        ("qwen_image/edit_plus_flowgrpo.toml", {"num_layers": 1}, (1, 3)),
+        ("flux/flux2_klein_edit_flowgrpo.toml", {"num_layers": 1, "num_single_layers": 1}, (0, 2)),
+    ],
+)
+def test_an_edit_recipes_calls_grow_by_their_sources_tokens(me, recipe, layers, counts):
+    """The editing recipes count the backbone's most sources per prompt (the data's count is not read), and say so;
+    each source's tokens join every transformer call's sequence, so the velocity call's activations (one block of
+    the published width, fake tensors) grow in proportion to the whole sequence: text + output + sources' tokens
+    (FLUX.2 with none is its text-to-image call)."""
+    import dataclasses
+
+    from tpflow.memory.models import source_tokens
+
+    setup = me.load_setup(SCRIPT.parent.parent / "recipes" / recipe)
+    most = {"qwen-edit": 3, "flux2-klein-9b": 4}[setup.kind]
+    assert setup.sources == most and any(f"sources: {most} per prompt, the backbone's most" in n for n in setup.notes)
+    tokens = source_tokens(setup.kind, setup.backbone)  # 512² → 1024 (Qwen), 384² → 576 (FLUX.2)
+    assert tokens == {"qwen-edit": 1024, "flux2-klein-9b": 576}[setup.kind]
+    small = dataclasses.replace(setup, transformer_cfg=setup.transformer_cfg | layers)
+    with me.Probe(small) as probe:
+        output = me.latents(probe.backbone, 1).shape[1]  # packed tokens of the output
+        acts = []
+        for count in counts:
+            probe.setup = dataclasses.replace(small, sources=count)
+            acts.append(probe.rollout(1))
+    sequence = [setup.text_len + output + count * tokens for count in counts]
+    assert 0.95 < (acts[1] / acts[0]) / (sequence[1] / sequence[0]) < 1.2
+
+
+def test_z_image_is_built_at_its_published_size(me):
+    """Z-Image's transformer from Tongyi-MAI/Z-Image-Turbo's transformer/config.json has the 6.15 B parameters of its
+    model card; both registered names build it, with Qwen3-4B's 4.0 B counted for the text encoder."""
+    from diffusers import ZImageTransformer2DModel
+
+    with torch.device("meta"):
+        model = ZImageTransformer2DModel(**me.PUBLISHED["z-image"].transformer)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(6.15e9, rel=0.005)
+    assert me.PUBLISHED["z-image-turbo"].transformer is me.PUBLISHED["z-image"].transformer
+    ((params, nbytes),) = me.text_encoder_sizes("z-image", "bf16").values()
+    assert params == pytest.approx(4.02e9, rel=0.01) and nbytes == 2 * params

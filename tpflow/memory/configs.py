@@ -9,7 +9,9 @@ what changes a tensor's shape is needed, the rest keeps diffusers' defaults.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from tpflow.memory.flux2 import FLUX2_DEV, FLUX2_KLEIN_4B, FLUX2_KLEIN_9B, FLUX2_VAE  # FLUX.2's sizes, sources there
+from tpflow.memory.z_image import Z_IMAGE_TRANSFORMER  # Z-Image's size, its source there
 
 SD35_MEDIUM_TRANSFORMER = {  # stabilityai/stable-diffusion-3.5-medium transformer/config.json (2.24 B parameters)
     "sample_size": 128,
@@ -145,7 +147,8 @@ class Model:
     """What the estimate builds for one registered backbone: the family tpflow wraps it in and its configurations."""
 
     title: str  # as the report names it
-    kind: str  # "sd3", "flux", "qwen" or "wan": which tpflow backbone class and which conditioning shapes
+    kind: str  # "sd3", "flux", "kontext", "qwen", "qwen-edit", "flux2-*", "z-image" or "wan": which tpflow backbone
+    # class and which conditioning shapes
     transformer: dict
     vae: dict
 
@@ -158,6 +161,10 @@ PUBLISHED = {
     "flux.1-dev": Model("FLUX.1-dev", "flux", FLUX_DEV_TRANSFORMER, FLUX_VAE),
     "flux.1-kontext-dev": Model("FLUX.1-Kontext-dev", "kontext", FLUX_DEV_TRANSFORMER, FLUX_VAE),  # x2 tokens: source
     "qwen-image": Model("Qwen-Image", "qwen", QWEN_IMAGE_TRANSFORMER, QWEN_VAE),
+    # Qwen/Qwen-Image-Edit-2509: Qwen-Image's transformer and VAE; its sources' tokens appended (recipe_sources)
+    "qwen-image-edit": Model("Qwen-Image-Edit-2509", "qwen-edit", QWEN_IMAGE_TRANSFORMER, QWEN_VAE),
+    "z-image": Model("Z-Image", "z-image", Z_IMAGE_TRANSFORMER, FLUX_VAE),  # 6.15 B (tpflow.memory.z_image)
+    "z-image-turbo": Model("Z-Image-Turbo", "z-image", Z_IMAGE_TRANSFORMER, FLUX_VAE),
     "flux.2-dev": Model("FLUX.2-dev", "flux2-dev", FLUX2_DEV, FLUX2_VAE),  # 32 B (tpflow.memory.flux2)
     "flux.2-klein-4b": Model("FLUX.2-klein-4B", "flux2-klein-4b", FLUX2_KLEIN_4B, FLUX2_VAE),
     "flux.2-klein-9b": Model("FLUX.2-klein-9B", "flux2-klein-9b", FLUX2_KLEIN_9B, FLUX2_VAE),

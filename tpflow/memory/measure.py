@@ -23,7 +23,14 @@ from tpflow.memory.autocast import CudaAutocast
 from tpflow.memory.configs import PUBLISHED, TINY_FLUX, TINY_SD3, TINY_VAE, TINY_WAN, TINY_WAN_VAE
 from tpflow.memory.flops import Flops
 from tpflow.memory.live_bytes import LiveBytes
-from tpflow.memory.models import build_backbone, conditioning, count_bytes, largest_block_bytes, latents
+from tpflow.memory.models import (
+    build_backbone,
+    conditioning,
+    count_bytes,
+    largest_block_bytes,
+    latents,
+    recipe_sources,
+)
 from tpflow.memory.rewards import reward_models
 from tpflow.memory.wan import frozen_expert, step_sigmas
 
@@ -43,7 +50,7 @@ class Setup:
     """What one estimate needs from a recipe (all validated recipe values)."""
 
     name: str
-    kind: str  # "sd3", "flux", "qwen" or "wan"
+    kind: str  # "sd3", "flux", "qwen", "wan"... (tpflow.memory.configs.Model.kind)
     backbone: Any  # the backbone options
     rollout: Any
     train: Any
@@ -60,6 +67,7 @@ class Setup:
     notes: list[str] = field(default_factory=list)  # what the estimate leaves out for this recipe
     optimizer_name: str = "grpo"  # the registered optimizer whose options ``optimizer`` holds
     rewards: list = field(default_factory=list)  # tpflow.memory.rewards.Resident: the reward models on the GPU
+    sources: int = 0  # source images per prompt an editing recipe's calls carry (tpflow.memory.models.recipe_sources)
 
 
 def optimizer_of(setup: Setup) -> Any:
@@ -96,7 +104,8 @@ def setup_of(recipe: Any, name: str) -> Setup:
         )
     kind = PUBLISHED[backbone].kind if backbone in PUBLISHED else TINY_BACKBONES[backbone]
     text_len = options.max_sequence_length + (77 if kind == "sd3" else 0)  # SD3: CLIP 77 tokens + T5, concatenated
-    notes = []
+    sources, source_note = recipe_sources(recipe, kind)
+    notes = [source_note] if source_note else []
     recompute = getattr(recipe.optimizer.options, "recompute", "native")
     if recompute != "native":
         notes.append(
@@ -110,6 +119,7 @@ def setup_of(recipe: Any, name: str) -> Setup:
         completions=made_completions(recipe),
         optimizer_name=recipe.optimizer.name,
         rewards=resident.models,
+        sources=sources,
     )
     if backbone in PUBLISHED:
         model = PUBLISHED[backbone]
@@ -264,7 +274,7 @@ class Probe:
         """Sizes read off the built model: latent, transformer, largest block, VAE, trained parameters."""
         s, backbone, live = self.setup, self.backbone, self.tracker.live  # live: before the probes below
         frozen = frozen_expert(backbone)  # Wan2.2's expert that does not train; None for the others
-        cond = conditioning(backbone, s.kind, 1, s.text_len).tensors  # one prompt's, as the rollout keeps them
+        cond = conditioning(backbone, s.kind, 1, s.text_len, sources=s.sources).tensors  # one prompt's, as kept
         return {
             "latent_numel": latents(backbone, 1).numel(),
             "embeds_bytes": sum(t.numel() * t.element_size() for t in cond.values()),  # [L, D] + pooled [P] / mask
@@ -290,7 +300,7 @@ class Probe:
     def rollout(self, rows: int) -> int:
         """The rollout's velocity call of ``rows`` rows, no grad (CFG doubles the transformer's rows inside)."""
         s, backbone = self.setup, self.backbone
-        cond, z = conditioning(backbone, s.kind, rows, s.text_len), latents(backbone, rows)
+        cond, z = conditioning(backbone, s.kind, rows, s.text_len, sources=s.sources), latents(backbone, rows)
         sigma = torch.full((rows,), 0.5, device="cpu")
         with torch.no_grad():
             return self._peak(lambda: backbone.velocity(z, sigma, cond, s.rollout.guidance))
@@ -314,7 +324,7 @@ class Probe:
 
         def count(module: Any, args: tuple, kwargs: dict) -> None:
             hidden = kwargs.get("hidden_states", args[0] if args else None)
-            seen.append(int(hidden.shape[0]))
+            seen.append(len(hidden) if isinstance(hidden, list) else int(hidden.shape[0]))  # Z-Image: a list
 
         hook = backbone.transformer.register_forward_pre_hook(count, with_kwargs=True)
         try:
@@ -338,8 +348,8 @@ class Probe:
             log_probs=torch.zeros(b, 1, device="cpu"),
             sigmas=torch.tensor([step_sigmas(backbone)], device="cpu").expand(b, 2).clone(),
             noise_level=s.rollout.noise_level, guidance=s.rollout.guidance,
-            cond=conditioning(backbone, s.kind, b, s.text_len), final=torch.randn(shape, device="cpu"),
-            completions=None, cost=RolloutCost(nfe=0.0),
+            cond=conditioning(backbone, s.kind, b, s.text_len, sources=s.sources),
+            final=torch.randn(shape, device="cpu"), completions=None, cost=RolloutCost(nfe=0.0),
         )  # fmt: skip
         grpo, sampler = GRPO(s.optimizer), build("sampler", s.sampler)
 
@@ -363,7 +373,8 @@ class Probe:
         part = Rollout(
             latents=torch.zeros(empty, device="cpu"), next_latents=torch.zeros(empty, device="cpu"),
             log_probs=torch.zeros(b, 0, device="cpu"), sigmas=torch.zeros(b, 1, device="cpu"),
-            noise_level=0.0, guidance=s.rollout.guidance, cond=conditioning(backbone, s.kind, b, s.text_len),
+            noise_level=0.0, guidance=s.rollout.guidance,
+            cond=conditioning(backbone, s.kind, b, s.text_len, sources=s.sources),
             final=torch.randn(shape, device="cpu"), completions=None, cost=RolloutCost(nfe=0.0),
         )  # fmt: skip
         rows, t = torch.arange(b, device="cpu"), torch.full((b,), 0.5, device="cpu")

@@ -18,6 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from tpflow.memory import flux2 as flux2_memory  # FLUX.2's builders (their sizes: tpflow.memory.flux2)
+from tpflow.memory import z_image as z_image_memory  # Z-Image's (tpflow.memory.z_image)
 from tpflow.memory.configs import CLIP_G, CLIP_L, QWEN25_VL_7B, T5_XXL, UMT5_XXL
 
 
@@ -59,12 +60,14 @@ def text_encoder_sizes(kind: str, dtype: str) -> dict[str, tuple[int, int]]:
 
     if kind.startswith("flux2"):  # FLUX.2: Mistral-Small-3 or Qwen3 (tpflow.memory.flux2)
         return {n: encoder_size(m, DTYPE_NAMES[dtype]) for n, m in flux2_memory.flux2_text_encoders(kind).items()}
+    if kind == "z-image":  # Qwen3-4B (tpflow.memory.z_image)
+        return {n: encoder_size(m, DTYPE_NAMES[dtype]) for n, m in z_image_memory.z_image_text_encoders().items()}
     with torch.device("meta"):
         if kind == "wan":
             from transformers import UMT5Config, UMT5EncoderModel
 
             encoders = {"UMT5-XXL encoder": UMT5EncoderModel(UMT5Config(**UMT5_XXL))}
-        elif kind == "qwen":
+        elif kind in ("qwen", "qwen-edit"):
             from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
             encoders = {"Qwen2.5-VL-7B": Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**QWEN25_VL_7B))}
@@ -104,8 +107,10 @@ def build_backbone(kind: str, transformer_cfg: dict, vae_cfg: dict, options: Any
     from tpflow.backbones.flux_kontext import FluxKontextBackbone
     from tpflow.backbones.sd3 import SD3Backbone
 
-    if kind == "qwen":
-        return _qwen_backbone(transformer_cfg, vae_cfg, options)
+    if kind in ("qwen", "qwen-edit"):
+        return _qwen_backbone(transformer_cfg, vae_cfg, options, edit=kind == "qwen-edit")
+    if kind == "z-image":  # Z-Image (tpflow.memory.z_image)
+        return z_image_memory.build_z_image_backbone(transformer_cfg, vae_cfg, options, fake_module_to())
     if kind.startswith("flux2"):  # FLUX.2 (tpflow.memory.flux2)
         return flux2_memory.build_flux2_backbone(transformer_cfg, vae_cfg, options, fake_module_to())  # flux2
     if kind == "wan":
@@ -138,8 +143,9 @@ def build_backbone(kind: str, transformer_cfg: dict, vae_cfg: dict, options: Any
         return {"sd3": SD3Backbone, "kontext": FluxKontextBackbone}.get(kind, FluxBackbone)(pipe, options)
 
 
-def _qwen_backbone(transformer_cfg: dict, vae_cfg: dict, options: Any) -> Any:
-    """tpflow's QwenImageBackbone around a transformer and VAE of the given configurations (no text encoder)."""
+def _qwen_backbone(transformer_cfg: dict, vae_cfg: dict, options: Any, edit: bool = False) -> Any:
+    """tpflow's QwenImageBackbone (``edit``: QwenImageEditBackbone, which holds one) around a transformer and VAE of
+    the given configurations (no text encoder)."""
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
@@ -148,6 +154,7 @@ def _qwen_backbone(transformer_cfg: dict, vae_cfg: dict, options: Any) -> Any:
     )
 
     from tpflow.backbones.qwen_image import QwenImageBackbone
+    from tpflow.backbones.qwen_image_edit import QwenImageEditBackbone
 
     options = options.model_copy(update={"device": "cpu", "prompt_cache": 0})
     pipe: Any = types.SimpleNamespace(
@@ -160,7 +167,7 @@ def _qwen_backbone(transformer_cfg: dict, vae_cfg: dict, options: Any) -> Any:
         _unpack_latents=QwenImagePipeline._unpack_latents,
     )  # fmt: skip
     with fake_module_to():
-        return QwenImageBackbone(pipe, options)
+        return (QwenImageEditBackbone if edit else QwenImageBackbone)(pipe, options)
 
 
 def fake_module_to() -> Any:
@@ -181,12 +188,18 @@ def _swap_fake(t1: torch.Tensor, t2: torch.Tensor, _swap: Callable = torch.utils
     _swap(t1, t2)
 
 
-def conditioning(backbone: Any, kind: str, rows: int, text_len: int, device: str = "cpu") -> Any:
-    """Prompt embeddings of ``rows`` prompts with the shapes the real encoders give (values irrelevant)."""
+def conditioning(backbone: Any, kind: str, rows: int, text_len: int, device: str = "cpu", sources: int = 0) -> Any:
+    """Prompt embeddings of ``rows`` prompts with the shapes the real encoders give (values irrelevant); an editing
+    backbone's ``sources`` per prompt encoded as it encodes them (``source_tokens`` each)."""
     from tpflow.types import Conditioning
 
     if kind.startswith("flux2"):  # FLUX.2's stacked text layers, klein's negative (tpflow.memory.flux2)
-        return flux2_memory.flux2_conditioning(backbone, rows, text_len, device)
+        cond = flux2_memory.flux2_conditioning(backbone, rows, text_len, device)
+        return _flux2_references(backbone, cond, kind, sources, device) if sources else cond
+    if kind == "z-image":  # Qwen3's caption rows with their lengths (tpflow.memory.z_image)
+        return z_image_memory.z_image_conditioning(backbone, rows, text_len, device)
+    if kind == "qwen-edit":
+        return _qwen_edit_conditioning(backbone, rows, text_len, sources, device)
     if kind == "wan":  # UMT5 embeddings padded to max_sequence_length, and the negative prompt's
         from tpflow.memory.wan import wan_conditioning
 
@@ -210,6 +223,79 @@ def conditioning(backbone: Any, kind: str, rows: int, text_len: int, device: str
         )
         img_ids = torch.cat([img_ids, img_ids])
     return Conditioning(tensors, {"txt_ids": txt_ids, "img_ids": img_ids})
+
+
+def source_tokens(kind: str, options: Any) -> int:
+    """Transformer tokens of one source image as the editing backbone feeds it: Qwen-Image-Edit's at
+    ``source_area`` (the output's area when unset) through the pipeline's ``calculate_dimensions``, 16 px per token;
+    FLUX.2's at most ``source_max_pixels`` (a square source of that area: a smaller or oblong one gives fewer)."""
+    from math import isqrt
+
+    if kind == "qwen-edit":
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+
+        side = 16 * (options.resolution // 16)  # the output's pixels as the pipeline rounds them
+        width, height = calculate_dimensions(options.source_area or side * side, 1.0)
+        return (height // 16) * (width // 16)
+    if kind.startswith("flux2"):
+        return (isqrt(options.source_max_pixels) // 16) ** 2
+    return 0
+
+
+def recipe_sources(recipe: Any, kind: str) -> tuple[int, str | None]:
+    """Source images per prompt the estimate counts for an editing recipe, and the note that says so (none and no
+    note for text-to-image). The count is in the data, which ``--no-machine`` does not read: the backbone's most
+    (``source_images``), for an editing dataset (one that declares ``sources``, or ``edit-jsonl``) or a backbone
+    that needs a source; so the figure is the largest edit's."""
+    from tpflow import registry
+    from tpflow.interfaces import capability
+    from tpflow.sources import SOURCES
+
+    if kind not in ("qwen-edit",) and not kind.startswith("flux2"):
+        return 0, None  # FLUX.1 Kontext counts its one source in its kind; the others take none
+    fewest, most = capability(registry.get("backbone", recipe.backbone.name).factory, "source_images")
+    dataset = recipe.dataset.name
+    keys = capability(registry.get("dataset", dataset).factory, "metadata_keys")
+    if most == 0 or not (fewest > 0 or dataset == "edit-jsonl" or (keys is not None and SOURCES in keys)):
+        return 0, None
+    tokens = source_tokens(kind, recipe.backbone.options)
+    note = (
+        f"sources: {most} per prompt, the backbone's most ({recipe.backbone.name} takes {fewest} to {most}; the "
+        f"data's own count is not read), {tokens} transformer tokens each appended to every call's sequence; fewer "
+        f"sources, fewer tokens"
+    )
+    return most, note
+
+
+def _qwen_edit_conditioning(backbone: Any, rows: int, text_len: int, sources: int, device: str) -> Any:
+    """QwenImageEditBackbone.encode's shapes: the instruction's and the negative prompt's embeddings [rows, L, D]
+    with their masks (L = ``max_sequence_length``: the template, each source's image tokens and the text, padded),
+    the sources' packed latents [rows, M·S', 4·C] and the output's and sources' ``img_shapes``."""
+    from tpflow.types import Conditioning
+
+    dim, dtype = backbone.transformer.config.joint_attention_dim, backbone.dtype
+    embeds = torch.randn(rows, text_len, dim, dtype=dtype, device=device)  # [rows, L, D]
+    mask = torch.ones(rows, text_len, dtype=torch.long, device=device)  # [rows, L]
+    width, height = backbone.source_size
+    h, w = height // backbone.image.scale // 2, width // backbone.image.scale // 2  # a source's packed grid
+    latents = torch.randn(rows, sources * h * w, 4 * backbone.channels, dtype=dtype, device=device)  # [rows, M·S', 4C]
+    side = backbone.image.latent_side // 2
+    tensors = {"prompt_embeds": embeds, "mask": mask, "negative_embeds": embeds.clone(), "negative_mask": mask.clone()}
+    shapes = [(1, side, side)] + [(1, h, w)] * sources  # the output's, then each source's
+    return Conditioning({**tensors, "image_latents": latents}, {"img_shapes": shapes})
+
+
+def _flux2_references(backbone: Any, cond: Any, kind: str, sources: int, device: str) -> Any:
+    """FLUX.2's text-to-image conditioning with ``sources`` references per row appended as ``Flux2Backbone.encode``
+    appends them: ``ref_latents`` [rows, M·R, 4·C], one layout (every row's sources of one size) and its ids."""
+    from tpflow.types import Conditioning
+
+    rows, tokens = len(cond), sources * source_tokens(kind, backbone.options)
+    refs = torch.randn(rows, tokens, backbone.channels, dtype=backbone.dtype, device=device)  # [rows, M·R, 4C]
+    layout = torch.zeros(rows, dtype=torch.long, device=device)  # [rows]
+    ids = torch.zeros(tokens, 4, dtype=torch.long, device=device)  # [M·R, 4]
+    tensors = {**cond.tensors, "ref_latents": refs, "ref_layout": layout}
+    return Conditioning(tensors, {**cond.extras, "ref_ids": [ids]})
 
 
 def latents(backbone: Any, rows: int) -> torch.Tensor:

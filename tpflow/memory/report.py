@@ -103,7 +103,11 @@ def report(setup: Any, m: dict[str, Any], world_sizes: tuple[int, ...] = (1, 8, 
     rows = component_rows(setup, m, unit)
     static = static_bytes(setup, m, rows, 1)
     ckpt = b.gradient_checkpointing
-    cfg = " (×2 with CFG)" if setup.kind in ("sd3", "qwen", "wan") and setup.rollout.guidance != 1 else ""
+    cfg = (
+        " (×2 with CFG)"
+        if setup.kind in ("sd3", "qwen", "qwen-edit", "z-image", "wan") and setup.rollout.guidance != 1
+        else ""
+    )
     rows_t = m["train_rows"]
     step = training_step(setup)
     act = [
