@@ -254,17 +254,22 @@ def test_the_wan_recipes_rollout_rows_follow_their_credit(me):
 
 
 @pytest.mark.parametrize(
-    ("recipe", "layers", "counts"),
+    ("recipe", "layers", "vae", "counts"),
     [
-        ("qwen_image/edit_plus_flowgrpo.toml", {"num_layers": 1}, (1, 3)),
-        ("flux/flux2_klein_edit_flowgrpo.toml", {"num_layers": 1, "num_single_layers": 1}, (0, 2)),
+        ("qwen_image/edit_plus_flowgrpo.toml", {"num_layers": 1}, {"num_res_blocks": 1}, (1, 3)),
+        (
+            "flux/flux2_klein_edit_flowgrpo.toml",
+            {"num_layers": 1, "num_single_layers": 1},
+            {"layers_per_block": 1},
+            (0, 2),
+        ),
     ],
 )
-def test_an_edit_recipes_calls_grow_by_their_sources_tokens(me, recipe, layers, counts):
+def test_an_edit_recipes_calls_grow_by_their_sources_tokens(me, recipe, layers, vae, counts):
     """The editing recipes count the backbone's most sources per prompt (the data's count is not read), and say so;
     each source's tokens join every transformer call's sequence, so the velocity call's activations (one block of
-    the published width, fake tensors) grow in proportion to the whole sequence: text + output + sources' tokens
-    (FLUX.2 with none is its text-to-image call)."""
+    the published width, fake tensors; the VAE, which the call does not run, lighter) grow in proportion to the
+    whole sequence: text + output + sources' tokens (FLUX.2 with none is its text-to-image call)."""
     import dataclasses
 
     from tpflow.memory.models import source_tokens
@@ -274,7 +279,7 @@ def test_an_edit_recipes_calls_grow_by_their_sources_tokens(me, recipe, layers, 
     assert setup.sources == most and any(f"sources: {most} per prompt, the backbone's most" in n for n in setup.notes)
     tokens = source_tokens(setup.kind, setup.backbone)  # 512² → 1024 (Qwen), 384² → 576 (FLUX.2)
     assert tokens == {"qwen-edit": 1024, "flux2-klein-9b": 576}[setup.kind]
-    small = dataclasses.replace(setup, transformer_cfg=setup.transformer_cfg | layers)
+    small = dataclasses.replace(setup, transformer_cfg=setup.transformer_cfg | layers, vae_cfg=setup.vae_cfg | vae)
     with me.Probe(small) as probe:
         output = me.latents(probe.backbone, 1).shape[1]  # packed tokens of the output
         acts = []
