@@ -283,3 +283,20 @@ def test_half_precision_base_trains_an_fp32_adapter():
     v.square().mean().backward()
     grads = [p.grad for p in params if p.grad is not None]
     assert grads and all(g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize(
+    "name", ["flux.1-kontext-dev", "qwen-image-edit", "flux.2-klein-4b", "flux.2-dev", "z-image", "z-image-turbo"]
+)
+def test_a_diffusers_without_the_pipeline_says_which_it_needs(monkeypatch, name):
+    """The editing and 2026 pipelines came with diffusers 0.42: on an older one (a module without them), building the
+    backbone is one paragraph naming the class and the version to install, not an ImportError."""
+    import sys
+    import types
+
+    from tpflow import registry
+
+    monkeypatch.setitem(sys.modules, "diffusers", types.SimpleNamespace(__version__="0.32.2"))
+    entry = registry.get("backbone", name)
+    with pytest.raises(UserError, match=r"needs diffusers' \w+Pipeline, which the installed diffusers 0.32.2"):
+        entry.factory(entry.options())

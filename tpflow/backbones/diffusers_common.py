@@ -382,3 +382,17 @@ def decode_latents(vae: Any, latents: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         image = vae.decode(x.to(next(vae.parameters()).device), return_dict=False)[0]
     return (image.float() / 2 + 0.5).clamp(0, 1)
+
+
+def pipeline_class(name: str, model_name: str) -> Any:
+    """diffusers' pipeline class ``name``; a UserError saying which diffusers has it when the installed one does not
+    (the editing and 2026 pipelines came with diffusers 0.42, after the oldest release tpflow otherwise supports)."""
+    import diffusers
+
+    found = getattr(diffusers, name, None)  # diffusers' lazy module: an unknown name is None here, not an import
+    if found is None:
+        raise UserError(
+            f"{model_name} needs diffusers' {name}, which the installed diffusers {diffusers.__version__} does not "
+            "have: upgrade it (pip install 'diffusers>=0.42')."
+        )
+    return found

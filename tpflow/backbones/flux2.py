@@ -43,6 +43,7 @@ from tpflow.backbones.diffusers_common import (
     attach_preflight,
     fp32_parts,
     load_pipeline,
+    pipeline_class,
     pretrained_source,
     setup_pipeline,
 )
@@ -301,9 +302,7 @@ def distilled_problems(options: Flux2DevOptions, settings: dict) -> list[str]:
 
 
 def _load(options: Flux2DevOptions, klein: bool, model_name: str) -> Flux2Backbone:
-    from diffusers import Flux2KleinPipeline, Flux2Pipeline
-
-    pipeline = Flux2KleinPipeline if klein else Flux2Pipeline
+    pipeline = pipeline_class("Flux2KleinPipeline" if klein else "Flux2Pipeline", model_name)
     pipe = load_pipeline(pipeline, options.pretrained, DTYPES[options.dtype], model_name, fp32=fp32_parts(options))
     return Flux2Backbone(pipe, options)
 

@@ -33,7 +33,7 @@ from pydantic import Field
 from torch import Tensor
 
 from tpflow.backbones import option_help
-from tpflow.backbones.diffusers_common import DTYPES, attach_preflight, fp32_parts, load_pipeline
+from tpflow.backbones.diffusers_common import DTYPES, attach_preflight, fp32_parts, load_pipeline, pipeline_class
 from tpflow.backbones.flux import FluxBackbone, FluxOptions
 from tpflow.errors import UserError
 from tpflow.registry import register
@@ -109,12 +109,10 @@ class FluxKontextBackbone(FluxBackbone):
 @register("backbone", "flux.1-kontext-dev", options=FluxKontextOptions)
 def flux_1_kontext_dev(options: FluxKontextOptions) -> FluxKontextBackbone:
     """FLUX.1 Kontext [dev] from a hub id (local HF cache) or a local folder; fails fast, naming what is missing."""
-    from diffusers import FluxKontextPipeline
-
+    pipeline = pipeline_class("FluxKontextPipeline", "FLUX.1 Kontext")
     pipe = load_pipeline(
-        FluxKontextPipeline, options.pretrained, DTYPES[options.dtype], "FLUX.1-Kontext-dev",
-        fp32=fp32_parts(options),
-    )  # fmt: skip
+        pipeline, options.pretrained, DTYPES[options.dtype], "FLUX.1-Kontext-dev", fp32=fp32_parts(options)
+    )
     return FluxKontextBackbone(pipe, options)
 
 

@@ -49,7 +49,7 @@ from pydantic import Field
 from torch import Tensor
 
 from tpflow.backbones import option_help
-from tpflow.backbones.diffusers_common import DTYPES, attach_preflight, fp32_parts, load_pipeline
+from tpflow.backbones.diffusers_common import DTYPES, attach_preflight, fp32_parts, load_pipeline, pipeline_class
 from tpflow.backbones.diffusers_lora import AdapterMethods
 from tpflow.backbones.qwen_image import QwenImageBackbone, QwenImageOptions
 from tpflow.errors import UserError
@@ -238,12 +238,10 @@ class QwenImageEditBackbone(AdapterMethods):
 def qwen_image_edit(options: QwenImageEditOptions) -> QwenImageEditBackbone:
     """Qwen-Image-Edit-2509 (Qwen-Image's 20 B MMDiT and Qwen2.5-VL 7 B, which sees the sources) from a hub id
     (local HF cache) or a local folder; fails fast, naming what is missing."""
-    from diffusers import QwenImageEditPlusPipeline
-
+    pipeline = pipeline_class("QwenImageEditPlusPipeline", "Qwen-Image-Edit")
     pipe = load_pipeline(
-        QwenImageEditPlusPipeline, options.pretrained, DTYPES[options.dtype], "Qwen-Image-Edit-2509",
-        fp32=fp32_parts(options),
-    )  # fmt: skip
+        pipeline, options.pretrained, DTYPES[options.dtype], "Qwen-Image-Edit-2509", fp32=fp32_parts(options)
+    )
     return QwenImageEditBackbone(pipe, options)
 
 

@@ -38,6 +38,7 @@ from tpflow.backbones.diffusers_common import (
     decode_latents,
     fp32_parts,
     load_pipeline,
+    pipeline_class,
     scheduler_sigmas,
     setup_pipeline,
 )
@@ -211,8 +212,7 @@ def turbo_guidance_problems(options: Any, sections: dict) -> list[str]:
 def z_image(options: ZImageOptions) -> ZImageBackbone:
     """Z-Image (a 6.15 B single-stream DiT with a Qwen3-4B text encoder) from a hub id (local HF cache) or a local
     folder; fails fast, naming what is missing."""
-    from diffusers import ZImagePipeline
-
+    ZImagePipeline = pipeline_class("ZImagePipeline", "Z-Image")  # noqa: N806
     pipe = load_pipeline(
         ZImagePipeline, options.pretrained, DTYPES[options.dtype], "Z-Image", fp32=fp32_parts(options)
     )
@@ -222,8 +222,7 @@ def z_image(options: ZImageOptions) -> ZImageBackbone:
 @register("backbone", "z-image-turbo", options=ZImageTurboOptions)
 def z_image_turbo(options: ZImageTurboOptions) -> ZImageBackbone:
     """Z-Image-Turbo (Z-Image distilled to 8 steps without CFG), as ``z-image``."""
-    from diffusers import ZImagePipeline
-
+    ZImagePipeline = pipeline_class("ZImagePipeline", "Z-Image")  # noqa: N806
     pipe = load_pipeline(
         ZImagePipeline, options.pretrained, DTYPES[options.dtype], "Z-Image-Turbo", fp32=fp32_parts(options)
     )
