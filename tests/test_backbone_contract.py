@@ -15,6 +15,7 @@ from tpflow.backbones import tiny, tiny_kontext
 from tpflow.backbones.flux_kontext import source_images
 from tpflow.rollout import Window, rollout, sample_ode
 from tpflow.samplers.cps import CpsSampler
+from tpflow.train.sharding import BLOCK_LISTS
 
 from .conftest import exact_fp32
 from .qwen_edit_pipeline import tiny_edit_reference  # QwenImageEditPlusPipeline, one prompt per call
@@ -143,6 +144,10 @@ def test_the_contract_of_full_fine_tuning(real, tmp_path):
     backbone = registry.build("backbone", name, seed=0, resolution=twin.options["height"], finetune="full")
     trained = backbone.trainable_parameters()
     assert [id(p) for p in trained] == [id(p) for p in backbone.transformer.parameters()]
+    # FSDP2 shards each repeated block on its own (tpflow.train.sharding.BLOCK_LISTS): a list of blocks it did not
+    # know would be gathered whole with the root, the model's largest share at once on a real-size model
+    lists = {n for n, m in backbone.transformer.named_children() if isinstance(m, torch.nn.ModuleList) and len(m)}
+    assert lists and lists <= set(BLOCK_LISTS), (real, lists - set(BLOCK_LISTS))
     assert all(p.requires_grad and p.dtype == torch.float32 for p in trained)
     frozen = list(backbone.vae.parameters())
     for encoder in ("text_encoder", "text_encoder_2", "text_encoder_3"):

@@ -43,8 +43,10 @@ from tpflow.errors import UserError
 from tpflow.interfaces import capability
 from tpflow.shards import full, gathered_to_host, is_sharded, like  # noqa: F401 (re-exported)
 
-# the lists of repeated blocks each sharded on its own: SD3 / FLUX / Qwen-Image, FLUX's single blocks, shapes-dit
-BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "text_layers")
+# the lists of repeated blocks each sharded on its own: SD3 / FLUX / FLUX.2 / Qwen-Image, FLUX's single blocks, Wan
+# and shapes-dit, shapes-dit's text layers; Z-Image's main layers and its noise and caption refiners
+BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "text_layers", "layers", "noise_refiner",
+               "context_refiner", "siglip_refiner")  # fmt: skip
 
 
 def equal_eval_shares(images: int, processes: int) -> None:
