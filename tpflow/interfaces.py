@@ -88,7 +88,10 @@ CAPABILITIES: dict[str, Any] = {
 
 
 def capability(component: Any, name: str) -> Any:
-    """``name`` of a component, or of its registered factory, else its declared default (``CAPABILITIES``)."""
+    """``name`` as declared on ``component``, else its declared default (``CAPABILITIES``). It reads only what it is
+    given: a built object, or a registered factory when a caller asks before building (recipe checks do). So a
+    capability is declared on the class the factory builds *and* on the factory when both are asked, as the editing
+    backbones declare ``source_images``."""
     if name not in CAPABILITIES:
         raise KeyError(f"{name!r} is not a declared capability; declare it in tpflow.interfaces.CAPABILITIES.")
     return getattr(component, name, CAPABILITIES[name])
