@@ -262,6 +262,7 @@ def _inspect_recipe(
     eval give them) are printed, so nothing loads for a mistake."""
     from tpflow.data.source_counts import command_sources
     from tpflow.inspect import inspect_sampled
+    from tpflow.inspect.traces import dataset_sources
     from tpflow.recipe import load_recipe
 
     if not prompt:
@@ -269,8 +270,11 @@ def _inspect_recipe(
     from tpflow.preflight import check_machine
 
     loaded = load_recipe(recipe, set_ or [])
-    sources = command_sources(loaded.backbone.name, image)
+    from_dataset = [] if image else dataset_sources(loaded, prompt)  # an editing dataset's item carries its source
+    sources = command_sources(loaded.backbone.name, image) if not from_dataset else None
     print_report(check_machine(loaded))  # devices, weight files, prompts: before anything loads
+    if from_dataset:
+        warn(f"No --image: editing the dataset's first item with this instruction, source {', '.join(from_dataset)}.")
 
     from tpflow.preflight import prompt_warnings
 

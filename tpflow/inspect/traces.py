@@ -90,6 +90,18 @@ def find_prompt(recipe: Recipe, prompt: str) -> tuple[dict[str, Any] | None, lis
     return None, examples
 
 
+def dataset_sources(recipe: Recipe, prompt: str) -> list[str]:
+    """The source references of ``prompt``'s first item in the recipe's dataset ([] when it has none, the prompt is
+    not there or the dataset cannot be read: the command then asks for ``--image``, naming what it needs)."""
+    from tpflow.sources import SOURCES
+
+    try:
+        metadata, _ = find_prompt(recipe, prompt)
+    except UserError:
+        return []
+    return list((metadata or {}).get(SOURCES) or [])
+
+
 def sample_trajectories(
     recipe: Recipe,
     prompt: str,
