@@ -5,9 +5,11 @@ the line)."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -76,6 +78,13 @@ def test_the_plain_layout_and_flow_grpos_kontext_layout_read_to_the_same_items(t
     assert a.summary == "3 lines read, 2 source image(s) checked (headers only)"
 
 
+def _jpeg() -> bytes:
+    """A 64x48 JPEG of noise (about 2.5 kB, most of it the scan)."""
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
 def _hostile(tmp_path: Path, case: str) -> tuple[Path, str]:
     """A one-line edit file whose source is wrong in the way ``case`` names, and what the refusal must say."""
     source = tmp_path / "src.png"
@@ -85,6 +94,9 @@ def _hostile(tmp_path: Path, case: str) -> tuple[Path, str]:
     elif case == "corrupt":
         data = png(source).read_bytes()
         source.write_bytes(data[: len(data) - 10])  # cut short, as by a download that stopped: the header still reads
+        expected = "is corrupt or truncated"
+    elif case == "truncated jpeg":  # a JPEG's header and verify() read no body: the cut is found by decoding it
+        source.write_bytes(_jpeg()[:-600])  # its header (tables included) whole, its scan cut short
         expected = "is corrupt or truncated"
     elif case == "not an image":
         source.write_text("just some text\n")
@@ -96,7 +108,7 @@ def _hostile(tmp_path: Path, case: str) -> tuple[Path, str]:
     return write_jsonl(tmp_path / "edits.jsonl", lines), expected
 
 
-@pytest.mark.parametrize("case", ["missing", "corrupt", "not an image", "too small"])
+@pytest.mark.parametrize("case", ["missing", "corrupt", "truncated jpeg", "not an image", "too small"])
 def test_a_bad_source_is_refused_naming_the_file_and_the_line(tmp_path, case) -> None:
     file, expected = _hostile(tmp_path, case)
     with pytest.raises(UserError) as err:
@@ -128,3 +140,13 @@ def test_a_missing_kontext_folder_is_named_with_the_file_looked_for_in_it(tmp_pa
     with pytest.raises(UserError) as err:
         build(path=str(tmp_path / "counting_edit"), layout="flow_grpo-kontext")
     assert f"{tmp_path / 'counting_edit' / 'train_metadata.jsonl'} was not found" in str(err.value), str(err.value)
+
+
+def test_a_whole_jpeg_passes_with_or_without_a_trailer(tmp_path) -> None:
+    """A JPEG whose last bytes are not its end marker is decoded to be sure: a trailer (a motion photo's) reads."""
+    from tpflow.data.edit_jsonl import image_problem
+
+    whole, trailer = tmp_path / "whole.jpg", tmp_path / "trailer.jpg"
+    whole.write_bytes(_jpeg())
+    trailer.write_bytes(_jpeg() + b"ftypmp42" * 64)
+    assert image_problem(whole, 8) is None and image_problem(trailer, 8) is None

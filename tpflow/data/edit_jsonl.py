@@ -184,14 +184,24 @@ def _resolve(ref: str, folder: Path) -> str:
     return str(folder / Path(ref).expanduser())
 
 
+def _ends_with_eoi(path: Path) -> bool:
+    """Whether a JPEG file ends with its end-of-image marker FF D9, as a whole one does (a download cut short not)."""
+    with open(path, "rb") as file:
+        file.seek(-2, 2)
+        return file.read(2) == b"\xff\xd9"
+
+
 def image_problem(path: Path, min_side: int) -> str | None:
     """Why ``path`` is no usable source image (a sentence), read from its header alone; None when it is one."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as image:  # reads the header: format and size, no pixels
-            width, height = image.size
+            width, height, fmt = *image.size, image.format
             image.verify()  # the file's structure (PNG chunks and their checksums), still no pixels decoded
+        if fmt == "JPEG" and not _ends_with_eoi(path):  # verify() checks nothing of a JPEG's body
+            with Image.open(path) as image:
+                image.load()  # only such a file is decoded: a cut one raises, one with a trailer (motion photos) reads
     except FileNotFoundError:
         return f"the source image {path} does not exist"
     except IsADirectoryError:
