@@ -5,7 +5,8 @@ test, train      the recipe's dataset splits (test: what training evaluates on; 
 geneval          GenEval-style prompts with GenEval metadata, generated (tpflow.data.geneval's test split);
                  for GenEval's official 553 prompts pass its evaluation_metadata.jsonl as a file
 ocr              the OCR test prompts (tpflow.data.ocr's test split: texts never seen in training)
-PATH.jsonl       {"prompt": ..., <metadata>} per line; GenEval metadata lines (tag, include) are read as such
+PATH.jsonl       {"prompt": ..., <metadata>} per line; GenEval metadata lines (tag, include) are read as such;
+                 for an editing backbone, an edit-jsonl file ({"prompt", "source" or "sources", <metadata>} per line)
 PATH (other)     one prompt per line
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from tpflow import registry
 from tpflow.errors import UserError
+from tpflow.interfaces import capability
 from tpflow.recipe import Recipe
 from tpflow.train.evaluation import eval_split
 from tpflow.types import PromptItem
@@ -44,10 +46,21 @@ def prompt_set(name: str, recipe: Recipe) -> tuple[list[PromptItem], str | None]
     if not path.is_file():
         raise UserError(f"Prompt set {path} is not a regular file; give a .jsonl or a text file of prompts.")
     if path.suffix == ".jsonl":
+        if _edits_images(recipe):  # each line's instruction with its source(s), checked as training checks them
+            min_side = getattr(recipe.dataset.options, "min_side", 1)  # the recipe's own limit for an edit-jsonl
+            return list(
+                registry.build("dataset", "edit-jsonl", path=str(path), min_side=min_side).split("train")
+            ), None
         if _is_geneval_metadata(path):
             return list(registry.build("dataset", "geneval", train_size=1, test_path=str(path)).split("test")), None
         return list(registry.build("dataset", "jsonl", path=str(path)).split("train")), None
     return list(registry.build("dataset", "text-file", path=str(path)).split("train")), None
+
+
+def _edits_images(recipe: Recipe) -> bool:
+    """Whether the recipe's backbone takes source images (capability ``source_images``): its prompt file is then an
+    edit-jsonl file (tpflow.data.edit_jsonl, plain layout: a "source" or "sources" per line, relative to the file)."""
+    return tuple(capability(registry.get("backbone", recipe.backbone.name).factory, "source_images"))[1] > 0
 
 
 def _is_geneval_metadata(path: Path) -> bool:
