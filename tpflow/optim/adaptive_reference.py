@@ -1,5 +1,5 @@
-"""GARDO's adaptive reference (``[optimizer] adaptive_reference``, grpo): the KL's reference is a held copy of the
-adapter, reset to the policy now and then, instead of the base model (docs/algorithm.md §10.9).
+"""GARDO's adaptive reference (``[optimizer] adaptive_reference``, grpo and nft): the KL's reference is a held copy
+of the adapter, reset to the policy now and then, instead of the base model (docs/algorithm.md §10.9).
 
 A KL to the base model holds the policy near where it started for the whole run; GARDO's resets let it move on once
 it has moved far enough: before an epoch's update the copy becomes the current policy when an optimizer step of an
@@ -7,6 +7,12 @@ earlier update saw its mean KL above ``threshold`` (the reference's ``kl_thres``
 (``reset_freq``) have passed since the last reset. The first update copies the adapter as it starts, without counting
 a reset. Everything here is the optimizer's checkpointed state (:meth:`state`), so a resumed run resets when the
 uninterrupted one does.
+
+GARDO's DiffusionNFT script (tinnerhrhe/GARDO at 52fd5e7, ``scripts/train_sd3_nft_gardo.py``) also moves the
+threshold at each reset (``moves``, nft's ``reference_reset_kl_moves``): after a reset more than ``every`` updates
+after the previous one it becomes max(threshold − 0.01, 0.1), after one fewer than 5 updates after it
+min(threshold + 0.01, 0.05), the script's constants as they are (the second rule sets 0.05 from any threshold
+above it, the first 0.1 from any below it).
 """
 
 from __future__ import annotations
@@ -20,13 +26,15 @@ from torch import Tensor
 from tpflow.errors import UserError
 
 STATE_KEY = "adaptive_reference"  # its entry in the optimizer's state
+# the DiffusionNFT script's threshold rule (``moves``): its step, floor after a long gap, short gap, cap after one
+MOVE_STEP, AFTER_LONG_FLOOR, SHORT_GAP, AFTER_SHORT_CAP = 0.01, 0.1, 5, 0.05
 
 
 class AdaptiveReference:
     """The copy (one tensor per trained parameter), the update count, the epoch of the last reset and the flag."""
 
-    def __init__(self, every: int, threshold: float) -> None:
-        self.every, self.threshold = every, threshold
+    def __init__(self, every: int, threshold: float, moves: bool = False) -> None:
+        self.every, self.threshold, self.moves = every, threshold, moves
         self.copy: list[Tensor] | None = None
         self.updates = 0  # updates begun: the reference's epoch of the next one
         self.last_reset = 0  # the reference's prev_epoch
@@ -41,6 +49,12 @@ class AdaptiveReference:
             with torch.no_grad():
                 for held, p in zip(self.copy, params, strict=True):
                     held.copy_(p.detach())
+            if self.moves:  # the script's order: the long-gap rule, then the short-gap one
+                gap = epoch - self.last_reset
+                if gap > self.every:
+                    self.threshold = max(self.threshold - MOVE_STEP, AFTER_LONG_FLOOR)
+                if gap < SHORT_GAP:
+                    self.threshold = min(self.threshold + MOVE_STEP, AFTER_SHORT_CAP)
             self.flagged, self.last_reset, reset = False, epoch, True
         self.updates += 1
         return reset
@@ -58,8 +72,8 @@ class AdaptiveReference:
 
         copy = None if self.copy is None else [t.detach().clone() if is_sharded(t) else t.detach().cpu().clone()
                                                for t in self.copy]  # fmt: skip
-        return {STATE_KEY: {"copy": copy, "updates": self.updates, "last_reset": self.last_reset,
-                            "flagged": self.flagged}}  # fmt: skip
+        held = {"copy": copy, "updates": self.updates, "last_reset": self.last_reset, "flagged": self.flagged}
+        return {STATE_KEY: {**held, "threshold": self.threshold} if self.moves else held}
 
     def load(self, state: dict, params: Sequence[Tensor]) -> None:
         """Restore :meth:`state` (``UserError`` when the checkpoint has none or another adapter's)."""
@@ -82,17 +96,20 @@ class AdaptiveReference:
                                                zip(copy, params, strict=True)]  # fmt: skip
         self.updates, self.last_reset = int(held["updates"]), int(held["last_reset"])
         self.flagged = bool(held["flagged"])
+        self.threshold = float(held.get("threshold", self.threshold))  # a moving threshold's, when saved
 
 
-def adaptive_problems(options: Any) -> list[str]:
-    """The recipe's limits for ``adaptive_reference`` (grpo's options), before anything loads."""
+def adaptive_problems(options: Any, weight: tuple[str, float, str] | None = None) -> list[str]:
+    """The recipe's limits for ``adaptive_reference`` (grpo's or nft's options), before anything loads. ``weight``:
+    the KL weight's (name, value, GARDO's value), grpo's beta unless given."""
     if not options.adaptive_reference:
         return []
-    if options.beta == 0:
+    name, value, gardo = weight if weight is not None else ("beta", options.beta, "GARDO's OCR config: 0.04")
+    if value == 0:
         return [
-            "[optimizer] adaptive_reference = true with beta = 0: the held reference copy is read only by the KL "
-            "term, which beta = 0 turns off (GARDO resets its reference only when beta > 0), so the option would "
-            "change nothing. Set beta > 0 (GARDO's OCR config: 0.04) or drop adaptive_reference."
+            f"[optimizer] adaptive_reference = true with {name} = 0: the held reference copy is read only by the KL "
+            f"term, which {name} = 0 turns off (GARDO resets its reference only when its KL weight is > 0), so the "
+            f"option would change nothing. Set {name} > 0 ({gardo}) or drop adaptive_reference."
         ]
     if options.recompute == "retain":
         return [

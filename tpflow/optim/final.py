@@ -92,8 +92,11 @@ def first_row(loop: AdamWLoop, n: int) -> int:
 def final_advantages(step_rewards: Tensor, groups: Sequence[Hashable], options: Any) -> Tensor:
     """[N, 1] float64: the final reward R_W (``step_rewards`` [N, W]'s last column) normalised within its prompt
     group, with the options' ``global_std`` and clipped at their ``adv_clip_max``: what every optimizer on final
-    samples trains on (one advantage per image)."""
-    return group_advantages(step_rewards[:, -1:], groups, global_std=options.global_std, clip=options.adv_clip_max)
+    samples trains on (one advantage per image). An ``advantage_std`` option (nft's) picks the std's ddof, or none
+    (the reward minus its group's mean: GARDO's, docs/algorithm.md §10.9)."""
+    std = getattr(options, "advantage_std", "population")
+    return group_advantages(step_rewards[:, -1:], groups, global_std=options.global_std, clip=options.adv_clip_max,
+                            correction=1 if std == "sample" else 0, divide=std != "none")  # fmt: skip
 
 
 def check_advantages(advantages: Tensor, n: int) -> None:
@@ -191,11 +194,12 @@ class LaggedCopy:
 def frozen_velocities(
     backbone: Backbone, precision: Precision, lagged: contextlib.AbstractContextManager[None] | None,
     inputs: Sequence[tuple[Tensor, Tensor]], cond: Conditioning, guidance: float, *, live: bool = False,
-    reference: float | None = None,
+    reference: float | None = None, held: contextlib.AbstractContextManager[None] | None = None,
 ) -> list[tuple[Tensor | None, Tensor | None, Tensor | None]]:  # fmt: skip
     """(v_θ, v_old, v_ref) without grad of each (x_t, t) of ``inputs``: the live adapter's (only with ``live``,
     else None), the lagged copy's under the one swap ``lagged`` (``LaggedCopy.swapped``; None: not run), the
-    adapter-disabled model's at guidance ``reference`` (None: not run). Each forward has its own autocast region,
+    reference's at guidance ``reference`` (None: not run): the adapter-disabled model, or under ``held`` (GARDO's
+    adaptive reference copy swapped in, ``tpflow.optim.adaptive_reference``). Each forward has its own autocast region,
     entered after the swap and left before the values come back: no weight changes inside a region
     (tpflow.precision)."""
     autocast, n = precision.autocast, len(inputs)
@@ -212,7 +216,7 @@ def frozen_velocities(
                 with autocast():
                     olds[j] = backbone.velocity(x_t, t, cond, guidance)
         if reference is not None:
-            with backbone.reference():
+            with held if held is not None else backbone.reference():
                 for j, (x_t, t) in enumerate(inputs):
                     with autocast():
                         refs[j] = backbone.velocity(x_t, t, cond, reference)
@@ -230,17 +234,22 @@ class NoisedMethod:
     loss: Callable[..., RowLoss]
     kl: bool  # whether the loss reads v_ref (the reference pass runs only then)
     old: bool = True  # whether the loss reads v_old (the lagged copy's pass runs only then)
+    # the reference's weights for the pass (a fresh context per micro-batch, e.g. a held copy swapped in); None: the
+    # adapter-disabled model
+    reference: Callable[[], contextlib.AbstractContextManager[None]] | None = None
+    kl_weights: Tensor | None = None  # [N] per-sample KL weights on the device (GARDO's gate), the loss's kl_weights
 
 
 def noised_update(
     loop: AdamWLoop, options: Any, lagged: LaggedCopy, backbone: Backbone, batch: Rollout, advantages: Tensor,
     method: NoisedMethod, on_step: Callable[[int], object] | None,
+    before_step: Callable[[list[Any]], None] | None = None,
 ) -> tuple[dict[str, float], Tensor]:  # fmt: skip
     """One pass (``num_inner_epochs`` passes) over the final samples of ``batch``: each pass shuffles them, cuts
     micro-batches, and trains each sample at its own times (``method.times``), each with its own noise, against the
     lagged copy's velocity (and the reference's); the loop's uniform row weights, precision and AdamW do the rest.
     Returns the loop's metrics with ``trajectories_trained``, and the samples' weights [N] (for the method's own
-    metrics). The lagged copy does not move here: the method moves it after."""
+    metrics). The lagged copy does not move here: the method moves it after. ``before_step``: the loop's."""
     o, n = options, len(batch.final)
     check_advantages(advantages, n)
     device = batch.final.device
@@ -268,12 +277,15 @@ def noised_update(
         # pending here: the loop advances this generator between backward passes)
         swap = lagged.swapped(loop.params) if method.old else None
         inputs, reference = list(zip(x_t, t, strict=True)), batch.guidance if method.kl else None
-        frozen = frozen_velocities(backbone, loop.precision, swap, inputs, cond, batch.guidance, reference=reference)
+        held = method.reference() if method.reference is not None and method.kl else None
+        frozen = frozen_velocities(backbone, loop.precision, swap, inputs, cond, batch.guidance, reference=reference,
+                                   held=held)  # fmt: skip
+        extra = {} if method.kl_weights is None else {"kl_weights": method.kl_weights[mb]}
         for j, (_, v_old, v_ref) in enumerate(frozen):
             yield functools.partial(method.loss, backbone, x0, x_t[j], t[j], cond, batch.guidance, r[mb], v_old, v_ref,
-                                    noise[j])  # fmt: skip
+                                    noise[j], **extra)  # fmt: skip
 
     filler = (torch.zeros(1, dtype=torch.long, device=device), [0])  # a sharded step's padding: sample 0, weight 0
-    result = loop.run(o, passes(), losses, on_step, filler=filler)
+    result = loop.run(o, passes(), losses, on_step, filler=filler, before_step=before_step)
     result["trajectories_trained"] = float(n)
     return result, r

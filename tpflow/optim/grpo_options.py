@@ -83,7 +83,8 @@ class GRPOOptions(AdamWOptions):
         False,
         description="GARDO's adaptive reference: the KL's reference is a held copy of the adapter, reset to the "
         "policy when a step's mean KL exceeded reference_reset_kl or after reference_reset_every updates, instead "
-        "of the adapter-disabled model (tpflow.optim.adaptive_reference; needs beta > 0; docs/algorithm.md §10.9).",
+        "of the adapter-disabled model (tpflow.optim.adaptive_reference; needs a KL weight > 0, grpo's beta or nft's "
+        "kl_weight; docs/algorithm.md §10.9).",
     )
     reference_reset_every: int = Field(
         15,
@@ -101,7 +102,8 @@ class GRPOOptions(AdamWOptions):
         False,
         description="GARDO's gated KL: the KL term only for the samples whose main reward ranks them lowest against "
         "the auxiliary rewards (a fraction φ of those with u ≥ 0, φ moved by a controller), each gated row's KL "
-        "weighted by 1/(the epoch's gated fraction) (tpflow.optim.kl_gate; needs beta > 0; docs/algorithm.md §10.9).",
+        "weighted by 1/(the epoch's gated fraction) (nft: see kl_gate_batch) (tpflow.optim.kl_gate; needs a KL "
+        "weight > 0, grpo's beta or nft's kl_weight; docs/algorithm.md §10.9).",
     )
     kl_gate_main: str | None = Field(
         None,

@@ -6,16 +6,22 @@ the main reward ranks the sample lower than the others do), and keeps the KL for
 u ≥ 0 whose u is largest. φ moves with how large u has been lately (:class:`GateFraction`, the reference's
 ``RiskCompensator``), within [0.02, 0.2].
 
-``[optimizer] kl_gate`` (grpo) wires it: :class:`KLGate` reads the rewards from the update's ``Rollout.reward_details``
-(the final samples' reward parts, which the sampling stage keeps for an optimizer that declares
-``reads_reward_details``), ranks the N samples of every process, and gives each row the KL weight g / f, f the
+``[optimizer] kl_gate`` (grpo, nft) wires it: :class:`KLGate` reads the rewards from the update's
+``Rollout.reward_details`` (the final samples' reward parts, which the sampling stage keeps for an optimizer that
+declares ``reads_reward_details``), ranks the N samples of every process, and gives each row the KL weight g / f, f the
 epoch's gated fraction, so that a step's KL term is the mean KL of its gated rows in expectation, whatever the
 micro-batches (the reference averages over each micro-batch's gated rows instead). Tied scores share their mean rank,
 so the gate does not depend on the order of the rows (the reference's ``torch.sort`` orders ties as it may).
+
+GARDO's DiffusionNFT script (tinnerhrhe/GARDO at 52fd5e7, ``scripts/train_sd3_nft_gardo.py``) has one more rule: a
+micro-batch without a gated row takes the KL over all its rows. ``kl_gate_batch`` (nft) gives that rule's
+expectation over micro-batches of B rows drawn from the epoch instead (:func:`fallback_weights`), again the same
+whatever the micro-batches.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +61,21 @@ def gated_rows(u: Tensor, fraction: float) -> Tensor:
     return u > threshold
 
 
+def fallback_weights(gated: Tensor, batch: int) -> Tensor:
+    """[N] float64 KL weights whose row mean is, for any KL values, the expectation of the DiffusionNFT script's
+    micro-batch term over micro-batches of ``batch`` rows drawn without replacement from the N rows of ``gated``
+    [N] bool: the mean KL over the micro-batch's gated rows, or over all its rows when it holds none. With G gated
+    rows, f = G / N and q = C(N − G, B) / C(N, B) the chance that B rows hold no gated one, that expectation is
+    (1 − q)·mean_gated KL + q·mean_ungated KL: a gated row weighs (1 − q) / f, another q / (1 − f)."""
+    n, g = gated.numel(), int(gated.sum())
+    b = min(batch, n)
+    q = math.comb(n - g, b) / math.comb(n, b) if n else 1.0  # exact integers, one rounding
+    if g == 0 or g == n:  # every micro-batch alike: none gated (all rows) or all gated
+        return torch.ones(n, dtype=torch.float64, device="cpu")
+    weights = torch.full((n,), q * n / (n - g), dtype=torch.float64, device="cpu")
+    return weights.masked_fill(gated.cpu(), (1 - q) * n / g)
+
+
 @dataclass
 class GateFraction:
     """φ, the share of the u ≥ 0 that the gate keeps, and the recent means of those u it moves by: up by ``step``
@@ -91,11 +112,12 @@ class GateFraction:
 
 
 class KLGate:
-    """The gate of one grpo run (``kl_gate``): the detail keys it ranks and φ's controller, checkpointed with the
-    optimizer (:meth:`state`), so a resumed run gates as the uninterrupted one."""
+    """The gate of one run (``kl_gate``): the detail keys it ranks and φ's controller, checkpointed with the
+    optimizer (:meth:`state`), so a resumed run gates as the uninterrupted one; ``batch`` > 0: the weights of
+    :func:`fallback_weights` (nft's ``kl_gate_batch``) instead of g / f."""
 
-    def __init__(self, main: str, auxiliary: Sequence[str], controller: GateFraction) -> None:
-        self.main, self.auxiliary, self.controller = main, list(auxiliary), controller
+    def __init__(self, main: str, auxiliary: Sequence[str], controller: GateFraction, batch: int = 0) -> None:
+        self.main, self.auxiliary, self.controller, self.batch = main, list(auxiliary), controller, batch
 
     def row_weights(self, details: dict[str, Tensor] | None, dist: Any) -> tuple[Tensor, dict[str, float]]:
         """This process's KL weights [n] float32 on the CPU, g / f over the epoch's rows of every process
@@ -118,7 +140,10 @@ class KLGate:
         phi = self.controller.update(u)
         gated = gated_rows(u, phi)
         fraction = float(gated.double().mean())
-        weights = gated.double() / fraction if fraction > 0 else torch.zeros_like(u)
+        if self.batch:
+            weights = fallback_weights(gated, self.batch)
+        else:
+            weights = gated.double() / fraction if fraction > 0 else torch.zeros_like(u)
         return weights[start : start + n].float(), {"kl_gate_phi": phi, "kl_gated_fraction": fraction}
 
     def state(self) -> dict:
@@ -135,15 +160,17 @@ class KLGate:
         self.controller.load_state_dict(state[STATE_KEY])
 
 
-def gate_problems(options: Any, keys: Sequence[str] | None) -> list[str]:
-    """The recipe's limits for ``kl_gate`` (grpo), before anything loads. ``keys``: the detail keys the recipe's
-    reward declares (a key ending in "/" stands for any key under it), or None when only its scores can tell."""
+def gate_problems(options: Any, keys: Sequence[str] | None, weight: tuple[str, float, str] | None = None) -> list[str]:
+    """The recipe's limits for ``kl_gate`` (grpo, nft), before anything loads. ``keys``: the detail keys the recipe's
+    reward declares (a key ending in "/" stands for any key under it), or None when only its scores can tell;
+    ``weight``: the KL weight's (name, value, GARDO's value), grpo's beta unless given."""
     if not options.kl_gate:
         return []
-    if options.beta == 0:
+    name, value, gardo = weight if weight is not None else ("beta", options.beta, "GARDO's OCR config: 0.04")
+    if value == 0:
         return [
-            "[optimizer] kl_gate = true with beta = 0: the gate chooses which samples get the KL term, which beta = 0 "
-            "turns off, so the option would change nothing. Set beta > 0 (GARDO's OCR config: 0.04) or drop kl_gate."
+            f"[optimizer] kl_gate = true with {name} = 0: the gate chooses which samples get the KL term, which "
+            f"{name} = 0 turns off, so the option would change nothing. Set {name} > 0 ({gardo}) or drop kl_gate."
         ]
     named = [options.kl_gate_main, *options.kl_gate_aux]
     if options.kl_gate_main is None or not options.kl_gate_aux or options.kl_gate_main in options.kl_gate_aux:

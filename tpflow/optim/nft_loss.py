@@ -10,8 +10,9 @@ defined around a frozen "old" velocity v_old:
 
 where r = clip(clip(A, ±adv_clip_max) / adv_clip_max / 2 + 1/2, 0, 1) is the sample's "optimality probability"
 from its group-normalised advantage A, sg stops the gradient (the paper's adaptive weight), and v_ref is the
-adapter-disabled model. Kept apart from the optimizer so that the hand-computed float64 tests (tests/test_nft.py)
-check the formula alone.
+adapter-disabled model (or GARDO's adaptive reference copy, docs/algorithm.md §10.9; with GARDO's gate each
+sample's KL carries a weight, ``kl_weights``). Kept apart from the optimizer so that the hand-computed float64 tests
+(tests/test_nft.py) check the formula alone.
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ def nft_loss(
     adv_clip_max: float,
     v_ref: Tensor | None = None,
     kl_weight: float = 0.0,
+    kl_weights: Tensor | None = None,
 ) -> NFTLoss:
-    """The NFT loss (module docstring) of N samples; every input [N, ...] except t and r [N].
+    """The NFT loss (module docstring) of N samples; every input [N, ...] except t, r and ``kl_weights`` [N] (each
+    sample's KL multiplied by its weight, in the loss and in ``kl_rows``; None: 1).
 
     The x₀ errors and their adaptive weights are computed in float32 or wider; the weights in float64 and detached
     (floored at 1e-5, as the public code does, so a perfect prediction does not divide by 0).
@@ -84,6 +87,7 @@ def nft_loss(
     rows, kl_rows = policy_rows, torch.zeros_like(policy_rows)
     if v_ref is not None and kl_weight > 0:
         kl_rows = (v - v_ref.detach().to(dtype)).square().reshape(n, -1).mean(dim=1)
+        kl_rows = kl_rows if kl_weights is None else kl_weights.detach().to(dtype) * kl_rows
         rows = policy_rows + kl_weight * kl_rows
     return NFTLoss(rows, positive.detach(), negative.detach(), policy_rows.detach(), kl_rows.detach())
 
