@@ -125,21 +125,39 @@ def test_a_recipe_it_cannot_serve_is_refused_in_one_paragraph():
     assert "flow-sde" in text and "same_noise" in text and "'outcome'" in text and "do not fit" in text, text
 
 
-def test_one_epoch_trains_with_merged_entropy_steps(tmp_path, tiny_weights, plugin):
+def test_merged_entropy_steps_train_resume_bitwise_and_ignore_the_micro_batches(tmp_path, tiny_weights, plugin):
     """recipes/shapes_egrpo.toml (merged segments 1->2, 2->4, 4->7) runs the trainer at the smallest sizes: the trace
-    holds the 3 segments and the final image, and the adapter moves."""
+    holds the 3 segments, the adapter moves; 2 epochs straight equal 1 + a resumed 1 bitwise (what a kill after the
+    first epoch's checkpoint leaves), and the first epoch cut into micro-batches of 2 (3 per step) ends where micro-
+    batches of 6 do, up to float rounding."""
     from tests.test_plans import _method_run
     from tpflow.train.run_logger import read_jsonl
 
-    extra = ("train.group_size=3", "train.rollout_batch=6", "optimizer.micro_batch_size=6", "rollout.same_noise=true")
-    trainer = _method_run("shapes_egrpo.toml", tmp_path, tiny_weights, 1, extra)
-    before = {n: p.detach().clone() for n, p in trainer.backbone.model.named_parameters() if "lora_" in n}
-    metrics = trainer.fit()
-    after = dict(trainer.backbone.model.named_parameters())
-    widths = {len(r["step_rewards"]) for r in read_jsonl(trainer.run_dir / "traces.jsonl")}
+    extra = ["train.group_size=3", "train.rollout_batch=6", "optimizer.micro_batch_size=6", "rollout.same_noise=true"]
+    runs = {name: tmp_path / name for name in ("straight", "resumed", "micro")}
+    for folder in runs.values():
+        folder.mkdir()
+    straight = _method_run("shapes_egrpo.toml", runs["straight"], tiny_weights, 2, extra)
+    start = {n: p.detach().clone() for n, p in straight.backbone.model.named_parameters() if "lora_" in n}
+    straight.fit()
+    first = _method_run("shapes_egrpo.toml", runs["resumed"], tiny_weights, 1, extra)
+    metrics = first.fit()
+    widths = {len(r["step_rewards"]) for r in read_jsonl(first.run_dir / "traces.jsonl")}
     assert widths == {3}, widths
     assert metrics["optimizer_steps"] >= 1 and metrics["first_ratio_max_deviation"] == 0.0, metrics
-    assert any(not torch.equal(before[n], after[n]) for n in before)
+    one = {n: p.detach().clone() for n, p in first.backbone.model.named_parameters() if "lora_" in n}
+    assert any(not torch.equal(start[n], one[n]) for n in start)
+    second = _method_run("shapes_egrpo.toml", runs["resumed"], tiny_weights, 2, extra, resume=True)
+    assert second.epoch == 1
+    second.fit()
+    a, b = dict(straight.backbone.model.named_parameters()), dict(second.backbone.model.named_parameters())
+    assert all(torch.equal(a[n], b[n]) for n in start)
+    micro = [*extra[:2], "optimizer.micro_batch_size=2", "optimizer.gradient_accumulation_steps=3", extra[3]]
+    cut = _method_run("shapes_egrpo.toml", runs["micro"], tiny_weights, 1, micro)
+    cut.fit()
+    c = dict(cut.backbone.model.named_parameters())
+    for n in start:
+        torch.testing.assert_close(c[n], one[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
 def test_the_flux_recipe_without_weights_exits_2_naming_them(monkeypatch, tmp_path, capsys):
