@@ -33,9 +33,10 @@ FLOW_SHIFT = (
     "Wan2.2 t2v-A14B: 12, ti2v-5B: 5)."
 )
 MAX_SEQUENCE_LENGTH = (
-    "Text-encoder tokens per prompt (T5 for SD3 and FLUX, UMT5 for Wan: its pipeline's default, Qwen2.5-VL's after "
-    "its template for Qwen-Image). Longer prompts are cut, as the pipeline does; Qwen-Image pads every prompt to it, "
-    "masked."
+    "Text-encoder tokens per prompt, its pipeline's default: T5's for SD3, FLUX.1 and Kontext, UMT5's for Wan, "
+    "Qwen2.5-VL's after its template for Qwen-Image (and Edit), Qwen3's for FLUX.2-klein and Z-Image, "
+    "Mistral-Small-3's for FLUX.2-dev. Longer prompts are cut, as the pipeline does; Qwen-Image and FLUX.2 pad every "
+    "prompt to it (Qwen-Image masked)."
 )
 NEGATIVE_PROMPT = (
     "Prompt of the unconditional CFG branch (Qwen-Image: of its true-CFG negative branch); the default is the "
