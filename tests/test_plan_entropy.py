@@ -176,3 +176,21 @@ def test_the_flux_recipe_without_weights_exits_2_naming_them(monkeypatch, tmp_pa
     err = " ".join(capsys.readouterr().err.split())
     assert exc.value.code == 2 and "Traceback" not in err, err
     assert "black-forest-labs/FLUX.1-dev" in err and "xswu/HPSv2" in err and "never downloads" in err, err
+
+
+def test_a_grid_that_is_not_the_backbones_schedule_is_refused_before_sampling(tmp_path, tiny_weights, plugin):
+    """The plan ranks entropies on its entropy_grid: the backbone's own σ must be it (shapes-dit: 'sd3', shift 3),
+    or the steps it chooses are not the ones sampled; the trainer says so once the backbone is built."""
+    import pytest
+
+    from tests.test_plans import _method_run
+    from tpflow.errors import UserError
+    from tpflow.samplers.schedules import sd3_sigmas
+
+    sigmas = [float(s) for s in sd3_sigmas(10, 3.0)]
+    assert tpflow.build("plan", "entropy-steps", entropy_grid="sd3").schedule_problem(sigmas) is None
+    problem = tpflow.build("plan", "entropy-steps", entropy_grid="linspace").schedule_problem(sigmas)
+    assert problem and "entropy_grid = 'linspace'" in problem and "\n" not in problem, problem
+    extra = ("plan.entropy_grid=linspace", "rollout.same_noise=true")
+    with pytest.raises(UserError, match="not the steps the run takes"):
+        _method_run("shapes_egrpo.toml", tmp_path, tiny_weights, 1, extra)

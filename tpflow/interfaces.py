@@ -31,6 +31,9 @@ CAPABILITIES: dict[str, Any] = {
     # RolloutPlan: recompute = "reweight" (not "retain") can take its trained steps from the rollout: DanceGRPO's
     # trained subset of one window, Flow-GRPO-Fast's per-row windows
     "reweight_only": False,
+    # RolloutPlan: (sigmas, the backbone's [K + 1] schedule as floats) -> why the plan's own idea of the schedule is
+    # not it (one paragraph), or None; checked once the backbone is built, before anything samples (None: no check)
+    "schedule_problem": None,
     "reads_branches": False,  # CreditAssigner: it reads such a trace (credit 'branch'); only with such a plan
     "needs_completions": False,  # CreditAssigner (required on an instance)
     "marks_turning_points": False,  # CreditAssigner: it can mark turning points (the run logs them per trajectory)
@@ -59,6 +62,9 @@ CAPABILITIES: dict[str, Any] = {
     # Optimizer: its update reads the final samples' reward details (Rollout.reward_details, [N] per key), which the
     # sampling stage then keeps: GARDO's KL gate ranks the auxiliary rewards
     "reads_reward_details": False,
+    # Optimizer: the tpflow.optim.advantage_fusion.RunningReward its advantages read (advantage_fusion), which the
+    # ability-matched prompt policy replaces with its own when the run builds it (None: it reads none)
+    "running_reward": None,
     # Optimizer: () -> whether its loss runs the frozen reference model (a KL term); None: assume it does, and keep
     # the reference copy
     "uses_reference": None,

@@ -17,6 +17,7 @@ from rich.markup import escape
 
 from tpflow.devices import resolve_device
 from tpflow.distributed import Distributed
+from tpflow.errors import UserError
 from tpflow.interfaces import Backbone, CreditAssigner, Optimizer, Sampler, capability
 from tpflow.plans.base import derived_rng
 from tpflow.precision import Precision
@@ -60,6 +61,11 @@ def build_components(
     torch.manual_seed(train.seed)
     random.seed(train.seed)
     backbone = recipe.build("backbone")
+    plan = recipe.build("plan")
+    check = capability(plan, "schedule_problem")  # a plan that assumes a schedule checks it against the backbone's
+    problem = check([float(s) for s in backbone.sigmas(recipe.rollout.num_steps)]) if check is not None else None
+    if problem:
+        raise UserError(problem)
     lockstep = None
     sampler = recipe.build("sampler")
     reward = recipe.build("reward")
@@ -92,7 +98,7 @@ def build_components(
         items=train_items,
         train=train,
         rollout=recipe.rollout,
-        plan=recipe.build("plan"),
+        plan=plan,
         lockstep=lockstep,
     )
     return RunComponents(backbone, sampler, credit, optimizer, train_items, test_items, split, epoch_sampler, lockstep)
