@@ -98,15 +98,21 @@ class TpflowForked:
     thread still hangs. What only a new interpreter shows (warnings printed at import, the entry point itself) needs
     ``tpflow_process``."""
 
-    def __init__(self, *args: str, folder: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, folder: Path, env: dict[str, str] | None = None, session: bool = False) -> None:
+        """``session``: the process leads a session of its own (``start_new_session``), which :meth:`kill_group`
+        ends with every process it started."""
         folder.mkdir(parents=True, exist_ok=True)
         self.stdout_path, self.stderr_path = folder / "stdout.txt", folder / "stderr.txt"
+        for path in (self.stdout_path, self.stderr_path):
+            path.write_text("")  # readable from the start
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:  # the child never returns to the test
             code = 1
             try:
+                if session:
+                    os.setsid()
                 code = _forked_command(args, self.stdout_path, self.stderr_path, env or {})
             finally:
                 os._exit(code)
@@ -132,6 +138,15 @@ class TpflowForked:
                 raise AssertionError(f"tpflow did not exit within {timeout} s")
             time.sleep(0.02)
         return self.returncode
+
+    def kill_group(self) -> None:
+        """SIGKILL to the process's session (``session=True``) if it is still running: it and what it started."""
+        if self.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:  # before its setsid
+                os.kill(self.pid, signal.SIGKILL)
+            self.wait(10)
 
     def output(self) -> tuple[str, str]:
         """What it printed: (stdout, stderr)."""

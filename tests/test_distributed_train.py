@@ -17,13 +17,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
 
-from tests.cli_run import tpflow_launching
+from tests.cli_run import TpflowForked, tpflow_launching
 from tests.distributed_workers import spawn, train_recipes_worker
 from tests.kill_leaves import comparable_metrics, what_a_kill_leaves
 from tests.test_nft_train import nft_recipe
@@ -199,23 +200,29 @@ def test_an_error_in_the_processes_exits_2_with_its_message(
 
 
 def test_two_machines_of_one_process_each_train_the_same_model(two_process_run, tmp_path):
-    """The multi-machine launch (static rendezvous at --main-process-ip), with both "machines" on localhost."""
+    """The multi-machine launch (static rendezvous at --main-process-ip), with both "machines" on localhost: each a
+    launcher forked from this process (torch imported), which starts its machine's process (a new interpreter)."""
     from tests.distributed_workers import free_port
 
     root, _ = two_process_run
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
-    command = [sys.executable, "-m", "tpflow.cli", "train", str(root / "tiny.toml"), "--epochs", "1"]
+    command = ["train", str(root / "tiny.toml"), "--epochs", "1"]
     command += ["--run-dir", str(tmp_path / "run"), "--num-processes", "1", "--num-machines", "2"]
     command += ["--main-process-ip", "127.0.0.1", "--main-process-port", str(port)]
     command += [a for o in SMALL_BATCHES for a in ("--set", o)]
+    one_thread = {"OMP_NUM_THREADS": "1"}
     machines = [
-        subprocess.Popen([*command, "--machine-rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        TpflowForked(*command, "--machine-rank", str(r), folder=tmp_path / f"m{r}", env=one_thread, session=True)
         for r in range(2)
     ]
-    outs = [m.communicate(timeout=300) for m in machines]
-    assert [m.returncode for m in machines] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
-    assert b"2 processes" in outs[0][0] and outs[1][0] == b"", "machine 0's process alone reports"
+    try:
+        codes = [m.wait(300) for m in machines]
+    finally:
+        for machine in machines:
+            machine.kill_group()
+    outs = [m.output() for m in machines]
+    assert codes == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert "2 processes" in outs[0][0] and outs[1][0] == "", "machine 0's process alone reports"
     after_epoch_0 = sorted((root / "run" / "checkpoints").iterdir())[0]  # the 2-process run's epoch-0 checkpoint
     expected = safetensors.torch.load_file(next((after_epoch_0 / "adapter").glob("*.safetensors")))
     got = _final_adapter(tmp_path / "run")
@@ -331,27 +338,27 @@ def test_ctrl_c_to_a_sharded_runs_launcher_stops_the_processes_together_to_save(
     root, _ = two_process_runs["fsdp"]
     run = tmp_path / "run"
     sets = [a for o in [*FSDP_SETS, "train.save_every=3"] for a in ("--set", o)]
-    command = [sys.executable, "-m", "tpflow.cli", "train", str(root / "tiny.toml"), "--run-dir", str(run),
-               "--num-processes", "2", *sets]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), *sys.path])}  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)  # fmt: skip
-    lines = []
+    # the launcher forked from this process (torch imported), leading a session of its own; its processes are new
+    # interpreters
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), *sys.path]),
+    }
+    command = ["train", str(root / "tiny.toml"), "--run-dir", str(run), "--num-processes", "2", *sets]
+    proc = TpflowForked(*command, folder=tmp_path / "out", env=env, session=True)
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("epoch   0"):
-                # SIGTERM to process 1 (the default action would kill it), and the launcher's copy of the SIGINT
-                # within 2 s: the same request
-                os.kill(_launched_process(proc.pid, rank=1), signal.SIGTERM)
-                os.kill(proc.pid, signal.SIGINT)  # the launcher alone: it passes the signal on to its processes
-                break
-        lines.append(proc.communicate(timeout=300)[0])
+        deadline = time.monotonic() + 300
+        while not re.search(r"^epoch   0", proc.output()[0], re.MULTILINE):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(proc.output())[-3000:]
+            time.sleep(0.05)
+        # SIGTERM to process 1 (the default action would kill it), and the launcher's copy of the SIGINT within 2 s:
+        # the same request
+        os.kill(_launched_process(proc.pid, rank=1), signal.SIGTERM)
+        os.kill(proc.pid, signal.SIGINT)  # the launcher alone: it passes the signal on to its processes
+        proc.wait(300)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    output = "".join(lines)
+        proc.kill_group()
+    output = "".join(proc.output())
     assert proc.returncode == 130, output[-3000:]
     assert re.search(r"Interrupted \((SIGTERM|Ctrl-C)\): saving epoch", output), output[-3000:]
     assert "Traceback" not in output, output[-3000:]
