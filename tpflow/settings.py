@@ -105,12 +105,29 @@ class TrainSettings(BaseModel):
         "batches, which are dealt to the processes (the reference's DistributedKRepeatSampler: 12 = 32 GPUs x 9 / "
         "24). None: one round per epoch. Must divide prompts_per_epoch (docs/distributed.md).",
     )
-    prompt_policy: Literal["uniform", "skip-solved"] = Field(
+    prompt_policy: Literal["uniform", "skip-solved", "ability-matched"] = Field(
         "uniform",
         description="Which training prompts an epoch may draw (tpflow.train.prompt_policy). 'uniform': any, "
         "uniformly. 'skip-solved': a prompt whose group's final rewards were all equal in an epoch (all solved or all "
         "failed: zero advantage, nothing to learn) is not drawn for prompt_skip_epochs epochs; a round that has too "
-        "few other prompts left draws skipped ones back (docs/training.md).",
+        "few other prompts left draws skipped ones back. 'ability-matched' (AdaGRPO's curriculum): each prompt of an "
+        "epoch is the one of prompt_candidates candidates whose ODE sample's reward is closest to the running mean "
+        "reward, the candidates sampled and scored first (tpflow.train.curriculum; docs/training.md).",
+    )
+    prompt_candidates: int = Field(
+        10,
+        ge=2,
+        le=MAX_COUNT,
+        description="With prompt_policy 'ability-matched': K, the candidates drawn for each prompt an epoch needs, "
+        "each sampled once by ODE and scored (AdaGRPO's batch_size, 10): K ODE samples per prompt trained.",
+    )
+    prompt_ema_alpha: float = Field(
+        0.8,
+        ge=0.0,
+        lt=1.0,
+        description="With prompt_policy 'ability-matched': α of the running reward mean and variance, "
+        "μ <- α·μ + (1 − α)·(the epoch's anchor mean), v likewise with their variance; the first epoch takes its own "
+        "(AdaGRPO's ema_alpha, 0.8).",
     )
     prompt_skip_epochs: int = Field(
         0,
@@ -198,11 +215,18 @@ class TrainSettings(BaseModel):
         return value
 
     def _policy_fits(self) -> None:
-        """prompt_skip_epochs belongs to 'skip-solved'; a group of one copy has zero variance always."""
-        if self.prompt_policy == "uniform" and self.prompt_skip_epochs:
+        """prompt_skip_epochs belongs to 'skip-solved', prompt_candidates and prompt_ema_alpha to 'ability-matched';
+        a group of one copy has zero variance always."""
+        curriculum = sorted({"prompt_candidates", "prompt_ema_alpha"} & self.model_fields_set)
+        if self.prompt_policy != "ability-matched" and curriculum:
+            raise ValueError(
+                f"{' and '.join(curriculum)} apply only to prompt_policy = 'ability-matched', and prompt_policy is "
+                f"{self.prompt_policy!r}; set prompt_policy = 'ability-matched' or drop them."
+            )
+        if self.prompt_policy != "skip-solved" and self.prompt_skip_epochs:
             raise ValueError(
                 f"prompt_skip_epochs={self.prompt_skip_epochs} applies only to prompt_policy = 'skip-solved', and "
-                "prompt_policy is 'uniform' (every prompt may be drawn in every epoch); set prompt_policy = "
+                f"prompt_policy is {self.prompt_policy!r} (it sets no prompt aside); set prompt_policy = "
                 "'skip-solved' or drop prompt_skip_epochs."
             )
         if self.prompt_policy == "skip-solved" and self.group_size < 2:

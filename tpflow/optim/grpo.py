@@ -28,6 +28,7 @@ from tpflow.errors import UserError
 from tpflow.guidance import conditional_only
 from tpflow.interfaces import Backbone, Sampler, capability
 from tpflow.optim.adaptive_reference import AdaptiveReference, adaptive_problems
+from tpflow.optim.advantage_fusion import RunningReward, fusion_problems, with_fusion
 from tpflow.optim.advantages import group_advantages, informative_trajectories
 from tpflow.optim.grpo_loss import PolicyLoss, clipped_surrogate, kl_to_reference
 from tpflow.optim.grpo_options import GRPOOptions
@@ -92,6 +93,7 @@ class GRPO:
         self._step_kl: Tensor | None = None  # [2] the optimizer step's KL sum and rows, for the adaptive reference
         fraction = GateFraction(o.kl_gate_fraction, 0.1, o.kl_gate_min, o.kl_gate_max, o.kl_gate_history)
         self.gate = KLGate(o.kl_gate_main or "", o.kl_gate_aux, fraction) if o.kl_gate else None  # GARDO's gated KL
+        self.running_reward = RunningReward()  # read by advantage_fusion; the prompt policy's own, set at build
 
     @property
     def reads_reward_details(self) -> bool:
@@ -136,7 +138,7 @@ class GRPO:
         """The recipe's limits for GRPO, checked by ``tpflow validate`` before anything loads: a group of one image
         per prompt has advantage (r - mean) / std = 0 at every step, and a window sampled with noise level 0 is the
         ODE (every transition has std 0, so no likelihood ratio): either way nothing would ever train."""
-        problems = []
+        problems = fusion_problems(options, settings)  # advantage_fusion's (tpflow.optim.advantage_fusion)
         group_size = settings["train"].group_size
         if group_size < 2:
             problems.append(
@@ -185,9 +187,9 @@ class GRPO:
         applied. ``groups`` holds one prompt key per row (equal keys form a group)."""
         o = self.options
         correction = 1 if o.advantage_std == "sample" else 0
-        return group_advantages(step_rewards, groups, global_std=o.global_std, eps=o.advantage_eps,
-                                clip=o.adv_clip_max, correction=correction,
-                                divide=o.advantage_std != "none")  # fmt: skip
+        own = group_advantages(step_rewards, groups, global_std=o.global_std, eps=o.advantage_eps, clip=o.adv_clip_max,
+                               correction=correction, divide=o.advantage_std != "none")  # fmt: skip
+        return with_fusion(own, step_rewards, groups, self.running_reward, o)  # advantage_fusion's part, if on
 
     def update(
         self,

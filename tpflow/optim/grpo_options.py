@@ -29,6 +29,13 @@ class GRPOOptions(AdamWOptions):
         ge=0,
         description="Added to the std before dividing: 1e-4 in Flow-GRPO and TP-GRPO, 1e-8 in DanceGRPO.",
     )
+    advantage_fusion: Literal["none", "running-reward"] = Field(
+        "none",
+        description="AdaGRPO's cross-level advantage fusion: 'running-reward' adds to each advantage a global one, "
+        "the reward's z against the running mean and variance of the policy's ODE rewards, its positive and negative "
+        "parts in each group normalised by their sums, clamped to adv_clip_max (tpflow.optim.advantage_fusion; needs "
+        "[train] prompt_policy = 'ability-matched', which keeps those values; docs/algorithm.md §10.10).",
+    )
     filter_zero_advantage: bool = Field(
         True,
         description="Skip trajectories whose advantages are 0 at every window step, as the reference does "

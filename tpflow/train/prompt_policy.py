@@ -16,17 +16,23 @@ What every process decides is the same: ``observe`` reads the epoch's gathered r
 rows the advantages read, and the checkpoint compares the processes' states before it writes
 (``RunCheckpoints.save``). The state is part of exact resume: ``state_dict(epoch)`` holds what the run set aside
 before ``epoch``, and a run resumed from it plans the same epochs as the uninterrupted run.
+
+``ability-matched`` (AdaGRPO's curriculum) chooses each prompt of an epoch from candidates sampled and scored before
+the epoch: ``tpflow.train.curriculum``; ``build_prompt_policy`` builds whichever the recipe names.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 from torch import Tensor
 
+from tpflow.interfaces import capability
 from tpflow.scoring.groups import group_key
 from tpflow.settings import TrainSettings
+from tpflow.train.curriculum import AbilityMatched, anchor_scorer
 from tpflow.train.prompt_sampler import EpochPlan, plan_epoch
 
 NEVER = -1  # ``until`` of a prompt set aside for the rest of the run
@@ -48,6 +54,15 @@ class PromptPolicy:
     @property
     def skips(self) -> bool:
         return self.train.prompt_policy == "skip-solved"
+
+    @property
+    def has_state(self) -> bool:
+        """Whether a checkpoint holds the policy's state (``uniform``: the checkpoint as before, byte for byte)."""
+        return self.skips
+
+    def nfe_per_traj(self, plan: EpochPlan) -> float:
+        """Velocity evaluations the policy spent per trajectory of ``plan``: none (it samples nothing)."""
+        return 0.0
 
     def set_aside(self, epoch: int) -> frozenset[int]:
         """The items epoch ``epoch`` may draw only to fill a round (``plan_epoch``'s floor)."""
@@ -91,7 +106,20 @@ class PromptPolicy:
 
     def load_state_dict(self, state: Sequence[Sequence[int]]) -> None:
         """Put back ``state_dict``'s list (an older checkpoint without one: nothing set aside)."""
-        self.aside = {int(i): (int(seen), int(until)) for i, seen, until in state}
+        self.aside = {int(i): (int(seen), int(until)) for i, seen, until in (row for row in state if len(row) == 3)}
+
+
+def build_prompt_policy(train: TrainSettings, prompts: Sequence[str], run: Any) -> PromptPolicy | AbilityMatched:
+    """The policy ``train.prompt_policy`` names for a split of ``prompts``. ``run`` (the trainer) lends the
+    ability-matched policy its anchor stage (``curriculum.anchor_scorer``), and receives its running reward: the
+    object the optimizer's ``advantage_fusion`` reads (``tpflow.optim.advantage_fusion``), written by the policy
+    alone."""
+    if train.prompt_policy != "ability-matched":
+        return PromptPolicy(train, prompts)
+    policy = AbilityMatched(train, len(prompts), anchor_scorer(run))
+    if capability(run.optimizer, "running_reward") is not None:
+        run.optimizer.running_reward = policy.running
+    return policy
 
 
 def _aside_at(span: tuple[int, int], epoch: int) -> bool:

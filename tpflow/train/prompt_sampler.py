@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tpflow.errors import UserError
@@ -60,9 +61,16 @@ class EpochPlan:
         return sum(len(b.items) for b in self.batches)
 
 
-def plan_epoch(num_items: int, train: TrainSettings, epoch: int, aside: frozenset[int] = frozenset()) -> EpochPlan:
+def plan_epoch(
+    num_items: int,
+    train: TrainSettings,
+    epoch: int,
+    aside: frozenset[int] = frozenset(),
+    chosen: Sequence[Sequence[int]] | None = None,
+) -> EpochPlan:
     """The epoch's rollout batches for a training split of ``num_items`` prompts (see the module docstring);
-    ``aside``: the items the prompt policy sets aside for this epoch."""
+    ``aside``: the items the prompt policy sets aside for this epoch; ``chosen``: the items of each round when the
+    policy chose them itself (``tpflow.train.curriculum``), shuffled and batched as a drawn round is."""
     if num_items < 1:
         raise UserError("The training split is empty: the dataset has no prompts to sample.")
     per_round = train.prompts_per_round or train.prompts_per_epoch
@@ -70,7 +78,10 @@ def plan_epoch(num_items: int, train: TrainSettings, epoch: int, aside: frozense
     refilled = 0
     for r in range(train.prompts_per_epoch // per_round):
         rng = random.Random(f"{train.seed}/{epoch}/round/{r}")
-        drawn = _draw_around(num_items, per_round, rng, aside) if aside else _draw(num_items, per_round, rng)
+        if chosen is not None:  # the policy's choice: only shuffled and batched here
+            drawn = list(chosen[r])
+        else:
+            drawn = _draw_around(num_items, per_round, rng, aside) if aside else _draw(num_items, per_round, rng)
         refilled += sum(item in aside for item in drawn)
         copies = [item for item in drawn for _ in range(train.group_size)]
         rng.shuffle(copies)

@@ -56,7 +56,7 @@ from tpflow.train.epoch import EpochRows, Sampled, combine_update_metrics, promp
 from tpflow.train.evaluation import eval_seed, evaluate
 from tpflow.train.out_of_memory import out_of_memory_message
 from tpflow.train.progress import PhaseProgress
-from tpflow.train.prompt_policy import PromptPolicy
+from tpflow.train.prompt_policy import build_prompt_policy
 from tpflow.train.prompt_sampler import EpochPlan, check_layout, layout_line
 from tpflow.train.reward_parts import zscore_sum_advantages, zscored_parts
 from tpflow.train.run_lock import RunDirLock
@@ -143,7 +143,7 @@ class Trainer:
         self._weights_ahead = False  # True from an epoch's update until self.epoch counts it
         self._stop: StopRequest | None = None  # while fit runs: Ctrl-C recorded, for the processes to stop together
         self._stopping = False  # True once they did (tpflow.train.stop)
-        self.prompts = PromptPolicy(train, [group_text(item) for item in self.train_items])  # which prompts it draws
+        self.prompts = build_prompt_policy(train, [group_text(i) for i in self.train_items], self)  # which it draws
         self.checkpoints = RunCheckpoints(
             self.run_dir, recipe, self.backbone, self.optimizer, self.ema, self.dist, self.console, self.prompts
         )
@@ -328,7 +328,7 @@ class Trainer:
             self.logger.log_traces(epoch, rows.records(self.train_items, groups, advantages))
         metrics = {
             **rows.metrics(capability(self.credit, "marks_turning_points")),
-            "nfe_per_traj": batch.cost.nfe,
+            "nfe_per_traj": batch.cost.nfe + self.prompts.nfe_per_traj(plan),  # the prompt policy's samples too
             "model_s": batch.cost.model_s,
             "decode_s": sum(s.decode_s for s in sampled.scored),
             "reward_s": sum(s.reward_s for s in sampled.scored),

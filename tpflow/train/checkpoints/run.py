@@ -26,6 +26,7 @@ from tpflow.train.checkpoints.format import (
 )
 from tpflow.train.checkpoints.resume import restoring
 from tpflow.train.checkpoints.sharded import restore_sharded, save_sharded
+from tpflow.train.curriculum import AbilityMatched
 from tpflow.train.ema import EMA
 from tpflow.train.prompt_policy import PromptPolicy
 from tpflow.train.run_logger import truncate_after
@@ -50,7 +51,7 @@ class RunCheckpoints:
         ema: EMA | None,
         dist: Distributed,
         console: Console,
-        prompts: PromptPolicy | None = None,
+        prompts: PromptPolicy | AbilityMatched | None = None,
     ) -> None:
         self.run_dir, self.recipe, self.settings = run_dir, recipe, recipe.train
         self.backbone, self.optimizer, self.ema = backbone, optimizer, ema
@@ -153,7 +154,7 @@ class RunCheckpoints:
     def _check_prompts_agree(self, epoch: int) -> None:
         """Every process set aside the same prompts (each decides from the same gathered rows): else a bug, and the
         processes would plan different epochs."""
-        if self.prompts is None or not self.prompts.skips or not self.dist.enabled:  # uniform: nothing to compare
+        if self.prompts is None or not self.prompts.has_state or not self.dist.enabled:  # uniform: nothing to compare
             return
         states = self.dist.gather_objects([self.prompts.state_dict(epoch)])
         if any(state != states[0] for state in states):
@@ -167,7 +168,7 @@ class RunCheckpoints:
             "global_step": self.optimizer.global_step,
             "last_eval": last_eval,
         }
-        if self.prompts is not None and self.prompts.skips:  # uniform: the checkpoint as before, byte for byte
+        if self.prompts is not None and self.prompts.has_state:  # uniform: the checkpoint as before, byte for byte
             train_state["prompts_set_aside"] = self.prompts.state_dict(epoch)
         return {
             "rng_state": capture_rng_state(),
