@@ -183,8 +183,8 @@ class GRPO:
 
     def advantages(self, step_rewards: Tensor, groups: Sequence[Hashable]) -> Tensor:
         """Group-normalised advantages [N, W] float64 of step rewards [N, W] (docs/algorithm.md §5), with this
-        optimizer's ``global_std``, ``advantage_std``, ``advantage_eps`` and ``adv_clip_max``: the one place they are
-        applied. ``groups`` holds one prompt key per row (equal keys form a group)."""
+        optimizer's ``global_std``, ``advantage_std``, ``advantage_eps``, ``adv_clip_max`` and ``advantage_fusion``:
+        the one place they are applied. ``groups`` holds one prompt key per row (equal keys form a group)."""
         o = self.options
         correction = 1 if o.advantage_std == "sample" else 0
         own = group_advantages(step_rewards, groups, global_std=o.global_std, eps=o.advantage_eps, clip=o.adv_clip_max,
