@@ -17,7 +17,10 @@ def test_gpu_smoke_tiny_mode_runs_one_epoch(tmp_path, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "smoke.json"
-    monkeypatch.setattr(sys, "argv", ["gpu_smoke.py", "--tiny", "--prompts", "1", "--group", "4", "--json", str(out)])
+    # bf16 autocast: the script's dtype is only the recipe's mixed_precision (fp16's GradScaler path is trained in
+    # tests/test_precision.py), and the CPU's fp16 matmuls take twice bf16's time
+    args = ["--tiny", "--prompts", "1", "--group", "4", "--dtype", "bf16", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", ["gpu_smoke.py", *args])
     module.main()
     report = json.loads(out.read_text())
     assert report["trajectories"] == 4 and report["nfe_per_traj"] == 55  # K = 10, W = 9 with velocity reuse
