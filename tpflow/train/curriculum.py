@@ -16,13 +16,19 @@ own captions; here one μ, v is updated once per epoch from all the epoch's m·K
 then each of the m prompts is chosen, so with m = 1 it is the code's step. The code branches its group off the
 anchor's own trajectory; tpflow does not reuse the anchor: the group is rolled out as the recipe's plan says, from
 its own noise, and the anchor costs K ODE samples per trained prompt (``prompt_anchor_nfe``, also added to the
-epoch's ``nfe_per_traj``; its seconds are ``prompt_anchor_s``, inside ``epoch_s``).
+epoch's ``nfe_per_traj``; its seconds are ``prompt_anchor_s``, inside ``epoch_s``). On several processes the run's
+first line plans its first epoch to say how the batches fall, so that epoch's anchors run then, before its first
+evaluation (the same weights), and that epoch's ``epoch_s`` leaves them out; a resumed run with only its final
+evaluation left plans, and pays for, one epoch it will not train (its state is not changed by it).
 
 Every process decides the same: the anchors are dealt to the processes (anchor r to process r mod P, as an
 evaluation's images) and the rewards gathered (``score_prompts``), then each process runs the same selection on the
 same gathered list. The candidates come from (seed, epoch, round) and anchor r's noise is row r of one draw from
 (seed, epoch), so a resumed run, or a run on other processes, draws the same candidates from the same noise; μ and v
-are the policy's state (``state_dict(epoch)``), in the checkpoint, for an exact resume.
+are the policy's state (``state_dict(epoch)``), in the checkpoint, for an exact resume. Measured on tiny-shapes
+(3 candidates, 2 prompts an epoch): 2 processes score epoch 0's anchors, update μ and v and choose bitwise as 1 does;
+later epochs differ as the two runs' weights do (their first updates are not bitwise equal: epoch 1's rollout rewards
+differ too).
 """
 
 from __future__ import annotations
