@@ -31,6 +31,7 @@ from pydantic import BaseModel, ValidationError
 
 from tpflow import registry
 from tpflow.errors import RecipeError, UnknownComponentError
+from tpflow.replay_settings import ReplaySettings, replay_problems
 from tpflow.settings import SETTINGS, EvalSettings, LogSettings, RolloutSettings, TrainSettings, shard_problems
 from tpflow.strict_types import boolean_problems
 
@@ -72,6 +73,7 @@ def _whole_group_problems(sections: dict[str, Any]) -> list[str]:
 # only collects their sentences (a component's own limits come from its ``check_recipe`` hook, ``_limits``).
 SECTION_CHECKS: tuple[Callable[[dict[str, Any]], list[str]], ...] = (
     shard_problems,  # [train] shard = "fsdp" against the optimizer and the backbone (tpflow.settings)
+    replay_problems,  # [replay] against the optimizer and the sharding (tpflow.replay_settings)
     _watched_problems,  # [eval] rewards: names the registry knows (tpflow.scoring.watched)
     _reward_need_problems,  # what each reward needs of the backbone and the dataset (tpflow.rewards.needs)
     _whole_group_problems,  # a reward that needs whole groups per call against [train]'s batching (tpflow.scoring)
@@ -118,6 +120,10 @@ class Recipe:
     @property
     def log(self) -> LogSettings:
         return self.settings["log"]  # type: ignore[return-value]
+
+    @property
+    def replay(self) -> ReplaySettings:
+        return self.settings["replay"]  # type: ignore[return-value]
 
     @property
     def backbone(self) -> ComponentSpec:

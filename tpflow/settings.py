@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tpflow.replay_settings import ReplaySettings
+
 # Upper bounds of the counts: far above any real run (the paper's epoch is 48 prompts x 24 images; K = 10 steps), low
 # enough that a typo (an extra three zeros) fails at validation instead of hanging the epoch planner or the sampler.
 MAX_STEPS = 1000  # sampling steps K (and eval steps): a flow model's whole schedule is 1000 timesteps
@@ -421,6 +423,7 @@ SETTINGS: dict[str, type[BaseModel]] = {
     "train": TrainSettings,
     "eval": EvalSettings,
     "log": LogSettings,
+    "replay": ReplaySettings,  # trajectories replayed in later epochs (tpflow.replay_settings)
 }
 
 

@@ -218,6 +218,9 @@ class Rollout:
     # details key -> [N] float32 on the CPU: the reward's parts of each final sample (its ``details``), kept by the
     # sampling stage for an optimizer that reads them (capability ``reads_reward_details``: GARDO's KL gate); else None
     reward_details: dict[str, Tensor] | None = None
+    # [N] bool on the CPU: True for a row replayed from an earlier epoch (tpflow.train.replay), whose ``log_probs`` are
+    # the behaviour policy's, not the update's starting one's (the optimizer corrects it); None: none replayed
+    replayed: Tensor | None = None
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -245,6 +248,7 @@ class Rollout:
             retained=None if self.retained is None else self.retained.index(rows),
             groups=None if self.groups is None else self.groups[rows.cpu()],
             reward_details=_rows_of(self.reward_details, rows),
+            replayed=None if self.replayed is None else self.replayed[rows.cpu()],
         )
 
     def transitions(self, rows: Tensor, steps: Tensor) -> Rollout:

@@ -36,6 +36,7 @@ from tpflow.optim.kl_gate import GateFraction, KLGate, gate_problems
 from tpflow.optim.loop import AdamWLoop, LossThunk, RowLoss, batch_layout, held
 from tpflow.optim.ratio_norm import normalised_log_ratio
 from tpflow.optim.recompute import retain_problems, retained_passes, retained_step, reweighted_loss
+from tpflow.optim.replay_weights import corrected
 from tpflow.optim.step_weights import noise_aware_weights, transition_std
 from tpflow.optim.swap import swapped
 from tpflow.precision import Precision
@@ -209,9 +210,9 @@ class GRPO:
         if self.loop.optimizer is None:
             self.bind(backbone)
         o = self.options
-        n, width = batch.log_probs.shape
-        if advantages.shape != (n, width):
-            raise ValueError(f"advantages must be [N, W] = [{n}, {width}], got {tuple(advantages.shape)}.")
+        # the advantages' shape checked, rows replayed from earlier epochs corrected (tpflow.optim.replay_weights)
+        batch, advantages, replay = corrected(o, self.precision, backbone, sampler, batch, advantages)
+        width = batch.log_probs.shape[1]
         # Advantages are host bookkeeping (float64, CPU); they join the stored transitions on the rollout's device
         # here, once (tpflow.devices, rule 2), so every index and loss below stays on one device. The noise levels
         # stay on the host too: the sampler checks them there, without a device read per step.
@@ -253,7 +254,7 @@ class GRPO:
 
         first_row = torch.zeros(1, dtype=torch.long, device="cpu")  # a sharded step's padding: row 0, weight 0
         result = self._run(passes, losses, on_step, filler=(first_row.to(batch.device), first_row, False))
-        result = {"ratio_max_deviation": 0.0, "first_ratio_max_deviation": 0.0, **result, **gate_metrics}  # 0: none
+        result = {"ratio_max_deviation": 0.0, "first_ratio_max_deviation": 0.0, **result, **gate_metrics, **replay}
         result["trajectories_trained"] = float(rows.numel())
         if batch.retained is not None:
             result["retained_graphs_used"] = float(use_retained)

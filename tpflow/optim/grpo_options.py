@@ -132,3 +132,24 @@ class GRPOOptions(AdamWOptions):
         ge=1,
         description="With kl_gate: how many updates' mean u the controller compares with (GARDO's window, 20).",
     )
+    replay_weight: Literal["geometric", "product"] = Field(
+        "geometric",
+        description="Rows replayed from earlier epochs ([replay] capacity > 0): the sequence-level importance "
+        "weight w of the shift from the policy that sampled a trajectory to the one the update starts from, over its "
+        "kept steps: 'geometric' exp(mean of the per-step log-ratios), 'product' exp(their sum) (each log-prob a mean "
+        "over latent elements). Detached, it multiplies the row's advantages; the clipped ratio is taken against the "
+        "update's starting policy, recomputed for the row (tpflow.optim.replay_weights, docs/algorithm.md §10.12).",
+    )
+    replay_weight_max: float = Field(
+        2.0,
+        gt=0,
+        description="Replayed rows: the importance weight w is clipped to [0, this] (truncated importance sampling).",
+    )
+    replay_min_sigma: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Replayed rows: train (and weigh) only their window steps that start at a noise level σ at or "
+        "above this; the late, low-noise steps, whose off-policy ratios are ill-conditioned, are dropped. 0: every "
+        "stored step.",
+    )

@@ -58,6 +58,7 @@ from tpflow.train.out_of_memory import out_of_memory_message
 from tpflow.train.progress import PhaseProgress
 from tpflow.train.prompt_policy import build_prompt_policy
 from tpflow.train.prompt_sampler import EpochPlan, check_layout, layout_line
+from tpflow.train.replay import ReplayBuffer
 from tpflow.train.reward_parts import zscore_sum_advantages, zscored_parts
 from tpflow.train.run_lock import RunDirLock
 from tpflow.train.run_logger import NullLogger, RunLogger, epoch_line, fit_segments
@@ -144,9 +145,9 @@ class Trainer:
         self._stop: StopRequest | None = None  # while fit runs: Ctrl-C recorded, for the processes to stop together
         self._stopping = False  # True once they did (tpflow.train.stop)
         self.prompts = build_prompt_policy(train, [group_text(i) for i in self.train_items], self)  # which it draws
-        self.checkpoints = RunCheckpoints(
-            self.run_dir, recipe, self.backbone, self.optimizer, self.ema, self.dist, self.console, self.prompts
-        )
+        self.replay = ReplayBuffer(recipe.replay, train.seed)  # replayed trajectories (train.replay)
+        self.checkpoints = RunCheckpoints(self.run_dir, recipe, self.backbone, self.optimizer, self.ema, self.dist,
+                                          self.console, self.prompts, self.replay)  # fmt: skip
         self.epoch, self.last_eval = self.checkpoints.restore(checkpoint)  # a fresh start's: 0, {}
         self.dist.check_in_sync(named_trainable(self.backbone))
         self.logger = self._open_logger(bool(resume))
@@ -322,7 +323,8 @@ class Trainer:
         batch = dataclasses.replace(Rollout.cat(sampled.rollouts), groups=local_groups)
         sampled.rollouts.clear()  # the update holds the concatenated copy only
         update_start = time.perf_counter()
-        update = self._update(epoch, batch, advantages[rank * n : (rank + 1) * n])
+        batch, local, replay = self.replay.mix(epoch, batch, advantages, self.dist)  # + replayed rows, if any
+        update = {**self._update(epoch, batch, local), **replay}
         update_s = time.perf_counter() - update_start
         if self.dist.is_main:
             self.logger.log_traces(epoch, rows.records(self.train_items, groups, advantages))

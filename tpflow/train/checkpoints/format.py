@@ -65,6 +65,8 @@ class Checkpoint:
     # a sharded checkpoint's layout.json (tpflow.train.checkpoints.shards): its weights, moments and EMA are in
     # shards/, and optimizer_state holds markers in their place; None for the unsharded format
     layout: dict | None = None
+    # the replay buffer's rows (replay.safetensors; tpflow.train.replay), None where the run replays nothing
+    replay_state: dict[str, Tensor] | None = None
 
     def load_weights(self, backbone: Any) -> None:
         """The trained weights (adapter, or a full fine-tune's transformer) into ``backbone``, whichever format."""
@@ -127,6 +129,7 @@ def save_checkpoint(
     keep_last: int = 3,
     staged: Path | None = None,
     layout: bytes | None = None,
+    replay_state: dict[str, Tensor] | None = None,
 ) -> Path:
     """Write ``run_dir/checkpoints/<step:08d>/`` atomically, then keep only the newest ``keep_last`` valid ones
     (``keep_last = 0``: keep them all; ``train.keep_checkpoints``).
@@ -150,6 +153,8 @@ def save_checkpoint(
     tmp = staged if staged is not None else root / f".tmp-{step}-{os.getpid()}"
     # Serialize the small parts before touching the disk: a bad value raises here and leaves nothing behind.
     small = _small_files(rng_state, train_state, recipe, ema_state)
+    if replay_state:  # the replay buffer's rows: written and sealed with the rest, atomically
+        small["replay.safetensors"] = safetensors.torch.save(replay_state)
     if layout is not None:
         small["layout.json"] = layout
     try:
@@ -305,7 +310,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
         )
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-        ema = path / "ema.safetensors"
+        ema, replay = path / "ema.safetensors", path / "replay.safetensors"
         from tpflow.train.checkpoints.shards import read_layout
 
         ckpt = Checkpoint(
@@ -318,6 +323,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
             train_state=json.loads((path / "state.json").read_text()),
             recipe=json.loads((path / "recipe.json").read_text()),
             layout=read_layout(path),
+            replay_state=safetensors.torch.load_file(replay) if replay.exists() else None,
         )
     except Exception as err:  # a file that passed its checksum but does not parse: written by something else
         raise CheckpointError(f"Cannot load checkpoint {path}: {type(err).__name__}: {err}") from err

@@ -29,6 +29,7 @@ from tpflow.train.checkpoints.sharded import restore_sharded, save_sharded
 from tpflow.train.curriculum import AbilityMatched
 from tpflow.train.ema import EMA
 from tpflow.train.prompt_policy import PromptPolicy
+from tpflow.train.replay import ReplayBuffer
 from tpflow.train.run_logger import truncate_after
 from tpflow.train.sharding import GatheredBackbone, gathered_state
 
@@ -52,10 +53,12 @@ class RunCheckpoints:
         dist: Distributed,
         console: Console,
         prompts: PromptPolicy | AbilityMatched | None = None,
+        replay: ReplayBuffer | None = None,
     ) -> None:
         self.run_dir, self.recipe, self.settings = run_dir, recipe, recipe.train
         self.backbone, self.optimizer, self.ema = backbone, optimizer, ema
         self.prompts = prompts  # the prompt sampler's policy: the prompts it set aside (tpflow.train.prompt_policy)
+        self.replay = replay  # the replay buffer's trajectories (tpflow.train.replay)
         self.dist, self.console = dist, console
         self.saved: tuple[int, int] | None = None
 
@@ -68,6 +71,7 @@ class RunCheckpoints:
         if collective:
             self.dist.check_in_sync(named_trainable(self.backbone))
             self._check_prompts_agree(epoch)
+            self._check_replay_agrees(epoch)
         path = None
         backbone: Backbone | GatheredBackbone | None = self.backbone
         states = None
@@ -127,6 +131,8 @@ class RunCheckpoints:
             epoch = int(ckpt.train_state["epoch"])
             if self.prompts is not None:  # a checkpoint older than the policy's state: nothing set aside
                 self.prompts.load_state_dict(ckpt.train_state.get("prompts_set_aside") or [])
+            if self.replay is not None:  # a checkpoint without a buffer: an empty one
+                self.replay.load_state_dict(ckpt.replay_state or {})
         last_eval = dict(ckpt.train_state.get("last_eval") or {})
         if path.resolve().parent == (self.run_dir / "checkpoints").resolve():  # this run's own (not a warm start)
             self.saved = (epoch, self.optimizer.global_step)
@@ -160,6 +166,15 @@ class RunCheckpoints:
         if any(state != states[0] for state in states):
             raise RuntimeError(f"the processes' prompt policies set aside different prompts before epoch {epoch}")
 
+    def _check_replay_agrees(self, epoch: int) -> None:
+        """Every process holds the same replay buffer (the same gathered rows admitted, the same forgotten): else a
+        bug, and the processes would replay different rows."""
+        if self.replay is None or not self.replay.enabled or not self.dist.enabled:
+            return
+        digests = self.dist.gather_objects([self.replay.digest(epoch)])
+        if any(digest != digests[0] for digest in digests):
+            raise RuntimeError(f"the processes' replay buffers differ before epoch {epoch}")
+
     def _small_state(self, epoch: int, last_eval: dict[str, float]) -> dict[str, Any]:
         """A checkpoint's RNG states, train state (with the prompts the policy set aside), recipe and how many to
         keep."""
@@ -176,6 +191,8 @@ class RunCheckpoints:
             "train_state": train_state,
             "recipe": self.recipe.data,
             "keep_last": self.settings.keep_checkpoints,
+            # the replay buffer's rows (replay.safetensors), only with replay: the checkpoint as before otherwise
+            "replay_state": self.replay.state_dict(epoch) if self.replay is not None and self.replay.enabled else None,
         }
 
     def _states(self) -> tuple[dict, dict[str, torch.Tensor] | None]:
