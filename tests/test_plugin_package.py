@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_run import tpflow
 from tests.test_train import tiny_recipe
 from tpflow import registry
 from tpflow.recipe import load_recipe
@@ -58,7 +59,7 @@ def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 def test_installed_plugin_is_listed_passes_its_tests_and_trains(installed, tmp_path, tiny_weights):
     source, site, env = installed
     assert (site / "tpflow_example_reward" / "saturation.py").is_file()
-    listing = _run(sys.executable, "-m", "tpflow.cli", "components", "reward", env=env)
+    listing = tpflow("components", "reward")  # in this process: the entry point read from the installed metadata
     assert listing.returncode == 0, listing.stderr
     assert "example-saturation" in listing.stdout and "plugin tpflow-example-reward 0.1.0" in listing.stdout
     assert "target" in listing.stdout and "failed to load" not in listing.stdout
