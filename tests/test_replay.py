@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 from tests.cli_run import tpflow
 from tests.kill_leaves import comparable_metrics, what_a_kill_leaves
@@ -276,16 +282,23 @@ def test_a_refusal_exits_2(tmp_path, tiny_weights):
     assert result.returncode == 2 and "no such correction" in result.stderr + result.stdout
 
 
-def test_the_shipped_recipe_is_shapes_flowgrpo_with_replay():
-    """recipes/shapes_opgrpo.toml differs from shapes_flowgrpo.toml in its [replay] section and grpo's replay_*
-    options alone (its rollouts are shapes_flowgrpo's: one rollout fingerprint)."""
+@pytest.mark.parametrize(
+    ("name", "base"),
+    [("shapes_opgrpo.toml", "shapes_flowgrpo.toml"), ("sd35/sd35_opgrpo_ocr.toml", "sd35/sd35_flowgrpo_ocr.toml")],
+)
+def test_a_shipped_opgrpo_recipe_is_its_flowgrpo_recipe_with_replay(name, base):
+    """recipes/shapes_opgrpo.toml and recipes/sd35/sd35_opgrpo_ocr.toml differ from their Flow-GRPO recipes (the
+    latter: flow_grpo's general_ocr_sd3, checked in tests/test_rival_recipes.py) in their [replay] section and grpo's
+    replay_* options alone; the shapes one's rollouts are shapes_flowgrpo's (one rollout fingerprint)."""
     from pathlib import Path
 
     recipes = Path(__file__).resolve().parents[1] / "recipes"
-    op, flow = load_recipe(recipes / "shapes_opgrpo.toml"), load_recipe(recipes / "shapes_flowgrpo.toml")
-    assert op.settings["replay"].enabled and not flow.settings["replay"].enabled
-    replay = {k: v for k, v in op.data["optimizer"].items() if k.startswith("replay_")}
-    assert replay and {**flow.data["optimizer"], **replay} == op.data["optimizer"]
-    assert {k: v for k, v in op.data.items() if k not in ("replay", "optimizer")} == {
-        k: v for k, v in flow.data.items() if k != "optimizer"
+    op, flow = tomllib.loads((recipes / name).read_text()), tomllib.loads((recipes / base).read_text())
+    assert op["replay"]["capacity"] > 0 and "replay" not in flow
+    replay = {k: v for k, v in op["optimizer"].items() if k.startswith("replay_")}
+    assert replay and {**flow["optimizer"], **replay} == op["optimizer"]
+    assert {k: v for k, v in op.items() if k not in ("replay", "optimizer")} == {
+        k: v for k, v in flow.items() if k != "optimizer"
     }
+    if name.startswith("shapes"):  # the shipped shapes recipes validate here; the sd35 ones in tests/test_recipe.py
+        assert load_recipe(recipes / name).replay.enabled
