@@ -172,6 +172,7 @@ def anchor_scorer(run: Any) -> AnchorScore:
                 "share equally, and a sharded model needs every process to run as many forward passes. Choose "
                 f"prompt_candidates so that the anchors are a multiple of {run.dist.world_size}."
             )
+        run._phase(f"epoch {epoch}: choosing prompts ({len(items)} anchors)", None)  # what progress and OOM name
         update = {"num_steps": rollout.num_steps, "guidance": rollout.guidance, "solver": "euler"}
         settings = run.recipe.eval.model_copy(update={**update, "batch_size": train.rollout_batch})
         seed = random.Random(f"{train.seed}/{epoch}/anchors").getrandbits(63)
