@@ -110,7 +110,7 @@ def test_the_recipe_trains_an_epoch(tmp_path, video_weights):
 
     sets = [f'backbone.weights="{video_weights}"', "train.epochs=1", "train.prompts_per_epoch=2", "train.group_size=4",
             "train.rollout_batch=8", "rollout.num_steps=4", "rollout.window_size=3", "rollout.window_range=[0, 3]",
-            "eval.num_prompts=4", "eval.batch_size=4", "eval.num_steps=4", f'train.run_dir="{tmp_path}"']  # fmt: skip
+            "eval.num_prompts=2", "eval.batch_size=2", "eval.num_steps=4", f'train.run_dir="{tmp_path}"']  # fmt: skip
     recipe = load_recipe(ROOT / "recipes" / "shapes_video_flowgrpo.toml", sets)
     trainer = Trainer(recipe)
     before = [p.detach().clone() for p in trainer.backbone.trainable_parameters()]
