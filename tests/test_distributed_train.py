@@ -46,6 +46,9 @@ UNEVEN_CALLS = ["rollout.max_batch=1", "rollout.same_noise=true"]
 REPLICATED_SETS = [*SMALL_BATCHES, "optimizer.learning_rate=1e-4", *UNEVEN_CALLS]  # the whole model on each process
 FSDP_SETS = [*REPLICATED_SETS, 'train.shard="fsdp"']
 # DanceGRPO's plan: every step SDE (dance-sde), int((K - 1)·0.6) = 1 of the first 3 trained per trajectory, outcome
+# a replay buffer ([replay], tests/test_replay.py): epoch 1 replays what epoch 0 admitted, dealt over the processes
+REPLAY_SETS = ["replay.capacity=6", "replay.min_advantage=0.5", "optimizer.replay_min_sigma=0.3", "eval.every=0",
+               'credit.name="outcome"', "train.ema=false"]  # fmt: skip
 DANCE_SETS = ['plan.name="trained-fraction"', "plan.fraction=0.6", "plan.exclude_last=true",
               'sampler.name="dance-sde"', "rollout.window_size=4", "rollout.noise_level=0.3", 'credit.name="outcome"',
               "optimizer.beta=0", "eval.every=0", "train.epochs=1"]  # fmt: skip
@@ -68,12 +71,12 @@ def two_process_runs(tmp_path_factory, tiny_weights) -> dict[str, tuple[Path, li
     """Two processes that train, in turn, the recipe for 2 epochs ("grpo"), its DiffusionNFT variant for 1 epoch
     without evaluations ("nft"), its whole model for 2 epochs FSDP-sharded ("fsdp") and replicated ("full", no
     evaluations), DanceGRPO's trained subset of steps for 1 epoch, whole model sharded ("dance") and replicated
-    ("dance-full"), and the recipe's LoRA sharded for 1 epoch ("lora-fsdp"): for each, (its directory, what each
-    rank returned)."""
+    ("dance-full"), the recipe's LoRA sharded for 1 epoch ("lora-fsdp"), and the recipe replaying trajectories for 2
+    epochs ("replay"): for each, (its directory, what each rank returned)."""
     root = tmp_path_factory.mktemp("two-process")
-    names = ("nft", "fsdp", "full", "dance", "dance-full", "lora-fsdp")
-    nft, fsdp, full, dance, dance_full, lora_fsdp = (root / n for n in names)
-    for folder in (nft, fsdp, full, dance, dance_full, lora_fsdp):
+    names = ("nft", "fsdp", "full", "dance", "dance-full", "lora-fsdp", "replay")
+    nft, fsdp, full, dance, dance_full, lora_fsdp, replay = (root / n for n in names)
+    for folder in (nft, fsdp, full, dance, dance_full, lora_fsdp, replay):
         folder.mkdir()
     runs = [
         (str(recipe(root, tiny_weights)), SMALL_BATCHES),
@@ -86,10 +89,11 @@ def two_process_runs(tmp_path_factory, tiny_weights) -> dict[str, tuple[Path, li
             str(recipe(lora_fsdp, tiny_weights)),
             [*SMALL_BATCHES, 'train.shard="fsdp"', "train.epochs=1", "eval.every=0"],
         ),
+        (str(recipe(replay, tiny_weights)), [*SMALL_BATCHES, *REPLAY_SETS]),
     ]
     zero, one = spawn(train_recipes_worker, root, runs)
     names = [("grpo", root), ("nft", nft), ("fsdp", fsdp), ("full", full), ("dance", dance),
-             ("dance-full", dance_full), ("lora-fsdp", lora_fsdp)]  # fmt: skip
+             ("dance-full", dance_full), ("lora-fsdp", lora_fsdp), ("replay", replay)]  # fmt: skip
     return {name: (folder, [zero["runs"][i], one["runs"][i]]) for i, (name, folder) in enumerate(names)}
 
 
@@ -260,6 +264,21 @@ def test_nft_on_two_processes_trains_one_model(two_process_runs):
     assert sum(moved) >= len(moved) - 1, "the adapter is trained"
     metrics = read_jsonl(folder / "run" / "metrics.jsonl")
     assert metrics[-1]["trajectories_trained"] == 8 and metrics[-1]["optimizer_steps"] >= 1
+
+
+def test_two_processes_replay_one_buffer_and_train_one_model(two_process_runs):
+    """Replay on 2 processes: each admits its own rows of the gathered advantages, the admitted rows are gathered (a
+    ragged share each), epoch 1 replays them all, dealt over the two, the checkpoints' collective comparison of the
+    buffers passes, and both ranks end with the same adapter, bit for bit. What epoch 0 admitted is what its logged
+    advantages (every process's rows) admit."""
+    folder, (zero, one) = two_process_runs["replay"]
+    assert all(torch.equal(a, b) for a, b in zip(zero["end"], one["end"], strict=True))
+    metrics = read_jsonl(folder / "run" / "metrics.jsonl")
+    scores = [sum(r["advantages"]) / len(r["advantages"]) for r in _epoch_traces(folder / "run", 0)]
+    assert metrics[0]["replay_admitted"] == sum(s >= 0.5 for s in scores) > 0
+    assert metrics[1]["replay_drawn"] == metrics[1]["replay_rows_trained"] == min(6, metrics[0]["replay_admitted"])
+    state = safetensors.torch.load_file(find_checkpoint(folder / "run")[0] / "replay.safetensors")
+    assert len(state["row"]) == min(6, metrics[1]["replay_held"])  # what epoch 2 could draw
 
 
 def test_an_fsdp_sharded_run_trains_the_whole_model_as_a_replicated_one_does(two_process_runs):
