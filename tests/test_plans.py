@@ -256,7 +256,7 @@ def _method_run(recipe: str, tmp_path, tiny_weights, epochs: int, extra=(), resu
     path = Path(__file__).resolve().parents[1] / "recipes" / recipe
     overrides = [
         f"backbone.weights={tiny_weights}", "backbone.lora_init=gaussian", "reward.name=brightness",
-        "dataset.test_size=4", "train.prompts_per_epoch=2", "train.group_size=4", "train.rollout_batch=8",
+        "dataset.test_size=4", "train.prompts_per_epoch=1", "train.group_size=4", "train.rollout_batch=4",
         f"train.epochs={epochs}", "train.save_every=1", f"train.run_dir={tmp_path / 'run'}", "eval.every=100",
         "eval.num_prompts=4", "eval.batch_size=4", "optimizer.micro_batch_size=4", *extra,
     ]  # fmt: skip
