@@ -63,7 +63,8 @@ def corrected(
     rows = batch.replayed.cpu().nonzero().squeeze(1)  # [k] host
     device_rows = to_device(rows, batch.device)
     sigmas = batch.sigmas.cpu()  # [N, W + 1] host
-    stored = batch.trained.cpu() if batch.trained is not None else torch.ones(batch.log_probs.shape, dtype=torch.bool)
+    everything = torch.ones(batch.log_probs.shape, dtype=torch.bool, device="cpu")  # a batch without a mask
+    stored = batch.trained.cpu() if batch.trained is not None else everything  # [N, W] host
     kept = kept_steps(sigmas[rows], stored[rows], o.replay_min_sigma)  # [k, W] host
     behaviour = batch.log_probs[device_rows]  # [k, W] ℓ_μ
     old = _start_log_probs(o.micro_batch_size, precision, backbone, sampler, batch, rows, kept, behaviour)
@@ -76,7 +77,7 @@ def corrected(
         mask = stored.clone()
         mask[rows] = kept
         trained = to_device(mask, batch.log_probs.device)
-    scale = torch.ones(len(batch), dtype=torch.float64)
+    scale = torch.ones(len(batch), dtype=torch.float64, device="cpu")  # [N] host: each row's w, 1 if fresh
     scale[rows] = weight
     adv = advantages * scale.to(advantages.device, advantages.dtype)[:, None]
     metrics = {

@@ -60,11 +60,11 @@ class ReplayBuffer:
     def live(self, epoch: int) -> Tensor:
         """[m] host long: the stored rows epoch ``epoch`` may draw, in stored order (the module docstring's step 1)."""
         if not self.rows:
-            return torch.zeros(0, dtype=torch.long)
+            return torch.zeros(0, dtype=torch.long, device="cpu")
         admitted, score = self.rows["epoch"].tolist(), self.rows["score"].tolist()
         young = [j for j, e in enumerate(admitted) if 1 <= epoch - e <= self.settings.max_age]
         ranked = sorted(young, key=lambda j: (-admitted[j], -score[j], j))[: self.settings.capacity]
-        return torch.tensor(sorted(ranked), dtype=torch.long)
+        return torch.tensor(sorted(ranked), dtype=torch.long, device="cpu")
 
     def mix(self, epoch: int, batch: Rollout, advantages: Tensor, dist: Distributed) -> tuple[Rollout, Tensor, dict]:
         """This process's batch (its ``n`` rows of the epoch's, every process holding as many) and advantages with the
@@ -83,7 +83,7 @@ class ReplayBuffer:
         if not len(share):
             return batch, local, metrics
         mixed = Rollout.cat([batch, self._rollout(share, batch)])
-        replayed = torch.cat([torch.zeros(n, dtype=torch.bool), torch.ones(len(share), dtype=torch.bool)])
+        replayed = torch.arange(n + len(share), device="cpu") >= n  # [n + k_r] host: the appended rows
         mixed = dataclasses.replace(mixed, cost=batch.cost, replayed=replayed)  # the rollout's cost is the epoch's
         stored = self.rows["advantages"][share].to(local.device, local.dtype)  # [k_r, W]
         return mixed, torch.cat([local, stored]), metrics
@@ -114,9 +114,9 @@ class ReplayBuffer:
         """[k] the stored rows the epoch replays (every row kept by ``_keep``, or ``rows`` of them)."""
         held, wanted = len(self), self.settings.rows
         if wanted is None or wanted >= held:
-            return torch.arange(held, dtype=torch.long)
+            return torch.arange(held, dtype=torch.long, device="cpu")
         picked = random.Random(f"{self.seed}/{epoch}/replay").sample(range(held), wanted)
-        return torch.tensor(sorted(picked), dtype=torch.long)
+        return torch.tensor(sorted(picked), dtype=torch.long, device="cpu")
 
     def _admit(self, epoch: int, batch: Rollout, advantages: Tensor, dist: Distributed) -> int:
         """Store the epoch's rows whose score reaches ``min_advantage`` (each process gives its own, gathered
@@ -126,9 +126,8 @@ class ReplayBuffer:
         chosen = (score >= self.settings.min_advantage).nonzero().squeeze(1)  # [a] rows of the epoch
         mine = chosen[(chosen >= rank * n) & (chosen < (rank + 1) * n)] - rank * n  # [a_r] this process's rows
         at = mine.to(batch.device)
-        trained = (
-            batch.trained[at].cpu() if batch.trained is not None else torch.ones(len(mine), batch.log_probs.shape[1])
-        )
+        shape = (len(mine), batch.log_probs.shape[1])  # [a_r, W]: a batch without a mask trains every step
+        trained = batch.trained[at].cpu() if batch.trained is not None else torch.ones(shape, device="cpu")
         local = {name: getattr(batch, name)[at].detach().cpu() for name in STORED}
         local.update({COND + key: value[at].detach().cpu() for key, value in batch.cond.tensors.items()})
         local["trained"] = trained.to(torch.uint8)  # bool travels as uint8 (EpochRows.gather)
@@ -136,7 +135,7 @@ class ReplayBuffer:
         new["trained"] = new["trained"].bool()
         new.update(
             advantages=advantages[chosen].double().cpu(),
-            epoch=torch.full((len(chosen),), epoch, dtype=torch.long),
+            epoch=torch.full((len(chosen),), epoch, dtype=torch.long, device="cpu"),
             row=chosen.clone(),
             score=score[chosen],
         )
@@ -158,5 +157,5 @@ class ReplayBuffer:
             completions=None,
             cost=batch.cost,
             trained=None if batch.trained is None and bool(trained.all()) else trained.to(device),
-            groups=None if batch.groups is None else torch.full((len(rows),), -1, dtype=torch.long),
+            groups=None if batch.groups is None else torch.full((len(rows),), -1, dtype=torch.long, device="cpu"),
         )
