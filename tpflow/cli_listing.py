@@ -21,6 +21,8 @@ from rich.text import Text
 
 from tpflow import registry
 from tpflow.cli_common import make_console, user_errors
+from tpflow.cli_stages import KIND as STAGE
+from tpflow.cli_stages import stage_entries, stage_entry
 from tpflow.describe import describe_options
 from tpflow.errors import UserError
 
@@ -63,20 +65,24 @@ WIDE = 120  # columns from which the listing is a table; narrower terminals get 
 
 @user_errors
 def components(
-    kind: Annotated[str | None, typer.Argument(help=f"One of: {', '.join(registry.KINDS)}. All when omitted.")] = None,
+    kind: Annotated[
+        str | None, typer.Argument(help=f"One of: {', '.join(registry.KINDS)}, stage. All when omitted.")
+    ] = None,
     name: Annotated[
         str | None, typer.Argument(help="One component of KIND: its whole description.", show_default=False)
     ] = None,
 ) -> None:
-    """List the registered components (built-ins and plugins) with their options: a table on a wide terminal, a
-    list on a narrow one (under 120 columns).
+    """List the registered components (built-ins and plugins) with their options, and the stages a settings section
+    selects (the prompt policy, replay): a table on a wide terminal, a list on a narrow one (under 120 columns).
 
     Example: tpflow components credit consistent
     """
-    kinds = registry.KINDS if kind is None else (kind,)
+    kinds = registry.KINDS if kind is None else (kind,) if kind != STAGE else ()
     entries = [(k, e) for k in kinds for e in registry.entries(k)]
-    if name is not None:
-        entries = [(kind, registry.get(kind, name))]  # an unknown name: the registry's message, with close matches
+    if kind in (None, STAGE):  # the settings-selected stages (tpflow.cli_stages): prompt policy, replay
+        entries += [(STAGE, e) for e in stage_entries()]
+    if name is not None:  # an unknown name: the registry's message, with close matches
+        entries = [(kind, stage_entry(name) if kind == STAGE else registry.get(kind, name))]
     console = make_console()
     if name is None and console.width >= WIDE:
         console.print(_table(entries))
