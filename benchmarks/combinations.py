@@ -2,7 +2,7 @@
 into docs/testing.md ("The combination matrix").
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/combinations.py                 # the matrix, table into the docs
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/combinations.py --suite-rows    # rewrite tests' SUITE_ROWS
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/combinations.py --suite-rows --seed 6  # rewrite tests' SUITE_ROWS
 
 A combination is refused by the recipe check in one paragraph, or accepted: its first optimizer step's gradient is
 the reference configuration's (recompute native, fp32, blocks not compiled) within its precision's tolerance, and
@@ -47,6 +47,18 @@ def accepted_by_check(recipe: Path, weights: Path):
     return accepted
 
 
+def _row_lines(values: list[str], width: int = 119) -> str:
+    """One row of SUITE_ROWS as source lines within the line length: ``    (a, b, ...),`` wrapped after a comma."""
+    lines, line = [], "    ("
+    for k, value in enumerate(values):
+        item = value + ("), " if k == len(values) - 1 else ", ")
+        if len(line) + len(item.rstrip()) > width:
+            lines.append(line.rstrip())
+            line = "     "
+        line += item
+    return "\n".join([*lines, line.rstrip()]) + "\n"
+
+
 def table(outcomes, names: list[str], seconds: float) -> str:
     from tests.combinations import TOLERANCE
 
@@ -79,7 +91,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    from tests.combinations import FACTORS, SUITE_FACTORS, covering, judge, recipe_text
+    from tests.combinations import FACTORS, MUST_TRAIN, SUITE_FACTORS, covering, judge, recipe_text
     from tests.conftest import write_tiny_weights
 
     folder = Path(tempfile.mkdtemp(prefix="tpflow-matrix-"))
@@ -87,9 +99,9 @@ def main() -> int:
     recipe.write_text(recipe_text(folder / "run"))
     weights = write_tiny_weights(folder)
     if args.suite_rows:
-        rows = covering(SUITE_FACTORS, accepted_by_check(recipe, weights), seed=args.seed)
+        rows = covering(SUITE_FACTORS, accepted_by_check(recipe, weights), seed=args.seed, first=MUST_TRAIN)
         text = "SUITE_ROWS: list[tuple[str, ...]] = [  # in SUITE_FACTORS' order\n"
-        text += "".join("    (" + ", ".join(json.dumps(row[n]) for n in SUITE_FACTORS) + "),\n" for row in rows) + "]"
+        text += "".join(_row_lines([json.dumps(row[n]) for n in SUITE_FACTORS]) for row in rows) + "]"
         path = ROOT / "tests" / "combinations.py"
         source = path.read_text()
         source = re.sub(r"SUITE_ROWS: list\[tuple\[str, \.\.\.\]\] = \[(?:\]|.*?\n\])[^\n]*", lambda _: text,
@@ -97,7 +109,7 @@ def main() -> int:
         path.write_text(source)
         print(f"{len(rows)} rows written to {path}")
         return 0
-    rows = covering(FACTORS, accepted_by_check(recipe, weights), seed=args.seed)
+    rows = covering(FACTORS, accepted_by_check(recipe, weights), seed=args.seed, first=MUST_TRAIN)
     cache: dict = {}
     outcomes, start = [], time.perf_counter()
     for k, row in enumerate(rows):

@@ -2,8 +2,8 @@
 loads (docs/testing.md, "The combination matrix").
 
 A combination is one level of each factor (``FACTORS``: backbone, rollout plan, sampler, credit, optimizer, recompute
-mode, precision, compiled blocks, CFG gradient, LoRA or full fine-tune). Each is judged on a tiny recipe, in one
-process:
+mode, precision, compiled blocks, CFG gradient, LoRA or full fine-tune, GARDO's parts, the prompt policy, the replay
+buffer). Each is judged on a tiny recipe, in one process:
 
 * **refused**: ``load_recipe`` (what ``tpflow validate`` runs) raises a ``RecipeError`` of one paragraph; or
 * **accepted**: the first optimizer step's gradient is the *reference* configuration's (the same combination with
@@ -31,45 +31,95 @@ import torch
 FACTORS: dict[str, list[str]] = {
     "backbone": ["shapes-dit", "shapes-edit-dit", "tiny-sd3", "tiny-flux", "tiny-flux-kontext"],
     "plan": ["window", "trained-fraction", "entropy-steps"],
-    "sampler": ["cps", "linear-sigma"],
-    "credit": ["outcome", "consistent"],
+    "sampler": ["cps", "linear-sigma", "flow-sde"],
+    "credit": ["outcome", "consistent", "branch"],
     "optimizer": ["grpo", "nft", "awm", "dgpo"],
     "recompute": ["native", "retain", "reweight"],
     "precision": ["no", "bf16", "fp16"],
     "compile": ["off", "on"],
     "cfg_gradient": ["full", "conditional"],
     "finetune": ["lora", "full"],
+    "gardo": ["off", "shaped", "all"],
+    "prompts": ["uniform", "skip-solved", "ability-matched", "fused"],
+    "replay": ["off", "on"],
 }
 REFERENCE = {"recompute": "native", "precision": "no", "compile": "off"}
 EDITING = {"shapes-edit-dit", "tiny-flux-kontext"}  # backbones that edit a source image: the editing dataset
 # The suite's share (tests/test_combinations.py): the embedded backbone, blocks not compiled (aot_eager compiling
 # costs seconds a run); ``SUITE_ROWS`` covers every pair of its levels, accepted where an accepted row can
-# (written by ``benchmarks/combinations.py --suite-rows --seed 0``: of seeds 0-39 a design with the fewest accepted
-# rows, 18 rows of which 9 train; the test checks the coverage, so a new level fails it until the rows are written
-# again). The editing model is the suite's second backbone: every pair of an editing backbone with the other levels.
+# (written by ``benchmarks/combinations.py --suite-rows --seed 6``: of seeds 0-19 the design whose accepted rows cost
+# least by a rough per-row estimate (an fp16 or editing row trains slower), 29 rows of which 18 train; the test checks
+# the coverage, so a new level fails it until the rows are written again). The editing model is the suite's second
+# backbone: every pair of an editing backbone with the other levels.
 SUITE_FACTORS = {
     **{k: v for k, v in FACTORS.items() if k != "compile"},
     "backbone": ["shapes-dit", "shapes-edit-dit"],
 }
+# fmt: off
 SUITE_ROWS: list[tuple[str, ...]] = [  # in SUITE_FACTORS' order
-    ("shapes-dit", "window", "cps", "outcome", "grpo", "native", "fp16", "conditional", "full"),
-    ("shapes-dit", "trained-fraction", "linear-sigma", "consistent", "grpo", "reweight", "no", "full", "lora"),
-    ("shapes-dit", "entropy-steps", "linear-sigma", "consistent", "awm", "retain", "bf16", "full", "full"),
-    ("shapes-dit", "window", "linear-sigma", "outcome", "dgpo", "native", "bf16", "full", "lora"),
-    ("shapes-dit", "entropy-steps", "cps", "consistent", "nft", "reweight", "fp16", "conditional", "lora"),
-    ("shapes-edit-dit", "window", "cps", "outcome", "grpo", "retain", "no", "conditional", "full"),
-    ("shapes-edit-dit", "trained-fraction", "cps", "consistent", "grpo", "native", "bf16", "full", "full"),
-    ("shapes-edit-dit", "window", "linear-sigma", "outcome", "awm", "native", "fp16", "full", "lora"),
-    ("shapes-edit-dit", "window", "cps", "outcome", "dgpo", "native", "no", "full", "lora"),
-    ("shapes-edit-dit", "window", "linear-sigma", "outcome", "nft", "native", "no", "full", "lora"),
-    ("shapes-edit-dit", "entropy-steps", "linear-sigma", "outcome", "nft", "reweight", "bf16", "conditional", "full"),
-    ("shapes-dit", "trained-fraction", "cps", "consistent", "dgpo", "retain", "fp16", "conditional", "full"),
-    ("shapes-edit-dit", "trained-fraction", "linear-sigma", "outcome", "awm", "reweight", "no", "conditional", "full"),
-    ("shapes-edit-dit", "window", "cps", "consistent", "dgpo", "reweight", "no", "full", "full"),
-    ("shapes-dit", "trained-fraction", "linear-sigma", "consistent", "nft", "retain", "fp16", "full", "lora"),
-    ("shapes-dit", "entropy-steps", "linear-sigma", "outcome", "dgpo", "native", "no", "full", "lora"),
-    ("shapes-dit", "entropy-steps", "linear-sigma", "consistent", "grpo", "retain", "fp16", "full", "full"),
-    ("shapes-dit", "window", "cps", "outcome", "awm", "native", "bf16", "full", "full"),
+    ("shapes-dit", "entropy-steps", "flow-sde", "branch", "grpo", "native", "no", "full", "lora", "off", "uniform",
+     "off"),
+    ("shapes-dit", "window", "cps", "outcome", "grpo", "native", "no", "full", "lora", "all", "uniform", "off"),
+    ("shapes-dit", "window", "cps", "outcome", "nft", "native", "no", "full", "lora", "all", "uniform", "off"),
+    ("shapes-dit", "window", "cps", "outcome", "awm", "native", "no", "full", "lora", "shaped", "uniform", "off"),
+    ("shapes-dit", "window", "cps", "outcome", "dgpo", "native", "no", "full", "lora", "off", "skip-solved", "off"),
+    ("shapes-dit", "window", "cps", "outcome", "nft", "native", "no", "full", "lora", "off", "ability-matched", "off"),
+    ("shapes-dit", "window", "cps", "outcome", "grpo", "native", "no", "full", "lora", "off", "fused", "on"),
+    ("shapes-dit", "trained-fraction", "linear-sigma", "outcome", "grpo", "native", "fp16", "conditional", "full",
+     "shaped", "uniform", "on"),
+    ("shapes-dit", "window", "cps", "consistent", "grpo", "retain", "bf16", "full", "lora", "shaped", "skip-solved",
+     "off"),
+    ("shapes-dit", "entropy-steps", "linear-sigma", "branch", "nft", "reweight", "bf16", "conditional", "lora", "all",
+     "skip-solved", "on"),
+    ("shapes-edit-dit", "window", "flow-sde", "consistent", "grpo", "reweight", "no", "conditional", "lora", "shaped",
+     "ability-matched", "off"),
+    ("shapes-edit-dit", "trained-fraction", "cps", "outcome", "grpo", "native", "no", "full", "lora", "off", "fused",
+     "off"),
+    ("shapes-edit-dit", "window", "flow-sde", "branch", "awm", "retain", "fp16", "full", "full", "all", "fused", "on"),
+    ("shapes-edit-dit", "trained-fraction", "linear-sigma", "consistent", "dgpo", "retain", "bf16", "conditional",
+     "full", "off", "ability-matched", "on"),
+    ("shapes-edit-dit", "window", "flow-sde", "outcome", "nft", "native", "no", "full", "lora", "all", "uniform",
+     "off"),
+    ("shapes-edit-dit", "entropy-steps", "flow-sde", "branch", "grpo", "retain", "no", "full", "lora", "off", "fused",
+     "off"),
+    ("shapes-edit-dit", "window", "flow-sde", "outcome", "dgpo", "native", "no", "full", "full", "shaped",
+     "skip-solved", "off"),
+    ("shapes-edit-dit", "window", "cps", "outcome", "grpo", "reweight", "bf16", "conditional", "lora", "shaped",
+     "fused", "off"),
+    ("shapes-edit-dit", "trained-fraction", "cps", "branch", "nft", "reweight", "fp16", "full", "lora", "shaped",
+     "skip-solved", "off"),
+    ("shapes-edit-dit", "entropy-steps", "linear-sigma", "branch", "dgpo", "retain", "fp16", "conditional", "full",
+     "all", "ability-matched", "off"),
+    ("shapes-edit-dit", "window", "flow-sde", "consistent", "grpo", "native", "no", "full", "lora", "all",
+     "ability-matched", "off"),
+    ("shapes-dit", "trained-fraction", "linear-sigma", "consistent", "awm", "reweight", "no", "full", "full", "off",
+     "uniform", "off"),
+    ("shapes-edit-dit", "entropy-steps", "linear-sigma", "consistent", "nft", "retain", "fp16", "full", "full", "all",
+     "fused", "on"),
+    ("shapes-dit", "window", "linear-sigma", "outcome", "grpo", "retain", "bf16", "full", "lora", "shaped", "uniform",
+     "off"),
+    ("shapes-dit", "entropy-steps", "cps", "outcome", "awm", "retain", "fp16", "conditional", "full", "off",
+     "ability-matched", "off"),
+    ("shapes-dit", "trained-fraction", "flow-sde", "branch", "awm", "native", "bf16", "full", "lora", "shaped",
+     "fused", "on"),
+    ("shapes-edit-dit", "window", "linear-sigma", "outcome", "awm", "native", "fp16", "full", "full", "off",
+     "skip-solved", "off"),
+    ("shapes-dit", "trained-fraction", "linear-sigma", "branch", "dgpo", "reweight", "bf16", "full", "lora", "all",
+     "fused", "off"),
+    ("shapes-edit-dit", "entropy-steps", "cps", "outcome", "dgpo", "retain", "fp16", "full", "lora", "shaped",
+     "uniform", "off"),
+]
+# fmt: on
+# levels the suite must see train, not only refused (entropy-steps with branch credit, GARDO's parts on both of its
+# optimizers, every prompt policy, the replay buffer): the design starts from a row of each (``covering``'s first)
+MUST_TRAIN: list[dict[str, str]] = [
+    {"plan": "entropy-steps", "credit": "branch", "sampler": "flow-sde"},
+    {"gardo": "all", "optimizer": "grpo"},
+    {"gardo": "all", "optimizer": "nft"},
+    {"gardo": "shaped", "optimizer": "awm"},
+    {"prompts": "skip-solved", "optimizer": "dgpo"},
+    {"prompts": "ability-matched", "optimizer": "nft"},
+    {"prompts": "fused", "replay": "on"},
 ]
 # 1 − cosine of the first step's gradient to the reference's, by precision: fp32 modes differ by float rounding (a
 # batched forward's matmuls; the sum order of one backward); bf16 / fp16 autocast round the forward to 8 / 11 bits
@@ -86,7 +136,35 @@ _FINAL_SAMPLES = {  # the final-sample optimizers' sections, as their shipped re
 _SAMPLERS = {  # the sampler levels other than the recipe's default (cps), as ``--set`` values
     # flow-sde with flow_grpo's Wan noise std ε = α·(σ_min + (σ_max − σ_min)·σ) (docs/algorithm.md §1.4c)
     "linear-sigma": 'sampler={name = "flow-sde", noise_schedule = "linear-sigma", sigma_max = 0.98}',
+    "flow-sde": 'sampler={name = "flow-sde"}',  # Flow-GRPO's ε(σ) = α·sqrt(σ/(1 − σ)), what entropy-steps ranks
 }
+# GARDO's levels (docs/algorithm.md §10.9): the diversity-shaped reward alone (any optimizer), and its three parts
+# (that reward of a weighted reward's parts, the gated KL ranking them, the adaptive reference) with the advantage not
+# divided by a std (grpo and nft; nft with the DiffusionNFT script's fallback and moving threshold)
+_RULES = ('rewards = [{name = "image-stat", label = "bright"}, {name = "image-stat", label = "saturated", '
+          'weight = 0.0, options = {statistic = "saturation"}}]')  # the main part, and one ranked only  # fmt: skip
+_SHAPED = 'reward={name = "diversity-shaped", reward = {name = "image-stat"}, features = "pixels"}'
+_KL = {"grpo": "optimizer.beta=1e-3", "nft": "optimizer.kl_weight=1e-3"}  # the KL weight each names (others: none)
+_PROMPTS = {  # [train] prompt_policy's levels; "fused": AdaGRPO's curriculum with its advantage fusion (grpo)
+    "skip-solved": ['train.prompt_policy="skip-solved"'],
+    "ability-matched": ['train.prompt_policy="ability-matched"', "train.prompt_candidates=2"],
+    "fused": ['train.prompt_policy="ability-matched"', "train.prompt_candidates=2",
+              'optimizer.advantage_fusion="running-reward"'],
+}  # fmt: skip
+
+
+def _gardo(level: str, optimizer: str) -> list[str]:
+    """The ``--set`` overrides of a GARDO level for ``optimizer``."""
+    if level == "shaped":
+        return [_SHAPED]
+    kl = [_KL[optimizer]] if optimizer in _KL else ["optimizer.kl_weight=1e-3"]
+    out = [f'reward={{name = "diversity-shaped", reward = {{name = "weighted", options = {{{_RULES}}}}}, '
+           'features = "pixels"}', *kl, "optimizer.kl_gate=true", 'optimizer.kl_gate_main="weighted/bright"',
+           'optimizer.kl_gate_aux=["weighted/saturated"]', "optimizer.adaptive_reference=true",
+           'optimizer.advantage_std="none"']  # fmt: skip
+    return out + (
+        ["optimizer.kl_gate_batch=2", "optimizer.reference_reset_kl_moves=true"] if optimizer == "nft" else []
+    )
 
 
 def overrides(combo: dict[str, str], weights: Path) -> list[str]:
@@ -105,7 +183,11 @@ def overrides(combo: dict[str, str], weights: Path) -> list[str]:
         out.append('backbone.finetune="full"')
     if combo["compile"] == "on":
         out.append("backbone.compile_blocks=true")
-    if combo["plan"] != "window":
+    if combo["plan"] == "entropy-steps":  # on the backbone's σ grid; its siblings branch from one ODE state, each
+        grid = "sd3" if combo["backbone"].startswith(("shapes", "tiny-sd3")) else "linspace"  # completed by ODE
+        out += [f'plan={{name = "entropy-steps", entropy_grid = "{grid}"}}', "rollout.same_noise=true",
+                'rollout.completions="ode"']  # fmt: skip
+    elif combo["plan"] != "window":
         out.append(f'plan={{name = "{combo["plan"]}"}}')
     if combo["sampler"] != "cps":
         out.append(_SAMPLERS[combo["sampler"]])
@@ -122,7 +204,11 @@ def overrides(combo: dict[str, str], weights: Path) -> list[str]:
         out.append(f'optimizer.cfg_gradient="{combo["cfg_gradient"]}"')
     if combo["precision"] != "no":
         out.append(f'train.mixed_precision="{combo["precision"]}"')
-    return out
+    if combo.get("gardo", "off") != "off":
+        out += _gardo(combo["gardo"], name)
+    if combo.get("replay", "off") == "on":  # OP-GRPO's buffer (docs/training.md): epoch 1 replays epoch 0's rows
+        out += ["replay.capacity=8", "replay.min_advantage=0.1"]
+    return out + _PROMPTS.get(combo.get("prompts", "uniform"), [])
 
 
 def _toml(value) -> str:
@@ -214,8 +300,11 @@ def run_combination(recipe_path: Path, sets: list[str], nonfinite: bool = True) 
     from tpflow.recipe import load_recipe
     from tpflow.train.trainer import Trainer
 
+    runs = recipe_path.parent / "runs"  # a run dir each: an earlier trainer's lock may outlive it until collected
+    runs.mkdir(exist_ok=True)
+    run_dir = runs / str(sum(1 for _ in runs.iterdir()))
     with _fast_compile():
-        trainer = Trainer(load_recipe(recipe_path, sets))
+        trainer = Trainer(load_recipe(recipe_path, [*sets, f"train.run_dir={run_dir}"]))
         params = list(trainer.backbone.trainable_parameters())
         grads: list[torch.Tensor] = []
         step = trainer.optimizer.loop._step
@@ -291,10 +380,14 @@ def judge(combo: dict[str, str], recipe_path: Path, weights: Path, cache: dict) 
     return Outcome(combo, "FAILED" if bad else "accepted", "; ".join(bad), distance, finite)
 
 
-def covering(factors: dict[str, list[str]], accepted, seed: int = 0, tries: int = 60) -> list[dict[str, str]]:
+def covering(
+    factors: dict[str, list[str]], accepted, seed: int = 0, tries: int = 60, first: list[dict[str, str]] = (),
+) -> list[dict[str, str]]:  # fmt: skip
     """A pairwise covering design: rows (one level per factor) such that every pair of levels of two factors is in
     some row; greedy (AETG-like), each new row the candidate covering most uncovered pairs, an ``accepted(row)`` one
-    preferred (a pair no accepted candidate covers is covered by a refused one). Deterministic in ``seed``."""
+    preferred (a pair no accepted candidate covers is covered by a refused one). The design starts from ``first``:
+    each a few levels, the others every factor's first (the levels that go with most others), so that what few
+    accepted rows can hold is not left to chance. Deterministic in ``seed``."""
     names = list(factors)
     uncovered = {((a, x), (b, y)) for a, b in itertools.combinations(names, 2) for x in factors[a] for y in factors[b]}
     rng = random.Random(seed)
@@ -302,6 +395,10 @@ def covering(factors: dict[str, list[str]], accepted, seed: int = 0, tries: int 
 
     def pairs(row):
         return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(names, 2)}
+
+    for levels in first:
+        rows.append({n: levels.get(n, factors[n][0]) for n in names})
+        uncovered -= pairs(rows[-1])
 
     while uncovered:
         target = sorted(uncovered)[0]
