@@ -22,7 +22,7 @@ from tests.cli_run import tpflow
 from tests.kill_leaves import comparable_metrics, what_a_kill_leaves
 from tests.test_train import tiny_recipe
 from tpflow.distributed import Distributed
-from tpflow.errors import RecipeError
+from tpflow.errors import RecipeError, UserError
 from tpflow.optim.grpo import GRPO
 from tpflow.optim.grpo_loss import clipped_surrogate
 from tpflow.optim.replay_weights import corrected, kept_steps, sequence_weights
@@ -156,6 +156,10 @@ def test_admission_eviction_and_the_draw():
     again.load_state_dict(state)
     redo, redo_local, _ = again.mix(2, _rollout(4, offset=20), torch.zeros(4, W, dtype=torch.float64), dist)
     assert torch.equal(redo.latents, mixed.latents) and torch.equal(redo_local, local) and len(redo) == 7
+    narrower = ReplayBuffer(_settings(), seed=5)  # a checkpoint of a wider window, resumed
+    narrower.load_state_dict({k: v[:, :2] if v.dim() > 1 and v.shape[1] == W else v for k, v in state.items()})
+    with pytest.raises(UserError, match="window_size, resolution or backbone"):
+        narrower.mix(2, _rollout(4), torch.zeros(4, W, dtype=torch.float64), dist)
     drawn = ReplayBuffer(_settings(rows=2), seed=5)
     drawn.load_state_dict(state)
     picked = drawn.mix(2, _rollout(4), torch.zeros(4, W, dtype=torch.float64), dist)[0]

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from tpflow.distributed import Distributed
+from tpflow.errors import UserError
 from tpflow.replay_settings import ReplaySettings
 from tpflow.types import Conditioning, Rollout
 
@@ -74,6 +75,8 @@ class ReplayBuffer:
         local = advantages[rank * n : (rank + 1) * n]  # [n, W]
         if not self.enabled:
             return batch, local, {}
+        if self.rows:  # rows of this run's shapes (a checkpoint of other settings: one paragraph)
+            self._check_fits(batch)
         self._keep(self.live(epoch))
         drawn = self._draw(epoch)  # [k] stored rows, every process's
         admitted = self._admit(epoch, batch, advantages, dist)
@@ -109,6 +112,19 @@ class ReplayBuffer:
 
     def _keep(self, rows: Tensor) -> None:
         self.rows = {key: value[rows] for key, value in self.rows.items()} if len(rows) else {}
+
+    def _check_fits(self, batch: Rollout) -> None:
+        """The stored rows are of this run's window, latent and conditioning (a checkpoint resumed with another
+        window_size, resolution or backbone holds rows this batch cannot take): else one paragraph."""
+        stored = {key.removeprefix(COND): value.shape[1:] for key, value in self.rows.items() if key.startswith(COND)}
+        fresh = {key: value.shape[1:] for key, value in batch.cond.tensors.items()}
+        if self.rows["latents"].shape[1:] != batch.latents.shape[1:] or stored != fresh:
+            raise UserError(
+                f"The replay buffer holds trajectories of shape {tuple(self.rows['latents'].shape[1:])} (window "
+                f"steps, latent) and this run samples {tuple(batch.latents.shape[1:])}, or their conditioning "
+                "differs: the checkpoint was written with another [rollout] window_size, resolution or backbone. "
+                "Resume with the checkpoint's settings, or start a new run."
+            )
 
     def _draw(self, epoch: int) -> Tensor:
         """[k] the stored rows the epoch replays (every row kept by ``_keep``, or ``rows`` of them)."""
