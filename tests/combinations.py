@@ -187,6 +187,8 @@ def overrides(combo: dict[str, str], weights: Path) -> list[str]:
         grid = "sd3" if combo["backbone"].startswith(("shapes", "tiny-sd3")) else "linspace"  # completed by ODE
         out += [f'plan={{name = "entropy-steps", entropy_grid = "{grid}"}}', "rollout.same_noise=true",
                 'rollout.completions="ode"']  # fmt: skip
+        if grid == "linspace":  # FLUX on E-GRPO's grid: its static shift 3 (flux_egrpo.toml), not the dynamic one
+            out.append("backbone.time_shift=3.0")
     elif combo["plan"] != "window":
         out.append(f'plan={{name = "{combo["plan"]}"}}')
     if combo["sampler"] != "cps":
