@@ -34,6 +34,9 @@ SMALL = [
     "train.epochs=1", "train.prompts_per_epoch=2", "train.group_size=4", "train.rollout_batch=8",
     "train.ema=true", "train.ema_every=1", "eval.every=1", "eval.num_prompts=12", "eval.batch_size=12",
     "optimizer.micro_batch_size=8", 'log.trackers=["tensorboard", "wandb"]',
+    # training's rollouts of 4 steps, windows of 3 (the recipe's 10 and 9: 55 velocity calls a trajectory); the
+    # evaluations keep the recipe's 10 steps
+    "rollout.num_steps=4", "rollout.window_size=3", "rollout.window_range=[0, 3]",
 ]  # fmt: skip
 EVAL_STEPS = "10"  # the recipe's eval.num_steps: what training evaluated with
 
