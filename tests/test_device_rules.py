@@ -113,7 +113,9 @@ def test_training_path_states_every_device(tmp_path, tiny_weights, plugin, backb
 
     section = None if backbone == "shapes-dit" else TINY_DIFFUSERS.format(backbone)
     recipe = tiny_recipe(tmp_path, tiny_weights, backbone=section)
-    sets = [f"rollout.completions={completions}"]
+    # one prompt's group of 4 an epoch (one rollout batch; the brightness reward spreads the group, so it trains):
+    # every call of the training path runs, under the watch's per-call cost, on half the recipe's trajectories
+    sets = [f"rollout.completions={completions}", "train.prompts_per_epoch=1"]
     with FactoryWatch() as watch:
         Trainer(load_recipe(recipe, [*sets, "train.epochs=1"])).fit()
         Trainer(load_recipe(recipe, [*sets, "train.epochs=2", "rollout.same_noise=true"]), resume=True).fit()
