@@ -53,6 +53,8 @@ CASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "tempflow": ("shapes_flowgrpo.toml", (WINDOW, "optimizer.step_weight=noise-aware", "optimizer.kl_std=transition")),
     "nft": ("shapes_nft.toml", ()),
     "nft_kl": ("shapes_nft.toml", ("optimizer.kl_weight=1e-4", "optimizer.old_decay_rate=0.25")),
+    "gardo_nft": ("shapes_gardo_nft.toml", ("optimizer.kl_gate_fraction=0.5", "optimizer.kl_gate_max=0.5",
+                                            "optimizer.kl_gate_batch=2", "optimizer.seed=5")),
     "awm": ("shapes_awm.toml", ()),
     "awm_kl_step": ("shapes_awm.toml", ("optimizer.kl_weight=1e-3", "optimizer.old_decay_unit=step",
                                         "optimizer.train_guidance=2.0", "optimizer.old_decay_rate=0.25")),
