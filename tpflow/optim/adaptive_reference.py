@@ -17,7 +17,7 @@ above it, the first 0.1 from any below it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -97,6 +97,38 @@ class AdaptiveReference:
         self.updates, self.last_reset = int(held["updates"]), int(held["last_reset"])
         self.flagged = bool(held["flagged"])
         self.threshold = float(held.get("threshold", self.threshold))  # a moving threshold's, when saved
+
+
+class StepKL:
+    """One optimizer step's KL over its rows, for the adaptive reference (grpo's and nft's alike): each loss adds its
+    KL sum and rows (:meth:`add`); after the step, the mean over every process is what ``AdaptiveReference.observe``
+    sees. ``loop``: the optimizer's ``AdamWLoop`` (its parameters' device, its processes)."""
+
+    def __init__(self, adaptive: AdaptiveReference, loop: Any) -> None:
+        self.adaptive, self.loop = adaptive, loop
+        self.sums: Tensor | None = None  # [2] the step's KL sum and rows; None until a step starts
+
+    def start(self, _micro_batches: list) -> None:
+        """Before each optimizer step (``AdamWLoop.run``'s ``before_step``): the step's sums start at 0."""
+        self.sums = torch.zeros(2, dtype=torch.float32, device=self.loop.params[0].device)
+
+    def add(self, kl_sum: Tensor, rows: Tensor | int) -> None:
+        """A loss's KL summed over its rows, and how many rows (outside a step: nothing)."""
+        if self.sums is not None:
+            self.sums[0] += kl_sum.detach().float()
+            self.sums[1] += rows
+
+    def observing(self, on_step: Callable[[int], object] | None) -> Callable[[int], object]:
+        """``on_step`` after the adaptive reference has seen the step's mean KL over its rows on every process."""
+
+        def observe(n: int) -> None:
+            assert self.sums is not None
+            kl_sum, rows = (self.loop.dist.sum(float(x)) for x in self.sums.tolist())
+            self.adaptive.observe(kl_sum / rows if rows else 0.0)
+            if on_step is not None:
+                on_step(n)
+
+        return observe
 
 
 def adaptive_problems(options: Any, weight: tuple[str, float, str] | None = None) -> list[str]:

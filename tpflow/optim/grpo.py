@@ -27,7 +27,7 @@ from tpflow.devices import to_device
 from tpflow.errors import UserError
 from tpflow.guidance import conditional_only
 from tpflow.interfaces import Backbone, Sampler, capability
-from tpflow.optim.adaptive_reference import AdaptiveReference, adaptive_problems
+from tpflow.optim.adaptive_reference import AdaptiveReference, StepKL, adaptive_problems
 from tpflow.optim.advantage_fusion import RunningReward, fusion_problems, with_fusion
 from tpflow.optim.advantages import group_advantages, informative_trajectories
 from tpflow.optim.grpo_loss import PolicyLoss, clipped_surrogate, kl_to_reference
@@ -91,7 +91,7 @@ class GRPO:
         o = self.options  # GARDO's adaptive reference (tpflow.optim.adaptive_reference), or None: the base model
         adaptive = o.adaptive_reference
         self.adaptive = AdaptiveReference(o.reference_reset_every, o.reference_reset_kl) if adaptive else None
-        self._step_kl: Tensor | None = None  # [2] the optimizer step's KL sum and rows, for the adaptive reference
+        self.step_kl = StepKL(self.adaptive, self.loop) if adaptive else None  # what the reference observes
         fraction = GateFraction(o.kl_gate_fraction, 0.1, o.kl_gate_min, o.kl_gate_max, o.kl_gate_history)
         self.gate = KLGate(o.kl_gate_main or "", o.kl_gate_aux, fraction) if o.kl_gate else None  # GARDO's gated KL
         self.running_reward = RunningReward()  # read by advantage_fusion; the prompt policy's own, set at build
@@ -266,7 +266,10 @@ class GRPO:
         if self.adaptive is None:
             return self.loop.run(self.options, passes, losses, on_step, filler=filler)
         reset = self.adaptive.begin_update(self.loop.params)
-        result = self.loop.run(self.options, passes, losses, self._observing(on_step), filler, self._zero_step_kl)
+        assert self.step_kl is not None
+        result = self.loop.run(
+            self.options, passes, losses, self.step_kl.observing(on_step), filler, self.step_kl.start
+        )
         age = self.adaptive.updates - 1 - self.adaptive.last_reset
         result.update(reference_reset=float(reset), reference_age=float(age))
         return result
@@ -355,22 +358,6 @@ class GRPO:
             v_ref = backbone.velocity(z, sigma_on_device, part.cond, part.guidance)
             return sampler.log_prob(z_next, z, v_ref, sigma, sigma_next, part.noise_level).mean
 
-    def _zero_step_kl(self, _micro_batches: list) -> None:
-        """Before each optimizer step (``AdamWLoop.run``'s ``before_step``): its KL sum and rows start at 0."""
-        self._step_kl = torch.zeros(2, dtype=torch.float32, device=self.loop.params[0].device)
-
-    def _observing(self, on_step: Callable[[int], object] | None) -> Callable[[int], object]:
-        """``on_step`` after the adaptive reference has seen the step's mean KL over its rows on every process."""
-
-        def observe(n: int) -> None:
-            assert self._step_kl is not None and self.adaptive is not None
-            kl_sum, rows = (self.loop.dist.sum(float(x)) for x in self._step_kl.tolist())
-            self.adaptive.observe(kl_sum / rows if rows else 0.0)
-            if on_step is not None:
-                on_step(n)
-
-        return observe
-
     def _surrogate(self, out: StepOutput, part: Rollout, i: int, adv: Tensor, live: Tensor) -> PolicyLoss:
         """The clipped surrogate of window step i's rows ([n]; ``live`` [n] bool: std not 0), GRPO-Guard's RatioNorm
         when asked. A masked row's log-probs are replaced by 0 before the ratio: no NaN · 0 in the gradient either."""
@@ -429,8 +416,8 @@ class GRPO:
             kl = kl_to_reference(out.mean, ref_mean, out.std if o.kl_std == "transition" else out.std_dev_t)
             kl = kl if kl_weight is None else kl * kl_weight
             row = row + o.beta * kl
-            if self._step_kl is not None:
-                self._step_kl += torch.stack([torch.where(live, kl, 0.0).sum(), live.sum()]).detach().float()
+            if self.step_kl is not None:
+                self.step_kl.add(torch.where(live, kl, 0.0).sum(), live.sum())
         with torch.no_grad():
             deviation = (policy.ratio - 1).abs()
             sums = {

@@ -23,14 +23,13 @@ import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Literal
 
-import torch
 from pydantic import Field, model_validator
 from torch import Tensor
 
 from tpflow import registry
 from tpflow.devices import to_device
 from tpflow.interfaces import Backbone, Sampler, capability
-from tpflow.optim.adaptive_reference import AdaptiveReference, adaptive_problems
+from tpflow.optim.adaptive_reference import AdaptiveReference, StepKL, adaptive_problems
 from tpflow.optim.final import (
     LaggedCopy,
     NoisedMethod,
@@ -133,7 +132,7 @@ class NFT:
         self.adaptive = adaptive if o.adaptive_reference else None  # GARDO's held reference, or the base model
         fraction = GateFraction(o.kl_gate_fraction, 0.1, o.kl_gate_min, o.kl_gate_max, o.kl_gate_history)
         self.gate = KLGate(o.kl_gate_main or "", o.kl_gate_aux, fraction, o.kl_gate_batch) if o.kl_gate else None
-        self._step_kl: Tensor | None = None  # [2] the optimizer step's KL sum and rows, for the adaptive reference
+        self.step_kl = StepKL(adaptive, self.loop) if o.adaptive_reference else None  # what the reference observes
 
     global_step = held("global_step")  # the Optimizer protocol's, from the loop
     precision = held("precision", settable=True)
@@ -231,7 +230,8 @@ class NFT:
         if self.adaptive is not None:
             extra["reference_reset"] = float(self.adaptive.begin_update(self.loop.params))
             extra["reference_age"] = float(self.adaptive.updates - 1 - self.adaptive.last_reset)
-            on_step, before_step = self._observing(on_step), self._zero_step_kl
+            assert self.step_kl is not None
+            on_step, before_step = self.step_kl.observing(on_step), self.step_kl.start
         times = functools.partial(draw_times, num_timesteps=o.num_timesteps, per_sample=o.timesteps_per_sample)
         method = NoisedMethod(lambda a: optimality(a, o.adv_clip_max), times, self._row_loss, o.kl_weight > 0,
                               reference=self._held_reference, kl_weights=gate)  # fmt: skip
@@ -248,23 +248,6 @@ class NFT:
         if self.adaptive is None or self.adaptive.copy is None:
             return None
         return swapped(self.loop.params, self.adaptive.copy)
-
-    def _zero_step_kl(self, _micro_batches: list) -> None:
-        """Before each optimizer step (``AdamWLoop.run``'s ``before_step``): its KL sum and rows start at 0."""
-        self._step_kl = torch.zeros(2, dtype=torch.float32, device=self.loop.params[0].device)
-
-    def _observing(self, on_step: Callable[[int], object] | None) -> Callable[[int], object]:
-        """``on_step`` after the adaptive reference has seen the step's mean KL (weighted as the loss weighs it)
-        over its rows on every process."""
-
-        def observe(n: int) -> None:
-            assert self._step_kl is not None and self.adaptive is not None
-            kl_sum, rows = (self.loop.dist.sum(float(x)) for x in self._step_kl.tolist())
-            self.adaptive.observe(kl_sum / rows if rows else 0.0)
-            if on_step is not None:
-                on_step(n)
-
-        return observe
 
     def loss(self, backbone: Backbone, batch: Rollout, rows: Tensor, r: Tensor, t: Tensor, noise: Tensor) -> NFTLoss:
         """The loss of the samples ``rows`` [M] of ``batch`` at times t [M] with noise ε [M, ...] and optimality r
@@ -302,7 +285,6 @@ class NFT:
             "negative_loss": out.negative.sum(),
             "kl": out.kl_rows.sum(),
         }
-        if self._step_kl is not None:
-            self._step_kl[0] += sums["kl"].float()
-            self._step_kl[1] += out.kl_rows.numel()
+        if self.step_kl is not None:
+            self.step_kl.add(sums["kl"], out.kl_rows.numel())
         return row_loss(out.rows, sums)
