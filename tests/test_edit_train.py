@@ -45,7 +45,8 @@ RECIPES = {
                "rollout": {"same_noise": True}},
     "trained-fraction": {"plan": {"name": "trained-fraction", "fraction": 1.0}},
     "entropy-steps": {"credit": {"name": "branch"}, "plan": {"name": "entropy-steps", "entropy_threshold": 1.0},
-                      "sampler": {"name": "flow-sde"}, "rollout": {"same_noise": True}},
+                      "sampler": {"name": "flow-sde"}, "rollout": {"same_noise": True},
+                      "backbone": {"time_shift": 3.0}},  # the plan's linspace grid at shift 3 is then the schedule
     "window-per-image": {"plan": {"name": "window-per-image"}, "rollout": {"window_size": 1}},
     "window-schedule": {"plan": {"name": "window-schedule", "iters_per_group": 1}, "rollout": {"window_size": 1}},
     "dgpo + dpm-solver": {"plan": {"name": "dpm-solver"}, "rollout": FINAL,
@@ -93,7 +94,7 @@ def trained(edits):
         if name not in done:
             data = {k: dict(v) for k, v in BASE.items()}
             for section, values in RECIPES[name].items():
-                data[section] = {**data[section], **values} if section == "rollout" else dict(values)
+                data[section] = {**data[section], **values} if section in ("rollout", "backbone") else dict(values)
             data["dataset"] = {"name": "edit-jsonl", "path": str(edits / "edits.jsonl"), "min_side": 8}
             data["train"]["run_dir"] = str(edits / "runs" / name)
             recipe = validate_recipe(data)
