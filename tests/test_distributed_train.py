@@ -49,6 +49,18 @@ FSDP_SETS = [*REPLICATED_SETS, 'train.shard="fsdp"']
 # a replay buffer ([replay], tests/test_replay.py): epoch 1 replays what epoch 0 admitted, dealt over the processes
 REPLAY_SETS = ["replay.capacity=6", "replay.min_advantage=0.5", "optimizer.replay_min_sigma=0.3", "eval.every=0",
                'credit.name="outcome"', "train.ema=false"]  # fmt: skip
+# issue 67's newest methods, one epoch each: E-GRPO's entropy-steps plan (one segment merged over 1 -> 3 on
+# shapes-dit's K = 4 grid), AdaGRPO's ability-matched prompts (2 candidates per prompt: 4 anchors dealt over the two)
+# with the fused advantage, GARDO's adaptive reference on nft
+ONE_EPOCH = [*SMALL_BATCHES, "train.epochs=1", "eval.every=0", "train.ema=false"]
+NEWEST_SETS = {
+    "entropy": [*ONE_EPOCH, 'plan.name="entropy-steps"', 'plan.entropy_grid="sd3"', "plan.grid_shift=3.0",
+                "plan.entropy_threshold=1.3", "rollout.window_size=1", 'credit.name="branch"',
+                'sampler.name="flow-sde"', "rollout.same_noise=true"],
+    "curriculum": [*ONE_EPOCH, 'train.prompt_policy="ability-matched"', "train.prompt_candidates=2",
+                   'credit.name="outcome"', 'optimizer.advantage_fusion="running-reward"'],
+    "gardo-nft": [*ONE_EPOCH, "optimizer.adaptive_reference=true"],
+}  # fmt: skip
 DANCE_SETS = ['plan.name="trained-fraction"', "plan.fraction=0.6", "plan.exclude_last=true",
               'sampler.name="dance-sde"', "rollout.window_size=4", "rollout.noise_level=0.3", 'credit.name="outcome"',
               "optimizer.beta=0", "eval.every=0", "train.epochs=1"]  # fmt: skip
@@ -91,10 +103,19 @@ def two_process_runs(tmp_path_factory, tiny_weights) -> dict[str, tuple[Path, li
         ),
         (str(recipe(replay, tiny_weights)), [*SMALL_BATCHES, *REPLAY_SETS]),
     ]
+    newest = {name: root / name for name in NEWEST_SETS}
+    for name, folder in newest.items():
+        folder.mkdir()
+        runs.append((str(_newest_recipe(name, folder, tiny_weights)), NEWEST_SETS[name]))
     zero, one = spawn(train_recipes_worker, root, runs)
     names = [("grpo", root), ("nft", nft), ("fsdp", fsdp), ("full", full), ("dance", dance),
-             ("dance-full", dance_full), ("lora-fsdp", lora_fsdp), ("replay", replay)]  # fmt: skip
+             ("dance-full", dance_full), ("lora-fsdp", lora_fsdp), ("replay", replay), *newest.items()]  # fmt: skip
     return {name: (folder, [zero["runs"][i], one["runs"][i]]) for i, (name, folder) in enumerate(names)}
+
+
+def _newest_recipe(name: str, folder: Path, weights: Path) -> Path:
+    """The tiny recipe (nft's for GARDO on nft) that ``NEWEST_SETS[name]`` changes."""
+    return nft_recipe(folder, weights) if name == "gardo-nft" else recipe(folder, weights)
 
 
 @pytest.fixture(scope="module")
@@ -446,3 +467,27 @@ def test_an_fsdp_sharded_run_of_a_trained_subset_of_steps_trains_as_a_replicated
     assert (end - start).norm() > 0
     assert float((other - end).norm() / (end - start).norm()) < 1e-2
     assert read_jsonl(root / "run" / "metrics.jsonl")[0]["optimizer_steps"] >= 1
+
+
+@pytest.mark.parametrize("name", list(NEWEST_SETS))
+def test_the_newest_methods_train_on_two_processes_as_on_one(two_process_runs, tiny_weights, tmp_path, name):
+    """E-GRPO's merged entropy steps, AdaGRPO's anchors dealt over the processes and its fused advantage, GARDO's
+    adaptive reference on nft: both ranks end with one adapter, bit for bit, and it moved. The grpo ones end where a
+    single process trains the same recipe with the same optimizer steps (up to float rounding: the gradient's sums
+    run in another order); nft's final samples are re-noised with each process's own draws (as
+    test_nft_on_two_processes_trains_one_model), so GARDO on nft is checked for its reference: every process saw
+    the same KL and resets alike (the checkpoint's collective comparison passed), logged once."""
+    folder, (zero, one) = two_process_runs[name]
+    assert zero["world_size"] == 2 and all(torch.equal(a, b) for a, b in zip(zero["end"], one["end"], strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(zero["start"], zero["end"], strict=True)), "the adapter moved"
+    if name == "gardo-nft":
+        metrics = read_jsonl(folder / "run" / "metrics.jsonl")
+        assert [m["reference_age"] for m in metrics] == [0.0] and metrics[0]["optimizer_steps"] >= 1, metrics
+        return
+    # one process takes the two processes' micro-batches of 2 rows as one of 4: the same optimizer steps
+    sets = [*NEWEST_SETS[name], "optimizer.micro_batch_size=4"]
+    single = Trainer(load_recipe(_newest_recipe(name, tmp_path, tiny_weights), sets))
+    single.fit()
+    alone = [p.detach() for p in single.backbone.trainable_parameters()]
+    for a, b in zip(alone, zero["end"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
