@@ -49,7 +49,7 @@ FSDP_SETS = [*REPLICATED_SETS, 'train.shard="fsdp"']
 # a replay buffer ([replay], tests/test_replay.py): epoch 1 replays what epoch 0 admitted, dealt over the processes
 REPLAY_SETS = ["replay.capacity=6", "replay.min_advantage=0.5", "optimizer.replay_min_sigma=0.3", "eval.every=0",
                'credit.name="outcome"', "train.ema=false"]  # fmt: skip
-# issue 67's newest methods, one epoch each: E-GRPO's entropy-steps plan (one segment merged over 1 -> 3 on
+# the newest methods, one epoch each: E-GRPO's entropy-steps plan (one segment merged over 1 -> 3 on
 # shapes-dit's K = 4 grid), AdaGRPO's ability-matched prompts (2 candidates per prompt: 4 anchors dealt over the two)
 # with the fused advantage, GARDO's adaptive reference on nft
 ONE_EPOCH = [*SMALL_BATCHES, "train.epochs=1", "eval.every=0", "train.ema=false"]
