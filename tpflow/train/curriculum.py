@@ -16,10 +16,9 @@ own captions; here one μ, v is updated once per epoch from all the epoch's m·K
 then each of the m prompts is chosen, so with m = 1 it is the code's step. The code branches its group off the
 anchor's own trajectory; tpflow does not reuse the anchor: the group is rolled out as the recipe's plan says, from
 its own noise, and the anchor costs K ODE samples per trained prompt (``prompt_anchor_nfe``, also added to the
-epoch's ``nfe_per_traj``; its seconds are ``prompt_anchor_s``, inside ``epoch_s``). On several processes the run's
-first line plans its first epoch to say how the batches fall, so that epoch's anchors run then, before its first
-evaluation (the same weights), and that epoch's ``epoch_s`` leaves them out; a resumed run with only its final
-evaluation left plans, and pays for, one epoch it will not train (its state is not changed by it).
+epoch's ``nfe_per_traj``; its seconds are ``prompt_anchor_s``, inside ``epoch_s``). The run's first line on several
+processes says how the batches fall from a plan of the split's counts alone (``plan_epoch``: the same batches,
+whichever prompts fill them), so no anchor runs before its epoch.
 
 Every process decides the same: the anchors are dealt to the processes (anchor r to process r mod P, as an
 evaluation's images) and the rewards gathered (``score_prompts``), then each process runs the same selection on the
@@ -103,7 +102,7 @@ class AbilityMatched:
 
     def plan(self, epoch: int) -> EpochPlan:
         """The epoch's rollout batches, its prompts chosen from anchors scored now (once: a second call for the same
-        epoch, as the trainer's first line makes, returns the first's plan)."""
+        epoch returns the first's plan)."""
         if self._planned is not None and self._planned[0].epoch == epoch:
             return self._planned[0]
         k = self.train.prompt_candidates

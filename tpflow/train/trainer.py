@@ -57,7 +57,7 @@ from tpflow.train.evaluation import eval_seed, evaluate
 from tpflow.train.out_of_memory import out_of_memory_message
 from tpflow.train.progress import PhaseProgress
 from tpflow.train.prompt_policy import build_prompt_policy
-from tpflow.train.prompt_sampler import EpochPlan, check_layout, layout_line
+from tpflow.train.prompt_sampler import EpochPlan, check_layout, layout_line, plan_epoch
 from tpflow.train.replay import ReplayBuffer
 from tpflow.train.reward_parts import zscore_sum_advantages, zscored_parts
 from tpflow.train.run_lock import RunDirLock
@@ -269,8 +269,8 @@ class Trainer:
             f"device {self.machine.device}",
         ]  # at 80 columns the line breaks between these, never inside a value
         self.console.print(escape(fit_segments(header, self.console.width)), soft_wrap=True, highlight=False)
-        if self.dist.enabled:
-            plan = self.prompts.plan(self.epoch)
+        if self.dist.enabled:  # the batches' layout, whichever prompts the policy picks (it samples nothing here)
+            plan = plan_epoch(len(self.train_items), self.settings, self.epoch)
             self.console.print(layout_line(plan, self.optimizer.batch_layout(), self.dist.world_size))
 
     def _point(self) -> RunPoint:
