@@ -16,6 +16,7 @@ import torch
 
 import tpflow
 from tests.kill_leaves import comparable_metrics, what_a_kill_leaves
+from tests.test_gardo import reference_gardo_advantages
 from tests.test_gardo_gate import reference_gate
 from tests.test_nft_train import NFT_SECTION, nft_recipe
 from tpflow.devices import cpu_generator
@@ -32,19 +33,10 @@ GATE = {"kl_gate": True, "kl_gate_main": "main", "kl_gate_aux": ["aes", "ir"], "
 
 
 def reference_nft_advantages(prompts: list[str], rewards: np.ndarray, features: np.ndarray) -> np.ndarray:
-    """``PerPromptStatTrackerNFT.update(prompts, rewards, dists)`` for one epoch, then the script's clip to ±5 and
-    ``r = clamp(A / 5 / 2 + 0.5, 0, 1)``: the optimality each sample trains at."""
-    prompts_a = np.array(prompts)
-    dists = features / np.linalg.norm(features, ord=2, axis=1, keepdims=True)
-    advantages = np.zeros_like(rewards)
-    for prompt in np.unique(prompts_a):
-        here = prompts_a == prompt
-        r, f = rewards[here], dists[here]
-        distance = 1 - np.clip(f @ f.T, -1, 1)
-        nearest = np.array([np.min(distance[i, np.arange(len(r)) != i]) for i in range(len(r))])
-        mean = np.mean(r)
-        weight = np.where(r - mean < 0, np.ones_like(nearest), nearest / np.mean(nearest))
-        advantages[here] = (r - mean) * weight
+    """``PerPromptStatTrackerNFT.update(prompts, rewards, dists)`` for one epoch (its shaping is the GRPO tracker's,
+    line for line: ``reference_gardo_advantages``), then the script's clip to ±5 and ``r = clamp(A / 5 / 2 + 0.5, 0,
+    1)``: the optimality each sample trains at."""
+    advantages = reference_gardo_advantages(prompts, rewards, features)
     return np.clip(np.clip(advantages, -5, 5) / 5 / 2.0 + 0.5, 0, 1)
 
 
