@@ -55,3 +55,18 @@ def test_validate_says_how_a_sharded_recipe_splits_and_refuses_an_unequal_eval(t
     assert "sharding: FSDP2 over 2 processes" in report
     with pytest.raises(UserError, match="cannot share equally"):
         layout_report(load_recipe(path, [*sets, "eval.num_prompts=3"]), 2)
+
+
+def test_validate_refuses_sharded_anchors_the_processes_cannot_share(tmp_path, tiny_weights):
+    """The ability-matched policy's anchors (prompts_per_epoch × prompt_candidates ODE samples an epoch) run in
+    lockstep on a sharded model: a count the processes cannot split equally is refused by ``tpflow validate
+    --num-processes N`` (and at the start of ``tpflow train``), not at the first epoch."""
+    from tpflow.cli_validate import layout_report
+
+    path = tiny_recipe(tmp_path, tiny_weights, reward="image-stat")
+    sets = ['train.shard="fsdp"', "train.rollout_batch=2", "optimizer.micro_batch_size=2", "eval.num_prompts=4",
+            'train.prompt_policy="ability-matched"', "train.prompts_per_epoch=1", "train.group_size=4"]  # fmt: skip
+    assert "sharding: FSDP2" in layout_report(load_recipe(path, [*sets, "train.prompt_candidates=4"]), 2)
+    with pytest.raises(UserError, match="anchors"):
+        layout_report(load_recipe(path, [*sets, "train.prompt_candidates=3"]), 2)
+    assert "layout" in layout_report(load_recipe(path, [*sets[1:], "train.prompt_candidates=3"]), 2)  # unsharded

@@ -42,7 +42,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tpflow.errors import UserError
 from tpflow.optim.advantage_fusion import RunningReward
 from tpflow.scoring.call import recipe_policy
 from tpflow.settings import TrainSettings
@@ -164,13 +163,8 @@ def anchor_scorer(run: Any) -> AnchorScore:
 
     def score(epoch: int, items: list[int]) -> Anchors:
         train, rollout = run.recipe.train, run.recipe.rollout
-        if run.dist.sharded and len(items) % run.dist.world_size:
-            raise UserError(
-                f'[train] shard = "fsdp" with prompt_policy = "ability-matched": an epoch samples {len(items)} '
-                f"anchors (prompts_per_epoch × prompt_candidates), which {run.dist.world_size} processes cannot "
-                "share equally, and a sharded model needs every process to run as many forward passes. Choose "
-                f"prompt_candidates so that the anchors are a multiple of {run.dist.world_size}."
-            )
+        # sharded, the anchors split equally over the processes: check_layout refused any other recipe at the start
+        assert not run.dist.sharded or len(items) % run.dist.world_size == 0, "anchors unequal over processes"
         run._phase(f"epoch {epoch}: choosing prompts ({len(items)} anchors)", None)  # what progress and OOM name
         update = {"num_steps": rollout.num_steps, "guidance": rollout.guidance, "solver": "euler"}
         settings = run.recipe.eval.model_copy(update={**update, "batch_size": train.rollout_batch})

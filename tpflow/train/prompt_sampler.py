@@ -112,6 +112,14 @@ def check_layout(train: TrainSettings, world_size: int) -> None:
             + "Change train.prompts_per_epoch, train.prompts_per_round or train.rollout_batch "
             "(docs/distributed.md, 'How the recipe's batch sizes map to GPUs')."
         )
+    anchors = train.prompts_per_epoch * train.prompt_candidates  # the ability-matched policy's ODE samples an epoch
+    if train.shard == "fsdp" and train.prompt_policy == "ability-matched" and anchors % world_size:
+        raise UserError(
+            f'[train] shard = "fsdp" with prompt_policy = "ability-matched": an epoch samples {anchors} anchors '
+            f"(prompts_per_epoch {train.prompts_per_epoch} × prompt_candidates {train.prompt_candidates}), which "
+            f"{world_size} processes cannot share equally, and a sharded model needs every process to run as many "
+            f"forward passes. Choose prompt_candidates so that the anchors are a multiple of {world_size}."
+        )
 
 
 def noise_seed(train: TrainSettings, epoch: int, item: int) -> int:
