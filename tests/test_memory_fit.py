@@ -306,3 +306,25 @@ def test_wan22_suggestions_are_validated_outside_the_fake_tensors(tmp_path, monk
     assert not fit.fits and any(r[0] == "frozen expert's weights and buffers" for r in fit.rows)
     labels = [s.label() for s in fit.suggestions]
     assert any(label.startswith("--set train.score_batch=") for label in labels), labels
+
+
+def test_replayed_rows_raise_the_update_peak_not_the_sampling_peak(sharded_full):
+    """[replay]: the update appends the drawn buffer rows (dealt over the processes) to the epoch's, so its peak counts
+    fresh + replayed trajectories; sampling holds the fresh ones only."""
+    from tpflow.memory.accounting import epoch_buffers
+
+    setup, m = sharded_full
+    replaying = dataclasses.replace(setup, replayed=16)
+    plain, more = per_process(setup, m, 8), per_process(replaying, m, 8)
+    assert more.replayed == 2 and more.sampling == plain.sampling
+    per_traj = epoch_buffers(setup, m, 1)["rollout"]
+    assert more.update - plain.update >= 2 * per_traj  # at least the two rows' rollout tensors
+
+
+def test_the_estimate_counts_a_recipes_replay_draw():
+    from tpflow.memory.measure import setup_of
+
+    path = Path("recipes/sd35/sd35_opgrpo_ocr.toml")
+    assert setup_of(load_recipe(path), "ocr").replayed == 96  # rows unset: the whole buffer (capacity 96) is drawn
+    assert setup_of(load_recipe(path, ["replay.rows=10"]), "ocr").replayed == 10
+    assert load_recipe(Path("recipes/shapes_flowgrpo.toml")).replay.drawn == 0

@@ -306,3 +306,22 @@ def test_a_shipped_opgrpo_recipe_is_its_flowgrpo_recipe_with_replay(name, base):
     }
     if name.startswith("shapes"):  # the shipped shapes recipes validate here; the sd35 ones in tests/test_recipe.py
         assert load_recipe(recipes / name).replay.enabled
+
+
+def test_the_layout_line_counts_the_replayed_rows_each_process_updates_on():
+    """``tpflow validate --num-processes N`` and a multi-process run's first line: each process's update holds its
+    share of the drawn buffer rows beside its fresh ones, so its optimizer steps count them."""
+    from types import SimpleNamespace as Layout
+
+    from tpflow.settings import TrainSettings
+    from tpflow.train.prompt_sampler import layout_line, plan_epoch
+
+    train = TrainSettings(prompts_per_epoch=8, group_size=8, rollout_batch=16)
+    plan = plan_epoch(100, train, 0)
+    layout = Layout(micro_batch_size=8, accumulation=1)
+    plain, replaying = layout_line(plan, layout, 2), layout_line(plan, layout, 2, replayed=17)
+    assert "(32 of 64 trajectories)" in plain and "up to 4 optimizer steps" in plain and "replays" not in plain
+    assert "its update replays up to 9 of the buffer's 17 drawn" in replaying  # 9 + 8 over 2 processes
+    assert "up to 6 optimizer steps" in replaying  # ceil((32 + 9) / 8)
+    assert ReplaySettings(capacity=12).drawn == 12 and ReplaySettings(capacity=12, rows=5).drawn == 5
+    assert ReplaySettings().drawn == 0

@@ -136,7 +136,7 @@ def layout_report(recipe: Any, processes: int) -> str:
     layout_of = getattr(registry.get("optimizer", recipe.optimizer.name).factory, "layout_of", None)
     layout = layout_of(recipe.optimizer.options) if callable(layout_of) else None
     plan = plan_epoch(train.prompts_per_epoch, train, 0)  # the layout depends on the sizes only, not the prompts
-    lines = [f"layout: {layout_line(plan, layout, processes)}"]
+    lines = [f"layout: {layout_line(plan, layout, processes, recipe.replay.drawn)}"]
     if train.shard == "fsdp":
         from tpflow.train.sharding import equal_eval_shares
 

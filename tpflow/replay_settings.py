@@ -54,6 +54,12 @@ class ReplaySettings(BaseModel):
     def enabled(self) -> bool:
         return self.capacity > 0
 
+    @property
+    def drawn(self) -> int:
+        """The most trajectories an epoch's update appends from the buffer, over every process: ``rows``, or the
+        whole buffer when it draws every row; 0 without replay."""
+        return min(self.rows or self.capacity, self.capacity)
+
     @model_validator(mode="after")
     def _fits(self) -> ReplaySettings:
         """The other options belong to a buffer; a draw larger than the buffer could never be made."""

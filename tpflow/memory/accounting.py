@@ -167,6 +167,7 @@ class PerProcess:
     train_act: int  # the training micro-batch with the recipe's checkpointing
     sampling: int
     update: int
+    replayed: int = 0  # trajectories the update appends from the replay buffer on this process
 
     @property
     def peak(self) -> int:
@@ -178,8 +179,10 @@ def per_process(setup: Any, m: dict[str, Any], world: int) -> PerProcess:
     ``static_bytes``."""
     rows = component_rows(setup, m)
     each = -(-setup.train.prompts_per_epoch * setup.train.group_size // world)
+    replayed = -(-getattr(setup, "replayed", 0) // world)  # the replayed rows are dealt over the processes
     static = static_bytes(setup, m, rows, world)
-    sampling, update = peaks(setup, m, static, each)
+    sampling, _ = peaks(setup, m, static, each)
+    _, update = peaks(setup, m, static, each + replayed)  # the update holds the fresh and the replayed rows
     train = m[f"train_act_ckpt_{setup.backbone.gradient_checkpointing}"]
     return PerProcess(world, each, static, host_bytes(setup, rows, world), epoch_buffers(setup, m, each)["rollout"],
-                      m["rollout_act"], m["decode_act"], train, sampling, update)  # fmt: skip
+                      m["rollout_act"], m["decode_act"], train, sampling, update, replayed)  # fmt: skip

@@ -117,7 +117,8 @@ class Fit:
             f"  reward models: {held}",
             f"  activations: rollout velocity call {size(f.rollout_act)}, decode chunk {size(f.decode_act)}, "
             f"training micro-batch {size(f.train_act)} ({ckpt})",
-            f"  epoch buffers: {size(f.epoch)} ({f.trajectories} trajectories)",
+            f"  epoch buffers: {size(f.epoch)} ({f.trajectories} trajectories"
+            + (f"; the update adds up to {f.replayed} replayed)" if f.replayed else ")"),
             f"  CUDA context: {size(CUDA_CONTEXT)} (stated, not estimated)",
             f"  sampling peak: {size(on_gpu(f.sampling))}",
             f"  update peak: {size(on_gpu(f.update))}",

@@ -68,6 +68,7 @@ class Setup:
     optimizer_name: str = "grpo"  # the registered optimizer whose options ``optimizer`` holds
     rewards: list = field(default_factory=list)  # tpflow.memory.rewards.Resident: the reward models on the GPU
     sources: int = 0  # source images per prompt an editing recipe's calls carry (tpflow.memory.models.recipe_sources)
+    replayed: int = 0  # trajectories an epoch's update appends from the replay buffer ([replay]; over every process)
 
 
 def optimizer_of(setup: Setup) -> Any:
@@ -120,6 +121,7 @@ def setup_of(recipe: Any, name: str) -> Setup:
         optimizer_name=recipe.optimizer.name,
         rewards=resident.models,
         sources=sources,
+        replayed=recipe.replay.drawn,  # trajectories the update appends from the replay buffer
     )
     if backbone in PUBLISHED:
         model = PUBLISHED[backbone]

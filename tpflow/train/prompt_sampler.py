@@ -144,15 +144,20 @@ def _draw_around(num_items: int, k: int, rng: random.Random, aside: frozenset[in
     return rng.choices(range(num_items), k=k)
 
 
-def layout_line(plan: EpochPlan, layout: BatchLayout | None, processes: int) -> str:
+def layout_line(plan: EpochPlan, layout: BatchLayout | None, processes: int, replayed: int = 0) -> str:
     """How an epoch is shared, printed when a run starts on several processes: batches, trajectories and optimizer
-    steps per process (``layout``: the optimizer's ``batch_layout()``, None when it has no micro-batches)."""
+    steps per process (``layout``: the optimizer's ``batch_layout()``, None when it has no micro-batches;
+    ``replayed``: the trajectories the update appends from the replay buffer, over every process)."""
     mine = plan.local(0, processes)
     n = sum(len(b.items) for b in mine)
     line = (
         f"{processes} processes: each samples {len(mine)} of the epoch's {len(plan.batches)} rollout batches "
         f"({n} of {plan.num_trajectories} trajectories)"
     )
+    if replayed:
+        share = -(-replayed // processes)  # the largest share: k/P rounded up (tpflow.train.replay deals them)
+        line += f" and its update replays up to {share} of the buffer's {replayed} drawn"
+        n += share
     if layout is not None:
         micro, accumulation = layout.micro_batch_size, layout.accumulation
         steps = math.ceil(math.ceil(n / micro) / accumulation)

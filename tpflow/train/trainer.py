@@ -270,8 +270,8 @@ class Trainer:
         ]  # at 80 columns the line breaks between these, never inside a value
         self.console.print(escape(fit_segments(header, self.console.width)), soft_wrap=True, highlight=False)
         if self.dist.enabled:  # the batches' layout, whichever prompts the policy picks (it samples nothing here)
-            plan = plan_epoch(len(self.train_items), self.settings, self.epoch)
-            self.console.print(layout_line(plan, self.optimizer.batch_layout(), self.dist.world_size))
+            plan, layout = plan_epoch(len(self.train_items), self.settings, self.epoch), self.optimizer.batch_layout()
+            self.console.print(layout_line(plan, layout, self.dist.world_size, self.recipe.replay.drawn))
 
     def _point(self) -> RunPoint:
         """Where the run is, for what a stop says (``tpflow.train.stop_notices``; attributes only)."""
