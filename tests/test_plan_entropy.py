@@ -194,3 +194,16 @@ def test_a_grid_that_is_not_the_backbones_schedule_is_refused_before_sampling(tm
     extra = ("plan.entropy_grid=linspace", "rollout.same_noise=true")
     with pytest.raises(UserError, match="not the steps the run takes"):
         _method_run("shapes_egrpo.toml", tmp_path, tiny_weights, 1, extra)
+    # shapes-dit's schedule follows from its options (capability static_sigmas): refused by the recipe check, before
+    # anything loads (tpflow validate); a backbone whose schedule is in its weights' config is checked when built
+    from pathlib import Path
+
+    from tpflow.errors import RecipeError
+    from tpflow.recipe import load_recipe
+
+    shipped = Path(__file__).resolve().parents[1] / "recipes" / "shapes_egrpo.toml"
+    assert load_recipe(shipped).plan.name == "entropy-steps"
+    with pytest.raises(RecipeError, match="not the steps the run takes"):
+        load_recipe(shipped, ["plan.grid_shift=1.0"])
+    with pytest.raises(RecipeError, match="not the steps the run takes"):
+        load_recipe(shipped, ["backbone.shift=1.0"])

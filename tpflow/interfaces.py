@@ -34,6 +34,9 @@ CAPABILITIES: dict[str, Any] = {
     # RolloutPlan: (sigmas, the backbone's [K + 1] schedule as floats) -> why the plan's own idea of the schedule is
     # not it (one paragraph), or None; checked once the backbone is built, before anything samples (None: no check)
     "schedule_problem": None,
+    # Backbone factory: (options, num_steps) -> its [K + 1] schedule as floats without building it (no weights), for
+    # recipe checks such as schedule_problem's before anything loads; None: known once built
+    "static_sigmas": None,
     "reads_branches": False,  # CreditAssigner: it reads such a trace (credit 'branch'); only with such a plan
     "needs_completions": False,  # CreditAssigner (required on an instance)
     "marks_turning_points": False,  # CreditAssigner: it can mark turning points (the run logs them per trajectory)

@@ -222,6 +222,11 @@ class ShapesBackbone:
         """SD3's shifted schedule ``sd3_sigmas(num_steps, shift)``: [K + 1] float32, the final 0 included."""
         return sd3_sigmas(num_steps, self.options.shift)
 
+    @staticmethod
+    def static_sigmas(options: Any, num_steps: int) -> list[float]:
+        """``sigmas`` from the options alone (capability ``static_sigmas``: recipe checks read it before building)."""
+        return [float(s) for s in sd3_sigmas(num_steps, options.shift)]
+
     def velocity(self, z: Tensor, sigma: Tensor, cond: Conditioning, guidance: float) -> Tensor:
         """v = v_u + w·(v_c − v_u), both branches in ONE forward on [z; z] (w = 1: the conditional call alone)."""
         n = z.shape[0]

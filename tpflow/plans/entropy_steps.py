@@ -150,25 +150,16 @@ class EntropyStepsPlan:
                 f"in K = {rollout.num_steps} steps at entropy_threshold = {options.entropy_threshold}. Lower "
                 "[rollout] window_size, first_step or entropy_threshold (E-GRPO: 3 unmerged steps from step 1 of 16)."
             )
+        backbone = settings["backbone"]  # a schedule its options give is checked now, before anything loads
+        static = capability(registry.get("backbone", backbone.name).factory, "static_sigmas")
+        problem = grid_problem(options, static(backbone.options, rollout.num_steps)) if static else None
+        problems += [problem] if problem else []
         return problems + needs_transition_optimizer(settings, "entropy-steps", "its branch children are such steps")
 
     def schedule_problem(self, sigmas: list[float]) -> str | None:
         """Why ``entropy_grid`` is not the backbone's schedule ``sigmas`` [K + 1], whose steps the plan branches at:
         entropies ranked on another grid choose and merge other steps than the run samples."""
-        o = self.options
-        grid = grid_sigmas(o.entropy_grid, len(sigmas) - 1, o.grid_shift)
-        worst = max(abs(a - b) for a, b in zip(grid, sigmas, strict=True))
-        if worst <= 1e-4:
-            return None
-        shown = ", ".join(f"{s:.3f}" for s in sigmas[:4])
-        mine = ", ".join(f"{s:.3f}" for s in grid[:4])
-        return (
-            f"[plan] entropy-steps ranks the steps' entropies on the grid entropy_grid = {o.entropy_grid!r}, "
-            f"grid_shift = {o.grid_shift} (σ = {mine}, …), but the backbone samples on σ = {shown}, … (largest "
-            f"difference {worst:.3g}): the steps it would choose and merge are not the steps the run takes. Set "
-            "[plan] entropy_grid and grid_shift to the backbone's schedule ('sd3' for SD3.5 and shapes-dit, "
-            "'linspace' with the time shift for FLUX), or the backbone's shift to the grid's."
-        )
+        return grid_problem(self.options, sigmas)
 
     def plan(self, rollout: RolloutSettings, n: int, epoch: int, batch_seed: int, run_seed: int) -> BatchPlan:
         """The same segments for every batch (a function of the schedule only; the seeds are not read)."""
@@ -177,3 +168,21 @@ class EntropyStepsPlan:
             raise ValueError("the entropy-steps window does not fit before step K (its recipe check says so).")
         merged = any(b - a > 1 for a, b in zip(nodes[:-1], nodes[1:], strict=True))
         return BatchPlan((nodes[0],) * n, len(nodes) - 1, branch=True, nodes=nodes if merged else None)
+
+
+def grid_problem(o: EntropyStepsOptions, sigmas: list[float]) -> str | None:
+    """``EntropyStepsPlan.schedule_problem``: at recipe time for a backbone whose schedule its options give
+    (capability ``static_sigmas``), else once the backbone is built."""
+    grid = grid_sigmas(o.entropy_grid, len(sigmas) - 1, o.grid_shift)
+    worst = max(abs(a - b) for a, b in zip(grid, sigmas, strict=True))
+    if worst <= 1e-4:
+        return None
+    shown = ", ".join(f"{s:.3f}" for s in sigmas[:4])
+    mine = ", ".join(f"{s:.3f}" for s in grid[:4])
+    return (
+        f"[plan] entropy-steps ranks the steps' entropies on the grid entropy_grid = {o.entropy_grid!r}, "
+        f"grid_shift = {o.grid_shift} (σ = {mine}, …), but the backbone samples on σ = {shown}, … (largest "
+        f"difference {worst:.3g}): the steps it would choose and merge are not the steps the run takes. Set "
+        "[plan] entropy_grid and grid_shift to the backbone's schedule ('sd3' for SD3.5 and shapes-dit, "
+        "'linspace' with the time shift for FLUX), or the backbone's shift to the grid's."
+    )
