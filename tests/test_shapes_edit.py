@@ -55,6 +55,25 @@ def test_the_world_has_39_instructions_and_the_train_split_never_asks_for_a_held
     tokens, _ = edit_world.tokenize(sorted(prompts))
     assert not bool((tokens == vocab.UNK).any())  # every word is in the editing vocabulary
     assert edit_world.WORDS[: len(vocab.WORDS)] == vocab.WORDS  # the image model's word ids kept
+    # held-out: the 6 held-out instructions alone, each on 20 scenes of its own draw, none a test item's scene
+    held = dataset.split("held-out")
+    assert len(held) == 120 and all(it.metadata["held_out"] for it in held)
+    assert {it.prompt for it in held} == {it.prompt for it in test if it.metadata["held_out"]}
+    assert len({(it.prompt, it.metadata["sources"][0]) for it in held}) == 120
+    assert not {it.metadata["sources"][0] for it in held} & {it.metadata["sources"][0] for it in test}
+    assert dataset.split("test") == test  # the test split is as before the held-out split was added
+
+
+def test_eval_takes_any_split_of_the_recipes_dataset_by_name(tmp_path):
+    """``tpflow eval RUN --prompts held-out`` on an editing recipe; an unknown name lists the dataset's splits."""
+    from tpflow.evaluation.prompt_sets import prompt_set
+    from tpflow.recipe import load_recipe
+
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "shapes_edit_flowgrpo.toml")
+    items, split = prompt_set("held-out", recipe)
+    assert split == "held-out" and len(items) == 120 and items[0].metadata["sources"]
+    with pytest.raises(UserError, match=r"train, test, held-out\), nor an existing file"):
+        prompt_set(str(tmp_path / "nothing"), recipe)
 
 
 def test_a_scene_travels_as_a_reference_and_renders_without_files():

@@ -96,7 +96,10 @@ BaselineOption = Annotated[
 ]
 PromptsOption = Annotated[
     str,
-    typer.Option(help="test | train (the recipe's splits) | geneval | ocr | a .jsonl or text file of prompts."),
+    typer.Option(
+        help="test | train | another split of the recipe's dataset (shapes-edit: held-out) | geneval | ocr | a .jsonl "
+        "or text file of prompts."
+    ),
 ]
 NumPromptsOption = Annotated[
     int | None,

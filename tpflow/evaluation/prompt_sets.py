@@ -1,7 +1,8 @@
 """The prompts ``tpflow eval`` samples: the recipe's own splits, a named benchmark set, or a file.
 
 test, train      the recipe's dataset splits (test: what training evaluates on; its train split, said so, for a
-                 dataset that has no test split)
+                 dataset that has no test split); any other split the dataset has by its name (shapes-edit's
+                 held-out: the instructions never trained on, on many scenes)
 geneval          GenEval-style prompts with GenEval metadata, generated (tpflow.data.geneval's test split);
                  for GenEval's official 553 prompts pass its evaluation_metadata.jsonl as a file
 ocr              the OCR test prompts (tpflow.data.ocr's test split: texts never seen in training)
@@ -40,8 +41,12 @@ def prompt_set(name: str, recipe: Recipe) -> tuple[list[PromptItem], str | None]
         return list(registry.build("dataset", "ocr").split("test")), "test"
     path = Path(name).expanduser()
     if not path.exists():
+        dataset = recipe.build("dataset")  # a further split of the recipe's dataset (shapes-edit's held-out)
+        if name in dataset.splits:
+            return list(dataset.split(name)), name
         raise UserError(
-            f"Prompt set {name!r} is neither one of {', '.join(NAMED)} nor an existing file (no such path: {path})."
+            f"Prompt set {name!r} is neither one of {', '.join(NAMED)}, a split of the recipe's dataset "
+            f"({', '.join(dataset.splits)}), nor an existing file (no such path: {path})."
         )
     if not path.is_file():
         raise UserError(f"Prompt set {path} is not a regular file; give a .jsonl or a text file of prompts.")

@@ -259,14 +259,23 @@ class ShapesEditDatasetOptions(BaseModel):
     test_scenes: int = Field(
         2, ge=1, le=100, description="Source scenes per instruction in the test split (39 instructions, 6 held out)."
     )
+    held_out_scenes: int = Field(
+        20,
+        ge=1,
+        le=1000,
+        description="Source scenes per held-out instruction in the held-out split (6 instructions: 120 items at 20), "
+        "drawn apart from the test split's, so that a change on instructions never trained on can be measured "
+        "(tpflow eval RUN --prompts held-out).",
+    )
 
 
 @register("dataset", "shapes-edit", options=ShapesEditDatasetOptions)
 class ShapesEditDataset:
     """PromptDataset of the editing shapes world (module docstring): train without the held-out edits, test all,
-    each instruction on ``test_scenes`` scenes (pass after pass, so a prefix covers every instruction)."""
+    each instruction on ``test_scenes`` scenes (pass after pass, so a prefix covers every instruction), held-out the
+    held-out instructions alone on ``held_out_scenes`` other scenes."""
 
-    splits = ("train", "test")
+    splits = ("train", "test", "held-out")
     metadata_keys = ("sources", "edit", "tag", "held_out", "prompt")  # tpflow.rewards.needs
 
     def __init__(self, options: ShapesEditDatasetOptions | None = None) -> None:
@@ -281,8 +290,11 @@ class ShapesEditDataset:
             "train": [item_of(e, make_pair(e, rng)[0]) for e in train],
             "test": [item_of(e, make_pair(e, test_rng)[0]) for _ in range(options.test_scenes) for e in EDITS],
         }
+        held_rng, held = np.random.default_rng(options.seed + 2), [e for e in EDITS if is_held_out(e)]
+        scenes = range(options.held_out_scenes)
+        self._items["held-out"] = [item_of(e, make_pair(e, held_rng)[0]) for _ in scenes for e in held]
 
     def split(self, name: str) -> list[PromptItem]:
         if name not in self._items:
-            raise UserError(f"The shapes-edit dataset has splits 'train' and 'test', not {name!r}.")
+            raise UserError(f"The shapes-edit dataset has splits 'train', 'test' and 'held-out', not {name!r}.")
         return self._items[name]
