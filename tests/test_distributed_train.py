@@ -59,7 +59,7 @@ NEWEST_SETS = {
                 'sampler.name="flow-sde"', "rollout.same_noise=true"],
     "curriculum": [*ONE_EPOCH, 'train.prompt_policy="ability-matched"', "train.prompt_candidates=2",
                    'credit.name="outcome"', 'optimizer.advantage_fusion="running-reward"'],
-    "gardo-nft": [*ONE_EPOCH, "optimizer.adaptive_reference=true"],
+    "gardo-nft": [*ONE_EPOCH, "optimizer.adaptive_reference=true", "optimizer.gradient_accumulation_steps=4"],
 }  # fmt: skip
 DANCE_SETS = ['plan.name="trained-fraction"', "plan.fraction=0.6", "plan.exclude_last=true",
               'sampler.name="dance-sde"', "rollout.window_size=4", "rollout.noise_level=0.3", 'credit.name="outcome"',
@@ -276,8 +276,9 @@ def test_eval_on_two_processes_equals_one_process(two_process_run, tmp_path, cap
 
 
 def test_nft_on_two_processes_trains_one_model(two_process_runs):
-    """DiffusionNFT's update on 2 processes: each re-noises its own final samples (its own draws), the gradients are
-    averaged, and both ranks end with the same adapter, bit for bit (the old policy follows from it)."""
+    """DiffusionNFT's update on 2 processes: each re-noises its own final samples (each sample's times and noise
+    drawn from its row in the epoch, as on one process), the gradients are averaged, and both ranks end with the same
+    adapter, bit for bit (the old policy follows from it)."""
     folder, (zero, one) = two_process_runs["nft"]
     assert zero["world_size"] == one["world_size"] == 2
     assert all(torch.equal(a, b) for a, b in zip(zero["end"], one["end"], strict=True))
@@ -472,18 +473,18 @@ def test_an_fsdp_sharded_run_of_a_trained_subset_of_steps_trains_as_a_replicated
 @pytest.mark.parametrize("name", list(NEWEST_SETS))
 def test_the_newest_methods_train_on_two_processes_as_on_one(two_process_runs, tiny_weights, tmp_path, name):
     """E-GRPO's merged entropy steps, AdaGRPO's anchors dealt over the processes and its fused advantage, GARDO's
-    adaptive reference on nft: both ranks end with one adapter, bit for bit, and it moved. The grpo ones end where a
-    single process trains the same recipe with the same optimizer steps (up to float rounding: the gradient's sums
-    run in another order); nft's final samples are re-noised with each process's own draws (as
-    test_nft_on_two_processes_trains_one_model), so GARDO on nft is checked for its reference: every process saw
-    the same KL and resets alike (the checkpoint's collective comparison passed), logged once."""
+    adaptive reference on nft: both ranks end with one adapter, bit for bit, and it moved, where a single process
+    trains the same recipe with the same optimizer steps (up to float rounding: the gradient's sums run in another
+    order). nft's times and noise are drawn per sample (its global row), not per process; each process shuffles its
+    own rows, so its run is compared at one optimizer step per pass (2 x 2 rows, accumulated twice), whose rows are
+    every row whatever the order. GARDO's reference: every process saw the same KL and reset alike (the
+    checkpoint's collective comparison passed), logged once."""
     folder, (zero, one) = two_process_runs[name]
     assert zero["world_size"] == 2 and all(torch.equal(a, b) for a, b in zip(zero["end"], one["end"], strict=True))
     assert any(not torch.equal(a, b) for a, b in zip(zero["start"], zero["end"], strict=True)), "the adapter moved"
     if name == "gardo-nft":
         metrics = read_jsonl(folder / "run" / "metrics.jsonl")
         assert [m["reference_age"] for m in metrics] == [0.0] and metrics[0]["optimizer_steps"] >= 1, metrics
-        return
     # one process takes the two processes' micro-batches of 2 rows as one of 4: the same optimizer steps
     sets = [*NEWEST_SETS[name], "optimizer.micro_batch_size=4"]
     single = Trainer(load_recipe(_newest_recipe(name, tmp_path, tiny_weights), sets))

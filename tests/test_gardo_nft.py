@@ -120,7 +120,7 @@ def test_the_gated_kl_is_the_scripts_in_float64(tiny_weights):
     gated = torch.from_numpy(reference_gate(batch.reward_details, 0.5))
     assert 0 < int(gated.sum()) < 8
     key, schedule = (11, 0, 0), fresh.sigmas(4)[:4]
-    times = draw_times(key, 0, 8, num_timesteps=4, per_sample=2)
+    times = draw_times(key, range(8), num_timesteps=4, per_sample=2)
     kl = torch.zeros(8, 2, dtype=torch.float64)
     with torch.no_grad():
         for i, j in itertools.product(range(8), range(2)):

@@ -79,3 +79,14 @@ def test_same_noise_seeds_are_per_prompt_and_epoch():
     train = settings()
     assert noise_seed(train, 0, 5) == noise_seed(train, 0, 5)
     assert len({noise_seed(train, e, i) for e in range(3) for i in range(3)}) == 9
+
+
+def test_each_batch_knows_its_rows_in_the_epoch_whichever_process_samples_it():
+    """``EpochPlan.epoch_rows``: process r of P samples batches r, r + P, ...; its rows keep their places in the
+    epoch's order (what keys a final-sample update's draws), so two processes' rows are one process's."""
+    train = TrainSettings(prompts_per_epoch=4, group_size=2, rollout_batch=2, seed=3)
+    plan = plan_epoch(10, train, 0)
+    mine = [plan.epoch_rows(b).tolist() for b in plan.local(1, 2)]
+    assert mine == [[2, 3], [6, 7]]
+    both = sorted(r for rank in range(2) for b in plan.local(rank, 2) for r in plan.epoch_rows(b).tolist())
+    assert both == [r for b in plan.local(0, 1) for r in plan.epoch_rows(b).tolist()] == list(range(8))

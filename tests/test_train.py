@@ -165,7 +165,8 @@ def read_state(checkpoint: Path) -> dict:
 
 
 def test_failing_reward_stops_with_a_clear_message(tmp_path, tiny_weights, plugin):
-    trainer = Trainer(load_recipe(tiny_recipe(tmp_path, tiny_weights), ["eval.every=0"]))
+    # one rollout batch: with two, the scoring worker may start the second before the failure stops the epoch
+    trainer = Trainer(load_recipe(tiny_recipe(tmp_path, tiny_weights), ["eval.every=0", "train.rollout_batch=8"]))
     calls = []
 
     def broken(images, prompts, metadata):

@@ -215,6 +215,11 @@ class Rollout:
     # ``Optimizer.advantages`` got), set by the trainer before the update; None where no trainer set them. An update
     # whose loss couples a group's members (DGPO's group weight) reads it; the others never need it.
     groups: Tensor | None = None
+    # [N] long on the CPU: each trajectory's row in the epoch's global order (its rollout batch's first row over the
+    # plan's batches, plus its row in that batch), set by the sampling stage; what keys an update's per-sample draws
+    # (final-sample optimizers' times and noise), so that they do not depend on how many processes share the epoch.
+    # None: rows numbered in process order (an update called without the trainer)
+    epoch_rows: Tensor | None = None
     # details key -> [N] float32 on the CPU: the reward's parts of each final sample (its ``details``), kept by the
     # sampling stage for an optimizer that reads them (capability ``reads_reward_details``: GARDO's KL gate); else None
     reward_details: dict[str, Tensor] | None = None
@@ -247,6 +252,7 @@ class Rollout:
             means=None if self.means is None else self.means[rows],
             retained=None if self.retained is None else self.retained.index(rows),
             groups=None if self.groups is None else self.groups[rows.cpu()],
+            epoch_rows=None if self.epoch_rows is None else self.epoch_rows[rows.cpu()],
             reward_details=_rows_of(self.reward_details, rows),
             replayed=None if self.replayed is None else self.replayed[rows.cpu()],
         )
@@ -308,8 +314,14 @@ class Rollout:
             means=None if first.means is None else torch.cat([r.means for r in rollouts]),
             retained=_cat_retained([r.retained for r in rollouts], [len(r) for r in rollouts]),
             groups=None if any(r.groups is None for r in rollouts) else torch.cat([r.groups for r in rollouts]),
+            epoch_rows=_cat_rows([r.epoch_rows for r in rollouts]),
             reward_details=_cat_details([r.reward_details for r in rollouts]),
         )
+
+
+def _cat_rows(parts: list[Tensor | None]) -> Tensor | None:
+    """The epoch rows of consecutive rollout batches (None unless every batch has them: replayed rows have none)."""
+    return None if any(p is None for p in parts) else torch.cat(parts)  # type: ignore[arg-type]
 
 
 def _cat_details(parts: list[dict[str, Tensor] | None]) -> dict[str, Tensor] | None:

@@ -96,10 +96,7 @@ BaselineOption = Annotated[
 ]
 PromptsOption = Annotated[
     str,
-    typer.Option(
-        help="test | train | another split of the recipe's dataset (shapes-edit: held-out) | geneval | ocr | a .jsonl "
-        "or text file of prompts."
-    ),
+    typer.Option(help="test | train | a split of the recipe's dataset by name | geneval | ocr | a prompts file."),
 ]
 NumPromptsOption = Annotated[
     int | None,

@@ -208,12 +208,12 @@ class AWM:
         c = self.options.adv_clip_max
         return advantages.clamp(-c, c) / c
 
-    def _times(self, key: tuple[int, ...], first: int, n: int) -> Tensor:
-        """[n, T] long: each sample's T stratified schedule indices, from (key, its global row)."""
+    def _times(self, key: tuple[int, ...], rows: Sequence[int]) -> Tensor:
+        """[n, T] long: each sample's T stratified schedule indices, from (key, its epoch row)."""
         o = self.options
         lower, upper = o.strata_range
-        uniforms = [torch.rand(o.train_timesteps, generator=derived_generator(*key, first + i, "awm-t"),
-                               device="cpu") for i in range(n)]  # fmt: skip
+        uniforms = [torch.rand(o.train_timesteps, generator=derived_generator(*key, row, "awm-t"),
+                               device="cpu") for row in rows]  # fmt: skip
         if not uniforms:
             return torch.zeros((0, o.train_timesteps), dtype=torch.long, device="cpu")
         return stratified_indices(torch.stack(uniforms), lower, upper, o.train_timesteps)

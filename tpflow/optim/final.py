@@ -57,12 +57,12 @@ def old_decay(step: int, flat: int, rate: float, cap: float) -> float:
     return 0.0 if step < flat else min((step - flat) * rate, cap)
 
 
-def draw_times(key: tuple[int, ...], first: int, n: int, num_timesteps: int, per_sample: int) -> Tensor:
-    """[n, T] long: each sample's T distinct schedule indices in random order, drawn from (key, its global row).
+def draw_times(key: tuple[int, ...], rows: Sequence[int], num_timesteps: int, per_sample: int) -> Tensor:
+    """[n, T] long: each sample's T distinct schedule indices in random order, drawn from (key, its epoch row).
 
-    A sample's times depend on its own index only, not on the micro-batch or the process it falls in."""
-    rows = [derived_generator(*key, first + i, "t") for i in range(n)]
-    drawn = [torch.rand(num_timesteps, generator=g, device="cpu").argsort()[:per_sample] for g in rows]
+    A sample's times depend on its own row only, not on the micro-batch or the process it falls in."""
+    generators = [derived_generator(*key, row, "t") for row in rows]
+    drawn = [torch.rand(num_timesteps, generator=g, device="cpu").argsort()[:per_sample] for g in generators]
     return torch.stack(drawn) if drawn else torch.zeros((0, per_sample), dtype=torch.long, device="cpu")
 
 
@@ -226,11 +226,11 @@ def frozen_velocities(
 @dataclass(frozen=True)
 class NoisedMethod:
     """What a method supplies to :func:`noised_update`: its per-sample weights of the advantages, its training times
-    (``times(key, first, n)``: [n, T] schedule indices by global row), and its loss of one (micro-batch, time) as the
+    (``times(key, rows)``: [n, T] schedule indices by epoch row), and its loss of one (micro-batch, time) as the
     loop takes it: ``loss(backbone, x0, x_t, t, cond, guidance, weights, v_old, v_ref, noise)``."""
 
     weights: Callable[[Tensor], Tensor]
-    times: Callable[[tuple[int, ...], int, int], Tensor]
+    times: Callable[[tuple[int, ...], Sequence[int]], Tensor]
     loss: Callable[..., RowLoss]
     kl: bool  # whether the loss reads v_ref (the reference pass runs only then)
     old: bool = True  # whether the loss reads v_old (the lagged copy's pass runs only then)
@@ -256,7 +256,10 @@ def noised_update(
     r = method.weights(advantages[:, -1].to(device=device, dtype=torch.float32))  # [N]
     schedule = backbone.sigmas(o.num_timesteps)[: o.num_timesteps].to(device=device, dtype=torch.float32)
     order_generator = cpu_generator(lagged.order_seed(loop.dist.rank))  # which samples share a step
-    first = first_row(loop, n)  # this process's first row in the update's rows over every process
+    # each sample's row in the epoch (what keys its times and noise: the same on any number of processes), else its
+    # row in process order
+    first = first_row(loop, n) if batch.epoch_rows is None else 0
+    ids = list(range(first, first + n)) if batch.epoch_rows is None else batch.epoch_rows.tolist()
     shape = tuple(batch.final.shape[1:])
     drawn: dict[str, Any] = {}  # the current pass's (seed, update, pass) key and [N, T] schedule indices
 
@@ -264,14 +267,14 @@ def noised_update(
         for p in range(o.num_inner_epochs):
             order = torch.randperm(n, generator=order_generator, device="cpu")  # [N] host
             drawn["key"] = (lagged.seed, lagged.updates, p)
-            drawn["times"] = method.times(drawn["key"], first, n).to(device)  # [N, T] schedule indices
+            drawn["times"] = method.times(drawn["key"], ids).to(device)  # [N, T] schedule indices
             yield micro_batches(order, o.micro_batch_size, device)
 
     def losses(rows: MicroBatch) -> Iterator[LossThunk]:
         mb, host_rows = rows
         x0, cond, times = batch.final[mb], batch.cond.index(mb), drawn["times"]
         t = [schedule[times[mb, j]] for j in range(times.shape[1])]  # T × [M]
-        noise = [draw_noise(drawn["key"], [first + i for i in host_rows], j, shape, device) for j in range(len(t))]
+        noise = [draw_noise(drawn["key"], [ids[i] for i in host_rows], j, shape, device) for j in range(len(t))]
         x_t = [forward_noising(x0.float(), tj, ej).to(x0.dtype) for tj, ej in zip(t, noise, strict=True)]
         # v_old and v_ref of every time first, under one swap of the lagged copy per micro-batch (no graph of v_θ is
         # pending here: the loop advances this generator between backward passes)

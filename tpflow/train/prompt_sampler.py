@@ -30,6 +30,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+from torch import Tensor
+
 from tpflow.errors import UserError
 from tpflow.settings import TrainSettings
 from tpflow.types import BatchLayout
@@ -59,6 +62,12 @@ class EpochPlan:
     @property
     def num_trajectories(self) -> int:
         return sum(len(b.items) for b in self.batches)
+
+    def epoch_rows(self, batch: RolloutBatch) -> Tensor:
+        """[len(batch.items)] long on the CPU: the rows of ``batch`` (one of ``batches``) in the epoch's global
+        order, which no process count changes (``Rollout.epoch_rows``)."""
+        first = sum(len(b.items) for b in self.batches[: batch.index])
+        return torch.arange(first, first + len(batch.items), dtype=torch.long, device="cpu")
 
 
 def plan_epoch(

@@ -95,7 +95,8 @@ class EpochSampler:
                 prompts, metadata = [i.prompt for i in items], [i.metadata for i in items]
                 # traces [n, W + 1] of the plan's W (a truncated window holds fewer than [rollout] window_size)
                 jobs.append(worker.submit(out.final, out.completions, prompts, metadata, window.size))
-                rollouts.append(dataclasses.replace(out, completions=None))  # scored already; the update needs none
+                # scored already (the update needs no completions); its rows in the epoch key the update's draws
+                rollouts.append(dataclasses.replace(out, completions=None, epoch_rows=plan.epoch_rows(b)))
                 advance()
             scored, wait_s = _collect(jobs, epoch, phase, advance)
             if capability(self.optimizer, "reads_reward_details"):  # the final samples' reward parts, per row
