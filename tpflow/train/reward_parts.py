@@ -10,13 +10,16 @@ clip), and the weighted advantages are added: the same path as a single reward's
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from tpflow.interfaces import RewardModel, capability
+from tpflow.interfaces import CreditAssigner, Optimizer, RewardModel, capability
+
+if TYPE_CHECKING:
+    from tpflow.train.scoring import ScoredBatch
 
 
 def zscored_parts(reward: RewardModel) -> dict[str, float] | None:
@@ -28,11 +31,11 @@ def zscored_parts(reward: RewardModel) -> dict[str, float] | None:
 
 def zscore_sum_advantages(
     parts: dict[str, float],
-    credit: Any,
-    scored: Sequence[Any],
-    optimizer: Any,
+    credit: CreditAssigner,
+    scored: Sequence[ScoredBatch],
+    optimizer: Optimizer,
     groups: Sequence[Hashable],
-    gather: Any,
+    gather: Callable[[Tensor], Tensor],
 ) -> Tensor:
     """Σ_m weight_m · ``optimizer.advantages``(step rewards of part m): [N, W'] float64 over every process's rows.
 
