@@ -66,7 +66,7 @@ def test_the_world_has_39_instructions_and_the_train_split_never_asks_for_a_held
 
 def test_eval_takes_any_split_of_the_recipes_dataset_by_name(tmp_path):
     """``tpflow eval RUN --prompts held-out`` on an editing recipe; an unknown name lists the dataset's splits."""
-    from tpflow.evaluation.prompt_sets import prompt_set
+    from tpflow.evaluation.prompt_sets import check_prompt_set, prompt_set
     from tpflow.recipe import load_recipe
 
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "shapes_edit_flowgrpo.toml")
@@ -74,6 +74,9 @@ def test_eval_takes_any_split_of_the_recipes_dataset_by_name(tmp_path):
     assert split == "held-out" and len(items) == 120 and items[0].metadata["sources"]
     with pytest.raises(UserError, match=r"train, test, held-out\), nor an existing file"):
         prompt_set(str(tmp_path / "nothing"), recipe)
+    check_prompt_set("held-out", recipe)  # what tpflow eval checks before any weights load
+    with pytest.raises(UserError, match=r"train, test, held-out\), nor an existing prompt file"):
+        check_prompt_set("heldout", recipe)
 
 
 def test_a_scene_travels_as_a_reference_and_renders_without_files():

@@ -203,8 +203,9 @@ def _checked_targets(
         if which is not None:  # before any weights load: devices, model files, the reward's server
             reports.append(check_machine(which.recipe, where=str(which.path)))
             which.recipe.preflight()
-    if prompts not in ("test", "train", "geneval", "ocr") and not Path(prompts).expanduser().is_file():
-        raise UserError(f"--prompts {prompts!r} is neither test, train, geneval, ocr nor an existing prompt file.")
+    from tpflow.evaluation.prompt_sets import check_prompt_set
+
+    check_prompt_set(prompts, resolved.recipe)  # a named set, a split of the recipe's dataset, or a file
     print_report(*reports)  # every check passed: the device, where each weight comes from
     for problem in _prompt_file_problems(prompts, resolved.recipe):  # scored, but not by what the reward reads
         warn(

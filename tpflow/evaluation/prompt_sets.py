@@ -26,6 +26,19 @@ from tpflow.types import PromptItem
 NAMED = ("test", "train", "geneval", "ocr")
 
 
+def check_prompt_set(name: str, recipe: Recipe) -> None:
+    """A UserError before any weights load unless ``name`` is one of ``NAMED``, an existing file, or a split of the
+    recipe's dataset."""
+    if name in NAMED or Path(name).expanduser().is_file():
+        return
+    splits = recipe.build("dataset").splits
+    if name not in splits:
+        raise UserError(
+            f"--prompts {name!r} is neither {', '.join(NAMED)}, a split of the recipe's dataset "
+            f"({', '.join(splits)}), nor an existing prompt file."
+        )
+
+
 def prompt_set(name: str, recipe: Recipe) -> tuple[list[PromptItem], str | None]:
     """The items of the prompt set ``name`` (one of ``NAMED`` or a file path), and the dataset split they are (None
     for a file): "train" for ``test`` of a dataset without a test split, as the trainer. See the module docstring."""
