@@ -398,3 +398,27 @@ def test_out_of_memory_in_a_reward_reaches_the_trainers_out_of_memory_paragraph(
     assert message.startswith("Out of GPU memory while epoch 0: scoring (Reward 'OutOfMemory' ran out of GPU memory")
     assert "lower train.score_batch (images decoded and scored at once" in message
     assert "starts the run again" in message and "--resume" not in message  # epoch 0: nothing saved yet
+
+
+def test_after_a_batch_fails_the_scoring_worker_scores_no_later_batch():
+    """The trainer stops the epoch at the first batch whose reward failed; batches queued meanwhile are not scored,
+    whenever the worker reaches them (a reward server that is down is not called again for them)."""
+    from tpflow.train.scoring import ScoringWorker
+
+    calls, gate = [], threading.Event()
+
+    def reward(images, prompts, metadata):
+        calls.append(len(images))
+        gate.wait(5)  # the second batch is queued before the first fails
+        raise ConnectionError("down")
+
+    worker = ScoringWorker(lambda latents: latents, reward, policy=RewardPolicy(retries=0))
+    latents = torch.zeros(2, 3, 4, 4)
+    first, second = (worker.submit(latents, None, ["a", "b"], [{}, {}], 1) for _ in range(2))
+    gate.set()
+    with pytest.raises(RewardError, match="down"):
+        first.result()
+    with pytest.raises(RuntimeError, match="earlier rollout batch's scoring failed"):
+        second.result()
+    worker.close()
+    assert calls == [2]

@@ -54,6 +54,7 @@ class ScoringWorker:
         self.reward = reward
         self.chunk = chunk
         self.policy = policy
+        self._failed: str | None = None  # the first failed batch's error type: later batches are not scored
         # A new thread's current CUDA device is 0: on process r of a multi-GPU run the worker would load a lazily
         # built reward model (device "auto") onto GPU 0. It inherits its creator's device instead.
         self._pool = ThreadPoolExecutor(
@@ -78,9 +79,18 @@ class ScoringWorker:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _score(self, final, completions, prompts, metadata, window) -> ScoredBatch:
-        return score_rollout(
-            self.decode, self.reward, final, completions, prompts, metadata, window, self.chunk, policy=self.policy
-        )
+        """Score one batch; after a batch has failed, the later ones are not scored (the epoch stops at the first
+        failure, and a reward that failed, e.g. a server that is down, is not called again for batches queued
+        meanwhile)."""
+        if self._failed is not None:
+            raise RuntimeError(f"not scored: an earlier rollout batch's scoring failed ({self._failed})")
+        try:
+            return score_rollout(
+                self.decode, self.reward, final, completions, prompts, metadata, window, self.chunk, policy=self.policy
+            )
+        except BaseException as error:
+            self._failed = type(error).__name__
+            raise
 
 
 def score_rollout(
