@@ -148,7 +148,7 @@ def train(
     console = make_console()
     trainer = Trainer(loaded, run_dir=run_dir, resume=resume_from, console=console)
     metrics = _fit(trainer, loaded, console, num_processes)
-    trainer.dist.close()  # the run is saved: the processes part here
+    trainer.dist.close(exit_workers=True)  # the run is saved: the processes part here (the main one reports)
     if trainer.dist.is_main:
         _print_done(console, trainer.run_dir, metrics)
 

@@ -168,7 +168,7 @@ def eval_(
     for which in targets:
         with _progress(console, f"eval {which.label}") as advance:
             results.append(evaluate_target(which, options, dist, precision.autocast, advance))
-    dist.close()  # every image is gathered: the processes part here
+    dist.close(exit_workers=True)  # every image is gathered: the processes part here (the main one reports)
     if dist.is_main:
         _report_eval(console, results, out or default_out(targets[0], options), ema)
 
