@@ -240,3 +240,29 @@ def test_the_shipped_recipes(monkeypatch, tmp_path, capsys):
             main(["validate", *args])
         err = " ".join(capsys.readouterr().err.split())
         assert exc.value.code == 2 and "Traceback" not in err and all(w in err for w in words), err
+
+
+def test_with_same_noise_each_anchor_starts_where_its_prompts_group_does(tmp_path, tiny_weights, monkeypatch):
+    """AdaGRPO branches the group off the chosen anchor's own ODE path: with ``same_noise`` each candidate's anchor
+    starts from the z_0 its prompt's copies would share in that epoch (the rollout's group seed), so the group's ODE
+    path is the anchor's; without it the anchors keep one seeded draw over all of them."""
+    import tpflow.train.evaluation as evaluation
+    from tpflow.devices import cpu_generator
+    from tpflow.train.prompt_sampler import noise_seed
+
+    starts, sample_ode = [], evaluation.sample_ode
+
+    def recording(backbone, cond, z0, *args):
+        starts.append(z0.clone())
+        return sample_ode(backbone, cond, z0, *args)
+
+    monkeypatch.setattr(evaluation, "sample_ode", recording)
+    sets = ["train.epochs=1", "eval.every=0", 'train.prompt_policy="ability-matched"', f"train.prompt_candidates={K}",
+            "rollout.same_noise=true"]  # fmt: skip
+    recipe = tiny_recipe(tmp_path, tiny_weights, credit="outcome", reward="image-stat")
+    trainer = Trainer(load_recipe(recipe, sets))
+    stages = _recorded(trainer)
+    trainer.fit()
+    (epoch, candidates, _), train = stages[0], trainer.recipe.train
+    group_z0 = [trainer.backbone.initial_noise(1, cpu_generator(noise_seed(train, epoch, i))) for i in candidates]
+    assert torch.equal(torch.cat(starts), torch.cat(group_z0))  # the anchors' one batch: the groups' z_0, in order

@@ -46,7 +46,7 @@ from tpflow.optim.advantage_fusion import RunningReward
 from tpflow.scoring.call import recipe_policy
 from tpflow.settings import TrainSettings
 from tpflow.train.evaluation import score_prompts
-from tpflow.train.prompt_sampler import EpochPlan, _draw, plan_epoch
+from tpflow.train.prompt_sampler import EpochPlan, _draw, noise_seed, plan_epoch
 
 
 @dataclass(frozen=True)
@@ -171,9 +171,12 @@ def anchor_scorer(run: Any) -> AnchorScore:
         seed = random.Random(f"{train.seed}/{epoch}/anchors").getrandbits(63)
         everything = [run.train_items[i] for i in items]
         start = time.perf_counter()
+        # with same_noise each anchor starts from the z_0 its prompt's group would share this epoch, so the group's
+        # ODE path is the chosen anchor's own (AdaGRPO branches its group off the anchor's path)
+        starts = [noise_seed(train, epoch, i) for i in items] if rollout.same_noise else None
         with run.optimizer.sampling_policy():
             scored = score_prompts(run.backbone, run.reward, everything, settings, seed, run.dist,
-                                   run.precision.autocast, policy=recipe_policy(train))  # fmt: skip
+                                   run.precision.autocast, policy=recipe_policy(train), z0_seeds=starts)  # fmt: skip
         return Anchors(scored.scores, float(rollout.num_steps), time.perf_counter() - start)
 
     return score

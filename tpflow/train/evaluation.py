@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,9 +98,12 @@ def score_prompts(
     progress: Callable[[int], None] | None = None,
     policy: RewardPolicy = DEFAULT_POLICY,
     embed: Embedder | None = None,
+    z0_seeds: Sequence[int] | None = None,
 ) -> Scored:
     """ODE samples (``settings.num_steps`` steps, ``settings.guidance``) of ``images_per_prompt`` images per prompt,
-    decoded and scored in batches of ``settings.batch_size``; call it on every process (it gathers).
+    decoded and scored in batches of ``settings.batch_size``; call it on every process (it gathers). ``z0_seeds``:
+    one seed per image whose z_0 is drawn alone from it (a rollout's ``same_noise`` draw), instead of ``seed``'s one
+    draw over every image.
 
     Each batch's reward call goes through ``call_reward`` under ``policy`` (time limit, retries, output checks, as
     in training); non-finite scores kept by ``policy`` (``eval.nonfinite_rewards = "warn"``) get one warning.
@@ -111,7 +114,7 @@ def score_prompts(
     grid_rows, grid_rule = shown_images(len(everything), n)
     mine = list(range(dist.rank, len(everything) * n, dist.world_size))  # this process's image rows
     rows, shown, embedded = _score_mine(backbone, reward, everything, mine, n, set(grid_rows), settings, seed,
-                                        autocast, progress, policy, embed if n > 1 else None)  # fmt: skip
+                                        autocast, progress, policy, embed if n > 1 else None, z0_seeds)  # fmt: skip
     rows = sorted(dist.gather_objects(rows))
     bad = sum(not math.isfinite(score) for _, score, _ in rows)
     if bad and dist.is_main:
@@ -149,6 +152,7 @@ def _score_mine(
     progress: Callable[[int], None] | None,
     policy: RewardPolicy,
     embed: Embedder | None = None,
+    z0_seeds: Sequence[int] | None = None,
 ) -> tuple[list[tuple[int, float, dict[str, float]]], list[tuple[int, torch.Tensor]], list[tuple[int, torch.Tensor]]]:
     """This process's share of ``score_prompts``: the images of rows ``mine`` (image r: prompt r // n), sampled,
     decoded and scored in batches; returns (image row, score, details) per image, (image row, [1, 3, H, W] uint8)
@@ -160,7 +164,10 @@ def _score_mine(
     embedded: list[tuple[int, torch.Tensor]] = []  # (image row, [D]) for the diversity within groups
     if not items:
         return [], shown, embedded
-    z0 = backbone.initial_noise(len(everything) * n, cpu_generator(seed))[mine]  # same z_0 on every device
+    if z0_seeds is None:
+        z0 = backbone.initial_noise(len(everything) * n, cpu_generator(seed))[mine]  # same z_0 on every device
+    else:  # each image's own draw, as a rollout's group seeds draw it (tpflow.rollout.from_settings)
+        z0 = torch.cat([backbone.initial_noise(1, cpu_generator(z0_seeds[r])) for r in mine])
     scores: list[float] = []
     details: dict[str, list[float]] = defaultdict(list)
     for start in range(0, len(items), settings.batch_size):
