@@ -313,14 +313,15 @@ class Rollout:
             trained=trained,
             means=None if first.means is None else torch.cat([r.means for r in rollouts]),
             retained=_cat_retained([r.retained for r in rollouts], [len(r) for r in rollouts]),
-            groups=None if any(r.groups is None for r in rollouts) else torch.cat([r.groups for r in rollouts]),
-            epoch_rows=_cat_rows([r.epoch_rows for r in rollouts]),
+            groups=_cat_optional([r.groups for r in rollouts]),
+            epoch_rows=_cat_optional([r.epoch_rows for r in rollouts]),
             reward_details=_cat_details([r.reward_details for r in rollouts]),
         )
 
 
-def _cat_rows(parts: list[Tensor | None]) -> Tensor | None:
-    """The epoch rows of consecutive rollout batches (None unless every batch has them: replayed rows have none)."""
+def _cat_optional(parts: list[Tensor | None]) -> Tensor | None:
+    """A per-row tensor of consecutive rollout batches (their groups, their epoch rows): None unless every batch has
+    it (replayed rows have no epoch rows)."""
     return None if any(p is None for p in parts) else torch.cat(parts)  # type: ignore[arg-type]
 
 
