@@ -256,10 +256,11 @@ def noised_update(
     r = method.weights(advantages[:, -1].to(device=device, dtype=torch.float32))  # [N]
     schedule = backbone.sigmas(o.num_timesteps)[: o.num_timesteps].to(device=device, dtype=torch.float32)
     order_generator = cpu_generator(lagged.order_seed(loop.dist.rank))  # which samples share a step
-    # each sample's row in the epoch (what keys its times and noise: the same on any number of processes), else its
-    # row in process order
-    first = first_row(loop, n) if batch.epoch_rows is None else 0
-    ids = list(range(first, first + n)) if batch.epoch_rows is None else batch.epoch_rows.tolist()
+    if batch.epoch_rows is not None:  # each sample's row in the epoch keys its times and noise: any process count
+        ids = batch.epoch_rows.tolist()
+    else:  # an update called without the trainer: rows in process order
+        first = first_row(loop, n)
+        ids = list(range(first, first + n))
     shape = tuple(batch.final.shape[1:])
     drawn: dict[str, Any] = {}  # the current pass's (seed, update, pass) key and [N, T] schedule indices
 
