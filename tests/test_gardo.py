@@ -225,3 +225,36 @@ def test_the_kl_the_reference_sees_does_not_depend_on_the_micro_batches(tiny_wei
     for micro, accumulation in ((4, 2), (2, 4)):
         split = _observed_kl(str(tiny_weights), micro, accumulation)
         assert split[0] == 0.0 and math.isclose(split[1], whole[1], rel_tol=1e-5), (micro, split, whole)
+
+
+def test_timm_features_are_gardos_calls_on_a_tiny_timm_vit(tmp_path, monkeypatch):
+    """``features = "timm:<model>:<file>"``: GARDO's embedding, run beside timm's own calls as the reference script
+    makes them (``timm.create_model(name, pretrained=True)`` with the file as its ``pretrained_cfg_overlay``, the
+    eval transform of ``resolve_model_data_config`` on the float batch, the output L2-normalised), on timm's
+    ``test_vit`` saved to a file; without the file or a cached ``timm/<model>``, one paragraph before anything
+    loads."""
+    import timm
+    from safetensors.torch import save_file
+
+    from tpflow.rewards.diversity_features import build_features, feature_sources
+
+    torch.manual_seed(0)
+    file = tmp_path / "model.safetensors"
+    save_file(timm.create_model("test_vit", pretrained=False).state_dict(), str(file))
+    images = torch.rand(3, 3, 32, 32)  # [N, 3, H, W] in [0, 1]
+    ours = build_features(f"timm:test_vit:{file}", torch.device("cpu"))(images)
+    model = timm.create_model("test_vit", pretrained=True, pretrained_cfg_overlay={"file": str(file)}).eval()
+    transform = timm.data.create_transform(**timm.data.resolve_model_data_config(model), is_training=False)
+    with torch.no_grad():
+        embs = model(transform(images).to(torch.float32)).double().numpy()  # the script's feature_embs
+    reference = embs / np.linalg.norm(embs, ord=2, axis=1, keepdims=True)  # stat_tracking.py's normalisation
+    np.testing.assert_allclose(ours.double().numpy(), reference, rtol=1e-5, atol=1e-6)
+    assert ours.dtype == torch.float32 and ours.device.type == "cpu"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    (missing,) = feature_sources("timm:vit_large_patch16_dinov3.lvd1689m", "reward 'diversity-shaped', features")
+    assert missing.problem and "\n" not in missing.problem and "never downloads" in missing.problem
+    assert "timm/vit_large_patch16_dinov3.lvd1689m" in missing.problem
+    (found,) = feature_sources(f"timm:test_vit:{file}", "features")
+    assert found.problem is None and found.path == str(file)
+    with pytest.raises(ValueError, match="names no embedding"):
+        DiversityShapedOptions(reward={"name": "image-stat"}, features="timm:")

@@ -277,14 +277,21 @@ class WatchedReward(BaseModel):
         return self.label or self.name
 
 
-DIVERSITY_SPECS = '"shapes-clip", "shapes-clip:<weights>", "clip:<arch>", "clip:<arch>:<pretrained>" or "pixels"'
+DIVERSITY_SPECS = (
+    '"shapes-clip", "shapes-clip:<weights>", "clip:<arch>", "clip:<arch>:<pretrained>", "timm:<model>", '
+    '"timm:<model>:<file>" or "pixels"'
+)
 
 
 def diversity_problem(spec: str) -> str | None:
     """Why ``spec`` names no embedding of ``eval.diversity`` (tpflow.train.diversity), or None; read here, before
     anything loads."""
     kind, _, rest = spec.partition(":")
-    if (kind == "pixels" and not rest) or kind == "shapes-clip" or (kind == "clip" and rest.split(":", 1)[0]):
+    if (
+        (kind == "pixels" and not rest)
+        or kind == "shapes-clip"
+        or (kind in ("clip", "timm") and rest.split(":", 1)[0])
+    ):
         return None
     return f"eval.diversity = {spec!r} names no embedding: use {DIVERSITY_SPECS}."
 

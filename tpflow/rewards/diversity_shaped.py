@@ -66,7 +66,8 @@ class DiversityShapedOptions(BaseModel):
     features: str = Field(
         "pixels",
         description="The feature extractor (tpflow.rewards.diversity_features): 'shapes-clip[:<weights>]', "
-        "'clip:<arch>[:<pretrained or file>]' or 'pixels'. GARDO's is DINOv3 ViT-L/16, not available offline.",
+        "'clip:<arch>[:<pretrained or file>]', 'timm:<model>[:<file>]' or 'pixels'. GARDO's: "
+        "'timm:vit_large_patch16_dinov3.lvd1689m' (its DINOv3 ViT-L/16, from the cache or a file).",
     )
     device: str = Field("auto", description=option_help.DEVICE)  # its feature extractor's
 
@@ -143,7 +144,9 @@ class DiversityShapedReward:
 
     @staticmethod
     def weight_sources(options: DiversityShapedOptions, settings: dict) -> list[WeightSource]:
-        """The inner reward's weights (``tpflow.weights``); the feature extractor's load at its first call."""
+        """The inner reward's weights (``tpflow.weights``) and a timm feature extractor's (``feature_sources``); the
+        other extractors' load at their first call."""
+        from tpflow.rewards.diversity_features import feature_sources
         from tpflow.weights import component_weights
 
         inner = options.reward
@@ -151,7 +154,9 @@ class DiversityShapedReward:
         validated = registry.validate_options("reward", inner.name, inner.options)
         where = f"reward 'diversity-shaped', reward ({inner.name!r})"
         sources = component_weights(factory, validated, settings)
-        return [replace(s, what=f"inner {s.what}", problem=s.problem and f"{where}: {s.problem}") for s in sources]
+        inner_sources = [replace(s, what=f"inner {s.what}", problem=s.problem and f"{where}: {s.problem}")
+                         for s in sources]  # fmt: skip
+        return inner_sources + feature_sources(options.features, "reward 'diversity-shaped', features")
 
     @staticmethod
     def preflight(options: DiversityShapedOptions) -> None:
