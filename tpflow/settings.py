@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tpflow.diversity_specs import diversity_problem
 from tpflow.replay_settings import ReplaySettings
 
 # Upper bounds of the counts: far above any real run (the paper's epoch is 48 prompts x 24 images; K = 10 steps), low
@@ -275,25 +276,6 @@ class WatchedReward(BaseModel):
     @property
     def key(self) -> str:
         return self.label or self.name
-
-
-DIVERSITY_SPECS = (
-    '"shapes-clip", "shapes-clip:<weights>", "clip:<arch>", "clip:<arch>:<pretrained>", "timm:<model>", '
-    '"timm:<model>:<file>" or "pixels"'
-)
-
-
-def diversity_problem(spec: str) -> str | None:
-    """Why ``spec`` names no embedding of ``eval.diversity`` (tpflow.train.diversity), or None; read here, before
-    anything loads."""
-    kind, _, rest = spec.partition(":")
-    if (
-        (kind == "pixels" and not rest)
-        or kind == "shapes-clip"
-        or (kind in ("clip", "timm") and rest.split(":", 1)[0])
-    ):
-        return None
-    return f"eval.diversity = {spec!r} names no embedding: use {DIVERSITY_SPECS}."
 
 
 class EvalSettings(BaseModel):

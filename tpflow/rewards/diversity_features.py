@@ -18,7 +18,7 @@ available offline here, by spec:
   colour, not content.
 
 The same specs, and the same extractors, as ``[eval] diversity`` (``tpflow.train.diversity`` builds its embedding
-here; ``tpflow.settings.diversity_problem`` checks a spec before anything loads).
+here; ``tpflow.diversity_specs.diversity_problem`` checks a spec before anything loads).
 Each returns unit rows [N, D] float32 on the CPU; weights load at the first call, under a lock (the scoring thread
 and a reward server may call from several threads). A clip [N, F, 3, H, W] is embedded by its middle frame.
 """
@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tpflow.diversity_specs import diversity_problem
 from tpflow.errors import UserError
 from tpflow.images import l2_normalize, to_uint8
-from tpflow.settings import diversity_problem
 from tpflow.weights import WeightSource, cached_file, download_command, file_source, hub_cache_dir
 
 PIXEL_SIDE = 16  # "pixels": the side of the pooled image

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from tpflow import registry
 from tpflow.devices import resolve_device
+from tpflow.diversity_specs import diversity_problem
 from tpflow.registry import register
 from tpflow.rewards import option_help
 from tpflow.rewards.diversity_features import build_features
@@ -41,7 +42,6 @@ from tpflow.rewards.inner import checked_inner
 from tpflow.rewards.weighted import declared_detail_keys, prefixed
 from tpflow.scoring.call import check_output
 from tpflow.scoring.groups import group_rows
-from tpflow.settings import diversity_problem
 from tpflow.types import RewardOutput
 from tpflow.weights import WeightSource
 
