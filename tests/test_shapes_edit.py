@@ -64,6 +64,35 @@ def test_the_world_has_39_instructions_and_the_train_split_never_asks_for_a_held
     assert dataset.split("test") == test  # the test split is as before the held-out split was added
 
 
+def test_reserved_instructions_are_pretrained_ones_the_train_split_leaves_out(dataset):
+    """At reserved_per_kind 2: 8 instructions, 2 of each kind, none held out; the train split never asks them, the
+    reserved split asks them alone on 20 scenes each; at 0 the train split is the default's and asking for the
+    empty reserved split says which option fills it."""
+    two, one = edit_world.reserved(2), edit_world.reserved(1)
+    assert len(two) == 8 and one < two and not two & edit_world.HELD_OUT
+    assert sorted(k[0] for k in two) == sorted(2 * list(edit_world.KINDS))
+    kept = build("dataset", "shapes-edit", reserved_per_kind=2)
+    asked = {
+        (e["kind"], e["shape"], e["color"] or e["direction"])
+        for e in (it.metadata["edit"] for it in kept.split("train"))
+    }
+    assert len(asked) == 25 and not asked & two and not asked & edit_world.HELD_OUT  # 39 - 6 held out - 8 reserved
+    items = kept.split("reserved")
+    assert len(items) == 160 and not any(it.metadata["held_out"] for it in items)
+    assert {
+        (
+            it.metadata["edit"]["kind"],
+            it.metadata["edit"]["shape"],
+            it.metadata["edit"]["color"] or it.metadata["edit"]["direction"],
+        )
+        for it in items
+    } == two
+    assert not {it.metadata["sources"][0] for it in items} & {it.metadata["sources"][0] for it in kept.split("test")}
+    assert kept.split("test") == dataset.split("test") and kept.split("held-out") == dataset.split("held-out")
+    with pytest.raises(UserError, match="set dataset.reserved_per_kind"):
+        dataset.split("reserved")
+
+
 def test_eval_takes_any_split_of_the_recipes_dataset_by_name(tmp_path):
     """``tpflow eval RUN --prompts held-out`` on an editing recipe; an unknown name lists the dataset's splits."""
     from tpflow.evaluation.prompt_sets import check_prompt_set, prompt_set
@@ -72,10 +101,10 @@ def test_eval_takes_any_split_of_the_recipes_dataset_by_name(tmp_path):
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "shapes_edit_flowgrpo.toml")
     items, split = prompt_set("held-out", recipe)
     assert split == "held-out" and len(items) == 120 and items[0].metadata["sources"]
-    with pytest.raises(UserError, match=r"train, test, held-out\), nor an existing file"):
+    with pytest.raises(UserError, match=r"train, test, held-out, reserved\), nor an existing file"):
         prompt_set(str(tmp_path / "nothing"), recipe)
     check_prompt_set("held-out", recipe)  # what tpflow eval checks before any weights load
-    with pytest.raises(UserError, match=r"train, test, held-out\), nor an existing prompt file"):
+    with pytest.raises(UserError, match=r"train, test, held-out, reserved\), nor an existing prompt file"):
         check_prompt_set("heldout", recipe)
 
 

@@ -27,6 +27,12 @@ pairs of ``move``, fixed by a constant seed; an instruction naming one is in the
 its pieces all appear in training). Metadata of an item: ``sources`` (one reference), ``edit`` (``kind``, ``shape``,
 ``color``: the added or new colour, ``direction``: the move's; what the ``shapes-edit`` reward checks), ``tag``
 (the kind: the eval reports it apart), ``held_out`` and ``prompt``.
+
+Reserved (option ``reserved_per_kind``, 0 by default): that many further instructions of each kind, fixed by another
+constant seed among those the shipped model was pretrained on, kept out of the train split too and asked alone in the
+``reserved`` split. A held-out instruction measures the model's compositional gap (a pairing it never saw); a reserved
+one measures whether what RL learns on its instructions carries over to instructions the model can already follow
+but RL never trained on.
 """
 
 from __future__ import annotations
@@ -155,6 +161,16 @@ HELD_OUT: frozenset[tuple[str, str, str | None]] = _held_out()
 EDITS: list[dict[str, Any]] = _edits()
 
 
+def reserved(per_kind: int) -> frozenset[tuple[str, str, str | None]]:
+    """``per_kind`` instructions of each kind, none held out, drawn with a constant seed: the same ones in every run
+    (the first of two per kind is the one reserved with one per kind)."""
+    rng, out = random.Random(_HELD_OUT_SEED + 1), []
+    for kind in KINDS:
+        keys = [_key(e) for e in EDITS if e["kind"] == kind and not is_held_out(e)]
+        out += rng.sample(keys, len(keys))[:per_kind]
+    return frozenset(out)
+
+
 def is_held_out(edit: dict[str, Any]) -> bool:
     """Whether an edit names a held-out combination (test split only)."""
     return _key(edit) in HELD_OUT
@@ -267,21 +283,32 @@ class ShapesEditDatasetOptions(BaseModel):
         "drawn apart from the test split's, so that a change on instructions never trained on can be measured "
         "(tpflow eval RUN --prompts held-out).",
     )
+    reserved_per_kind: int = Field(
+        0,
+        ge=0,
+        le=2,
+        description="Instructions of each kind the shipped model was pretrained on that the train split leaves out "
+        "as well (at 2: 8 instructions); the reserved split asks them alone on held_out_scenes scenes each, so that "
+        "whether RL's gain carries over to instructions it never trained on can be measured apart from the held-out "
+        "split's compositional gap (tpflow eval RUN --prompts reserved).",
+    )
 
 
 @register("dataset", "shapes-edit", options=ShapesEditDatasetOptions)
 class ShapesEditDataset:
     """PromptDataset of the editing shapes world (module docstring): train without the held-out edits, test all,
     each instruction on ``test_scenes`` scenes (pass after pass, so a prefix covers every instruction), held-out the
-    held-out instructions alone on ``held_out_scenes`` other scenes."""
+    held-out instructions alone on ``held_out_scenes`` other scenes, reserved the ``reserved_per_kind`` reserved
+    instructions alone on as many scenes of another draw (empty at 0)."""
 
-    splits = ("train", "test", "held-out")
+    splits = ("train", "test", "held-out", "reserved")
     metadata_keys = ("sources", "edit", "tag", "held_out", "prompt")  # tpflow.rewards.needs
 
     def __init__(self, options: ShapesEditDatasetOptions | None = None) -> None:
         options = options or ShapesEditDatasetOptions()
         rng = np.random.default_rng(options.seed)
-        seen = [e for e in EDITS if not is_held_out(e)]
+        kept_out = reserved(options.reserved_per_kind)
+        seen = [e for e in EDITS if not is_held_out(e) and _key(e) not in kept_out]
         order = random.Random(options.seed)
         train = [seen[i % len(seen)] for i in range(TRAIN_SIZE)]
         order.shuffle(train)
@@ -293,8 +320,17 @@ class ShapesEditDataset:
         held_rng, held = np.random.default_rng(options.seed + 2), [e for e in EDITS if is_held_out(e)]
         scenes = range(options.held_out_scenes)
         self._items["held-out"] = [item_of(e, make_pair(e, held_rng)[0]) for _ in scenes for e in held]
+        kept_rng, kept = np.random.default_rng(options.seed + 3), [e for e in EDITS if _key(e) in kept_out]
+        self._items["reserved"] = [item_of(e, make_pair(e, kept_rng)[0]) for _ in scenes for e in kept]
 
     def split(self, name: str) -> list[PromptItem]:
         if name not in self._items:
-            raise UserError(f"The shapes-edit dataset has splits 'train', 'test' and 'held-out', not {name!r}.")
+            raise UserError(
+                f"The shapes-edit dataset has splits 'train', 'test', 'held-out' and 'reserved', not {name!r}."
+            )
+        if name == "reserved" and not self._items[name]:
+            raise UserError(
+                "The shapes-edit dataset's reserved split is empty: set dataset.reserved_per_kind (1 or 2) to keep "
+                "that many instructions of each kind out of training and ask them there."
+            )
         return self._items[name]
