@@ -2,7 +2,8 @@
 
 test, train      the recipe's dataset splits (test: what training evaluates on; its train split, said so, for a
                  dataset that has no test split); any other split the dataset has by its name (shapes-edit's
-                 held-out: the instructions never trained on, on many scenes)
+                 held-out: the instructions never trained on, on many scenes; reserved: pretrained
+                 instructions RL left out)
 geneval          GenEval-style prompts with GenEval metadata, generated (tpflow.data.geneval's test split);
                  for GenEval's official 553 prompts pass its evaluation_metadata.jsonl as a file
 ocr              the OCR test prompts (tpflow.data.ocr's test split: texts never seen in training)
