@@ -203,7 +203,8 @@ def test_a_large_eval_grid_shows_the_images_its_rule_states(capsys, tmp_path):
     assert code in (0, None)
     images = _eval_json(out)["target"]["images"]
     layout = _read_grid(out / "grid.png", images)
-    rows, rule = shown_images(70, 1)  # 64 of the 70 prompts, spread evenly
+    texts = [image["prompt"] for image in images]  # one image per prompt
+    rows, rule = shown_images(70, 1, texts=texts)  # 64 of the 70 prompts, covering the distinct texts
     flat = " ".join(stdout.split())  # the console wraps at its width, which the environment decides
     assert layout["shows"] == rule and "64 of 70 images" in rule and f"the grids show {rule}" in flat
     assert [t["index"] for t in layout["tiles"]] == rows and rows[-1] == 68

@@ -29,6 +29,25 @@ def test_a_large_eval_shows_prompts_spread_evenly_with_their_images():
     assert rows == list(range(40)) and "1 of 2 prompts" in rule
 
 
+def test_an_eval_that_asks_few_texts_in_passes_shows_each_text():
+    """160 prompts, 8 instructions asked in passes over 20 scenes: the even spread (every 20th prompt) would show two
+    of the 8; the grid shows each once. With fewer texts than shown prompts every text is shown, then again; with
+    distinct texts (or texts the even spread already covers) the rule is the even spread."""
+    texts = [f"instruction {i % 8}" for i in range(160)]
+    assert {texts[r // 8] for r in shown_images(160, 8)[0]} == {"instruction 0", "instruction 4"}
+    rows, rule = shown_images(160, 8, texts=texts)
+    assert sorted({r // 8 for r in rows}) == list(range(8)) and len(rows) == 64
+    assert "the first prompt of 8 of their 8 distinct texts" in rule
+    six = [f"instruction {i % 6}" for i in range(120)]
+    shown = sorted({r // 8 for r in shown_images(120, 8, texts=six)[0]})
+    assert len(shown) == 8 and {six[p] for p in shown} == set(six) and shown[:6] == list(range(6))
+    assert shown_images(192, 1, texts=[str(i) for i in range(192)]) == shown_images(192, 1)
+    assert shown_images(12, 1, texts=["a"] * 12) == shown_images(12, 1)
+    few = ["a", "b"] * 3 + [f"c{i}" for i in range(4)] + ["a"] * 60  # 7 texts, 70 prompts: the rounds fall short
+    rows = shown_images(70, 1, texts=few)[0]
+    assert len(rows) == 64 == len(set(rows)) and {few[r] for r in rows} == set(few)
+
+
 def test_grid_draws_headers_marks_and_captions_where_its_tile_map_says(tmp_path):
     g = torch.Generator().manual_seed(0)
     images = 0.2 + 0.6 * torch.rand(3, 3, 512, 512, generator=g)  # large: shrunk to max_tile

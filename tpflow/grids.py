@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -66,21 +67,59 @@ class Grid:
     prompts: list[str]  # [len(boxes)] the caption of each tile
 
 
-def shown_images(prompts: int, per_prompt: int, limit: int = GRID_IMAGES) -> tuple[list[int], str]:
+def shown_images(
+    prompts: int, per_prompt: int, limit: int = GRID_IMAGES, texts: Sequence[str] | None = None
+) -> tuple[list[int], str]:
     """Which images of a prompt-major evaluation (image r is the (r mod n)-th of prompt r // n) a grid shows, and
     the rule in words: every image when they fit in ``limit``; else m = limit // k prompts spread evenly (prompt
-    ⌊i·P/m⌋ for i < m, the first always), each with its first k = min(n, limit) images."""
+    ⌊i·P/m⌋ for i < m, the first always), each with its first k = min(n, limit) images.
+
+    With ``texts`` (each prompt's text), when that even spread would repeat a text while others go unshown (an eval
+    set that asks a few instructions on many scenes, in passes: every ⌊P/m⌋-th prompt can fall on the same two), the
+    prompts are chosen to cover the distinct texts instead (``_covering``)."""
     total = prompts * per_prompt
     if total <= limit:
         return list(range(total)), f"all {total} images"
     keep = min(per_prompt, limit)
     count = min(prompts, limit // keep)
     chosen = [i * prompts // count for i in range(count)]
-    rows = [p * per_prompt + j for p in chosen for j in range(keep)]
     each = f"its first {keep} of {per_prompt} images" if keep < per_prompt else f"its {per_prompt} image(s)"
-    rule = (f"{len(rows)} of {total} images: {count} of {prompts} prompts spread evenly (prompt floor(i*{prompts}/"
-            f"{count}) for i = 0..{count - 1}: {', '.join(map(str, chosen[:3]))}, ...), {each}")  # fmt: skip
-    return rows, rule
+    how = f"{count} of {prompts} prompts spread evenly (prompt floor(i*{prompts}/{count}) for i = 0..{count - 1}: "
+    how += f"{', '.join(map(str, chosen[:3]))}, ...)"
+    if texts is not None:
+        distinct = len(set(texts))
+        if len({texts[p] for p in chosen}) < min(count, distinct):
+            chosen = _covering(list(texts), count)
+            how = f"{count} of {prompts} prompts, " + (
+                f"the first prompt of {count} of their {distinct} distinct texts spread evenly"
+                if distinct >= count
+                else f"each of their {distinct} distinct texts in rounds, its prompts spread evenly"
+            )
+    rows = [p * per_prompt + j for p in chosen for j in range(keep)]
+    return rows, f"{len(rows)} of {total} images: {how}, {each}"
+
+
+def _covering(texts: list[str], count: int) -> list[int]:
+    """``count`` prompt indices (sorted) covering as many distinct ``texts`` as fit: when there are at least
+    ``count`` texts, the first prompt of every ⌊i·D/count⌋-th text (in order of first appearance); otherwise rounds
+    r = 0, 1, ... over the texts in that order, round r taking each text's occurrence ⌊r·n_t/R⌋ of its n_t (R rounds
+    in all), until ``count`` are taken, then the other prompts spread evenly when rounds fell short (texts
+    with fewer prompts than rounds)."""
+    where: dict[str, list[int]] = {}
+    for index, text in enumerate(texts):
+        where.setdefault(text, []).append(index)
+    occurrences = list(where.values())  # [D] each text's prompt indices, in order of first appearance
+    if len(occurrences) >= count:
+        return [occurrences[i * len(occurrences) // count][0] for i in range(count)]
+    rounds, picked = -(-count // len(occurrences)), []  # R rounds fill count: each takes D < count prompts
+    for r in range(rounds):
+        for occurrence in occurrences:
+            index = occurrence[r * len(occurrence) // rounds]
+            if index not in picked and len(picked) < count:
+                picked.append(index)
+    rest = sorted(set(range(len(texts))) - set(picked))  # texts of few prompts left rounds short: the rest, evenly
+    need = count - len(picked)
+    return sorted(picked + [rest[j * len(rest) // need] for j in range(need)] if need > 0 else picked)
 
 
 def columns_for(per_group: int, count: int, width: int = 8) -> int:

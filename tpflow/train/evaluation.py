@@ -111,7 +111,7 @@ def score_prompts(
     its prompt's other images is the detail ``diversity`` (tpflow.train.diversity), computed once gathered: a
     prompt's images may lie in several batches and processes."""
     n = images_per_prompt
-    grid_rows, grid_rule = shown_images(len(everything), n)
+    grid_rows, grid_rule = shown_images(len(everything), n, texts=[item.prompt for item in everything])
     mine = list(range(dist.rank, len(everything) * n, dist.world_size))  # this process's image rows
     rows, shown, embedded = _score_mine(backbone, reward, everything, mine, n, set(grid_rows), settings, seed,
                                         autocast, progress, policy, embed if n > 1 else None, z0_seeds)  # fmt: skip
