@@ -89,7 +89,9 @@ def test_reserved_instructions_are_pretrained_ones_the_train_split_leaves_out(da
     } == two
     assert not {it.metadata["sources"][0] for it in items} & {it.metadata["sources"][0] for it in kept.split("test")}
     assert kept.split("test") == dataset.split("test") and kept.split("held-out") == dataset.split("held-out")
-    with pytest.raises(UserError, match="set dataset.reserved_per_kind"):
+    assert kept.splits == ("train", "test", "held-out", "reserved")
+    assert dataset.splits == ("train", "test", "held-out")  # every split a dataset names holds prompts (preflight)
+    with pytest.raises(UserError, match="only with dataset.reserved_per_kind set"):
         dataset.split("reserved")
 
 

@@ -299,9 +299,10 @@ class ShapesEditDataset:
     """PromptDataset of the editing shapes world (module docstring): train without the held-out edits, test all,
     each instruction on ``test_scenes`` scenes (pass after pass, so a prefix covers every instruction), held-out the
     held-out instructions alone on ``held_out_scenes`` other scenes, reserved the ``reserved_per_kind`` reserved
-    instructions alone on as many scenes of another draw (empty at 0)."""
+    instructions alone on as many scenes of another draw (a split only when ``reserved_per_kind`` > 0: every split
+    a dataset names holds prompts)."""
 
-    splits = ("train", "test", "held-out", "reserved")
+    splits: tuple[str, ...] = ("train", "test", "held-out")
     metadata_keys = ("sources", "edit", "tag", "held_out", "prompt")  # tpflow.rewards.needs
 
     def __init__(self, options: ShapesEditDatasetOptions | None = None) -> None:
@@ -321,16 +322,16 @@ class ShapesEditDataset:
         scenes = range(options.held_out_scenes)
         self._items["held-out"] = [item_of(e, make_pair(e, held_rng)[0]) for _ in scenes for e in held]
         kept_rng, kept = np.random.default_rng(options.seed + 3), [e for e in EDITS if _key(e) in kept_out]
-        self._items["reserved"] = [item_of(e, make_pair(e, kept_rng)[0]) for _ in scenes for e in kept]
+        if kept:
+            self._items["reserved"] = [item_of(e, make_pair(e, kept_rng)[0]) for _ in scenes for e in kept]
+        self.splits = tuple(self._items)
 
     def split(self, name: str) -> list[PromptItem]:
+        if name == "reserved" and name not in self._items:
+            raise UserError(
+                "The shapes-edit dataset has a reserved split only with dataset.reserved_per_kind set (1 or 2): that "
+                "many instructions of each kind are then kept out of training and asked there."
+            )
         if name not in self._items:
-            raise UserError(
-                f"The shapes-edit dataset has splits 'train', 'test', 'held-out' and 'reserved', not {name!r}."
-            )
-        if name == "reserved" and not self._items[name]:
-            raise UserError(
-                "The shapes-edit dataset's reserved split is empty: set dataset.reserved_per_kind (1 or 2) to keep "
-                "that many instructions of each kind out of training and ask them there."
-            )
+            raise UserError(f"The shapes-edit dataset has splits {', '.join(map(repr, self.splits))}, not {name!r}.")
         return self._items[name]
