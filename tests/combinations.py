@@ -29,7 +29,8 @@ import torch
 
 # factor -> levels; the first level of each is the reference's where the reference fixes it
 FACTORS: dict[str, list[str]] = {
-    "backbone": ["shapes-dit", "shapes-edit-dit", "tiny-sd3", "tiny-flux", "tiny-flux-kontext"],
+    "backbone": ["shapes-dit", "shapes-edit-dit", "tiny-sd3", "tiny-flux", "tiny-flux-kontext", "tiny-qwen-image-edit",
+                 "tiny-flux.2-klein", "tiny-z-image"],
     "plan": ["window", "trained-fraction", "entropy-steps"],
     "sampler": ["cps", "linear-sigma", "flow-sde"],
     "credit": ["outcome", "consistent", "branch"],
@@ -44,7 +45,7 @@ FACTORS: dict[str, list[str]] = {
     "replay": ["off", "on"],
 }
 REFERENCE = {"recompute": "native", "precision": "no", "compile": "off"}
-EDITING = {"shapes-edit-dit", "tiny-flux-kontext"}  # backbones that edit a source image: the editing dataset
+EDITING = {"shapes-edit-dit", "tiny-flux-kontext", "tiny-qwen-image-edit"}  # they edit a source: the editing dataset
 # The suite's share (tests/test_combinations.py): the embedded backbone, blocks not compiled (aot_eager compiling
 # costs seconds a run); ``SUITE_ROWS`` covers every pair of its levels, accepted where an accepted row can
 # (written by ``benchmarks/combinations.py --suite-rows --seed 6``: of seeds 0-19 the design whose accepted rows cost
@@ -176,7 +177,8 @@ def overrides(combo: dict[str, str], weights: Path) -> list[str]:
         edit = weights.parent / "shapes_edit_dit.safetensors"
         out += [f'backbone={{name = "shapes-edit-dit", weights = "{edit}", lora_init = "gaussian"}}']
     else:
-        out += [f'backbone={{name = "{combo["backbone"]}", seed = 0, resolution = 16, lora_init = "gaussian"}}']
+        side = 32 if combo["backbone"] == "tiny-flux.2-klein" else 16  # FLUX.2's twin: 32 px at the least
+        out += [f'backbone={{name = "{combo["backbone"]}", seed = 0, resolution = {side}, lora_init = "gaussian"}}']
     if combo["backbone"] in EDITING:  # instructions on rendered source scenes (no files)
         out.append('dataset={name = "shapes-edit", test_scenes = 1}')
     if combo["finetune"] == "full":
@@ -187,7 +189,7 @@ def overrides(combo: dict[str, str], weights: Path) -> list[str]:
         grid = "sd3" if combo["backbone"].startswith(("shapes", "tiny-sd3")) else "linspace"  # completed by ODE
         out += [f'plan={{name = "entropy-steps", entropy_grid = "{grid}"}}', "rollout.same_noise=true",
                 'rollout.completions="ode"']  # fmt: skip
-        if grid == "linspace":  # FLUX on E-GRPO's grid: its static shift 3 (flux_egrpo.toml), not the dynamic one
+        if combo["backbone"] in ("tiny-flux", "tiny-flux-kontext"):  # FLUX on E-GRPO's grid: its static shift 3
             out.append("backbone.time_shift=3.0")
     elif combo["plan"] != "window":
         out.append(f'plan={{name = "{combo["plan"]}"}}')

@@ -109,6 +109,21 @@ def test_sources_key_the_cache_and_what_cannot_be_encoded_is_refused(backbone):
         short.encode(PROMPTS[:1], sources=_sources(1)[:1])
 
 
+@pytest.mark.parametrize("option", [{"resolution": 16}, {"source_area": 16 * 16}, {"condition_area": 24 * 24}])
+def test_a_source_the_pipeline_would_size_to_0_px_is_refused_with_the_options(option):
+    """calculate_dimensions rounds a side to a multiple of 32: below 32 × 32 pixels a source would be encoded at 0
+    px (diffusers: "height and width must be > 0", after the weights load); the options refuse it first."""
+    from pydantic import ValidationError
+
+    from tpflow.backbones.qwen_image_edit import QwenImageEditOptions
+    from tpflow.backbones.tiny_qwen_edit import TinyQwenImageEditOptions
+
+    for options in (TinyQwenImageEditOptions, QwenImageEditOptions):
+        with pytest.raises(ValidationError, match="greater than or equal to"):
+            options(**option)
+        options(**{k: 32 if k == "resolution" else 32 * 32 for k in option})  # the least that encodes
+
+
 TRAIN = """
 [backbone]
 name = "tiny-qwen-image-edit"

@@ -168,3 +168,14 @@ def test_a_z_image_recipe_without_weights_is_one_paragraph_naming_them(monkeypat
     assert out.returncode == 2 and "Traceback" not in err
     model = "Tongyi-MAI/Z-Image-Turbo" if "turbo" in name else "Tongyi-MAI/Z-Image"
     assert download_command(model) in err
+
+
+def test_compile_blocks_finds_z_images_layers_and_refiners():
+    """Z-Image's transformer keeps its blocks in ``layers`` and its refiners, not in SD3's or FLUX's lists:
+    ``backbone.compile_blocks`` compiles each of them (it once refused the model, after its weights loaded)."""
+    from tpflow.backbones.diffusers_common import compile_blocks
+
+    model = tiny_z_image_pipeline(0).transformer
+    expected = sum(len(getattr(model, name, None) or ()) for name in ("layers", "noise_refiner", "context_refiner"))
+    assert expected > 0 and compile_blocks(model) == expected
+    assert all(block._compiled_call_impl is not None for block in model.layers)  # nn.Module.compile: lazily

@@ -358,7 +358,9 @@ def setup_pipeline(
     return PipelineParts(device, dtype, text_device, transformer, vae, scale, cache, adapter)
 
 
-REPEATED_BLOCKS = ("transformer_blocks", "single_transformer_blocks", "blocks")  # SD3, FLUX, shapes-dit
+# SD3, FLUX, FLUX.2, Qwen-Image, shapes-dit, Wan; Z-Image's main stack and its refiners
+REPEATED_BLOCKS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers", "noise_refiner",
+                   "context_refiner", "siglip_refiner")  # fmt: skip
 
 
 def compile_blocks(model: torch.nn.Module) -> int:

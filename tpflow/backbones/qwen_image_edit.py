@@ -66,6 +66,9 @@ SOURCE_AREA = (
     "(resolution², flow_grpo's choice; the pipeline's is 1024² whatever the output size)."
 )
 MOST_SOURCES = 3
+# The pipeline's calculate_dimensions rounds each side to a multiple of 32: below 32 × 32 pixels (a resolution under
+# 32, with source_area unset) a source's side rounds to 0 and the VAE cannot encode it.
+MIN_SIDE = 32
 
 
 class QwenImageEditOptions(QwenImageOptions):
@@ -75,8 +78,9 @@ class QwenImageEditOptions(QwenImageOptions):
     pretrained: str = Field("Qwen/Qwen-Image-Edit-2509", description=option_help.PRETRAINED)
     dtype: Literal["fp32", "fp16", "bf16"] = Field("bf16", description=option_help.DTYPE)
     max_sequence_length: int = Field(1024, ge=8, le=1024, description=option_help.MAX_SEQUENCE_LENGTH)
-    condition_area: int = Field(384 * 384, ge=16, description=CONDITION_AREA)
-    source_area: int | None = Field(None, ge=16, description=SOURCE_AREA)
+    resolution: int = Field(1024, ge=MIN_SIDE, description=option_help.RESOLUTION)
+    condition_area: int = Field(384 * 384, ge=MIN_SIDE**2, description=CONDITION_AREA)
+    source_area: int | None = Field(None, ge=MIN_SIDE**2, description=SOURCE_AREA)
 
 
 def pil_images(sources: Sequence[Tensor], pipe: Any) -> list[Any]:

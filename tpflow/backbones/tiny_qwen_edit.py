@@ -22,7 +22,7 @@ from pydantic import Field
 
 from tpflow.backbones import option_help
 from tpflow.backbones.qwen_image import QWEN_LORA_TARGETS
-from tpflow.backbones.qwen_image_edit import CONDITION_AREA, SOURCE_AREA, QwenImageEditBackbone
+from tpflow.backbones.qwen_image_edit import CONDITION_AREA, MIN_SIDE, SOURCE_AREA, QwenImageEditBackbone
 from tpflow.backbones.tiny import TinyOptions, tiny_qwen_image_pipeline
 from tpflow.registry import register
 
@@ -30,14 +30,14 @@ VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")  # the t
 
 
 class TinyQwenImageEditOptions(TinyOptions):
-    resolution: int = Field(32, ge=16, description=option_help.RESOLUTION)
+    resolution: int = Field(32, ge=MIN_SIDE, description=option_help.RESOLUTION)
     max_sequence_length: int = Field(128, ge=8, le=1024, description=option_help.MAX_SEQUENCE_LENGTH)
     lora_targets: list[str] = Field(
         default_factory=lambda: list(QWEN_LORA_TARGETS), description=option_help.LORA_TARGETS
     )
     negative_prompt: str = Field(" ", description=option_help.NEGATIVE_PROMPT)
-    condition_area: int = Field(32 * 32, ge=16, description=CONDITION_AREA)
-    source_area: int | None = Field(None, ge=16, description=SOURCE_AREA)
+    condition_area: int = Field(32 * 32, ge=MIN_SIDE**2, description=CONDITION_AREA)
+    source_area: int | None = Field(None, ge=MIN_SIDE**2, description=SOURCE_AREA)
 
 
 def tiny_qwen_image_edit_pipeline(seed: int = 0) -> Any:
