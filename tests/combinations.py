@@ -177,7 +177,7 @@ def overrides(combo: dict[str, str], weights: Path) -> list[str]:
         edit = weights.parent / "shapes_edit_dit.safetensors"
         out += [f'backbone={{name = "shapes-edit-dit", weights = "{edit}", lora_init = "gaussian"}}']
     else:
-        side = 32 if combo["backbone"] == "tiny-flux.2-klein" else 16  # FLUX.2's twin: 32 px at the least
+        side = 32 if combo["backbone"] in ("tiny-flux.2-klein", "tiny-qwen-image-edit") else 16  # their least
         out += [f'backbone={{name = "{combo["backbone"]}", seed = 0, resolution = {side}, lora_init = "gaussian"}}']
     if combo["backbone"] in EDITING:  # instructions on rendered source scenes (no files)
         out.append('dataset={name = "shapes-edit", test_scenes = 1}')
