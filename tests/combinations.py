@@ -29,8 +29,16 @@ import torch
 
 # factor -> levels; the first level of each is the reference's where the reference fixes it
 FACTORS: dict[str, list[str]] = {
-    "backbone": ["shapes-dit", "shapes-edit-dit", "tiny-sd3", "tiny-flux", "tiny-flux-kontext", "tiny-qwen-image-edit",
-                 "tiny-flux.2-klein", "tiny-z-image"],
+    "backbone": [
+        "shapes-dit",
+        "shapes-edit-dit",
+        "tiny-sd3",
+        "tiny-flux",
+        "tiny-flux-kontext",
+        "tiny-qwen-image-edit",
+        "tiny-flux.2-klein",
+        "tiny-z-image",
+    ],
     "plan": ["window", "trained-fraction", "entropy-steps"],
     "sampler": ["cps", "linear-sigma", "flow-sde"],
     "credit": ["outcome", "consistent", "branch"],
