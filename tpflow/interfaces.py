@@ -35,7 +35,8 @@ CAPABILITIES: dict[str, Any] = {
     # not it (one paragraph), or None; checked once the backbone is built, before anything samples (None: no check)
     "schedule_problem": None,
     # Backbone factory: (options, num_steps) -> its [K + 1] schedule as floats without building it (no weights), for
-    # recipe checks such as schedule_problem's before anything loads; None: known once built
+    # recipe checks such as schedule_problem's before anything loads; None (or a None result: its scheduler config
+    # is not on this machine): known once built
     "static_sigmas": None,
     "reads_branches": False,  # CreditAssigner: it reads such a trace (credit 'branch'); only with such a plan
     "needs_completions": False,  # CreditAssigner (required on an instance)

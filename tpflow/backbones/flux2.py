@@ -48,6 +48,7 @@ from tpflow.backbones.diffusers_common import (
     setup_pipeline,
 )
 from tpflow.backbones.diffusers_lora import AdapterMethods
+from tpflow.backbones.static_schedules import from_config, static_sigmas
 from tpflow.devices import randn
 from tpflow.errors import UserError
 from tpflow.guidance import combine
@@ -105,6 +106,12 @@ def flux2_sigmas(scheduler: Any, num_steps: int, image_seq_len: int) -> Tensor:
     mu = compute_empirical_mu(image_seq_len=image_seq_len, num_steps=num_steps)
     retrieve_timesteps(sched, num_steps, "cpu", sigmas=sigmas, mu=mu)
     return sched.sigmas.to(torch.float32).clone()
+
+
+def flux2_resolution_sigmas(scheduler: Any, resolution: int, num_steps: int, scale: int = 8) -> Tensor:
+    """``flux2_sigmas`` of the packed tokens a square image of ``resolution`` has, (resolution // (2·scale))²
+    (``scale``: the VAE's factor): the built backbone's schedule (its ``img_ids``), before it is built."""
+    return flux2_sigmas(scheduler, num_steps, (resolution // (2 * scale)) ** 2)
 
 
 class Flux2Backbone(AdapterMethods):
@@ -347,3 +354,7 @@ def _refuse_guidance_if_distilled(factory: Any) -> None:
 
 _refuse_guidance_if_distilled(flux_2_klein_4b)
 _refuse_guidance_if_distilled(flux_2_klein_9b)
+
+
+for _factory in (flux_2_dev, flux_2_klein_4b, flux_2_klein_9b):  # the schedule before loading (entropy-steps' check)
+    _factory.static_sigmas = static_sigmas(flux2_resolution_sigmas, from_config)  # type: ignore[attr-defined]

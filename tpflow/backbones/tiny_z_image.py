@@ -30,6 +30,7 @@ from tpflow.backbones.z_image import (
     ZIMAGE_LORA_TARGETS,
     ZImageBackbone,
     turbo_guidance_problems,
+    z_image_sigmas,
 )
 from tpflow.registry import register
 
@@ -65,9 +66,18 @@ def tiny_z_image_transformer() -> Any:
     )  # fmt: skip
 
 
+def tiny_z_image_scheduler(turbo: bool) -> Any:
+    """The twins' scheduler: Tongyi-MAI/Z-Image-Turbo's scheduler_config.json (static shift 3), or a dynamic one."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if turbo:
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
+    return FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15)
+
+
 def tiny_z_image_pipeline(seed: int = 0, turbo: bool = False) -> Any:
     """A ``ZImagePipeline`` at test size, random weights (module docstring); ``turbo``: Z-Image-Turbo's scheduler."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
+    from diffusers import ZImagePipeline
     from transformers import Qwen3Config, Qwen3Model
 
     tokenizer = qwen_tokenizer()
@@ -81,10 +91,7 @@ def tiny_z_image_pipeline(seed: int = 0, turbo: bool = False) -> Any:
         transformer = tiny_z_image_transformer()
         text_encoder = Qwen3Model(config).eval()
         vae = _vae(4, 0.1159, 0.3611)  # Z-Image decodes with FLUX's VAE: its shift and scale
-    if turbo:  # Tongyi-MAI/Z-Image-Turbo's scheduler_config.json
-        scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
-    else:
-        scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15)
+    scheduler = tiny_z_image_scheduler(turbo)
     return ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                           transformer=transformer)  # fmt: skip
 
@@ -99,6 +106,15 @@ def tiny_z_image(options: TinyZImageOptions) -> ZImageBackbone:
 def tiny_z_image_turbo(options: TinyZImageTurboOptions) -> ZImageBackbone:
     """ZImageBackbone over ``tiny_z_image_pipeline(seed, turbo=True)``: guidance 1 only, as z-image-turbo."""
     return ZImageBackbone(tiny_z_image_pipeline(options.seed, turbo=True), options)  # type: ignore[arg-type]
+
+
+def _schedule(options: TinyZImageTurboOptions, num_steps: int, turbo: bool) -> list[float]:
+    """The twin's schedule before it is built: its scheduler, its VAE's factor 1 (one down block)."""
+    return [float(x) for x in z_image_sigmas(tiny_z_image_scheduler(turbo), options.resolution, num_steps, scale=1)]
+
+
+tiny_z_image.static_sigmas = lambda options, k: _schedule(options, k, False)  # type: ignore[attr-defined]
+tiny_z_image_turbo.static_sigmas = lambda options, k: _schedule(options, k, True)  # type: ignore[attr-defined]
 
 
 def _check_machine(options: TinyZImageTurboOptions, settings: dict) -> list[str]:

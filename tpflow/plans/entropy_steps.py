@@ -152,7 +152,8 @@ class EntropyStepsPlan:
             )
         backbone = settings["backbone"]  # a schedule its options give is checked now, before anything loads
         static = capability(registry.get("backbone", backbone.name).factory, "static_sigmas")
-        problem = grid_problem(options, static(backbone.options, rollout.num_steps)) if static else None
+        sigmas = static(backbone.options, rollout.num_steps) if static else None  # None: not before building
+        problem = grid_problem(options, sigmas) if sigmas is not None else None
         problems += [problem] if problem else []
         return problems + needs_transition_optimizer(settings, "entropy-steps", "its branch children are such steps")
 

@@ -1,0 +1,63 @@
+"""A diffusers backbone's σ schedule from its options and its scheduler's config alone, before any weights load.
+
+Capability ``static_sigmas`` (tpflow.interfaces): a recipe check that needs the schedule the run will sample on
+(``entropy-steps`` compares its entropy grid with it) reads it from the registered factory before building. Backbones
+whose schedule shifts with the image's token count (FLUX.2, Z-Image) would otherwise be checked only once built,
+after their weights load. The schedule is the built backbone's own function of (scheduler, resolution, steps), so
+the two agree by construction (tests/test_static_schedules.py checks each twin against its built backbone).
+
+A real model's scheduler is read from ``scheduler/scheduler_config.json`` of its local folder or of its snapshot in
+the Hugging Face cache (a file of a few hundred bytes; nothing is downloaded). Without it the value is None and the
+check runs once the backbone is built, as before.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tpflow.weights import cached_file, is_local_name
+
+CONFIG = "scheduler/scheduler_config.json"
+Sigmas = Callable[[Any, int], "list[float] | None"]  # (backbone options, K) -> σ_0..σ_K, or None
+
+
+def scheduler_before_loading(pretrained: str) -> Any | None:
+    """The ``FlowMatchEulerDiscreteScheduler`` of ``pretrained``'s scheduler config (local folder or hub cache), or
+    None when the file is not on this machine or is not one."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if is_local_name(pretrained):
+        path = Path(pretrained).expanduser() / CONFIG
+        found = str(path) if path.is_file() else None
+    else:
+        found = cached_file(pretrained, CONFIG)
+    if found is None:
+        return None
+    try:
+        config = json.loads(Path(found).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # the loader names a broken file when the backbone is built
+    if not isinstance(config, dict) or config.get("_class_name", "FlowMatchEulerDiscreteScheduler") != (
+        "FlowMatchEulerDiscreteScheduler"
+    ):
+        return None
+    return FlowMatchEulerDiscreteScheduler.from_config(config)
+
+
+def static_sigmas(schedule: Callable[[Any, int, int], Any], scheduler: Callable[[Any], Any | None]) -> Sigmas:
+    """A ``static_sigmas`` capability: ``schedule(scheduler(options), options.resolution, K)`` as floats (None when
+    ``scheduler(options)`` is None). ``schedule`` is the function the built backbone's ``sigmas`` calls."""
+
+    def sigmas(options: Any, num_steps: int) -> list[float] | None:
+        found = scheduler(options)
+        return None if found is None else [float(x) for x in schedule(found, options.resolution, num_steps)]
+
+    return sigmas
+
+
+def from_config(options: Any) -> Any | None:
+    """A real model's scheduler: ``scheduler_before_loading(options.pretrained)``."""
+    return scheduler_before_loading(options.pretrained)
