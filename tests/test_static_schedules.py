@@ -1,6 +1,7 @@
-"""A backbone's σ schedule before it is built (capability ``static_sigmas``) is the built backbone's, bit for bit, and
-an ``entropy-steps`` grid that does not match a dynamic-shift schedule is refused by the recipe check, before anything
-loads (it was refused only once the weights had loaded)."""
+"""A backbone's σ schedule before it is built (capability ``static_sigmas``) is the built backbone's, bit for bit,
+on every dynamically shifted twin (FLUX.1, Kontext, FLUX.2, Qwen-Image, Qwen-Image-Edit, Z-Image), a real model's
+comes from its scheduler config alone, and an ``entropy-steps`` grid that does not match is refused by the recipe
+check, before anything loads (it was refused only once the weights had loaded)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from tests.combinations import overrides, recipe_text
 from tpflow import registry
+from tpflow.backbones.diffusers_common import scheduler_sigmas
 from tpflow.backbones.flux2 import flux2_resolution_sigmas
 from tpflow.backbones.static_schedules import scheduler_before_loading
 from tpflow.backbones.z_image import z_image_sigmas
@@ -20,7 +22,9 @@ from tpflow.interfaces import capability
 from tpflow.recipe import load_recipe
 
 TWINS = [("tiny-z-image", 16), ("tiny-z-image", 32), ("tiny-z-image-turbo", 16), ("tiny-flux.2-klein", 32),
-         ("tiny-flux.2-klein", 64), ("tiny-flux.2-dev", 32)]  # fmt: skip
+         ("tiny-flux.2-klein", 64), ("tiny-flux.2-dev", 32), ("tiny-flux", 16), ("tiny-flux", 32),
+         ("tiny-flux-kontext", 16), ("tiny-qwen-image", 16), ("tiny-qwen-image", 32), ("tiny-qwen-image-edit", 32),
+         ("tiny-qwen-image-edit", 64)]  # fmt: skip
 FLUX2_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0, "use_dynamic_shifting": True,
                    "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096,
                    "time_shift_type": "exponential"}  # fmt: skip
@@ -34,7 +38,10 @@ def test_a_twins_schedule_before_building_is_the_built_ones(name, resolution):
         assert torch.equal(torch.tensor(static(backbone.options, steps)), backbone.sigmas(steps))
 
 
-@pytest.mark.parametrize("name", ["flux.2-klein-4b", "flux.2-dev", "z-image", "z-image-turbo"])
+@pytest.mark.parametrize(
+    "name", ["flux.2-klein-4b", "flux.2-dev", "z-image", "z-image-turbo", "flux.1-dev", "flux.1-kontext-dev",
+             "qwen-image", "qwen-image-edit"]
+)  # fmt: skip
 def test_a_real_models_schedule_is_read_from_its_scheduler_config_alone(tmp_path, name):
     """A local folder holding only scheduler/scheduler_config.json gives the schedule (no weights read); without the
     file, or with a broken one, the value is None and the check waits for the built backbone."""
@@ -46,13 +53,18 @@ def test_a_real_models_schedule_is_read_from_its_scheduler_config_alone(tmp_path
     assert static(options, 8) is None
     (tmp_path / "scheduler" / "scheduler_config.json").write_text(json.dumps(FLUX2_SCHEDULER))
     scheduler = scheduler_before_loading(str(tmp_path))
-    schedule = flux2_resolution_sigmas if name.startswith("flux") else z_image_sigmas
+    if name.startswith("flux.2"):
+        schedule = flux2_resolution_sigmas
+    elif name.startswith("z-image"):
+        schedule = z_image_sigmas
+    else:  # FLUX.1 (Kontext) and Qwen-Image: the packed tokens of the output, (512 / 16)²
+        schedule = lambda sch, res, k: scheduler_sigmas(sch, k, (res // 16) ** 2, True)  # noqa: E731
     expected = [float(x) for x in schedule(scheduler, 512, 8)]  # the built backbone's function, VAE factor 8
     assert static(options, 8) == expected and expected[0] == 1.0 and expected[-1] == 0.0
     assert expected != [float(x) for x in schedule(scheduler, 1024, 8)]  # it shifts with the image's tokens
 
 
-@pytest.mark.parametrize("backbone", ["tiny-z-image", "tiny-flux.2-klein"])
+@pytest.mark.parametrize("backbone", ["tiny-z-image", "tiny-flux.2-klein", "tiny-qwen-image-edit"])
 def test_an_entropy_grid_that_is_not_a_dynamic_schedule_is_refused_before_anything_loads(tmp_path, backbone):
     recipe = tmp_path / "tiny.toml"
     recipe.write_text(recipe_text(tmp_path / "run"))

@@ -33,6 +33,7 @@ from tpflow.backbones.diffusers_common import (
 )
 from tpflow.backbones.diffusers_lora import AdapterMethods
 from tpflow.backbones.lora_targets import JOINT_ATTENTION
+from tpflow.backbones.static_schedules import packed_sigmas
 from tpflow.devices import randn
 from tpflow.registry import register
 from tpflow.types import Conditioning
@@ -161,6 +162,12 @@ def flux_1_dev(options: FluxOptions) -> FluxBackbone:
     return FluxBackbone(pipe, options)
 
 
+def flux_static_sigmas(options: Any, num_steps: int, scheduler: Any | None = None, scale: int = 8) -> Any:
+    """``FluxBackbone.sigmas`` before building (capability ``static_sigmas``), ``time_shift`` included."""
+    return packed_sigmas(options, num_steps, scheduler, scale, getattr(options, "time_shift", None))
+
+
+flux_1_dev.static_sigmas = flux_static_sigmas  # type: ignore[attr-defined]
 flux_1_dev.cfg_branch = False  # guidance-distilled: the scale is an embedding, no unconditional branch
 
 

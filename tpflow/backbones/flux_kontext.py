@@ -34,7 +34,7 @@ from torch import Tensor
 
 from tpflow.backbones import option_help
 from tpflow.backbones.diffusers_common import DTYPES, attach_preflight, fp32_parts, load_pipeline, pipeline_class
-from tpflow.backbones.flux import FluxBackbone, FluxOptions
+from tpflow.backbones.flux import FluxBackbone, FluxOptions, flux_static_sigmas
 from tpflow.errors import UserError
 from tpflow.registry import register
 from tpflow.types import Conditioning
@@ -118,6 +118,7 @@ def flux_1_kontext_dev(options: FluxKontextOptions) -> FluxKontextBackbone:
 
 flux_1_kontext_dev.cfg_branch = False  # guidance-distilled as FLUX.1-dev: the scale is an embedding
 flux_1_kontext_dev.source_images = (1, 1)  # one source image per instruction
+flux_1_kontext_dev.static_sigmas = flux_static_sigmas  # type: ignore[attr-defined]  # FLUX.1's, of the output
 
 
 attach_preflight(flux_1_kontext_dev, "FluxTransformer2DModel", "FLUX.1-Kontext-dev")

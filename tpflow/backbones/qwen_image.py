@@ -37,6 +37,7 @@ from tpflow.backbones.diffusers_common import (
 )
 from tpflow.backbones.diffusers_lora import AdapterMethods
 from tpflow.backbones.lora_targets import JOINT_ATTENTION
+from tpflow.backbones.static_schedules import packed_sigmas
 from tpflow.devices import randn
 from tpflow.guidance import combine
 from tpflow.registry import register
@@ -171,3 +172,4 @@ def qwen_image(options: QwenImageOptions) -> QwenImageBackbone:
 
 
 attach_preflight(qwen_image, "QwenImageTransformer2DModel", "Qwen-Image")
+qwen_image.static_sigmas = packed_sigmas  # type: ignore[attr-defined]  # the schedule before loading

@@ -52,6 +52,7 @@ from tpflow.backbones import option_help
 from tpflow.backbones.diffusers_common import DTYPES, attach_preflight, fp32_parts, load_pipeline, pipeline_class
 from tpflow.backbones.diffusers_lora import AdapterMethods
 from tpflow.backbones.qwen_image import QwenImageBackbone, QwenImageOptions
+from tpflow.backbones.static_schedules import packed_sigmas
 from tpflow.errors import UserError
 from tpflow.guidance import combine
 from tpflow.registry import register
@@ -250,5 +251,6 @@ def qwen_image_edit(options: QwenImageEditOptions) -> QwenImageEditBackbone:
 
 
 qwen_image_edit.source_images = QwenImageEditBackbone.source_images  # type: ignore[attr-defined]
+qwen_image_edit.static_sigmas = packed_sigmas  # type: ignore[attr-defined]  # the output's schedule, before loading
 
 attach_preflight(qwen_image_edit, "QwenImageTransformer2DModel", "Qwen-Image-Edit-2509")

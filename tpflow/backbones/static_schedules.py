@@ -58,6 +58,21 @@ def static_sigmas(schedule: Callable[[Any, int, int], Any], scheduler: Callable[
     return sigmas
 
 
+def packed_sigmas(
+    options: Any, num_steps: int, scheduler: Any | None = None, scale: int = 8, static_shift: float | None = None
+) -> list[float] | None:
+    """The schedule of a FLUX.1 (Kontext) or Qwen-Image backbone before it is built: ``scheduler_sigmas`` of the
+    (resolution // (2·scale))² packed tokens its ``img_ids`` hold, the built backbones' call; ``scheduler``: the
+    twin's (None: the real model's config, ``from_config``); ``scale``: its VAE's factor (8 for the real models)."""
+    from tpflow.backbones.diffusers_common import scheduler_sigmas
+
+    found = scheduler if scheduler is not None else from_config(options)
+    if found is None:
+        return None
+    tokens = (options.resolution // (2 * scale)) ** 2
+    return [float(x) for x in scheduler_sigmas(found, num_steps, tokens, True, static_shift=static_shift)]
+
+
 def from_config(options: Any) -> Any | None:
     """A real model's scheduler: ``scheduler_before_loading(options.pretrained)``."""
     return scheduler_before_loading(options.pretrained)

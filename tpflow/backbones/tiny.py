@@ -21,9 +21,10 @@ from pydantic import Field
 
 from tpflow.backbones import option_help
 from tpflow.backbones.diffusers_common import DiffusersBackboneOptions
-from tpflow.backbones.flux import FLUX_LORA_TARGETS, FluxBackbone
+from tpflow.backbones.flux import FLUX_LORA_TARGETS, FluxBackbone, flux_static_sigmas
 from tpflow.backbones.qwen_image import QWEN_LORA_TARGETS, QwenImageBackbone
 from tpflow.backbones.sd3 import SD3_LORA_TARGETS, SD3Backbone
+from tpflow.backbones.static_schedules import packed_sigmas
 from tpflow.backbones.tiny_tokenizers import QWEN_VOCAB_SIZE, clip_tokenizer, qwen_tokenizer, t5_tokenizer
 from tpflow.backbones.wan import WAN_LORA_TARGETS, WanBackbone
 from tpflow.backbones.wan22 import Wan22Backbone, expert_problems
@@ -182,9 +183,29 @@ def tiny_sd3_pipeline(seed: int = 0, large: bool = False) -> Any:
     )
 
 
+def tiny_flux_scheduler() -> Any:
+    """FLUX.1-dev's scheduler configuration (dynamic shifting)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )  # fmt: skip
+
+
+def tiny_qwen_image_scheduler() -> Any:
+    """Qwen/Qwen-Image's scheduler_config.json values."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )  # fmt: skip
+
+
 def tiny_flux_pipeline(seed: int = 0) -> Any:
     """A ``FluxPipeline`` at test size (guidance embedding on, dynamic shifting), random weights."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from diffusers import FluxPipeline
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -193,14 +214,7 @@ def tiny_flux_pipeline(seed: int = 0) -> Any:
         t5_tok = t5_tokenizer()
         t5 = _t5_encoder(len(t5_tok))
         vae = _vae(1, 0.1159, 0.3611)
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
+    scheduler = tiny_flux_scheduler()
     return FluxPipeline(
         transformer=transformer,
         scheduler=scheduler,
@@ -228,12 +242,7 @@ def tiny_qwen_image_pipeline(seed: int = 0) -> Any:
     """A ``QwenImagePipeline`` at test size: one double-stream block, a 1-layer Qwen2.5-VL text model with its
     vision tower, a 4× video-style VAE, Qwen-Image's dynamic-shift scheduler config, random weights (the shapes of
     diffusers' own QwenImage pipeline tests)."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     vocab = QWEN_VOCAB_SIZE + 3  # and the vision marker ids, unused by text
@@ -257,10 +266,7 @@ def tiny_qwen_image_pipeline(seed: int = 0) -> Any:
                                      temperal_downsample=[False, True], latents_mean=[0.1, -0.2, 0.0, 0.3],
                                      latents_std=[1.5, 0.8, 1.0, 1.2]).eval()  # fmt: skip
         text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
-    scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen/Qwen-Image's scheduler_config.json values
-        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
-        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
-    )  # fmt: skip
+    scheduler = tiny_qwen_image_scheduler()
     tokenizer = qwen_tokenizer()
     pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                              transformer=transformer)  # fmt: skip
@@ -378,3 +384,9 @@ tiny_sd3.check_machine = _check_machine  # type: ignore[attr-defined]
 tiny_wan.samples_clips = tiny_wan22_ti2v.samples_clips = tiny_wan22.samples_clips = True  # type: ignore[attr-defined]
 tiny_wan22.check_recipe = expert_problems  # type: ignore[attr-defined]
 tiny_flux.check_machine = _check_machine  # type: ignore[attr-defined]
+
+
+# The schedule before building (capability static_sigmas): the twins' schedulers, their VAEs' factors (FLUX's tiny
+# VAE has one down block: 1; Qwen-Image's two temporal-free downsamplings: 4); tests/test_static_schedules.py
+tiny_flux.static_sigmas = lambda options, k: flux_static_sigmas(options, k, tiny_flux_scheduler(), 1)  # type: ignore[attr-defined]
+tiny_qwen_image.static_sigmas = lambda options, k: packed_sigmas(options, k, tiny_qwen_image_scheduler(), 4)  # type: ignore[attr-defined]

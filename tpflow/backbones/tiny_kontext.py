@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from tpflow.backbones.flux_kontext import FluxKontextBackbone
-from tpflow.backbones.tiny import TinyFluxOptions, _check_machine, tiny_flux_pipeline
+from tpflow.backbones.tiny import TinyFluxOptions, _check_machine, tiny_flux, tiny_flux_pipeline
 from tpflow.registry import register
 
 
@@ -34,5 +34,6 @@ def tiny_flux_kontext(options: TinyFluxOptions) -> FluxKontextBackbone:
 
 
 tiny_flux_kontext.cfg_branch = False  # as flux.1-kontext-dev
+tiny_flux_kontext.static_sigmas = tiny_flux.static_sigmas  # type: ignore[attr-defined]  # the same scheduler and VAE
 tiny_flux_kontext.source_images = (1, 1)  # type: ignore[attr-defined]
 tiny_flux_kontext.check_machine = _check_machine  # type: ignore[attr-defined]

@@ -23,7 +23,7 @@ from pydantic import Field
 from tpflow.backbones import option_help
 from tpflow.backbones.qwen_image import QWEN_LORA_TARGETS
 from tpflow.backbones.qwen_image_edit import CONDITION_AREA, MIN_SIDE, SOURCE_AREA, QwenImageEditBackbone
-from tpflow.backbones.tiny import TinyOptions, tiny_qwen_image_pipeline
+from tpflow.backbones.tiny import TinyOptions, tiny_qwen_image, tiny_qwen_image_pipeline
 from tpflow.registry import register
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")  # the tiny config's vocab - 3 .. vocab - 1
@@ -73,3 +73,4 @@ def tiny_qwen_image_edit(options: TinyQwenImageEditOptions) -> QwenImageEditBack
 
 
 tiny_qwen_image_edit.source_images = QwenImageEditBackbone.source_images  # type: ignore[attr-defined]
+tiny_qwen_image_edit.static_sigmas = tiny_qwen_image.static_sigmas  # type: ignore[attr-defined]  # the same
