@@ -14,9 +14,8 @@ import torch
 from tests.combinations import overrides, recipe_text
 from tpflow import registry
 from tpflow.backbones.diffusers_common import scheduler_sigmas
-from tpflow.backbones.flux2 import flux2_resolution_sigmas
+from tpflow.backbones.flux2 import flux2_sigmas
 from tpflow.backbones.static_schedules import scheduler_before_loading
-from tpflow.backbones.z_image import z_image_sigmas
 from tpflow.errors import RecipeError
 from tpflow.interfaces import capability
 from tpflow.recipe import load_recipe
@@ -53,15 +52,15 @@ def test_a_real_models_schedule_is_read_from_its_scheduler_config_alone(tmp_path
     assert static(options, 8) is None
     (tmp_path / "scheduler" / "scheduler_config.json").write_text(json.dumps(FLUX2_SCHEDULER))
     scheduler = scheduler_before_loading(str(tmp_path))
-    if name.startswith("flux.2"):
-        schedule = flux2_resolution_sigmas
-    elif name.startswith("z-image"):
-        schedule = z_image_sigmas
-    else:  # FLUX.1 (Kontext) and Qwen-Image: the packed tokens of the output, (512 / 16)²
-        schedule = lambda sch, res, k: scheduler_sigmas(sch, k, (res // 16) ** 2, True)  # noqa: E731
-    expected = [float(x) for x in schedule(scheduler, 512, 8)]  # the built backbone's function, VAE factor 8
+    tokens = (512 // 16) ** 2  # the packed tokens of the output: VAE factor 8, 2x2 patches
+    if name.startswith("flux.2"):  # the built backbones' own calls
+        schedule = lambda sch, k: flux2_sigmas(sch, k, tokens)  # noqa: E731
+    else:  # FLUX.1 (Kontext), Qwen-Image (Edit), Z-Image
+        schedule = lambda sch, k: scheduler_sigmas(sch, k, tokens, True)  # noqa: E731
+    expected = [float(x) for x in schedule(scheduler, 8)]
     assert static(options, 8) == expected and expected[0] == 1.0 and expected[-1] == 0.0
-    assert expected != [float(x) for x in schedule(scheduler, 1024, 8)]  # it shifts with the image's tokens
+    larger = registry.get("backbone", name).options(pretrained=str(tmp_path), resolution=1024)
+    assert static(larger, 8) != expected  # it shifts with the image's tokens
 
 
 @pytest.mark.parametrize("backbone", ["tiny-z-image", "tiny-flux.2-klein", "tiny-qwen-image-edit"])

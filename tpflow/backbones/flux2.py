@@ -48,7 +48,7 @@ from tpflow.backbones.diffusers_common import (
     setup_pipeline,
 )
 from tpflow.backbones.diffusers_lora import AdapterMethods
-from tpflow.backbones.static_schedules import from_config, static_sigmas
+from tpflow.backbones.static_schedules import resolved
 from tpflow.devices import randn
 from tpflow.errors import UserError
 from tpflow.guidance import combine
@@ -108,10 +108,14 @@ def flux2_sigmas(scheduler: Any, num_steps: int, image_seq_len: int) -> Tensor:
     return sched.sigmas.to(torch.float32).clone()
 
 
-def flux2_resolution_sigmas(scheduler: Any, resolution: int, num_steps: int, scale: int = 8) -> Tensor:
-    """``flux2_sigmas`` of the packed tokens a square image of ``resolution`` has, (resolution // (2·scale))²
-    (``scale``: the VAE's factor): the built backbone's schedule (its ``img_ids``), before it is built."""
-    return flux2_sigmas(scheduler, num_steps, (resolution // (2 * scale)) ** 2)
+def flux2_static_sigmas(options: Any, num_steps: int, scheduler: Any | None = None, scale: int = 8) -> Any:
+    """``Flux2Backbone.sigmas`` before building (capability ``static_sigmas``): ``flux2_sigmas`` of the packed tokens
+    its ``img_ids`` hold, (resolution // (2·scale))² (``scale``: the VAE's factor, 8 for the real models);
+    ``scheduler``: a twin's, else the real model's config (None when not on this machine)."""
+    found = resolved(options, scheduler)
+    if found is None:
+        return None
+    return [float(x) for x in flux2_sigmas(found, num_steps, (options.resolution // (2 * scale)) ** 2)]
 
 
 class Flux2Backbone(AdapterMethods):
@@ -357,4 +361,4 @@ _refuse_guidance_if_distilled(flux_2_klein_9b)
 
 
 for _factory in (flux_2_dev, flux_2_klein_4b, flux_2_klein_9b):  # the schedule before loading (entropy-steps' check)
-    _factory.static_sigmas = static_sigmas(flux2_resolution_sigmas, from_config)  # type: ignore[attr-defined]
+    _factory.static_sigmas = flux2_static_sigmas  # type: ignore[attr-defined]

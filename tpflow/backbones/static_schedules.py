@@ -1,10 +1,10 @@
 """A diffusers backbone's σ schedule from its options and its scheduler's config alone, before any weights load.
 
 Capability ``static_sigmas`` (tpflow.interfaces): a recipe check that needs the schedule the run will sample on
-(``entropy-steps`` compares its entropy grid with it) reads it from the registered factory before building. Backbones
-whose schedule shifts with the image's token count (FLUX.2, Z-Image) would otherwise be checked only once built,
-after their weights load. The schedule is the built backbone's own function of (scheduler, resolution, steps), so
-the two agree by construction (tests/test_static_schedules.py checks each twin against its built backbone).
+(``entropy-steps`` compares its entropy grid with it) reads it from the registered factory before building.
+Backbones whose schedule shifts with the image's token count (FLUX.1, FLUX.2, Qwen-Image, Z-Image) would otherwise be
+checked only once built, after their weights load. The schedule is the built backbone's own call on the token count
+its resolution gives (tests/test_static_schedules.py checks each twin against its built backbone, bit for bit).
 
 A real model's scheduler is read from ``scheduler/scheduler_config.json`` of its local folder or of its snapshot in
 the Hugging Face cache (a file of a few hundred bytes; nothing is downloaded). Without it the value is None and the
@@ -14,14 +14,12 @@ check runs once the backbone is built, as before.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tpflow.weights import cached_file, is_local_name
 
 CONFIG = "scheduler/scheduler_config.json"
-Sigmas = Callable[[Any, int], "list[float] | None"]  # (backbone options, K) -> σ_0..σ_K, or None
 
 
 def scheduler_before_loading(pretrained: str) -> Any | None:
@@ -47,30 +45,25 @@ def scheduler_before_loading(pretrained: str) -> Any | None:
     return FlowMatchEulerDiscreteScheduler.from_config(config)
 
 
-def static_sigmas(schedule: Callable[[Any, int, int], Any], scheduler: Callable[[Any], Any | None]) -> Sigmas:
-    """A ``static_sigmas`` capability: ``schedule(scheduler(options), options.resolution, K)`` as floats (None when
-    ``scheduler(options)`` is None). ``schedule`` is the function the built backbone's ``sigmas`` calls."""
-
-    def sigmas(options: Any, num_steps: int) -> list[float] | None:
-        found = scheduler(options)
-        return None if found is None else [float(x) for x in schedule(found, options.resolution, num_steps)]
-
-    return sigmas
-
-
 def packed_sigmas(
     options: Any, num_steps: int, scheduler: Any | None = None, scale: int = 8, static_shift: float | None = None
 ) -> list[float] | None:
-    """The schedule of a FLUX.1 (Kontext) or Qwen-Image backbone before it is built: ``scheduler_sigmas`` of the
-    (resolution // (2·scale))² packed tokens its ``img_ids`` hold, the built backbones' call; ``scheduler``: the
-    twin's (None: the real model's config, ``from_config``); ``scale``: its VAE's factor (8 for the real models)."""
+    """The schedule of a FLUX.1 (Kontext), Qwen-Image (Edit) or Z-Image backbone before it is built:
+    ``scheduler_sigmas`` of the (resolution // (2·scale))² packed tokens the built backbone's call uses; ``scheduler``:
+    the twin's (None: the real model's config, ``from_config``); ``scale``: its VAE's factor (8 for the real
+    models)."""
     from tpflow.backbones.diffusers_common import scheduler_sigmas
 
-    found = scheduler if scheduler is not None else from_config(options)
+    found = resolved(options, scheduler)
     if found is None:
         return None
     tokens = (options.resolution // (2 * scale)) ** 2
     return [float(x) for x in scheduler_sigmas(found, num_steps, tokens, True, static_shift=static_shift)]
+
+
+def resolved(options: Any, scheduler: Any | None) -> Any | None:
+    """``scheduler`` (a twin's, built in code), else the real model's from its config (``from_config``), or None."""
+    return scheduler if scheduler is not None else from_config(options)
 
 
 def from_config(options: Any) -> Any | None:

@@ -23,7 +23,7 @@ import torch
 from pydantic import Field
 
 from tpflow.backbones import option_help
-from tpflow.backbones.flux2 import FLUX2_LORA_TARGETS, SOURCE_MAX_PIXELS, Flux2Backbone, flux2_resolution_sigmas
+from tpflow.backbones.flux2 import FLUX2_LORA_TARGETS, SOURCE_MAX_PIXELS, Flux2Backbone, flux2_static_sigmas
 from tpflow.backbones.tiny import TinyOptions
 from tpflow.backbones.tiny_tokenizers import _bytes_to_unicode, qwen_tokenizer
 from tpflow.registry import register
@@ -168,6 +168,4 @@ def tiny_flux2_dev(options: TinyFlux2Options) -> Flux2Backbone:
 tiny_flux2_klein.source_images = tiny_flux2_dev.source_images = (0, 4)  # type: ignore[attr-defined]
 tiny_flux2_dev.cfg_branch = False  # type: ignore[attr-defined]  # as flux.2-dev
 for _twin in (tiny_flux2_klein, tiny_flux2_dev):  # the schedule before building: its scheduler, its VAE's factor 8
-    _twin.static_sigmas = lambda options, k: [  # type: ignore[attr-defined]
-        float(x) for x in flux2_resolution_sigmas(_scheduler(), options.resolution, k, scale=8)
-    ]
+    _twin.static_sigmas = lambda options, k: flux2_static_sigmas(options, k, _scheduler(), 8)  # type: ignore[attr-defined]

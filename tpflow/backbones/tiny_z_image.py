@@ -22,6 +22,7 @@ import torch
 from pydantic import Field
 
 from tpflow.backbones import option_help
+from tpflow.backbones.static_schedules import packed_sigmas
 from tpflow.backbones.tiny import TinyOptions, _vae
 from tpflow.backbones.tiny_tokenizers import QWEN_VOCAB_SIZE, qwen_tokenizer
 from tpflow.backbones.z_image import (
@@ -30,7 +31,6 @@ from tpflow.backbones.z_image import (
     ZIMAGE_LORA_TARGETS,
     ZImageBackbone,
     turbo_guidance_problems,
-    z_image_sigmas,
 )
 from tpflow.registry import register
 
@@ -110,7 +110,7 @@ def tiny_z_image_turbo(options: TinyZImageTurboOptions) -> ZImageBackbone:
 
 def _schedule(options: TinyZImageTurboOptions, num_steps: int, turbo: bool) -> list[float]:
     """The twin's schedule before it is built: its scheduler, its VAE's factor 1 (one down block)."""
-    return [float(x) for x in z_image_sigmas(tiny_z_image_scheduler(turbo), options.resolution, num_steps, scale=1)]
+    return packed_sigmas(options, num_steps, tiny_z_image_scheduler(turbo), scale=1)  # type: ignore[return-value]
 
 
 tiny_z_image.static_sigmas = lambda options, k: _schedule(options, k, False)  # type: ignore[attr-defined]

@@ -43,7 +43,7 @@ from tpflow.backbones.diffusers_common import (
     setup_pipeline,
 )
 from tpflow.backbones.diffusers_lora import AdapterMethods
-from tpflow.backbones.static_schedules import from_config, static_sigmas
+from tpflow.backbones.static_schedules import packed_sigmas
 from tpflow.devices import randn
 from tpflow.errors import UserError
 from tpflow.guidance import combine
@@ -154,8 +154,9 @@ class ZImageBackbone(AdapterMethods):
         return randn((n, *self.latent_shape()), generator, self.device)
 
     def sigmas(self, num_steps: int) -> Tensor:
-        """``z_image_sigmas`` of the model's scheduler at its resolution: [K + 1] float32."""
-        return z_image_sigmas(self.pipe.scheduler, self.options.resolution, num_steps, self.scale)
+        """linspace(1, 1/K, K) through the model's scheduler with the pipeline's mu of (h/2)·(w/2) tokens (used
+        only by a scheduler with dynamic shifting), plus the final 0: [K + 1] float32."""
+        return scheduler_sigmas(self.pipe.scheduler, num_steps, (self.latent_side // 2) ** 2, flux_style=True)
 
     def _transformer(self, x: Tensor, t: Tensor, caps: list[Tensor]) -> Tensor:
         """The pipeline's call: latents [B, C, h, w] as a list of [C, 1, h, w]; returns the velocity [B, C, h, w]
@@ -208,13 +209,6 @@ def turbo_guidance_problems(options: Any, sections: dict) -> list[str]:
     return problems
 
 
-def z_image_sigmas(scheduler: Any, resolution: int, num_steps: int, scale: int = 8) -> Tensor:
-    """linspace(1, 1/K, K) through ``scheduler`` with the pipeline's mu of (h/2)·(w/2) tokens, h = w = resolution
-    // ``scale`` (the VAE's factor; used only by a scheduler with dynamic shifting), plus the final 0: [K + 1]
-    float32. The built backbone's schedule, and ``static_sigmas``'s before it is built."""
-    return scheduler_sigmas(scheduler, num_steps, (resolution // scale // 2) ** 2, flux_style=True)
-
-
 @register("backbone", "z-image", options=ZImageOptions)
 def z_image(options: ZImageOptions) -> ZImageBackbone:
     """Z-Image (a 6.15 B single-stream DiT with a Qwen3-4B text encoder) from a hub id (local HF cache) or a local
@@ -238,6 +232,6 @@ def z_image_turbo(options: ZImageTurboOptions) -> ZImageBackbone:
 
 attach_preflight(z_image, "ZImageTransformer2DModel", "Z-Image")
 attach_preflight(z_image_turbo, "ZImageTransformer2DModel", "Z-Image-Turbo")
-z_image.static_sigmas = z_image_turbo.static_sigmas = static_sigmas(z_image_sigmas, from_config)  # type: ignore[attr-defined]
+z_image.static_sigmas = z_image_turbo.static_sigmas = packed_sigmas  # type: ignore[attr-defined]
 z_image_turbo.cfg_branch = False  # type: ignore[attr-defined]  # no unconditional branch: guidance 1 only
 z_image_turbo.check_recipe = turbo_guidance_problems  # type: ignore[attr-defined]
